@@ -1,0 +1,184 @@
+"""Compaction of one queue's journal: retire dead segments, rewrite straggler-pinned ones.
+
+Owns the plan (pure: segments + durable checkpoints in, what to do out) and
+its crash-safe execution. Never removes a record that some reader's durable
+checkpoint still needs, and never touches the newest segment (the writer's).
+Rewrite protocol: needed records -> `q.<last>~~` (led by a COMPACTED record
+naming the replaced range), fsync, rename over `q.<last>`, fsync the
+directory, then retire the older originals; recovery finishes a crashed one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from queued import journal_format as jf
+from queued.recovery import Checkpoint, SegmentInfo, fsync_dir
+
+if TYPE_CHECKING:
+    from queued.journal import CompactionResult, QueueJournal
+
+#: Records per batch in a rewritten segment.
+REWRITE_BATCH_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionPlan:
+    dead: tuple[SegmentInfo, ...]
+    runs: tuple[tuple[SegmentInfo, ...], ...]  # consecutive segments to rewrite into one
+
+
+def _done_between(done: tuple[int, ...], lo: int, hi: int) -> int:
+    """How many ids of sorted `done` lie in [lo, hi]."""
+    return bisect.bisect_right(done, hi) - bisect.bisect_left(done, lo)
+
+
+def live_upper_bound(seg: SegmentInfo, readers: dict[str, Checkpoint]) -> int:
+    """At most this many of `seg`'s records are still needed by some reader."""
+    if not seg.count:
+        return 0
+    total = 0
+    for cp in readers.values():
+        if cp.head >= seg.last_id:
+            continue
+        above_head = seg.count if cp.head < seg.first_id else min(seg.count, seg.last_id - cp.head)
+        lo = max(cp.head + 1, seg.first_id)
+        total += max(0, above_head - _done_between(cp.done, lo, seg.last_id))
+    return min(seg.count, total)
+
+
+def plan_compaction(
+    segments: list[SegmentInfo], readers: dict[str, Checkpoint], live_ratio: float
+) -> CompactionPlan:
+    """Pure: which closed segments are dead, which runs are worth rewriting."""
+    dead: list[SegmentInfo] = []
+    runs: list[tuple[SegmentInfo, ...]] = []
+    run: list[SegmentInfo] = []
+    for seg in segments[:-1]:  # the newest segment belongs to the writer
+        live = live_upper_bound(seg, readers)
+        if live == 0:
+            dead.append(seg)
+            continue
+        if live <= live_ratio * seg.count and live < seg.count:
+            run.append(seg)
+            continue
+        if run:
+            runs.append(tuple(run))
+            run = []
+    if run:
+        runs.append(tuple(run))
+    return CompactionPlan(tuple(dead), tuple(runs))
+
+
+def needed(put_id: int, readers: list[tuple[int, frozenset[int]]]) -> bool:
+    return any(put_id > head and put_id not in done for head, done in readers)
+
+
+def rewrite_run(
+    journal: QueueJournal, run: tuple[SegmentInfo, ...], readers: dict[str, Checkpoint]
+) -> SegmentInfo | None:
+    """Synchronous: write the run's needed records into one segment replacing it."""
+    snapshot = [(cp.head, frozenset(cp.done)) for cp in readers.values()]
+    last = run[-1]
+    tmp = last.path.with_name(jf.temp_name(last.path.name))
+    out = SegmentInfo(last.number, last.path, size=0, compacted_from=run[0].number)
+    marker = jf.encode_record(jf.Compacted(run[0].number, last.number))
+    head = jf.WRITER_MAGIC + jf.EMPTY_CHECK + jf.seal(marker)
+    with tmp.open("wb") as f:
+        f.write(head)
+        offset = len(head)
+        batch = bytearray()
+        count = first = last_id = 0
+
+        def flush() -> None:
+            nonlocal batch, offset, count, first
+            if not batch:
+                return
+            sealed = jf.seal(batch)
+            f.write(sealed)
+            out.note_batch(offset, offset + len(sealed), count, first, last_id)
+            offset += len(sealed)
+            batch = bytearray()
+            count = first = 0
+
+        for seg in run:
+            for put in journal._iter_segment(seg, seg.first_id, None):
+                if not needed(put.id, snapshot):
+                    continue
+                batch += jf.encode_put(put)
+                if not count:
+                    first = put.id
+                count += 1
+                last_id = put.id
+                if len(batch) >= REWRITE_BATCH_BYTES:
+                    flush()
+        flush()
+        f.flush()
+        os.fsync(f.fileno())
+    out.size = offset
+    archive = journal.datadir.config.archive_dir
+    if archive is not None and last.compacted_from is None:
+        # The rename below replaces the original: keep its records in the archive first.
+        archive.mkdir(parents=True, exist_ok=True)
+        dest = archive / last.path.name
+        shutil.copyfile(last.path, dest)
+        with dest.open("rb") as copied:
+            os.fsync(copied.fileno())
+        fsync_dir(archive)
+    if not out.count:
+        tmp.unlink()
+        retire(journal, list(run))
+        return None
+    os.replace(tmp, last.path)
+    fsync_dir(last.path.parent)
+    out.inode = last.path.stat().st_ino
+    retire(journal, list(run[:-1]))
+    return out
+
+
+def retire(journal: QueueJournal, segs: list[SegmentInfo]) -> None:
+    """Delete or archive; compaction outputs are deleted (their originals are archived)."""
+    archive = [s.path for s in segs if s.compacted_from is None]
+    delete = [s.path for s in segs if s.compacted_from is not None]
+    if journal.datadir.config.archive_dir is None:
+        journal.datadir.retire_files(archive + delete)
+        return
+    if archive:
+        journal.datadir.retire_files(archive)
+    for p in delete:
+        Path(p).unlink(missing_ok=True)
+    if delete:
+        fsync_dir(journal.datadir.path)
+
+
+async def compact(journal: QueueJournal) -> CompactionResult:
+    from queued.journal import CompactionResult
+
+    readers = dict(journal.readers)
+    if not readers:
+        return CompactionResult()
+    plan = plan_compaction(journal.segments, readers, journal.config.compact_live_ratio)
+    removed = rewritten = freed = 0
+    if plan.dead:
+        await trio.to_thread.run_sync(retire, journal, list(plan.dead))
+        for seg in plan.dead:
+            journal.segments.remove(seg)
+            freed += seg.size
+        removed = len(plan.dead)
+    for run in plan.runs:
+        new = await trio.to_thread.run_sync(rewrite_run, journal, run, readers)
+        at = journal.segments.index(run[0])
+        del journal.segments[at : at + len(run)]
+        if new is not None:
+            journal.segments.insert(at, new)
+        freed += sum(s.size for s in run) - (new.size if new else 0)
+        rewritten += len(run)
+    archived = removed if journal.datadir.config.archive_dir is not None else 0
+    return CompactionResult(removed, archived, rewritten, freed)

@@ -1,0 +1,370 @@
+"""One data directory: recovery of every queue at startup and the group-commit writer task.
+
+Owns the directory listing, the recovery report, the writer loop (one worker
+thread call per round, for every queue with pending appends) and retiring
+files (delete or archive). Never touches a file of another directory except
+`archive_dir` and its own quarantine folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from queued import journal_format as jf
+from queued.errors import CorruptJournalError, CorruptRecordError, JournalClosedError
+from queued.journal import (
+    DataDirConfig,
+    FsyncMode,
+    JournalConfig,
+    QueueJournal,
+    _Chunk,
+    _Written,
+)
+from queued.recovery import (
+    Checkpoint,
+    Damage,
+    SegmentInfo,
+    fsync_dir,
+    read_checkpoint,
+    scan_segment,
+    write_checkpoint,
+)
+
+log = logging.getLogger("queued.datadir")
+
+#: Upper bounds (seconds) of the fsync duration histogram buckets.
+FSYNC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(slots=True)
+class QueueRecovery:
+    queue: str
+    segments: int = 0
+    records: int = 0
+    bytes: int = 0
+    truncated_bytes: int = 0
+    temps_removed: int = 0
+    unreadable_checkpoints: list[str] = field(default_factory=list)
+    damage: list[Damage] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    queues: dict[str, QueueRecovery] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def records(self) -> int:
+        return sum(q.records for q in self.queues.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(q.bytes for q in self.queues.values())
+
+    @property
+    def truncated_bytes(self) -> int:
+        return sum(q.truncated_bytes for q in self.queues.values())
+
+    def summary(self) -> str:
+        return (
+            f"recovered {len(self.queues)} queues, {self.records} records, {self.bytes} bytes "
+            f"in {self.seconds:.3f}s; truncated {self.truncated_bytes} bytes"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DataDirStats:
+    path: str
+    queues: int
+    rounds: int
+    fsyncs: int
+    fsync_seconds: float
+    fsync_buckets: tuple[int, ...]  # cumulative counts per FSYNC_BUCKETS bound
+    recovery_seconds: float
+    truncated_bytes: int
+
+
+class DataDir:
+    """All queues of one directory; see the module docstring."""
+
+    def __init__(
+        self,
+        path: Path,
+        config: DataDirConfig,
+        queue_config: Callable[[str], JournalConfig],
+    ) -> None:
+        self.path = path
+        self.config = config
+        self.queue_config = queue_config
+        self.queues: dict[str, QueueJournal] = {}
+        self.report = RecoveryReport()
+        self._dirty: dict[QueueJournal, None] = {}
+        self._wake = trio.Event()
+        self._closing = False
+        self._writer_done = trio.Event()
+        self._round_lock = trio.Lock()
+        self._rounds = 0
+        self._fsyncs = 0
+        self._fsync_seconds = 0.0
+        self._fsync_buckets = [0] * len(FSYNC_BUCKETS)
+
+    # -- opening and recovery -----------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        config: DataDirConfig | None = None,
+        queue_config: Callable[[str], JournalConfig] | None = None,
+    ) -> DataDir:
+        """Recover every queue in `path` (synchronous: run it in a thread from trio)."""
+        started = time.monotonic()
+        dd = cls(Path(path), config or DataDirConfig(), queue_config or (lambda _: JournalConfig()))
+        dd.path.mkdir(parents=True, exist_ok=True)
+        by_queue: dict[str, list[jf.JournalFileName]] = {}
+        for entry in sorted(os.listdir(dd.path)):
+            parsed = jf.parse_file_name(entry)
+            if parsed is None:
+                if (dd.path / entry).is_file():
+                    log.warning("data dir: ignoring %s (not a journal file name)", entry)
+                continue
+            by_queue.setdefault(parsed.queue, []).append(parsed)
+        for name, files in sorted(by_queue.items()):
+            dd.queues[name] = dd._recover_queue(name, files)
+        dd.report.seconds = time.monotonic() - started
+        log.info("data dir %s: %s", dd.path, dd.report.summary())
+        return dd
+
+    def _recover_queue(self, name: str, files: list[jf.JournalFileName]) -> QueueJournal:
+        rep = QueueRecovery(name)
+        self.report.queues[name] = rep
+        segments: list[SegmentInfo] = []
+        readers: dict[str, Checkpoint] = {}
+        for entry in os.listdir(self.path):
+            parsed = jf.parse_file_name(entry)
+            if parsed is not None and parsed.queue == name and parsed.role is jf.FileRole.TEMP:
+                (self.path / entry).unlink()
+                rep.temps_removed += 1
+                log.info("recovery: removed leftover temp file %s", entry)
+        quarantine = self.path / self.config.quarantine_dir_name
+        numbers = sorted(f.number for f in files if f.role is jf.FileRole.SEGMENT)
+        for number in numbers:
+            path = self.path / jf.segment_name(name, number)
+            result = scan_segment(path, number, self.config.corruption, quarantine)
+            rep.truncated_bytes += result.truncated_bytes
+            rep.damage.extend(result.damage)
+            if result.quarantined_to is not None:
+                rep.quarantined.append(str(result.quarantined_to))
+            segments.append(result.segment)
+        segments = self._finish_compactions(name, segments)
+        prev: SegmentInfo | None = None
+        for seg in segments:
+            if seg.count and prev is not None and seg.first_id <= prev.last_id:
+                raise CorruptJournalError(
+                    f"queue {name!r}: segment {seg.path.name} starts at id {seg.first_id}, "
+                    f"not after id {prev.last_id} of {prev.path.name}; refusing to start"
+                )
+            if seg.count:
+                prev = seg
+        for f in files:
+            if f.role is not jf.FileRole.CHECKPOINT:
+                continue
+            path = self.path / jf.checkpoint_name(name, f.reader)
+            try:
+                readers[f.reader] = read_checkpoint(path)
+            except (CorruptRecordError, OSError) as exc:
+                log.error(
+                    "recovery: checkpoint %s unreadable (%s): replaying reader %r from the "
+                    "oldest segment", path.name, exc, f.reader,
+                )
+                rep.unreadable_checkpoints.append(path.name)
+                readers[f.reader] = Checkpoint()
+                write_checkpoint(path, readers[f.reader])
+        if not readers:
+            readers[""] = Checkpoint()
+        last_id = max(
+            [s.last_id for s in segments]
+            + [cp.head for cp in readers.values()]
+            + [cp.done[-1] for cp in readers.values() if cp.done]
+        )
+        rep.segments = len(segments)
+        rep.records = sum(s.count for s in segments)
+        rep.bytes = sum(s.size for s in segments)
+        return QueueJournal(self, name, self.queue_config(name), segments, readers, last_id)
+
+    def _finish_compactions(self, name: str, segments: list[SegmentInfo]) -> list[SegmentInfo]:
+        """Remove segments a completed compaction replaced (crash before their removal)."""
+        replaced: set[int] = set()
+        for seg in segments:
+            if seg.compacted_from is not None:
+                for other in segments:
+                    if seg.compacted_from <= other.number < seg.number:
+                        replaced.add(other.number)
+        if not replaced:
+            return segments
+        leftovers = [s for s in segments if s.number in replaced]
+        log.warning(
+            "recovery: queue %s: finishing an interrupted compaction, retiring %s",
+            name, ", ".join(s.path.name for s in leftovers),
+        )
+        self.retire_files([s.path for s in leftovers])
+        return [s for s in segments if s.number not in replaced]
+
+    # -- queues ---------------------------------------------------------------------
+
+    def queue(self, name: str) -> QueueJournal:
+        """The journal of queue `name`, created empty on first use."""
+        j = self.queues.get(name)
+        if j is None:
+            if not jf.valid_name(name):
+                raise ValueError(f"invalid queue name {name!r}")
+            j = QueueJournal(self, name, self.queue_config(name), [], {"": Checkpoint()}, 0)
+            self.queues[name] = j
+        return j
+
+    async def delete_queue(self, name: str) -> None:
+        """Remove every file of queue `name` (after its pending appends finish)."""
+        j = self.queues.pop(name, None)
+        if j is None:
+            return
+        j._closed = True
+        self._dirty.pop(j, None)
+        j._fail_pending(JournalClosedError(f"queue {name!r} was deleted"))
+        paths = [s.path for s in j.segments]
+        paths += [self.path / jf.checkpoint_name(name, r) for r in j.readers]
+
+        def remove() -> None:
+            j._close_sync()
+            for p in paths:
+                p.unlink(missing_ok=True)
+            fsync_dir(self.path)
+
+        async with self._round_lock:
+            await trio.to_thread.run_sync(remove)
+
+    def retire_files(self, paths: list[Path]) -> None:
+        """Delete dead segments, or move them to archive_dir; durable either way."""
+        archive = self.config.archive_dir
+        if archive is not None:
+            archive.mkdir(parents=True, exist_ok=True)
+            for p in paths:
+                dest = archive / p.name
+                try:
+                    os.replace(p, dest)
+                except OSError:  # another filesystem: copy, make it durable, then remove
+                    shutil.copyfile(p, dest)
+                    with dest.open("rb") as f:
+                        os.fsync(f.fileno())
+                    p.unlink()
+            fsync_dir(archive)
+        else:
+            for p in paths:
+                p.unlink(missing_ok=True)
+        fsync_dir(self.path)
+
+    # -- the writer -------------------------------------------------------------------
+
+    def _mark_dirty(self, journal: QueueJournal) -> None:
+        self._dirty[journal] = None
+        self._wake.set()
+
+    def _observe_fsync(self, seconds: float = 0.0) -> None:
+        self._fsyncs += 1
+        self._fsync_seconds += seconds
+        for i, bound in enumerate(FSYNC_BUCKETS):
+            if seconds <= bound:
+                self._fsync_buckets[i] += 1
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The writer loop: one round = one worker-thread call writing every dirty queue."""
+        task_status.started()
+        try:
+            while True:
+                if not self._dirty:
+                    if self._closing:
+                        return
+                    deadline = min(
+                        (d for j in self.queues.values() if (d := j._fsync_deadline())),
+                        default=None,
+                    )
+                    # The fsync deadlines are on the monotonic clock of the worker thread.
+                    wait = float("inf") if deadline is None else deadline - time.monotonic()
+                    with trio.move_on_after(max(0.0, wait)):
+                        await self._wake.wait()
+                    self._wake = trio.Event()
+                work = [(j, j._take_pending()) for j in self._dirty]
+                self._dirty.clear()
+                periodic = [
+                    j for j in self.queues.values()
+                    if j.config.fsync.mode is FsyncMode.PERIODIC and j._fsync_deadline()
+                ]
+                async with self._round_lock:
+                    results = await trio.to_thread.run_sync(self._round, work, periodic)
+                self._rounds += 1
+                for (j, chunks), (done, error) in zip(work, results, strict=True):
+                    j._apply(chunks, done, error)
+        finally:
+            self._writer_done.set()
+
+    @staticmethod
+    def _round(
+        work: list[tuple[QueueJournal, list[_Chunk]]], periodic: list[QueueJournal]
+    ) -> list[tuple[list[_Written], BaseException | None]]:
+        results = [j._write_chunks(chunks) for j, chunks in work]
+        for j in periodic:
+            try:
+                j.fsync_if_due()
+            except OSError as exc:
+                j._set_failed(f"fsync failed: {exc}")
+        return results
+
+    async def aclose(self) -> None:
+        """Finish pending appends, fsync and close every segment."""
+        self._closing = True
+        self._wake.set()
+        with trio.CancelScope(shield=True):
+            await self._writer_done.wait()
+
+            def close_all() -> None:
+                for j in self.queues.values():
+                    j._close_sync()
+
+            await trio.to_thread.run_sync(close_all)
+
+    def statistics(self) -> DataDirStats:
+        return DataDirStats(
+            path=str(self.path),
+            queues=len(self.queues),
+            rounds=self._rounds,
+            fsyncs=self._fsyncs,
+            fsync_seconds=self._fsync_seconds,
+            fsync_buckets=tuple(self._fsync_buckets),
+            recovery_seconds=self.report.seconds,
+            truncated_bytes=self.report.truncated_bytes,
+        )
+
+
+@asynccontextmanager
+async def open_data_dir(
+    path: str | Path,
+    config: DataDirConfig | None = None,
+    queue_config: Callable[[str], JournalConfig] | None = None,
+) -> AsyncIterator[DataDir]:
+    """Recover `path` (in a worker thread), run its writer, close it cleanly on exit."""
+    dd = await trio.to_thread.run_sync(DataDir.open, path, config, queue_config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(dd.run)
+        try:
+            yield dd
+        finally:
+            await dd.aclose()

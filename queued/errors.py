@@ -1,0 +1,48 @@
+"""The one error tree of queued, rooted at QueuedError.
+
+Owns exception types only; it must never import I/O or protocol code.
+Protocol errors carry their wire reply and whether the connection closes.
+"""
+
+from __future__ import annotations
+
+
+class QueuedError(Exception):
+    """Base of every error queued raises on purpose."""
+
+
+class JournalError(QueuedError):
+    """Something about the on-disk journal."""
+
+
+class CorruptRecordError(JournalError):
+    """Bytes that are not a valid record (bad header, bad size, checksum mismatch)."""
+
+    def __init__(self, offset: int, reason: str) -> None:
+        super().__init__(f"corrupt record at offset {offset}: {reason}")
+        self.offset = offset
+        self.reason = reason
+
+
+class BadMagicError(CorruptRecordError):
+    """The file does not start with the magic bytes of the expected kind."""
+
+
+class ChecksumMismatchError(CorruptRecordError):
+    """A checksum record does not match the bytes it covers."""
+
+
+class CorruptJournalError(JournalError):
+    """Corruption in the middle of a segment: data after the damage was acknowledged."""
+
+
+class JournalWriteError(JournalError):
+    """A write or fsync failed: the journal refuses further appends (reads keep working)."""
+
+
+class JournalFullError(JournalError):
+    """The queue's journal reached max_journal_size under the refuse policy."""
+
+
+class JournalClosedError(JournalError):
+    """The journal was closed (you closed it)."""

@@ -1,0 +1,585 @@
+"""The journal of one data directory: segments, group commit, read-back, checkpoints.
+
+Owns every writer segment and reader checkpoint file of its directory and the
+one writer task that turns queued appends into one write + one fsync per
+queue per round. File work runs in worker threads; the trio side only plans
+and wakes. Never acknowledges an append before its bytes are written and, under
+fsync "always", fsynced. Knows nothing of sockets or protocols.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from queued import journal_format as jf
+from queued.errors import (
+    JournalClosedError,
+    JournalError,
+    JournalFullError,
+    JournalWriteError,
+)
+from queued.recovery import (
+    Checkpoint,
+    CorruptionPolicy,
+    SegmentInfo,
+    fsync_dir,
+    write_checkpoint,
+)
+
+if TYPE_CHECKING:
+    from queued.datadir import DataDir
+
+log = logging.getLogger("queued.journal")
+
+MiB = 1 << 20
+#: One check record covers at most this much: its length field is 32 bits.
+MAX_BATCH_BYTES = 64 * MiB
+#: write() errors after which the file can be trimmed back and appends retried later.
+RECOVERABLE_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+class FsyncMode(enum.Enum):
+    ALWAYS = "always"
+    NEVER = "never"
+    PERIODIC = "periodic"
+
+
+@dataclass(frozen=True, slots=True)
+class FsyncPolicy:
+    mode: FsyncMode = FsyncMode.ALWAYS
+    interval_ms: int = 0
+
+    @classmethod
+    def parse(cls, value: str | int) -> FsyncPolicy:
+        """`"always"`, `"never"`, or a number of milliseconds (`"200"`, `200`, `"200ms"`)."""
+        text = str(value).strip().lower()
+        if text == "always":
+            return cls(FsyncMode.ALWAYS)
+        if text == "never":
+            return cls(FsyncMode.NEVER)
+        text = text.removesuffix("ms")
+        if text.isdigit() and int(text) > 0:
+            return cls(FsyncMode.PERIODIC, int(text))
+        if text == "0":
+            return cls(FsyncMode.ALWAYS)
+        raise ValueError(f"fsync must be 'always', 'never' or a number of ms, not {value!r}")
+
+    def __str__(self) -> str:
+        return f"{self.interval_ms}" if self.mode is FsyncMode.PERIODIC else self.mode.value
+
+
+class FullPolicy(enum.Enum):
+    REFUSE = "refuse"  # refuse puts while the journal is at max_journal_size
+    DROP_OLDEST = "drop_oldest"  # drop the oldest segment, items and all
+
+
+@dataclass(frozen=True, slots=True)
+class JournalConfig:
+    journal_size: int = 16 * MiB
+    max_journal_size: int = 0  # 0 = unbounded
+    full_policy: FullPolicy = FullPolicy.REFUSE
+    fsync: FsyncPolicy = FsyncPolicy()
+    #: rewrite a closed segment when at most this fraction of its items is still needed
+    compact_live_ratio: float = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class DataDirConfig:
+    corruption: CorruptionPolicy = CorruptionPolicy.REFUSE
+    archive_dir: Path | None = None
+    quarantine_dir_name: str = "quarantine"
+
+
+@dataclass(frozen=True, slots=True)
+class JournalStats:
+    queue: str
+    segments: int
+    bytes: int
+    pending_bytes: int
+    last_id: int
+    appends: int
+    items_appended: int
+    batches_written: int
+    fsyncs: int
+    write_errors: int
+    failed: bool
+    readers: int
+
+
+class _Ticket:
+    __slots__ = ("error", "event")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """Bytes waiting for the writer; one chunk becomes one checked batch."""
+
+    rotate: bool  # start a new segment before writing this
+    buf: bytearray = field(default_factory=bytearray)
+    count: int = 0
+    first_id: int = 0
+    last_id: int = 0
+    tickets: list[_Ticket] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Written:
+    """What the writer thread did with one chunk."""
+
+    number: int
+    created: bool
+    offset: int
+    end: int
+    count: int
+    first_id: int
+    last_id: int
+    inode: int
+
+
+class QueueJournal:
+    """Segments and durable reader checkpoints of one queue.
+
+    `append` assigns ids and returns once durable under the fsync policy.
+    `readers` holds the last checkpoint of each reader that is on disk: it is
+    what compaction and size enforcement respect.
+    """
+
+    def __init__(
+        self,
+        datadir: DataDir,
+        name: str,
+        config: JournalConfig,
+        segments: list[SegmentInfo],
+        readers: dict[str, Checkpoint],
+        last_id: int,
+    ) -> None:
+        self.datadir = datadir
+        self.name = name
+        self.config = config
+        self.segments = segments
+        self.readers = readers
+        self.last_id = last_id
+        #: called with the last id of a segment dropped under drop_oldest
+        self.on_drop: Callable[[int], None] | None = None
+        self._pending: list[_Chunk] = []
+        self._pending_bytes = 0
+        # Projection of the active segment including pending chunks, to split
+        # batches where segments rotate. None = the next append opens a segment.
+        self._proj_size: int | None = None
+        self._proj_count = 0
+        # Writer-thread state: touched only inside the writer's worker thread.
+        self._fd: int | None = None
+        self._fd_number = 0
+        self._fd_size = 0
+        self._fd_count = 0
+        self._last_number = max((s.number for s in segments), default=0)
+        self._unsynced = False
+        self._last_fsync = time.monotonic()
+        self._failed: JournalWriteError | None = None
+        self._closed = False
+        self._checkpoint_lock = trio.Lock()
+        self._maintenance_lock = trio.Lock()
+        self._appends = self._items = self._batches = self._fsyncs = self._write_errors = 0
+
+    # -- appends ----------------------------------------------------------------
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.segments) + self._pending_bytes
+
+    @property
+    def failed(self) -> JournalWriteError | None:
+        return self._failed
+
+    def append_nowait(
+        self,
+        datas: Sequence[bytes],
+        add_time_ms: int,
+        expire_time_ms: int | None = None,
+        error_count: int = 0,
+    ) -> tuple[list[jf.Put], _Ticket]:
+        """Queue `datas` for the writer; ids are assigned here, in order."""
+        if self._closed:
+            raise JournalClosedError(f"journal of queue {self.name!r} is closed")
+        if self._failed is not None:
+            raise JournalWriteError(f"queue {self.name!r} refuses writes: {self._failed}")
+        ticket = _Ticket()
+        puts: list[jf.Put] = []
+        limit = self.config.journal_size
+        next_id = self.last_id
+        for data in datas:
+            next_id += 1
+            put = jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count)
+            rec = jf.encode_put(put)
+            size = len(rec)
+            chunk = self._pending[-1] if self._pending else None
+            if self._proj_size is None or (
+                self._proj_count and self._proj_size + size > limit
+            ):
+                chunk = _Chunk(rotate=True)
+                self._pending.append(chunk)
+                self._proj_size = jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE
+                self._proj_count = 0
+            elif chunk is None or len(chunk.buf) + size > MAX_BATCH_BYTES:
+                chunk = _Chunk(rotate=False)
+                self._pending.append(chunk)
+            chunk.buf += rec
+            if not chunk.count:
+                chunk.first_id = next_id
+            chunk.count += 1
+            chunk.last_id = next_id
+            if not chunk.tickets or chunk.tickets[-1] is not ticket:
+                chunk.tickets.append(ticket)
+            self._proj_size += size + jf.CHECK_RECORD_SIZE
+            self._proj_count += 1
+            self._pending_bytes += size
+            puts.append(put)
+        self.last_id = next_id
+        self._appends += 1
+        self._items += len(puts)
+        if not puts:
+            ticket.event.set()
+        else:
+            self.datadir._mark_dirty(self)
+        return puts, ticket
+
+    async def append(
+        self,
+        datas: Sequence[bytes],
+        add_time_ms: int,
+        expire_time_ms: int | None = None,
+        error_count: int = 0,
+    ) -> list[jf.Put]:
+        """Journal `datas`; returns the records once durable under the fsync policy."""
+        incoming = sum(len(d) for d in datas) + jf.PUT_EXPIRE_HEADER_SIZE * len(datas)
+        await self._make_room(incoming)
+        puts, ticket = self.append_nowait(datas, add_time_ms, expire_time_ms, error_count)
+        await wait_durable(ticket)
+        return puts
+
+    async def _make_room(self, incoming: int) -> None:
+        limit = self.config.max_journal_size
+        if not limit or self.total_bytes + incoming <= limit:
+            return
+        await self.compact()
+        if self.total_bytes + incoming <= limit:
+            return
+        if self.config.full_policy is FullPolicy.DROP_OLDEST:
+            await self._drop_oldest(limit - incoming)
+            if self.total_bytes + incoming <= limit:
+                return
+        raise JournalFullError(
+            f"queue {self.name!r}: journal at {self.total_bytes} bytes, "
+            f"max_journal_size is {limit}"
+        )
+
+    def _fail_pending(self, error: BaseException) -> None:
+        for chunk in self._take_pending():
+            self._pending_bytes -= len(chunk.buf)
+            for ticket in chunk.tickets:
+                ticket.error = error
+                ticket.event.set()
+
+    def _take_pending(self) -> list[_Chunk]:
+        chunks, self._pending = self._pending, []
+        return chunks
+
+    # -- the writer thread's half ----------------------------------------------
+
+    def _open_segment(self) -> tuple[int, bytes]:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        number = max(int(time.time() * 1000), self._last_number + 1)
+        path = self.datadir.path / jf.segment_name(self.name, number)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        self._fd, self._fd_number, self._fd_size, self._fd_count = fd, number, 0, 0
+        self._last_number = number
+        return number, jf.WRITER_MAGIC + jf.EMPTY_CHECK
+
+    def _write_chunks(self, chunks: list[_Chunk]) -> tuple[list[_Written], BaseException | None]:
+        """Runs in the writer thread. Returns what was written and the error, if any."""
+        done: list[_Written] = []
+        created_any = False
+        for chunk in chunks:
+            created = False
+            prefix = b""
+            try:
+                if chunk.rotate or self._fd is None:
+                    _, prefix = self._open_segment()
+                    created = created_any = True
+                assert self._fd is not None
+                payload = prefix + chunk.buf + jf.encode_check(chunk.buf)
+                offset = self._fd_size + len(prefix)
+                _write_all(self._fd, payload)
+            except OSError as exc:
+                return done, self._write_failed(exc, created)
+            self._fd_size += len(payload)
+            self._fd_count += chunk.count
+            self._unsynced = True
+            done.append(
+                _Written(self._fd_number, created, offset, self._fd_size, chunk.count,
+                         chunk.first_id, chunk.last_id,
+                         os.fstat(self._fd).st_ino if created else 0)
+            )
+        policy = self.config.fsync
+        try:
+            if policy.mode is FsyncMode.ALWAYS:
+                self._fsync()
+            elif policy.mode is FsyncMode.PERIODIC:
+                self.fsync_if_due()
+            if created_any and policy.mode is not FsyncMode.NEVER:
+                fsync_dir(self.datadir.path)
+        except OSError as exc:
+            # After a failed fsync the page cache may have dropped our pages: the
+            # files can no longer be trusted for writes (reads of the past still work).
+            return [], self._set_failed(f"fsync failed: {exc}")
+        return done, None
+
+    def _set_failed(self, why: str) -> JournalWriteError:
+        self._failed = JournalWriteError(f"queue {self.name!r} refuses writes: {why}")
+        log.error("%s", self._failed)
+        return self._failed
+
+    def _fsync(self) -> None:
+        if self._fd is not None and self._unsynced:
+            started = time.monotonic()
+            os.fsync(self._fd)
+            self._fsyncs += 1
+            self.datadir._observe_fsync(time.monotonic() - started)
+        self._unsynced = False
+        self._last_fsync = time.monotonic()
+
+    def fsync_if_due(self) -> None:
+        policy = self.config.fsync
+        due = self._last_fsync + policy.interval_ms / 1000
+        if self._unsynced and time.monotonic() >= due:
+            self._fsync()
+
+    def _fsync_deadline(self) -> float | None:
+        if self.config.fsync.mode is FsyncMode.PERIODIC and self._unsynced:
+            return self._last_fsync + self.config.fsync.interval_ms / 1000
+        return None
+
+    def _write_failed(self, exc: OSError, created: bool) -> BaseException:
+        """Trim a partial write so the file ends on a batch again, or give up writing."""
+        self._write_errors += 1
+        fd = self._fd
+        try:
+            if fd is not None:
+                if created:
+                    os.close(fd)
+                    self._fd = None
+                    os.unlink(self.datadir.path / jf.segment_name(self.name, self._fd_number))
+                else:
+                    os.ftruncate(fd, self._fd_size)
+        except OSError as trim_exc:
+            return self._set_failed(
+                f"write failed ({exc}) and the partial batch could not be trimmed ({trim_exc})"
+            )
+        if exc.errno in RECOVERABLE_WRITE_ERRNOS:
+            return JournalWriteError(
+                f"queue {self.name!r}: write refused, nothing stored: {os.strerror(exc.errno)}"
+            )
+        return self._set_failed(f"write failed: {exc}")
+
+    # -- back on the event loop -------------------------------------------------
+
+    def _apply(
+        self, chunks: list[_Chunk], done: list[_Written], error: BaseException | None
+    ) -> None:
+        for w in done:
+            if w.created or not self.segments or self.segments[-1].number != w.number:
+                path = self.datadir.path / jf.segment_name(self.name, w.number)
+                self.segments.append(SegmentInfo(w.number, path, size=w.offset, inode=w.inode))
+            self.segments[-1].note_batch(w.offset, w.end, w.count, w.first_id, w.last_id)
+            self._batches += 1
+        # One append's chunks are always taken in the same round, so every ticket
+        # here is resolved now; it fails if any of its chunks failed.
+        for i, chunk in enumerate(chunks):
+            self._pending_bytes -= len(chunk.buf)
+            if i >= len(done):
+                for ticket in chunk.tickets:
+                    ticket.error = ticket.error or error
+        for chunk in chunks:
+            for ticket in chunk.tickets:
+                ticket.event.set()
+        if error is not None:
+            # Start afresh in a new segment: what was planned no longer matches the files.
+            self._proj_size = None
+            self._proj_count = 0
+            log.error("queue %s: append failed: %s", self.name, error)
+
+    # -- read-back ----------------------------------------------------------------
+
+    def iter_puts(self, from_id: int = 1, to_id: int | None = None) -> Iterator[jf.Put]:
+        """PUT records with from_id <= id (<= to_id), in order, read from the segments.
+
+        Streams in chunks; never loads a whole segment. Synchronous: call it
+        from a worker thread when the backlog is large.
+        """
+        next_id = from_id
+        misses = 0
+        while True:
+            seg = next(
+                (s for s in list(self.segments) if s.count and s.last_id >= next_id), None
+            )
+            if seg is None or (to_id is not None and next_id > to_id):
+                return
+            try:
+                yield from self._iter_segment(seg, next_id, to_id)
+            except FileNotFoundError:
+                misses += 1  # compaction replaced it under us: look it up again
+                if misses > 3:
+                    raise
+                continue
+            next_id = max(next_id, seg.last_id + 1)
+
+    def _iter_segment(self, seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[jf.Put]:
+        offset = seg.seek_offset(from_id)
+        limit = seg.size
+        with seg.path.open("rb") as f:
+            if seg.inode and os.fstat(f.fileno()).st_ino != seg.inode:
+                raise FileNotFoundError(f"{seg.path} was replaced")
+            f.seek(offset)
+            dec = jf.RecordDecoder(jf.FileKind.WRITER, start_offset=offset, expect_magic=False)
+            remaining = limit - offset
+            while True:
+                ev = dec.next_event()
+                if ev is jf.NEED_DATA:
+                    data = f.read(min(remaining, 1 * MiB)) if remaining > 0 else b""
+                    remaining -= len(data)
+                    dec.receive_data(data)
+                    continue
+                if isinstance(ev, jf.Decoded):
+                    rec = ev.record
+                    if isinstance(rec, jf.Put) and rec.id >= from_id:
+                        if to_id is not None and rec.id > to_id:
+                            return
+                        yield rec
+                    continue
+                if isinstance(ev, jf.TornTail):
+                    raise JournalError(f"{seg.path}: record cut short at {ev.offset}")
+                return
+
+    def iter_unconsumed(self, reader: str = "") -> Iterator[jf.Put]:
+        """Items reader `reader`'s durable checkpoint has not consumed."""
+        cp = self.readers.get(reader, Checkpoint())
+        done = set(cp.done)
+        for put in self.iter_puts(cp.head + 1):
+            if put.id not in done:
+                yield put
+
+    # -- checkpoints --------------------------------------------------------------
+
+    async def write_checkpoint(self, reader: str, head: int, done: Sequence[int] = ()) -> None:
+        """Make reader `reader`'s position durable (temp + fsync + rename + dir fsync)."""
+        cp = Checkpoint(head, tuple(sorted(i for i in done if i > head)))
+        path = self.datadir.path / jf.checkpoint_name(self.name, reader)
+        async with self._checkpoint_lock:
+            await trio.to_thread.run_sync(write_checkpoint, path, cp)
+            self.readers[reader] = cp
+
+    async def remove_reader(self, reader: str) -> None:
+        path = self.datadir.path / jf.checkpoint_name(self.name, reader)
+        async with self._checkpoint_lock:
+            self.readers.pop(reader, None)
+            await trio.to_thread.run_sync(_unlink_durably, path)
+
+    # -- compaction and size limits -------------------------------------------------
+
+    async def compact(self) -> CompactionResult:
+        """Remove dead segments, rewrite straggler-pinned ones; see queued.compaction."""
+        from queued import compaction
+
+        async with self._maintenance_lock:
+            return await compaction.compact(self)
+
+    async def _drop_oldest(self, target_bytes: int) -> None:
+        async with self._maintenance_lock:
+            while self.total_bytes > target_bytes and len(self.segments) > 1:
+                seg = self.segments[0]
+                for reader, cp in list(self.readers.items()):
+                    if cp.head < seg.last_id:
+                        await self.write_checkpoint(reader, seg.last_id, cp.done)
+                if not self.readers:
+                    await self.write_checkpoint("", seg.last_id)
+                await trio.to_thread.run_sync(self.datadir.retire_files, [seg.path])
+                self.segments.remove(seg)
+                log.warning(
+                    "queue %s: journal over max_journal_size, dropped %d items (ids %d..%d)",
+                    self.name, seg.count, seg.first_id, seg.last_id,
+                )
+                if self.on_drop is not None:
+                    self.on_drop(seg.last_id)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def _close_sync(self) -> None:
+        if self._fd is not None:
+            try:
+                if self._unsynced:
+                    os.fsync(self._fd)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+    def statistics(self) -> JournalStats:
+        return JournalStats(
+            queue=self.name,
+            segments=len(self.segments),
+            bytes=sum(s.size for s in self.segments),
+            pending_bytes=self._pending_bytes,
+            last_id=self.last_id,
+            appends=self._appends,
+            items_appended=self._items,
+            batches_written=self._batches,
+            fsyncs=self._fsyncs,
+            write_errors=self._write_errors,
+            failed=self._failed is not None,
+            readers=len(self.readers),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionResult:
+    removed: int = 0
+    archived: int = 0
+    rewritten: int = 0  # segments replaced by rewrites
+    bytes_freed: int = 0
+
+
+async def wait_durable(ticket: _Ticket) -> None:
+    await ticket.event.wait()
+    if ticket.error is not None:
+        raise ticket.error
+
+
+def _write_all(fd: int, data: bytes | bytearray) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _unlink_durably(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    fsync_dir(path.parent)
+

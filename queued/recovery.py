@@ -1,0 +1,360 @@
+"""Scanning journal files at startup: verify, cut torn tails, salvage or refuse corruption.
+
+Owns the decision "torn tail or corruption in the middle" for one file and the
+crash-safe file surgery that follows (truncate, quarantine + salvage).
+Synchronous file I/O only; callers run it in a worker thread. Never skips a
+damaged region silently: every cut is returned in the report and logged.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from queued import journal_format as jf
+from queued.errors import CorruptJournalError, CorruptRecordError
+
+log = logging.getLogger("queued.recovery")
+
+READ_CHUNK = 4 << 20
+#: Sparse index stride: one (first_id, offset) entry per this many bytes.
+INDEX_STRIDE = 1 << 20
+
+
+class CorruptionPolicy(enum.Enum):
+    REFUSE = "refuse"  # refuse to start, name the file and offset
+    QUARANTINE = "quarantine"  # keep a copy aside, salvage every verified batch
+
+
+@dataclass(slots=True)
+class SegmentInfo:
+    """What the journal knows of one writer segment (mutable: the active one grows)."""
+
+    number: int
+    path: Path
+    size: int
+    count: int = 0
+    first_id: int = 0
+    last_id: int = 0
+    sealed: bool = True
+    compacted_from: int | None = None  # first segment number this one replaced
+    inode: int = 0  # to notice the file was replaced under a stale SegmentInfo (0 = unknown)
+    #: sparse (first id of a batch, its offset), ascending, for seeking read-back
+    index: list[tuple[int, int]] = field(default_factory=list)
+
+    def note_batch(self, offset: int, end: int, count: int, first_id: int, last_id: int) -> None:
+        if count:
+            if not self.count:
+                self.first_id = first_id
+            if not self.index or offset - self.index[-1][1] >= INDEX_STRIDE:
+                self.index.append((first_id, offset))
+            self.count += count
+            self.last_id = last_id
+        self.size = max(self.size, end)
+
+    def seek_offset(self, from_id: int) -> int:
+        """Offset of a batch start at or before the first record with id >= from_id."""
+        best = jf.MAGIC_SIZE
+        for first_id, offset in self.index:
+            if first_id > from_id:
+                break
+            best = offset
+        return best
+
+
+@dataclass(frozen=True, slots=True)
+class Damage:
+    path: str
+    offset: int
+    length: int
+    reason: str
+
+
+@dataclass(slots=True)
+class ScanResult:
+    segment: SegmentInfo
+    truncated_bytes: int = 0
+    damage: list[Damage] = field(default_factory=list)
+    quarantined_to: Path | None = None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _feed(f: object, dec: jf.RecordDecoder) -> bool:
+    chunk = f.read(READ_CHUNK)  # type: ignore[attr-defined]
+    dec.receive_data(chunk)
+    return bool(chunk)
+
+
+def scan_segment(
+    path: Path, number: int, policy: CorruptionPolicy, quarantine_dir: Path
+) -> ScanResult:
+    """Verify one writer segment, cutting a torn tail; see the module docstring."""
+    st = path.stat()
+    info = SegmentInfo(number, path, size=0, inode=st.st_ino)
+    result = ScanResult(info)
+    file_size = st.st_size
+    if file_size < jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE:
+        # A crash while creating the segment: nothing was ever acknowledged in it.
+        return _cut_short_file(path, file_size, result)
+    dec = jf.RecordDecoder(jf.FileKind.WRITER)
+    with path.open("rb") as f:
+        head = f.read(64)
+        f.seek(0)
+        info.sealed = head[4:13] == jf.EMPTY_CHECK
+        if info.sealed and len(head) > 13 and head[13] == jf.COMPACTED_BYTE:
+            marker = jf.decode_all(head[:13] + head[13:13 + 25 + jf.CHECK_RECORD_SIZE])
+            rec = marker[1].record
+            if isinstance(rec, jf.Compacted):
+                info.compacted_from = rec.first_number
+        try:
+            end_event = _scan_sealed(f, dec, info) if info.sealed else _scan_plain(f, dec, info)
+        except CorruptRecordError as exc:
+            end_event = exc
+    good_end = info.size if info.size else jf.MAGIC_SIZE
+    if isinstance(end_event, jf.EndOfData):
+        if end_event.offset < file_size:
+            _truncate(path, end_event.offset, file_size, result, "zero bytes after the last record")
+        info.size = end_event.offset
+        return result
+    # Torn tail or corruption: is anything verified after the damage?
+    if info.sealed:
+        assert dec.last_check_end is not None
+        good_end = dec.last_check_end
+        with path.open("rb") as f:
+            f.seek(good_end)
+            tail = f.read()
+        later = jf.find_valid_check_after(tail, 0)
+        if later is not None:
+            reason = str(end_event) if isinstance(end_event, CorruptRecordError) else "torn batch"
+            return _middle_corruption(path, info, good_end, tail, reason, policy,
+                                      quarantine_dir, result)
+    reason = (
+        f"torn tail ({end_event.available} bytes of an unfinished record)"
+        if isinstance(end_event, jf.TornTail)
+        else f"garbage tail: {end_event}"
+    )
+    _truncate(path, good_end, file_size, result, reason)
+    info.size = good_end
+    return result
+
+
+def _scan_sealed(
+    f: object, dec: jf.RecordDecoder, info: SegmentInfo
+) -> jf.EndOfData | jf.TornTail:
+    eof = False
+    prev_last = 0
+    while True:
+        ev = dec.next_batch()
+        if ev is jf.NEED_DATA:
+            if eof:
+                raise AssertionError("decoder wants data after end of file")
+            eof = not _feed(f, dec)
+            continue
+        if isinstance(ev, jf.Batch):
+            if ev.count and ev.first_id <= prev_last:
+                raise CorruptRecordError(ev.offset, f"id {ev.first_id} after id {prev_last}")
+            if ev.count:
+                prev_last = ev.last_id
+            info.note_batch(ev.offset, ev.end, ev.count, ev.first_id, ev.last_id)
+            continue
+        assert isinstance(ev, jf.EndOfData | jf.TornTail)
+        return ev
+
+
+def _scan_plain(
+    f: object, dec: jf.RecordDecoder, info: SegmentInfo
+) -> jf.EndOfData | jf.TornTail | CorruptRecordError:
+    """A file from another implementation of the seed: trust structurally valid records."""
+    last_good = jf.MAGIC_SIZE
+    try:
+        while True:
+            ev = dec.next_event()
+            if ev is jf.NEED_DATA:
+                _feed(f, dec)
+                continue
+            if isinstance(ev, jf.Decoded):
+                rec = ev.record
+                if isinstance(rec, jf.Put):
+                    if rec.id <= info.last_id:
+                        raise CorruptRecordError(ev.offset, f"id {rec.id} after {info.last_id}")
+                    info.note_batch(ev.offset, ev.end, 1, rec.id, rec.id)
+                    last_good = ev.end
+                continue
+            assert isinstance(ev, jf.EndOfData | jf.TornTail)
+            if isinstance(ev, jf.EndOfData):
+                return ev
+            info.size = last_good
+            return ev
+    except CorruptRecordError as exc:
+        info.size = last_good
+        return exc
+
+
+def _truncate(path: Path, good_end: int, file_size: int, result: ScanResult, why: str) -> None:
+    cut = file_size - good_end
+    if cut <= 0:
+        return
+    log.warning("recovery: %s: cut %d bytes at offset %d (%s)", path.name, cut, good_end, why)
+    with path.open("r+b") as f:
+        f.truncate(good_end)
+        os.fsync(f.fileno())
+    result.truncated_bytes += cut
+    result.damage.append(Damage(path.name, good_end, cut, why))
+
+
+def _cut_short_file(path: Path, file_size: int, result: ScanResult) -> ScanResult:
+    data = path.read_bytes()
+    if data and not jf.WRITER_MAGIC.startswith(data[:4]):
+        raise CorruptJournalError(f"{path}: not a journal segment (bad magic {data[:4].hex()})")
+    # Rewrite as an empty sealed segment so it scans cleanly next time.
+    result.segment.size = jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE
+    result.truncated_bytes = file_size
+    if file_size:
+        result.damage.append(Damage(path.name, 0, file_size, "segment header torn"))
+    log.warning("recovery: %s: rewrote a torn segment header (%d bytes)", path.name, file_size)
+    write_file_atomic(path, jf.WRITER_MAGIC + jf.EMPTY_CHECK)
+    return result
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """temp + fsync + rename + directory fsync: the file is old or new, never half."""
+    tmp = path.with_name(jf.temp_name(path.name))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _middle_corruption(
+    path: Path,
+    info: SegmentInfo,
+    good_end: int,
+    tail: bytes,
+    reason: str,
+    policy: CorruptionPolicy,
+    quarantine_dir: Path,
+    result: ScanResult,
+) -> ScanResult:
+    if policy is CorruptionPolicy.REFUSE:
+        raise CorruptJournalError(
+            f"{path}: corruption at offset {good_end} ({reason}) with verified data after it; "
+            f"refusing to start. Inspect with `queued check`, or set corruption = \"quarantine\" "
+            f"to keep a copy aside and salvage every verified batch."
+        )
+    # Salvage: keep verified batches before the damage and every verified run after it.
+    pieces: list[bytes] = []
+    damage: list[Damage] = []
+    pos = 0
+    prev_last = info.last_id
+    while pos < len(tail):
+        found = jf.find_valid_check_after(tail, pos)
+        if found is None:
+            damage.append(Damage(path.name, good_end + pos, len(tail) - pos, reason))
+            break
+        # The verified batch ends at found + 9 and starts `length` bytes before found.
+        length = int.from_bytes(tail[found + 1 : found + 5], "little")
+        start = found - length
+        if start > pos:
+            damage.append(Damage(path.name, good_end + pos, start - pos, reason))
+        dec = jf.RecordDecoder(jf.FileKind.WRITER, start_offset=0, expect_magic=False)
+        dec.receive_data(tail[start:])
+        dec.receive_data(b"")
+        end = start
+        try:
+            while True:
+                ev = dec.next_batch()
+                if not isinstance(ev, jf.Batch):
+                    break
+                if ev.count and ev.first_id <= prev_last:
+                    break
+                if ev.count:
+                    prev_last = ev.last_id
+                end = start + ev.end
+        except CorruptRecordError:
+            pass
+        if end == start:  # cannot happen for a verified check, but never loop forever
+            end = found + jf.CHECK_RECORD_SIZE
+        else:
+            pieces.append(tail[start:end])
+        pos = end
+        reason = "damaged region between verified batches"
+    with path.open("rb") as f:
+        head_bytes = f.read(good_end)
+    salvaged = head_bytes + b"".join(pieces)
+    quarantine_dir.mkdir(parents=True, exist_ok=True)
+    kept = quarantine_dir / f"{path.name}.{int(time.time() * 1000)}"
+    os.link(path, kept)  # the original stays in place until the salvage is renamed over it
+    fsync_dir(quarantine_dir)
+    write_file_atomic(path, salvaged)
+    for d in damage:
+        log.error(
+            "recovery: %s: lost %d bytes at offset %d (%s); original kept at %s",
+            d.path, d.length, d.offset, d.reason, kept,
+        )
+    result.damage.extend(damage)
+    result.quarantined_to = kept
+    # Rescan the salvaged file for its index; it is fully verified now.
+    again = scan_segment(path, info.number, CorruptionPolicy.REFUSE, quarantine_dir)
+    result.segment = again.segment
+    result.segment.inode = path.stat().st_ino
+    result.truncated_bytes = len(head_bytes) + len(tail) - len(salvaged)
+    return result
+
+
+# -- checkpoints ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A reader's durable position: ids <= head and ids in done are consumed."""
+
+    head: int = 0
+    done: tuple[int, ...] = ()
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Decode a reader file; raises CorruptRecordError when it cannot be trusted."""
+    data = path.read_bytes()
+    dec = jf.RecordDecoder(jf.FileKind.READER)
+    dec.receive_data(data)
+    dec.receive_data(b"")
+    head = 0
+    done: set[int] = set()
+    while True:
+        ev = dec.next_event()
+        if isinstance(ev, jf.Decoded):
+            if isinstance(ev.record, jf.ReadHead):
+                head = ev.record.id
+            elif isinstance(ev.record, jf.ReadDone):
+                done.update(ev.record.ids)
+            continue
+        if isinstance(ev, jf.TornTail):
+            raise CorruptRecordError(ev.offset, "torn checkpoint")
+        break
+    if dec.sealed and dec.last_check_end != dec.offset:
+        raise CorruptRecordError(dec.offset, "checkpoint records after the last check record")
+    if head < 0:
+        raise CorruptRecordError(0, f"negative head {head}")
+    return Checkpoint(head, tuple(sorted(i for i in done if i > head)))
+
+
+def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
+    write_file_atomic(path, jf.encode_checkpoint(checkpoint.head, checkpoint.done))
