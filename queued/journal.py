@@ -221,6 +221,9 @@ class QueueJournal:
         puts: list[jf.Put] = []
         limit = self.config.journal_size
         next_id = self.last_id
+        if self._proj_size is not None:
+            # Each round seals what it writes with a check record; count one per call.
+            self._proj_size += jf.CHECK_RECORD_SIZE
         for data in datas:
             next_id += 1
             put = jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count)
@@ -232,7 +235,7 @@ class QueueJournal:
             ):
                 chunk = _Chunk(rotate=True)
                 self._pending.append(chunk)
-                self._proj_size = jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE
+                self._proj_size = jf.MAGIC_SIZE + 2 * jf.CHECK_RECORD_SIZE
                 self._proj_count = 0
             elif chunk is None or len(chunk.buf) + size > MAX_BATCH_BYTES:
                 chunk = _Chunk(rotate=False)
@@ -244,7 +247,7 @@ class QueueJournal:
             chunk.last_id = next_id
             if not chunk.tickets or chunk.tickets[-1] is not ticket:
                 chunk.tickets.append(ticket)
-            self._proj_size += size + jf.CHECK_RECORD_SIZE
+            self._proj_size += size
             self._proj_count += 1
             self._pending_bytes += size
             puts.append(put)

@@ -96,56 +96,113 @@ def _feed(f: object, dec: jf.RecordDecoder) -> bool:
     return bool(chunk)
 
 
-def scan_segment(
-    path: Path, number: int, policy: CorruptionPolicy, quarantine_dir: Path
-) -> ScanResult:
-    """Verify one writer segment, cutting a torn tail; see the module docstring."""
+class TailState(enum.Enum):
+    CLEAN = "clean"
+    ZERO_TAIL = "zero bytes after the last record"
+    TORN_TAIL = "torn tail"
+    GARBAGE_TAIL = "garbage tail"
+    SHORT_FILE = "segment header torn"
+    MIDDLE_CORRUPTION = "corruption in the middle"
+
+
+@dataclass(slots=True)
+class Inspection:
+    """A read-only verdict on one segment file."""
+
+    segment: SegmentInfo
+    file_size: int
+    state: TailState
+    good_end: int  # valid data ends here
+    reason: str = ""
+
+    @property
+    def problem_bytes(self) -> int:
+        return self.file_size - self.good_end
+
+
+def inspect_segment(path: Path, number: int = 0) -> Inspection:
+    """Verify one writer segment without changing it."""
     st = path.stat()
     info = SegmentInfo(number, path, size=0, inode=st.st_ino)
-    result = ScanResult(info)
     file_size = st.st_size
     if file_size < jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE:
-        # A crash while creating the segment: nothing was ever acknowledged in it.
-        return _cut_short_file(path, file_size, result)
+        with path.open("rb") as f:
+            data = f.read()
+        if data and not jf.WRITER_MAGIC.startswith(data[:4]):
+            return Inspection(info, file_size, TailState.MIDDLE_CORRUPTION, 0,
+                              f"not a journal segment (bad magic {data[:4].hex()})")
+        if data == jf.WRITER_MAGIC:  # an empty segment written by a seed implementation
+            info.size = file_size
+            info.sealed = False
+            return Inspection(info, file_size, TailState.CLEAN, file_size)
+        return Inspection(info, file_size, TailState.SHORT_FILE, 0, "segment header torn")
     dec = jf.RecordDecoder(jf.FileKind.WRITER)
     with path.open("rb") as f:
         head = f.read(64)
         f.seek(0)
         info.sealed = head[4:13] == jf.EMPTY_CHECK
         if info.sealed and len(head) > 13 and head[13] == jf.COMPACTED_BYTE:
-            marker = jf.decode_all(head[:13] + head[13:13 + 25 + jf.CHECK_RECORD_SIZE])
-            rec = marker[1].record
+            try:
+                rec = jf.decode_all(head[: 13 + 17 + jf.CHECK_RECORD_SIZE])[1].record
+            except CorruptRecordError:
+                rec = None  # the scan below reports the damage
             if isinstance(rec, jf.Compacted):
                 info.compacted_from = rec.first_number
+        end_event: jf.EndOfData | jf.TornTail | CorruptRecordError
         try:
             end_event = _scan_sealed(f, dec, info) if info.sealed else _scan_plain(f, dec, info)
         except CorruptRecordError as exc:
             end_event = exc
-    good_end = info.size if info.size else jf.MAGIC_SIZE
     if isinstance(end_event, jf.EndOfData):
-        if end_event.offset < file_size:
-            _truncate(path, end_event.offset, file_size, result, "zero bytes after the last record")
         info.size = end_event.offset
-        return result
-    # Torn tail or corruption: is anything verified after the damage?
-    if info.sealed:
-        assert dec.last_check_end is not None
-        good_end = dec.last_check_end
-        with path.open("rb") as f:
-            f.seek(good_end)
-            tail = f.read()
-        later = jf.find_valid_check_after(tail, 0)
-        if later is not None:
-            reason = str(end_event) if isinstance(end_event, CorruptRecordError) else "torn batch"
-            return _middle_corruption(path, info, good_end, tail, reason, policy,
-                                      quarantine_dir, result)
-    reason = (
-        f"torn tail ({end_event.available} bytes of an unfinished record)"
-        if isinstance(end_event, jf.TornTail)
-        else f"garbage tail: {end_event}"
-    )
-    _truncate(path, good_end, file_size, result, reason)
+        state = TailState.CLEAN if end_event.offset == file_size else TailState.ZERO_TAIL
+        return Inspection(info, file_size, state, end_event.offset,
+                          "" if state is TailState.CLEAN else state.value)
+    if isinstance(end_event, jf.TornTail):
+        state = TailState.TORN_TAIL
+        reason = f"torn tail: an unfinished batch at offset {end_event.offset}"
+    else:
+        state = TailState.GARBAGE_TAIL
+        reason = f"garbage tail: {end_event}"
+    if not info.sealed:
+        # A seed file has no check codes: trust every structurally valid record.
+        return Inspection(info, file_size, state, info.size or jf.MAGIC_SIZE, reason)
+    assert dec.last_check_end is not None
+    good_end = dec.last_check_end
     info.size = good_end
+    # Is anything verified after the damage? Then it is not a tail.
+    with path.open("rb") as f:
+        f.seek(good_end)
+        tail = f.read()
+    if jf.find_valid_check_after(tail, 0) is not None:
+        what = str(end_event) if isinstance(end_event, CorruptRecordError) else "unsealed batch"
+        return Inspection(info, file_size, TailState.MIDDLE_CORRUPTION, good_end,
+                          f"{what}, with verified batches after it")
+    return Inspection(info, file_size, state, good_end, reason)
+
+
+def scan_segment(
+    path: Path, number: int, policy: CorruptionPolicy, quarantine_dir: Path
+) -> ScanResult:
+    """Verify one writer segment and repair what recovery may repair (see module doc)."""
+    found = inspect_segment(path, number)
+    info = found.segment
+    result = ScanResult(info)
+    if found.state is TailState.CLEAN:
+        return result
+    if found.state is TailState.SHORT_FILE:
+        # A crash while creating the segment: nothing was ever acknowledged in it.
+        return _cut_short_file(path, found.file_size, result)
+    if found.state is TailState.MIDDLE_CORRUPTION:
+        if found.good_end < jf.MAGIC_SIZE:  # not a segment at all
+            raise CorruptJournalError(f"{path}: {found.reason}")
+        with path.open("rb") as f:
+            f.seek(found.good_end)
+            tail = f.read()
+        return _middle_corruption(path, info, found.good_end, tail, found.reason, policy,
+                                  quarantine_dir, result)
+    _truncate(path, found.good_end, found.file_size, result, found.reason)
+    info.size = found.good_end
     return result
 
 
@@ -214,9 +271,6 @@ def _truncate(path: Path, good_end: int, file_size: int, result: ScanResult, why
 
 
 def _cut_short_file(path: Path, file_size: int, result: ScanResult) -> ScanResult:
-    data = path.read_bytes()
-    if data and not jf.WRITER_MAGIC.startswith(data[:4]):
-        raise CorruptJournalError(f"{path}: not a journal segment (bad magic {data[:4].hex()})")
     # Rewrite as an empty sealed segment so it scans cleanly next time.
     result.segment.size = jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE
     result.truncated_bytes = file_size
