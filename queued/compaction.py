@@ -90,7 +90,7 @@ def rewrite_run(
     tmp = last.path.with_name(jf.temp_name(last.path.name))
     out = SegmentInfo(last.number, last.path, size=0, compacted_from=run[0].number)
     marker = jf.encode_record(jf.Compacted(run[0].number, last.number))
-    head = jf.WRITER_MAGIC + jf.EMPTY_CHECK + jf.seal(marker)
+    head = jf.WRITER_MAGIC + jf.EMPTY_CHECK + jf.seal(marker, jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE)
     with tmp.open("wb") as f:
         f.write(head)
         offset = len(head)
@@ -101,7 +101,7 @@ def rewrite_run(
             nonlocal batch, offset, count, first
             if not batch:
                 return
-            sealed = jf.seal(batch)
+            sealed = jf.seal(batch, offset)
             f.write(sealed)
             out.note_batch(offset, offset + len(sealed), count, first, last_id)
             offset += len(sealed)

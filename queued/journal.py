@@ -326,8 +326,8 @@ class QueueJournal:
                     _, prefix = self._open_segment()
                     created = created_any = True
                 assert self._fd is not None
-                payload = prefix + chunk.buf + jf.encode_check(chunk.buf)
                 offset = self._fd_size + len(prefix)
+                payload = prefix + chunk.buf + jf.encode_check(chunk.buf, offset)
                 _write_all(self._fd, payload)
             except OSError as exc:
                 return done, self._write_failed(exc, created)

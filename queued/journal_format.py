@@ -50,10 +50,23 @@ CHECK_RECORD_SIZE: Final = _CHECK.size  # 9
 
 MAX_ID: Final = (1 << 63) - 1
 MAX_DATA_SIZE: Final = (1 << 31) - 1
+_U64 = struct.Struct("<Q")
+
+
+def crc_seed(offset: int) -> int:
+    """The CRC a batch starting at file offset `offset` begins from.
+
+    Seeding with the offset ties a check record to its place in the file, so
+    bytes that merely look like a valid batch (an item's payload holding a
+    crafted check record, say) do not verify anywhere else.
+    """
+    return zlib.crc32(_U64.pack(offset))
+
+
 #: A check record covering nothing; written right after the magic of every file
 #: we create, so recovery knows the file is sealed (ours) even if its first
 #: batch is torn.
-EMPTY_CHECK: Final = _CHECK.pack(CHECK_BYTE, 0, 0)
+EMPTY_CHECK: Final = _CHECK.pack(CHECK_BYTE, 0, crc_seed(MAGIC_SIZE))
 
 
 # -- records --------------------------------------------------------------------
@@ -142,11 +155,10 @@ def encode_read_done(done: ReadDone) -> bytes:
     return _READ_DONE_HDR.pack(READ_DONE_BYTE, 8 * len(ids)) + struct.pack(f"<{len(ids)}q", *ids)
 
 
-def encode_check(covered: bytes | bytearray | memoryview, crc: int | None = None) -> bytes:
-    """The check record sealing `covered` (the bytes since the previous check)."""
-    if crc is None:
-        crc = zlib.crc32(covered)
-    return _CHECK.pack(CHECK_BYTE, len(covered), crc)
+def encode_check(covered: bytes | bytearray | memoryview, offset: int) -> bytes:
+    """The check record sealing `covered`: the bytes since the previous check,
+    which start at file offset `offset`."""
+    return _CHECK.pack(CHECK_BYTE, len(covered), zlib.crc32(covered, crc_seed(offset)))
 
 
 def encode_record(record: Record) -> bytes:
@@ -163,15 +175,15 @@ def encode_record(record: Record) -> bytes:
     raise TypeError(f"cannot encode {record!r}")
 
 
-def seal(batch: bytes | bytearray) -> bytes:
-    """`batch` followed by the check record covering it: one append unit."""
-    return bytes(batch) + encode_check(batch)
+def seal(batch: bytes | bytearray, offset: int) -> bytes:
+    """`batch` followed by the check record covering it, for file offset `offset`."""
+    return bytes(batch) + encode_check(batch, offset)
 
 
 def encode_checkpoint(head: int, done_ids: tuple[int, ...] | list[int]) -> bytes:
     """A whole reader file: magic, seal, READ_HEAD, READ_DONE, seal."""
     body = encode_read_head(ReadHead(head)) + encode_read_done(ReadDone(tuple(sorted(done_ids))))
-    return READER_MAGIC + EMPTY_CHECK + seal(body)
+    return READER_MAGIC + EMPTY_CHECK + seal(body, MAGIC_SIZE + CHECK_RECORD_SIZE)
 
 
 # -- decoding -------------------------------------------------------------------
@@ -276,8 +288,8 @@ class RecordDecoder:
         self._done: EndOfData | TornTail | None = None
         self._error: CorruptRecordError | None = None
         self._magic_pending = expect_magic
-        self._crc = 0
         self.batch_start = start_offset if not expect_magic else MAGIC_SIZE
+        self._crc = crc_seed(self.batch_start)
         self.last_check_end: int | None = None if expect_magic else start_offset
         self.sealed = False  # saw at least one check record
         self.detected_kind: FileKind | None = None
@@ -379,8 +391,8 @@ class RecordDecoder:
         else:
             record = Unknown(command, cmd & 0x0F, size)
         if command == CMD_CHECK:
-            self._crc = 0
             self.batch_start = start + total
+            self._crc = crc_seed(self.batch_start)
             self.last_check_end = start + total
             self.sealed = True
         else:
@@ -410,6 +422,7 @@ class RecordDecoder:
         self._magic_pending = False
         self._pos = pos + MAGIC_SIZE
         self.batch_start = self.offset
+        self._crc = crc_seed(self.batch_start)
         self.last_check_end = self.offset
         return True
 
@@ -434,14 +447,13 @@ class RecordDecoder:
     def _batch(self) -> Batch | EndOfData | TornTail | Sentinel:
         if self._magic_pending and not self._take_magic():
             return NEED_DATA
-        if self._crc or self.offset != self.batch_start:
+        if self.offset != self.batch_start:
             raise RuntimeError("next_batch called inside a batch")
         buf = self._buf
         n = len(buf)
         start = pos = self._pos
         base = self._base
-        count = first = 0
-        last_pos = -1
+        count = first = last = 0
         cap = self.max_data_size
         unpack_i32 = _I32.unpack_from
         while True:
@@ -456,19 +468,19 @@ class RecordDecoder:
                 if pos + CHECK_RECORD_SIZE > n:
                     return self._short_batch(start, n)
                 _, length, crc = _CHECK.unpack_from(buf, pos)
-                found = zlib.crc32(memoryview(buf)[start:pos])
+                found = zlib.crc32(memoryview(buf)[start:pos], crc_seed(base + start))
                 if length != pos - start or crc != found:
                     raise ChecksumMismatchError(
                         base + pos,
                         f"check record covers {length} bytes crc {crc:08x}, "
                         f"found {pos - start} bytes crc {found:08x}",
                     )
-                last_id = _Q.unpack_from(buf, last_pos + 9)[0] if count else 0
                 end = pos + CHECK_RECORD_SIZE
                 self._pos = end
                 self.batch_start = self.last_check_end = base + end
+                self._crc = crc_seed(self.batch_start)
                 self.sealed = True
-                return Batch(base + start, base + end, count, first, last_id)
+                return Batch(base + start, base + end, count, first, last)
             elif cmd == 0:
                 if pos == start:
                     self._done = EndOfData(base + pos, zero_byte=True)
@@ -487,12 +499,17 @@ class RecordDecoder:
                 if size < 0 or size > cap:
                     raise CorruptRecordError(base + pos, f"bad data size {size}")
                 if cmd >> 4 == CMD_PUT:
+                    xid = _Q.unpack_from(buf, pos + 9)[0]
+                    if xid <= 0:
+                        raise CorruptRecordError(base + pos, f"PUT with non-positive id {xid}")
                     if count == 0:
-                        first = _Q.unpack_from(buf, pos + 9)[0]
-                        if first <= 0:
-                            raise CorruptRecordError(base + pos, f"PUT with bad id {first}")
+                        first = xid
                     count += 1
-                    last_pos = pos
+                    last = xid
+                elif cmd >> 4 == CMD_READ_DONE and size % 8:
+                    raise CorruptRecordError(
+                        base + pos, f"READ_DONE data size {size} not a multiple of 8"
+                    )
             pos += hdr + size
 
     def _short_batch(self, start: int, n: int) -> EndOfData | TornTail | Sentinel:
@@ -528,8 +545,11 @@ def decode_all(data: bytes, kind: FileKind | None = FileKind.WRITER) -> list[Dec
             return out
 
 
-def find_valid_check_after(data: bytes | bytearray | memoryview, start: int) -> int | None:
-    """Offset of the first check record in `data[start:]` whose crc verifies.
+def find_valid_check_after(
+    data: bytes | bytearray | memoryview, start: int, base: int = 0
+) -> int | None:
+    """Index of the first check record in `data[start:]` whose crc verifies,
+    `data[0]` being at file offset `base`.
 
     A check record carries the length of what it covers, so it can be found
     without parsing what precedes it: this is how recovery tells a torn tail
@@ -542,7 +562,10 @@ def find_valid_check_after(data: bytes | bytearray | memoryview, start: int) -> 
     pos = buf.find(marker, start)
     while pos >= 0 and pos + CHECK_RECORD_SIZE <= n:
         _, length, crc = _CHECK.unpack_from(buf, pos)
-        if 0 < length <= pos - start and zlib.crc32(memoryview(buf)[pos - length : pos]) == crc:
+        begin = pos - length
+        if 0 < length <= pos - start and (
+            zlib.crc32(memoryview(buf)[begin:pos], crc_seed(base + begin)) == crc
+        ):
             return pos
         pos = buf.find(marker, pos + 1)
     return None

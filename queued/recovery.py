@@ -174,7 +174,7 @@ def inspect_segment(path: Path, number: int = 0) -> Inspection:
     with path.open("rb") as f:
         f.seek(good_end)
         tail = f.read()
-    if jf.find_valid_check_after(tail, 0) is not None:
+    if jf.find_valid_check_after(tail, 0, good_end) is not None:
         what = str(end_event) if isinstance(end_event, CorruptRecordError) else "unsealed batch"
         return Inspection(info, file_size, TailState.MIDDLE_CORRUPTION, good_end,
                           f"{what}, with verified batches after it")
@@ -313,22 +313,23 @@ def _middle_corruption(
             f"refusing to start. Inspect with `queued check`, or set corruption = \"quarantine\" "
             f"to keep a copy aside and salvage every verified batch."
         )
-    # Salvage: keep verified batches before the damage and every verified run after it.
-    pieces: list[bytes] = []
+    # Salvage: keep verified batches before the damage and every verified run
+    # after it. Their records are re-sealed, since check codes depend on offsets.
+    runs: list[bytes] = []  # record bytes of verified batches, checks stripped
     damage: list[Damage] = []
     pos = 0
     prev_last = info.last_id
     while pos < len(tail):
-        found = jf.find_valid_check_after(tail, pos)
+        found = jf.find_valid_check_after(tail, pos, good_end)
         if found is None:
             damage.append(Damage(path.name, good_end + pos, len(tail) - pos, reason))
             break
-        # The verified batch ends at found + 9 and starts `length` bytes before found.
         length = int.from_bytes(tail[found + 1 : found + 5], "little")
         start = found - length
         if start > pos:
             damage.append(Damage(path.name, good_end + pos, start - pos, reason))
-        dec = jf.RecordDecoder(jf.FileKind.WRITER, start_offset=0, expect_magic=False)
+        dec = jf.RecordDecoder(jf.FileKind.WRITER, start_offset=good_end + start,
+                               expect_magic=False)
         dec.receive_data(tail[start:])
         dec.receive_data(b"")
         end = start
@@ -341,23 +342,21 @@ def _middle_corruption(
                     break
                 if ev.count:
                     prev_last = ev.last_id
-                end = start + ev.end
+                runs.append(tail[end : ev.end - good_end - jf.CHECK_RECORD_SIZE])
+                end = ev.end - good_end
         except CorruptRecordError:
             pass
-        if end == start:  # cannot happen for a verified check, but never loop forever
-            end = found + jf.CHECK_RECORD_SIZE
-        else:
-            pieces.append(tail[start:end])
-        pos = end
+        pos = max(end, found + jf.CHECK_RECORD_SIZE)
         reason = "damaged region between verified batches"
     with path.open("rb") as f:
-        head_bytes = f.read(good_end)
-    salvaged = head_bytes + b"".join(pieces)
+        salvaged = bytearray(f.read(good_end))
+    for records in runs:
+        salvaged += jf.seal(records, len(salvaged))
     quarantine_dir.mkdir(parents=True, exist_ok=True)
     kept = quarantine_dir / f"{path.name}.{int(time.time() * 1000)}"
     os.link(path, kept)  # the original stays in place until the salvage is renamed over it
     fsync_dir(quarantine_dir)
-    write_file_atomic(path, salvaged)
+    write_file_atomic(path, bytes(salvaged))
     for d in damage:
         log.error(
             "recovery: %s: lost %d bytes at offset %d (%s); original kept at %s",
@@ -369,7 +368,7 @@ def _middle_corruption(
     again = scan_segment(path, info.number, CorruptionPolicy.REFUSE, quarantine_dir)
     result.segment = again.segment
     result.segment.inode = path.stat().st_ino
-    result.truncated_bytes = len(head_bytes) + len(tail) - len(salvaged)
+    result.truncated_bytes = good_end + len(tail) - len(salvaged)
     return result
 
 
