@@ -461,3 +461,14 @@ def test_cli_main_exit_codes(tmp_path: Path) -> None:
     assert main(["check", str(tmp_path)]) == 0
     assert main(["check", str(tmp_path / "missing")]) == 2
     assert main(["dump", str(tmp_path / "missing")]) == 2
+
+
+def test_readme_check_record_example_is_true() -> None:
+    """The bytes the README shows for a first batch are what we write."""
+    put = jf.encode_put(jf.Put(1, b"hello", 1_700_000_000_000))
+    assert put.hex() == "86" "05000000" "00000000" "0100000000000000" "0068e5cf8b010000" + \
+        b"hello".hex()
+    assert jf.encode_check(put, 13).hex() == "72" "1e000000" "ed70c2c3"
+    assert jf.EMPTY_CHECK.hex() == "72" "00000000" "93d168e1"
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "72 1e000000 ed70c2c3" in readme and "72 00000000 93d168e1" in readme
