@@ -224,10 +224,13 @@ class QueueJournal:
         if self._proj_size is not None:
             # Each round seals what it writes with a check record; count one per call.
             self._proj_size += jf.CHECK_RECORD_SIZE
-        for data in datas:
-            next_id += 1
-            put = jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count)
-            rec = jf.encode_put(put)
+        # Encode everything before touching any state, so a bad item changes nothing.
+        encoded = []
+        for i, data in enumerate(datas, start=next_id + 1):
+            put = jf.Put(i, data, add_time_ms, expire_time_ms, error_count)
+            encoded.append((put, jf.encode_put(put)))
+        for put, rec in encoded:
+            next_id = put.id
             size = len(rec)
             chunk = self._pending[-1] if self._pending else None
             if self._proj_size is None or (
@@ -305,6 +308,9 @@ class QueueJournal:
 
     def _open_segment(self) -> tuple[int, bytes]:
         if self._fd is not None:
+            # The segment being closed may hold acknowledged-to-be batches of this round.
+            if self.config.fsync.mode is not FsyncMode.NEVER:
+                self._fsync()
             os.close(self._fd)
             self._fd = None
         number = max(int(time.time() * 1000), self._last_number + 1)

@@ -135,15 +135,17 @@ def encode_put(put: Put) -> bytes:
         raise ValueError(f"item id out of range: {put.id}")
     if len(data) > MAX_DATA_SIZE:
         raise ValueError("item data larger than 2 GiB - 1")
-    if put.expire_time_ms is None:
-        return _PUT.pack(PUT_BYTE, len(data), put.error_count, put.id, put.add_time_ms) + data
-    return (
-        _PUT_EXPIRE.pack(
-            PUT_EXPIRE_BYTE, len(data), put.error_count, put.id, put.add_time_ms,
-            put.expire_time_ms,
-        )
-        + data
-    )
+    try:
+        if put.expire_time_ms is None:
+            head = _PUT.pack(PUT_BYTE, len(data), put.error_count, put.id, put.add_time_ms)
+        else:
+            head = _PUT_EXPIRE.pack(
+                PUT_EXPIRE_BYTE, len(data), put.error_count, put.id, put.add_time_ms,
+                put.expire_time_ms,
+            )
+    except struct.error as exc:
+        raise ValueError(f"PUT field out of range: {exc}") from None
+    return head + data
 
 
 def encode_read_head(head: ReadHead) -> bytes:

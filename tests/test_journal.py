@@ -472,3 +472,14 @@ def test_readme_check_record_example_is_true() -> None:
     assert jf.EMPTY_CHECK.hex() == "72" "00000000" "93d168e1"
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert "72 1e000000 ed70c2c3" in readme and "72 00000000 93d168e1" in readme
+
+
+async def test_bad_item_in_a_batch_changes_nothing(tmp_path: Path) -> None:
+    async with open_data_dir(tmp_path) as dd:
+        q = dd.queue("q")
+        await q.append([b"ok"], T0)
+        with pytest.raises(ValueError, match="out of range"):
+            await q.append([b"a", b"b"], T0, error_count=1 << 40)
+        assert q.last_id == 1 and q.statistics().pending_bytes == 0
+        assert (await q.append([b"next"], T0))[0].id == 2
+    assert [p.data for p in all_puts(tmp_path)] == [b"ok", b"next"]
