@@ -49,8 +49,13 @@ def live_upper_bound(seg: SegmentInfo, readers: dict[str, Checkpoint]) -> int:
         if cp.head >= seg.last_id:
             continue
         above_head = seg.count if cp.head < seg.first_id else min(seg.count, seg.last_id - cp.head)
-        lo = max(cp.head + 1, seg.first_id)
-        total += max(0, above_head - _done_between(cp.done, lo, seg.last_id))
+        if seg.count == seg.last_id - seg.first_id + 1:
+            # Dense ids: every done id in range is one of this segment's records.
+            # (A segment with gaps — a compaction output, ids burnt by a refused
+            # write — may not hold them, so nothing is subtracted there.)
+            lo = max(cp.head + 1, seg.first_id)
+            above_head -= _done_between(cp.done, lo, seg.last_id)
+        total += max(0, above_head)
     return min(seg.count, total)
 
 

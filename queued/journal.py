@@ -306,37 +306,46 @@ class QueueJournal:
 
     # -- the writer thread's half ----------------------------------------------
 
-    def _open_segment(self) -> tuple[int, bytes]:
-        if self._fd is not None:
-            # The segment being closed may hold acknowledged-to-be batches of this round.
-            if self.config.fsync.mode is not FsyncMode.NEVER:
-                self._fsync()
-            os.close(self._fd)
-            self._fd = None
+    def _open_segment(self) -> bytes:
+        """Create the next segment file; returns the bytes it must start with."""
         number = max(int(time.time() * 1000), self._last_number + 1)
         path = self.datadir.path / jf.segment_name(self.name, number)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         self._fd, self._fd_number, self._fd_size, self._fd_count = fd, number, 0, 0
         self._last_number = number
-        return number, jf.WRITER_MAGIC + jf.EMPTY_CHECK
+        return jf.WRITER_MAGIC + jf.EMPTY_CHECK
 
     def _write_chunks(self, chunks: list[_Chunk]) -> tuple[list[_Written], BaseException | None]:
-        """Runs in the writer thread. Returns what was written and the error, if any."""
+        """Runs in the writer thread. Returns what was written and durable, and the
+        error that stopped the round, if any. Nothing is returned as written unless
+        the fsync policy's syncs for it succeeded."""
         done: list[_Written] = []
         created_any = False
+        error: BaseException | None = None
+        never = self.config.fsync.mode is FsyncMode.NEVER
         for chunk in chunks:
+            if (chunk.rotate or self._fd is None) and self._fd is not None:
+                # The segment being left holds batches of this round: sync it first.
+                try:
+                    if not never:
+                        self._fsync()
+                except OSError as exc:
+                    return [], self._set_failed(f"fsync failed: {exc}")
+                os.close(self._fd)
+                self._fd = None
             created = False
-            prefix = b""
             try:
-                if chunk.rotate or self._fd is None:
-                    _, prefix = self._open_segment()
+                prefix = b""
+                if self._fd is None:
+                    prefix = self._open_segment()
                     created = created_any = True
                 assert self._fd is not None
                 offset = self._fd_size + len(prefix)
                 payload = prefix + chunk.buf + jf.encode_check(chunk.buf, offset)
                 _write_all(self._fd, payload)
             except OSError as exc:
-                return done, self._write_failed(exc, created)
+                error = self._write_failed(exc, created)
+                break
             self._fd_size += len(payload)
             self._fd_count += chunk.count
             self._unsynced = True
@@ -351,13 +360,13 @@ class QueueJournal:
                 self._fsync()
             elif policy.mode is FsyncMode.PERIODIC:
                 self.fsync_if_due()
-            if created_any and policy.mode is not FsyncMode.NEVER:
+            if created_any and not never:
                 fsync_dir(self.datadir.path)
         except OSError as exc:
             # After a failed fsync the page cache may have dropped our pages: the
             # files can no longer be trusted for writes (reads of the past still work).
             return [], self._set_failed(f"fsync failed: {exc}")
-        return done, None
+        return done, error
 
     def _set_failed(self, why: str) -> JournalWriteError:
         self._failed = JournalWriteError(f"queue {self.name!r} refuses writes: {why}")
