@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,16 +125,46 @@ class _Ticket:
         self.error: BaseException | None = None
 
 
+#: Item data at least this large is written from the caller's buffer (writev), not copied.
+ZERO_COPY_BYTES = 4096
+#: Most iovecs one writev takes (IOV_MAX on Linux).
+IOV_MAX = 1024
+
+
 @dataclass(slots=True)
 class _Chunk:
-    """Bytes waiting for the writer; one chunk becomes one checked batch."""
+    """Records waiting for the writer; one chunk becomes one checked batch.
+
+    Small records are copied into `small`; large items are kept as references
+    in `pieces` so a batch of big items reaches the kernel with one copy.
+    """
 
     rotate: bool  # start a new segment before writing this
-    buf: bytearray = field(default_factory=bytearray)
+    pieces: list[bytes | bytearray] = field(default_factory=list)
+    small: bytearray = field(default_factory=bytearray)
+    nbytes: int = 0
     count: int = 0
     first_id: int = 0
     last_id: int = 0
     tickets: list[_Ticket] = field(default_factory=list)
+
+    def add(self, head: bytes, data: bytes) -> None:
+        if len(data) >= ZERO_COPY_BYTES:
+            if self.small:
+                self.pieces.append(self.small)
+                self.small = bytearray()
+            self.pieces.append(head)
+            self.pieces.append(data)
+        else:
+            self.small += head
+            self.small += data
+        self.nbytes += len(head) + len(data)
+
+    def take_pieces(self) -> list[bytes | bytearray]:
+        if self.small:
+            self.pieces.append(self.small)
+            self.small = bytearray()
+        return self.pieces
 
 
 @dataclass(slots=True)
@@ -218,20 +249,23 @@ class QueueJournal:
         if self._failed is not None:
             raise JournalWriteError(f"queue {self.name!r} refuses writes: {self._failed}")
         ticket = _Ticket()
+        # Check everything before touching any state, so a bad item changes nothing.
+        pack_head = jf.put_header_packer(add_time_ms, expire_time_ms, error_count)
+        datas = [d if isinstance(d, bytes) else bytes(d) for d in datas]
+        if any(len(d) > jf.MAX_DATA_SIZE for d in datas):
+            raise ValueError("item data larger than 2 GiB - 1")
+        if self.last_id + len(datas) > jf.MAX_ID:
+            raise ValueError("item ids exhausted")
         puts: list[jf.Put] = []
         limit = self.config.journal_size
         next_id = self.last_id
-        if self._proj_size is not None:
-            # Each round seals what it writes with a check record; count one per call.
+        if self._proj_size is not None and not self._pending:
+            # This call opens a new round's batch, which a check record will seal.
             self._proj_size += jf.CHECK_RECORD_SIZE
-        # Encode everything before touching any state, so a bad item changes nothing.
-        encoded = []
-        for i, data in enumerate(datas, start=next_id + 1):
-            put = jf.Put(i, data, add_time_ms, expire_time_ms, error_count)
-            encoded.append((put, jf.encode_put(put)))
-        for put, rec in encoded:
-            next_id = put.id
-            size = len(rec)
+        for data in datas:
+            next_id += 1
+            head = pack_head(len(data), next_id)
+            size = len(head) + len(data)
             chunk = self._pending[-1] if self._pending else None
             if self._proj_size is None or (
                 self._proj_count and self._proj_size + size > limit
@@ -240,10 +274,12 @@ class QueueJournal:
                 self._pending.append(chunk)
                 self._proj_size = jf.MAGIC_SIZE + 2 * jf.CHECK_RECORD_SIZE
                 self._proj_count = 0
-            elif chunk is None or len(chunk.buf) + size > MAX_BATCH_BYTES:
+            elif chunk is None or chunk.nbytes + size > MAX_BATCH_BYTES:
+                if chunk is not None:  # a split batch gets a check record of its own
+                    self._proj_size += jf.CHECK_RECORD_SIZE
                 chunk = _Chunk(rotate=False)
                 self._pending.append(chunk)
-            chunk.buf += rec
+            chunk.add(head, data)
             if not chunk.count:
                 chunk.first_id = next_id
             chunk.count += 1
@@ -253,7 +289,7 @@ class QueueJournal:
             self._proj_size += size
             self._proj_count += 1
             self._pending_bytes += size
-            puts.append(put)
+            puts.append(jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count))
         self.last_id = next_id
         self._appends += 1
         self._items += len(puts)
@@ -295,7 +331,7 @@ class QueueJournal:
 
     def _fail_pending(self, error: BaseException) -> None:
         for chunk in self._take_pending():
-            self._pending_bytes -= len(chunk.buf)
+            self._pending_bytes -= chunk.nbytes
             for ticket in chunk.tickets:
                 ticket.error = error
                 ticket.event.set()
@@ -341,12 +377,17 @@ class QueueJournal:
                     created = created_any = True
                 assert self._fd is not None
                 offset = self._fd_size + len(prefix)
-                payload = prefix + chunk.buf + jf.encode_check(chunk.buf, offset)
-                _write_all(self._fd, payload)
+                pieces = chunk.take_pieces()
+                crc = jf.crc_seed(offset)
+                for piece in pieces:
+                    crc = zlib.crc32(piece, crc)
+                check = jf.encode_check_crc(chunk.nbytes, crc)
+                written = len(prefix) + chunk.nbytes + len(check)
+                _writev_all(self._fd, [prefix, *pieces, check] if prefix else [*pieces, check])
             except OSError as exc:
                 error = self._write_failed(exc, created)
                 break
-            self._fd_size += len(payload)
+            self._fd_size += written
             self._fd_count += chunk.count
             self._unsynced = True
             done.append(
@@ -429,7 +470,7 @@ class QueueJournal:
         # One append's chunks are always taken in the same round, so every ticket
         # here is resolved now; it fails if any of its chunks failed.
         for i, chunk in enumerate(chunks):
-            self._pending_bytes -= len(chunk.buf)
+            self._pending_bytes -= chunk.nbytes
             if i >= len(done):
                 for ticket in chunk.tickets:
                     ticket.error = ticket.error or error
@@ -587,11 +628,27 @@ async def wait_durable(ticket: _Ticket) -> None:
         raise ticket.error
 
 
-def _write_all(fd: int, data: bytes | bytearray) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
+def _writev_all(fd: int, pieces: list[bytes | bytearray]) -> None:
+    """Write every piece, in order, with as few syscalls as writev allows."""
+    i = 0
+    while i < len(pieces):
+        batch = pieces[i : i + IOV_MAX]
+        n = os.writev(fd, batch)
+        want = sum(len(p) for p in batch)
+        if n == want:
+            i += len(batch)
+            continue
+        # A short write: skip what went out, finish the piece it stopped in.
+        for p in batch:
+            if n >= len(p):
+                n -= len(p)
+                i += 1
+                continue
+            view = memoryview(p)[n:]
+            while view:
+                view = view[os.write(fd, view):]
+            i += 1
+            break
 
 
 def _unlink_durably(path: Path) -> None:
