@@ -1,0 +1,681 @@
+"""Kestrel's memcache text protocol (port 22133): a sans-IO parser and the reply encoders.
+
+Owns command framing, argument and queue-name validation, and the exact reply bytes.
+PURE: no sockets, files, clocks or trio; bytes in, events and bytes out (h11's shape).
+It must never allocate what a peer merely declares: every buffer has a cap.
+Also hosts what text_protocol shares: ReceiveBuffer, NEED_DATA, names, the errors.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Final, Literal, TypeAlias
+
+from queued.errors import QueuedError
+
+DEFAULT_MAX_LINE: Final = 2048
+DEFAULT_MAX_ITEM_SIZE: Final = 16 * 1024 * 1024
+MAX_TIMEOUT_MS: Final = (1 << 31) - 1  # Kestrel parses timeouts as a Java Int
+MAX_FLAGS: Final = (1 << 32) - 1
+I64_MIN: Final = -(1 << 63)
+I64_MAX: Final = (1 << 63) - 1
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+class ProtocolError(QueuedError):
+    """The peer broke the protocol (h11's RemoteProtocolError).
+
+    `reply` is what to send (b"" when the command asked for noreply); `close` says whether
+    the connection must end after it. When `close` is false the parser has already dropped
+    the offending command and next_event() may be called again.
+    """
+
+    def __init__(self, message: str, *, reply: bytes, close: bool) -> None:
+        super().__init__(message)
+        self.reply = reply
+        self.close = close
+
+
+class UnknownCommand(ProtocolError):
+    """A command name this protocol does not have."""
+
+
+class BadCommand(ProtocolError):
+    """A known command with bad or missing arguments."""
+
+
+class LineTooLong(ProtocolError):
+    """A line longer than the parser's cap; its end cannot be found, so the connection closes."""
+
+
+class TooLarge(ProtocolError):
+    """A value (or put) larger than the cap; refused before its bytes are read."""
+
+
+class BadDataChunk(ProtocolError):
+    """A data block not followed by CRLF: framing is lost, so the connection closes."""
+
+
+class LocalProtocolError(QueuedError):
+    """We were asked to encode something the wire cannot carry (our bug, not the peer's)."""
+
+
+class ArgumentError(QueuedError):
+    """One argument failed validation; each parser turns it into its own wire reply."""
+
+
+class LineOverflow(QueuedError):
+    """No line end within the cap (raised by ReceiveBuffer.take_line)."""
+
+
+# -- shared pieces: NEED_DATA, ConnectionClosed, names, numbers, the receive buffer -----------
+
+
+class Signal(enum.Enum):
+    NEED_DATA = "NEED_DATA"
+
+
+NEED_DATA: Final = Signal.NEED_DATA
+NeedData: TypeAlias = Literal[Signal.NEED_DATA]
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionClosed:
+    """The peer ended the stream (receive_data(b"")); `unparsed` bytes of a command were lost."""
+
+    unparsed: int = 0
+
+
+_NAME_RE: Final = re.compile(rb"[A-Za-z0-9_:-]{1,250}")
+_INT_RE: Final = re.compile(rb"-?[0-9]+")
+
+
+def is_valid_name(name: str) -> bool:
+    """True if `name` may be a queue or reader name (they become file names)."""
+    return name.isascii() and _NAME_RE.fullmatch(name.encode("ascii")) is not None
+
+
+def _name(token: bytes, what: str) -> str:
+    if _NAME_RE.fullmatch(token) is None:
+        raise ArgumentError(f"bad {what} name")
+    return token.decode("ascii")
+
+
+def parse_address(token: bytes) -> tuple[str, str | None]:
+    """`q` -> (q, None); `q+r` -> (q, r), fanout reader r of queue q. Raises ArgumentError."""
+    queue, plus, reader = token.partition(b"+")
+    return _name(queue, "queue"), (_name(reader, "reader") if plus else None)
+
+
+def parse_queue(token: bytes) -> str:
+    """A plain queue name (no reader), as writes need. Raises ArgumentError."""
+    queue, reader = parse_address(token)
+    if reader is not None:
+        raise ArgumentError("cannot write to a fanout reader; write to its queue")
+    return queue
+
+
+def parse_int(token: bytes, what: str, lo: int, hi: int) -> int:
+    """A decimal integer in [lo, hi]; never int()'s leniency (`_`, `+`, spaces, unicode)."""
+    if _INT_RE.fullmatch(token) is None:
+        raise ArgumentError(f"bad {what}")
+    if len(token) > 20 or not lo <= int(token) <= hi:  # length first: int() of huge strings
+        raise ArgumentError(f"{what} out of range")
+    return int(token)
+
+
+class ReceiveBuffer:
+    """Bytes received but not yet parsed. Consumed from the front without O(n) shifts."""
+
+    __slots__ = ("_buf", "_pos", "_scanned", "eof")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+        self._scanned = 0  # bytes after _pos known to hold no b"\n"
+        self.eof = False
+
+    def __len__(self) -> int:
+        return len(self._buf) - self._pos
+
+    def append(self, data: bytes | memoryview) -> None:
+        if self._pos:
+            del self._buf[: self._pos]  # once per received chunk, not once per command
+            self._pos = 0
+        self._buf += data
+
+    def take_line(self, limit: int) -> bytes | None:
+        """The next line without its `\\n` or `\\r\\n`, or None if incomplete.
+
+        Raises LineOverflow when more than `limit` bytes precede the line end.
+        """
+        start = self._pos + self._scanned
+        end = self._pos + limit + 2
+        i = self._buf.find(b"\n", start, end)
+        if i < 0:
+            if len(self) >= limit + 2:
+                raise LineOverflow(f"line longer than {limit} bytes")
+            self._scanned = len(self)
+            return None
+        line = bytes(self._buf[self._pos : i])
+        self._pos = i + 1
+        self._scanned = 0
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if len(line) > limit:
+            raise LineOverflow(f"line longer than {limit} bytes")
+        return line
+
+    def take(self, n: int) -> bytes | None:
+        """Exactly `n` bytes, or None if fewer are buffered."""
+        if len(self) < n:
+            return None
+        data = bytes(self._buf[self._pos : self._pos + n])
+        self._pos += n
+        self._scanned = 0
+        return data
+
+    def peek(self, start: int, end: int) -> bytes:
+        """Buffered bytes [start, end) counted from the first unread byte, left unread."""
+        return bytes(self._buf[self._pos + start : self._pos + min(end, len(self))])
+
+    def skip(self, n: int) -> int:
+        """Drop up to `n` bytes; returns how many were dropped."""
+        n = min(n, len(self))
+        self._pos += n
+        self._scanned = 0
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class ParserStatistics:
+    buffered_bytes: int  # received, not yet parsed
+    skipping_bytes: int  # still to be discarded for a refused value
+    failed: bool  # a closing error happened; the parser only re-raises it
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Set:
+    queue: str
+    flags: int
+    exptime: int  # as sent: 0 never, < 1,000,000 relative seconds, else unix seconds
+    data: bytes
+    noreply: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    key: str  # exactly as sent, options included: VALUE must echo it
+    queue: str
+    reader: str | None = None
+    timeout_ms: int = 0
+    open: bool = False
+    close: bool = False
+    abort: bool = False
+    peek: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    queue: str
+    reader: str | None = None
+    noreply: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Flush:
+    queue: str
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FlushAll:
+    delay_s: int = 0
+    noreply: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FlushExpired:
+    queue: str
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FlushAllExpired:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    args: tuple[str, ...] = ()  # `stats items` etc.; Kestrel ignores them
+
+
+@dataclass(frozen=True, slots=True)
+class DumpStats:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Reload:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Quit:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Monitor:
+    queue: str
+    timeout_s: int
+    max_items: int | None = None
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Confirm:
+    queue: str
+    count: int
+    reader: str | None = None
+
+
+Command: TypeAlias = (
+    Set | Get | Delete | Flush | FlushAll | FlushExpired | FlushAllExpired | Stats | DumpStats
+    | Version | Reload | Shutdown | Quit | Monitor | Confirm
+)
+Event: TypeAlias = Command | ConnectionClosed
+
+# -- reply encoders -------------------------------------------------------------------------
+
+_TOKEN_RE: Final = re.compile(r"[!-~]+")  # printable ASCII, no space: safe inside a reply line
+_UNSAFE_RE: Final = re.compile(r"[^ -~]")
+
+
+def _text(msg: str) -> bytes:
+    # Messages may quote peer input: never let it end the line or smuggle a second reply.
+    return _UNSAFE_RE.sub("?", msg).encode("ascii")
+
+
+def _token(s: str, what: str) -> bytes:
+    if _TOKEN_RE.fullmatch(s) is None:
+        raise LocalProtocolError(f"{what} {s!r} cannot go on the wire")
+    return s.encode("ascii")
+
+
+def stored() -> bytes:
+    return b"STORED\r\n"
+
+
+def not_stored() -> bytes:
+    return b"NOT_STORED\r\n"
+
+
+def value(key: str, flags: int, data: bytes) -> bytes:
+    """One `VALUE` block without the closing END (append end() after the last one)."""
+    if not 0 <= flags <= MAX_FLAGS:
+        raise LocalProtocolError(f"flags {flags} out of range")
+    return b"VALUE %s %d %d\r\n%s\r\n" % (_token(key, "key"), flags, len(data), data)
+
+
+def end() -> bytes:
+    return b"END\r\n"
+
+
+def error() -> bytes:
+    return b"ERROR\r\n"
+
+
+def client_error(msg: str = "") -> bytes:
+    return b"CLIENT_ERROR " + _text(msg) + b"\r\n" if msg else b"CLIENT_ERROR\r\n"
+
+
+def server_error(msg: str = "") -> bytes:
+    return b"SERVER_ERROR " + _text(msg) + b"\r\n" if msg else b"SERVER_ERROR\r\n"
+
+
+def deleted() -> bytes:
+    return b"DELETED\r\n"
+
+
+def not_found() -> bytes:
+    return b"NOT_FOUND\r\n"
+
+
+def ok() -> bytes:
+    return b"OK\r\n"
+
+
+def reloaded() -> bytes:
+    return b"Reloaded config.\r\n"
+
+
+def count(n: int) -> bytes:
+    """A bare number line: Kestrel's reply to flush_expired and flush_all_expired."""
+    return b"%d\r\n" % n
+
+
+def version(v: str) -> bytes:
+    return b"VERSION " + _token(v, "version") + b"\r\n"
+
+
+def stat(name: str, val: object) -> bytes:
+    return b"STAT " + _token(name, "stat name") + b" " + _text(str(val)) + b"\r\n"
+
+
+def stats(pairs: Iterable[tuple[str, object]]) -> bytes:
+    """`STAT name value` lines then END; per-queue names are `queue_<name>_<field>`."""
+    return b"".join(stat(k, v) for k, v in pairs) + end()
+
+
+def dump_stats(queues: Iterable[tuple[str, Iterable[tuple[str, object]]]]) -> bytes:
+    """Kestrel's readable grouping: `queue 'q' {`, `  field=value` lines, `}`, then END."""
+    out = []
+    for name, fields in queues:
+        out.append(b"queue '" + _token(name, "queue name") + b"' {\r\n")
+        out.extend(b"  " + _token(k, "stat name") + b"=" + _text(str(v)) + b"\r\n"
+                   for k, v in fields)
+        out.append(b"}\r\n")
+    return b"".join(out) + end()
+
+
+# -- parser ---------------------------------------------------------------------------------
+
+
+class _State(enum.Enum):
+    LINE = "line"  # waiting for a command line
+    DATA = "data"  # waiting for a set's data block and its CRLF
+    SKIP = "skip"  # discarding a refused data block, never buffering it
+    SKIP_END = "skip_end"  # the CRLF after a discarded block
+
+
+_STORAGE: Final = frozenset({b"set", b"add", b"replace", b"append", b"prepend", b"cas"})
+_NOREPLY: Final = frozenset({b"delete", b"flush_all"})  # besides the storage commands
+_Handler: TypeAlias = Callable[["MemcacheParser", list[bytes]], Command]
+
+
+class MemcacheParser:
+    """Bytes in (receive_data), commands out (next_event), in order, until NEED_DATA.
+
+    Call next_event() until NEED_DATA before each receive_data(): the buffer then stays
+    under max(max_line, max_item_size) plus one received chunk. receive_data(b"") means
+    the peer closed; next_event() then answers ConnectionClosed.
+
+    Choices where Kestrel and memcached differ or are silent:
+    - a set over max_item_size answers NOT_STORED (Kestrel's reply to an item over its
+      maxItemSize) from the header alone; the declared bytes and CRLF are then skipped
+      unbuffered and the connection stays usable;
+    - a storage command whose byte count cannot be read, or a data block not ending in
+      CRLF, closes: past that point its payload would be parsed as commands;
+    - add/replace/append/prepend/cas: data skipped, CLIENT_ERROR, connection kept;
+    - noreply silences every reply that keeps the connection, errors included (as
+      memcached does); a closing error is always sent;
+    - `get a b`: CLIENT_ERROR, connection kept (Kestrel silently used the first key);
+    - a bad get key or option set (Kestrel's rule: peek or abort with open or close,
+      peek with abort; also unknown options) is CLIENT_ERROR and closes, as Kestrel;
+    - unknown command or empty line: ERROR, kept (memcached; Kestrel said CLIENT_ERROR).
+    """
+
+    def __init__(
+        self, *, max_line: int = DEFAULT_MAX_LINE, max_item_size: int = DEFAULT_MAX_ITEM_SIZE
+    ) -> None:
+        if max_line < 16 or max_item_size < 0:
+            raise ValueError("max_line must be >= 16 and max_item_size >= 0")
+        self.max_line = max_line
+        self.max_item_size = max_item_size
+        self._in = ReceiveBuffer()
+        self._state = _State.LINE
+        self._skip = 0
+        self._pending: tuple[str, int, int, bool, int] | None = None
+        self._failed: ProtocolError | None = None
+
+    def receive_data(self, data: bytes) -> None:
+        if self._in.eof:
+            raise LocalProtocolError("receive_data() after end of stream")
+        if not data:
+            self._in.eof = True
+            return
+        if self._failed is not None:
+            return
+        view = memoryview(data)
+        if self._state is _State.SKIP and not len(self._in):
+            n = min(self._skip, len(view))  # refused bytes never enter the buffer
+            self._skip -= n
+            view = view[n:]
+            if not self._skip:
+                self._state = _State.SKIP_END
+        self._in.append(view)
+
+    def statistics(self) -> ParserStatistics:
+        return ParserStatistics(len(self._in), self._skip, self._failed is not None)
+
+    def next_event(self) -> Event | NeedData:
+        """The next command, ConnectionClosed, or NEED_DATA; raises ProtocolError."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            return self._next()
+        except ProtocolError as e:
+            if e.close:
+                self._failed = e
+            raise
+
+    # -- states --
+
+    def _next(self) -> Event | NeedData:
+        while True:
+            if self._state is _State.LINE:
+                try:
+                    line = self._in.take_line(self.max_line)
+                except LineOverflow as e:
+                    raise LineTooLong(str(e), reply=client_error("line too long"),
+                                      close=True) from None
+                if line is None:
+                    return self._starved()
+                event = self._command(line)
+                if event is not None:
+                    return event
+            elif self._state is _State.DATA:
+                assert self._pending is not None
+                queue, flags, exptime, noreply, size = self._pending
+                if len(self._in) < size + 2:
+                    return self._starved()
+                if self._in.peek(size, size + 2) != b"\r\n":
+                    raise BadDataChunk("data block not followed by CRLF",
+                                       reply=client_error("bad data chunk"), close=True)
+                data = self._in.take(size)
+                self._in.skip(2)
+                assert data is not None
+                self._pending = None
+                self._state = _State.LINE
+                return Set(queue, flags, exptime, data, noreply)
+            elif self._state is _State.SKIP:
+                self._skip -= self._in.skip(self._skip)
+                if self._skip:
+                    return self._starved()
+                self._state = _State.SKIP_END
+            else:  # SKIP_END
+                crlf = self._in.take(2)
+                if crlf is None:
+                    return self._starved()
+                self._state = _State.LINE
+                if crlf != b"\r\n":
+                    raise BadDataChunk("data block not followed by CRLF",
+                                       reply=client_error("bad data chunk"), close=True)
+
+    def _starved(self) -> ConnectionClosed | NeedData:
+        return ConnectionClosed(len(self._in)) if self._in.eof else NEED_DATA
+
+    def _command(self, line: bytes) -> Command | None:
+        """An event, or None when a storage command switched state to read its data."""
+        tokens = line.split()
+        if not tokens:
+            raise UnknownCommand("empty command line", reply=error(), close=False)
+        name, args = tokens[0].lower(), tokens[1:]
+        if name in _STORAGE:
+            self._storage(name, args)
+            return None
+        handler = _HANDLERS.get(name)
+        if handler is None:
+            raise UnknownCommand(f"unknown command {name[:40]!r}", reply=error(), close=False)
+        if name == b"get" and len(args) == 1:
+            try:
+                return handler(self, args)
+            except ArgumentError as e:  # Kestrel closes on a malformed key or bad options
+                raise BadCommand(str(e), reply=client_error(str(e)), close=True) from None
+        noreply = name in _NOREPLY and bool(args) and args[-1] == b"noreply"
+        try:
+            return handler(self, args)
+        except ArgumentError as e:
+            reply = b"" if noreply else client_error(str(e))
+            raise BadCommand(str(e), reply=reply, close=False) from None
+
+    def _storage(self, name: bytes, args: list[bytes]) -> None:
+        noreply = bool(args) and args[-1] == b"noreply"
+        core = args[:-1] if noreply else args
+        if len(core) != (5 if name == b"cas" else 4) or not core[3].isdigit():
+            # Without a trustworthy length the data block would be parsed as commands.
+            msg = "bad command line format"
+            raise BadCommand(msg, reply=client_error(msg), close=True)
+        size = int(core[3]) if len(core[3]) <= 30 else 1 << 100
+        quiet = b"" if noreply else None
+        if size > self.max_item_size:
+            self._begin_skip(size)
+            raise TooLarge(f"value of {size} bytes over the {self.max_item_size} byte cap",
+                           reply=quiet if quiet is not None else not_stored(), close=False)
+        if name != b"set":
+            self._begin_skip(size)
+            msg = f"{name.decode('ascii')} is not supported; queues only take set"
+            raise BadCommand(msg, reply=quiet if quiet is not None else client_error(msg),
+                             close=False)
+        try:
+            queue = parse_queue(core[0])
+            flags = parse_int(core[1], "flags", 0, MAX_FLAGS)
+            exptime = parse_int(core[2], "exptime", I64_MIN, I64_MAX)
+        except ArgumentError as e:
+            self._begin_skip(size)
+            raise BadCommand(str(e), reply=quiet if quiet is not None else client_error(str(e)),
+                             close=False) from None
+        self._pending = (queue, flags, exptime, noreply, size)
+        self._state = _State.DATA
+
+    def _begin_skip(self, size: int) -> None:
+        self._skip = size
+        self._state = _State.SKIP
+
+    # -- one method per command without a data block --
+
+    def _get(self, args: list[bytes]) -> Get:
+        if len(args) != 1:  # multi-key get: queues answer one key at a time (Kestrel too)
+            raise ArgumentError("get takes exactly one key")
+        key = args[0]
+        address, *options = key.split(b"/")
+        queue, reader = parse_address(address)
+        timeout_ms = 0
+        flags = {b"open": False, b"close": False, b"abort": False, b"peek": False}
+        for opt in options:
+            if opt.startswith(b"t="):
+                timeout_ms = parse_int(opt[2:], "timeout", 0, MAX_TIMEOUT_MS)
+            elif opt in flags:
+                flags[opt] = True
+            else:
+                raise ArgumentError("unknown get option")
+        opening, closing = flags[b"open"], flags[b"close"]
+        aborting, peeking = flags[b"abort"], flags[b"peek"]
+        # Kestrel's rule: peek and abort exclude each other and exclude open/close.
+        if ((peeking or aborting) and (opening or closing)) or (peeking and aborting):
+            raise ArgumentError("invalid combination of get options")
+        return Get(key.decode("ascii"), queue, reader, timeout_ms,
+                   opening, closing, aborting, peeking)
+
+    def _delete(self, args: list[bytes]) -> Delete:
+        noreply = _noreply(args)
+        _arity(args, 1, 1, "delete <queue> [noreply]")
+        queue, reader = parse_address(args[0])
+        return Delete(queue, reader, noreply)
+
+    def _flush(self, args: list[bytes]) -> Flush:
+        _arity(args, 1, 1, "flush <queue>")
+        return Flush(*parse_address(args[0]))
+
+    def _flush_expired(self, args: list[bytes]) -> FlushExpired:
+        _arity(args, 1, 1, "flush_expired <queue>")
+        return FlushExpired(*parse_address(args[0]))
+
+    def _flush_all(self, args: list[bytes]) -> FlushAll:
+        noreply = _noreply(args)
+        _arity(args, 0, 1, "flush_all [delay] [noreply]")
+        delay = parse_int(args[0], "delay", 0, MAX_TIMEOUT_MS) if args else 0
+        return FlushAll(delay, noreply)
+
+    def _stats(self, args: list[bytes]) -> Stats:
+        return Stats(tuple(_name(a, "stats argument") for a in args))
+
+    def _monitor(self, args: list[bytes]) -> Monitor:
+        _arity(args, 2, 3, "monitor <queue> <seconds> [max_items]")
+        queue, reader = parse_address(args[0])
+        timeout_s = parse_int(args[1], "timeout", 0, MAX_TIMEOUT_MS)
+        max_items = parse_int(args[2], "max_items", 1, MAX_TIMEOUT_MS) if len(args) > 2 else None
+        return Monitor(queue, timeout_s, max_items, reader)
+
+    def _confirm(self, args: list[bytes]) -> Confirm:
+        _arity(args, 2, 2, "confirm <queue> <count>")
+        queue, reader = parse_address(args[0])
+        return Confirm(queue, parse_int(args[1], "count", 0, MAX_TIMEOUT_MS), reader)
+
+
+def _noreply(args: list[bytes]) -> bool:
+    """Pops a trailing `noreply`."""
+    if args and args[-1] == b"noreply":
+        args.pop()
+        return True
+    return False
+
+
+def _arity(args: list[bytes], lo: int, hi: int, usage: str) -> None:
+    if not lo <= len(args) <= hi:
+        raise ArgumentError(f"usage: {usage}")
+
+
+def _no_args(event: Command) -> _Handler:
+    def handler(parser: MemcacheParser, args: list[bytes]) -> Command:
+        if args:
+            raise ArgumentError("this command takes no arguments")
+        return event
+
+    return handler
+
+
+_HANDLERS: Final[dict[bytes, _Handler]] = {
+    b"get": MemcacheParser._get,
+    b"delete": MemcacheParser._delete,
+    b"flush": MemcacheParser._flush,
+    b"flush_all": MemcacheParser._flush_all,
+    b"flush_expired": MemcacheParser._flush_expired,
+    b"flush_all_expired": _no_args(FlushAllExpired()),
+    b"stats": MemcacheParser._stats,
+    b"dump_stats": _no_args(DumpStats()),
+    b"version": _no_args(Version()),
+    b"reload": _no_args(Reload()),
+    b"shutdown": _no_args(Shutdown()),
+    b"quit": _no_args(Quit()),
+    b"monitor": MemcacheParser._monitor,
+    b"confirm": MemcacheParser._confirm,
+}

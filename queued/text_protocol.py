@@ -1,0 +1,314 @@
+"""Kestrel's line "text" protocol (port 2222): a sans-IO parser and the reply encoders.
+
+Owns line framing, `put <queue>:` item blocks, argument checks and the reply bytes
+(`:data`, `*`, `+count`, `-message`, each ending in `\\n`, as Kestrel's TextHandler).
+PURE: no sockets, files, clocks or trio; it never buffers past its caps.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Final, TypeAlias
+
+from queued.memcache_protocol import (
+    MAX_TIMEOUT_MS,
+    NEED_DATA,
+    ArgumentError,
+    BadCommand,
+    ConnectionClosed,
+    LineOverflow,
+    LineTooLong,
+    LocalProtocolError,
+    NeedData,
+    ParserStatistics,
+    ProtocolError,
+    ReceiveBuffer,
+    TooLarge,
+    UnknownCommand,
+    parse_address,
+    parse_int,
+    parse_queue,
+)
+
+__all__ = [  # the shared pieces are re-exported so a session needs only this module
+    "NEED_DATA", "BadCommand", "Command", "Confirm", "ConnectionClosed", "Delete", "Event",
+    "Flush", "Get", "LineTooLong", "LocalProtocolError", "Monitor", "NeedData",
+    "ParserStatistics", "Peek", "ProtocolError", "Put", "Quit", "Shutdown", "TextParser",
+    "TooLarge", "UnknownCommand", "Version", "count", "empty", "error", "item", "version",
+]
+
+DEFAULT_MAX_LINE: Final = 2048
+DEFAULT_MAX_ITEM_SIZE: Final = 64 * 1024  # one item is one line
+DEFAULT_MAX_PUT_ITEMS: Final = 1024  # Kestrel's MAX_PUT_BUFFER
+DEFAULT_MAX_PUT_BYTES: Final = 4 * 1024 * 1024
+
+# -- commands -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    queue: str
+    items: tuple[bytes, ...]
+    expiry_ms: int | None = None  # relative milliseconds, as Kestrel's `put <queue> [expiry]:`
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    queue: str
+    timeout_ms: int = 0
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Peek:
+    queue: str
+    timeout_ms: int = 0
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Monitor:
+    queue: str
+    timeout_ms: int
+    max_items: int | None = None
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Confirm:
+    queue: str
+    count: int
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Flush:
+    queue: str
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    queue: str
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Quit:
+    pass
+
+
+Command: TypeAlias = (
+    Put | Get | Peek | Monitor | Confirm | Flush | Delete | Version | Shutdown | Quit
+)
+Event: TypeAlias = Command | ConnectionClosed
+
+# -- reply encoders -------------------------------------------------------------------------
+
+
+def item(data: bytes) -> bytes:
+    """`:<data>`. An item holding `\\n` cannot be framed here: LocalProtocolError."""
+    if b"\n" in data:
+        raise LocalProtocolError("item contains a newline; the text protocol cannot carry it")
+    return b":" + data + b"\n"
+
+
+def empty() -> bytes:
+    """`*`: no item (get/peek timed out, or the end of a monitor)."""
+    return b"*\n"
+
+
+def count(n: int) -> bytes:
+    """`+<n>`: items stored by put, confirmed by confirm; `+0` acknowledges flush/delete."""
+    return b"+%d\n" % n
+
+
+def error(msg: str) -> bytes:
+    # Messages may quote peer input: keep them on one printable line.
+    return b"-" + "".join(c if " " <= c <= "~" else "?" for c in msg).encode("ascii") + b"\n"
+
+
+def version(v: str) -> bytes:
+    """Kestrel answers `version` with a string response, `:<version>`."""
+    return item(v.encode("ascii", "replace"))
+
+
+# -- parser ---------------------------------------------------------------------------------
+
+
+class _State(enum.Enum):
+    LINE = "line"  # waiting for a command line
+    PUT = "put"  # collecting the item lines of a put
+    DISCARD = "discard"  # dropping the rest of a refused put, up to its blank line
+
+
+class TextParser:
+    """Bytes in (receive_data), commands out (next_event), in order, until NEED_DATA.
+
+    Lines end in `\\n` (a preceding `\\r` is dropped). Blank lines between commands are
+    ignored. A refused put (bad header, too many items or bytes) raises once and its
+    remaining lines are dropped up to the blank line, so the connection stays in step.
+    A line over its cap (max_line for commands, max_item_size for items) closes.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_line: int = DEFAULT_MAX_LINE,
+        max_item_size: int = DEFAULT_MAX_ITEM_SIZE,
+        max_put_items: int = DEFAULT_MAX_PUT_ITEMS,
+        max_put_bytes: int = DEFAULT_MAX_PUT_BYTES,
+    ) -> None:
+        if max_line < 16 or max_item_size < 1 or max_put_items < 1 or max_put_bytes < 0:
+            raise ValueError("caps too small")
+        self.max_line = max_line
+        self.max_item_size = max_item_size
+        self.max_put_items = max_put_items
+        self.max_put_bytes = max_put_bytes
+        self._in = ReceiveBuffer()
+        self._state = _State.LINE
+        self._put: tuple[str, int | None] | None = None
+        self._items: list[bytes] = []
+        self._put_size = 0
+        self._failed: ProtocolError | None = None
+
+    def receive_data(self, data: bytes) -> None:
+        if self._in.eof:
+            raise LocalProtocolError("receive_data() after end of stream")
+        if not data:
+            self._in.eof = True
+        elif self._failed is None:
+            self._in.append(data)
+
+    def statistics(self) -> ParserStatistics:
+        return ParserStatistics(len(self._in) + self._put_size, 0, self._failed is not None)
+
+    def next_event(self) -> Event | NeedData:
+        """The next command, ConnectionClosed, or NEED_DATA; raises ProtocolError."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            return self._next()
+        except ProtocolError as e:
+            if e.close:
+                self._failed = e
+            raise
+
+    def _next(self) -> Event | NeedData:
+        while True:
+            limit = self.max_line if self._state is _State.LINE else self.max_item_size
+            try:
+                line = self._in.take_line(limit)
+            except LineOverflow as e:
+                raise LineTooLong(str(e), reply=error("Line too long."), close=True) from None
+            if line is None:
+                if self._in.eof:
+                    return ConnectionClosed(len(self._in) + self._put_size)
+                return NEED_DATA
+            if self._state is _State.LINE:
+                event = self._command(line)
+                if event is not None:
+                    return event
+            elif self._state is _State.DISCARD:
+                if not line:
+                    self._state = _State.LINE
+            elif line:
+                self._add_item(line)
+            else:
+                assert self._put is not None
+                put = Put(self._put[0], tuple(self._items), self._put[1])
+                self._end_put(_State.LINE)
+                return put
+
+    def _add_item(self, line: bytes) -> None:
+        if len(self._items) >= self.max_put_items:
+            self._end_put(_State.DISCARD)
+            msg = f"Too many items in one put (max {self.max_put_items})."
+            raise TooLarge(msg, reply=error(msg), close=False)
+        if self._put_size + len(line) > self.max_put_bytes:
+            self._end_put(_State.DISCARD)
+            msg = f"Put larger than {self.max_put_bytes} bytes."
+            raise TooLarge(msg, reply=error(msg), close=False)
+        self._items.append(line)
+        self._put_size += len(line)
+
+    def _end_put(self, state: _State) -> None:
+        self._state = state
+        self._put = None
+        self._items = []
+        self._put_size = 0
+
+    def _command(self, line: bytes) -> Command | None:
+        """An event, or None for a blank line or a put header (its items follow)."""
+        line = line.rstrip()
+        tokens = line.split()
+        if not tokens:
+            return None
+        name = tokens[0].lower()
+        if name in (b"put", b"put:"):
+            self._put_header(line)
+            return None
+        try:
+            return self._simple(name, tokens[1:])
+        except ArgumentError as e:
+            raise BadCommand(str(e), reply=error(str(e)), close=False) from None
+
+    def _put_header(self, line: bytes) -> None:
+        if not line.endswith(b":"):
+            msg = "A put needs a trailing ':' and its items on the next lines."
+            raise BadCommand(msg, reply=error(msg), close=False)
+        args = line[:-1].split()[1:]
+        try:
+            _arity(args, 1, 2, "put <queue> [expiry_ms]:")
+            queue = parse_queue(args[0])
+            expiry = parse_int(args[1], "expiry", 0, MAX_TIMEOUT_MS) if len(args) > 1 else None
+        except ArgumentError as e:
+            self._end_put(_State.DISCARD)  # its items follow anyway: keep in step
+            raise BadCommand(str(e), reply=error(str(e)), close=False) from None
+        self._put = (queue, expiry)
+        self._state = _State.PUT
+
+    def _simple(self, name: bytes, args: list[bytes]) -> Command:
+        if name in (b"get", b"peek"):
+            _arity(args, 1, 2, f"{name.decode()} <queue> [timeout_ms]")
+            queue, reader = parse_address(args[0])
+            timeout = parse_int(args[1], "timeout", 0, MAX_TIMEOUT_MS) if len(args) > 1 else 0
+            return (Get if name == b"get" else Peek)(queue, timeout, reader)
+        if name == b"monitor":
+            _arity(args, 2, 3, "monitor <queue> <timeout_ms> [max_items]")
+            queue, reader = parse_address(args[0])
+            timeout = parse_int(args[1], "timeout", 0, MAX_TIMEOUT_MS)
+            most = parse_int(args[2], "max_items", 1, MAX_TIMEOUT_MS) if len(args) > 2 else None
+            return Monitor(queue, timeout, most, reader)
+        if name == b"confirm":
+            _arity(args, 2, 2, "confirm <queue> <count>")
+            queue, reader = parse_address(args[0])
+            return Confirm(queue, parse_int(args[1], "count", 0, MAX_TIMEOUT_MS), reader)
+        if name in (b"flush", b"delete"):
+            _arity(args, 1, 1, f"{name.decode()} <queue>")
+            return (Flush if name == b"flush" else Delete)(*parse_address(args[0]))
+        simple: dict[bytes, Command] = {
+            b"version": Version(), b"shutdown": Shutdown(), b"quit": Quit(),
+        }
+        if name in simple:
+            _arity(args, 0, 0, name.decode())
+            return simple[name]
+        shown = name[:40].decode("latin-1")
+        raise UnknownCommand(f"unknown command {shown!r}",
+                             reply=error(f"Unknown command: {shown}"), close=False)
+
+
+def _arity(args: list[bytes], lo: int, hi: int, usage: str) -> None:
+    if not lo <= len(args) <= hi:
+        raise ArgumentError(f"Usage: {usage}")

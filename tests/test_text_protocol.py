@@ -1,0 +1,249 @@
+"""The text protocol parser and encoders: tables fed in every chunking, caps, garbage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from queued import text_protocol as tp
+from queued.memcache_protocol import NEED_DATA, ConnectionClosed, LocalProtocolError, ProtocolError
+from queued.text_protocol import (
+    Confirm,
+    Delete,
+    Flush,
+    Get,
+    Monitor,
+    Peek,
+    Put,
+    Quit,
+    Shutdown,
+    TextParser,
+    Version,
+)
+
+
+@dataclass(frozen=True)
+class Err:
+    kind: str
+    reply: bytes
+    close: bool
+
+
+def make() -> TextParser:
+    return TextParser(max_line=64, max_item_size=32, max_put_items=3, max_put_bytes=40)
+
+
+def run(parser: TextParser, chunks: Iterable[bytes]) -> list[object]:
+    """Feeds chunks, draining events after each; stops after a closing error."""
+    out: list[object] = []
+    for chunk in chunks:
+        parser.receive_data(chunk)
+        while True:
+            try:
+                event = parser.next_event()
+            except ProtocolError as e:
+                out.append(Err(type(e).__name__, e.reply, e.close))
+                if e.close:
+                    return out
+                continue
+            if event is NEED_DATA:
+                break
+            out.append(event)
+            if isinstance(event, ConnectionClosed):
+                return out
+    return out
+
+
+def chunkings(data: bytes) -> Iterable[list[bytes]]:
+    yield [data]
+    yield [data[i : i + 1] for i in range(len(data))]
+    for i in range(1, len(data)):
+        yield [data[:i], data[i:]]
+
+
+def bad(msg: str) -> Err:
+    return Err("BadCommand", b"-" + msg.encode() + b"\n", False)
+
+
+TABLE: list[tuple[bytes, list[object]]] = [
+    (b"put q:\nhello\nworld\n\n", [Put("q", (b"hello", b"world"))]),
+    (b"put q 500:\r\na b\r\n\r\n", [Put("q", (b"a b",), 500)]),
+    (b"PUT q:\n\n", [Put("q", ())]),
+    (b"put q :\n\xff\x00\n\n", [Put("q", (b"\xff\x00",))]),
+    (b"put q:\n  \n\n", [Put("q", (b"  ",))]),
+    (b"get q\n", [Get("q")]),
+    (b"get q 100\r\n", [Get("q", 100)]),
+    (b"get q+r\n", [Get("q", 0, "r")]),
+    (b"get q:\n", [Get("q:")]),
+    (b"peek q\n", [Peek("q")]),
+    (b"peek q+r 5\n", [Peek("q", 5, "r")]),
+    (b"monitor q 1000\n", [Monitor("q", 1000)]),
+    (b"monitor q 1000 10\n", [Monitor("q", 1000, 10)]),
+    (b"confirm q 2\n", [Confirm("q", 2)]),
+    (b"flush q\n", [Flush("q")]),
+    (b"delete q+r\n", [Delete("q", "r")]),
+    (b"version\n", [Version()]),
+    (b"shutdown\n", [Shutdown()]),
+    (b"quit\n", [Quit()]),
+    (b"\n\r\n  \nversion\n", [Version()]),
+    # errors that keep the connection
+    (b"foo\n", [Err("UnknownCommand", b"-Unknown command: foo\n", False)]),
+    (b"\xff\x01\n", [Err("UnknownCommand", b"-Unknown command: ??\n", False)]),
+    (b"put q\nget q\n",
+     [bad("A put needs a trailing ':' and its items on the next lines."), Get("q")]),
+    (b"put:\nx\n\nget q\n", [bad("Usage: put <queue> [expiry_ms]:"), Get("q")]),
+    (b"put q+r:\nx\n\n", [bad("cannot write to a fanout reader; write to its queue")]),
+    (b"put q abc:\nx\ny\n\nversion\n", [bad("bad expiry"), Version()]),
+    (b"put q.x:\nx\n\n", [bad("bad queue name")]),
+    (b"get\n", [bad("Usage: get <queue> [timeout_ms]")]),
+    (b"get q x\n", [bad("bad timeout")]),
+    (b"get q -5\n", [bad("timeout out of range")]),
+    (b"get a.b\n", [bad("bad queue name")]),
+    (b"peek a b c\n", [bad("Usage: peek <queue> [timeout_ms]")]),
+    (b"monitor q\n", [bad("Usage: monitor <queue> <timeout_ms> [max_items]")]),
+    (b"confirm q\n", [bad("Usage: confirm <queue> <count>")]),
+    (b"confirm q x\n", [bad("bad count")]),
+    (b"flush\n", [bad("Usage: flush <queue>")]),
+    (b"delete a b\n", [bad("Usage: delete <queue>")]),
+    (b"version x\n", [bad("Usage: version")]),
+    (b"put q:\na\nb\nc\nd\ne\n\nget q\n",
+     [Err("TooLarge", b"-Too many items in one put (max 3).\n", False), Get("q")]),
+    (b"put q:\n" + b"x" * 30 + b"\n" + b"y" * 30 + b"\n\nget q\n",
+     [Err("TooLarge", b"-Put larger than 40 bytes.\n", False), Get("q")]),
+    # errors that close the connection
+    (b"put q:\n" + b"x" * 33 + b"\n\n", [Err("LineTooLong", b"-Line too long.\n", True)]),
+    (b"get " + b"q" * 61 + b"\n", [Err("LineTooLong", b"-Line too long.\n", True)]),
+]
+
+
+@pytest.mark.parametrize(("data", "expected"), TABLE, ids=[repr(d[:30]) for d, _ in TABLE])
+def test_table_in_every_chunking(data: bytes, expected: list[object]) -> None:
+    for chunks in chunkings(data):
+        assert run(make(), chunks) == expected, chunks
+
+
+def test_pipelined_commands_come_out_in_order() -> None:
+    keep = [(d, e) for d, e in TABLE if not any(isinstance(x, Err) and x.close for x in e)]
+    stream = b"".join(d for d, _ in keep)
+    expected = [x for _, e in keep for x in e]
+    assert run(make(), [stream]) == expected
+    assert run(make(), [stream[i : i + 5] for i in range(0, len(stream), 5)]) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_any_chunking_of_a_valid_stream_gives_the_same_events(data: st.DataObject) -> None:
+    keep = [(d, e) for d, e in TABLE if not any(isinstance(x, Err) and x.close for x in e)]
+    picked = data.draw(st.lists(st.sampled_from(keep), max_size=12))
+    stream = b"".join(d for d, _ in picked)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=10)))
+    bounds = zip([0, *cuts], [*cuts, len(stream)], strict=True)
+    chunks = [stream[a:b] for a, b in bounds if a < b]  # b"" would mean end of stream
+    assert run(make(), chunks) == [x for _, e in picked for x in e]
+
+
+def test_trailing_garbage_waits_for_a_line_end() -> None:
+    p = make()
+    assert run(p, [b"get q\nput q:\nab\n\x00garbage"]) == [Get("q")]
+    p.receive_data(b"")
+    assert p.next_event() == ConnectionClosed(unparsed=2 + len(b"\x00garbage"))
+    with pytest.raises(LocalProtocolError):
+        p.receive_data(b"x")
+
+
+def test_a_put_needs_its_blank_line() -> None:
+    p = make()
+    assert run(p, [b"put q:\na\nb\n"]) == []
+    assert run(p, [b"\n"]) == [Put("q", (b"a", b"b"))]
+
+
+def test_item_at_the_cap_is_accepted() -> None:
+    assert run(make(), [b"put q:\n" + b"x" * 32 + b"\n\n"]) == [Put("q", (b"x" * 32,))]
+
+
+def test_over_long_line_is_detected_without_its_line_end() -> None:
+    p = make()
+    p.receive_data(b"g" * 66)
+    with pytest.raises(tp.LineTooLong):
+        p.next_event()
+    with pytest.raises(tp.LineTooLong):  # final: every later call says the same
+        p.next_event()
+    assert p.statistics().failed
+
+
+def test_refused_put_does_not_keep_its_items() -> None:
+    p = make()
+    p.receive_data(b"put q:\na\nb\nc\nd\n")
+    with pytest.raises(tp.TooLarge):
+        p.next_event()
+    for _ in range(100):
+        p.receive_data(b"more\n")
+        assert p.next_event() is NEED_DATA
+        assert p.statistics().buffered_bytes == 0
+
+
+@pytest.mark.parametrize("name", [b"a.b", b"a~b", b"..", b"a\xffb", b"x" * 251, b"a+b+c", b"+b"])
+def test_bad_names(name: bytes) -> None:
+    p = TextParser()
+    for line in [b"get %s", b"peek %s", b"flush %s", b"delete %s", b"confirm %s 1"]:
+        [err] = run(p, [line % name + b"\n"])
+        assert isinstance(err, Err) and err.reply.startswith(b"-bad ") and not err.close
+    [err, event] = run(p, [b"put %s:\nitem\n\nversion\n" % name])
+    assert isinstance(err, Err) and not err.close and event == Version()
+
+
+GOLDEN: list[tuple[Callable[[], bytes], bytes]] = [
+    (lambda: tp.item(b"hello"), b":hello\n"),
+    (lambda: tp.item(b""), b":\n"),
+    (tp.empty, b"*\n"),
+    (lambda: tp.count(3), b"+3\n"),
+    (lambda: tp.error("Not that many transactions open."),
+     b"-Not that many transactions open.\n"),
+    (lambda: tp.error("x\n+1"), b"-x?+1\n"),
+    (lambda: tp.version("0.1.0"), b":0.1.0\n"),
+]
+
+
+@pytest.mark.parametrize(("encode", "wire"), GOLDEN)
+def test_reply_encoders_golden(encode: Callable[[], bytes], wire: bytes) -> None:
+    assert encode() == wire
+
+
+def test_an_item_with_a_newline_cannot_be_sent() -> None:
+    with pytest.raises(LocalProtocolError):
+        tp.item(b"two\nlines")
+
+
+def drain_only_events_or_protocol_errors(parser: TextParser, chunks: list[bytes]) -> None:
+    for chunk in [*(c for c in chunks if c), b""]:
+        parser.receive_data(chunk)
+        while True:
+            try:
+                event = parser.next_event()
+            except ProtocolError as e:
+                assert isinstance(e.reply, bytes)
+                if e.close:
+                    return
+                continue
+            if event is NEED_DATA or isinstance(event, ConnectionClosed):
+                break
+
+
+SOUP = [b"put ", b"get ", b"peek ", b"monitor ", b"confirm ", b"q", b"q+r", b":", b" ", b"0",
+        b"-1", b"99999999999999999999999", b"\n", b"\r\n", b"\r", b"\xff", b"x"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), max_size=8))
+def test_random_bytes_only_produce_events_or_protocol_errors(chunks: list[bytes]) -> None:
+    drain_only_events_or_protocol_errors(make(), chunks)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(SOUP), max_size=12).map(b"".join), max_size=8))
+def test_token_soup_only_produces_events_or_protocol_errors(chunks: list[bytes]) -> None:
+    drain_only_events_or_protocol_errors(make(), chunks)
