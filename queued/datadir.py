@@ -160,7 +160,11 @@ class DataDir:
         numbers = sorted(f.number for f in files if f.role is jf.FileRole.SEGMENT)
         for number in numbers:
             path = self.path / jf.segment_name(name, number)
-            result = scan_segment(path, number, self.config.corruption, quarantine)
+            # Only the newest segment can be torn: the writer fsyncs a segment
+            # before it rotates away (unless fsync is "never").
+            never = self.queue_config(name).fsync.mode is FsyncMode.NEVER
+            result = scan_segment(path, number, self.config.corruption, quarantine,
+                                  tail_may_tear=never or number == numbers[-1])
             rep.truncated_bytes += result.truncated_bytes
             rep.damage.extend(result.damage)
             if result.quarantined_to is not None:

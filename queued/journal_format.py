@@ -586,11 +586,18 @@ def decode_all(data: bytes, kind: FileKind | None = FileKind.WRITER) -> list[Dec
             return out
 
 
+#: CRC work (bytes) find_valid_check_after may spend before giving up undecided.
+CHECK_SEARCH_BUDGET: Final = 1 << 30
+
+
 def find_valid_check_after(
-    data: bytes | bytearray | memoryview, start: int, base: int = 0
+    data: bytes | bytearray | memoryview, start: int, base: int = 0,
+    budget: int = CHECK_SEARCH_BUDGET,
 ) -> int | None:
     """Index of the first check record in `data[start:]` whose crc verifies,
-    `data[0]` being at file offset `base`.
+    `data[0]` being at file offset `base`; None when there is none; -1 when
+    `budget` bytes of CRC work did not settle it (crafted data can hold a
+    candidate at every byte), which callers must treat as "maybe".
 
     A check record carries the length of what it covers, so it can be found
     without parsing what precedes it: this is how recovery tells a torn tail
@@ -604,10 +611,12 @@ def find_valid_check_after(
     while pos >= 0 and pos + CHECK_RECORD_SIZE <= n:
         _, length, crc = _CHECK.unpack_from(buf, pos)
         begin = pos - length
-        if 0 < length <= pos - start and (
-            zlib.crc32(memoryview(buf)[begin:pos], crc_seed(base + begin)) == crc
-        ):
-            return pos
+        if 0 < length <= pos - start:
+            budget -= length
+            if budget < 0:
+                return -1
+            if zlib.crc32(memoryview(buf)[begin:pos], crc_seed(base + begin)) == crc:
+                return pos
         pos = buf.find(marker, pos + 1)
     return None
 
@@ -655,7 +664,7 @@ def parse_file_name(name: str) -> JournalFileName | None:
         return None
     if TEMP_MARK in name:
         return JournalFileName(queue, FileRole.TEMP)
-    if rest.isdigit() and rest.isascii():
+    if rest.isdigit() and rest.isascii() and (rest == "0" or rest[0] != "0"):
         return JournalFileName(queue, FileRole.SEGMENT, number=int(rest))
     if rest.startswith("read."):
         reader = rest[5:]

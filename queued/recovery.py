@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from queued import journal_format as jf
-from queued.errors import CorruptJournalError, CorruptRecordError
+from queued.errors import BadMagicError, CorruptJournalError, CorruptRecordError
 
 log = logging.getLogger("queued.recovery")
 
@@ -151,45 +151,64 @@ def inspect_segment(path: Path, number: int = 0) -> Inspection:
         end_event: jf.EndOfData | jf.TornTail | CorruptRecordError
         try:
             end_event = _scan_sealed(f, dec, info) if info.sealed else _scan_plain(f, dec, info)
+        except BadMagicError as exc:
+            return Inspection(info, file_size, TailState.MIDDLE_CORRUPTION, 0,
+                              f"not a journal segment: {exc.reason}")
         except CorruptRecordError as exc:
             end_event = exc
     if isinstance(end_event, jf.EndOfData):
-        info.size = end_event.offset
-        state = TailState.CLEAN if end_event.offset == file_size else TailState.ZERO_TAIL
-        return Inspection(info, file_size, state, end_event.offset,
-                          "" if state is TailState.CLEAN else state.value)
-    if isinstance(end_event, jf.TornTail):
-        state = TailState.TORN_TAIL
-        reason = f"torn tail: an unfinished batch at offset {end_event.offset}"
+        if end_event.offset == file_size:
+            info.size = end_event.offset
+            return Inspection(info, file_size, TailState.CLEAN, file_size)
+        state, reason = TailState.ZERO_TAIL, TailState.ZERO_TAIL.value
+        good_end = end_event.offset
     else:
-        state = TailState.GARBAGE_TAIL
-        reason = f"garbage tail: {end_event}"
-    if not info.sealed:
-        # A seed file has no check codes: trust every structurally valid record.
-        return Inspection(info, file_size, state, info.size or jf.MAGIC_SIZE, reason)
-    assert dec.last_check_end is not None
-    good_end = dec.last_check_end
+        if isinstance(end_event, jf.TornTail):
+            state = TailState.TORN_TAIL
+            reason = f"torn tail: an unfinished batch at offset {end_event.offset}"
+        else:
+            state = TailState.GARBAGE_TAIL
+            reason = f"garbage tail: {end_event}"
+        # Sealed: the end of the last verified batch. Seed files have no check
+        # codes, so every structurally valid record is trusted, as Kestrel does.
+        good_end = max(info.size, jf.MAGIC_SIZE)
     info.size = good_end
-    # Is anything verified after the damage? Then it is not a tail.
+    # Is anything verified after the damage? Then it is not a tail. (For an
+    # unsealed file this also catches one of ours whose leading check is damaged.)
     with path.open("rb") as f:
         f.seek(good_end)
         tail = f.read()
-    if jf.find_valid_check_after(tail, 0, good_end) is not None:
-        what = str(end_event) if isinstance(end_event, CorruptRecordError) else "unsealed batch"
+    later = jf.find_valid_check_after(tail, 0, good_end)
+    if later is not None:
+        why = "could not be ruled out" if later < 0 else "found"
         return Inspection(info, file_size, TailState.MIDDLE_CORRUPTION, good_end,
-                          f"{what}, with verified batches after it")
+                          f"{reason}; verified batches after it {why}")
     return Inspection(info, file_size, state, good_end, reason)
 
 
 def scan_segment(
-    path: Path, number: int, policy: CorruptionPolicy, quarantine_dir: Path
+    path: Path,
+    number: int,
+    policy: CorruptionPolicy,
+    quarantine_dir: Path,
+    *,
+    tail_may_tear: bool = True,
 ) -> ScanResult:
-    """Verify one writer segment and repair what recovery may repair (see module doc)."""
+    """Verify one writer segment and repair what recovery may repair (see module doc).
+
+    `tail_may_tear` is False for a segment the writer fsynced before rotating
+    away from it (every segment but the newest, unless fsync is "never"): a
+    damaged end there is corruption, not a torn write.
+    """
     found = inspect_segment(path, number)
     info = found.segment
     result = ScanResult(info)
     if found.state is TailState.CLEAN:
         return result
+    tails = (TailState.TORN_TAIL, TailState.GARBAGE_TAIL, TailState.ZERO_TAIL)
+    if not tail_may_tear and info.sealed and found.state in tails:
+        found.state = TailState.MIDDLE_CORRUPTION
+        found.reason += " (in an older segment, which was fsynced before the next one began)"
     if found.state is TailState.SHORT_FILE:
         # A crash while creating the segment: nothing was ever acknowledged in it.
         return _cut_short_file(path, found.file_size, result)
@@ -253,6 +272,8 @@ def _scan_plain(
                 return ev
             info.size = last_good
             return ev
+    except BadMagicError:
+        raise
     except CorruptRecordError as exc:
         info.size = last_good
         return exc
@@ -321,7 +342,7 @@ def _middle_corruption(
     prev_last = info.last_id
     while pos < len(tail):
         found = jf.find_valid_check_after(tail, pos, good_end)
-        if found is None:
+        if found is None or found < 0:
             damage.append(Damage(path.name, good_end + pos, len(tail) - pos, reason))
             break
         length = int.from_bytes(tail[found + 1 : found + 5], "little")
@@ -339,6 +360,8 @@ def _middle_corruption(
                 if not isinstance(ev, jf.Batch):
                     break
                 if ev.count and ev.first_id <= prev_last:
+                    damage.append(Damage(path.name, ev.offset, ev.end - ev.offset,
+                                         "verified batch with ids going backwards"))
                     break
                 if ev.count:
                     prev_last = ev.last_id
@@ -349,7 +372,11 @@ def _middle_corruption(
         pos = max(end, found + jf.CHECK_RECORD_SIZE)
         reason = "damaged region between verified batches"
     with path.open("rb") as f:
-        salvaged = bytearray(f.read(good_end))
+        head = f.read(good_end)
+    # Verified batches before the damage keep their offsets; a damaged seal is renewed.
+    if head[: jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE] != jf.WRITER_MAGIC + jf.EMPTY_CHECK:
+        head = jf.WRITER_MAGIC + jf.EMPTY_CHECK
+    salvaged = bytearray(head)
     for records in runs:
         salvaged += jf.seal(records, len(salvaged))
     quarantine_dir.mkdir(parents=True, exist_ok=True)
@@ -368,7 +395,7 @@ def _middle_corruption(
     again = scan_segment(path, info.number, CorruptionPolicy.REFUSE, quarantine_dir)
     result.segment = again.segment
     result.segment.inode = path.stat().st_ino
-    result.truncated_bytes = good_end + len(tail) - len(salvaged)
+    result.truncated_bytes = max(0, good_end + len(tail) - len(salvaged))
     return result
 
 
