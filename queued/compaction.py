@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from queued import journal_format as jf
+from queued.errors import JournalError
 from queued.recovery import Checkpoint, SegmentInfo, fsync_dir
 
 if TYPE_CHECKING:
@@ -89,10 +90,26 @@ def needed(put_id: int, readers: list[tuple[int, frozenset[int]]]) -> bool:
 def rewrite_run(
     journal: QueueJournal, run: tuple[SegmentInfo, ...], readers: dict[str, Checkpoint]
 ) -> SegmentInfo | None:
-    """Synchronous: write the run's needed records into one segment replacing it."""
+    """Synchronous: write the run's needed records into one segment and rename it over
+    the run's last segment. The caller publishes it, then retires run[:-1]. Returns
+    None when nothing was needed (then the whole run is retired here)."""
+    tmp = run[-1].path.with_name(jf.temp_name(run[-1].path.name))
+    try:
+        return _rewrite_run(journal, run, readers, tmp)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)  # do not hold disk space when space is what we lack
+        raise JournalError(f"compaction of {run[0].path.name}..{run[-1].path.name} "
+                           f"failed: {exc}") from exc
+
+
+def _rewrite_run(
+    journal: QueueJournal,
+    run: tuple[SegmentInfo, ...],
+    readers: dict[str, Checkpoint],
+    tmp: Path,
+) -> SegmentInfo | None:
     snapshot = [(cp.head, frozenset(cp.done)) for cp in readers.values()]
     last = run[-1]
-    tmp = last.path.with_name(jf.temp_name(last.path.name))
     out = SegmentInfo(last.number, last.path, size=0, compacted_from=run[0].number)
     marker = jf.encode_record(jf.Compacted(run[0].number, last.number))
     head = jf.WRITER_MAGIC + jf.EMPTY_CHECK + jf.seal(marker, jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE)
@@ -144,23 +161,11 @@ def rewrite_run(
     os.replace(tmp, last.path)
     fsync_dir(last.path.parent)
     out.inode = last.path.stat().st_ino
-    retire(journal, list(run[:-1]))
     return out
 
 
 def retire(journal: QueueJournal, segs: list[SegmentInfo]) -> None:
-    """Delete or archive; compaction outputs are deleted (their originals are archived)."""
-    archive = [s.path for s in segs if s.compacted_from is None]
-    delete = [s.path for s in segs if s.compacted_from is not None]
-    if journal.datadir.config.archive_dir is None:
-        journal.datadir.retire_files(archive + delete)
-        return
-    if archive:
-        journal.datadir.retire_files(archive)
-    for p in delete:
-        Path(p).unlink(missing_ok=True)
-    if delete:
-        fsync_dir(journal.datadir.path)
+    journal.datadir.retire_segments(segs)
 
 
 async def compact(journal: QueueJournal) -> CompactionResult:
@@ -179,10 +184,12 @@ async def compact(journal: QueueJournal) -> CompactionResult:
         removed = len(plan.dead)
     for run in plan.runs:
         new = await trio.to_thread.run_sync(rewrite_run, journal, run, readers)
+        # Publish the new list before the originals go, so read-back finds its records.
         at = journal.segments.index(run[0])
         del journal.segments[at : at + len(run)]
         if new is not None:
             journal.segments.insert(at, new)
+            await trio.to_thread.run_sync(retire, journal, list(run[:-1]))
         freed += sum(s.size for s in run) - (new.size if new else 0)
         rewritten += len(run)
     archived = removed if journal.datadir.config.archive_dir is not None else 0

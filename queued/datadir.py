@@ -221,7 +221,7 @@ class DataDir:
             "recovery: queue %s: finishing an interrupted compaction, retiring %s",
             name, ", ".join(s.path.name for s in leftovers),
         )
-        self.retire_files([s.path for s in leftovers])
+        self.retire_segments(leftovers)
         return [s for s in segments if s.number not in replaced]
 
     # -- queues ---------------------------------------------------------------------
@@ -244,17 +244,32 @@ class DataDir:
         j._closed = True
         self._dirty.pop(j, None)
         j._fail_pending(JournalClosedError(f"queue {name!r} was deleted"))
-        paths = [s.path for s in j.segments]
-        paths += [self.path / jf.checkpoint_name(name, r) for r in j.readers]
 
         def remove() -> None:
             j._close_sync()
-            for p in paths:
-                p.unlink(missing_ok=True)
+            # List the directory now: a round or compaction may have made files since.
+            for entry in os.listdir(self.path):
+                parsed = jf.parse_file_name(entry)
+                if parsed is not None and parsed.queue == name:
+                    (self.path / entry).unlink(missing_ok=True)
             fsync_dir(self.path)
 
-        async with self._round_lock:
+        # No round, compaction or checkpoint of this queue may run while its files go.
+        async with self._round_lock, j._maintenance_lock, j._checkpoint_lock:
             await trio.to_thread.run_sync(remove)
+
+    def retire_segments(self, segs: list[SegmentInfo]) -> None:
+        """Retire whole segments: originals are archived (with archive_dir), compaction
+        outputs deleted, since their records are in the archived originals already."""
+        if self.config.archive_dir is None:
+            self.retire_files([s.path for s in segs])
+            return
+        self.retire_files([s.path for s in segs if s.compacted_from is None])
+        outputs = [s.path for s in segs if s.compacted_from is not None]
+        for p in outputs:
+            p.unlink(missing_ok=True)
+        if outputs:
+            fsync_dir(self.path)
 
     def retire_files(self, paths: list[Path]) -> None:
         """Delete dead segments, or move them to archive_dir; durable either way."""
@@ -269,6 +284,7 @@ class DataDir:
                     shutil.copyfile(p, dest)
                     with dest.open("rb") as f:
                         os.fsync(f.fileno())
+                    fsync_dir(archive)  # the copy is durable before the original goes
                     p.unlink()
             fsync_dir(archive)
         else:
@@ -335,13 +351,24 @@ class DataDir:
     async def aclose(self) -> None:
         """Finish pending appends, fsync and close every segment."""
         self._closing = True
+        for j in self.queues.values():
+            j._closed = True  # appends from now on fail at once instead of waiting forever
         self._wake.set()
         with trio.CancelScope(shield=True):
             await self._writer_done.wait()
+            for j in self.queues.values():  # anything queued after the writer's last round
+                j._fail_pending(JournalClosedError(f"queue {j.name!r}: data dir closed"))
 
             def close_all() -> None:
+                errors: list[OSError] = []
                 for j in self.queues.values():
-                    j._close_sync()
+                    try:
+                        j._close_sync()
+                    except OSError as exc:  # close the others all the same
+                        errors.append(exc)
+                        log.error("closing queue %s: %s", j.name, exc)
+                if errors:
+                    raise errors[0]
 
             await trio.to_thread.run_sync(close_all)
 

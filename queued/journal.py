@@ -317,6 +317,11 @@ class QueueJournal:
         limit = self.config.max_journal_size
         if not limit or self.total_bytes + incoming <= limit:
             return
+        if incoming > limit:  # could never fit: refuse before dropping anything
+            raise JournalFullError(
+                f"queue {self.name!r}: {incoming} bytes can never fit in "
+                f"max_journal_size {limit}"
+            )
         await self.compact()
         if self.total_bytes + incoming <= limit:
             return
@@ -430,7 +435,7 @@ class QueueJournal:
             self._fsync()
 
     def _fsync_deadline(self) -> float | None:
-        if self.config.fsync.mode is FsyncMode.PERIODIC and self._unsynced:
+        if self.config.fsync.mode is FsyncMode.PERIODIC and self._unsynced and not self._failed:
             return self._last_fsync + self.config.fsync.interval_ms / 1000
         return None
 
@@ -502,9 +507,12 @@ class QueueJournal:
             try:
                 yield from self._iter_segment(seg, next_id, to_id)
             except FileNotFoundError:
-                misses += 1  # compaction replaced it under us: look it up again
-                if misses > 3:
+                # Compaction replaced it under us and is about to publish the new
+                # list: look it up again after a short pause (bounded).
+                misses += 1
+                if misses > 50:
                     raise
+                time.sleep(0.002 * misses)
                 continue
             next_id = max(next_id, seg.last_id + 1)
 
@@ -577,7 +585,7 @@ class QueueJournal:
                         await self.write_checkpoint(reader, seg.last_id, cp.done)
                 if not self.readers:
                     await self.write_checkpoint("", seg.last_id)
-                await trio.to_thread.run_sync(self.datadir.retire_files, [seg.path])
+                await trio.to_thread.run_sync(self.datadir.retire_segments, [seg])
                 self.segments.remove(seg)
                 log.warning(
                     "queue %s: journal over max_journal_size, dropped %d items (ids %d..%d)",

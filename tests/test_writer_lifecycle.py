@@ -1,0 +1,176 @@
+"""Review: writer task, delete_queue, aclose, periodic fsync, compaction read-back races,
+drop_oldest and archive semantics. Each test FAILS against the current code."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+from queued import compaction
+from queued import journal_format as jf
+from queued.datadir import DataDir, open_data_dir
+from queued.errors import JournalClosedError, JournalFullError
+from queued.journal import DataDirConfig, FsyncPolicy, FullPolicy, JournalConfig, QueueJournal
+
+T0 = 1_700_000_000_000
+ITEM = b"x" * 100  # PUT record 125 bytes; with journal_size=600 a segment holds 4 items
+
+
+def queue_files(path: Path, queue: str = "q") -> list[str]:
+    return sorted(
+        p.name for p in path.iterdir()
+        if (n := jf.parse_file_name(p.name)) is not None and n.queue == queue
+    )
+
+
+async def test_delete_queue_during_a_round_leaves_no_segment_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # delete_queue snapshots j.segments BEFORE waiting for the round lock; a segment the
+    # in-flight round creates is added by _apply afterwards and is never unlinked. The
+    # deleted queue comes back (with its items) at the next start.
+    entered, release = threading.Event(), threading.Event()
+    real_round = DataDir._round
+
+    def slow_round(work, periodic):  # type: ignore[no-untyped-def]
+        if work:
+            entered.set()
+            release.wait(5)
+        return real_round(work, periodic)
+
+    monkeypatch.setattr(DataDir, "_round", staticmethod(slow_round))
+    async with open_data_dir(tmp_path) as dd:
+        q = dd.queue("q")
+
+        async def put() -> None:
+            await q.append([b"hello"], T0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(put)
+            await trio.to_thread.run_sync(entered.wait, 5)
+            nursery.start_soon(dd.delete_queue, "q")
+            await trio.sleep(0.05)  # delete_queue is now waiting for the round lock
+            release.set()
+    assert queue_files(tmp_path) == [], "deleted queue left files behind"
+    assert "q" not in DataDir.open(tmp_path).queues, "deleted queue resurrected at restart"
+
+
+async def test_append_after_aclose_fails_instead_of_hanging(tmp_path: Path) -> None:
+    # aclose() stops the writer but never marks the journals closed: append_nowait still
+    # queues the items and the ticket is never woken.
+    async with open_data_dir(tmp_path) as dd:
+        q = dd.queue("q")
+        await q.append([b"a"], T0)
+    with trio.move_on_after(2) as scope, pytest.raises(JournalClosedError):
+        await q.append([b"b"], T0)
+    assert not scope.cancelled_caught, "append after aclose hung forever"
+
+
+async def test_failed_periodic_fsync_does_not_spin_the_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After a periodic fsync fails, _unsynced stays True and _last_fsync stays old, so
+    # _fsync_deadline() is always in the past: DataDir.run loops with move_on_after(0),
+    # retrying fsync and logging an error on every iteration (100% CPU).
+    conf = JournalConfig(fsync=FsyncPolicy.parse("20"))
+    async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
+        q = dd.queue("q")
+
+        def failing_fsync(self: QueueJournal) -> None:
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(QueueJournal, "_fsync", failing_fsync)
+        # the spin logs one error per iteration; keep the test output readable
+        monkeypatch.setattr(logging.getLogger("queued.journal"), "disabled", True)
+        await q.append([b"a"], T0)  # acknowledged after the write (periodic policy)
+        before = dd.statistics().rounds
+        await trio.sleep(0.5)
+        rounds = dd.statistics().rounds - before
+        monkeypatch.undo()
+    assert q.failed is not None
+    assert rounds < 20, f"writer ran {rounds} rounds in 0.5 s while idle"
+
+
+
+
+async def test_read_back_during_compaction_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rewrite_run renames the output over q.<last> and retires the originals inside the
+    # worker thread; journal.segments is only updated after the thread returns. A
+    # read-back in that window (a consumer's read-behind, in another worker thread)
+    # sees S1 missing and S2 with another inode, retries 3 times without waiting and
+    # raises FileNotFoundError.
+    conf = JournalConfig(journal_size=600)
+    seen: list[object] = []
+    real_retire = compaction.retire
+
+    async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
+        q = dd.queue("q")
+        for _ in range(13):
+            await q.append([ITEM], T0)
+        assert [(s.first_id, s.last_id) for s in q.segments] == [
+            (1, 4), (5, 8), (9, 12), (13, 13)
+        ]
+        await q.write_checkpoint("", 0, [1, 2, 3, 5, 6, 7])
+
+        def retire_then_read(journal, segs):  # type: ignore[no-untyped-def]
+            real_retire(journal, segs)
+            try:
+                seen.append([p.id for p in journal.iter_puts(1)])
+            except Exception as exc:
+                seen.append(exc)
+
+        monkeypatch.setattr(compaction, "retire", retire_then_read)
+        result = await q.compact()
+        assert result.rewritten == 2
+    assert seen == [[4, 8, 9, 10, 11, 12, 13]], seen
+
+
+async def test_drop_oldest_does_not_drop_everything_for_an_item_that_can_never_fit(
+    tmp_path: Path,
+) -> None:
+    # _make_room calls _drop_oldest(limit - incoming) with a negative target when one
+    # item is bigger than max_journal_size: every segment but the newest is dropped
+    # (items lost, checkpoints moved) and the put is refused anyway.
+    conf = JournalConfig(journal_size=600, max_journal_size=2000,
+                         full_policy=FullPolicy.DROP_OLDEST)
+    async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
+        q = dd.queue("q")
+        for _ in range(13):
+            await q.append([ITEM], T0)
+        with pytest.raises(JournalFullError):
+            await q.append([b"y" * 5000], T0)
+        assert [p.id for p in q.iter_puts(1)] == list(range(1, 14)), "items were dropped"
+
+
+async def test_drop_oldest_of_a_compaction_output_does_not_overwrite_the_archived_original(
+    tmp_path: Path,
+) -> None:
+    # With archive_dir, rewrite_run copies the original q.<last> into the archive and
+    # renames the compaction output over it. _drop_oldest retires that output with
+    # DataDir.retire_files, which os.replace()s it into archive/q.<last>: the archived
+    # original (ids 5..8) is overwritten by the compacted subset (ids 4, 8).
+    archive = tmp_path / "archive"
+    conf = JournalConfig(journal_size=600)
+    data = tmp_path / "data"
+    async with open_data_dir(data, DataDirConfig(archive_dir=archive),
+                             queue_config=lambda _: conf) as dd:
+        q = dd.queue("q")
+        for _ in range(13):
+            await q.append([ITEM], T0)
+        await q.write_checkpoint("", 0, [1, 2, 3, 5, 6, 7])
+        await q.compact()
+        await q._drop_oldest(q.total_bytes - 1)
+
+    archived: set[int] = set()
+    for p in archive.iterdir():
+        for d in jf.decode_all(p.read_bytes()):
+            if isinstance(d.record, jf.Put):
+                archived.add(d.record.id)
+    assert set(range(1, 9)) <= archived, f"archive lost ids {set(range(1, 9)) - archived}"
