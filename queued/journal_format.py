@@ -539,15 +539,8 @@ class RecordDecoder:
                 size = unpack_i32(buf, pos + 1)[0]
                 if size < 0 or size > cap:
                     raise CorruptRecordError(base + pos, f"bad data size {size}")
-                if cmd >> 4 == CMD_PUT:
-                    xid = _Q.unpack_from(buf, pos + 9)[0]
-                    if xid <= 0:
-                        raise CorruptRecordError(base + pos, f"PUT with non-positive id {xid}")
-                    if count == 0:
-                        first = xid
-                    count += 1
-                    last = xid
-                elif cmd >> 4 == CMD_READ_DONE and size % 8:
+                # (Every valid PUT took the fast path above: _need refuses other sizes.)
+                if cmd >> 4 == CMD_READ_DONE and size % 8:
                     raise CorruptRecordError(
                         base + pos, f"READ_DONE data size {size} not a multiple of 8"
                     )
