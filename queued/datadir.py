@@ -321,7 +321,8 @@ class DataDir:
                     wait = float("inf") if deadline is None else deadline - time.monotonic()
                     with trio.move_on_after(max(0.0, wait)):
                         await self._wake.wait()
-                    self._wake = trio.Event()
+                # Appends from here on set a fresh event and are taken next round.
+                self._wake = trio.Event()
                 work = [(j, j._take_pending()) for j in self._dirty]
                 self._dirty.clear()
                 periodic = [
