@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,10 +23,18 @@ from queued.errors import JournalError
 from queued.recovery import Checkpoint, SegmentInfo, fsync_dir
 
 if TYPE_CHECKING:
-    from queued.journal import CompactionResult, QueueJournal
+    from queued.journal import QueueJournal
 
 #: Records per batch in a rewritten segment.
 REWRITE_BATCH_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionResult:
+    removed: int = 0
+    archived: int = 0
+    rewritten: int = 0  # segments replaced by rewrites
+    bytes_freed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,39 +152,27 @@ def _rewrite_run(
         f.flush()
         os.fsync(f.fileno())
     out.size = offset
-    archive = journal.datadir.config.archive_dir
-    if archive is not None and last.compacted_from is None:
-        # The rename below replaces the original: keep its records in the archive first.
-        archive.mkdir(parents=True, exist_ok=True)
-        dest = archive / last.path.name
-        shutil.copyfile(last.path, dest)
-        with dest.open("rb") as copied:
-            os.fsync(copied.fileno())
-        fsync_dir(archive)
     if not out.count:
         tmp.unlink()
-        retire(journal, list(run))
+        journal.datadir.retire_segments(list(run))
         return None
+    if journal.datadir.config.archive_dir is not None and last.compacted_from is None:
+        # The rename below replaces the original: keep its records in the archive first.
+        journal.datadir.copy_to_archive(last.path)
     os.replace(tmp, last.path)
     fsync_dir(last.path.parent)
     out.inode = last.path.stat().st_ino
     return out
 
 
-def retire(journal: QueueJournal, segs: list[SegmentInfo]) -> None:
-    journal.datadir.retire_segments(segs)
-
-
 async def compact(journal: QueueJournal) -> CompactionResult:
-    from queued.journal import CompactionResult
-
     readers = dict(journal.readers)
     if not readers:
         return CompactionResult()
     plan = plan_compaction(journal.segments, readers, journal.config.compact_live_ratio)
     removed = rewritten = freed = 0
     if plan.dead:
-        await trio.to_thread.run_sync(retire, journal, list(plan.dead))
+        await trio.to_thread.run_sync(journal.datadir.retire_segments, list(plan.dead))
         for seg in plan.dead:
             journal.segments.remove(seg)
             freed += seg.size
@@ -189,7 +184,7 @@ async def compact(journal: QueueJournal) -> CompactionResult:
         del journal.segments[at : at + len(run)]
         if new is not None:
             journal.segments.insert(at, new)
-            await trio.to_thread.run_sync(retire, journal, list(run[:-1]))
+            await trio.to_thread.run_sync(journal.datadir.retire_segments, list(run[:-1]))
         freed += sum(s.size for s in run) - (new.size if new else 0)
         rewritten += len(run)
     archived = removed if journal.datadir.config.archive_dir is not None else 0

@@ -131,38 +131,41 @@ class DataDir:
         started = time.monotonic()
         dd = cls(Path(path), config or DataDirConfig(), queue_config or (lambda _: JournalConfig()))
         dd.path.mkdir(parents=True, exist_ok=True)
-        by_queue: dict[str, list[jf.JournalFileName]] = {}
+        by_queue: dict[str, list[tuple[str, jf.JournalFileName]]] = {}
         for entry in sorted(os.listdir(dd.path)):
             parsed = jf.parse_file_name(entry)
             if parsed is None:
                 if (dd.path / entry).is_file():
                     log.warning("data dir: ignoring %s (not a journal file name)", entry)
                 continue
-            by_queue.setdefault(parsed.queue, []).append(parsed)
+            by_queue.setdefault(parsed.queue, []).append((entry, parsed))
         for name, files in sorted(by_queue.items()):
             dd.queues[name] = dd._recover_queue(name, files)
         dd.report.seconds = time.monotonic() - started
         log.info("data dir %s: %s", dd.path, dd.report.summary())
         return dd
 
-    def _recover_queue(self, name: str, files: list[jf.JournalFileName]) -> QueueJournal:
+    def _recover_queue(
+        self, name: str, entries: list[tuple[str, jf.JournalFileName]]
+    ) -> QueueJournal:
         rep = QueueRecovery(name)
         self.report.queues[name] = rep
+        config = self.queue_config(name)
         segments: list[SegmentInfo] = []
         readers: dict[str, Checkpoint] = {}
-        for entry in os.listdir(self.path):
-            parsed = jf.parse_file_name(entry)
-            if parsed is not None and parsed.queue == name and parsed.role is jf.FileRole.TEMP:
+        for entry, parsed in entries:
+            if parsed.role is jf.FileRole.TEMP:
                 (self.path / entry).unlink()
                 rep.temps_removed += 1
                 log.info("recovery: removed leftover temp file %s", entry)
+        files = [parsed for _, parsed in entries]
         quarantine = self.path / self.config.quarantine_dir_name
         numbers = sorted(f.number for f in files if f.role is jf.FileRole.SEGMENT)
+        # Only the newest segment can be torn: the writer fsyncs a segment before
+        # it rotates away (unless fsync is "never").
+        never = config.fsync.mode is FsyncMode.NEVER
         for number in numbers:
             path = self.path / jf.segment_name(name, number)
-            # Only the newest segment can be torn: the writer fsyncs a segment
-            # before it rotates away (unless fsync is "never").
-            never = self.queue_config(name).fsync.mode is FsyncMode.NEVER
             result = scan_segment(path, number, self.config.corruption, quarantine,
                                   tail_may_tear=never or number == numbers[-1])
             rep.truncated_bytes += result.truncated_bytes
@@ -204,7 +207,7 @@ class DataDir:
         rep.segments = len(segments)
         rep.records = sum(s.count for s in segments)
         rep.bytes = sum(s.size for s in segments)
-        return QueueJournal(self, name, self.queue_config(name), segments, readers, last_id)
+        return QueueJournal(self, name, config, segments, readers, last_id)
 
     def _finish_compactions(self, name: str, segments: list[SegmentInfo]) -> list[SegmentInfo]:
         """Remove segments a completed compaction replaced (crash before their removal)."""
@@ -259,38 +262,34 @@ class DataDir:
             await trio.to_thread.run_sync(remove)
 
     def retire_segments(self, segs: list[SegmentInfo]) -> None:
-        """Retire whole segments: originals are archived (with archive_dir), compaction
-        outputs deleted, since their records are in the archived originals already."""
-        if self.config.archive_dir is None:
-            self.retire_files([s.path for s in segs])
-            return
-        self.retire_files([s.path for s in segs if s.compacted_from is None])
-        outputs = [s.path for s in segs if s.compacted_from is not None]
-        for p in outputs:
-            p.unlink(missing_ok=True)
-        if outputs:
-            fsync_dir(self.path)
-
-    def retire_files(self, paths: list[Path]) -> None:
-        """Delete dead segments, or move them to archive_dir; durable either way."""
+        """Retire dead segments, durably: with archive_dir, originals move there and
+        compaction outputs are deleted (their records are in the archived originals
+        already); without it, all are deleted."""
         archive = self.config.archive_dir
-        if archive is not None:
+        for seg in segs:
+            if archive is None or seg.compacted_from is not None:
+                seg.path.unlink(missing_ok=True)
+                continue
             archive.mkdir(parents=True, exist_ok=True)
-            for p in paths:
-                dest = archive / p.name
-                try:
-                    os.replace(p, dest)
-                except OSError:  # another filesystem: copy, make it durable, then remove
-                    shutil.copyfile(p, dest)
-                    with dest.open("rb") as f:
-                        os.fsync(f.fileno())
-                    fsync_dir(archive)  # the copy is durable before the original goes
-                    p.unlink()
+            try:
+                os.replace(seg.path, archive / seg.path.name)
+            except OSError:  # another filesystem: a durable copy first, then remove
+                self.copy_to_archive(seg.path)
+                seg.path.unlink()
+        if archive is not None and archive.exists():
             fsync_dir(archive)
-        else:
-            for p in paths:
-                p.unlink(missing_ok=True)
         fsync_dir(self.path)
+
+    def copy_to_archive(self, path: Path) -> None:
+        """A durable copy of `path` in archive_dir (the original stays)."""
+        archive = self.config.archive_dir
+        assert archive is not None
+        archive.mkdir(parents=True, exist_ok=True)
+        dest = archive / path.name
+        shutil.copyfile(path, dest)
+        with dest.open("rb") as f:
+            os.fsync(f.fileno())
+        fsync_dir(archive)
 
     # -- the writer -------------------------------------------------------------------
 

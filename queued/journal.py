@@ -1,10 +1,10 @@
-"""The journal of one data directory: segments, group commit, read-back, checkpoints.
+"""The journal of one queue: segments, appends, read-back, checkpoints, size limits.
 
-Owns every writer segment and reader checkpoint file of its directory and the
-one writer task that turns queued appends into one write + one fsync per
-queue per round. File work runs in worker threads; the trio side only plans
-and wakes. Never acknowledges an append before its bytes are written and, under
-fsync "always", fsynced. Knows nothing of sockets or protocols.
+Owns the queue's writer segments and reader checkpoint files. Appends are
+planned here on the trio side and written by the data directory's writer task
+(queued.datadir) in a worker thread: one write + one fsync per queue per round.
+Never acknowledges an append before its bytes are written and, under fsync
+"always", fsynced. Knows nothing of sockets or protocols.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from queued import compaction
 from queued import journal_format as jf
+from queued.compaction import CompactionResult
 from queued.errors import (
     JournalClosedError,
     JournalError,
@@ -216,7 +218,6 @@ class QueueJournal:
         self._fd: int | None = None
         self._fd_number = 0
         self._fd_size = 0
-        self._fd_count = 0
         self._last_number = max((s.number for s in segments), default=0)
         self._unsynced = False
         self._last_fsync = time.monotonic()
@@ -307,8 +308,10 @@ class QueueJournal:
         error_count: int = 0,
     ) -> list[jf.Put]:
         """Journal `datas`; returns the records once durable under the fsync policy."""
-        incoming = sum(len(d) for d in datas) + jf.PUT_EXPIRE_HEADER_SIZE * len(datas)
-        await self._make_room(incoming)
+        if self.config.max_journal_size:
+            await self._make_room(
+                sum(len(d) for d in datas) + jf.PUT_EXPIRE_HEADER_SIZE * len(datas)
+            )
         puts, ticket = self.append_nowait(datas, add_time_ms, expire_time_ms, error_count)
         await wait_durable(ticket)
         return puts
@@ -352,7 +355,7 @@ class QueueJournal:
         number = max(int(time.time() * 1000), self._last_number + 1)
         path = self.datadir.path / jf.segment_name(self.name, number)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        self._fd, self._fd_number, self._fd_size, self._fd_count = fd, number, 0, 0
+        self._fd, self._fd_number, self._fd_size = fd, number, 0
         self._last_number = number
         return jf.WRITER_MAGIC + jf.EMPTY_CHECK
 
@@ -393,7 +396,6 @@ class QueueJournal:
                 error = self._write_failed(exc, created)
                 break
             self._fd_size += written
-            self._fd_count += chunk.count
             self._unsynced = True
             done.append(
                 _Written(self._fd_number, created, offset, self._fd_size, chunk.count,
@@ -467,7 +469,7 @@ class QueueJournal:
         self, chunks: list[_Chunk], done: list[_Written], error: BaseException | None
     ) -> None:
         for w in done:
-            if w.created or not self.segments or self.segments[-1].number != w.number:
+            if w.created:  # the writer only ever appends to the newest segment
                 path = self.datadir.path / jf.segment_name(self.name, w.number)
                 self.segments.append(SegmentInfo(w.number, path, size=w.offset, inode=w.inode))
             self.segments[-1].note_batch(w.offset, w.end, w.count, w.first_id, w.last_id)
@@ -571,8 +573,6 @@ class QueueJournal:
 
     async def compact(self) -> CompactionResult:
         """Remove dead segments, rewrite straggler-pinned ones; see queued.compaction."""
-        from queued import compaction
-
         async with self._maintenance_lock:
             return await compaction.compact(self)
 
@@ -620,14 +620,6 @@ class QueueJournal:
             failed=self._failed is not None,
             readers=len(self.readers),
         )
-
-
-@dataclass(frozen=True, slots=True)
-class CompactionResult:
-    removed: int = 0
-    archived: int = 0
-    rewritten: int = 0  # segments replaced by rewrites
-    bytes_freed: int = 0
 
 
 async def wait_durable(ticket: _Ticket) -> None:

@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from queued import journal_format as jf
 from queued.errors import BadMagicError, CorruptJournalError, CorruptRecordError
@@ -90,8 +91,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _feed(f: object, dec: jf.RecordDecoder) -> bool:
-    chunk = f.read(READ_CHUNK)  # type: ignore[attr-defined]
+def _feed(f: BinaryIO, dec: jf.RecordDecoder) -> bool:
+    chunk = f.read(READ_CHUNK)
     dec.receive_data(chunk)
     return bool(chunk)
 
@@ -226,7 +227,7 @@ def scan_segment(
 
 
 def _scan_sealed(
-    f: object, dec: jf.RecordDecoder, info: SegmentInfo
+    f: BinaryIO, dec: jf.RecordDecoder, info: SegmentInfo
 ) -> jf.EndOfData | jf.TornTail:
     eof = False
     prev_last = 0
@@ -249,10 +250,10 @@ def _scan_sealed(
 
 
 def _scan_plain(
-    f: object, dec: jf.RecordDecoder, info: SegmentInfo
+    f: BinaryIO, dec: jf.RecordDecoder, info: SegmentInfo
 ) -> jf.EndOfData | jf.TornTail | CorruptRecordError:
-    """A file from another implementation of the seed: trust structurally valid records."""
-    last_good = jf.MAGIC_SIZE
+    """A file from another implementation of the seed: trust structurally valid records.
+    `info.size` ends up at the end of the last good PUT, where a cut would go."""
     try:
         while True:
             ev = dec.next_event()
@@ -265,17 +266,12 @@ def _scan_plain(
                     if rec.id <= info.last_id:
                         raise CorruptRecordError(ev.offset, f"id {rec.id} after {info.last_id}")
                     info.note_batch(ev.offset, ev.end, 1, rec.id, rec.id)
-                    last_good = ev.end
                 continue
             assert isinstance(ev, jf.EndOfData | jf.TornTail)
-            if isinstance(ev, jf.EndOfData):
-                return ev
-            info.size = last_good
             return ev
     except BadMagicError:
         raise
     except CorruptRecordError as exc:
-        info.size = last_good
         return exc
 
 

@@ -1,7 +1,8 @@
-"""Review: recovery paths that silently drop verified (acknowledged) data or crash on bad input.
+"""Regression tests from a review: recovery paths that used to drop verified
+(acknowledged) data silently or crash on bad input.
 
-Each test describes the expected behaviour from DESIGN.md / README.md; they FAIL
-against the current code.
+Each test asserts the behaviour DESIGN.md / README.md promise; its comment describes
+the bug it guards against (all fixed; these pass).
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ async def test_zero_byte_at_a_batch_start_in_the_middle_is_not_a_zero_tail(
 ) -> None:
     # One byte (the command byte of batch 2) becomes 0x00. Batch 3 still verifies, so
     # this is corruption in the middle: under corruption="refuse" startup must refuse.
-    # Today inspect_segment returns ZERO_TAIL and scan_segment truncates batches 2 and 3
-    # (acknowledged, verified data) with only a warning.
+    # (The bug: inspect_segment returned ZERO_TAIL and batches 2 and 3 were truncated.)
     path, starts = await _three_batches(tmp_path)
     data = bytearray(path.read_bytes())
     data[starts[1]] = 0
