@@ -1,4 +1,4 @@
-"""The `queued` command line: journal tools (`dump`, `check`) and, later, the server.
+"""The `queued` command line: the server (`serve`) and journal tools (`dump`, `check`).
 
 Owns argument parsing and human-readable output only; every decision about
 bytes is made by journal_format / recovery. `dump` and `check` never modify
@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import logging
 import os
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import TextIO
 
+import trio
+
 from queued import __version__
+from queued import config as qconfig
 from queued import journal_format as jf
-from queued.errors import CorruptRecordError
+from queued.config import ConfigError, add_serve_arguments, load_config
+from queued.errors import CorruptRecordError, QueuedError
 from queued.recovery import TailState, inspect_segment, read_checkpoint
+from queued.server import serve
 
 PREVIEW = 40
 
@@ -133,7 +140,34 @@ def build_parser() -> argparse.ArgumentParser:
     p_dump.add_argument("file", type=Path)
     p_check = sub.add_parser("check", help="verify every journal file of a data directory")
     p_check.add_argument("dir", type=Path)
+    p_serve = sub.add_parser("serve", help="run the server in the foreground")
+    add_serve_arguments(p_serve)
     return parser
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """`queued serve`: load the config, log, run until SIGTERM/SIGINT/shutdown."""
+    try:
+        config = load_config(args)
+    except ConfigError as exc:
+        print(f"queued serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("queued")
+    log.info("queued %s starting with this config:\n%s", __version__, qconfig.describe(config))
+    try:
+        trio.run(partial(serve, config, handle_signals=True))
+    except ConfigError as exc:
+        logging.getLogger("queued").error("%s", exc)
+        return 2
+    except QueuedError as exc:
+        logging.getLogger("queued").error("cannot start: %s", exc)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "dump":
             return dump(args.file, sys.stdout)
+        if args.command == "serve":
+            return serve_command(args)
         if args.command == "check":
             if not args.dir.is_dir():
                 print(f"queued check: {args.dir} is not a directory", file=sys.stderr)

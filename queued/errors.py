@@ -46,3 +46,23 @@ class JournalFullError(JournalError):
 
 class JournalClosedError(JournalError):
     """The journal was closed (you closed it)."""
+
+
+class QueueError(QueuedError):
+    """A queue operation the server refuses; the protocols map each to a reply."""
+
+
+class QueueFullError(QueueError):
+    """max_items or max_size reached and discard_old_when_full is off."""
+
+
+class ItemTooLargeError(QueueError):
+    """An item over the queue's max_item_size."""
+
+
+class ReadStateError(QueueError):
+    """A reliable-read rule was broken (too many open reads, plain get with one open)."""
+
+
+class QueueClosedError(QueueError):
+    """The queue was deleted, or the server is shutting down."""

@@ -119,7 +119,7 @@ class JournalStats:
     readers: int
 
 
-class _Ticket:
+class Ticket:
     __slots__ = ("error", "event")
 
     def __init__(self) -> None:
@@ -148,7 +148,7 @@ class _Chunk:
     count: int = 0
     first_id: int = 0
     last_id: int = 0
-    tickets: list[_Ticket] = field(default_factory=list)
+    tickets: list[Ticket] = field(default_factory=list)
 
     def add(self, head: bytes, data: bytes) -> None:
         if len(data) >= ZERO_COPY_BYTES:
@@ -243,13 +243,13 @@ class QueueJournal:
         add_time_ms: int,
         expire_time_ms: int | None = None,
         error_count: int = 0,
-    ) -> tuple[list[jf.Put], _Ticket]:
+    ) -> tuple[list[jf.Put], Ticket]:
         """Queue `datas` for the writer; ids are assigned here, in order."""
         if self._closed:
             raise JournalClosedError(f"journal of queue {self.name!r} is closed")
         if self._failed is not None:
             raise JournalWriteError(f"queue {self.name!r} refuses writes: {self._failed}")
-        ticket = _Ticket()
+        ticket = Ticket()
         # Check everything before touching any state, so a bad item changes nothing.
         pack_head = jf.put_header_packer(add_time_ms, expire_time_ms, error_count)
         datas = [d if isinstance(d, bytes) else bytes(d) for d in datas]
@@ -309,14 +309,14 @@ class QueueJournal:
     ) -> list[jf.Put]:
         """Journal `datas`; returns the records once durable under the fsync policy."""
         if self.config.max_journal_size:
-            await self._make_room(
+            await self.make_room(
                 sum(len(d) for d in datas) + jf.PUT_EXPIRE_HEADER_SIZE * len(datas)
             )
         puts, ticket = self.append_nowait(datas, add_time_ms, expire_time_ms, error_count)
         await wait_durable(ticket)
         return puts
 
-    async def _make_room(self, incoming: int) -> None:
+    async def make_room(self, incoming: int) -> None:
         limit = self.config.max_journal_size
         if not limit or self.total_bytes + incoming <= limit:
             return
@@ -622,7 +622,7 @@ class QueueJournal:
         )
 
 
-async def wait_durable(ticket: _Ticket) -> None:
+async def wait_durable(ticket: Ticket) -> None:
     await ticket.event.wait()
     if ticket.error is not None:
         raise ticket.error

@@ -363,6 +363,11 @@ def ok() -> bytes:
     return b"OK\r\n"
 
 
+def flushed_all() -> bytes:
+    """Kestrel's reply to flush_all."""
+    return b"Flushed all queues.\r\n"
+
+
 def reloaded() -> bytes:
     return b"Reloaded config.\r\n"
 

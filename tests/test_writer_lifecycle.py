@@ -133,7 +133,7 @@ async def test_read_back_during_compaction_window(
 async def test_drop_oldest_does_not_drop_everything_for_an_item_that_can_never_fit(
     tmp_path: Path,
 ) -> None:
-    # _make_room calls _drop_oldest(limit - incoming) with a negative target when one
+    # make_room calls _drop_oldest(limit - incoming) with a negative target when one
     # item is bigger than max_journal_size: every segment but the newest is dropped
     # (items lost, checkpoints moved) and the put is refused anyway.
     conf = JournalConfig(journal_size=600, max_journal_size=2000,

@@ -1,0 +1,882 @@
+"""The queues of one server: journals, readers, waiters, open reads, background work.
+
+Owns the async half of the queue logic: puts become durable through the data
+directory's writer and only then reach readers (in id order) and long-polling
+waiters (FIFO); reliable reads belong to a `Client` (one per connection) and go
+back to the head of their queue when it leaves; read-behind refills memory from
+the journal in a worker thread; background tasks write checkpoints, compact,
+sweep expired items and expire open reads. No sockets here: the protocol
+sessions call these methods. The per-reader state machine is `queued.queue`.
+
+Readers. `q` is reader "" of queue q; `q+name` is reader `name`. A new named
+reader starts at the tail (it sees items put after it was created), except the
+first named reader of a queue that only has the default reader: it takes over
+the default reader's backlog and checkpoint (libkestrel's rule), and a later
+plain `q` starts a new default reader at the tail.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from queued import journal_format as jf
+from queued.datadir import DataDir, open_data_dir
+from queued.errors import (
+    ItemTooLargeError,
+    JournalError,
+    QueueClosedError,
+    QueueFullError,
+    ReadStateError,
+)
+from queued.journal import QueueJournal, Ticket, wait_durable
+from queued.queue import Item, Reader
+
+if TYPE_CHECKING:
+    from queued.config import QueueConfig, ServerConfig
+
+log = logging.getLogger("queued.broker")
+
+MiB = 1 << 20
+#: Items read back from the journal per worker-thread call, at most.
+REFILL_MAX_ITEMS = 50_000
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Client:
+    """One connection's reliable reads: (queue, reader) -> {item id: deadline or None}."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, name: str = "") -> None:
+        self.id = next(self._ids)
+        self.name = name or f"client-{self.id}"
+        self.open: dict[tuple[str, str], dict[int, float | None]] = {}
+        self.open_total = 0
+
+    def open_ids(self, queue: str, reader: str) -> list[int]:
+        return list(self.open.get((queue, reader), ()))
+
+    def _add(self, queue: str, reader: str, item_id: int, deadline: float | None) -> None:
+        self.open.setdefault((queue, reader), {})[item_id] = deadline
+        self.open_total += 1
+
+    def _remove(self, queue: str, reader: str, item_id: int) -> bool:
+        ids = self.open.get((queue, reader))
+        if ids is None or item_id not in ids:
+            return False
+        del ids[item_id]
+        if not ids:
+            del self.open[(queue, reader)]
+        self.open_total -= 1
+        return True
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    peek: bool
+    event: trio.Event = field(default_factory=trio.Event)
+    item: Item | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Inflight:
+    puts: list[jf.Put]
+    done: bool = False
+    error: BaseException | None = None
+
+
+@dataclass(eq=False, slots=True)
+class PendingPut:
+    """A put handed to the writer, not yet known durable (see Broker.begin_put)."""
+
+    qs: QueueState
+    entry: _Inflight
+    ticket: Ticket | None
+
+
+class Handle:
+    """A reader plus what only the async side needs: waiters, refill lock."""
+
+    def __init__(self, reader: Reader, config: QueueConfig) -> None:
+        self.reader = reader
+        self.config = config
+        self.waiters: deque[_Waiter] = deque()
+        self.refill_lock = trio.Lock()
+        self.refilling = False
+        self.closed = False
+
+
+class QueueState:
+    def __init__(self, name: str, journal: QueueJournal, config: QueueConfig, now_ms: int) -> None:
+        self.name = name
+        self.journal = journal
+        self.config = config
+        self.readers: dict[str, Handle] = {}
+        self.inflight: deque[_Inflight] = deque()
+        self.inflight_items = 0
+        self.inflight_bytes = 0
+        self.delivered = journal.last_id  # highest id handed to the readers
+        self.create_time_ms = now_ms
+        self.reader_lock = trio.Lock()
+        self.deleted = False
+
+
+@dataclass(slots=True)
+class BrokerCounters:
+    cmd_get: int = 0
+    cmd_set: int = 0
+    cmd_peek: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    total_items: int = 0
+    queue_creates: int = 0
+    queue_deletes: int = 0
+    queue_expires: int = 0
+
+
+class Broker:
+    """See the module docstring. Create with `open_broker`."""
+
+    def __init__(
+        self, datadir: DataDir, config: ServerConfig, clock: Callable[[], int] = wall_ms
+    ) -> None:
+        self.datadir = datadir
+        self.config = config
+        self.clock = clock
+        self.queues: dict[str, QueueState] = {}
+        self.clients: dict[int, Client] = {}
+        self.counters = BrokerCounters()
+        self.start_time = time.time()
+        self.closing = False
+        self._nursery: trio.Nursery | None = None
+        self._timeouts: list[tuple[float, int, Client, str, str, int]] = []
+        self._timeout_seq = itertools.count()
+        self._timeout_wake = trio.Event()
+
+    # -- startup ------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Build every recovered queue's readers from their durable checkpoints."""
+        started = time.monotonic()
+        for name, journal in sorted(self.datadir.queues.items()):
+            qs = self._new_queue_state(name, journal)
+            for rname, cp in sorted(journal.readers.items()):
+                cfg = self._reader_config(name, rname)
+                reader = Reader(name, rname, cfg, head=cp.head, done=cp.done,
+                                tail=journal.last_id, create_time_ms=qs.create_time_ms)
+                mem, behind, count, nbytes = await trio.to_thread.run_sync(
+                    _scan_unconsumed, journal, cp.head, frozenset(cp.done), cfg.max_memory_size
+                )
+                reader.restore(mem, behind, count, nbytes)
+                qs.readers[rname] = Handle(reader, cfg)
+                log.info("queue %s%s: %d items (%d bytes) recovered", name,
+                         f"+{rname}" if rname else "", count, nbytes)
+        if self.queues:
+            log.info("loaded %d queues in %.3f s", len(self.queues), time.monotonic() - started)
+
+    def _new_queue_state(self, name: str, journal: QueueJournal) -> QueueState:
+        qs = QueueState(name, journal, self.config.queue_config(name), self.clock())
+        journal.on_drop = partial(self._on_drop, qs)
+        self.queues[name] = qs
+        return qs
+
+    def _reader_config(self, queue: str, reader: str) -> QueueConfig:
+        if reader:
+            return self.config.reader_config(queue, reader)
+        return self.config.queue_config(queue)
+
+    # -- queues and readers ------------------------------------------------------------------
+
+    def _queue(self, name: str) -> QueueState:
+        qs = self.queues.get(name)
+        if qs is None:
+            if self.closing:
+                raise QueueClosedError("server is shutting down")
+            if not jf.valid_name(name):
+                raise ValueError(f"invalid queue name {name!r}")
+            qs = self._new_queue_state(name, self.datadir.queue(name))
+            cfg = qs.config
+            qs.readers[""] = Handle(
+                Reader(name, "", cfg, tail=qs.journal.last_id, create_time_ms=qs.create_time_ms),
+                cfg,
+            )
+            self.counters.queue_creates += 1
+        return qs
+
+    async def _handle(self, qs: QueueState, name: str) -> Handle:
+        h = qs.readers.get(name)
+        if h is not None:
+            return h
+        if name and not jf.valid_name(name):
+            raise ValueError(f"invalid reader name {name!r}")
+        async with qs.reader_lock:
+            h = qs.readers.get(name)
+            if h is not None:
+                return h
+            if qs.deleted:
+                raise QueueClosedError(f"queue {qs.name!r} was deleted")
+            if name and set(qs.readers) == {""}:
+                # The first named reader takes over the default reader's backlog.
+                h = qs.readers[""]
+                head, done = h.reader.checkpoint()
+                await qs.journal.write_checkpoint(name, head, done)
+                await qs.journal.remove_reader("")
+                del qs.readers[""]
+                h.reader.name = name
+                h.config = self._reader_config(qs.name, name)
+                h.reader.limits = h.config
+                qs.readers[name] = h
+                for client in self.clients.values():
+                    ids = client.open.pop((qs.name, ""), None)
+                    if ids is not None:
+                        client.open[(qs.name, name)] = ids
+                log.info("queue %s: reader %r took over the default reader", qs.name, name)
+                return h
+            cfg = self._reader_config(qs.name, name)
+            reader = Reader(qs.name, name, cfg, head=qs.delivered, tail=qs.delivered,
+                            create_time_ms=self.clock())
+            # Durable before use: compaction must keep what this reader will need.
+            await qs.journal.write_checkpoint(name, qs.delivered)
+            if qs.deleted:
+                raise QueueClosedError(f"queue {qs.name!r} was deleted")
+            h = Handle(reader, cfg)
+            qs.readers[name] = h
+            log.info("queue %s: new reader %r starts at id %d", qs.name, name, qs.delivered)
+            return h
+
+    # -- put ------------------------------------------------------------------------------------
+
+    async def put(
+        self,
+        queue: str,
+        datas: Sequence[bytes],
+        *,
+        expire_ms: int | None = None,
+        error_count: int = 0,
+    ) -> int:
+        """Journal `datas`; returns once durable under the queue's fsync policy.
+
+        `expire_ms` is absolute unix milliseconds. Raises QueueFullError,
+        ItemTooLargeError, JournalError (write failures, journal full), ValueError.
+        """
+        entry = await self.begin_put(queue, datas, expire_ms=expire_ms, error_count=error_count)
+        return await self.end_put(entry)
+
+    async def begin_put(
+        self,
+        queue: str,
+        datas: Sequence[bytes],
+        *,
+        expire_ms: int | None = None,
+        error_count: int = 0,
+    ) -> PendingPut:
+        """First half of `put`: checks, limits, ids; hands the items to the writer.
+
+        Every PendingPut must be passed to `end_put`. A session begins each put of
+        a pipelined batch before ending any, so they share one write and one fsync.
+        Does not yield unless the queue is full (discard_old, read-behind) or near
+        max_journal_size.
+        """
+        self.counters.cmd_set += 1
+        qs = self._queue(queue)
+        cfg = qs.config
+        if not datas:
+            return PendingPut(qs, _Inflight([], done=True), None)
+        if cfg.max_item_size and any(len(d) > cfg.max_item_size for d in datas):
+            raise ItemTooLargeError(
+                f"item over max_item_size ({cfg.max_item_size} bytes) of queue {queue!r}"
+            )
+        now = self.clock()
+        if cfg.max_age:
+            cap = now + cfg.max_age
+            expire_ms = cap if expire_ms is None else min(expire_ms, cap)
+        n, nbytes = len(datas), sum(len(d) for d in datas)
+        if cfg.max_items or cfg.max_size or self._limited(qs):
+            await self._make_room(qs, n, nbytes)
+        if qs.journal.config.max_journal_size:
+            await qs.journal.make_room(nbytes + jf.PUT_EXPIRE_HEADER_SIZE * n)
+        if qs.deleted:
+            raise QueueClosedError(f"queue {queue!r} was deleted")
+        puts, ticket = qs.journal.append_nowait(datas, now, expire_ms, error_count)
+        entry = _Inflight(puts)
+        qs.inflight.append(entry)
+        qs.inflight_items += n
+        qs.inflight_bytes += nbytes
+        return PendingPut(qs, entry, ticket)
+
+    async def end_put(self, pending: PendingPut) -> int:
+        """Second half of `put`: wait until durable; returns the number of items."""
+        qs, entry, ticket = pending.qs, pending.entry, pending.ticket
+        if ticket is None:
+            return 0
+        n, nbytes = len(entry.puts), sum(len(p.data) for p in entry.puts)
+        # Shielded: the readers must hear about every durable put, in id order,
+        # even if the client that sent it has gone. The wait is one writer round.
+        with trio.CancelScope(shield=True):
+            try:
+                await wait_durable(ticket)
+            except Exception as exc:
+                entry.error = exc
+            entry.done = True
+            qs.inflight_items -= n
+            qs.inflight_bytes -= nbytes
+            self._drain(qs)
+        if entry.error is not None:
+            raise entry.error
+        self.counters.total_items += n
+        return n
+
+    def _limited(self, qs: QueueState) -> bool:
+        return any(h.config.max_items or h.config.max_size for h in qs.readers.values())
+
+    async def _make_room(self, qs: QueueState, n: int, nbytes: int) -> None:
+        for h in list(qs.readers.values()):
+            r = h.reader
+            while r.over_limits(n + qs.inflight_items, nbytes + qs.inflight_bytes):
+                if not h.config.discard_old_when_full:
+                    raise QueueFullError(f"queue {qs.name!r} is full")
+                if r.discard_oldest() is None:
+                    if r.behind is not None and not h.closed:
+                        await self._refill_once(qs, h)
+                        continue
+                    raise QueueFullError(f"queue {qs.name!r} cannot hold {n} items")
+
+    def _drain(self, qs: QueueState) -> None:
+        """Hand durable puts to the readers in id order."""
+        while qs.inflight and qs.inflight[0].done:
+            entry = qs.inflight.popleft()
+            if entry.error is not None or qs.deleted:
+                continue
+            qs.delivered = entry.puts[-1].id
+            for h in list(qs.readers.values()):
+                h.reader.add(entry.puts)
+                self._serve(qs, h)
+
+    # -- get --------------------------------------------------------------------------------------
+
+    async def get(
+        self,
+        queue: str,
+        reader: str | None = None,
+        *,
+        timeout_ms: int = 0,
+        client: Client | None = None,
+        open: bool = False,
+        peek: bool = False,
+    ) -> Item | None:
+        """The next item, waiting up to `timeout_ms` (FIFO among waiters).
+
+        `open` makes it a reliable read owned by `client`; `peek` leaves it in place.
+        Raises ReadStateError past the client's open-read limit.
+        """
+        if peek:
+            self.counters.cmd_peek += 1
+        else:
+            self.counters.cmd_get += 1
+        qs = self._queue(queue)
+        rname = reader or ""
+        h = await self._handle(qs, rname)
+        if open:
+            if client is None:
+                raise ValueError("an open read needs a client")
+            if client.open_total >= self.config.max_open_reads:
+                raise ReadStateError(
+                    f"too many open reads on this connection (max {self.config.max_open_reads})"
+                )
+        deadline = trio.current_time() + timeout_ms / 1000
+        while True:
+            expired: list[Item] = []
+            it = h.reader.peek(self.clock(), expired) if peek else h.reader.take(
+                self.clock(), expired)
+            self._dispose_expired(qs, h, expired)
+            if it is not None:
+                if not peek:
+                    h.reader.open[it.id] = it  # held until _finish_get
+                    it = self._finish_get(qs, h, it, client if open else None)
+                self.counters.get_hits += 1
+                if h.reader.wants_refill():
+                    self._start_refill(qs, h)
+                return it
+            if h.reader.behind is None or h.closed:
+                break
+            await self._refill_once(qs, h)
+        if timeout_ms <= 0 or h.closed:
+            self.counters.get_misses += 1
+            return None
+        w = _Waiter(peek)
+        h.waiters.append(w)
+        finished = False
+        try:
+            with trio.move_on_at(deadline):
+                await w.event.wait()
+            if w.item is not None and not peek:
+                got = self._finish_get(qs, h, w.item, client if open else None)
+                finished = True
+                self.counters.get_hits += 1
+                return got
+            finished = True
+            if w.item is None:
+                self.counters.get_misses += 1
+            return w.item
+        finally:
+            if w.item is None:
+                with suppress(ValueError):
+                    h.waiters.remove(w)
+            elif not (finished or peek) and h.reader.abort(w.item.id, count_error=False):
+                # Cancelled after an item was handed over: it goes back, unharmed.
+                h.reader.counters.canceled_transactions -= 1
+                h.reader.put_back(w.item)
+                self._serve(qs, h)
+
+    def _finish_get(self, qs: QueueState, h: Handle, it: Item, client: Client | None) -> Item:
+        """A held item becomes the client's open read, or is consumed."""
+        if client is None:
+            h.reader.confirm(it.id)
+            return it
+        h.reader.counters.transactions += 1
+        timeout = h.config.open_transaction_timeout
+        deadline = trio.current_time() + timeout / 1000 if timeout else None
+        client._add(qs.name, h.reader.name, it.id, deadline)
+        if deadline is not None:
+            heapq.heappush(self._timeouts, (deadline, next(self._timeout_seq), client,
+                                            qs.name, h.reader.name, it.id))
+            if self._timeouts[0][0] == deadline:
+                self._timeout_wake.set()
+        return it
+
+    def _serve(self, qs: QueueState, h: Handle) -> None:
+        """Hand available items to waiting gets, first come first served."""
+        if not h.waiters:
+            if h.reader.wants_refill():
+                self._start_refill(qs, h)
+            return
+        expired: list[Item] = []
+        now = self.clock()
+        while h.waiters:
+            w = h.waiters[0]
+            it = h.reader.peek(now, expired) if w.peek else h.reader.take(now, expired)
+            if it is None:
+                break
+            h.waiters.popleft()
+            if not w.peek:
+                h.reader.open[it.id] = it  # held until the waiter's get finishes
+            w.item = it
+            w.event.set()
+        self._dispose_expired(qs, h, expired)
+        if h.reader.wants_refill():
+            self._start_refill(qs, h)
+
+    # -- reliable reads ---------------------------------------------------------------------
+
+    def confirm(
+        self, client: Client, queue: str, reader: str | None = None, count: int | None = None
+    ) -> int:
+        """Confirm the client's open reads on queue/reader (the `count` oldest, or all)."""
+        rname = reader or ""
+        ids = client.open_ids(queue, rname)
+        if count is not None:
+            ids = ids[:count]
+        qs = self.queues.get(queue)
+        h = qs.readers.get(rname) if qs is not None else None
+        for i in ids:
+            client._remove(queue, rname, i)
+            if h is not None:
+                h.reader.confirm(i)
+        return len(ids)
+
+    def abort(
+        self,
+        client: Client,
+        queue: str,
+        reader: str | None = None,
+        count: int | None = None,
+        *,
+        count_error: bool = True,
+    ) -> int:
+        """Return the client's open reads on queue/reader to the head of the queue."""
+        rname = reader or ""
+        ids = client.open_ids(queue, rname)
+        if count is not None:
+            ids = ids[:count]
+        qs = self.queues.get(queue)
+        h = qs.readers.get(rname) if qs is not None else None
+        for i in ids:
+            client._remove(queue, rname, i)
+        if h is None or qs is None:
+            return len(ids)
+        for i in sorted(ids, reverse=True):  # the lowest id ends up first
+            self._return(qs, h, i, count_error=count_error)
+        self._serve(qs, h)
+        return len(ids)
+
+    def _return(self, qs: QueueState, h: Handle, item_id: int, *, count_error: bool) -> None:
+        it = h.reader.abort(item_id, count_error=count_error)
+        if it is None:
+            return
+        cfg = h.config
+        if cfg.error_queue and cfg.max_errors and it.error_count >= cfg.max_errors:
+            h.reader.start_move(it)
+            self._spawn(self._move, qs, h, [it], cfg.error_queue, True)
+        else:
+            h.reader.put_back(it)
+
+    def release(self, client: Client, *, count_error: bool = True) -> None:
+        """The client is gone: every open read goes back to the head of its queue."""
+        self.clients.pop(client.id, None)
+        for queue, rname in list(client.open):
+            self.abort(client, queue, rname, count_error=count_error)
+
+    def register(self, client: Client) -> Client:
+        self.clients[client.id] = client
+        return client
+
+    # -- expiry and moves ----------------------------------------------------------------
+
+    def _dispose_expired(self, qs: QueueState, h: Handle, items: list[Item]) -> None:
+        if not items:
+            return
+        target = h.config.expire_to_queue
+        if target and target != qs.name:
+            for it in items:
+                h.reader.start_move(it)
+            self._spawn(self._move, qs, h, items, target, False)
+        else:
+            for it in items:
+                h.reader.consume(it.id)
+
+    async def _move(
+        self, qs: QueueState, h: Handle, items: list[Item], target: str, keep_errors: bool
+    ) -> None:
+        """Put items into `target` (expire_to_queue or error_queue), then consume them here."""
+        moved = False
+        try:
+            if keep_errors:
+                for it in items:
+                    await self.put(target, [it.data], error_count=it.error_count)
+            else:
+                await self.put(target, [it.data for it in items])
+            moved = True
+        except (JournalError, QueueFullError, ItemTooLargeError, QueueClosedError,
+                ValueError) as exc:
+            log.error("queue %s: could not move %d items to %s: %s",
+                      qs.name, len(items), target, exc)
+        if keep_errors or moved:
+            for it in items:
+                h.reader.end_move(it.id, moved=moved)
+        else:  # an expired item that cannot move is dropped, as Kestrel drops it
+            for it in items:
+                h.reader.end_move(it.id, moved=True)
+        if not moved:
+            self._serve(qs, h)
+
+    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._nursery is None:
+            raise RuntimeError("broker is not running")
+        self._nursery.start_soon(fn, *args)
+
+    def flush_expired(self, queue: str, reader: str | None = None) -> int:
+        qs = self.queues.get(queue)
+        h = qs.readers.get(reader or "") if qs is not None else None
+        if h is None or qs is None:
+            return 0
+        expired: list[Item] = []
+        h.reader.expire_head(self.clock(), 0, expired)
+        self._dispose_expired(qs, h, expired)
+        return len(expired)
+
+    def flush_all_expired(self) -> int:
+        return sum(
+            self.flush_expired(q, r)
+            for q, qs in list(self.queues.items())
+            for r in list(qs.readers)
+        )
+
+    def _on_drop(self, qs: QueueState, last_id: int) -> None:
+        for h in qs.readers.values():
+            r = h.reader
+            # The dropped segment is gone: how many of its ids the reader still had on
+            # disk can only be estimated from the id range (gaps are rare).
+            on_disk = max(0, min(last_id, r.tail) - r.behind + 1) if r.behind is not None else 0
+            r.drop_through(last_id, on_disk)
+
+    # -- flush and delete -------------------------------------------------------------------
+
+    def flush(self, queue: str, reader: str | None = None) -> int:
+        qs = self.queues.get(queue)
+        h = qs.readers.get(reader or "") if qs is not None else None
+        return h.reader.flush() if h is not None else 0
+
+    def flush_all(self) -> int:
+        return sum(h.reader.flush() for qs in self.queues.values() for h in qs.readers.values())
+
+    async def delete(self, queue: str, reader: str | None = None) -> bool:
+        """Delete reader `reader` of `queue`, or the whole queue with every file."""
+        qs = self.queues.get(queue)
+        if qs is None:
+            return False
+        if reader:
+            h = qs.readers.pop(reader, None)
+            if h is None:
+                return False
+            self._close_handle(h)
+            await qs.journal.remove_reader(reader)
+            return True
+        qs.deleted = True
+        del self.queues[queue]
+        for h in qs.readers.values():
+            self._close_handle(h)
+        await self.datadir.delete_queue(queue)
+        self.counters.queue_deletes += 1
+        return True
+
+    def _close_handle(self, h: Handle) -> None:
+        h.closed = True
+        while h.waiters:
+            h.waiters.popleft().event.set()
+
+    # -- read-behind --------------------------------------------------------------------------
+
+    def _start_refill(self, qs: QueueState, h: Handle) -> None:
+        if not h.refilling and self._nursery is not None and not h.closed:
+            h.refilling = True
+            self._nursery.start_soon(self._refill_task, qs, h)
+
+    async def _refill_task(self, qs: QueueState, h: Handle) -> None:
+        try:
+            while h.reader.wants_refill() and not h.closed:
+                await self._refill_once(qs, h)
+        finally:
+            h.refilling = False
+
+    async def _refill_once(self, qs: QueueState, h: Handle) -> None:
+        async with h.refill_lock:
+            r = h.reader
+            if r.behind is None or h.closed:
+                return
+            start, end = r.behind, r.tail
+            items, next_id = await trio.to_thread.run_sync(
+                _read_range, qs.journal, start, end, r.refill_budget()
+            )
+            r.load(start, items, next_id)
+            self._serve(qs, h)
+
+    # -- background work ---------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Background tasks and moves; cancel to stop (after `aclose`)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._checkpoint_loop)
+            nursery.start_soon(self._sweep_loop)
+            nursery.start_soon(self._timeout_loop)
+            task_status.started()
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.checkpoint_interval / 1000)
+            await self.checkpoint_all()
+
+    async def checkpoint_all(self, *, force: bool = False) -> int:
+        """Write the checkpoint of every reader that consumed something; compact."""
+        written = 0
+        for qs in list(self.queues.values()):
+            wrote = False
+            for name, h in list(qs.readers.items()):
+                if not (h.reader.dirty or force) or qs.deleted or h.closed:
+                    continue
+                head, done = h.reader.checkpoint()
+                try:
+                    await qs.journal.write_checkpoint(name, head, done)
+                except OSError as exc:
+                    h.reader.dirty = True
+                    log.error("queue %s: checkpoint of reader %r failed: %s", qs.name, name, exc)
+                    continue
+                wrote = True
+                written += 1
+            if wrote and not qs.deleted and len(qs.journal.segments) > 1:
+                try:
+                    await qs.journal.compact()
+                except (OSError, JournalError) as exc:
+                    log.error("queue %s: compaction failed: %s", qs.name, exc)
+        return written
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.expiration_timer / 1000)
+            await self.sweep()
+
+    async def sweep(self) -> None:
+        """Expire items at the head of every reader; delete queues past max_queue_age."""
+        now = self.clock()
+        for qs in list(self.queues.values()):
+            for h in list(qs.readers.values()):
+                expired: list[Item] = []
+                h.reader.expire_head(now, h.config.max_expire_sweep, expired)
+                self._dispose_expired(qs, h, expired)
+            age = qs.config.max_queue_age
+            if age and now - qs.create_time_ms > age and self._idle(qs):
+                log.info("queue %s: empty and older than max_queue_age, deleting", qs.name)
+                await self.delete(qs.name)
+                self.counters.queue_expires += 1
+
+    def _idle(self, qs: QueueState) -> bool:
+        return not qs.inflight and all(
+            not (h.reader.items or h.reader.open or h.reader.moving or h.waiters)
+            for h in qs.readers.values()
+        )
+
+    async def _timeout_loop(self) -> None:
+        while True:
+            if not self._timeouts:
+                self._timeout_wake = trio.Event()
+                await self._timeout_wake.wait()
+                continue
+            deadline = self._timeouts[0][0]
+            self._timeout_wake = trio.Event()
+            with trio.move_on_at(deadline):
+                await self._timeout_wake.wait()
+            now = trio.current_time()
+            while self._timeouts and self._timeouts[0][0] <= now:
+                dl, _, client, queue, rname, item_id = heapq.heappop(self._timeouts)
+                if client.open.get((queue, rname), {}).get(item_id, -1.0) != dl:
+                    continue  # confirmed or aborted already
+                client._remove(queue, rname, item_id)
+                qs = self.queues.get(queue)
+                h = qs.readers.get(rname) if qs is not None else None
+                if qs is not None and h is not None:
+                    log.info("queue %s: open read %d of %s timed out, returned to the queue",
+                             queue, item_id, client.name)
+                    self._return(qs, h, item_id, count_error=True)
+                    self._serve(qs, h)
+
+    def wake_waiters(self) -> None:
+        """Answer every waiting get as empty (shutdown)."""
+        self.closing = True
+        for qs in self.queues.values():
+            for h in qs.readers.values():
+                while h.waiters:
+                    h.waiters.popleft().event.set()
+
+    def reconfigure(self, config: ServerConfig) -> None:
+        """Apply reloaded queue configs to every existing queue and reader."""
+        self.config = config
+        for name, qs in self.queues.items():
+            qs.config = config.queue_config(name)
+            qs.journal.config = qs.config.journal_config()
+            for rname, h in qs.readers.items():
+                h.config = self._reader_config(name, rname)
+                h.reader.limits = h.config
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Refuse new work, return open reads (no error counted), write every checkpoint."""
+        self.wake_waiters()
+        for client in list(self.clients.values()):
+            self.release(client, count_error=False)
+        await self.checkpoint_all(force=True)
+
+    # -- statistics ----------------------------------------------------------------------------
+
+    def reader_stats(self, qs: QueueState, h: Handle) -> dict[str, int]:
+        r, c = h.reader, h.reader.counters
+        return {
+            "items": r.items,
+            "bytes": r.bytes,
+            "total_items": c.total_items,
+            "logsize": qs.journal.total_bytes,
+            "expired_items": c.expired,
+            "mem_items": len(r.front) + len(r.mem),
+            "mem_bytes": r.mem_bytes,
+            "age": c.age_ms,
+            "discarded": c.discarded,
+            "waiters": len(h.waiters),
+            "open_transactions": len(r.open),
+            "transactions": c.transactions,
+            "canceled_transactions": c.canceled_transactions,
+            "total_flushes": c.flushes,
+            "age_msec": c.age_ms,
+            "create_time": r.create_time_ms,
+        }
+
+    def queue_stats(self) -> list[tuple[str, dict[str, int]]]:
+        """(`q` or `q+reader`, fields) for every reader, sorted by name."""
+        out = []
+        for name, qs in sorted(self.queues.items()):
+            for rname, h in sorted(qs.readers.items()):
+                out.append((f"{name}+{rname}" if rname else name, self.reader_stats(qs, h)))
+        return out
+
+
+# -- worker-thread helpers --------------------------------------------------------------------
+
+
+def _scan_unconsumed(
+    journal: QueueJournal, head: int, done: frozenset[int], max_memory: int
+) -> tuple[list[Item], int | None, int, int]:
+    """(items kept in memory, first id left on disk, count, bytes) after `head`."""
+    mem: list[Item] = []
+    mem_bytes = 0
+    behind: int | None = None
+    count = nbytes = 0
+    for put in journal.iter_puts(head + 1):
+        if put.id in done:
+            continue
+        count += 1
+        nbytes += len(put.data)
+        if behind is None and (mem_bytes + len(put.data) <= max_memory or not mem):
+            mem.append(put)
+            mem_bytes += len(put.data)
+        elif behind is None:
+            behind = put.id
+    return mem, behind, count, nbytes
+
+
+def _read_range(
+    journal: QueueJournal, start: int, end: int, budget: int
+) -> tuple[list[Item], int]:
+    """Items with ids in [start, end] up to `budget` bytes; and the id to continue from."""
+    items: list[Item] = []
+    nbytes = 0
+    for put in journal.iter_puts(start, end):
+        if items and (nbytes + len(put.data) > budget or len(items) >= REFILL_MAX_ITEMS):
+            return items, put.id
+        items.append(put)
+        nbytes += len(put.data)
+    return items, end + 1
+
+
+@asynccontextmanager
+async def open_broker(
+    config: ServerConfig, clock: Callable[[], int] = wall_ms
+) -> AsyncIterator[Broker]:
+    """Recover the data directory, load the queues, run background work; close cleanly."""
+    async with open_data_dir(
+        config.data_dir,
+        config.data_dir_config(),
+        lambda name: config.queue_config(name).journal_config(),
+    ) as dd:
+        broker = Broker(dd, config, clock)
+        await broker.load()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(broker.run)
+            try:
+                yield broker
+            finally:
+                with trio.CancelScope(shield=True):
+                    await broker.aclose()
+                nursery.cancel_scope.cancel()

@@ -1,0 +1,340 @@
+"""One reader's view of a queue: items in memory, read-behind, open reads, its checkpoint.
+
+PURE: no sockets, files, clocks or trio. The broker feeds it durable items (`add`),
+items read back from the journal (`load`), and the time (`now_ms` arguments); it
+answers with items and with the checkpoint to write. Items are `journal_format.Put`
+records, shared between readers and never mutated (an abort makes a copy).
+
+Ordering. `front` holds aborted items (delivered first, Kestrel's "back to the
+head"); `mem` holds the next items in id order; ids from `behind` to `tail` are on
+disk only (read-behind) and come back through `load`. Every id in `front` or in
+`open` is lower than every id in `mem`, and every id in `mem` is lower than
+`behind`: that is what makes the checkpoint cheap to compute.
+
+Checkpoint. Every id <= head is consumed; ids in `done` above head are consumed
+too. head is one below the lowest outstanding id (available, open, or being moved
+to another queue), or `tail` when nothing is outstanding; `done` only has to hold
+ids consumed while a lower id was still outstanding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from queued.journal_format import Put
+
+Item = Put
+
+
+class ReaderLimits(Protocol):
+    """The part of QueueConfig a reader needs."""
+
+    @property
+    def max_items(self) -> int: ...
+    @property
+    def max_size(self) -> int: ...
+    @property
+    def max_memory_size(self) -> int: ...
+    @property
+    def discard_old_when_full(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class ReaderCounters:
+    total_items: int = 0  # items added to this reader since start
+    expired: int = 0
+    discarded: int = 0
+    transactions: int = 0  # reliable reads opened
+    canceled_transactions: int = 0  # aborted, timed out or returned on disconnect
+    flushes: int = 0
+    gets: int = 0
+    hits: int = 0
+    age_ms: int = 0  # how long the last item taken had waited
+
+
+class Reader:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        queue: str,
+        name: str,
+        limits: ReaderLimits,
+        *,
+        head: int = 0,
+        done: Iterable[int] = (),
+        tail: int = 0,
+        create_time_ms: int = 0,
+    ) -> None:
+        self.queue = queue
+        self.name = name
+        self.limits = limits
+        self.front: deque[Item] = deque()
+        self.mem: deque[Item] = deque()
+        self.mem_bytes = 0
+        self.behind: int | None = None
+        self.tail = tail
+        self.items = 0  # available: front + mem + on disk; not open, not moving
+        self.bytes = 0
+        self.open: dict[int, Item] = {}
+        self.moving: dict[int, Item] = {}  # on their way to expire_to_queue / error_queue
+        self.done: set[int] = {i for i in done if i > head}
+        self.head = head
+        self.dirty = False  # consumed something since the last checkpoint
+        self.create_time_ms = create_time_ms
+        self.counters = ReaderCounters()
+
+    # -- filling ---------------------------------------------------------------------
+
+    def restore(self, mem: Iterable[Item], behind: int | None, items: int, nbytes: int) -> None:
+        """After recovery: `items` unconsumed items (`nbytes` of data); the first ones
+        are `mem`, the rest wait on disk from id `behind`."""
+        for it in mem:
+            self.mem.append(it)
+            self.mem_bytes += len(it.data)
+        self.behind = behind
+        self.items += items
+        self.bytes += nbytes
+
+    def drop_through(self, last_id: int, on_disk: int) -> None:
+        """The journal dropped every id <= last_id (max_journal_size, drop_oldest).
+
+        `on_disk` is how many of those were behind `behind` (the caller estimates it
+        from the dropped segment). Open reads stay open; their data is in memory.
+        """
+        for dq in (self.front, self.mem):
+            keep = [it for it in dq if it.id > last_id]
+            for it in dq:
+                if it.id <= last_id:
+                    self.mem_bytes -= len(it.data)
+                    self.items -= 1
+                    self.bytes -= len(it.data)
+                    self.counters.discarded += 1
+            dq.clear()
+            dq.extend(keep)
+        if self.behind is not None and self.behind <= last_id:
+            self.items = max(self.items - on_disk, len(self.front) + len(self.mem))
+            self.counters.discarded += on_disk
+            self.behind = last_id + 1 if last_id < self.tail else None
+            if self.behind is None:
+                self.bytes = self.mem_bytes
+        self.dirty = True
+
+    def add(self, items: Iterable[Item]) -> None:
+        """Durable items, in id order; ids at or below `tail` are ignored."""
+        cap = self.limits.max_memory_size
+        for it in items:
+            if it.id <= self.tail:
+                continue
+            self.tail = it.id
+            n = len(it.data)
+            self.items += 1
+            self.bytes += n
+            self.counters.total_items += 1
+            if self.behind is None and (self.mem_bytes + n <= cap or not self.mem_bytes):
+                self.mem.append(it)
+                self.mem_bytes += n
+            elif self.behind is None:
+                self.behind = it.id
+
+    def wants_refill(self) -> bool:
+        """On-disk items wait and memory is at most half full (or empty)."""
+        return self.behind is not None and (
+            not (self.front or self.mem) or self.mem_bytes <= self.limits.max_memory_size // 2
+        )
+
+    def refill_budget(self) -> int:
+        return max(self.limits.max_memory_size - self.mem_bytes, 1)
+
+    def load(self, from_id: int, items: Iterable[Item], next_id: int) -> None:
+        """Items read back from the journal for ids [from_id, next_id).
+
+        Ignored unless `from_id` is still where read-behind stands (a flush may have
+        moved it while the read was in flight). Ids in `done` were consumed already.
+        """
+        if self.behind != from_id:
+            return
+        for it in items:
+            if it.id >= next_id or it.id > self.tail:
+                break
+            if it.id in self.done:
+                continue
+            self.mem.append(it)
+            self.mem_bytes += len(it.data)
+        self.behind = next_id if next_id <= self.tail else None
+
+    # -- taking -------------------------------------------------------------------------
+
+    def _pop(self) -> Item | None:
+        if self.front:
+            it = self.front.popleft()
+        elif self.mem:
+            it = self.mem.popleft()
+        else:
+            return None
+        n = len(it.data)
+        self.mem_bytes -= n
+        self.items -= 1
+        self.bytes -= n
+        return it
+
+    def _expired(self, it: Item, now_ms: int) -> bool:
+        return it.expire_time_ms is not None and it.expire_time_ms <= now_ms
+
+    def take(self, now_ms: int, expired: list[Item]) -> Item | None:
+        """The next live item, removed; expired ones met on the way go to `expired`.
+
+        The caller must `consume`, `open_read` or `move` each expired item. Returns None
+        when memory holds nothing (check `behind`: items may wait on disk).
+        """
+        while True:
+            it = self._pop()
+            if it is None:
+                return None
+            if self._expired(it, now_ms):
+                self.counters.expired += 1
+                expired.append(it)
+                continue
+            self.counters.age_ms = max(0, now_ms - it.add_time_ms)
+            return it
+
+    def peek(self, now_ms: int, expired: list[Item]) -> Item | None:
+        """The next live item, left in place (expired ones are removed as in take)."""
+        while True:
+            it = self.front[0] if self.front else self.mem[0] if self.mem else None
+            if it is None or not self._expired(it, now_ms):
+                return it
+            self._pop()
+            self.counters.expired += 1
+            expired.append(it)
+
+    def expire_head(self, now_ms: int, limit: int, expired: list[Item]) -> None:
+        """Remove expired items from the head (Kestrel's sweep), at most `limit` (0 = all)."""
+        while not limit or len(expired) < limit:
+            it = self.front[0] if self.front else self.mem[0] if self.mem else None
+            if it is None or not self._expired(it, now_ms):
+                return
+            self._pop()
+            self.counters.expired += 1
+            expired.append(it)
+
+    def consume(self, item_id: int) -> None:
+        """`item_id` is gone for good (taken, confirmed, expired, discarded, moved)."""
+        self.dirty = True
+        if self.open or self.front or self.moving:
+            # A lower id may still be outstanding: remember this one explicitly.
+            self.done.add(item_id)
+        elif item_id > self.head:
+            self.head = item_id
+
+    # -- reliable reads ----------------------------------------------------------------
+
+    def open_read(self, it: Item) -> None:
+        self.open[it.id] = it
+        self.counters.transactions += 1
+
+    def confirm(self, item_id: int) -> bool:
+        if self.open.pop(item_id, None) is None:
+            return False
+        self.consume(item_id)
+        return True
+
+    def abort(self, item_id: int, *, count_error: bool) -> Item | None:
+        """Return an open read to the head of the queue; None if it is not open.
+
+        Returns the item as put back (with its error count raised if `count_error`).
+        """
+        it = self.open.pop(item_id, None)
+        if it is None:
+            return None
+        self.counters.canceled_transactions += 1
+        if count_error:
+            it = dataclasses.replace(it, error_count=it.error_count + 1)
+        return it
+
+    def put_back(self, it: Item) -> None:
+        """An item this reader had handed out goes back to the head."""
+        self.front.appendleft(it)
+        n = len(it.data)
+        self.mem_bytes += n
+        self.items += 1
+        self.bytes += n
+
+    def start_move(self, it: Item) -> None:
+        self.moving[it.id] = it
+
+    def end_move(self, item_id: int, *, moved: bool) -> None:
+        """The item reached its new queue (consume it here) or could not (put it back)."""
+        it = self.moving.pop(item_id, None)
+        if it is None:
+            return
+        if moved:
+            self.consume(item_id)
+        else:
+            self.put_back(it)
+
+    # -- limits and flushes ---------------------------------------------------------------
+
+    def over_limits(self, incoming: int, incoming_bytes: int) -> bool:
+        lim = self.limits
+        return bool(
+            (lim.max_items and self.items + incoming > lim.max_items)
+            or (lim.max_size and self.bytes + incoming_bytes > lim.max_size)
+        )
+
+    def discard_oldest(self) -> Item | None:
+        """Drop the oldest item in memory to make room; None if memory holds none."""
+        it = self._pop()
+        if it is not None:
+            self.counters.discarded += 1
+            self.consume(it.id)
+        return it
+
+    def flush(self) -> int:
+        """Discard every available item (open reads stay open). Returns how many."""
+        n = self.items
+        ids = [it.id for it in self.front] + [it.id for it in self.mem]
+        if self.behind is not None:
+            ids.extend(range(self.behind, self.tail + 1))
+        self.front.clear()
+        self.mem.clear()
+        self.mem_bytes = 0
+        self.behind = None
+        self.items = 0
+        self.bytes = 0
+        self.counters.flushes += 1
+        self.dirty = True
+        if self.open or self.moving:
+            self.done.update(ids)
+        elif self.tail > self.head:
+            self.head = self.tail
+        return n
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def checkpoint(self) -> tuple[int, list[int]]:
+        """(head, done) to write now; forgets done ids at or below the new head."""
+        lows = []
+        if self.open:
+            lows.append(min(self.open))
+        if self.moving:
+            lows.append(min(self.moving))
+        if self.front:
+            lows.append(min(it.id for it in self.front))
+        if self.mem:
+            lows.append(self.mem[0].id)
+        if self.behind is not None:
+            lows.append(self.behind)
+        head = min(lows) - 1 if lows else max(self.tail, self.head)
+        self.head = head
+        self.done = {i for i in self.done if i > head}
+        self.dirty = False
+        return head, sorted(self.done)
+
+    @property
+    def open_count(self) -> int:
+        return len(self.open)

@@ -1,0 +1,590 @@
+"""The network shell: trio listeners and one session per connection.
+
+Owns sockets, connection limits, shutdown and the mapping from protocol events
+to broker calls and back to reply bytes. The parsers (`memcache_protocol`,
+`text_protocol`) and the queues (`broker`) do the real work; a session reads a
+chunk, parses every complete command in it, runs them in order (consecutive
+puts share one journal write), and answers the whole batch with one send.
+
+Shutdown (SIGTERM, SIGINT, the `shutdown` command): close the listeners, answer
+waiting gets as empty, let sessions finish the batch they are running (at most
+`SHUTDOWN_GRACE` seconds), return every open read to its queue, write every
+checkpoint, and close the journals (fsync).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import trio
+
+from queued import __version__
+from queued import memcache_protocol as mc
+from queued import text_protocol as tp
+from queued.broker import Broker, Client, PendingPut, open_broker
+from queued.config import ConfigError, ServerConfig, reload_queue_configs
+from queued.errors import (
+    ItemTooLargeError,
+    JournalError,
+    JournalFullError,
+    QueueClosedError,
+    QueueError,
+    QueueFullError,
+    ReadStateError,
+)
+from queued.queue import Item
+
+log = logging.getLogger("queued.server")
+
+RECEIVE_SIZE = 256 * 1024
+SHUTDOWN_GRACE = 10.0
+#: Commands parsed from the receive buffer before they are run (bounds the batch).
+MAX_BATCH = 1024
+#: memcache: exptime values below this are relative seconds, as in memcached.
+RELATIVE_EXPTIME_LIMIT = 1_000_000
+
+
+@dataclass(slots=True)
+class ServerCounters:
+    curr_connections: int = 0
+    total_connections: int = 0
+    refused_connections: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+class Server:
+    """Listeners and sessions over one Broker."""
+
+    def __init__(self, broker: Broker, config: ServerConfig) -> None:
+        self.broker = broker
+        self.config = config
+        self.counters = ServerCounters()
+        self.ports: dict[str, int] = {}
+        self.closing = False
+        self.shutdown_requested = trio.Event()
+        self._sessions: set[_Session] = set()
+
+    def request_shutdown(self, why: str) -> None:
+        if not self.shutdown_requested.is_set():
+            log.info("shutting down: %s", why)
+            self.shutdown_requested.set()
+
+    async def run(
+        self,
+        *,
+        handle_signals: bool = False,
+        task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        cfg = self.config
+        listeners: dict[str, list[trio.SocketListener]] = {}
+        for proto, port in (("memcache", cfg.memcache_port), ("text", cfg.text_port)):
+            listeners[proto] = await trio.open_tcp_listeners(port, host=cfg.host)
+            self.ports[proto] = listeners[proto][0].socket.getsockname()[1]
+            log.info("listening for %s on %s:%d", proto, cfg.host, self.ports[proto])
+        async with trio.open_nursery() as outer:
+            if handle_signals:
+                outer.start_soon(self._signals)
+            async with trio.open_nursery() as conns:
+                async with trio.open_nursery() as acceptors:
+                    for proto, ls in listeners.items():
+                        handler = _handler(self, proto)
+                        acceptors.start_soon(
+                            partial(trio.serve_listeners, handler, ls, handler_nursery=conns))
+                    task_status.started(self)
+                    await self.shutdown_requested.wait()
+                    acceptors.cancel_scope.cancel()
+                for ls in listeners.values():
+                    for listener in ls:
+                        await listener.aclose()
+                self.closing = True
+                self.broker.wake_waiters()
+                for session in list(self._sessions):
+                    session.stop_if_idle()
+                outer.start_soon(self._deadline, conns.cancel_scope)
+            outer.cancel_scope.cancel()
+        log.info("all connections closed")
+
+    async def _deadline(self, scope: trio.CancelScope) -> None:
+        await trio.sleep(SHUTDOWN_GRACE)
+        log.warning("shutdown: sessions still busy after %.0f s, closing them", SHUTDOWN_GRACE)
+        scope.cancel()
+
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                self.request_shutdown(signal.Signals(signum).name)
+
+    # -- statistics --------------------------------------------------------------------
+
+    def global_stats(self) -> list[tuple[str, object]]:
+        b = self.broker
+        c = b.counters
+        readers = [fields for _, fields in b.queue_stats()]
+        return [
+            ("uptime", int(time.time() - b.start_time)),
+            ("time", int(time.time())),
+            ("version", __version__),
+            ("curr_items", sum(f["items"] for f in readers)),
+            ("total_items", c.total_items),
+            ("bytes", sum(f["bytes"] for f in readers)),
+            ("curr_connections", self.counters.curr_connections),
+            ("total_connections", self.counters.total_connections),
+            ("cmd_get", c.cmd_get),
+            ("cmd_set", c.cmd_set),
+            ("cmd_peek", c.cmd_peek),
+            ("get_hits", c.get_hits),
+            ("get_misses", c.get_misses),
+            ("bytes_read", self.counters.bytes_read),
+            ("bytes_written", self.counters.bytes_written),
+            ("queue_creates", c.queue_creates),
+            ("queue_deletes", c.queue_deletes),
+            ("queue_expires", c.queue_expires),
+        ]
+
+    def reload(self) -> None:
+        """Re-read the config file's queue sections (Kestrel's `reload`)."""
+        new = reload_queue_configs(self.config)
+        self.config = new
+        self.broker.reconfigure(new)
+
+
+def _handler(server: Server, proto: str) -> Callable[[trio.SocketStream], Any]:
+    cls = MemcacheSession if proto == "memcache" else TextSession
+
+    async def handle(stream: trio.SocketStream) -> None:
+        if server.counters.curr_connections >= server.config.max_connections:
+            server.counters.refused_connections += 1
+            with trio.move_on_after(1):
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await stream.send_all(cls.too_many())
+            await stream.aclose()
+            return
+        await cls(server, stream).run()
+
+    return handle
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"
+
+
+class _Session:
+    """One connection: receive, parse, run a batch, send; release open reads at the end."""
+
+    parser: mc.MemcacheParser | tp.TextParser
+
+    def __init__(self, server: Server, stream: trio.SocketStream) -> None:
+        self.server = server
+        self.broker = server.broker
+        self.stream = stream
+        self.client = Client(_peer(stream))
+        self.busy = False
+        self.done = False
+        self.scope = trio.CancelScope()
+        self.out = bytearray()
+
+    @staticmethod
+    def too_many() -> bytes:
+        raise NotImplementedError
+
+    def stop_if_idle(self) -> None:
+        if not self.busy:
+            self.scope.cancel()
+
+    async def run(self) -> None:
+        counters = self.server.counters
+        counters.curr_connections += 1
+        counters.total_connections += 1
+        self.server._sessions.add(self)
+        self.broker.register(self.client)
+        try:
+            with self.scope:
+                while not self.done and not self.server.closing:
+                    try:
+                        data = await self.stream.receive_some(RECEIVE_SIZE)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        data = b""
+                    counters.bytes_read += len(data)
+                    self.parser.receive_data(data)
+                    self.busy = True
+                    await self._run_batch()
+                    if self.out:
+                        await self._send()
+                    self.busy = False
+                    if not data:
+                        break
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.debug("%s: connection lost: %s", self.client.name, exc)
+        finally:
+            self.server._sessions.discard(self)
+            counters.curr_connections -= 1
+            self.broker.release(self.client, count_error=not self.server.closing)
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await self.stream.aclose()
+
+    async def _send(self) -> None:
+        data, self.out = bytes(self.out), bytearray()
+        self.server.counters.bytes_written += len(data)
+        await self.stream.send_all(data)
+
+    async def _run_batch(self) -> None:
+        events: list[Any] = []
+        while not self.done and len(events) < MAX_BATCH:
+            try:
+                ev = self.parser.next_event()
+            except mc.ProtocolError as e:
+                events.append(e)
+                if e.close:
+                    break
+                continue
+            if ev is mc.NEED_DATA:
+                break
+            events.append(ev)
+            if isinstance(ev, mc.ConnectionClosed):
+                break
+        i = 0
+        while i < len(events) and not self.done:
+            ev = events[i]
+            if self._is_put(ev):
+                j = i
+                while j < len(events) and self._is_put(events[j]):
+                    j += 1
+                await self._puts(events[i:j])
+                i = j
+                continue
+            i += 1
+            if isinstance(ev, mc.ProtocolError):
+                log.debug("%s: %s", self.client.name, ev)
+                self.out += ev.reply
+                if ev.close:
+                    self.done = True
+            elif isinstance(ev, mc.ConnectionClosed):
+                if ev.unparsed:
+                    log.info("%s: closed mid-command, %d bytes dropped",
+                             self.client.name, ev.unparsed)
+                self.done = True
+            else:
+                await self._command(ev)
+        if len(events) >= MAX_BATCH and not self.done:
+            # More may be buffered: run it before waiting for the network again.
+            if self.out:
+                await self._send()
+            await self._run_batch()
+
+    def _is_put(self, ev: object) -> bool:
+        raise NotImplementedError
+
+    async def _puts(self, events: list[Any]) -> None:
+        """Begin every put of the run, then wait for all: one write, one fsync."""
+        begun: list[PendingPut | bytes] = []
+        for ev in events:
+            try:
+                begun.append(await self._begin_put(ev))
+            except Exception as exc:  # mapped to this command's reply
+                begun.append(self._put_error(ev, exc))
+        with trio.CancelScope(shield=True):  # every begun put must be ended
+            for ev, b in zip(events, begun, strict=True):
+                if isinstance(b, bytes):
+                    self._reply_put(ev, b)
+                    continue
+                try:
+                    n = await self.broker.end_put(b)
+                except Exception as exc:
+                    self._reply_put(ev, self._put_error(ev, exc))
+                else:
+                    self._reply_put(ev, self._stored(n))
+
+    async def _begin_put(self, ev: Any) -> PendingPut:
+        raise NotImplementedError
+
+    def _put_error(self, ev: Any, exc: Exception) -> bytes:
+        raise NotImplementedError
+
+    def _stored(self, n: int) -> bytes:
+        raise NotImplementedError
+
+    def _reply_put(self, ev: Any, reply: bytes) -> None:
+        self.out += reply
+
+    async def _command(self, ev: Any) -> None:
+        raise NotImplementedError
+
+    async def _monitor(self, queue: str, reader: str | None, seconds: float,
+                       max_items: int | None, encode: Callable[[Item], bytes]) -> None:
+        """Send items as they arrive (open reads, confirmed with `confirm`) until time is up."""
+        deadline = trio.current_time() + seconds
+        sent = 0
+        while max_items is None or sent < max_items:
+            left = deadline - trio.current_time()
+            if left <= 0 or self.server.closing:
+                break
+            item = await self.broker.get(queue, reader, timeout_ms=int(left * 1000),
+                                         client=self.client, open=True)
+            if item is None:
+                break
+            self.out += encode(item)
+            sent += 1
+            await self._send()
+
+
+# -- memcache ------------------------------------------------------------------------------
+
+
+def exptime_to_ms(exptime: int, now_ms: int) -> int | None:
+    """memcache exptime: 0 never, < 1,000,000 relative seconds, else unix seconds."""
+    if exptime == 0:
+        return None
+    if exptime < 0:
+        return now_ms  # already expired, as memcached treats a negative exptime
+    if exptime < RELATIVE_EXPTIME_LIMIT:
+        return now_ms + exptime * 1000
+    return exptime * 1000
+
+
+class MemcacheSession(_Session):
+    def __init__(self, server: Server, stream: trio.SocketStream) -> None:
+        super().__init__(server, stream)
+        cfg = server.config
+        self.parser = mc.MemcacheParser(max_line=cfg.max_line, max_item_size=cfg.max_item_size)
+
+    @staticmethod
+    def too_many() -> bytes:
+        return mc.server_error("too many connections")
+
+    def _is_put(self, ev: object) -> bool:
+        return isinstance(ev, mc.Set)
+
+    async def _begin_put(self, ev: mc.Set) -> PendingPut:
+        expire = exptime_to_ms(ev.exptime, self.broker.clock())
+        return await self.broker.begin_put(ev.queue, [ev.data], expire_ms=expire)
+
+    def _put_error(self, ev: mc.Set, exc: Exception) -> bytes:
+        if isinstance(exc, (QueueFullError, ItemTooLargeError, JournalFullError)):
+            log.debug("%s: set %s refused: %s", self.client.name, ev.queue, exc)
+            return mc.not_stored()
+        if isinstance(exc, ValueError):
+            return mc.client_error(str(exc))
+        if isinstance(exc, (JournalError, QueueError)):
+            log.warning("%s: set %s failed: %s", self.client.name, ev.queue, exc)
+            return mc.server_error(str(exc))
+        raise exc
+
+    def _stored(self, n: int) -> bytes:
+        return mc.stored()
+
+    def _reply_put(self, ev: mc.Set, reply: bytes) -> None:
+        if not ev.noreply:
+            self.out += reply
+
+    async def _command(self, ev: mc.Command) -> None:
+        try:
+            await self._dispatch(ev)
+        except ReadStateError as exc:
+            self.out += mc.client_error(str(exc))
+        except ValueError as exc:
+            self.out += mc.client_error(str(exc))
+        except (QueueClosedError, JournalError, QueueError) as exc:
+            self.out += mc.server_error(str(exc))
+
+    async def _dispatch(self, ev: mc.Command) -> None:
+        b, out = self.broker, self.out
+        if isinstance(ev, mc.Get):
+            await self._get(ev)
+        elif isinstance(ev, mc.Delete):
+            await b.delete(ev.queue, ev.reader)
+            if not ev.noreply:
+                out += mc.deleted()
+        elif isinstance(ev, mc.Flush):
+            b.flush(ev.queue, ev.reader)
+            out += mc.end()
+        elif isinstance(ev, mc.FlushAll):
+            b.flush_all()
+            if not ev.noreply:
+                out += mc.flushed_all()
+        elif isinstance(ev, mc.FlushExpired):
+            out += mc.count(b.flush_expired(ev.queue, ev.reader))
+        elif isinstance(ev, mc.FlushAllExpired):
+            out += mc.count(b.flush_all_expired())
+        elif isinstance(ev, mc.Stats):
+            pairs = self.server.global_stats()
+            for name, fields in b.queue_stats():
+                pairs.extend((f"queue_{name}_{k}", v) for k, v in fields.items())
+            out += mc.stats(pairs)
+        elif isinstance(ev, mc.DumpStats):
+            out += mc.dump_stats((name, fields.items()) for name, fields in b.queue_stats())
+        elif isinstance(ev, mc.Version):
+            out += mc.version(__version__)
+        elif isinstance(ev, mc.Reload):
+            try:
+                self.server.reload()
+            except ConfigError as exc:
+                log.error("reload failed, keeping the old config: %s", exc)
+                out += mc.server_error(f"reload failed: {exc}")
+            else:
+                out += mc.reloaded()
+        elif isinstance(ev, mc.Shutdown):
+            self.server.request_shutdown(f"shutdown command from {self.client.name}")
+            self.done = True
+        elif isinstance(ev, mc.Quit):
+            self.done = True
+        elif isinstance(ev, mc.Monitor):
+            await self._monitor(ev.queue, ev.reader, ev.timeout_s, ev.max_items,
+                                lambda it: mc.value(ev.queue, 0, it.data))
+            out += mc.end()
+        elif isinstance(ev, mc.Confirm):
+            b.confirm(self.client, ev.queue, ev.reader, ev.count)
+            out += mc.end()
+        else:  # pragma: no cover - the parser makes no other events
+            raise AssertionError(f"unhandled event {ev!r}")
+
+    async def _get(self, ev: mc.Get) -> None:
+        b, out = self.broker, self.out
+        reader = ev.reader or ""
+        if ev.abort:
+            b.abort(self.client, ev.queue, reader)
+            out += mc.end()
+            return
+        if ev.close:
+            b.confirm(self.client, ev.queue, reader)
+            if not ev.open:
+                out += mc.end()
+                return
+        if not ev.peek and self.client.open_ids(ev.queue, reader):
+            # Kestrel: a second open, or a plain get, while a read is open: ERROR, close.
+            log.warning("%s: get %s with a read already open on it", self.client.name, ev.key)
+            out += mc.error()
+            self.done = True
+            return
+        item = await b.get(ev.queue, reader, timeout_ms=ev.timeout_ms, client=self.client,
+                           open=ev.open, peek=ev.peek)
+        if item is not None:
+            out += mc.value(ev.key, 0, item.data)
+        out += mc.end()
+
+
+# -- text ------------------------------------------------------------------------------------
+
+
+class TextSession(_Session):
+    def __init__(self, server: Server, stream: trio.SocketStream) -> None:
+        super().__init__(server, stream)
+        cfg = server.config
+        self.parser = tp.TextParser(max_line=cfg.max_line,
+                                    max_item_size=min(cfg.max_item_size, tp.DEFAULT_MAX_ITEM_SIZE))
+
+    @staticmethod
+    def too_many() -> bytes:
+        return tp.error("Too many connections.")
+
+    def _is_put(self, ev: object) -> bool:
+        return isinstance(ev, tp.Put)
+
+    async def _begin_put(self, ev: tp.Put) -> PendingPut:
+        expire = None if ev.expiry_ms is None else self.broker.clock() + ev.expiry_ms
+        return await self.broker.begin_put(ev.queue, list(ev.items), expire_ms=expire)
+
+    def _put_error(self, ev: tp.Put, exc: Exception) -> bytes:
+        if isinstance(exc, (QueueFullError, ItemTooLargeError, JournalFullError)):
+            return tp.error(f"Queue {ev.queue} refused the items: {exc}")
+        if isinstance(exc, (ValueError, JournalError, QueueError)):
+            return tp.error(str(exc))
+        raise exc
+
+    def _stored(self, n: int) -> bytes:
+        return tp.count(n)
+
+    async def _command(self, ev: tp.Command) -> None:
+        try:
+            await self._dispatch(ev)
+        except (ValueError, QueueError, JournalError) as exc:
+            self.out += tp.error(str(exc))
+
+    async def _dispatch(self, ev: tp.Command) -> None:
+        b, out = self.broker, self.out
+        if isinstance(ev, tp.Get):
+            # Taken as an open read first: an item this protocol cannot carry stays queued.
+            item = await b.get(ev.queue, ev.reader, timeout_ms=ev.timeout_ms,
+                               client=self.client, open=True)
+            if item is None:
+                out += tp.empty()
+            elif b"\n" in item.data:
+                b.abort(self.client, ev.queue, ev.reader, count_error=False)
+                out += tp.error("Item contains a newline; use the memcache protocol.")
+            else:
+                b.confirm(self.client, ev.queue, ev.reader, 1)
+                out += tp.item(item.data)
+        elif isinstance(ev, tp.Peek):
+            item = await b.get(ev.queue, ev.reader, timeout_ms=ev.timeout_ms, peek=True)
+            if item is None:
+                out += tp.empty()
+            elif b"\n" in item.data:
+                out += tp.error("Item contains a newline; use the memcache protocol.")
+            else:
+                out += tp.item(item.data)
+        elif isinstance(ev, tp.Monitor):
+            await self._monitor(ev.queue, ev.reader, ev.timeout_ms / 1000, ev.max_items,
+                                self._encode_open)
+            out += tp.empty()
+        elif isinstance(ev, tp.Confirm):
+            out += tp.count(b.confirm(self.client, ev.queue, ev.reader, ev.count))
+        elif isinstance(ev, tp.Flush):
+            b.flush(ev.queue, ev.reader)
+            out += tp.count(0)
+        elif isinstance(ev, tp.Delete):
+            await b.delete(ev.queue, ev.reader)
+            out += tp.count(0)
+        elif isinstance(ev, tp.Version):
+            out += tp.version(__version__)
+        elif isinstance(ev, tp.Shutdown):
+            self.server.request_shutdown(f"shutdown command from {self.client.name}")
+            self.done = True
+        elif isinstance(ev, tp.Quit):
+            self.done = True
+        else:  # pragma: no cover
+            raise AssertionError(f"unhandled event {ev!r}")
+
+    def _encode_open(self, item: Item) -> bytes:
+        if b"\n" in item.data:
+            return tp.error(f"Item {item.id} contains a newline; use the memcache protocol.")
+        return tp.item(item.data)
+
+
+# -- entry point ------------------------------------------------------------------------------
+
+
+async def serve(
+    config: ServerConfig,
+    *,
+    handle_signals: bool = False,
+    task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Recover, listen, serve until shutdown, then close cleanly."""
+    started = time.monotonic()
+    try:
+        async with open_broker(config) as broker:
+            report = broker.datadir.report
+            log.info(
+                "recovered %d queues, %d items, %d bytes, %d bytes truncated, in %.3f s",
+                len(report.queues), report.records, report.bytes, report.truncated_bytes,
+                time.monotonic() - started,
+            )
+            server = Server(broker, config)
+            await server.run(handle_signals=handle_signals, task_status=task_status)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"cannot listen: {exc}") from exc
+        raise
+    log.info("stopped cleanly")
