@@ -118,6 +118,8 @@ class Handle:
         self.refill_lock = trio.Lock()
         self.refilling = False
         self.closed = False
+        #: earlier names of this reader (the default reader it took over)
+        self.aliases: set[str] = set()
 
 
 class QueueState:
@@ -208,6 +210,11 @@ class Broker:
                 raise QueueClosedError("server is shutting down")
             if not jf.valid_name(name):
                 raise ValueError(f"invalid queue name {name!r}")
+            if not jf.names_fit(name) or not jf.names_fit(name, ""):
+                raise ValueError(
+                    f"queue name of {len(name)} characters is too long for its journal file "
+                    f"names ({jf.NAME_MAX} bytes at most)"
+                )
             qs = self._new_queue_state(name, self.datadir.queue(name))
             cfg = qs.config
             qs.readers[""] = Handle(
@@ -223,6 +230,11 @@ class Broker:
             return h
         if name and not jf.valid_name(name):
             raise ValueError(f"invalid reader name {name!r}")
+        if not jf.names_fit(qs.name, name):
+            raise ValueError(
+                f"queue and reader names together are too long for a checkpoint file name "
+                f"({jf.NAME_MAX} bytes at most)"
+            )
         async with qs.reader_lock:
             h = qs.readers.get(name)
             if h is not None:
@@ -239,11 +251,8 @@ class Broker:
                 h.reader.name = name
                 h.config = self._reader_config(qs.name, name)
                 h.reader.limits = h.config
+                h.aliases.add("")  # open reads taken as `q` are still confirmed as `q`
                 qs.readers[name] = h
-                for client in self.clients.values():
-                    ids = client.open.pop((qs.name, ""), None)
-                    if ids is not None:
-                        client.open[(qs.name, name)] = ids
                 log.info("queue %s: reader %r took over the default reader", qs.name, name)
                 return h
             cfg = self._reader_config(qs.name, name)
@@ -483,20 +492,23 @@ class Broker:
     # -- reliable reads ---------------------------------------------------------------------
 
     def confirm(
-        self, client: Client, queue: str, reader: str | None = None, count: int | None = None
+        self,
+        client: Client,
+        queue: str,
+        reader: str | None = None,
+        count: int | None = None,
+        ids: Sequence[int] | None = None,
     ) -> int:
-        """Confirm the client's open reads on queue/reader (the `count` oldest, or all)."""
+        """Confirm the client's open reads on queue/reader: `ids`, the `count` oldest, or all."""
         rname = reader or ""
-        ids = client.open_ids(queue, rname)
-        if count is not None:
-            ids = ids[:count]
+        chosen = self._chosen(client, queue, rname, count, ids)
         qs = self.queues.get(queue)
-        h = qs.readers.get(rname) if qs is not None else None
-        for i in ids:
+        for i in chosen:
             client._remove(queue, rname, i)
+            h = self._owner(qs, rname, i)
             if h is not None:
                 h.reader.confirm(i)
-        return len(ids)
+        return len(chosen)
 
     def abort(
         self,
@@ -504,24 +516,48 @@ class Broker:
         queue: str,
         reader: str | None = None,
         count: int | None = None,
+        ids: Sequence[int] | None = None,
         *,
         count_error: bool = True,
     ) -> int:
         """Return the client's open reads on queue/reader to the head of the queue."""
         rname = reader or ""
-        ids = client.open_ids(queue, rname)
-        if count is not None:
-            ids = ids[:count]
+        chosen = self._chosen(client, queue, rname, count, ids)
         qs = self.queues.get(queue)
-        h = qs.readers.get(rname) if qs is not None else None
-        for i in ids:
+        served: dict[int, Handle] = {}
+        for i in sorted(chosen, reverse=True):  # the lowest id ends up first
             client._remove(queue, rname, i)
-        if h is None or qs is None:
-            return len(ids)
-        for i in sorted(ids, reverse=True):  # the lowest id ends up first
-            self._return(qs, h, i, count_error=count_error)
-        self._serve(qs, h)
-        return len(ids)
+            h = self._owner(qs, rname, i)
+            if h is not None and qs is not None:
+                self._return(qs, h, i, count_error=count_error)
+                served[id(h)] = h
+        for h in served.values():
+            assert qs is not None
+            self._serve(qs, h)
+        return len(chosen)
+
+    @staticmethod
+    def _chosen(
+        client: Client, queue: str, rname: str, count: int | None, ids: Sequence[int] | None
+    ) -> list[int]:
+        held = client.open_ids(queue, rname)
+        if ids is not None:
+            wanted = set(ids)
+            held = [i for i in held if i in wanted]
+        return held if count is None else held[:count]
+
+    @staticmethod
+    def _owner(qs: QueueState | None, rname: str, item_id: int) -> Handle | None:
+        """The reader holding open read `item_id` taken under the name `rname`."""
+        if qs is None:
+            return None
+        h = qs.readers.get(rname)
+        if h is not None and item_id in h.reader.open:
+            return h
+        for other in qs.readers.values():
+            if rname in other.aliases and item_id in other.reader.open:
+                return other
+        return None
 
     def _return(self, qs: QueueState, h: Handle, item_id: int, *, count_error: bool) -> None:
         it = h.reader.abort(item_id, count_error=count_error)
@@ -756,7 +792,7 @@ class Broker:
                     continue  # confirmed or aborted already
                 client._remove(queue, rname, item_id)
                 qs = self.queues.get(queue)
-                h = qs.readers.get(rname) if qs is not None else None
+                h = self._owner(qs, rname, item_id)
                 if qs is not None and h is not None:
                     log.info("queue %s: open read %d of %s timed out, returned to the queue",
                              queue, item_id, client.name)

@@ -638,6 +638,23 @@ def valid_name(name: str) -> bool:
     return NAME_RE.fullmatch(name) is not None
 
 
+#: Longest file name most file systems take (NAME_MAX).
+NAME_MAX: Final = 255
+#: Segment numbers are creation times in ms: 13 digits until the year 2286.
+_LONGEST_NUMBER: Final = 10**13
+
+
+def names_fit(queue: str, reader: str | None = None) -> bool:
+    """True if every file of queue (or of its reader) stays within NAME_MAX bytes.
+
+    The name grammar allows 250 characters, but `q.<13 digits>~~` must fit in 255,
+    and so must `q.read.<reader>~~`.
+    """
+    name = segment_name(queue, _LONGEST_NUMBER) if reader is None else checkpoint_name(
+        queue, reader)
+    return len(temp_name(name).encode()) <= NAME_MAX
+
+
 def segment_name(queue: str, number: int) -> str:
     return f"{queue}.{number}"
 

@@ -15,7 +15,6 @@ checkpoint, and close the journals (fsync).
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import signal
 import time
@@ -80,16 +79,13 @@ class Server:
 
     async def run(
         self,
+        listeners: dict[str, list[trio.SocketListener]],
         *,
         handle_signals: bool = False,
         task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        cfg = self.config
-        listeners: dict[str, list[trio.SocketListener]] = {}
-        for proto, port in (("memcache", cfg.memcache_port), ("text", cfg.text_port)):
-            listeners[proto] = await trio.open_tcp_listeners(port, host=cfg.host)
-            self.ports[proto] = listeners[proto][0].socket.getsockname()[1]
-            log.info("listening for %s on %s:%d", proto, cfg.host, self.ports[proto])
+        for proto, ls in listeners.items():
+            self.ports[proto] = ls[0].socket.getsockname()[1]
         async with trio.open_nursery() as outer:
             if handle_signals:
                 outer.start_soon(self._signals)
@@ -104,7 +100,7 @@ class Server:
                     acceptors.cancel_scope.cancel()
                 for ls in listeners.values():
                     for listener in ls:
-                        await listener.aclose()
+                        await listener.aclose()  # stop accepting
                 self.closing = True
                 self.broker.wake_waiters()
                 for session in list(self._sessions):
@@ -193,6 +189,7 @@ class _Session:
         self.client = Client(_peer(stream))
         self.busy = False
         self.done = False
+        self.eof = False
         self.scope = trio.CancelScope()
         self.out = bytearray()
 
@@ -212,20 +209,19 @@ class _Session:
         self.broker.register(self.client)
         try:
             with self.scope:
-                while not self.done and not self.server.closing:
+                while not (self.done or self.eof or self.server.closing):
                     try:
                         data = await self.stream.receive_some(RECEIVE_SIZE)
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         data = b""
                     counters.bytes_read += len(data)
                     self.parser.receive_data(data)
+                    self.eof = not data
                     self.busy = True
                     await self._run_batch()
                     if self.out:
                         await self._send()
                     self.busy = False
-                    if not data:
-                        break
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("%s: connection lost: %s", self.client.name, exc)
         finally:
@@ -236,13 +232,59 @@ class _Session:
                 await self.stream.aclose()
 
     async def _send(self) -> None:
-        data, self.out = bytes(self.out), bytearray()
+        data = bytes(self.out)
+        self.out.clear()  # in place: callers may hold a reference to the buffer
         self.server.counters.bytes_written += len(data)
         await self.stream.send_all(data)
 
+    async def _get(self, queue: str, reader: str | None, timeout_ms: int, *,
+                   open: bool = False, peek: bool = False) -> Item | None:
+        """broker.get; a long poll also watches the socket, so a client that hangs up
+        while waiting is noticed at once and takes no item with it."""
+        if timeout_ms <= 0:
+            return await self.broker.get(queue, reader, client=self.client, open=open,
+                                         peek=peek)
+        item: Item | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_for_eof, nursery.cancel_scope)
+            item = await self.broker.get(queue, reader, timeout_ms=timeout_ms,
+                                         client=self.client, open=open, peek=peek)
+            nursery.cancel_scope.cancel()
+        return item
+
+    async def _watch_for_eof(self, scope: trio.CancelScope) -> None:
+        # Bytes that arrive meanwhile are pipelined commands: hand them to the parser
+        # (its caps bound them) and stop reading once a batch's worth is buffered.
+        while self.parser.statistics().buffered_bytes < RECEIVE_SIZE:
+            try:
+                data = await self.stream.receive_some(RECEIVE_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
+            self.server.counters.bytes_read += len(data)
+            self.parser.receive_data(data)
+            if not data:
+                self.eof = True
+                scope.cancel()
+                return
+        await trio.sleep_forever()
+
     async def _run_batch(self) -> None:
+        """Run every complete command buffered, in order; replies collect in `out`.
+
+        Loops because a long poll reads ahead (see `_get`): commands that arrived
+        while it waited are run before the session waits for the network again.
+        """
+        while not self.done:
+            events = self._parse()
+            if not events:
+                return
+            await self._run(events)
+            if len(self.out) >= RECEIVE_SIZE:
+                await self._send()
+
+    def _parse(self) -> list[Any]:
         events: list[Any] = []
-        while not self.done and len(events) < MAX_BATCH:
+        while len(events) < MAX_BATCH:
             try:
                 ev = self.parser.next_event()
             except mc.ProtocolError as e:
@@ -255,6 +297,9 @@ class _Session:
             events.append(ev)
             if isinstance(ev, mc.ConnectionClosed):
                 break
+        return events
+
+    async def _run(self, events: list[Any]) -> None:
         i = 0
         while i < len(events) and not self.done:
             ev = events[i]
@@ -278,11 +323,6 @@ class _Session:
                 self.done = True
             else:
                 await self._command(ev)
-        if len(events) >= MAX_BATCH and not self.done:
-            # More may be buffered: run it before waiting for the network again.
-            if self.out:
-                await self._send()
-            await self._run_batch()
 
     def _is_put(self, ev: object) -> bool:
         raise NotImplementedError
@@ -331,8 +371,7 @@ class _Session:
             left = deadline - trio.current_time()
             if left <= 0 or self.server.closing:
                 break
-            item = await self.broker.get(queue, reader, timeout_ms=int(left * 1000),
-                                         client=self.client, open=True)
+            item = await self._get(queue, reader, max(1, int(left * 1000)), open=True)
             if item is None:
                 break
             self.out += encode(item)
@@ -402,7 +441,7 @@ class MemcacheSession(_Session):
     async def _dispatch(self, ev: mc.Command) -> None:
         b, out = self.broker, self.out
         if isinstance(ev, mc.Get):
-            await self._get(ev)
+            await self._memcache_get(ev)
         elif isinstance(ev, mc.Delete):
             await b.delete(ev.queue, ev.reader)
             if not ev.noreply:
@@ -450,7 +489,7 @@ class MemcacheSession(_Session):
         else:  # pragma: no cover - the parser makes no other events
             raise AssertionError(f"unhandled event {ev!r}")
 
-    async def _get(self, ev: mc.Get) -> None:
+    async def _memcache_get(self, ev: mc.Get) -> None:
         b, out = self.broker, self.out
         reader = ev.reader or ""
         if ev.abort:
@@ -468,8 +507,7 @@ class MemcacheSession(_Session):
             out += mc.error()
             self.done = True
             return
-        item = await b.get(ev.queue, reader, timeout_ms=ev.timeout_ms, client=self.client,
-                           open=ev.open, peek=ev.peek)
+        item = await self._get(ev.queue, reader, ev.timeout_ms, open=ev.open, peek=ev.peek)
         if item is not None:
             out += mc.value(ev.key, 0, item.data)
         out += mc.end()
@@ -516,18 +554,17 @@ class TextSession(_Session):
         b, out = self.broker, self.out
         if isinstance(ev, tp.Get):
             # Taken as an open read first: an item this protocol cannot carry stays queued.
-            item = await b.get(ev.queue, ev.reader, timeout_ms=ev.timeout_ms,
-                               client=self.client, open=True)
+            item = await self._get(ev.queue, ev.reader, ev.timeout_ms, open=True)
             if item is None:
                 out += tp.empty()
             elif b"\n" in item.data:
-                b.abort(self.client, ev.queue, ev.reader, count_error=False)
+                b.abort(self.client, ev.queue, ev.reader, ids=[item.id], count_error=False)
                 out += tp.error("Item contains a newline; use the memcache protocol.")
             else:
-                b.confirm(self.client, ev.queue, ev.reader, 1)
+                b.confirm(self.client, ev.queue, ev.reader, ids=[item.id])
                 out += tp.item(item.data)
         elif isinstance(ev, tp.Peek):
-            item = await b.get(ev.queue, ev.reader, timeout_ms=ev.timeout_ms, peek=True)
+            item = await self._get(ev.queue, ev.reader, ev.timeout_ms, peek=True)
             if item is None:
                 out += tp.empty()
             elif b"\n" in item.data:
@@ -565,26 +602,52 @@ class TextSession(_Session):
 # -- entry point ------------------------------------------------------------------------------
 
 
+async def open_listeners(config: ServerConfig) -> dict[str, list[trio.SocketListener]]:
+    """Bind every listener (before recovery, so a busy port fails fast)."""
+    listeners: dict[str, list[trio.SocketListener]] = {}
+    try:
+        for proto, port in (("memcache", config.memcache_port), ("text", config.text_port)):
+            try:
+                listeners[proto] = await trio.open_tcp_listeners(port, host=config.host)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot listen for {proto} on {config.host}:{port}: {exc.strerror}"
+                ) from exc
+            bound = listeners[proto][0].socket.getsockname()[1]
+            log.info("listening for %s on %s:%d", proto, config.host, bound)
+    except BaseException:
+        for ls in listeners.values():
+            for listener in ls:
+                await listener.aclose()
+        raise
+    return listeners
+
+
 async def serve(
     config: ServerConfig,
     *,
     handle_signals: bool = False,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Recover, listen, serve until shutdown, then close cleanly."""
-    started = time.monotonic()
+    """Listen, recover, serve until shutdown, then close cleanly."""
+    listeners = await open_listeners(config)
     try:
+        started = time.monotonic()
         async with open_broker(config) as broker:
             report = broker.datadir.report
+            stats = [fields for _, fields in broker.queue_stats()]
             log.info(
-                "recovered %d queues, %d items, %d bytes, %d bytes truncated, in %.3f s",
-                len(report.queues), report.records, report.bytes, report.truncated_bytes,
-                time.monotonic() - started,
+                "recovered %d queues: %d items waiting (%d bytes); journals hold %d records, "
+                "%d bytes; %d bytes truncated; %.3f s",
+                len(broker.queues), sum(f["items"] for f in stats),
+                sum(f["bytes"] for f in stats), report.records, report.bytes,
+                report.truncated_bytes, time.monotonic() - started,
             )
             server = Server(broker, config)
-            await server.run(handle_signals=handle_signals, task_status=task_status)
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise ConfigError(f"cannot listen: {exc}") from exc
-        raise
+            await server.run(listeners, handle_signals=handle_signals, task_status=task_status)
+    finally:
+        for ls in listeners.values():
+            for listener in ls:
+                with trio.CancelScope(shield=True):
+                    await listener.aclose()
     log.info("stopped cleanly")

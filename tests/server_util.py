@@ -1,0 +1,273 @@
+"""Helpers for the real-TCP server tests: in-process servers, raw sockets, subprocesses.
+
+Everything binds 127.0.0.1 on port 0, every wait is bounded by a timeout, and every
+subprocess is killed by its PID when the test ends.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+from pymemcache.client.base import Client as MemcacheClient
+
+from queued.config import ServerConfig, load_config
+from queued.server import Server, serve
+
+HOST = "127.0.0.1"
+#: Every single network wait of a test is bounded by this.
+WAIT = 10.0
+ANY_PORT: Mapping[str, object] = {
+    "memcache_port": 0, "text_port": 0, "rpc_port": 0, "http_port": 0,
+}
+QUEUED = Path(sys.executable).with_name("queued")
+
+
+def make_config(data_dir: Path, toml: str | None = None, **settings: object) -> ServerConfig:
+    """A config on free ports; `toml` (if given) is written next to data_dir and loaded."""
+    flags: dict[str, object] = {"data_dir": str(data_dir), **ANY_PORT, **settings}
+    if toml is not None:
+        path = data_dir.parent / f"{data_dir.name}.toml"
+        path.write_text(toml)
+        flags["config"] = str(path)
+    return load_config(flags, env={})
+
+
+@asynccontextmanager
+async def running(config: ServerConfig) -> AsyncIterator[Server]:
+    """An in-process server for the body of the `async with`; shut down afterwards."""
+    async with trio.open_nursery() as nursery:
+        server: Server = await nursery.start(serve, config)
+        try:
+            yield server
+        finally:
+            server.request_shutdown("test finished")
+
+
+def data_files(data_dir: Path) -> list[str]:
+    return sorted(os.listdir(data_dir)) if data_dir.exists() else []
+
+
+# -- raw trio sockets --------------------------------------------------------------------------
+
+
+class Conn:
+    """A raw client connection with a line-oriented receive buffer."""
+
+    def __init__(self, stream: trio.SocketStream, newline: bytes) -> None:
+        self.stream = stream
+        self.newline = newline
+        self.buf = bytearray()
+        self.eof = False
+
+    @classmethod
+    async def open(cls, port: int, newline: bytes = b"\r\n") -> Conn:
+        with trio.fail_after(WAIT):
+            return cls(await trio.open_tcp_stream(HOST, port), newline)
+
+    async def send(self, data: bytes) -> None:
+        with trio.fail_after(WAIT):
+            await self.stream.send_all(data)
+
+    async def _fill(self) -> None:
+        data = await self.stream.receive_some(65536)
+        if not data:
+            self.eof = True
+            raise EOFError("connection closed by the server")
+        self.buf += data
+
+    async def line(self, timeout: float = WAIT) -> bytes:
+        """The next reply line without its line end."""
+        with trio.fail_after(timeout):
+            while True:
+                i = self.buf.find(self.newline)
+                if i >= 0:
+                    line = bytes(self.buf[:i])
+                    del self.buf[: i + len(self.newline)]
+                    return line
+                await self._fill()
+
+    async def exactly(self, n: int, timeout: float = WAIT) -> bytes:
+        with trio.fail_after(timeout):
+            while len(self.buf) < n:
+                await self._fill()
+            data = bytes(self.buf[:n])
+            del self.buf[:n]
+            return data
+
+    async def lines_until(self, last: bytes, timeout: float = WAIT) -> list[bytes]:
+        """Lines up to and including `last` (e.g. END after stats)."""
+        out: list[bytes] = []
+        with trio.fail_after(timeout):
+            while not out or out[-1] != last:
+                out.append(await self.line())
+        return out
+
+    async def cmd(self, line: bytes, timeout: float = WAIT) -> bytes:
+        """Send one command line, return the first reply line."""
+        await self.send(line + b"\r\n")
+        return await self.line(timeout)
+
+    async def set(self, queue: str, data: bytes, exptime: int = 0) -> bytes:
+        await self.send(b"set %s 0 %d %d\r\n%s\r\n" % (queue.encode(), exptime, len(data), data))
+        return await self.line()
+
+    async def get(self, key: str, timeout: float = WAIT) -> bytes | None:
+        """memcache `get key`: the value, or None for END. Asserts the VALUE line echoes key."""
+        await self.send(b"get %s\r\n" % key.encode())
+        return await self.read_value(key, timeout)
+
+    async def read_value(self, key: str, timeout: float = WAIT) -> bytes | None:
+        """A get's reply: one VALUE block and END, or END alone (None)."""
+        with trio.fail_after(timeout):
+            data = await self.read_block(key, allow_end=True)
+            if data is not None:
+                assert await self.line() == b"END"
+            return data
+
+    async def read_block(self, key: str, *, allow_end: bool = False,
+                         timeout: float = WAIT) -> bytes | None:
+        """One `VALUE <key> 0 <n>` block (no END after it, as monitor sends them)."""
+        with trio.fail_after(timeout):
+            first = await self.line()
+            if allow_end and first == b"END":
+                return None
+            parts = first.split(b" ")
+            assert parts[:3] == [b"VALUE", key.encode(), b"0"], first
+            data = await self.exactly(int(parts[3]) + 2)
+            assert data.endswith(b"\r\n")
+            return data[:-2]
+
+    async def stats(self) -> dict[str, str]:
+        await self.send(b"stats\r\n")
+        out = {}
+        for line in await self.lines_until(b"END"):
+            if line != b"END":
+                _, name, value = line.decode().split(" ", 2)
+                out[name] = value
+        return out
+
+    async def expect_closed(self, timeout: float = WAIT) -> bytes:
+        """Wait for the server to close; returns whatever was still unread."""
+        with trio.fail_after(timeout):
+            try:
+                while True:
+                    await self._fill()
+            except (EOFError, trio.BrokenResourceError):
+                pass
+        rest, self.buf = bytes(self.buf), bytearray()
+        return rest
+
+    async def aclose(self) -> None:
+        with trio.move_on_after(WAIT):
+            await self.stream.aclose()
+
+
+async def wait_for_stat(port: int, name: str, want: Any, timeout: float = WAIT) -> dict[str, str]:
+    """Poll `stats` on a fresh connection until stat `name` equals str(want)."""
+    conn = await Conn.open(port)
+    try:
+        with trio.fail_after(timeout):
+            while True:
+                stats = await conn.stats()
+                if stats.get(name) == str(want):
+                    return stats
+                await trio.sleep(0.01)
+    finally:
+        await conn.aclose()
+
+
+def pymc(port: int) -> MemcacheClient:
+    """pymemcache, blocking, with replies (noreply=False) and bounded waits."""
+    return MemcacheClient((HOST, port), default_noreply=False, connect_timeout=WAIT,
+                          timeout=WAIT)
+
+
+# -- a server subprocess -----------------------------------------------------------------------
+
+_LISTEN_RE = re.compile(rb"listening for (\w+) on [0-9.]+:(\d+)")
+
+
+class ServerProcess:
+    """`queued serve` in a child process on free ports; stderr (the log) goes to a file."""
+
+    def __init__(self, data_dir: Path, log_path: Path, config: Path | None = None) -> None:
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.config = config
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ports: dict[str, int] = {}
+        self._log_start = 0
+
+    def start(self, timeout: float = 30.0) -> ServerProcess:
+        cmd = [str(QUEUED), "serve", "--data-dir", str(self.data_dir), "--host", HOST,
+               "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
+               "--http-port", "0"]
+        if self.config is not None:
+            cmd += ["--config", str(self.config)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QUEUED_")}
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=log, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = dict(_LISTEN_RE.findall(self.log()))
+            if b"memcache" in found and b"text" in found:
+                self.ports = {k.decode(): int(v) for k, v in found.items()}
+                return self
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n"
+                                     f"{self.log().decode(errors='replace')}")
+            time.sleep(0.02)
+        raise AssertionError("server did not start listening in time:\n"
+                             + self.log().decode(errors="replace"))
+
+    def log(self) -> bytes:
+        """The log of the current run only."""
+        return self.log_path.read_bytes()[self._log_start:] if self.log_path.exists() else b""
+
+    @property
+    def memcache(self) -> int:
+        return self.ports["memcache"]
+
+    @property
+    def text(self) -> int:
+        return self.ports["text"]
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float = 20.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL by PID (if still running) and reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(WAIT)
+
+
+def send_lines(port: int, data: bytes, *, until: bytes, timeout: float = WAIT) -> bytes:
+    """Blocking: send `data` on a fresh socket, read until the reply ends with `until`."""
+    with socket.create_connection((HOST, port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while not out.endswith(until):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+        return out
