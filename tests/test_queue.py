@@ -1,0 +1,879 @@
+"""The pure per-reader state machine (queued.queue.Reader): ordering, read-behind,
+checkpoints, expiry, limits, drop_through, and a hypothesis state machine checking that a
+checkpoint (head, done) always describes exactly the outstanding items."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from queued.journal_format import Put
+from queued.queue import Reader
+
+T0 = 1_700_000_000_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_items: int = 0
+    max_size: int = 0
+    max_memory_size: int = 1 << 20
+    discard_old_when_full: bool = False
+
+
+def item(i: int, size: int = 10, *, expire: int | None = None, add: int = T0) -> Put:
+    return Put(i, bytes([i % 256]) * size, add, expire)
+
+
+def items(ids: Iterable[int], size: int = 10, **kw: int | None) -> list[Put]:
+    return [item(i, size, **kw) for i in ids]  # type: ignore[arg-type]
+
+
+def reader(**limits: int | bool) -> Reader:
+    return Reader("q", "", Limits(**limits))  # type: ignore[arg-type]
+
+
+def take_id(r: Reader, now: int = T0) -> int | None:
+    expired: list[Put] = []
+    it = r.take(now, expired)
+    assert not expired
+    return None if it is None else it.id
+
+
+def take_open(r: Reader, now: int = T0) -> Put:
+    expired: list[Put] = []
+    it = r.take(now, expired)
+    assert it is not None and not expired
+    r.open_read(it)
+    return it
+
+
+def take_consume(r: Reader, now: int = T0) -> Put:
+    it = take_open(r, now)
+    assert r.confirm(it.id)
+    return it
+
+
+def abort_ids(r: Reader, ids: Iterable[int], *, count_error: bool = True) -> None:
+    """What Broker.abort does: highest id first, so the lowest ends up at the head."""
+    for i in sorted(ids, reverse=True):
+        it = r.abort(i, count_error=count_error)
+        assert it is not None
+        r.put_back(it)
+
+
+def read_range(journal: dict[int, Put], start: int, end: int, budget: int) -> tuple[list[Put], int]:
+    """broker._read_range over an in-memory journal."""
+    out: list[Put] = []
+    nbytes = 0
+    for i in sorted(journal):
+        if not start <= i <= end:
+            continue
+        put = journal[i]
+        if out and nbytes + len(put.data) > budget:
+            return out, i
+        out.append(put)
+        nbytes += len(put.data)
+    return out, end + 1
+
+
+def refill(r: Reader, journal: dict[int, Put]) -> None:
+    assert r.behind is not None
+    start = r.behind
+    got, next_id = read_range(journal, start, r.tail, r.refill_budget())
+    r.load(start, got, next_id)
+
+
+def replay(journal: dict[int, Put], head: int, done: Iterable[int]) -> set[int]:
+    d = set(done)
+    return {i for i in journal if i > head and i not in d}
+
+
+# -- add / take order ------------------------------------------------------------------
+
+
+def test_take_returns_items_in_id_order_then_none() -> None:
+    r = reader()
+    r.add(items(range(1, 6)))
+    assert [take_id(r) for _ in range(6)] == [1, 2, 3, 4, 5, None]
+    assert r.items == 0 and r.bytes == 0 and r.mem_bytes == 0
+
+
+def test_add_ignores_ids_at_or_below_tail() -> None:
+    r = reader()
+    r.add(items([1, 2, 3]))
+    r.add(items([2, 3, 4]))
+    assert r.tail == 4 and r.items == 4
+    assert [take_id(r) for _ in range(5)] == [1, 2, 3, 4, None]
+    assert r.counters.total_items == 4
+
+
+def test_counts_and_bytes_follow_add_take_abort() -> None:
+    r = reader()
+    r.add([item(1, 5), item(2, 7), item(3, 11)])
+    assert (r.items, r.bytes, r.mem_bytes) == (3, 23, 23)
+    a = take_open(r)
+    assert (r.items, r.bytes, r.mem_bytes, r.open_count) == (2, 18, 18, 1)
+    abort_ids(r, [a.id])
+    assert (r.items, r.bytes, r.mem_bytes, r.open_count) == (3, 23, 23, 0)
+
+
+def test_abort_goes_to_the_head() -> None:
+    r = reader()
+    r.add(items(range(1, 6)))
+    take_open(r)
+    b = take_open(r)
+    abort_ids(r, [b.id])
+    assert take_id(r) == 2
+    assert take_id(r) == 3
+
+
+def test_several_aborts_in_a_row_keep_lowest_id_first() -> None:
+    r = reader()
+    r.add(items(range(1, 8)))
+    opened = [take_open(r).id for _ in range(4)]
+    abort_ids(r, [opened[2], opened[0], opened[3]])  # any order: the lowest comes first
+    assert [take_id(r) for _ in range(5)] == [1, 3, 4, 5, 6]
+    assert r.open_count == 1 and 2 in r.open
+
+
+def test_abort_counts_errors_on_a_copy() -> None:
+    r = reader()
+    orig = item(1)
+    r.add([orig])
+    take_open(r)
+    it = r.abort(1, count_error=True)
+    assert it is not None and it.error_count == 1 and orig.error_count == 0
+    r.put_back(it)
+    take_open(r)
+    again = r.abort(1, count_error=False)
+    assert again is not None and again.error_count == 1
+    assert r.abort(1, count_error=True) is None  # not open any more
+    assert r.counters.canceled_transactions == 2
+
+
+def test_confirm_of_an_unknown_id_is_refused() -> None:
+    r = reader()
+    r.add(items([1]))
+    assert not r.confirm(1)
+    take_open(r)
+    assert r.confirm(1)
+    assert not r.confirm(1)
+
+
+# -- read-behind ---------------------------------------------------------------------------
+
+
+def test_add_beyond_max_memory_goes_behind() -> None:
+    r = reader(max_memory_size=250)
+    journal = {p.id: p for p in items(range(1, 11), 100)}
+    r.add(journal.values())
+    assert [p.id for p in r.mem] == [1, 2]
+    assert r.mem_bytes == 200 and r.behind == 3
+    assert r.items == 10 and r.bytes == 1000
+    assert not r.wants_refill()  # memory more than half full
+    take_consume(r)
+    assert r.wants_refill()
+    assert r.refill_budget() == 150
+    refill(r, journal)
+    assert [p.id for p in r.mem] == [2, 3] and r.behind == 4
+
+
+def test_read_behind_delivers_everything_in_order() -> None:
+    r = reader(max_memory_size=250)
+    journal = {p.id: p for p in items(range(1, 21), 100)}
+    r.add(journal.values())
+    got = []
+    while True:
+        it = r.take(T0, [])
+        if it is None:
+            if r.behind is None:
+                break
+            refill(r, journal)
+            continue
+        r.open_read(it)
+        r.confirm(it.id)
+        got.append(it.id)
+        assert r.mem_bytes <= 250
+    assert got == list(range(1, 21))
+    assert r.items == 0 and r.checkpoint() == (20, [])
+
+
+def test_first_item_is_kept_in_memory_even_if_bigger_than_the_cap() -> None:
+    r = reader(max_memory_size=50)
+    r.add([item(1, 100), item(2, 10)])
+    assert [p.id for p in r.mem] == [1] and r.behind == 2
+
+
+def test_items_added_while_behind_stay_on_disk() -> None:
+    r = reader(max_memory_size=250)
+    r.add(items(range(1, 4), 100))
+    assert r.behind == 3
+    take_consume(r)
+    take_consume(r)
+    r.add(items([4], 10))  # memory is empty but older items wait on disk
+    assert not r.mem and r.behind == 3 and r.tail == 4
+
+
+def test_load_skips_done_ids() -> None:
+    journal = {p.id: p for p in items(range(1, 11), 100)}
+    r = Reader("q", "", Limits(max_memory_size=250), head=0, done=[3, 4, 7], tail=10)
+    r.restore([journal[1], journal[2]], 5, 7, 700)
+    got = []
+    while (it := r.take(T0, [])) is not None or r.behind is not None:
+        if it is None:
+            refill(r, journal)
+            continue
+        r.open_read(it)
+        r.confirm(it.id)
+        got.append(it.id)
+    assert got == [1, 2, 5, 6, 8, 9, 10]
+    assert r.checkpoint() == (10, [])
+
+
+def test_load_stops_at_next_id_and_at_tail() -> None:
+    r = reader(max_memory_size=150)
+    r.add(items(range(1, 6), 100))
+    assert r.behind == 2
+    take_consume(r)
+    r.load(2, items(range(2, 6), 100), 4)
+    assert [p.id for p in r.mem] == [2, 3] and r.behind == 4
+    take_consume(r)
+    take_consume(r)
+    r.load(4, items(range(4, 9), 100), 9)  # ids past tail are not ours yet
+    assert [p.id for p in r.mem] == [4, 5] and r.behind is None
+
+
+def test_stale_load_after_flush_is_ignored() -> None:
+    r = reader(max_memory_size=250)
+    journal = {p.id: p for p in items(range(1, 11), 100)}
+    r.add(journal.values())
+    take_consume(r)
+    start = r.behind
+    assert start == 3
+    got, next_id = read_range(journal, start, r.tail, r.refill_budget())
+    assert r.flush() == 9
+    r.load(start, got, next_id)
+    assert not r.mem and r.behind is None and r.items == 0
+    assert r.take(T0, []) is None
+    assert r.checkpoint() == (10, [])
+
+
+def test_stale_load_after_refill_moved_on_is_ignored() -> None:
+    r = reader(max_memory_size=250)
+    journal = {p.id: p for p in items(range(1, 11), 100)}
+    r.add(journal.values())
+    take_consume(r)
+    take_consume(r)
+    start = r.behind
+    assert start is not None
+    got, next_id = read_range(journal, start, r.tail, r.refill_budget())
+    r.load(start, got, next_id)
+    before = [p.id for p in r.mem]
+    r.load(start, got, next_id)  # the same answer twice: the second is stale
+    assert [p.id for p in r.mem] == before
+
+
+def test_flush_with_items_behind_counts_them() -> None:
+    r = reader(max_memory_size=250)
+    r.add(items(range(1, 11), 100))
+    assert r.flush() == 10
+    assert r.items == 0 and r.bytes == 0 and r.mem_bytes == 0 and r.behind is None
+    assert r.checkpoint() == (10, [])
+    r.add(items([11]))
+    assert take_id(r) == 11
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+
+def test_checkpoint_of_an_empty_reader_is_the_tail() -> None:
+    r = reader()
+    assert r.checkpoint() == (0, [])
+    r.add(items([1, 2]))
+    assert r.checkpoint() == (0, [])
+    take_consume(r)
+    assert r.checkpoint() == (1, [])
+    take_consume(r)
+    assert r.checkpoint() == (2, [])
+
+
+def test_checkpoint_clears_dirty() -> None:
+    r = reader()
+    r.add(items([1]))
+    assert not r.dirty
+    take_consume(r)
+    assert r.dirty
+    r.checkpoint()
+    assert not r.dirty
+
+
+def test_open_read_pins_the_head() -> None:
+    r = reader()
+    r.add(items(range(1, 5)))
+    take_open(r)
+    take_consume(r)
+    take_consume(r)
+    assert r.checkpoint() == (0, [2, 3])
+    assert r.confirm(1)
+    assert r.checkpoint() == (3, [])
+
+
+def test_out_of_order_confirms_produce_done() -> None:
+    r = reader()
+    r.add(items(range(1, 6)))
+    for _ in range(4):
+        take_open(r)
+    assert r.confirm(4)
+    assert r.confirm(2)
+    assert r.checkpoint() == (0, [2, 4])
+    assert r.confirm(1)
+    assert r.checkpoint() == (2, [4])  # 3 is the lowest still open
+    assert r.confirm(3)
+    assert r.checkpoint() == (4, [])
+
+
+def test_abort_of_the_lowest_open_read_keeps_head_below_it() -> None:
+    r = reader()
+    r.add(items(range(1, 5)))
+    take_open(r)
+    take_open(r)
+    r.confirm(2)
+    abort_ids(r, [1])
+    assert r.checkpoint() == (0, [2])
+    assert take_id(r) == 1
+    r.consume(1)  # taken without an open read: gone for good
+    assert r.checkpoint() == (2, [])
+
+
+def test_confirm_after_abort_and_retake_in_any_order() -> None:
+    r = reader()
+    r.add(items(range(1, 7)))
+    a, b, c = take_open(r), take_open(r), take_open(r)
+    abort_ids(r, [b.id])
+    r.confirm(c.id)
+    assert r.checkpoint() == (0, [3])
+    b2 = take_open(r)
+    assert b2.id == b.id
+    r.confirm(a.id)
+    assert r.checkpoint() == (1, [3])
+    r.confirm(b2.id)
+    assert r.checkpoint() == (3, [])
+
+
+def test_flush_with_open_reads_marks_flushed_ids_done() -> None:
+    r = reader()
+    r.add(items(range(1, 6)))
+    take_open(r)
+    assert r.flush() == 4
+    assert r.checkpoint() == (0, [2, 3, 4, 5])
+    assert r.confirm(1)
+    assert r.checkpoint() == (5, [])
+
+
+def test_flush_with_open_reads_then_abort_delivers_only_the_open_item() -> None:
+    r = reader()
+    r.add(items(range(1, 6)))
+    take_open(r)
+    r.flush()
+    abort_ids(r, [1])
+    assert r.checkpoint() == (0, [2, 3, 4, 5])
+    assert take_id(r) == 1
+    assert take_id(r) is None
+
+
+def test_flush_with_open_reads_and_read_behind_marks_disk_ids_done() -> None:
+    journal = {p.id: p for p in items(range(1, 11), 100)}
+    r = reader(max_memory_size=250)
+    r.add(journal.values())
+    take_open(r)
+    assert r.flush() == 9
+    head, done = r.checkpoint()
+    assert head == 0 and done == list(range(2, 11))
+    assert replay(journal, head, done) == {1}
+
+
+def test_moving_items_pin_the_head() -> None:
+    r = reader()
+    r.add(items(range(1, 5)))
+    it = r.take(T0, [])
+    assert it is not None
+    r.start_move(it)
+    take_consume(r)
+    assert r.checkpoint() == (0, [2])
+    r.end_move(1, moved=True)
+    assert r.checkpoint() == (2, [])
+    it = r.take(T0, [])
+    assert it is not None
+    r.start_move(it)
+    assert r.checkpoint() == (2, [])
+    r.end_move(3, moved=False)  # could not move: back to the head
+    assert r.checkpoint() == (2, [])
+    assert take_id(r) == 3
+    r.end_move(3, moved=True)  # not moving any more: ignored
+    assert r.items == 1
+
+
+def test_checkpoint_with_front_below_mem() -> None:
+    r = reader()
+    r.add(items(range(1, 6)))
+    a, b = take_open(r), take_open(r)
+    r.confirm(a.id)
+    abort_ids(r, [b.id])
+    assert r.checkpoint() == (1, [])
+    take_consume(r)  # 2
+    take_consume(r)  # 3
+    assert r.checkpoint() == (3, [])
+
+
+def test_checkpoint_forgets_done_ids_below_the_new_head() -> None:
+    r = Reader("q", "", Limits(), head=5, done=[2, 5, 7, 9], tail=10)
+    assert r.done == {7, 9}
+    r.restore(items([6, 8, 10]), None, 3, 30)
+    assert r.checkpoint() == (5, [7, 9])
+    take_consume(r)
+    assert r.checkpoint() == (7, [9])
+    take_consume(r)
+    take_consume(r)
+    assert r.checkpoint() == (10, [])
+
+
+# -- expiry ----------------------------------------------------------------------------------
+
+
+def test_take_skips_expired_items() -> None:
+    r = reader()
+    r.add([item(1, expire=T0 + 5), item(2), item(3, expire=T0 + 5), item(4, expire=T0 + 50)])
+    expired: list[Put] = []
+    it = r.take(T0 + 10, expired)
+    assert it is not None and it.id == 2 and [p.id for p in expired] == [1]
+    expired.clear()
+    it = r.take(T0 + 10, expired)
+    assert it is not None and it.id == 4 and [p.id for p in expired] == [3]
+    assert r.counters.expired == 2
+    assert r.counters.age_ms == 10
+
+
+def test_expiry_is_inclusive() -> None:
+    r = reader()
+    r.add([item(1, expire=T0 + 5)])
+    assert take_id(r, T0 + 4) == 1
+    r.add([item(2, expire=T0 + 5)])
+    expired: list[Put] = []
+    assert r.take(T0 + 5, expired) is None and [p.id for p in expired] == [2]
+
+
+def test_peek_removes_expired_but_leaves_the_live_item() -> None:
+    r = reader()
+    r.add([item(1, expire=T0), item(2)])
+    expired: list[Put] = []
+    it = r.peek(T0 + 1, expired)
+    assert it is not None and it.id == 2 and [p.id for p in expired] == [1]
+    assert r.items == 1
+    assert take_id(r, T0 + 1) == 2
+
+
+def test_expired_item_in_front_is_skipped() -> None:
+    r = reader()
+    r.add([item(1, expire=T0 + 5), item(2)])
+    take_open(r)
+    abort_ids(r, [1])
+    expired: list[Put] = []
+    it = r.take(T0 + 10, expired)
+    assert it is not None and it.id == 2 and [p.id for p in expired] == [1]
+
+
+def test_expire_head_honours_the_limit_and_stops_at_a_live_item() -> None:
+    r = reader()
+    r.add([item(i, expire=T0) for i in range(1, 6)] + [item(6), item(7, expire=T0)])
+    expired: list[Put] = []
+    r.expire_head(T0 + 1, 2, expired)
+    assert [p.id for p in expired] == [1, 2]
+    expired = []
+    r.expire_head(T0 + 1, 0, expired)
+    assert [p.id for p in expired] == [3, 4, 5]
+    assert r.items == 2
+    expired = []
+    r.expire_head(T0 + 1, 0, expired)
+    assert expired == []
+
+
+def test_expired_items_consumed_advance_the_checkpoint() -> None:
+    r = reader()
+    r.add([item(1, expire=T0), item(2, expire=T0), item(3)])
+    expired: list[Put] = []
+    r.expire_head(T0 + 1, 0, expired)
+    for p in expired:
+        r.consume(p.id)
+    assert r.checkpoint() == (2, [])
+
+
+# -- limits ----------------------------------------------------------------------------------
+
+
+def test_over_limits_items_and_bytes() -> None:
+    r = reader(max_items=3, max_size=100)
+    r.add(items([1, 2], 30))
+    assert not r.over_limits(1, 30)
+    assert r.over_limits(2, 10)
+    assert r.over_limits(1, 41)
+    assert not reader().over_limits(10**6, 10**9)
+
+
+def test_open_reads_do_not_count_against_max_items() -> None:
+    r = reader(max_items=2)
+    r.add(items([1, 2]))
+    assert r.over_limits(1, 0)
+    take_open(r)
+    assert not r.over_limits(1, 0)
+
+
+def test_discard_oldest_takes_front_first_and_consumes() -> None:
+    r = reader(max_items=3)
+    r.add(items(range(1, 5)))
+    take_open(r)
+    take_open(r)
+    abort_ids(r, [2])
+    dropped = r.discard_oldest()
+    assert dropped is not None and dropped.id == 2
+    assert r.counters.discarded == 1
+    assert r.checkpoint() == (0, [2])
+    r.confirm(1)
+    assert r.checkpoint() == (2, [])
+    dropped = r.discard_oldest()
+    assert dropped is not None and dropped.id == 3
+    assert r.checkpoint() == (3, [])
+
+
+def test_discard_oldest_with_everything_on_disk_returns_none() -> None:
+    r = reader(max_memory_size=150)
+    r.add(items(range(1, 4), 100))
+    take_consume(r)
+    assert r.discard_oldest() is None
+    assert r.behind == 2 and r.items == 2
+
+
+# -- drop_through ------------------------------------------------------------------------------
+
+
+def test_drop_through_in_memory() -> None:
+    r = reader()
+    r.add(items(range(1, 7)))
+    take_open(r)
+    r.drop_through(3, 0)
+    assert [p.id for p in r.mem] == [4, 5, 6]
+    assert r.items == 3 and r.counters.discarded == 2 and r.open_count == 1
+    assert take_id(r) == 4
+
+
+def test_drop_through_behind() -> None:
+    r = reader(max_memory_size=250)
+    r.add(items(range(1, 11), 100))
+    assert r.behind == 3
+    r.drop_through(5, 3)
+    assert not r.mem and r.behind == 6 and r.items == 5
+    assert r.counters.discarded == 5
+    assert r.checkpoint() == (5, [])
+
+
+def test_drop_through_everything() -> None:
+    r = reader(max_memory_size=250)
+    r.add(items(range(1, 11), 100))
+    r.drop_through(10, 8)
+    assert r.behind is None and r.items == 0 and r.bytes == 0
+    assert r.checkpoint() == (10, [])
+
+
+# -- property: the checkpoint describes exactly the outstanding items ------------------------
+
+
+CAP = 300
+
+
+class ReaderMachine(RuleBasedStateMachine):
+    """A Reader driven like the broker drives it, against a model of consumed ids.
+
+    The journal is a dict; refills are split in two steps (the read happens in a
+    worker thread, so anything may happen between start and load)."""
+
+    @initialize(cap=st.sampled_from([CAP, 1 << 20]))
+    def setup(self, cap: int) -> None:
+        self.limits = Limits(max_memory_size=cap)
+        self.r = Reader("q", "", self.limits)
+        self.journal: dict[int, Put] = {}
+        self.consumed: set[int] = set()
+        self.next_id = 1
+        self.now = T0
+        self.pending_load: tuple[int, list[Put], int] | None = None
+        # Expected delivery order: aborted ids (newest abort first), then the rest by id.
+        self.front: list[int] = []
+
+    # -- helpers
+
+    def outstanding(self) -> set[int]:
+        return set(self.journal) - self.consumed
+
+    def available(self) -> set[int]:
+        return self.outstanding() - set(self.r.open) - set(self.r.moving)
+
+    def expected_next(self) -> list[int]:
+        rest = sorted(self.available() - set(self.front))
+        return self.front + rest
+
+    def _take(self) -> Put | None:
+        while True:
+            expired: list[Put] = []
+            it = self.r.take(self.now, expired)
+            order = self.expected_next()
+            got = [p.id for p in expired] + ([it.id] if it is not None else [])
+            assert got == order[: len(got)], (got, order)
+            for p in expired:
+                self._forget_front(p.id)
+                self.r.consume(p.id)
+                self.consumed.add(p.id)
+            if it is not None:
+                self._forget_front(it.id)
+                return it
+            if self.r.behind is None:
+                assert not self.available()
+                return None
+            self.pending_load = None
+            refill(self.r, self.journal)
+
+    def _forget_front(self, i: int) -> None:
+        if i in self.front:
+            assert self.front[0] == i
+            self.front.remove(i)
+
+    # -- rules
+
+    @rule(sizes=st.lists(st.integers(1, 160), min_size=1, max_size=5),
+          ttl=st.none() | st.integers(1, 30))
+    def add(self, sizes: list[int], ttl: int | None) -> None:
+        puts = []
+        for n in sizes:
+            exp = None if ttl is None else self.now + ttl
+            puts.append(Put(self.next_id, b"d" * n, self.now, exp))
+            self.next_id += 1
+        self.journal.update((p.id, p) for p in puts)
+        self.r.add(puts)
+
+    @rule(ms=st.integers(1, 20))
+    def tick(self, ms: int) -> None:
+        self.now += ms
+
+    @rule()
+    def take_and_consume(self) -> None:
+        it = self._take()
+        if it is not None:
+            self.r.open_read(it)
+            assert self.r.confirm(it.id)
+            self.consumed.add(it.id)
+
+    @rule()
+    def take_open(self) -> None:
+        it = self._take()
+        if it is not None:
+            self.r.open_read(it)
+
+    @rule()
+    def take_and_move(self) -> None:
+        it = self._take()
+        if it is not None:
+            self.r.start_move(it)
+
+    @precondition(lambda self: self.r.moving)
+    @rule(data=st.data(), moved=st.booleans())
+    def end_move(self, data: st.DataObject, moved: bool) -> None:
+        i = data.draw(st.sampled_from(sorted(self.r.moving)))
+        self.r.end_move(i, moved=moved)
+        if moved:
+            self.consumed.add(i)
+        else:
+            self.front.insert(0, i)
+
+    @precondition(lambda self: self.r.open)
+    @rule(data=st.data())
+    def confirm(self, data: st.DataObject) -> None:
+        i = data.draw(st.sampled_from(sorted(self.r.open)))
+        assert self.r.confirm(i)
+        self.consumed.add(i)
+
+    @precondition(lambda self: self.r.open)
+    @rule(data=st.data(), count_error=st.booleans())
+    def abort(self, data: st.DataObject, count_error: bool) -> None:
+        ids = data.draw(st.sets(st.sampled_from(sorted(self.r.open)), min_size=1))
+        abort_ids(self.r, ids, count_error=count_error)
+        self.front = sorted(ids) + self.front
+
+    @rule()
+    def peek(self) -> None:
+        expired: list[Put] = []
+        it = self.r.peek(self.now, expired)
+        got = [p.id for p in expired] + ([it.id] if it is not None else [])
+        assert got == self.expected_next()[: len(got)]
+        for p in expired:
+            self._forget_front(p.id)
+            self.r.consume(p.id)
+            self.consumed.add(p.id)
+
+    @rule(limit=st.integers(0, 3))
+    def sweep(self, limit: int) -> None:
+        expired: list[Put] = []
+        self.r.expire_head(self.now, limit, expired)
+        assert not limit or len(expired) <= limit
+        assert [p.id for p in expired] == self.expected_next()[: len(expired)]
+        for p in expired:
+            assert p.expire_time_ms is not None and p.expire_time_ms <= self.now
+            self._forget_front(p.id)
+            self.r.consume(p.id)
+            self.consumed.add(p.id)
+
+    @rule()
+    def flush(self) -> None:
+        avail = self.available()
+        assert self.r.flush() == len(avail)
+        self.consumed |= avail
+        self.front = []
+
+    @rule()
+    def discard_oldest(self) -> None:
+        order = self.expected_next()
+        it = self.r.discard_oldest()
+        if it is None:
+            assert not self.r.front and not self.r.mem
+            return
+        assert it.id == order[0]
+        self._forget_front(it.id)
+        self.consumed.add(it.id)
+
+    @precondition(lambda self: self.r.wants_refill() and self.pending_load is None)
+    @rule()
+    def start_refill(self) -> None:
+        start = self.r.behind
+        assert start is not None
+        got, next_id = read_range(self.journal, start, self.r.tail, self.r.refill_budget())
+        self.pending_load = (start, got, next_id)
+
+    @precondition(lambda self: self.pending_load is not None)
+    @rule()
+    def finish_refill(self) -> None:
+        assert self.pending_load is not None
+        self.r.load(*self.pending_load)
+        self.pending_load = None
+
+    @rule()
+    def checkpoint(self) -> None:
+        head, done = self.r.checkpoint()
+        assert done == sorted(done) and all(i > head for i in done)
+        assert head <= self.r.tail
+        assert replay(self.journal, head, done) == self.outstanding()
+        for i in self.consumed:
+            assert i <= head or i in done
+        assert self.r.head == head and not self.r.dirty
+
+    @precondition(lambda self: not self.r.moving)
+    @rule()
+    def restart(self) -> None:
+        """Clean shutdown (open reads go back, checkpoint) and recovery from it."""
+        abort_ids(self.r, list(self.r.open), count_error=False)
+        head, done = self.r.checkpoint()
+        r = Reader("q", "", self.limits, head=head, done=done, tail=max(self.journal, default=0))
+        mem: list[Put] = []
+        mem_bytes = count = nbytes = 0
+        behind = None
+        for i in sorted(replay(self.journal, head, done)):  # broker._scan_unconsumed
+            p = self.journal[i]
+            count += 1
+            nbytes += len(p.data)
+            if behind is None and (mem_bytes + len(p.data) <= self.limits.max_memory_size
+                                   or not mem):
+                mem.append(p)
+                mem_bytes += len(p.data)
+            elif behind is None:
+                behind = i
+        r.restore(mem, behind, count, nbytes)
+        self.r = r
+        self.front = []
+        self.pending_load = None
+
+    # -- invariants
+
+    @invariant()
+    def reader_outstanding_matches_the_model(self) -> None:
+        r = self.r
+        seen = [p.id for p in r.front] + [p.id for p in r.mem] + list(r.open) + list(r.moving)
+        assert len(seen) == len(set(seen)), "an id is held twice"
+        disk = set()
+        if r.behind is not None:
+            disk = {i for i in self.journal if i >= r.behind and i not in r.done}
+        assert set(seen).isdisjoint(disk)
+        assert set(seen) | disk == self.outstanding()
+
+    @invariant()
+    def counters_match(self) -> None:
+        r = self.r
+        avail = self.available()
+        assert r.items == len(avail)
+        assert r.bytes == sum(len(self.journal[i].data) for i in avail)
+        assert r.mem_bytes == sum(len(p.data) for p in list(r.front) + list(r.mem))
+
+    @invariant()
+    def ordering(self) -> None:
+        r = self.r
+        low = [p.id for p in r.front] + list(r.open) + list(r.moving)
+        mem = [p.id for p in r.mem]
+        assert mem == sorted(mem)
+        if low and mem:
+            assert max(low) < mem[0]
+        if r.behind is not None and (mem or low):
+            assert max(mem + low) < r.behind
+        assert [p.id for p in r.front] == self.front
+
+    @invariant()
+    def memory_bounded_without_aborts(self) -> None:
+        # Aborted items always come back to memory; a refill may take one item more
+        # than its budget (it never returns nothing).
+        r = self.r
+        if not r.front and len(r.mem) > 1:
+            assert r.mem_bytes <= self.limits.max_memory_size + 160
+
+
+ReaderMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_reader_state_machine = ReaderMachine.TestCase
+
+
+@pytest.mark.parametrize("cap", [CAP])
+def test_restore_then_refill_order(cap: int) -> None:
+    journal = {p.id: p for p in items(range(1, 31), 50)}
+    r = Reader("q", "", Limits(max_memory_size=cap), head=3, done=[5, 6, 20], tail=30)
+    keep = sorted(replay(journal, 3, [5, 6, 20]))
+    r.restore([journal[i] for i in keep[:6]], keep[6], len(keep), 50 * len(keep))
+    got = []
+    while True:
+        it = r.take(T0, [])
+        if it is None:
+            if r.behind is None:
+                break
+            refill(r, journal)
+            continue
+        r.open_read(it)
+        r.confirm(it.id)
+        got.append(it.id)
+    assert got == keep
