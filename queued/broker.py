@@ -41,6 +41,7 @@ from queued.errors import (
 )
 from queued.journal import QueueJournal, Ticket, wait_durable
 from queued.queue import Item, Reader
+from queued.recovery import SegmentInfo
 
 if TYPE_CHECKING:
     from queued.config import QueueConfig, ServerConfig
@@ -192,7 +193,7 @@ class Broker:
 
     def _new_queue_state(self, name: str, journal: QueueJournal) -> QueueState:
         qs = QueueState(name, journal, self.config.queue_config(name), self.clock())
-        journal.on_drop = partial(self._on_drop, qs)
+        journal.before_drop = partial(self._before_drop, qs)
         self.queues[name] = qs
         return qs
 
@@ -641,13 +642,25 @@ class Broker:
             for r in list(qs.readers)
         )
 
-    def _on_drop(self, qs: QueueState, last_id: int) -> None:
+    async def _before_drop(self, qs: QueueState, seg: SegmentInfo) -> None:
+        """drop_oldest is about to remove `seg`: take its items out of every reader.
+
+        The segment is read (in a thread) so items that were only on disk are
+        subtracted exactly; ids in a reader's `done` were never counted.
+        """
+        sizes: list[tuple[int, int]] = []
+        if any(h.reader.behind is not None and h.reader.behind <= seg.last_id
+               for h in qs.readers.values()):
+            sizes = await trio.to_thread.run_sync(_segment_sizes, qs.journal, seg)
         for h in qs.readers.values():
             r = h.reader
-            # The dropped segment is gone: how many of its ids the reader still had on
-            # disk can only be estimated from the id range (gaps are rare).
-            on_disk = max(0, min(last_id, r.tail) - r.behind + 1) if r.behind is not None else 0
-            r.drop_through(last_id, on_disk)
+            count = nbytes = 0
+            if r.behind is not None:
+                for item_id, size in sizes:
+                    if item_id >= r.behind and item_id <= r.tail and item_id not in r.done:
+                        count += 1
+                        nbytes += size
+            r.drop_through(seg.last_id, count, nbytes)
 
     # -- flush and delete -------------------------------------------------------------------
 
@@ -660,7 +673,11 @@ class Broker:
         return sum(h.reader.flush() for qs in self.queues.values() for h in qs.readers.values())
 
     async def delete(self, queue: str, reader: str | None = None) -> bool:
-        """Delete reader `reader` of `queue`, or the whole queue with every file."""
+        """Delete reader `reader` of `queue`, or the whole queue with every file.
+
+        Deleting a queue's last reader leaves a default reader at the tail (written
+        durably), so items put afterwards have a reader before and after a restart.
+        """
         qs = self.queues.get(queue)
         if qs is None:
             return False
@@ -669,15 +686,26 @@ class Broker:
             if h is None:
                 return False
             self._close_handle(h)
+            self._forget_open_reads(queue, {reader, *h.aliases})
             await qs.journal.remove_reader(reader)
+            if not qs.readers and not qs.deleted:
+                await self._handle(qs, "")
             return True
         qs.deleted = True
         del self.queues[queue]
         for h in qs.readers.values():
             self._close_handle(h)
+        self._forget_open_reads(queue, None)
         await self.datadir.delete_queue(queue)
         self.counters.queue_deletes += 1
         return True
+
+    def _forget_open_reads(self, queue: str, readers: set[str] | None) -> None:
+        """Open reads of a deleted queue (or reader) end: a re-created queue reuses ids."""
+        for client in self.clients.values():
+            for key in [k for k in client.open if k[0] == queue]:
+                if readers is None or key[1] in readers:
+                    client.open_total -= len(client.open.pop(key))
 
     def _close_handle(self, h: Handle) -> None:
         h.closed = True
@@ -695,6 +723,8 @@ class Broker:
         try:
             while h.reader.wants_refill() and not h.closed:
                 await self._refill_once(qs, h)
+        except JournalError:
+            pass  # logged; the next get tries again (and reports it to its client)
         finally:
             h.refilling = False
 
@@ -704,9 +734,15 @@ class Broker:
             if r.behind is None or h.closed:
                 return
             start, end = r.behind, r.tail
-            items, next_id = await trio.to_thread.run_sync(
-                _read_range, qs.journal, start, end, r.refill_budget()
-            )
+            try:
+                items, next_id = await trio.to_thread.run_sync(
+                    _read_range, qs.journal, start, end, r.refill_budget()
+                )
+            except (OSError, JournalError) as exc:
+                if h.closed or qs.deleted:
+                    return  # deleted while reading: nothing left to serve
+                log.error("queue %s: read-behind failed: %s", qs.name, exc)
+                raise JournalError(f"queue {qs.name!r}: reading items back failed: {exc}") from exc
             r.load(start, items, next_id)
             self._serve(qs, h)
 
@@ -880,6 +916,11 @@ def _scan_unconsumed(
         elif behind is None:
             behind = put.id
     return mem, behind, count, nbytes
+
+
+def _segment_sizes(journal: QueueJournal, seg: SegmentInfo) -> list[tuple[int, int]]:
+    """(id, data size) of every item in one segment."""
+    return [(p.id, len(p.data)) for p in journal._iter_segment(seg, 1, None)]
 
 
 def _read_range(

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -208,6 +208,8 @@ class QueueJournal:
         self.last_id = last_id
         #: called with the last id of a segment dropped under drop_oldest
         self.on_drop: Callable[[int], None] | None = None
+        #: awaited with a segment about to be dropped under drop_oldest (file still there)
+        self.before_drop: Callable[[SegmentInfo], Awaitable[None]] | None = None
         self._pending: list[_Chunk] = []
         self._pending_bytes = 0
         # Projection of the active segment including pending chunks, to split
@@ -585,6 +587,8 @@ class QueueJournal:
                         await self.write_checkpoint(reader, seg.last_id, cp.done)
                 if not self.readers:
                     await self.write_checkpoint("", seg.last_id)
+                if self.before_drop is not None:
+                    await self.before_drop(seg)
                 await trio.to_thread.run_sync(self.datadir.retire_segments, [seg])
                 self.segments.remove(seg)
                 log.warning(

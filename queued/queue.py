@@ -100,11 +100,12 @@ class Reader:
         self.items += items
         self.bytes += nbytes
 
-    def drop_through(self, last_id: int, on_disk: int) -> None:
+    def drop_through(self, last_id: int, on_disk: int, on_disk_bytes: int) -> None:
         """The journal dropped every id <= last_id (max_journal_size, drop_oldest).
 
-        `on_disk` is how many of those were behind `behind` (the caller estimates it
-        from the dropped segment). Open reads stay open; their data is in memory.
+        `on_disk` items (`on_disk_bytes` of data) of those were only on disk: the
+        caller counts them from the dropped segment. Open reads stay open (their
+        data is in memory).
         """
         for dq in (self.front, self.mem):
             keep = [it for it in dq if it.id > last_id]
@@ -117,11 +118,10 @@ class Reader:
             dq.clear()
             dq.extend(keep)
         if self.behind is not None and self.behind <= last_id:
-            self.items = max(self.items - on_disk, len(self.front) + len(self.mem))
+            self.items -= on_disk
+            self.bytes -= on_disk_bytes
             self.counters.discarded += on_disk
             self.behind = last_id + 1 if last_id < self.tail else None
-            if self.behind is None:
-                self.bytes = self.mem_bytes
         self.dirty = True
 
     def add(self, items: Iterable[Item]) -> None:

@@ -816,8 +816,6 @@ async def test_deleted_queue_stays_deleted_after_restart(tmp_path: Path) -> None
         assert await get_all(broker, "keep") == [b"k"]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a client's open read on a deleted queue confirms "
-                   "the same id of the re-created queue, so another client's item is lost")
 async def test_stale_open_read_of_a_deleted_queue_does_not_touch_the_new_queue(
     tmp_path: Path,
 ) -> None:
@@ -904,8 +902,6 @@ async def test_checkpoint_files_after_checkpoint_all(tmp_path: Path) -> None:
     assert cp[:4] == bytes([0x26, 0x3C, 0x26, 0x03])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: deleting the only reader of a queue, then "
-                   "restarting, makes a default reader replay items it had consumed")
 async def test_deleting_the_last_reader_does_not_resurrect_consumed_items(
     tmp_path: Path,
 ) -> None:
@@ -922,8 +918,6 @@ async def test_deleting_the_last_reader_does_not_resurrect_consumed_items(
 # -- background work must not take the broker down ----------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: deleting a queue while a read-behind refill reads "
-                   "its segment raises FileNotFoundError in the refill task and kills the broker")
 async def test_delete_during_background_refill_keeps_the_broker_alive(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -979,8 +973,6 @@ async def test_drop_oldest_keeps_the_newest_in_order(tmp_path: Path, cap: int) -
         assert stats(broker)["items"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Reader.drop_through never subtracts the bytes of "
-                   "dropped on-disk items, so max_size refuses puts to a nearly empty queue")
 async def test_drop_oldest_with_read_behind_keeps_bytes_right(tmp_path: Path) -> None:
     cfg = make_config(tmp_path, DROP_OLDEST.format(cap=350) + "max_size = 5000\n")
     async with open_broker(cfg) as broker:
@@ -990,8 +982,6 @@ async def test_drop_oldest_with_read_behind_keeps_bytes_right(tmp_path: Path) ->
         assert s["bytes"] == 100 * s["items"]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _on_drop's on-disk estimate ignores the reader's "
-                   "done ids, so `items` goes negative after the queue is drained")
 async def test_drop_oldest_after_out_of_order_confirms_keeps_items_right(tmp_path: Path) -> None:
     cfg = make_config(tmp_path, DROP_OLDEST.format(cap=150))
     async with open_broker(cfg) as broker:

@@ -571,7 +571,7 @@ def test_drop_through_in_memory() -> None:
     r = reader()
     r.add(items(range(1, 7)))
     take_open(r)
-    r.drop_through(3, 0)
+    r.drop_through(3, 0, 0)
     assert [p.id for p in r.mem] == [4, 5, 6]
     assert r.items == 3 and r.counters.discarded == 2 and r.open_count == 1
     assert take_id(r) == 4
@@ -581,8 +581,8 @@ def test_drop_through_behind() -> None:
     r = reader(max_memory_size=250)
     r.add(items(range(1, 11), 100))
     assert r.behind == 3
-    r.drop_through(5, 3)
-    assert not r.mem and r.behind == 6 and r.items == 5
+    r.drop_through(5, 3, 300)
+    assert not r.mem and r.behind == 6 and r.items == 5 and r.bytes == 500
     assert r.counters.discarded == 5
     assert r.checkpoint() == (5, [])
 
@@ -590,7 +590,7 @@ def test_drop_through_behind() -> None:
 def test_drop_through_everything() -> None:
     r = reader(max_memory_size=250)
     r.add(items(range(1, 11), 100))
-    r.drop_through(10, 8)
+    r.drop_through(10, 8, 800)
     assert r.behind is None and r.items == 0 and r.bytes == 0
     assert r.checkpoint() == (10, [])
 
