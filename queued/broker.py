@@ -39,7 +39,7 @@ from queued.errors import (
     QueueFullError,
     ReadStateError,
 )
-from queued.journal import QueueJournal, Ticket, wait_durable
+from queued.journal import QueueJournal, Ticket
 from queued.queue import Item, Reader
 from queued.recovery import SegmentInfo
 
@@ -283,8 +283,13 @@ class Broker:
         `expire_ms` is absolute unix milliseconds. Raises QueueFullError,
         ItemTooLargeError, JournalError (write failures, journal full), ValueError.
         """
+        self.counters.cmd_set += 1
         entry = await self.begin_put(queue, datas, expire_ms=expire_ms, error_count=error_count)
-        return await self.end_put(entry)
+        # Shielded: the readers must hear about every durable put, in id order,
+        # even if the caller is cancelled. The wait is one writer round.
+        with trio.CancelScope(shield=True):
+            n = await self.end_put(entry)
+        return n
 
     async def begin_put(
         self,
@@ -301,7 +306,6 @@ class Broker:
         Does not yield unless the queue is full (discard_old, read-behind) or near
         max_journal_size.
         """
-        self.counters.cmd_set += 1
         qs = self._queue(queue)
         cfg = qs.config
         if not datas:
@@ -329,22 +333,22 @@ class Broker:
         return PendingPut(qs, entry, ticket)
 
     async def end_put(self, pending: PendingPut) -> int:
-        """Second half of `put`: wait until durable; returns the number of items."""
+        """Second half of `put`: wait until durable; returns the number of items.
+
+        Call it inside a shielded cancel scope: if it were cancelled, the queue
+        would never hand this put, or any later one, to its readers.
+        """
         qs, entry, ticket = pending.qs, pending.entry, pending.ticket
         if ticket is None:
             return 0
         n, nbytes = len(entry.puts), sum(len(p.data) for p in entry.puts)
-        # Shielded: the readers must hear about every durable put, in id order,
-        # even if the client that sent it has gone. The wait is one writer round.
-        with trio.CancelScope(shield=True):
-            try:
-                await wait_durable(ticket)
-            except Exception as exc:
-                entry.error = exc
-            entry.done = True
-            qs.inflight_items -= n
-            qs.inflight_bytes -= nbytes
-            self._drain(qs)
+        if not ticket.event.is_set():  # puts of one batch complete together: wait once
+            await ticket.event.wait()
+        entry.error = ticket.error
+        entry.done = True
+        qs.inflight_items -= n
+        qs.inflight_bytes -= nbytes
+        self._drain(qs)
         if entry.error is not None:
             raise entry.error
         self.counters.total_items += n
