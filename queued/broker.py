@@ -419,7 +419,7 @@ class Broker:
             self._dispose_expired(qs, h, expired)
             if it is not None:
                 if not peek:
-                    h.reader.open[it.id] = it  # held until _finish_get
+                    h.reader.hold(it)  # until _finish_get
                     it = self._finish_get(qs, h, it, client if open else None)
                 self.counters.get_hits += 1
                 if h.reader.wants_refill():
@@ -464,7 +464,7 @@ class Broker:
         h.reader.counters.transactions += 1
         timeout = h.config.open_transaction_timeout
         deadline = trio.current_time() + timeout / 1000 if timeout else None
-        client._add(qs.name, h.reader.name, it.id, deadline)
+        client._add(qs.name, h.reader.name, it.id, deadline)  # the held item stays open
         if deadline is not None:
             heapq.heappush(self._timeouts, (deadline, next(self._timeout_seq), client,
                                             qs.name, h.reader.name, it.id))
@@ -487,7 +487,7 @@ class Broker:
                 break
             h.waiters.popleft()
             if not w.peek:
-                h.reader.open[it.id] = it  # held until the waiter's get finishes
+                h.reader.hold(it)  # until the waiter's get finishes
             w.item = it
             w.event.set()
         self._dispose_expired(qs, h, expired)

@@ -188,7 +188,7 @@ class Reader:
     def take(self, now_ms: int, expired: list[Item]) -> Item | None:
         """The next live item, removed; expired ones met on the way go to `expired`.
 
-        The caller must `consume`, `open_read` or `move` each expired item. Returns None
+        The caller must `consume` or `start_move` each expired item. Returns None
         when memory holds nothing (check `behind`: items may wait on disk).
         """
         while True:
@@ -236,6 +236,11 @@ class Reader:
     def open_read(self, it: Item) -> None:
         self.open[it.id] = it
         self.counters.transactions += 1
+
+    def hold(self, it: Item) -> None:
+        """Keep a taken item outstanding (like an open read, not counted as one) until
+        the get that took it has answered; then `confirm` or `abort` it."""
+        self.open[it.id] = it
 
     def confirm(self, item_id: int) -> bool:
         if self.open.pop(item_id, None) is None:
