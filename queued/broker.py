@@ -244,28 +244,37 @@ class Broker:
                 raise QueueClosedError(f"queue {qs.name!r} was deleted")
             if name and set(qs.readers) == {""}:
                 # The first named reader takes over the default reader's backlog.
-                h = qs.readers[""]
-                head, done = h.reader.checkpoint()
-                await qs.journal.write_checkpoint(name, head, done)
-                await qs.journal.remove_reader("")
-                del qs.readers[""]
-                h.reader.name = name
-                h.config = self._reader_config(qs.name, name)
-                h.reader.limits = h.config
-                h.aliases.add("")  # open reads taken as `q` are still confirmed as `q`
-                qs.readers[name] = h
+                # Shielded: both files must change, or neither (a shutdown may cancel).
+                with trio.CancelScope(shield=True):
+                    taken = qs.readers[""]
+                    head, done = taken.reader.checkpoint()
+                    await qs.journal.write_checkpoint(name, head, done)
+                    await qs.journal.remove_reader("")
+                    del qs.readers[""]
+                    taken.reader.name = name
+                    taken.config = self._reader_config(qs.name, name)
+                    taken.reader.limits = taken.config
+                    taken.aliases.add("")  # open reads taken as `q` are still confirmed as `q`
+                    qs.readers[name] = taken
                 log.info("queue %s: reader %r took over the default reader", qs.name, name)
-                return h
+                return taken
             cfg = self._reader_config(qs.name, name)
-            reader = Reader(qs.name, name, cfg, head=qs.delivered, tail=qs.delivered,
+            start = qs.delivered
+            reader = Reader(qs.name, name, cfg, head=start, tail=start,
                             create_time_ms=self.clock())
-            # Durable before use: compaction must keep what this reader will need.
-            await qs.journal.write_checkpoint(name, qs.delivered)
+            h = Handle(reader, cfg)
+            # Registered first, so puts delivered while its checkpoint is written reach
+            # it; durable before it serves, so compaction keeps what it will need.
+            qs.readers[name] = h
+            try:
+                with trio.CancelScope(shield=True):
+                    await qs.journal.write_checkpoint(name, start)
+            except BaseException:
+                qs.readers.pop(name, None)
+                raise
             if qs.deleted:
                 raise QueueClosedError(f"queue {qs.name!r} was deleted")
-            h = Handle(reader, cfg)
-            qs.readers[name] = h
-            log.info("queue %s: new reader %r starts at id %d", qs.name, name, qs.delivered)
+            log.info("queue %s: new reader %r starts at id %d", qs.name, name, start)
             return h
 
     # -- put ------------------------------------------------------------------------------------
@@ -420,7 +429,7 @@ class Broker:
             if it is not None:
                 if not peek:
                     h.reader.hold(it)  # until _finish_get
-                    it = self._finish_get(qs, h, it, client if open else None)
+                    it = self._finish_get(qs, h, rname, it, client if open else None)
                 self.counters.get_hits += 1
                 if h.reader.wants_refill():
                     self._start_refill(qs, h)
@@ -428,7 +437,7 @@ class Broker:
             if h.reader.behind is None or h.closed:
                 break
             await self._refill_once(qs, h)
-        if timeout_ms <= 0 or h.closed:
+        if timeout_ms <= 0 or h.closed or self.closing:
             self.counters.get_misses += 1
             return None
         w = _Waiter(peek)
@@ -438,7 +447,7 @@ class Broker:
             with trio.move_on_at(deadline):
                 await w.event.wait()
             if w.item is not None and not peek:
-                got = self._finish_get(qs, h, w.item, client if open else None)
+                got = self._finish_get(qs, h, rname, w.item, client if open else None)
                 finished = True
                 self.counters.get_hits += 1
                 return got
@@ -456,18 +465,23 @@ class Broker:
                 h.reader.put_back(w.item)
                 self._serve(qs, h)
 
-    def _finish_get(self, qs: QueueState, h: Handle, it: Item, client: Client | None) -> Item:
-        """A held item becomes the client's open read, or is consumed."""
+    def _finish_get(
+        self, qs: QueueState, h: Handle, rname: str, it: Item, client: Client | None
+    ) -> Item | None:
+        """A held item becomes the client's open read (under the name the client used),
+        or is consumed. None if the queue or reader was deleted meanwhile."""
         if client is None:
             h.reader.confirm(it.id)
             return it
+        if h.closed or qs.deleted:
+            return None  # deleted with its queue: there is nothing left to confirm
         h.reader.counters.transactions += 1
         timeout = h.config.open_transaction_timeout
         deadline = trio.current_time() + timeout / 1000 if timeout else None
-        client._add(qs.name, h.reader.name, it.id, deadline)  # the held item stays open
+        client._add(qs.name, rname, it.id, deadline)  # the held item stays open
         if deadline is not None:
             heapq.heappush(self._timeouts, (deadline, next(self._timeout_seq), client,
-                                            qs.name, h.reader.name, it.id))
+                                            qs.name, rname, it.id))
             if self._timeouts[0][0] == deadline:
                 self._timeout_wake.set()
         return it
@@ -690,7 +704,7 @@ class Broker:
             if h is None:
                 return False
             self._close_handle(h)
-            self._forget_open_reads(queue, {reader, *h.aliases})
+            self._forget_open_reads(queue, reader, h)
             await qs.journal.remove_reader(reader)
             if not qs.readers and not qs.deleted:
                 await self._handle(qs, "")
@@ -699,17 +713,24 @@ class Broker:
         del self.queues[queue]
         for h in qs.readers.values():
             self._close_handle(h)
-        self._forget_open_reads(queue, None)
+        self._forget_open_reads(queue, None, None)
         await self.datadir.delete_queue(queue)
         self.counters.queue_deletes += 1
         return True
 
-    def _forget_open_reads(self, queue: str, readers: set[str] | None) -> None:
-        """Open reads of a deleted queue (or reader) end: a re-created queue reuses ids."""
+    def _forget_open_reads(self, queue: str, reader: str | None, h: Handle | None) -> None:
+        """Open reads of a deleted queue (reader None) or reader end: ids are reused.
+
+        Reads taken under an alias of the deleted reader (`q` before a takeover) end
+        only if that reader holds them: a newer default reader's reads stay.
+        """
         for client in self.clients.values():
             for key in [k for k in client.open if k[0] == queue]:
-                if readers is None or key[1] in readers:
+                if reader is None or key[1] == reader:
                     client.open_total -= len(client.open.pop(key))
+                elif h is not None and key[1] in h.aliases:
+                    for item_id in [i for i in client.open[key] if i in h.reader.open]:
+                        client._remove(queue, key[1], item_id)
 
     def _close_handle(self, h: Handle) -> None:
         h.closed = True
@@ -764,25 +785,30 @@ class Broker:
     async def _checkpoint_loop(self) -> None:
         while True:
             await trio.sleep(self.config.checkpoint_interval / 1000)
-            await self.checkpoint_all()
+            try:
+                await self.checkpoint_all()
+            except Exception:  # a background task must outlive one bad round
+                log.exception("checkpoint round failed")
 
     async def checkpoint_all(self, *, force: bool = False) -> int:
         """Write the checkpoint of every reader that consumed something; compact."""
         written = 0
         for qs in list(self.queues.values()):
             wrote = False
-            for name, h in list(qs.readers.items()):
-                if not (h.reader.dirty or force) or qs.deleted or h.closed:
-                    continue
-                head, done = h.reader.checkpoint()
-                try:
-                    await qs.journal.write_checkpoint(name, head, done)
-                except OSError as exc:
-                    h.reader.dirty = True
-                    log.error("queue %s: checkpoint of reader %r failed: %s", qs.name, name, exc)
-                    continue
-                wrote = True
-                written += 1
+            async with qs.reader_lock:  # not in the middle of a takeover
+                for name, h in list(qs.readers.items()):
+                    if not (h.reader.dirty or force) or qs.deleted or h.closed:
+                        continue
+                    head, done = h.reader.checkpoint()
+                    try:
+                        await qs.journal.write_checkpoint(name, head, done)
+                    except OSError as exc:
+                        h.reader.dirty = True
+                        log.error("queue %s: checkpoint of reader %r failed: %s",
+                                  qs.name, name, exc)
+                        continue
+                    wrote = True
+                    written += 1
             if wrote and not qs.deleted and len(qs.journal.segments) > 1:
                 try:
                     await qs.journal.compact()
@@ -793,7 +819,10 @@ class Broker:
     async def _sweep_loop(self) -> None:
         while True:
             await trio.sleep(self.config.expiration_timer / 1000)
-            await self.sweep()
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("expiry sweep failed")
 
     async def sweep(self) -> None:
         """Expire items at the head of every reader; delete queues past max_queue_age."""

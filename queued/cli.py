@@ -161,13 +161,23 @@ def serve_command(args: argparse.Namespace) -> int:
     log.info("queued %s starting with this config:\n%s", __version__, qconfig.describe(config))
     try:
         trio.run(partial(serve, config, handle_signals=True))
-    except ConfigError as exc:
-        logging.getLogger("queued").error("%s", exc)
-        return 2
-    except QueuedError as exc:
-        logging.getLogger("queued").error("cannot start: %s", exc)
-        return 1
+    except Exception as exc:
+        root = _single(exc)  # trio nurseries wrap errors in exception groups
+        if isinstance(root, ConfigError):
+            log.error("%s", root)
+            return 2
+        if isinstance(root, QueuedError):
+            log.error("cannot start: %s", root)
+            return 1
+        raise
     return 0
+
+
+def _single(exc: BaseException) -> BaseException:
+    """The one exception inside nested single-member exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

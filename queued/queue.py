@@ -29,6 +29,9 @@ from queued.journal_format import Put
 
 Item = Put
 
+#: Most ids a flush lists in `done` while a lower id is still open (see Reader.flush).
+FLUSH_DONE_CAP = 100_000
+
 
 class ReaderLimits(Protocol):
     """The part of QueueConfig a reader needs."""
@@ -85,6 +88,7 @@ class Reader:
         self.done: set[int] = {i for i in done if i > head}
         self.head = head
         self.dirty = False  # consumed something since the last checkpoint
+        self.flush_overflow = 0  # flushed ids a crash could bring back (see flush)
         self.create_time_ms = create_time_ms
         self.counters = ReaderCounters()
 
@@ -314,6 +318,13 @@ class Reader:
         self.counters.flushes += 1
         self.dirty = True
         if self.open or self.moving:
+            # A lower id is still open: the flushed ids must be listed one by one
+            # (READ_DONE). Past FLUSH_DONE_CAP ids that list would cost more memory
+            # than the backlog it describes; they are left out, so a crash before
+            # the open reads end may deliver those flushed items again (logged).
+            if len(ids) > FLUSH_DONE_CAP:
+                self.flush_overflow = len(ids) - FLUSH_DONE_CAP
+                ids = ids[:FLUSH_DONE_CAP]
             self.done.update(ids)
         elif self.tail > self.head:
             self.head = self.tail

@@ -224,6 +224,8 @@ class _Session:
                     self.busy = False
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("%s: connection lost: %s", self.client.name, exc)
+        except Exception:  # one connection's failure must not take the server down
+            log.exception("%s: session failed; closing the connection", self.client.name)
         finally:
             self.server._sessions.discard(self)
             counters.curr_connections -= 1
@@ -245,11 +247,17 @@ class _Session:
             return await self.broker.get(queue, reader, client=self.client, open=open,
                                          peek=peek)
         item: Item | None = None
+        error: Exception | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_for_eof, nursery.cancel_scope)
-            item = await self.broker.get(queue, reader, timeout_ms=timeout_ms,
-                                         client=self.client, open=open, peek=peek)
+            try:
+                item = await self.broker.get(queue, reader, timeout_ms=timeout_ms,
+                                             client=self.client, open=open, peek=peek)
+            except Exception as exc:  # re-raised bare, not wrapped in an ExceptionGroup
+                error = exc
             nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
         return item
 
     async def _watch_for_eof(self, scope: trio.CancelScope) -> None:
@@ -323,6 +331,8 @@ class _Session:
                 self.done = True
             else:
                 await self._command(ev)
+            if len(self.out) >= RECEIVE_SIZE:  # replies of a long batch go out as they grow
+                await self._send()
 
     def _is_put(self, ev: object) -> bool:
         raise NotImplementedError
@@ -334,6 +344,10 @@ class _Session:
         id range, one wake-up); if that append is refused, they are retried one by
         one so each gets its own answer.
         """
+        with trio.CancelScope(shield=True):  # every begun put must be ended
+            await self._puts_shielded(events)
+
+    async def _puts_shielded(self, events: list[Any]) -> None:
         self.broker.counters.cmd_set += len(events)
         groups: list[list[Any]] = []
         for ev in events:
@@ -355,20 +369,19 @@ class _Session:
                         begun.append(([ev], await self._begin_put([ev])))
                     except Exception as exc1:
                         begun.append(([ev], self._put_error(ev, exc1)))
-        with trio.CancelScope(shield=True):  # every begun put must be ended
-            for group, b in begun:
-                if isinstance(b, bytes):
-                    for ev in group:
-                        self._reply_put(ev, b)
-                    continue
-                try:
-                    await self.broker.end_put(b)
-                except Exception as exc:
-                    for ev in group:
-                        self._reply_put(ev, self._put_error(ev, exc))
-                else:
-                    for ev in group:
-                        self._reply_put(ev, self._stored(ev))
+        for group, b in begun:
+            if isinstance(b, bytes):
+                for ev in group:
+                    self._reply_put(ev, b)
+                continue
+            try:
+                await self.broker.end_put(b)
+            except Exception as exc:
+                for ev in group:
+                    self._reply_put(ev, self._put_error(ev, exc))
+            else:
+                for ev in group:
+                    self._reply_put(ev, self._stored(ev))
 
     def _group_key(self, ev: Any) -> object:
         """Puts with equal keys (not None) may share one append."""
@@ -451,7 +464,8 @@ class MemcacheSession(_Session):
         if isinstance(exc, (JournalError, QueueError)):
             log.warning("%s: set %s failed: %s", self.client.name, ev.queue, exc)
             return mc.server_error(str(exc))
-        raise exc
+        log.error("%s: set %s failed", self.client.name, ev.queue, exc_info=exc)
+        return mc.server_error(f"{type(exc).__name__}: {exc}")
 
     def _stored(self, ev: mc.Set) -> bytes:
         return mc.stored()
@@ -469,6 +483,9 @@ class MemcacheSession(_Session):
             self.out += mc.client_error(str(exc))
         except (QueueClosedError, JournalError, QueueError) as exc:
             self.out += mc.server_error(str(exc))
+        except OSError as exc:
+            log.error("%s: %s failed: %s", self.client.name, type(ev).__name__, exc)
+            self.out += mc.server_error(f"{exc.strerror or exc}")
 
     async def _dispatch(self, ev: mc.Command) -> None:
         b, out = self.broker, self.out
@@ -512,8 +529,9 @@ class MemcacheSession(_Session):
         elif isinstance(ev, mc.Quit):
             self.done = True
         elif isinstance(ev, mc.Monitor):
+            key = f"{ev.queue}+{ev.reader}" if ev.reader else ev.queue
             await self._monitor(ev.queue, ev.reader, ev.timeout_s, ev.max_items,
-                                lambda it: mc.value(ev.queue, 0, it.data))
+                                lambda it: mc.value(key, 0, it.data))
             out += mc.end()
         elif isinstance(ev, mc.Confirm):
             b.confirm(self.client, ev.queue, ev.reader, ev.count)
@@ -572,7 +590,8 @@ class TextSession(_Session):
             return tp.error(f"Queue {ev.queue} refused the items: {exc}")
         if isinstance(exc, (ValueError, JournalError, QueueError)):
             return tp.error(str(exc))
-        raise exc
+        log.error("%s: put %s failed", self.client.name, ev.queue, exc_info=exc)
+        return tp.error(f"{type(exc).__name__}: {exc}")
 
     def _stored(self, ev: tp.Put) -> bytes:
         return tp.count(len(ev.items))
@@ -582,6 +601,9 @@ class TextSession(_Session):
             await self._dispatch(ev)
         except (ValueError, QueueError, JournalError) as exc:
             self.out += tp.error(str(exc))
+        except OSError as exc:
+            log.error("%s: %s failed: %s", self.client.name, type(ev).__name__, exc)
+            self.out += tp.error(f"{exc.strerror or exc}")
 
     async def _dispatch(self, ev: tp.Command) -> None:
         b, out = self.broker, self.out

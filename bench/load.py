@@ -1,0 +1,1323 @@
+#!/usr/bin/env python3
+"""Server load benchmark: queued's memcache protocol against redis-server, in the same run.
+
+Prints numbers, never asserts. The bench starts the servers itself (a fresh temp data dir
+each, free ports on 127.0.0.1) and drives them from several client OS processes; each
+process runs its connections with ``select.epoll`` and non-blocking sockets and keeps
+``--pipeline`` requests in flight on every connection. Latency is per request, from the
+``send()`` that carried it to the moment its reply was parsed (``time.perf_counter_ns``);
+the processes send their counts and latency histograms back to the parent, which merges
+them.
+
+Workloads, per payload size and fsync mode, on one shared queue (redis: one list key):
+
+* drain: ``--conns`` producer connections put ``--items`` items, then ``--conns``
+  consumer connections get them all; put and get rates are reported separately;
+* steady: ``--conns`` producers and ``--conns`` consumers at the same time, for
+  ``--items`` items or ``--seconds``, whichever ends first; the final backlog is reported.
+
+queued: ``set q 0 0 <n>`` / ``get q`` (``END`` = empty: a miss, retried after
+``--miss-backoff-ms``). redis: ``LPUSH q data`` / ``RPOP q`` with ``appendonly yes`` and
+``appendfsync always`` (fsync ``always``) or ``no`` (fsync ``never``).
+
+``--rss`` adds the backlog test: queued with ``max_memory_size = "8MiB"`` gets a backlog
+of 10x that in 1 KiB items, then is drained, while its VmRSS is sampled every 0.2 s.
+
+Usage:  .venv/bin/python bench/load.py [--quick] [--rss] [--target both|queued|redis]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import platform
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+QUEUED = REPO / ".venv" / "bin" / "queued"
+HOST = "127.0.0.1"
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+NS = 1_000_000_000
+RECV_SIZE = 1 << 18
+SIZE_NAMES = {64: "64 B", 1 * KiB: "1 KiB", 64 * KiB: "64 KiB"}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PUT_TARGET = 100_000  # 64 B, fsync never, drain
+GET_TARGET = 90_000
+ALWAYS_FRACTION = 0.70
+QUEUED_CMD = (f"{QUEUED} serve --data-dir {{data_dir}} --host {HOST} "
+              "--memcache-port {memcache_port} --text-port {text_port} --rpc-port {rpc_port} "
+              "--http-port {http_port} --fsync {fsync}")
+
+
+def log(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def size_name(size: int) -> str:
+    return SIZE_NAMES.get(size, f"{size} B")
+
+
+# -- latency histograms ------------------------------------------------------------------
+# Keys are latencies in ns rounded down to 8 significant bits (< 0.8 % error); values are
+# counts. Small, mergeable, and cheap enough to update once per reply batch.
+
+
+def bucket(ns: int) -> int:
+    b = ns.bit_length()
+    if b <= 8:
+        return ns
+    s = b - 8
+    return (ns >> s) << s
+
+
+def merge_hist(into: dict[int, int], other: dict[int, int]) -> None:
+    for k, v in other.items():
+        into[k] = into.get(k, 0) + v
+
+
+def percentiles(hist: dict[int, int], ps: tuple[float, ...]) -> list[float]:
+    """Latency percentiles in ms (nan when empty)."""
+    total = sum(hist.values())
+    if not total:
+        return [float("nan")] * len(ps)
+    keys = sorted(hist)
+    out: list[float] = []
+    for p in ps:
+        rank = max(1, int(p / 100 * total + 0.999999))
+        cum = 0
+        for k in keys:
+            cum += hist[k]
+            if cum >= rank:
+                out.append(k / 1e6)
+                break
+    return out
+
+
+# -- wire protocols ------------------------------------------------------------------------
+# Each parser takes the connection's unparsed bytes and returns
+# (replies, ok, misses, errors, rest). A reply is one answered request.
+
+
+class ProtocolBroken(Exception):
+    pass
+
+
+def memcache_put_request(queue: str, data: bytes) -> bytes:
+    return b"set %s 0 0 %d\r\n%s\r\n" % (queue.encode(), len(data), data)
+
+
+def memcache_get_request(queue: str) -> bytes:
+    return b"get %s\r\n" % queue.encode()
+
+
+def resp_command(*args: bytes) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+def resp_put_request(queue: str, data: bytes) -> bytes:
+    return resp_command(b"LPUSH", queue.encode(), data)
+
+
+def resp_get_request(queue: str) -> bytes:
+    return resp_command(b"RPOP", queue.encode())
+
+
+def parse_line_replies(buf: bytes, ok_marker: bytes) -> tuple[int, int, int, int, bytes]:
+    """Put replies are one line each: `ok_marker` starts a good one (after a b"\\n")."""
+    end = buf.rfind(b"\r\n")
+    if end < 0:
+        return 0, 0, 0, 0, buf
+    done = buf[: end + 2]
+    replies = done.count(b"\r\n")
+    ok = (b"\n" + done).count(ok_marker)
+    return replies, ok, 0, replies - ok, buf[end + 2:]
+
+
+def parse_memcache_put(buf: bytes) -> tuple[int, int, int, int, bytes]:
+    # b"\nSTORED\r" does not match inside b"NOT_STORED\r\n", and leaves the b"\n" for
+    # the next reply's match (count() does not overlap).
+    return parse_line_replies(buf, b"\nSTORED\r")
+
+
+def parse_resp_put(buf: bytes) -> tuple[int, int, int, int, bytes]:
+    return parse_line_replies(buf, b"\n:")
+
+
+def parse_memcache_get(buf: bytes, size: int) -> tuple[int, int, int, int, bytes]:
+    """`VALUE <key> <flags> <n>\\r\\n<data>\\r\\nEND\\r\\n` (hit) or `END\\r\\n` (miss)."""
+    pos = replies = ok = misses = errors = 0
+    n = len(buf)
+    while True:
+        eol = buf.find(b"\r\n", pos)
+        if eol < 0:
+            break
+        if eol == pos + 3 and buf.startswith(b"END", pos):
+            misses += 1
+            pos = eol + 2
+        elif buf.startswith(b"VALUE ", pos):
+            parts = buf[pos:eol].split(b" ")
+            if len(parts) < 4:
+                raise ProtocolBroken(f"bad VALUE line {buf[pos:eol][:80]!r}")
+            length = int(parts[3])
+            end = eol + 2 + length
+            if n < end + 7:
+                break
+            if buf[end: end + 7] != b"\r\nEND\r\n":
+                raise ProtocolBroken(f"VALUE not followed by END: {buf[end:end + 40]!r}")
+            if length == size:
+                ok += 1
+            else:
+                errors += 1
+            pos = end + 7
+        else:  # ERROR, CLIENT_ERROR ..., SERVER_ERROR ...
+            errors += 1
+            pos = eol + 2
+        replies += 1
+    return replies, ok, misses, errors, buf[pos:]
+
+
+def parse_resp_get(buf: bytes, size: int) -> tuple[int, int, int, int, bytes]:
+    """`$<n>\\r\\n<data>\\r\\n` (hit), `$-1\\r\\n` (nil: miss) or `-ERR ...\\r\\n`."""
+    pos = replies = ok = misses = errors = 0
+    n = len(buf)
+    while True:
+        eol = buf.find(b"\r\n", pos)
+        if eol < 0:
+            break
+        kind = buf[pos]
+        if kind == 0x24:  # $
+            length = int(buf[pos + 1: eol])
+            if length < 0:
+                misses += 1
+                pos = eol + 2
+            else:
+                end = eol + 2 + length
+                if n < end + 2:
+                    break
+                if length == size:
+                    ok += 1
+                else:
+                    errors += 1
+                pos = end + 2
+        elif kind == 0x2D or kind == 0x3A:  # -ERR ..., or an unexpected integer
+            errors += 1
+            pos = eol + 2
+        else:
+            raise ProtocolBroken(f"unexpected RESP reply {buf[pos:eol][:80]!r}")
+        replies += 1
+    return replies, ok, misses, errors, buf[pos:]
+
+
+# -- the client worker process -------------------------------------------------------------
+
+
+@dataclass
+class ConnSpec:
+    role: str  # "put" or "get"
+    quota: int  # items to complete on this connection
+
+
+@dataclass
+class WorkerSpec:
+    protocol: str  # "memcache" or "resp"
+    port: int
+    queue: str
+    payload: int
+    pipeline: int
+    conns: list[ConnSpec]
+    seconds: float  # stop issuing requests after this long
+    grace: float  # then wait this long at most for the replies in flight
+    miss_backoff_ms: float
+    batch: bool  # pipeline mode "batch": send `pipeline` requests, await all their replies
+
+
+@dataclass
+class RoleResult:
+    ok: int = 0
+    errors: int = 0
+    misses: int = 0
+    first_ns: int = 0  # first send
+    last_ns: int = 0  # last reply parsed
+    hist: dict[int, int] = field(default_factory=dict)
+    unanswered: int = 0  # requests still in flight at the hard deadline
+
+    def merge(self, other: RoleResult) -> None:
+        self.ok += other.ok
+        self.errors += other.errors
+        self.misses += other.misses
+        self.unanswered += other.unanswered
+        if other.first_ns and (not self.first_ns or other.first_ns < self.first_ns):
+            self.first_ns = other.first_ns
+        self.last_ns = max(self.last_ns, other.last_ns)
+        merge_hist(self.hist, other.hist)
+
+
+class Conn:
+    __slots__ = (
+        "backoff_until",
+        "batches",
+        "closed",
+        "errors",
+        "fd",
+        "first_ns",
+        "hist",
+        "inflight",
+        "last_ns",
+        "misses",
+        "ok",
+        "parse",
+        "quota",
+        "rbuf",
+        "request",
+        "role",
+        "sock",
+        "wbuf",
+    )
+
+    def __init__(self, sock: socket.socket, role: str, quota: int, request: bytes,
+                 parse: Any) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.role = role
+        self.quota = quota
+        self.request = request
+        self.parse = parse
+        self.inflight = 0
+        self.ok = self.errors = self.misses = 0
+        self.batches: collections.deque[list[int]] = collections.deque()  # [count, sent_ns]
+        self.hist: dict[int, int] = {}
+        self.rbuf = b""
+        self.wbuf = b""
+        self.backoff_until = 0
+        self.first_ns = self.last_ns = 0
+        self.closed = False
+
+
+def worker_main(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> None:
+    try:
+        _worker(spec, pipe)
+    except BaseException as exc:  # report, never hang the parent
+        with contextlib.suppress(Exception):
+            pipe.send({"error": f"{exc!r}\n{traceback.format_exc()}"})
+
+
+def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> None:
+    data = b"x" * spec.payload
+    if spec.protocol == "memcache":
+        put_req = memcache_put_request(spec.queue, data)
+        get_req = memcache_get_request(spec.queue)
+        parse_put: Any = parse_memcache_put
+        size = spec.payload
+
+        def parse_get(buf: bytes) -> tuple[int, int, int, int, bytes]:
+            return parse_memcache_get(buf, size)
+    else:
+        put_req = resp_put_request(spec.queue, data)
+        get_req = resp_get_request(spec.queue)
+        parse_put = parse_resp_put
+        size = spec.payload
+
+        def parse_get(buf: bytes) -> tuple[int, int, int, int, bytes]:
+            return parse_resp_get(buf, size)
+
+    ep = select.epoll()
+    conns: dict[int, Conn] = {}
+    for cs in spec.conns:
+        sock = socket.create_connection((HOST, spec.port), timeout=10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        if cs.role == "put":
+            c = Conn(sock, "put", cs.quota, put_req, parse_put)
+        else:
+            c = Conn(sock, "get", cs.quota, get_req, parse_get)
+        conns[c.fd] = c
+        ep.register(c.fd, select.EPOLLIN)
+    pipe.send({"ready": True})
+    if pipe.recv() != "go":
+        return
+    cpu0 = os.times()
+    clock = time.perf_counter_ns
+    t0 = clock()
+    stop_ns = t0 + int(spec.seconds * NS)
+    hard_ns = stop_ns + int(spec.grace * NS)
+    backoff_ns = int(spec.miss_backoff_ms * 1e6)
+    pipeline = spec.pipeline
+    batch = spec.batch
+    ein, eout = select.EPOLLIN, select.EPOLLOUT
+
+    def refill(c: Conn, now: int) -> None:
+        if c.closed or now >= stop_ns or now < c.backoff_until or (batch and c.inflight):
+            return
+        n = min(pipeline - c.inflight, c.quota - c.ok - c.errors - c.inflight)
+        if n <= 0:
+            return
+        t = clock()
+        if not c.first_ns:
+            c.first_ns = t
+        c.batches.append([n, t])
+        c.inflight += n
+        out = c.request * n
+        if c.wbuf:
+            c.wbuf += out
+            return
+        try:
+            sent = c.sock.send(out)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(out):
+            c.wbuf = out[sent:]
+            ep.modify(c.fd, ein | eout)
+
+    def active(c: Conn) -> bool:
+        return not c.closed and (c.inflight > 0 or c.ok + c.errors < c.quota)
+
+    for c in conns.values():
+        refill(c, t0)
+    live = [c for c in conns.values() if active(c)]
+    while live:
+        now = clock()
+        if now >= hard_ns:
+            break
+        if now >= stop_ns and all(c.inflight == 0 for c in live):
+            break
+        timeout = 0.05
+        for c in live:
+            if c.backoff_until > now and c.inflight == 0:
+                timeout = min(timeout, (c.backoff_until - now) / NS)
+        events = ep.poll(timeout)
+        now = clock()
+        for fd, ev in events:
+            c = conns[fd]
+            if ev & eout and c.wbuf:
+                try:
+                    sent = c.sock.send(c.wbuf)
+                except BlockingIOError:
+                    sent = 0
+                c.wbuf = c.wbuf[sent:]
+                if not c.wbuf:
+                    ep.modify(fd, ein)
+            if ev & (ein | select.EPOLLHUP | select.EPOLLERR):
+                try:
+                    chunk = c.sock.recv(RECV_SIZE)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    c.closed = True
+                    ep.unregister(fd)
+                    continue
+                buf = c.rbuf + chunk if c.rbuf else chunk
+                replies, ok, misses, errors, c.rbuf = c.parse(buf)
+                if not replies:
+                    continue
+                now = clock()
+                c.last_ns = now
+                c.inflight -= replies
+                c.ok += ok
+                c.errors += errors
+                c.misses += misses
+                if misses:
+                    c.backoff_until = now + backoff_ns
+                # Every reply of a send batch shares that batch's send time; latency is
+                # recorded for all replies (hits, misses and errors alike).
+                hist = c.hist
+                batches = c.batches
+                while replies:
+                    b = batches[0]
+                    k = b[0] if b[0] <= replies else replies
+                    key = bucket(now - b[1])
+                    hist[key] = hist.get(key, 0) + k
+                    replies -= k
+                    if k == b[0]:
+                        batches.popleft()
+                    else:
+                        b[0] -= k
+        for c in live:
+            refill(c, now)
+        live = [c for c in live if active(c)]
+    cpu1 = os.times()
+    roles: dict[str, RoleResult] = {}
+    closed: dict[str, int] = {}
+    for c in conns.values():
+        r = RoleResult(c.ok, c.errors, c.misses, c.first_ns, c.last_ns, c.hist,
+                       c.inflight if not c.closed else 0)
+        roles.setdefault(c.role, RoleResult()).merge(r)
+        if c.closed and c.ok + c.errors < c.quota:
+            closed[c.role] = closed.get(c.role, 0) + 1
+        c.sock.close()
+    ep.close()
+    pipe.send({"roles": {k: asdict(v) for k, v in roles.items()}, "closed": closed, "t0": t0,
+               "cpu": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)})
+
+
+# -- servers -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with socket.create_connection((HOST, port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def proc_rss_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def system_busy_s() -> float:
+    """CPU seconds all CPUs spent not idle (user, nice, system, irq, softirq, steal)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+        return (user + nice + system + irq + softirq + steal) / CLK_TCK
+    except (OSError, ValueError):
+        return float("nan")
+
+
+class Server:
+    """One server process on a fresh temp dir; stopped by PID (SIGTERM, then SIGKILL)."""
+
+    name = "?"
+    protocol = "?"
+
+    def __init__(self, root: Path, fsync: str) -> None:
+        self.fsync = fsync
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-{fsync}-", dir=root))
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.dir.with_suffix(".log")
+        self.max_rss_kib = 0
+        self.sampler: RssSampler | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> None:
+        cmd = self.command()
+        with open(self.log_path, "wb") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=self.dir)
+        if not wait_port(self.port, self.proc, 15):
+            rc = self.proc.poll()
+            raise RuntimeError(f"{self.name} did not accept connections on {self.port} "
+                               f"within 15 s (exit code {rc}); command: {' '.join(cmd)}\n"
+                               f"log tail:\n{self.log_tail()}")
+        self.sampler = RssSampler(self.pid)
+        self.sampler.start()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join("    " + t for t in text[-lines:])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+            self.max_rss_kib = max(self.max_rss_kib, self.sampler.max_kib)
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.log_path.unlink()
+
+    def backlog(self, queue: str) -> int | None:
+        raise NotImplementedError
+
+    def delete(self, queue: str) -> None:
+        raise NotImplementedError
+
+    def request(self, data: bytes, done: Any, seconds: float = 10) -> bytes:
+        """One blocking request/reply on a fresh connection, read until done(reply)."""
+        with socket.create_connection((HOST, self.port), timeout=seconds) as s:
+            s.sendall(data)
+            buf = b""
+            while not done(buf):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+            return buf
+
+
+class QueuedServer(Server):
+    name = "queued"
+    protocol = "memcache"
+
+    def __init__(self, root: Path, fsync: str, cmd: str, config: str | None = None) -> None:
+        super().__init__(root, fsync)
+        self.cmd = cmd
+        self.config_path: Path | None = None
+        if config is not None:
+            self.config_path = self.dir.with_suffix(".toml")
+            self.config_path.write_text(config)
+
+    def command(self) -> list[str]:
+        ports = {k: free_port() for k in ("text_port", "rpc_port", "http_port")}
+        cmd = self.cmd.format(data_dir=self.dir, memcache_port=self.port, fsync=self.fsync,
+                              **ports).split()
+        if self.config_path is not None:
+            cmd += ["--config", str(self.config_path)]
+        return cmd
+
+    def stop(self) -> None:
+        super().stop()
+        if self.config_path is not None:
+            with contextlib.suppress(OSError):
+                self.config_path.unlink()
+
+    def queue_stats(self, queue: str) -> dict[str, str]:
+        reply = self.request(b"stats\r\n", lambda b: b.endswith(b"END\r\n"))
+        prefix = f"STAT queue_{queue}_".encode()
+        out: dict[str, str] = {}
+        for line in reply.split(b"\r\n"):
+            if line.startswith(prefix):
+                k, _, v = line[len(prefix):].partition(b" ")
+                out[k.decode()] = v.decode()
+        return out
+
+    def backlog(self, queue: str) -> int | None:
+        v = self.queue_stats(queue).get("items")
+        return int(v) if v is not None else None
+
+    def delete(self, queue: str) -> None:
+        self.request(b"delete %s\r\n" % queue.encode(), lambda b: b.endswith(b"\r\n"))
+
+
+class RedisServer(Server):
+    name = "redis"
+    protocol = "resp"
+
+    def command(self) -> list[str]:
+        return ["redis-server", "--port", str(self.port), "--bind", HOST, "--save", "",
+                "--appendonly", "yes",
+                "--appendfsync", "always" if self.fsync == "always" else "no",
+                "--dir", str(self.dir), "--daemonize", "no"]
+
+    def backlog(self, queue: str) -> int | None:
+        reply = self.request(resp_command(b"LLEN", queue.encode()), lambda b: b"\r\n" in b)
+        return int(reply[1:reply.index(b"\r\n")]) if reply.startswith(b":") else None
+
+    def delete(self, queue: str) -> None:
+        self.request(resp_command(b"DEL", queue.encode()), lambda b: b"\r\n" in b)
+
+
+class RssSampler:
+    """Samples a process's VmRSS every `interval` s in a thread; marks name phases."""
+
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
+        self.pid = pid
+        self.interval = interval
+        self.samples: list[tuple[float, str, int]] = []  # (t, phase, KiB)
+        self.phase = "idle"
+        self.max_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def sample(self) -> int | None:
+        kib = proc_rss_kib(self.pid)
+        if kib is not None:
+            self.samples.append((time.monotonic(), self.phase, kib))
+            self.max_kib = max(self.max_kib, kib)
+        return kib
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+    def phase_stats(self, phase: str) -> tuple[int, int, int] | None:
+        vals = [k for _, p, k in self.samples if p == phase]
+        if not vals:
+            return None
+        return min(vals), max(vals), vals[-1]
+
+
+# -- running one phase ---------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    roles: dict[str, RoleResult]
+    seconds: float  # first send to last reply over all processes
+    client_cpu: float
+    server_cpu: float
+    other_cpu: float  # CPU seconds of everything else on the machine meanwhile
+    errors: list[str]
+
+
+def split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def run_phase(server: Server, queue: str, payload: int, puts: int, gets: int,
+              a: argparse.Namespace, seconds: float) -> Phase:
+    """`puts` and `gets` items over a.conns connections per role, spread over a.procs
+    processes; bounded by `seconds` (then a grace period for the replies in flight)."""
+    conns: list[ConnSpec] = []
+    if puts:
+        conns += [ConnSpec("put", q) for q in split(puts, a.conns)]
+    if gets:
+        conns += [ConnSpec("get", q) for q in split(gets, a.conns)]
+    procs = max(1, min(a.procs, len(conns)))
+    per_proc: list[list[ConnSpec]] = [[] for _ in range(procs)]
+    for i, cs in enumerate(conns):
+        per_proc[i % procs].append(cs)
+    ctx = multiprocessing.get_context("spawn")
+    workers: list[tuple[Any, multiprocessing.connection.Connection]] = []
+    errors: list[str] = []
+    results: list[dict[str, Any]] = []
+    try:
+        for cl in per_proc:
+            spec = WorkerSpec(server.protocol, server.port, queue, payload, a.pipeline, cl,
+                              seconds, a.grace, a.miss_backoff_ms,
+                              a.pipeline_mode == "batch")
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(spec, child), daemon=True)
+            p.start()
+            child.close()
+            workers.append((p, parent))
+        for _, pipe in workers:
+            if not pipe.poll(30):
+                raise RuntimeError("client process did not connect within 30 s")
+            msg = pipe.recv()
+            if "error" in msg:
+                raise RuntimeError(f"client process failed: {msg['error']}")
+        cpu0 = proc_cpu_s(server.pid)
+        busy0 = system_busy_s()
+        for _, pipe in workers:
+            pipe.send("go")
+        deadline = time.monotonic() + seconds + a.grace + 10
+        for _, pipe in workers:
+            if not pipe.poll(max(0.0, deadline - time.monotonic())):
+                errors.append("client process did not report before the deadline")
+                continue
+            msg = pipe.recv()
+            if "error" in msg:
+                errors.append(msg["error"])
+            else:
+                results.append(msg)
+        cpu1 = proc_cpu_s(server.pid)
+        busy1 = system_busy_s()
+    finally:
+        for p, pipe in workers:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+            pipe.close()
+    roles: dict[str, RoleResult] = {}
+    t0 = min((r["t0"] for r in results), default=0)
+    for r in results:
+        for role, n in r["closed"].items():
+            errors.append(f"{n} {role} connection(s) closed by the server")
+        for role, d in r["roles"].items():
+            roles.setdefault(role, RoleResult()).merge(RoleResult(**d))
+    last = max((rr.last_ns for rr in roles.values()), default=t0)
+    client_cpu = sum(r["cpu"] for r in results)
+    other = max(0.0, (busy1 - busy0) - (cpu1 - cpu0) - client_cpu)
+    return Phase(roles, max(1e-9, (last - t0) / NS), client_cpu, cpu1 - cpu0, other, errors)
+
+
+# -- results ----------------------------------------------------------------------------
+
+
+@dataclass
+class Measure:
+    target: str  # queued / redis
+    payload: int
+    fsync: str
+    workload: str  # drain / steady
+    op: str  # put / get
+    items: int
+    errors: int
+    misses: int
+    seconds: float
+    items_per_s: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    p999_ms: float
+    server_cpu: float  # fraction of one core over the phase
+    client_cpu: float
+    other_cpu: float  # the rest of the machine (other users' processes, this bench's parent)
+    backlog: int | None = None
+    server_rss_mib: float | None = None  # max VmRSS sampled during the workload
+    notes: list[str] = field(default_factory=list)
+
+
+def measures(server: Server, payload: int, workload: str, ph: Phase,
+             backlog: int | None) -> list[Measure]:
+    out = []
+    for op in ("put", "get"):
+        rr = ph.roles.get(op)
+        if rr is None:
+            continue
+        # A role's rate is over its own window (its first send to its last reply).
+        window = (rr.last_ns - rr.first_ns) / NS if rr.last_ns > rr.first_ns else ph.seconds
+        p50, p90, p99, p999 = percentiles(rr.hist, (50, 90, 99, 99.9))
+        notes = list(ph.errors)
+        if ph.other_cpu / ph.seconds > 0.2:
+            notes.append(f"other processes used {ph.other_cpu / ph.seconds:.0%} of a CPU "
+                         "meanwhile (shared machine?)")
+        if rr.unanswered:
+            notes.append(f"{rr.unanswered} requests unanswered at the deadline")
+        out.append(Measure(server.name, payload, server.fsync, workload, op, rr.ok, rr.errors,
+                           rr.misses, window, rr.ok / window if window > 0 else 0.0,
+                           p50, p90, p99, p999,
+                           ph.server_cpu / ph.seconds, ph.client_cpu / ph.seconds,
+                           ph.other_cpu / ph.seconds,
+                           backlog=backlog if workload == "steady" else None, notes=notes))
+    return out
+
+
+def describe(m: Measure) -> str:
+    extra = f", backlog {m.backlog:,}" if m.backlog is not None else ""
+    rss = f", server RSS <= {m.server_rss_mib:.0f} MiB" if m.server_rss_mib else ""
+    notes = ("; " + "; ".join(m.notes)) if m.notes else ""
+    return (f"  {m.target:6s} {size_name(m.payload):6s} {m.fsync:6s} {m.workload:6s} {m.op}: "
+            f"{m.items_per_s:10,.0f} items/s  p50 {m.p50_ms:6.2f}  p90 {m.p90_ms:6.2f}  "
+            f"p99 {m.p99_ms:6.2f}  p99.9 {m.p999_ms:6.2f} ms  ({m.items:,} ok, {m.errors} err, "
+            f"{m.misses:,} miss, {m.seconds:.2f} s; server CPU {m.server_cpu:.0%}, "
+            f"clients CPU {m.client_cpu:.0%}, other CPU {m.other_cpu:.0%}{extra}{rss}){notes}")
+
+
+# -- the workloads ---------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.root = Path(tempfile.mkdtemp(prefix="queued-load-", dir=a.dir))
+        self.results: list[Measure] = []
+        self.rss: list[dict[str, Any]] = []
+        self.server_rss: list[dict[str, Any]] = []
+        self.caveats: list[str] = []
+        self.seq = 0
+
+    def queue_name(self, workload: str, payload: int) -> str:
+        self.seq += 1
+        return f"bench_{workload}_{payload}_{self.seq}"
+
+    def one(self, server: Server, payload: int, workload: str) -> None:
+        a = self.a
+        if not server.alive():
+            log(f"  !! {server.name} is not running (exit code "
+                f"{server.proc.poll() if server.proc else None}); skipped")
+            return
+        queue = self.queue_name(workload, payload)
+        smp = server.sampler
+        assert smp is not None
+        smp.phase = queue
+        smp.sample()
+        try:
+            if workload == "drain":
+                ph = run_phase(server, queue, payload, a.items, 0, a, a.timeout)
+                ms = measures(server, payload, workload, ph, None)
+                stored = ph.roles["put"].ok if "put" in ph.roles else 0
+                ph2 = run_phase(server, queue, payload, 0, stored, a, a.timeout)
+                ms += measures(server, payload, workload, ph2, None)
+                left = server.backlog(queue)
+                if left:
+                    ms[-1].notes.append(f"{left:,} items left after the drain")
+            else:
+                ph = run_phase(server, queue, payload, a.items, a.items, a, a.seconds)
+                backlog = server.backlog(queue)
+                ms = measures(server, payload, workload, ph, backlog)
+            smp.sample()
+            smp.phase = "idle"
+            st = smp.phase_stats(queue)
+            for m in ms:
+                m.server_rss_mib = st[1] / KiB if st else None
+            server.delete(queue)
+        except Exception as exc:  # the server is edited concurrently: report, go on
+            log(f"  !! {server.name} {size_name(payload)} {server.fsync} {workload} "
+                f"failed: {exc!r}")
+            traceback.print_exc(file=sys.stdout)
+            if not server.alive():
+                log(f"  {server.name} exited; log tail:\n{server.log_tail()}")
+            first = (str(exc).splitlines() or [""])[0]
+            self.caveats.append(f"{server.name} {size_name(payload)} {server.fsync} "
+                                f"{workload} FAILED: {type(exc).__name__}: {first}")
+            return
+        for m in ms:
+            log(describe(m))
+        self.results += ms
+
+    def servers(self, fsync: str, config: str | None = None) -> list[Server]:
+        out: list[Server] = []
+        if self.a.target in ("queued", "both") and self.a.queued_ok:
+            out.append(QueuedServer(self.root, fsync, self.a.queued_cmd, config))
+        if self.a.target in ("redis", "both") and self.a.redis_ok:
+            out.append(RedisServer(self.root, fsync))
+        return out
+
+    def run_fsync(self, fsync: str) -> None:
+        a = self.a
+        servers = self.servers(fsync)
+        log(f"## fsync {fsync}: " + ", ".join(s.name for s in servers))
+        started: list[Server] = []
+        try:
+            for s in servers:
+                try:
+                    s.start()
+                    started.append(s)
+                    log(f"  started {s.name} pid {s.pid} on port {s.port}")
+                except Exception as exc:
+                    log(f"  !! {exc}")
+                    self.caveats.append(f"{s.name} fsync {fsync} did not start")
+                    s.stop()
+            # Interleaved: each workload runs on each server back to back, so VM drift
+            # hits both sides of a ratio alike.
+            for payload in a.payload:
+                for workload in a.workloads:
+                    for s in started:
+                        self.one(s, payload, workload)
+        finally:
+            for s in started:
+                s.stop()
+                self.server_rss.append({"target": s.name, "fsync": fsync,
+                                        "max_rss_mib": s.max_rss_kib / KiB})
+                log(f"  {s.name} max RSS {s.max_rss_kib / KiB:.0f} MiB")
+        log()
+
+    # -- backlog / RSS -----------------------------------------------------------------------
+
+    def run_rss(self) -> None:
+        a = self.a
+        payload = 1 * KiB
+        n = a.rss_backlog // payload
+        config = f'[default]\nmax_memory_size = "{a.rss_max_memory}"\n'
+        log(f"## backlog / RSS: {n:,} x {size_name(payload)} items = "
+            f"{n * payload / MiB:.0f} MiB, queued max_memory_size = {a.rss_max_memory}, "
+            "fsync never")
+        for s in self.servers("never", config):
+            try:
+                s.start()
+            except Exception as exc:
+                log(f"  !! {exc}")
+                self.caveats.append(f"{s.name} (RSS test) did not start")
+                s.stop()
+                continue
+            try:
+                assert s.sampler is not None
+                smp = s.sampler
+                time.sleep(0.5)
+                base = smp.sample() or 0
+                queue = self.queue_name("rss", payload)
+                smp.phase = "enqueue"
+                ph = run_phase(s, queue, payload, n, 0, a, a.timeout * 4)
+                smp.sample()
+                smp.phase = "backlog"
+                backlog = s.backlog(queue)
+                mem = ""
+                if isinstance(s, QueuedServer):
+                    qst = s.queue_stats(queue)
+                    mem = (f"; queue reports mem_items {qst.get('mem_items')}, mem_bytes "
+                           f"{qst.get('mem_bytes')}, logsize {qst.get('logsize')}")
+                time.sleep(1.0)
+                smp.sample()
+                smp.phase = "dequeue"
+                ph2 = run_phase(s, queue, payload, 0, ph.roles["put"].ok, a, a.timeout * 4)
+                smp.sample()
+                smp.phase = "after"
+                time.sleep(1.0)
+                final = smp.sample() or 0
+                ms = measures(s, payload, "rss", ph, None) + measures(s, payload, "rss", ph2,
+                                                                     None)
+                for m in ms:
+                    log(describe(m))
+                row: dict[str, Any] = {"target": s.name, "items": n, "payload": payload,
+                                       "backlog_mib": n * payload / MiB,
+                                       "max_memory_size": a.rss_max_memory if
+                                       s.name == "queued" else None,
+                                       "backlog_reported": backlog,
+                                       "baseline_mib": base / KiB, "final_mib": final / KiB}
+                for phase in ("enqueue", "backlog", "dequeue"):
+                    st = smp.phase_stats(phase)
+                    if st:
+                        row[phase] = {"min_mib": st[0] / KiB, "max_mib": st[1] / KiB,
+                                      "last_mib": st[2] / KiB}
+                        log(f"  {s.name} RSS during {phase:8s}: min {st[0] / KiB:6.1f} "
+                            f"max {st[1] / KiB:6.1f} last {st[2] / KiB:6.1f} MiB")
+                peak = max(k for _, p, k in smp.samples if p in ("enqueue", "backlog",
+                                                                  "dequeue"))
+                row["max_mib"] = peak / KiB
+                row["growth_mib"] = (peak - base) / KiB
+                row["samples"] = [(round(t - smp.samples[0][0], 2), p, k)
+                                  for t, p, k in smp.samples]
+                log(f"  {s.name} RSS baseline {base / KiB:.1f} MiB, max {peak / KiB:.1f} MiB "
+                    f"(+{(peak - base) / KiB:.1f}), final {final / KiB:.1f} MiB; "
+                    f"backlog reported {backlog}{mem}")
+                self.rss.append(row)
+                self.results += ms
+            except Exception as exc:
+                log(f"  !! {s.name} RSS test failed: {exc!r}")
+                traceback.print_exc(file=sys.stdout)
+                self.caveats.append(f"{s.name} RSS test FAILED: {exc!r}")
+            finally:
+                s.stop()
+        log()
+
+    # -- report ------------------------------------------------------------------------------
+
+    def find(self, target: str, payload: int, fsync: str, workload: str,
+             op: str) -> Measure | None:
+        for m in self.results:
+            if (m.target, m.payload, m.fsync, m.workload, m.op) == (target, payload, fsync,
+                                                                    workload, op):
+                return m
+        return None
+
+    def table(self, started: float) -> None:
+        a = self.a
+        log("## summary")
+        log()
+        if not self.results:
+            log("no results")
+            log()
+        log(f"{a.conns} connections per role x pipeline {a.pipeline} ({a.pipeline_mode}), "
+            f"{a.procs} client "
+            f"processes; items/s; latency in ms (send to reply parsed)")
+        log()
+        log("| payload | fsync | workload | op | queued items/s | p50 | p99 "
+            "| redis items/s | p50 | p99 | queued/redis |")
+        log("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for payload in a.payload:
+            for fsync in a.fsync:
+                for workload in a.workloads:
+                    for op in ("put", "get"):
+                        q = self.find("queued", payload, fsync, workload, op)
+                        r = self.find("redis", payload, fsync, workload, op)
+                        if q is None and r is None:
+                            continue
+                        ratio = (f"{q.items_per_s / r.items_per_s:.2f}"
+                                 if q and r and r.items_per_s else "")
+                        log(f"| {size_name(payload)} | {fsync} | {workload} | {op} | "
+                            f"{cell(q)} | {cell(r)} | {ratio} |")
+        for fsync in a.fsync:
+            for workload in ("steady",):
+                for payload in a.payload:
+                    q = self.find("queued", payload, fsync, workload, "put")
+                    r = self.find("redis", payload, fsync, workload, "put")
+                    big = [m for m in (q, r) if m and m.backlog and m.backlog > 0.05 * m.items]
+                    if big:
+                        self.caveats.append(
+                            f"steady {size_name(payload)} {fsync}: final backlog "
+                            f"queued {q.backlog if q else '-'}, redis "
+                            f"{r.backlog if r else '-'} (producers outran consumers)")
+        log()
+        if self.server_rss:
+            log("server max RSS: " + ", ".join(
+                f"{r['target']} fsync {r['fsync']} {r['max_rss_mib']:.0f} MiB"
+                for r in self.server_rss))
+            log()
+        if self.rss:
+            log("backlog / RSS test (server VmRSS in MiB, sampled every 0.2 s):")
+            log()
+            log("| server | backlog | max_memory_size | baseline | max enqueue | max backlog "
+                "| max dequeue | final |")
+            log("|---|---|---|---:|---:|---:|---:|---:|")
+            for row in self.rss:
+                cells = [f"{row[p]['max_mib']:.0f}" if p in row else "" for p in
+                         ("enqueue", "backlog", "dequeue")]
+                log(f"| {row['target']} | {row['items']:,} x {size_name(row['payload'])} = "
+                    f"{row['backlog_mib']:.0f} MiB | {row['max_memory_size'] or '-'} | "
+                    f"{row['baseline_mib']:.0f} | " + " | ".join(cells)
+                    + f" | {row['final_mib']:.0f} |")
+            log()
+        self.targets()
+        for m in self.results:
+            for note in m.notes:
+                self.caveats.append(f"{m.target} {size_name(m.payload)} {m.fsync} "
+                                    f"{m.workload} {m.op}: {note}")
+        log(f"total run time {time.perf_counter() - started:.0f} s")
+        if self.caveats:
+            log()
+            log("caveats:")
+            for c in dict.fromkeys(self.caveats):
+                log(f"- {c}")
+
+    def targets(self) -> None:
+        rows: list[tuple[str, str, str, str]] = []
+        pn = self.find("queued", 64, "never", "drain", "put")
+        gn = self.find("queued", 64, "never", "drain", "get")
+        pa = self.find("queued", 64, "always", "drain", "put")
+        ga = self.find("queued", 64, "always", "drain", "get")
+        if pn:
+            rows.append(("64 B, never, drain puts", f"{pn.items_per_s:,.0f}/s",
+                         f">= {PUT_TARGET:,}/s", yes(pn.items_per_s >= PUT_TARGET)))
+        if gn:
+            rows.append(("64 B, never, drain gets", f"{gn.items_per_s:,.0f}/s",
+                         f">= {GET_TARGET:,}/s", yes(gn.items_per_s >= GET_TARGET)))
+        for m, base, tgt in ((pa, pn, PUT_TARGET), (ga, gn, GET_TARGET)):
+            if m is None:
+                continue
+            want = ALWAYS_FRACTION * tgt
+            vs = f" ({m.items_per_s / base.items_per_s:.2f} x measured never)" if base else ""
+            rows.append((f"64 B, always, drain {m.op}s", f"{m.items_per_s:,.0f}/s{vs}",
+                         f">= {want:,.0f}/s (70 % of the never target)",
+                         yes(m.items_per_s >= want)))
+        for r in self.rss:
+            if r["target"] != "queued":
+                continue
+            mms = parse_size(r["max_memory_size"])
+            limit = 3 * mms
+            rows.append((f"RSS, backlog {r['backlog_mib']:.0f} MiB "
+                         f"(max_memory_size {r['max_memory_size']})",
+                         f"baseline {r['baseline_mib']:.0f}, max {r['max_mib']:.0f}, "
+                         f"final {r['final_mib']:.0f} MiB",
+                         f"flat: growth <= 3 x max_memory_size ({limit / MiB:.0f} MiB)",
+                         yes(r["growth_mib"] * MiB <= limit)))
+        if not rows:
+            return
+        log("| target | measured | wanted | met? |")
+        log("|---|---|---|---|")
+        for row in rows:
+            log("| " + " | ".join(row) + " |")
+        log()
+
+
+def cell(m: Measure | None) -> str:
+    if m is None:
+        return " | | "
+    return f"{m.items_per_s:,.0f} | {m.p50_ms:.2f} | {m.p99_ms:.2f}"
+
+
+def yes(ok: bool) -> str:
+    return "yes" if ok else "**NO**"
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().lower()
+    for suffix, mult in (("gib", GiB), ("mib", MiB), ("kib", KiB), ("g", GiB), ("m", MiB),
+                         ("k", KiB), ("b", 1)):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(t)
+
+
+def queued_serve_available(cmd: str) -> tuple[bool, str]:
+    if cmd != QUEUED_CMD:
+        return True, "custom --queued-cmd"
+    try:
+        p = subprocess.run([str(QUEUED), "serve", "--help"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return False, repr(exc)
+    if p.returncode != 0:
+        lines = (p.stderr or p.stdout).strip().splitlines()
+        return False, lines[-1] if lines else f"exit code {p.returncode}"
+    return True, ""
+
+
+def environment(a: argparse.Namespace, root: Path) -> float:
+    """Prints the setup; returns how busy the CPUs were just before (in CPUs)."""
+    mem = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) // 1024
+    log("# queued server load benchmark")
+    log()
+    log(f"python {platform.python_version()}, {platform.system()} {platform.release()}, "
+        f"{os.cpu_count()} CPUs, MemTotal {mem} MiB; temp dir {root}")
+    log(f"payloads {', '.join(size_name(p) for p in a.payload)}; fsync {', '.join(a.fsync)}; "
+        f"workloads {', '.join(a.workloads)}; {a.conns} connections per role x pipeline "
+        f"{a.pipeline} ({a.pipeline_mode}) over {a.procs} client processes; {a.items:,} items "
+        f"per phase, steady <= {a.seconds:g} s" + (" (--quick)" if a.quick else ""))
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h %cI"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "queued"],
+                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+        log(f"queued at commit {head}; {sum(1 for d in dirty if d.strip())} uncommitted "
+            "file(s) under queued/")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    busy0 = system_busy_s()
+    time.sleep(1.0)
+    idle_check = system_busy_s() - busy0
+    log(f"load average {os.getloadavg()[0]:.2f}; CPU busy before the start {idle_check:.0%} "
+        "of one CPU (should be ~0: the servers and clients need both)")
+    if idle_check > 0.2:
+        log("  !! the machine is not idle: other processes compete for the CPUs")
+    if a.redis_ok:
+        v = subprocess.run(["redis-server", "--version"], capture_output=True, text=True,
+                           timeout=10).stdout.strip()
+        log(f"redis: {v}")
+    log()
+    return idle_check
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--payload", default="64,1024",
+                    help="item sizes, comma separated (default 64,1024)")
+    ap.add_argument("--fsync", default="always,never",
+                    help="fsync modes (default always,never; redis: appendfsync always|no)")
+    ap.add_argument("--workloads", default="drain,steady", help="drain,steady (default both)")
+    ap.add_argument("--conns", type=int, default=4, help="connections per role (default 4)")
+    ap.add_argument("--pipeline", type=int, default=8,
+                    help="requests in flight per connection (default 8)")
+    ap.add_argument("--pipeline-mode", choices=("window", "batch"), default="window",
+                    help="window: keep --pipeline requests in flight, sending more as replies "
+                         "arrive (memtier style, default); batch: send --pipeline requests, "
+                         "wait for all their replies (redis-benchmark -P style)")
+    ap.add_argument("--procs", type=int, default=2, help="client processes (default 2)")
+    ap.add_argument("--items", type=int, default=None,
+                    help="items per phase (default 200000, --quick 50000)")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="steady workload duration bound (default 5, --quick 1)")
+    ap.add_argument("--timeout", type=float, default=60.0,
+                    help="wall-clock bound of a drain phase (default 60 s)")
+    ap.add_argument("--grace", type=float, default=5.0,
+                    help="wait for replies in flight after a time bound (default 5 s)")
+    ap.add_argument("--miss-backoff-ms", type=float, default=1.0,
+                    help="a connection that got an empty reply waits this long (default 1)")
+    ap.add_argument("--target", choices=("queued", "redis", "both"), default="both")
+    ap.add_argument("--quick", action="store_true", help="small counts, < 60 s in total")
+    ap.add_argument("--rss", action="store_true",
+                    help="also run the backlog/RSS test (backlog 10 x max_memory_size)")
+    ap.add_argument("--rss-only", action="store_true", help="only run the backlog/RSS test")
+    ap.add_argument("--rss-max-memory", default="8MiB",
+                    help="queued max_memory_size for the RSS test (default 8MiB)")
+    ap.add_argument("--rss-backlog", type=parse_size, default=None,
+                    help="backlog of the RSS test (default 10 x --rss-max-memory)")
+    ap.add_argument("--dir", default="/tmp", help="parent of the temp dirs (default /tmp)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--queued-cmd", default=QUEUED_CMD,
+                    help="command starting queued; placeholders {data_dir} {memcache_port} "
+                         "{text_port} {rpc_port} {http_port} {fsync} (default: queued serve)")
+    a = ap.parse_args()
+    a.payload = [parse_size(p) for p in a.payload.split(",") if p.strip()]
+    a.fsync = [f.strip() for f in a.fsync.split(",") if f.strip()]
+    a.workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
+    for w in a.workloads:
+        if w not in ("drain", "steady"):
+            ap.error(f"unknown workload {w!r}")
+    for f in a.fsync:
+        if f not in ("always", "never"):
+            ap.error(f"unknown fsync mode {f!r}")
+    if a.items is None:
+        a.items = 50_000 if a.quick else 200_000
+    if a.seconds is None:
+        a.seconds = 1.0 if a.quick else 5.0
+    if a.rss_backlog is None:
+        a.rss_backlog = 10 * parse_size(a.rss_max_memory)
+    if a.rss_only:
+        a.rss = True
+
+    a.queued_ok = a.redis_ok = False
+    if a.target in ("queued", "both"):
+        a.queued_ok, why = queued_serve_available(a.queued_cmd)
+        if not a.queued_ok:
+            print(f"`{QUEUED} serve` is not available ({why}); skipping queued", flush=True)
+    if a.target in ("redis", "both"):
+        a.redis_ok = shutil.which("redis-server") is not None
+        if not a.redis_ok:
+            print("redis-server not found, skipping the comparison "
+                  "(apt-get install redis-server)", flush=True)
+
+    started = time.perf_counter()
+    bench = Bench(a)
+    try:
+        busy = environment(a, bench.root)
+        if busy > 0.2:
+            bench.caveats.append(f"the machine was not idle at the start ({busy:.0%} of a CPU "
+                                 "busy): figures are low by an unknown amount")
+        if not a.rss_only:
+            for fsync in a.fsync:
+                bench.run_fsync(fsync)
+        if a.rss:
+            bench.run_rss()
+        bench.table(started)
+        if a.json:
+            out = {"args": {k: v for k, v in vars(a).items()},
+                   "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
+                               "python": platform.python_version()},
+                   "results": [asdict(m) for m in bench.results],
+                   "server_rss": bench.server_rss, "rss_test": bench.rss,
+                   "caveats": list(dict.fromkeys(bench.caveats))}
+            Path(a.json).write_text(json.dumps(out, indent=1, default=str))
+            log(f"results written to {a.json}")
+    finally:
+        shutil.rmtree(bench.root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
