@@ -529,3 +529,25 @@ def test_pymemcache_speaks_to_the_parser_and_understands_the_replies() -> None:
     assert client.delete("q") is True
     assert client.delete("q") is False
     assert client.flush_all() is True
+
+
+# -- the fast path for plain `get <q>` and `set <q> <f> <e> <n>` agrees with the general one ---
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"set q 0 0 3", b"set q 4294967295 0 3", b"set q 4294967296 0 3", b"set q 0 999999 3",
+        b"set q 1 2 3 noreply", b"set q 0 -1 3", b"SET q 0 0 3", b"set  q 0 0 3",
+        b"get q", b"get q/open", b"get q+r", b"GET q", b"get a.b", b"set a.b 0 0 3",
+    ],
+)
+def test_fast_path_matches_the_general_path(line: bytes) -> None:
+    stream = line + b"\r\nabc\r\nget z\r\n"
+    fast = run(make(), [stream])
+    parser = make()
+    parser._fast = lambda _line: None  # type: ignore[method-assign]
+    slow = run(parser, [stream])
+    assert fast == slow
+    byte_by_byte = run(make(), [stream[i : i + 1] for i in range(len(stream))])
+    assert byte_by_byte == slow
