@@ -685,10 +685,22 @@ class Broker:
     def flush(self, queue: str, reader: str | None = None) -> int:
         qs = self.queues.get(queue)
         h = qs.readers.get(reader or "") if qs is not None else None
-        return h.reader.flush() if h is not None else 0
+        return self._flush(h) if h is not None else 0
 
     def flush_all(self) -> int:
-        return sum(h.reader.flush() for qs in self.queues.values() for h in qs.readers.values())
+        return sum(self._flush(h) for qs in self.queues.values() for h in qs.readers.values())
+
+    @staticmethod
+    def _flush(h: Handle) -> int:
+        n = h.reader.flush()
+        if h.reader.flush_overflow:
+            log.warning(
+                "queue %s reader %r: flushed with reads open; %d flushed items would come "
+                "back after a crash before those reads end (READ_DONE is capped)",
+                h.reader.queue, h.reader.name, h.reader.flush_overflow,
+            )
+            h.reader.flush_overflow = 0
+        return n
 
     async def delete(self, queue: str, reader: str | None = None) -> bool:
         """Delete reader `reader` of `queue`, or the whole queue with every file.

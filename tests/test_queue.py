@@ -877,3 +877,16 @@ def test_restore_then_refill_order(cap: int) -> None:
         r.confirm(it.id)
         got.append(it.id)
     assert got == keep
+
+
+def test_flush_with_an_open_read_lists_at_most_the_cap_of_done_ids() -> None:
+    from queued.queue import FLUSH_DONE_CAP
+
+    r = reader(max_memory_size=100)
+    r.add(items(range(1, 11), 10))  # ids 1..10 in memory
+    r.add(items(range(11, FLUSH_DONE_CAP + 500), 100))  # the rest on disk only
+    opened = take_open(r)
+    assert r.flush() == FLUSH_DONE_CAP + 498
+    assert len(r.done) == FLUSH_DONE_CAP and r.flush_overflow == 498
+    head, done = r.checkpoint()
+    assert head == opened.id - 1 and opened.id not in done and len(done) == FLUSH_DONE_CAP
