@@ -8,6 +8,7 @@ the files they read.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime as _dt
 import logging
 import os
@@ -159,6 +160,7 @@ def serve_command(args: argparse.Namespace) -> int:
     )
     log = logging.getLogger("queued")
     log.info("queued %s starting with this config:\n%s", __version__, qconfig.describe(config))
+    _limit_malloc_arenas()
     try:
         trio.run(partial(serve, config, handle_signals=True))
     except Exception as exc:
@@ -171,6 +173,23 @@ def serve_command(args: argparse.Namespace) -> int:
             return 1
         raise
     return 0
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter number
+
+
+def _limit_malloc_arenas() -> None:
+    """One malloc arena for all threads (glibc; a no-op elsewhere).
+
+    Read-behind decodes items in a worker thread and the event loop frees them; with
+    glibc's per-thread arenas that kept ~20 MiB more resident than the items need.
+    Measured with bench/load.py --rss-only: dequeue peak 61 -> 42 MiB (baseline 30).
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_ARENA_MAX, 1)
+    except (OSError, AttributeError):
+        pass
 
 
 def _single(exc: BaseException) -> BaseException:
