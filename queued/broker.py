@@ -626,7 +626,7 @@ class Broker:
                 await self.put(target, [it.data for it in items])
             moved = True
         except (JournalError, QueueFullError, ItemTooLargeError, QueueClosedError,
-                ValueError) as exc:
+                ValueError, OSError) as exc:
             log.error("queue %s: could not move %d items to %s: %s",
                       qs.name, len(items), target, exc)
         if keep_errors or moved:
