@@ -17,6 +17,7 @@ plain `q` starts a new default reader at the tail.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import logging
@@ -181,10 +182,11 @@ class Broker:
                 cfg = self._reader_config(name, rname)
                 reader = Reader(name, rname, cfg, head=cp.head, done=cp.done,
                                 tail=journal.last_id, create_time_ms=qs.create_time_ms)
-                mem, behind, count, nbytes = await trio.to_thread.run_sync(
-                    _scan_unconsumed, journal, cp.head, frozenset(cp.done), cfg.max_memory_size
+                count, nbytes = await trio.to_thread.run_sync(
+                    _count_unconsumed, journal, cp.head, frozenset(cp.done)
                 )
-                reader.restore(mem, behind, count, nbytes)
+                # Everything starts on disk; read-behind fills memory once running.
+                reader.restore([], cp.head + 1 if count else None, count, nbytes)
                 qs.readers[rname] = Handle(reader, cfg)
                 log.info("queue %s%s: %d items (%d bytes) recovered", name,
                          f"+{rname}" if rname else "", count, nbytes)
@@ -789,6 +791,10 @@ class Broker:
         """Background tasks and moves; cancel to stop (after `aclose`)."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            for qs in list(self.queues.values()):
+                for h in list(qs.readers.values()):
+                    if h.reader.wants_refill():
+                        self._start_refill(qs, h)  # warm memory with the recovered backlog
             nursery.start_soon(self._checkpoint_loop)
             nursery.start_soon(self._sweep_loop)
             nursery.start_soon(self._timeout_loop)
@@ -942,25 +948,28 @@ class Broker:
 # -- worker-thread helpers --------------------------------------------------------------------
 
 
-def _scan_unconsumed(
-    journal: QueueJournal, head: int, done: frozenset[int], max_memory: int
-) -> tuple[list[Item], int | None, int, int]:
-    """(items kept in memory, first id left on disk, count, bytes) after `head`."""
-    mem: list[Item] = []
-    mem_bytes = 0
-    behind: int | None = None
+def _count_unconsumed(journal: QueueJournal, head: int, done: frozenset[int]) -> tuple[int, int]:
+    """(items, bytes) a reader has not consumed: ids above `head` and not in `done`.
+
+    A segment without a `done` id inside is counted from what recovery learnt while
+    verifying it (count and data bytes); only the others are decoded again.
+    """
     count = nbytes = 0
-    for put in journal.iter_puts(head + 1):
-        if put.id in done:
+    done_sorted = sorted(done)
+    for seg in list(journal.segments):
+        if not seg.count or seg.last_id <= head:
             continue
-        count += 1
-        nbytes += len(put.data)
-        if behind is None and (mem_bytes + len(put.data) <= max_memory or not mem):
-            mem.append(put)
-            mem_bytes += len(put.data)
-        elif behind is None:
-            behind = put.id
-    return mem, behind, count, nbytes
+        lo = bisect.bisect_left(done_sorted, seg.first_id)
+        clean = lo == len(done_sorted) or done_sorted[lo] > seg.last_id
+        if seg.first_id > head and clean and seg.data_bytes is not None:
+            count += seg.count
+            nbytes += seg.data_bytes
+            continue
+        for put in journal._iter_segment(seg, head + 1, None):
+            if put.id not in done:
+                count += 1
+                nbytes += len(put.data)
+    return count, nbytes
 
 
 def _segment_sizes(journal: QueueJournal, seg: SegmentInfo) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ import re
 import struct
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from queued.errors import BadMagicError, ChecksumMismatchError, CorruptRecordError
@@ -254,6 +254,7 @@ class Batch:
     count: int  # PUT records in it
     first_id: int  # 0 when count == 0
     last_id: int
+    data_bytes: int = field(default=0, compare=False)  # item data in its PUT records
 
 
 @dataclass(frozen=True, slots=True)
@@ -481,7 +482,7 @@ class RecordDecoder:
         n = len(buf)
         start = pos = self._pos
         base = self._base
-        count = first = last = 0
+        count = first = last = data_bytes = 0
         cap = self.max_data_size
         unpack_i32 = _I32.unpack_from
         unpack_size_id = _SIZE_ID.unpack_from
@@ -503,6 +504,7 @@ class RecordDecoder:
                     first = xid
                 count += 1
                 last = xid
+                data_bytes += size
                 pos += hdr + size
                 continue
             if cmd == CHECK_BYTE:
@@ -521,7 +523,7 @@ class RecordDecoder:
                 self.batch_start = self.last_check_end = base + end
                 self._crc = crc_seed(self.batch_start)
                 self.sealed = True
-                return Batch(base + start, base + end, count, first, last)
+                return Batch(base + start, base + end, count, first, last, data_bytes)
             elif cmd == 0:
                 if pos == start:
                     self._done = EndOfData(base + pos, zero_byte=True)

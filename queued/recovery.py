@@ -46,9 +46,18 @@ class SegmentInfo:
     inode: int = 0  # to notice the file was replaced under a stale SegmentInfo (0 = unknown)
     #: sparse (first id of a batch, its offset), ascending, for seeking read-back
     index: list[tuple[int, int]] = field(default_factory=list)
+    #: bytes of item data in the segment; None once a batch was noted without it
+    data_bytes: int | None = 0
 
-    def note_batch(self, offset: int, end: int, count: int, first_id: int, last_id: int) -> None:
+    def note_batch(
+        self, offset: int, end: int, count: int, first_id: int, last_id: int,
+        data_bytes: int | None = None,
+    ) -> None:
         if count:
+            if data_bytes is None or self.data_bytes is None:
+                self.data_bytes = None
+            else:
+                self.data_bytes += data_bytes
             if not self.count:
                 self.first_id = first_id
             if not self.index or offset - self.index[-1][1] >= INDEX_STRIDE:
@@ -243,7 +252,7 @@ def _scan_sealed(
                 raise CorruptRecordError(ev.offset, f"id {ev.first_id} after id {prev_last}")
             if ev.count:
                 prev_last = ev.last_id
-            info.note_batch(ev.offset, ev.end, ev.count, ev.first_id, ev.last_id)
+            info.note_batch(ev.offset, ev.end, ev.count, ev.first_id, ev.last_id, ev.data_bytes)
             continue
         assert isinstance(ev, jf.EndOfData | jf.TornTail)
         return ev
@@ -265,7 +274,7 @@ def _scan_plain(
                 if isinstance(rec, jf.Put):
                     if rec.id <= info.last_id:
                         raise CorruptRecordError(ev.offset, f"id {rec.id} after {info.last_id}")
-                    info.note_batch(ev.offset, ev.end, 1, rec.id, rec.id)
+                    info.note_batch(ev.offset, ev.end, 1, rec.id, rec.id, len(rec.data))
                 continue
             assert isinstance(ev, jf.EndOfData | jf.TornTail)
             return ev
