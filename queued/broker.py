@@ -40,7 +40,7 @@ from queued.errors import (
     QueueFullError,
     ReadStateError,
 )
-from queued.journal import QueueJournal, Ticket
+from queued.journal import QueueJournal, Ticket, wait_durable
 from queued.queue import Item, Reader
 from queued.recovery import SegmentInfo
 
@@ -353,9 +353,10 @@ class Broker:
         if ticket is None:
             return 0
         n, nbytes = len(entry.puts), sum(len(p.data) for p in entry.puts)
-        if not ticket.event.is_set():  # puts of one batch complete together: wait once
-            await ticket.event.wait()
-        entry.error = ticket.error
+        try:
+            await wait_durable(ticket)
+        except Exception as exc:
+            entry.error = exc
         entry.done = True
         qs.inflight_items -= n
         qs.inflight_bytes -= nbytes

@@ -114,7 +114,6 @@ class DataDir:
         self._writer_done = trio.Event()
         self._round_lock = trio.Lock()
         self._rounds = 0
-        self._inline_rounds = 0
         self._fsyncs = 0
         self._fsync_seconds = 0.0
         self._fsync_buckets = [0] * len(FSYNC_BUCKETS)
@@ -338,7 +337,6 @@ class DataDir:
                         # A small round that needs no fsync and opens no file: a write()
                         # into the page cache is cheaper than a hand-off to a thread.
                         results = self._round(work, periodic)
-                        self._inline_rounds += 1
                     else:
                         results = await trio.to_thread.run_sync(self._round, work, periodic)
                 self._rounds += 1

@@ -206,9 +206,8 @@ class QueueJournal:
         self.segments = segments
         self.readers = readers
         self.last_id = last_id
-        #: called with the last id of a segment dropped under drop_oldest
-        self.on_drop: Callable[[int], None] | None = None
-        #: awaited with a segment about to be dropped under drop_oldest (file still there)
+        #: awaited with a segment about to be dropped under drop_oldest (file still there),
+        #: after every reader's checkpoint has moved past it
         self.before_drop: Callable[[SegmentInfo], Awaitable[None]] | None = None
         self._pending: list[_Chunk] = []
         self._pending_bytes = 0
@@ -595,8 +594,6 @@ class QueueJournal:
                     "queue %s: journal over max_journal_size, dropped %d items (ids %d..%d)",
                     self.name, seg.count, seg.first_id, seg.last_id,
                 )
-                if self.on_drop is not None:
-                    self.on_drop(seg.last_id)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -627,7 +624,8 @@ class QueueJournal:
 
 
 async def wait_durable(ticket: Ticket) -> None:
-    await ticket.event.wait()
+    if not ticket.event.is_set():  # tickets of one round are set together: wait once
+        await ticket.event.wait()
     if ticket.error is not None:
         raise ticket.error
 

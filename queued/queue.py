@@ -54,8 +54,6 @@ class ReaderCounters:
     transactions: int = 0  # reliable reads opened
     canceled_transactions: int = 0  # aborted, timed out or returned on disconnect
     flushes: int = 0
-    gets: int = 0
-    hits: int = 0
     age_ms: int = 0  # how long the last item taken had waited
 
 

@@ -408,7 +408,11 @@ async def test_max_journal_size_drop_oldest(tmp_path: Path) -> None:
     dropped: list[int] = []
     async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
         q = dd.queue("q")
-        q.on_drop = dropped.append
+
+        async def note(seg: SegmentInfo) -> None:
+            dropped.append(seg.last_id)
+
+        q.before_drop = note
         for _ in range(100):
             await q.append([b"z" * 100], T0)
         assert q.total_bytes <= 3000
