@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,3 +202,19 @@ def test_text_protocol_open_reads_survive_a_kill(server: ServerProcess) -> None:
         assert drain(client, "t") == [b"B", b"C"]
     finally:
         client.close()
+
+
+def test_a_busy_port_is_a_clear_error_before_recovery(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "queued.cli", "serve", "--data-dir", str(tmp_path / "d"),
+             "--memcache-port", str(port), "--text-port", "0"],
+            capture_output=True, timeout=30, check=False,
+        )
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot listen for memcache on 127.0.0.1:{port}".encode() in proc.stderr
+    assert b"Traceback" not in proc.stderr
+    assert not (tmp_path / "d").exists()  # it failed before touching the data directory
