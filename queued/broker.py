@@ -34,6 +34,7 @@ import trio
 from queued import journal_format as jf
 from queued.datadir import DataDir, open_data_dir
 from queued.errors import (
+    BadNameError,
     ItemTooLargeError,
     JournalError,
     QueueClosedError,
@@ -52,6 +53,8 @@ log = logging.getLogger("queued.broker")
 MiB = 1 << 20
 #: Items read back from the journal per worker-thread call, at most.
 REFILL_MAX_ITEMS = 50_000
+#: The open-read timeout heap is compacted when it outgrows twice its live entries.
+TIMEOUT_HEAP_MIN = 4096
 
 
 def wall_ms() -> int:
@@ -169,6 +172,7 @@ class Broker:
         self._nursery: trio.Nursery | None = None
         self._timeouts: list[tuple[float, int, Client, str, str, int]] = []
         self._timeout_seq = itertools.count()
+        self._timeouts_limit = TIMEOUT_HEAP_MIN
         self._timeout_wake = trio.Event()
 
     # -- startup ------------------------------------------------------------------------
@@ -212,9 +216,9 @@ class Broker:
             if self.closing:
                 raise QueueClosedError("server is shutting down")
             if not jf.valid_name(name):
-                raise ValueError(f"invalid queue name {name!r}")
+                raise BadNameError(f"invalid queue name {name!r}")
             if not jf.names_fit(name) or not jf.names_fit(name, ""):
-                raise ValueError(
+                raise BadNameError(
                     f"queue name of {len(name)} characters is too long for its journal file "
                     f"names ({jf.NAME_MAX} bytes at most)"
                 )
@@ -232,9 +236,9 @@ class Broker:
         if h is not None:
             return h
         if name and not jf.valid_name(name):
-            raise ValueError(f"invalid reader name {name!r}")
+            raise BadNameError(f"invalid reader name {name!r}")
         if not jf.names_fit(qs.name, name):
-            raise ValueError(
+            raise BadNameError(
                 f"queue and reader names together are too long for a checkpoint file name "
                 f"({jf.NAME_MAX} bytes at most)"
             )
@@ -403,11 +407,14 @@ class Broker:
         client: Client | None = None,
         open: bool = False,
         peek: bool = False,
+        open_timeout_ms: int | None = None,
     ) -> Item | None:
         """The next item, waiting up to `timeout_ms` (FIFO among waiters).
 
-        `open` makes it a reliable read owned by `client`; `peek` leaves it in place.
-        Raises ReadStateError past the client's open-read limit.
+        `open` makes it a reliable read owned by `client`, returned to the queue after
+        `open_timeout_ms` (None: the queue's open_transaction_timeout; 0: never) unless
+        confirmed; `peek` leaves it in place. Raises ReadStateError past the client's
+        open-read limit.
         """
         if peek:
             self.counters.cmd_peek += 1
@@ -432,7 +439,8 @@ class Broker:
             if it is not None:
                 if not peek:
                     h.reader.hold(it)  # until _finish_get
-                    it = self._finish_get(qs, h, rname, it, client if open else None)
+                    it = self._finish_get(qs, h, rname, it, client if open else None,
+                                          open_timeout_ms)
                 self.counters.get_hits += 1
                 if h.reader.wants_refill():
                     self._start_refill(qs, h)
@@ -450,7 +458,8 @@ class Broker:
             with trio.move_on_at(deadline):
                 await w.event.wait()
             if w.item is not None and not peek:
-                got = self._finish_get(qs, h, rname, w.item, client if open else None)
+                got = self._finish_get(qs, h, rname, w.item, client if open else None,
+                                       open_timeout_ms)
                 finished = True
                 self.counters.get_hits += 1
                 return got
@@ -469,25 +478,144 @@ class Broker:
                 self._serve(qs, h)
 
     def _finish_get(
-        self, qs: QueueState, h: Handle, rname: str, it: Item, client: Client | None
+        self, qs: QueueState, h: Handle, rname: str, it: Item, client: Client | None,
+        open_timeout_ms: int | None = None,
     ) -> Item | None:
         """A held item becomes the client's open read (under the name the client used),
         or is consumed. None if the queue or reader was deleted meanwhile."""
+        done = self._finish_many(qs, h, rname, [it], client, open_timeout_ms)
+        return done[0] if done else None
+
+    def _finish_many(
+        self, qs: QueueState, h: Handle, rname: str, items: list[Item], client: Client | None,
+        open_timeout_ms: int | None,
+    ) -> list[Item]:
         if client is None:
-            h.reader.confirm(it.id)
-            return it
+            confirm = h.reader.confirm
+            for it in items:
+                confirm(it.id)
+            return items
         if h.closed or qs.deleted:
-            return None  # deleted with its queue: there is nothing left to confirm
-        h.reader.counters.transactions += 1
-        timeout = h.config.open_transaction_timeout
+            return []  # deleted with its queue: there is nothing left to confirm
+        h.reader.counters.transactions += len(items)
+        timeout = (h.config.open_transaction_timeout if open_timeout_ms is None
+                   else open_timeout_ms)
         deadline = trio.current_time() + timeout / 1000 if timeout else None
-        client._add(qs.name, rname, it.id, deadline)  # the held item stays open
+        for it in items:
+            client._add(qs.name, rname, it.id, deadline)  # the held item stays open
         if deadline is not None:
-            heapq.heappush(self._timeouts, (deadline, next(self._timeout_seq), client,
-                                            qs.name, rname, it.id))
-            if self._timeouts[0][0] == deadline:
+            if len(self._timeouts) + len(items) > self._timeouts_limit:
+                self._compact_timeouts()
+            wake = not self._timeouts or deadline < self._timeouts[0][0]
+            for it in items:
+                heapq.heappush(self._timeouts, (deadline, next(self._timeout_seq), client,
+                                                qs.name, rname, it.id))
+            if wake:
                 self._timeout_wake.set()
-        return it
+        return items
+
+    def _compact_timeouts(self) -> None:
+        """Drop heap entries of reads already confirmed or aborted (they would otherwise
+        stay until their deadline: many under a fast get/confirm loop)."""
+        live = [e for e in self._timeouts
+                if e[2].open.get((e[3], e[4]), {}).get(e[5], -1.0) == e[0]]
+        heapq.heapify(live)
+        self._timeouts = live
+        self._timeouts_limit = max(TIMEOUT_HEAP_MIN, 2 * len(live))
+
+    async def get_many(
+        self,
+        queue: str,
+        reader: str | None = None,
+        max_items: int = 1,
+        *,
+        timeout_ms: int = 0,
+        client: Client | None = None,
+        open: bool = False,
+        open_timeout_ms: int | None = None,
+        max_bytes: int = 0,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> list[Item]:
+        """Up to `max_items` items: those there now, or, if none, the first to arrive
+        within `timeout_ms` plus whatever else is there by then.
+
+        Stops adding items once `max_bytes` (0 = no cap) of data is reached (one item
+        at least). `open`, `client`, `open_timeout_ms` as in `get`; with `open` the
+        batch is cut to the client's remaining open-read allowance. Under
+        `nursery.start`, it reports started when it answers or begins to wait, so a
+        session can go on with later requests while it waits.
+        """
+        qs = self._queue(queue)
+        rname = reader or ""
+        h = await self._handle(qs, rname)
+        if open:
+            if client is None:
+                raise ValueError("an open read needs a client")
+            room = self.config.max_open_reads - client.open_total
+            if room <= 0:
+                raise ReadStateError(
+                    f"too many open reads on this connection (max {self.config.max_open_reads})"
+                )
+            max_items = min(max_items, room)
+        owner = client if open else None
+        taken = await self._take_now(qs, h, max_items, max_bytes)
+        if taken or timeout_ms <= 0 or h.closed or self.closing:
+            self.counters.cmd_get += 1
+            if taken:
+                self.counters.get_hits += len(taken)
+            else:
+                self.counters.get_misses += 1
+            task_status.started()
+            return self._finish_many(qs, h, rname, taken, owner, open_timeout_ms)
+        task_status.started()
+        first = await self.get(queue, reader, timeout_ms=timeout_ms, client=client, open=open,
+                               open_timeout_ms=open_timeout_ms)
+        if first is None or max_items == 1 or h.closed or qs.deleted:
+            return [] if first is None else [first]
+        more = await self._take_now(qs, h, max_items - 1,
+                                    max(1, max_bytes - len(first.data)) if max_bytes else 0)
+        self.counters.get_hits += len(more)
+        return [first, *self._finish_many(qs, h, rname, more, owner, open_timeout_ms)]
+
+    async def _take_now(self, qs: QueueState, h: Handle, max_items: int,
+                        max_bytes: int) -> list[Item]:
+        """Items available now (read back from disk if need be), each held by `hold`."""
+        r = h.reader
+        out: list[Item] = []
+        nbytes = 0
+        expired: list[Item] = []
+        now = self.clock()
+        try:
+            while len(out) < max_items and not (max_bytes and nbytes >= max_bytes):
+                it = r.take(now, expired)
+                if it is None:
+                    if expired:
+                        self._dispose_expired(qs, h, expired)
+                        expired = []
+                    if r.behind is None or h.closed:
+                        break
+                    try:
+                        await self._refill_once(qs, h)
+                    except JournalError:
+                        if out:
+                            break  # serve what we have; the next get reports it
+                        raise
+                    now = self.clock()
+                    continue
+                r.hold(it)
+                out.append(it)
+                nbytes += len(it.data)
+        except BaseException:
+            for it in reversed(out):  # cancelled while reading back: put them back unharmed
+                if r.abort(it.id, count_error=False) is not None:
+                    r.counters.canceled_transactions -= 1
+                    r.put_back(it)
+            raise
+        if expired:
+            self._dispose_expired(qs, h, expired)
+        if r.wants_refill():
+            self._start_refill(qs, h)
+        return out
 
     def _serve(self, qs: QueueState, h: Handle) -> None:
         """Hand available items to waiting gets, first come first served."""
@@ -562,10 +690,11 @@ class Broker:
     def _chosen(
         client: Client, queue: str, rname: str, count: int | None, ids: Sequence[int] | None
     ) -> list[int]:
-        held = client.open_ids(queue, rname)
         if ids is not None:
-            wanted = set(ids)
-            held = [i for i in held if i in wanted]
+            mine = client.open.get((queue, rname), {})
+            held = [i for i in dict.fromkeys(ids) if i in mine]
+        else:
+            held = client.open_ids(queue, rname)
         return held if count is None else held[:count]
 
     @staticmethod
@@ -936,6 +1065,16 @@ class Broker:
             "age_msec": c.age_ms,
             "create_time": r.create_time_ms,
         }
+
+    def reader_info(self, queue: str, reader: str | None = None) -> dict[str, int]:
+        """reader_stats of one reader ({} if it does not exist)."""
+        qs = self.queues.get(queue)
+        rname = reader or ""
+        if qs is None:
+            return {}
+        h = qs.readers.get(rname) or next(
+            (o for o in qs.readers.values() if rname in o.aliases), None)
+        return {} if h is None else self.reader_stats(qs, h)
 
     def queue_stats(self) -> list[tuple[str, dict[str, int]]]:
         """(`q` or `q+reader`, fields) for every reader, sorted by name."""

@@ -307,6 +307,8 @@ class ServerConfig:
     max_connections: int = 10000
     max_item_size: int = 16 * MiB  # protocol cap: a bigger declared item is refused unread
     max_line: int = 2048
+    rpc_max_frame: int = 64 * MiB  # one MessagePack-RPC request or reply, bytes
+    rpc_max_batch: int = 100_000  # items of a put, ids of a confirm, max_items of a get
     corruption: CorruptionPolicy = CorruptionPolicy.REFUSE
     archive_dir: Path | None = None
     log_level: str = "INFO"
@@ -349,6 +351,8 @@ _SERVER_KEYS: Final[Mapping[str, Parser]] = {
     "max_connections": _positive,
     "max_item_size": _positive_size,
     "max_line": _positive,
+    "rpc_max_frame": _positive_size,
+    "rpc_max_batch": _positive,
     "corruption": _enum(CorruptionPolicy),
     "archive_dir": _optional(_path),
     "log_level": _log_level,

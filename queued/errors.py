@@ -52,6 +52,10 @@ class QueueError(QueuedError):
     """A queue operation the server refuses; the protocols map each to a reply."""
 
 
+class BadNameError(QueueError, ValueError):
+    """A queue or reader name that is invalid, or too long for its journal file names."""
+
+
 class QueueFullError(QueueError):
     """max_items or max_size reached and discard_old_when_full is off."""
 

@@ -40,6 +40,7 @@ from queued.errors import (
     ReadStateError,
 )
 from queued.queue import Item
+from queued.rpc_session import RpcSession
 
 log = logging.getLogger("queued.server")
 
@@ -70,7 +71,7 @@ class Server:
         self.ports: dict[str, int] = {}
         self.closing = False
         self.shutdown_requested = trio.Event()
-        self._sessions: set[_Session] = set()
+        self._sessions: set[_Session | RpcSession] = set()
 
     def request_shutdown(self, why: str) -> None:
         if not self.shutdown_requested.is_set():
@@ -154,7 +155,13 @@ class Server:
 
 
 def _handler(server: Server, proto: str) -> Callable[[trio.SocketStream], Any]:
-    cls = MemcacheSession if proto == "memcache" else TextSession
+    cls: type[MemcacheSession | TextSession | RpcSession]
+    if proto == "memcache":
+        cls = MemcacheSession
+    elif proto == "text":
+        cls = TextSession
+    else:
+        cls = RpcSession
 
     async def handle(stream: trio.SocketStream) -> None:
         if server.counters.curr_connections >= server.config.max_connections:
@@ -164,7 +171,7 @@ def _handler(server: Server, proto: str) -> Callable[[trio.SocketStream], Any]:
                     await stream.send_all(cls.too_many())
             await stream.aclose()
             return
-        await cls(server, stream).run()
+        await cls(server, stream, _peer(stream)).run()
 
     return handle
 
@@ -182,11 +189,11 @@ class _Session:
 
     parser: mc.MemcacheParser | tp.TextParser
 
-    def __init__(self, server: Server, stream: trio.SocketStream) -> None:
+    def __init__(self, server: Server, stream: trio.SocketStream, name: str) -> None:
         self.server = server
         self.broker = server.broker
         self.stream = stream
-        self.client = Client(_peer(stream))
+        self.client = Client(name)
         self.busy = False
         self.done = False
         self.eof = False
@@ -434,8 +441,8 @@ def exptime_to_ms(exptime: int, now_ms: int) -> int | None:
 
 
 class MemcacheSession(_Session):
-    def __init__(self, server: Server, stream: trio.SocketStream) -> None:
-        super().__init__(server, stream)
+    def __init__(self, server: Server, stream: trio.SocketStream, name: str) -> None:
+        super().__init__(server, stream, name)
         cfg = server.config
         self.parser = mc.MemcacheParser(max_line=cfg.max_line, max_item_size=cfg.max_item_size)
 
@@ -567,8 +574,8 @@ class MemcacheSession(_Session):
 
 
 class TextSession(_Session):
-    def __init__(self, server: Server, stream: trio.SocketStream) -> None:
-        super().__init__(server, stream)
+    def __init__(self, server: Server, stream: trio.SocketStream, name: str) -> None:
+        super().__init__(server, stream, name)
         cfg = server.config
         self.parser = tp.TextParser(max_line=cfg.max_line,
                                     max_item_size=min(cfg.max_item_size, tp.DEFAULT_MAX_ITEM_SIZE))
@@ -661,7 +668,8 @@ async def open_listeners(config: ServerConfig) -> dict[str, list[trio.SocketList
     """Bind every listener (before recovery, so a busy port fails fast)."""
     listeners: dict[str, list[trio.SocketListener]] = {}
     try:
-        for proto, port in (("memcache", config.memcache_port), ("text", config.text_port)):
+        for proto, port in (("memcache", config.memcache_port), ("text", config.text_port),
+                            ("rpc", config.rpc_port)):
             try:
                 listeners[proto] = await trio.open_tcp_listeners(port, host=config.host)
             except OSError as exc:

@@ -223,7 +223,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = dict(_LISTEN_RE.findall(self.log()))
-            if b"memcache" in found and b"text" in found:
+            if {b"memcache", b"text", b"rpc"} <= found.keys():
                 self.ports = {k.decode(): int(v) for k, v in found.items()}
                 return self
             if self.proc.poll() is not None:
@@ -244,6 +244,10 @@ class ServerProcess:
     @property
     def text(self) -> int:
         return self.ports["text"]
+
+    @property
+    def rpc(self) -> int:
+        return self.ports["rpc"]
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None

@@ -1,0 +1,477 @@
+"""MessagePack-RPC framing and queued's RPC vocabulary: pure, sans-IO.
+
+Owns the wire: frames in (`RpcParser.receive_data` / `next_event`), typed calls
+and responses out, error codes, and the caps on frame and batch sizes. Both the
+server session and `queued.client` use it. It must never touch sockets, files or
+clocks; an over-cap frame is an error, never an allocation of its declared size.
+
+Framing is the MessagePack-RPC spec's: request `[0, msgid, method, params]`,
+response `[1, msgid, error, result]`, notification `[2, method, params]`. An error
+is `[code, message]` with a code from `ErrorCode`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+import msgpack
+
+from queued.errors import QueuedError
+from queued.memcache_protocol import NEED_DATA, ConnectionClosed, NeedData, is_valid_name
+
+__all__ = [
+    "METHODS",
+    "NEED_DATA",
+    "Abort",
+    "Call",
+    "Confirm",
+    "ConnectionClosed",
+    "Delete",
+    "ErrorCode",
+    "Flush",
+    "FlushAll",
+    "Get",
+    "Notification",
+    "Peek",
+    "Put",
+    "Request",
+    "Response",
+    "RpcError",
+    "RpcParser",
+    "Stats",
+    "Version",
+    "encode_error",
+    "encode_notification",
+    "encode_request",
+    "encode_response",
+    "parse_call",
+]
+
+REQUEST: Final = 0
+RESPONSE: Final = 1
+NOTIFICATION: Final = 2
+
+#: Default cap on one frame (a request or a response), bytes.
+DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024
+#: Default cap on items in one put, ids in one confirm/abort, max_items of one get.
+DEFAULT_MAX_BATCH: Final = 100_000
+#: Timeouts and auto-abort delays are capped (about 24.8 days), as Kestrel's are i32.
+MAX_MS: Final = 2**31 - 1
+#: Maps are only small option/stat tables; a request never needs a big one.
+MAX_MAP_LEN: Final = 1024
+#: msgid is a 32-bit unsigned integer in the spec.
+MAX_MSGID: Final = 2**32 - 1
+_PREFIX: Final = 16  # bytes of a frame kept to name its msgid in a too-large reply
+
+
+class ErrorCode(enum.IntEnum):
+    """The first element of an error `[code, message]`. Stable: clients map them."""
+
+    MALFORMED = 1  #: not MessagePack, or not a MessagePack-RPC message; closes
+    UNKNOWN_METHOD = 2
+    BAD_PARAMS = 3  #: wrong number or type of params, or a value out of range
+    BAD_QUEUE_NAME = 4
+    QUEUE_FULL = 5  #: max_items / max_size reached (discard_old_when_full off)
+    ITEM_TOO_LARGE = 6  #: an item over max_item_size
+    TOO_LARGE = 7  #: a frame or batch over the server's cap; closes
+    TOO_MANY_OPEN_READS = 8  #: the connection holds max_open_reads open reads
+    JOURNAL_FULL = 9  #: max_journal_size reached under the refuse policy
+    SHUTTING_DOWN = 10  #: the server is stopping, or the queue was deleted meanwhile
+    SERVER_ERROR = 11  #: a journal write failed, or a bug; see the server log
+    BUSY = 12  #: too many connections, or too many gets waiting on one connection
+
+
+class RpcError(QueuedError):
+    """A request the peer got wrong (or we refuse): its error reply and whether to close."""
+
+    def __init__(self, code: ErrorCode, message: str, msgid: int | None = None,
+                 *, close: bool = False) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.msgid = msgid
+        self.close = close
+
+    @property
+    def reply(self) -> bytes:
+        """A response to `msgid`, or an `error` notification when the msgid is unknown."""
+        if self.msgid is None:
+            return encode_notification("error", [[int(self.code), self.message]])
+        return encode_error(self.msgid, self.code, self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    msgid: int
+    method: str
+    params: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Notification:
+    method: str
+    params: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    msgid: int
+    error: Any
+    result: Any
+
+
+Message: TypeAlias = Request | Notification | Response
+
+def _packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def encode_request(msgid: int, method: str, params: Sequence[Any]) -> bytes:
+    return _packb([REQUEST, msgid, method, params])
+
+
+def encode_notification(method: str, params: Sequence[Any]) -> bytes:
+    return _packb([NOTIFICATION, method, params])
+
+
+def encode_response(msgid: int, result: Any) -> bytes:
+    return _packb([RESPONSE, msgid, None, result])
+
+
+def encode_error(msgid: int, code: ErrorCode, message: str) -> bytes:
+    return _packb([RESPONSE, msgid, [int(code), message], None])
+
+
+class RpcParser:
+    """Bytes in, messages out, with the frame size capped.
+
+    `receive_data(b"")` means end of stream. `next_event()` returns a `Request`,
+    `Notification` or `Response` (which ones are allowed is the caller's
+    business), `NEED_DATA`, or `ConnectionClosed`; it raises `RpcError` with
+    close=True for bytes that are not MessagePack-RPC or a frame over the cap.
+    """
+
+    def __init__(self, *, max_frame: int = DEFAULT_MAX_FRAME,
+                 max_batch: int = DEFAULT_MAX_BATCH, max_map_len: int = MAX_MAP_LEN) -> None:
+        if max_frame < 64 or max_batch < 1:
+            raise ValueError("max_frame must be >= 64 and max_batch >= 1")
+        self.max_frame = max_frame
+        self.max_batch = max_batch
+        self._unpacker = msgpack.Unpacker(
+            raw=False, use_list=True, strict_map_key=False,
+            max_buffer_size=max_frame + 1, max_str_len=max_frame, max_bin_len=max_frame,
+            max_array_len=max(max_batch, 4), max_map_len=max_map_len, max_ext_len=0,
+        )
+        self._pending = bytearray()  # received, not yet fed to the unpacker
+        self._fed = 0  # stream offset fed to the unpacker
+        self._frame_start = 0  # stream offset where the current frame begins
+        self._prefix = bytearray()  # the current frame's first bytes
+        self._eof = False
+        self._failed: RpcError | None = None
+        self.frames = 0
+
+    def receive_data(self, data: bytes) -> None:
+        if not data:
+            self._eof = True
+        else:
+            self._pending += data
+
+    @property
+    def buffered_bytes(self) -> int:
+        return len(self._pending) + (self._fed - self._frame_start)
+
+    def next_event(self) -> Message | NeedData | ConnectionClosed:
+        if self._failed is not None:
+            raise self._failed
+        unpacker = self._unpacker
+        while True:
+            try:
+                obj = unpacker.unpack()
+            except msgpack.OutOfData:
+                if not self._feed():
+                    if self._eof:
+                        return ConnectionClosed(self._fed - self._frame_start)
+                    return NEED_DATA
+                continue
+            except ValueError as exc:  # FormatError, StackError and the max_* limits
+                too_large = "exceeds max_" in str(exc)
+                code = ErrorCode.TOO_LARGE if too_large else ErrorCode.MALFORMED
+                what = f"frame over the server's limits: {exc}" if too_large else (
+                    f"not MessagePack: {exc}" if str(exc) else "not MessagePack")
+                raise self._fail(code, what) from None
+            except Exception as exc:  # msgpack's other errors: still the peer's bytes
+                raise self._fail(ErrorCode.MALFORMED, f"not MessagePack: {exc}") from None
+            self._frame_start = unpacker.tell()
+            self._prefix.clear()
+            self.frames += 1
+            return self._message(obj)
+
+    def _feed(self) -> bool:
+        """Feed pending bytes, no more than the frame cap allows. False if none left."""
+        if not self._pending:
+            return False
+        room = self.max_frame - (self._fed - self._frame_start)
+        if room <= 0:
+            raise self._fail(ErrorCode.TOO_LARGE,
+                             f"frame over the server's limit of {self.max_frame} bytes")
+        chunk = bytes(self._pending[:room])
+        del self._pending[:room]
+        if len(self._prefix) < _PREFIX:
+            skip = max(0, self._frame_start - self._fed)
+            self._prefix += chunk[skip : skip + _PREFIX - len(self._prefix)]
+        self._unpacker.feed(chunk)
+        self._fed += len(chunk)
+        return True
+
+    def _fail(self, code: ErrorCode, message: str) -> RpcError:
+        self._failed = RpcError(code, message, _peek_msgid(bytes(self._prefix)), close=True)
+        return self._failed
+
+    def _message(self, obj: Any) -> Message:
+        if not isinstance(obj, list) or not obj or type(obj[0]) is not int:
+            raise self._fail(ErrorCode.MALFORMED, "a message must be an array [type, ...]")
+        kind = obj[0]
+        if kind == REQUEST and len(obj) == 4:
+            _, msgid, method, params = obj
+            if type(msgid) is not int or not 0 <= msgid <= MAX_MSGID:
+                raise self._fail(ErrorCode.MALFORMED, "msgid must be a 32-bit unsigned integer")
+            if not isinstance(method, str) or not isinstance(params, list):
+                # The frame was whole, so the connection can go on.
+                raise RpcError(ErrorCode.MALFORMED,
+                               "a request is [0, msgid, method (string), params (array)]",
+                               msgid)
+            return Request(msgid, method, params)
+        if kind == NOTIFICATION and len(obj) == 3:
+            _, method, params = obj
+            if not isinstance(method, str) or not isinstance(params, list):
+                raise self._fail(ErrorCode.MALFORMED,
+                                 "a notification is [2, method (string), params (array)]")
+            return Notification(method, params)
+        if kind == RESPONSE and len(obj) == 4:
+            _, msgid, error, result = obj
+            if type(msgid) is not int:
+                raise self._fail(ErrorCode.MALFORMED, "msgid must be an integer")
+            return Response(msgid, error, result)
+        raise self._fail(ErrorCode.MALFORMED, f"unknown message shape (type {kind!r}, "
+                                              f"{len(obj)} elements)")
+
+
+def _peek_msgid(prefix: bytes) -> int | None:
+    """The msgid of a request from its first bytes, if they hold it."""
+    u = msgpack.Unpacker(max_buffer_size=len(prefix) + 1)
+    u.feed(prefix)
+    try:
+        if u.read_array_header() != 4 or u.unpack() != REQUEST:
+            return None
+        msgid = u.unpack()
+    except Exception:
+        return None
+    return msgid if type(msgid) is int and 0 <= msgid <= MAX_MSGID else None
+
+
+# -- calls: a request's params, checked and typed ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    msgid: int
+    queue: str
+    items: list[bytes]
+    expiration_ms: int  # relative; 0 = never
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    msgid: int
+    queue: str
+    reader: str | None
+    max_items: int
+    timeout_ms: int
+    auto_abort_ms: int  # 0 = items are removed; > 0 = open reads, aborted if not confirmed
+
+
+@dataclass(frozen=True, slots=True)
+class Confirm:
+    msgid: int
+    queue: str
+    reader: str | None
+    ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    msgid: int
+    queue: str
+    reader: str | None
+    ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Peek:
+    msgid: int
+    queue: str
+    reader: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Flush:
+    msgid: int
+    queue: str
+    reader: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    msgid: int
+    queue: str
+    reader: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class FlushAll:
+    msgid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    msgid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    msgid: int
+
+
+Call: TypeAlias = Put | Get | Confirm | Abort | Peek | Flush | Delete | FlushAll | Stats | Version
+
+
+def _bad(msgid: int, message: str) -> RpcError:
+    return RpcError(ErrorCode.BAD_PARAMS, message, msgid)
+
+
+def _address(msgid: int, value: Any) -> tuple[str, str | None]:
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            raise RpcError(ErrorCode.BAD_QUEUE_NAME, "bad queue name", msgid) from None
+    if not isinstance(value, str):
+        raise _bad(msgid, "queue must be a string")
+    queue, plus, reader = value.partition("+")
+    if not is_valid_name(queue):
+        raise RpcError(ErrorCode.BAD_QUEUE_NAME, f"bad queue name {queue[:60]!r}", msgid)
+    if plus and not is_valid_name(reader):
+        raise RpcError(ErrorCode.BAD_QUEUE_NAME, f"bad reader name {reader[:60]!r}", msgid)
+    return queue, (reader if plus else None)
+
+
+def _int(msgid: int, value: Any, what: str, lo: int, hi: int) -> int:
+    if type(value) is not int:
+        raise _bad(msgid, f"{what} must be an integer")
+    if not lo <= value <= hi:
+        raise _bad(msgid, f"{what} must be in [{lo}, {hi}]")
+    return value
+
+
+def _ids(msgid: int, value: Any, max_batch: int) -> list[int]:
+    if not isinstance(value, list):
+        raise _bad(msgid, "ids must be an array of integers")
+    if len(value) > max_batch:
+        raise RpcError(ErrorCode.TOO_LARGE, f"{len(value)} ids, over the limit of {max_batch}",
+                       msgid, close=True)
+    for i in value:
+        if type(i) is not int or i <= 0:
+            raise _bad(msgid, "ids must be positive integers")
+    return value
+
+
+def _arity(msgid: int, method: str, params: list[Any], lo: int, hi: int) -> None:
+    if not lo <= len(params) <= hi:
+        want = str(lo) if lo == hi else f"{lo} to {hi}"
+        raise _bad(msgid, f"{method} takes {want} params, got {len(params)}")
+
+
+def _put(r: Request, max_batch: int) -> Put:
+    p = r.params
+    _arity(r.msgid, "put", p, 2, 3)
+    queue, reader = _address(r.msgid, p[0])
+    if reader is not None:
+        raise RpcError(ErrorCode.BAD_QUEUE_NAME,
+                       "cannot put to a fanout reader; put to its queue", r.msgid)
+    items = p[1]
+    if not isinstance(items, list):
+        raise _bad(r.msgid, "items must be an array of binary or string values")
+    if len(items) > max_batch:
+        raise RpcError(ErrorCode.TOO_LARGE, f"{len(items)} items, over the limit of {max_batch}",
+                       r.msgid, close=True)
+    for n, it in enumerate(items):
+        if type(it) is not bytes:
+            if isinstance(it, str):
+                items[n] = it.encode()
+            else:
+                raise _bad(r.msgid, "items must be binary or string values")
+    expiration = _int(r.msgid, p[2], "expiration_ms", 0, 2**53) if len(p) > 2 else 0
+    return Put(r.msgid, queue, items, expiration)
+
+
+def _get(r: Request, max_batch: int) -> Get:
+    p = r.params
+    _arity(r.msgid, "get", p, 2, 4)
+    queue, reader = _address(r.msgid, p[0])
+    max_items = _int(r.msgid, p[1], "max_items", 1, 2**63)
+    if max_items > max_batch:
+        raise RpcError(ErrorCode.TOO_LARGE, f"max_items {max_items} is over the limit of "
+                       f"{max_batch}", r.msgid, close=True)
+    timeout = _int(r.msgid, p[2], "timeout_ms", 0, MAX_MS) if len(p) > 2 else 0
+    auto_abort = _int(r.msgid, p[3], "auto_abort_ms", 0, MAX_MS) if len(p) > 3 else 0
+    return Get(r.msgid, queue, reader, max_items, timeout, auto_abort)
+
+
+def _ids_call(cls: type[Confirm] | type[Abort]) -> Callable[[Request, int], Confirm | Abort]:
+    def parse(r: Request, max_batch: int) -> Confirm | Abort:
+        _arity(r.msgid, r.method, r.params, 2, 2)
+        queue, reader = _address(r.msgid, r.params[0])
+        return cls(r.msgid, queue, reader, _ids(r.msgid, r.params[1], max_batch))
+    return parse
+
+
+def _queue_call(cls: type[Peek] | type[Flush] | type[Delete]) -> Callable[[Request, int], Call]:
+    def parse(r: Request, max_batch: int) -> Call:
+        _arity(r.msgid, r.method, r.params, 1, 1)
+        return cls(r.msgid, *_address(r.msgid, r.params[0]))
+    return parse
+
+
+def _no_params(cls: type[FlushAll] | type[Stats] | type[Version]) -> Callable[[Request, int], Call]:
+    def parse(r: Request, max_batch: int) -> Call:
+        _arity(r.msgid, r.method, r.params, 0, 0)
+        return cls(r.msgid)
+    return parse
+
+
+#: method name -> parser of its params. The signatures are in the README.
+METHODS: Final[dict[str, Callable[[Request, int], Call]]] = {
+    "put": _put,
+    "get": _get,
+    "confirm": _ids_call(Confirm),
+    "abort": _ids_call(Abort),
+    "peek": _queue_call(Peek),
+    "flush": _queue_call(Flush),
+    "delete": _queue_call(Delete),
+    "flush_all": _no_params(FlushAll),
+    "stats": _no_params(Stats),
+    "version": _no_params(Version),
+}
+
+
+def parse_call(request: Request, max_batch: int = DEFAULT_MAX_BATCH) -> Call:
+    """A request's params checked and typed; raises RpcError (UNKNOWN_METHOD, BAD_PARAMS,
+    BAD_QUEUE_NAME, or TOO_LARGE with close)."""
+    parser = METHODS.get(request.method)
+    if parser is None:
+        raise RpcError(ErrorCode.UNKNOWN_METHOD, f"unknown method {request.method[:60]!r}",
+                       request.msgid)
+    return parser(request, max_batch)
