@@ -1,0 +1,452 @@
+"""Real-TCP tests of the MessagePack-RPC port, through a plain msgpack socket client.
+
+The client here is written from the MessagePack-RPC spec alone (msgpack + a trio
+socket), not with `queued.client`, so these are interop tests: any msgpack-rpc
+client in another language sees the same bytes. Each test runs its own server on
+free 127.0.0.1 ports over a fresh data directory; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import trio
+import trio.testing
+from server_util import WAIT, make_config, running
+
+from queued import __version__
+from queued.config import ServerConfig
+from queued.rpc_protocol import ErrorCode
+from queued.rpc_session import MAX_WAITING
+
+E = ErrorCode
+
+
+def cfg(tmp_path: Path, toml: str | None = None, **settings: object) -> ServerConfig:
+    return make_config(tmp_path / "data", toml, **settings)
+
+
+class Rpc:
+    """A minimal msgpack-rpc client: send requests, read responses by msgid."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.unpacker = msgpack.Unpacker(raw=False)
+        self.msgid = 0
+        self.early: dict[int, list[Any]] = {}  # responses read while looking for another
+        self.notifications: list[list[Any]] = []
+
+    @classmethod
+    async def open(cls, port: int) -> Rpc:
+        with trio.fail_after(WAIT):
+            return cls(await trio.open_tcp_stream("127.0.0.1", port))
+
+    def request(self, method: str, *params: Any) -> tuple[int, bytes]:
+        self.msgid += 1
+        return self.msgid, msgpack.packb([0, self.msgid, method, list(params)],
+                                         use_bin_type=True)
+
+    async def send(self, data: bytes) -> None:
+        with trio.fail_after(WAIT):
+            await self.stream.send_all(data)
+
+    async def message(self, timeout: float = WAIT) -> list[Any]:
+        """The next message off the wire (EOFError when the server closed)."""
+        with trio.fail_after(timeout):
+            while True:
+                for msg in self.unpacker:
+                    return msg  # type: ignore[no-any-return]
+                data = await self.stream.receive_some(65536)
+                if not data:
+                    raise EOFError("closed by the server")
+                self.unpacker.feed(data)
+
+    async def response(self, msgid: int, timeout: float = WAIT) -> list[Any]:
+        while msgid not in self.early:
+            msg = await self.message(timeout)
+            if msg[0] == 2:
+                self.notifications.append(msg)
+            else:
+                assert msg[0] == 1 and len(msg) == 4, msg
+                self.early[msg[1]] = msg
+        return self.early.pop(msgid)
+
+    async def call(self, method: str, *params: Any) -> Any:
+        """The result; AssertionError with the error when the server answered one."""
+        msgid, data = self.request(method, *params)
+        await self.send(data)
+        _, _, error, result = await self.response(msgid)
+        assert error is None, error
+        return result
+
+    async def error(self, method: str, *params: Any) -> tuple[int, str]:
+        msgid, data = self.request(method, *params)
+        await self.send(data)
+        _, _, error, result = await self.response(msgid)
+        assert error is not None and result is None, (error, result)
+        code, message = error
+        assert isinstance(message, str) and message
+        return code, message
+
+    async def expect_closed(self) -> None:
+        with trio.fail_after(WAIT):
+            while True:
+                try:
+                    data = await self.stream.receive_some(65536)
+                except trio.BrokenResourceError:
+                    return
+                if not data:
+                    return
+                self.unpacker.feed(data)
+
+    async def aclose(self) -> None:
+        with trio.move_on_after(WAIT):
+            await self.stream.aclose()
+
+
+# -- every method ------------------------------------------------------------------------------
+
+
+async def test_every_method_round_trip(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("version") == __version__
+        assert await c.call("put", "jobs", [b"a", b"b", "c\u00e9"]) == 3
+        assert await c.call("put", "jobs", [b"d"], 0) == 1
+        peek = await c.call("peek", "jobs")
+        assert peek["head"] == [1, b"a"] and peek["items"] == 4 and peek["bytes"] == 6
+        got = await c.call("get", "jobs", 2)
+        assert got == [[1, b"a"], [2, b"b"]]
+        # Open reads: ids confirm and abort on this connection only.
+        opened = await c.call("get", "jobs", 5, 0, 60_000)
+        assert opened == [[3, "c\u00e9".encode()], [4, b"d"]]
+        assert (await c.call("peek", "jobs"))["open_transactions"] == 2
+        assert await c.call("abort", "jobs", [4, 99]) == 1  # 99 is not open here
+        assert await c.call("confirm", "jobs", [3, 3]) == 1
+        assert await c.call("confirm", "jobs", [3]) == 0  # already confirmed
+        assert await c.call("get", "jobs", 10) == [[4, b"d"]]  # the aborted one came back
+        assert await c.call("get", "jobs", 10) == []
+        stats = await c.call("stats")
+        assert stats["server"]["version"] == __version__
+        assert stats["server"]["curr_connections"] == 1
+        assert stats["queues"]["jobs"]["items"] == 0
+        assert stats["queues"]["jobs"]["total_items"] == 4
+        assert await c.call("put", "other", [b"x", b"y"]) == 2
+        assert await c.call("flush", "other") == 2
+        assert await c.call("get", "other", 1) == []
+        assert await c.call("put", "other", [b"z"]) == 1
+        assert await c.call("flush_all") >= 1
+        assert await c.call("delete", "other") is True
+        assert "other" not in (await c.call("stats"))["queues"]
+        await c.aclose()
+
+
+async def test_fanout_readers_and_expiration(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path, expiration_timer="1h")) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("get", "feed+a", 1) == []  # creates reader a at the tail
+        assert await c.call("get", "feed+b", 1) == []
+        assert await c.call("put", "feed", [b"1", b"2"]) == 2
+        assert await c.call("get", "feed+a", 10) == [[1, b"1"], [2, b"2"]]
+        assert await c.call("get", "feed+b", 1, 0, 60_000) == [[1, b"1"]]
+        assert await c.call("confirm", "feed+b", [1]) == 1
+        assert (await c.call("peek", "feed+b"))["head"] == [2, b"2"]
+        code, _ = await c.error("put", "feed+a", [b"x"])
+        assert code == E.BAD_QUEUE_NAME
+        # expiration_ms is relative: 1 ms has passed long before the get below.
+        assert await c.call("put", "exp", [b"old"], 1) == 1
+        assert await c.call("put", "exp", [b"new"]) == 1
+        await trio.sleep(0.05)  # real time is the point: the item must expire
+        assert await c.call("get", "exp", 10) == [[2, b"new"]]
+        await c.aclose()
+
+
+async def test_get_cuts_a_batch_at_the_reply_size(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path, rpc_max_frame="1MiB")) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        for _ in range(2):
+            assert await c.call("put", "big", [os.urandom(200_000) for _ in range(3)]) == 3
+        first = await c.call("get", "big", 100)
+        assert 1 <= len(first) < 6 and sum(len(d) for _, d in first) <= 700_000
+        rest = await c.call("get", "big", 100)
+        assert [i for i, _ in first + rest] == [1, 2, 3, 4, 5, 6]
+        await c.aclose()
+
+
+# -- pipelining ---------------------------------------------------------------------------------
+
+
+async def test_pipelined_requests_answered_by_msgid(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        # One write: a long-polling get, then puts and a plain get behind it.
+        wait_id, wait = c.request("get", "late", 1, 5_000)
+        put_ids, batch = [], [wait]
+        for i in range(50):
+            mid, data = c.request("put", "q", [b"%d" % i])
+            put_ids.append(mid)
+            batch.append(data)
+        get_id, get = c.request("get", "q", 100)
+        await c.send(b"".join([*batch, get]))
+        for mid in put_ids:
+            assert (await c.response(mid))[2:] == [None, 1]
+        got = await c.response(get_id)
+        assert [d for _, d in got[3]] == [b"%d" % i for i in range(50)]  # saw every put
+        assert wait_id not in c.early  # still waiting: it did not hold the others up
+        assert await c.call("put", "late", [b"now"]) == 1
+        assert (await c.response(wait_id))[2:] == [None, [[1, b"now"]]]
+        await c.aclose()
+
+
+async def test_consecutive_puts_share_one_append_round(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "q", [b"warm"]) == 1
+        journal = server.broker.queues["q"].journal
+        fsyncs = journal.statistics().fsyncs
+        ids = []
+        data = []
+        for i in range(20):
+            mid, frame = c.request("put", "q", [b"x%d" % i] * 10)
+            ids.append(mid)
+            data.append(frame)
+        await c.send(b"".join(data))
+        for mid in ids:
+            assert (await c.response(mid))[2:] == [None, 10]
+        st = journal.statistics()
+        assert st.items_appended == 201
+        # 20 pipelined puts of 10 items: far fewer fsyncs than puts (usually one).
+        assert 1 <= st.fsyncs - fsyncs <= 3
+        await c.aclose()
+
+
+async def test_a_batch_put_is_one_append_and_one_fsync(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "q", [b"warm"]) == 1
+        journal = server.broker.queues["q"].journal
+        before = journal.statistics()
+        assert await c.call("put", "q", [b"%d" % i for i in range(1000)]) == 1000
+        after = journal.statistics()
+        assert (after.appends - before.appends, after.fsyncs - before.fsyncs) == (1, 1)
+        await c.aclose()
+
+
+# -- open reads -----------------------------------------------------------------------------------
+
+
+async def test_auto_abort_returns_items_on_trio_time(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        other = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "jobs", [b"a", b"b", b"c"]) == 3
+        assert await c.call("get", "jobs", 2, 0, 10_000) == [[1, b"a"], [2, b"b"]]
+        mock_clock.jump(9)
+        assert await c.call("confirm", "jobs", [1]) == 1  # in time
+        mock_clock.jump(2)  # item 2's 10 s are over
+        await trio.testing.wait_all_tasks_blocked()
+        # Item 2 went back to the head, before item 3; the late confirm finds nothing.
+        assert await other.call("get", "jobs", 10) == [[2, b"b"], [3, b"c"]]
+        assert await c.call("confirm", "jobs", [2]) == 0
+        stats = server.broker.reader_info("jobs")
+        assert stats["canceled_transactions"] == 1 and stats["open_transactions"] == 0
+        await c.aclose()
+        await other.aclose()
+
+
+async def test_auto_abort_real_time(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "jobs", [b"a"]) == 1
+        assert await c.call("get", "jobs", 1, 0, 100) == [[1, b"a"]]
+        # Real time is the point: the read returns to the queue after 100 ms.
+        assert await c.call("get", "jobs", 1, 5_000) == [[1, b"a"]]
+        await c.aclose()
+
+
+async def test_disconnect_returns_open_reads(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        waiter = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "jobs", [b"a", b"b"]) == 2
+        assert len(await c.call("get", "jobs", 2, 0, 60_000)) == 2
+        mid, req = waiter.request("get", "jobs", 5, 5_000, 60_000)
+        await waiter.send(req)
+        await trio.testing.wait_all_tasks_blocked()
+        await c.aclose()  # hangs up holding both
+        _, _, error, got = await waiter.response(mid)
+        assert error is None and got == [[1, b"a"], [2, b"b"]]
+        assert server.broker.reader_info("jobs")["canceled_transactions"] == 2
+        await waiter.aclose()
+
+
+async def test_a_waiting_get_of_a_closed_connection_takes_nothing(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        _, req = c.request("get", "jobs", 1, 10_000)
+        await c.send(req)
+        await trio.testing.wait_all_tasks_blocked()
+        assert server.broker.reader_info("jobs")["waiters"] == 1
+        await c.aclose()
+        with trio.fail_after(WAIT):
+            while server.broker.reader_info("jobs")["waiters"]:
+                await trio.sleep(0.01)
+        other = await Rpc.open(server.ports["rpc"])
+        assert await other.call("put", "jobs", [b"kept"]) == 1
+        assert await other.call("get", "jobs", 1) == [[1, b"kept"]]
+        await other.aclose()
+
+
+async def test_open_read_limit(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path, toml="[server]\nmax_open_reads = 3\n")) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "q", [b"%d" % i for i in range(5)]) == 5
+        assert len(await c.call("get", "q", 5, 0, 60_000)) == 3  # cut to the allowance
+        code, message = await c.error("get", "q", 1, 0, 60_000)
+        assert code == E.TOO_MANY_OPEN_READS and "3" in message
+        assert await c.call("get", "q", 5) == [[4, b"3"], [5, b"4"]]  # plain gets still work
+        assert await c.call("confirm", "q", [1, 2, 3]) == 3
+        await c.aclose()
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+
+async def test_error_codes(tmp_path: Path) -> None:
+    toml = """
+[queues.small]
+max_items = 2
+[queues.tiny]
+max_item_size = "10B"
+[queues.capped]
+max_journal_size = "1KiB"
+journal_size = "512B"
+journal_full_policy = "refuse"
+"""
+    async with running(cfg(tmp_path, toml)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert (await c.error("nope"))[0] == E.UNKNOWN_METHOD
+        assert (await c.error("put", "q"))[0] == E.BAD_PARAMS
+        assert (await c.error("put", "q", [1]))[0] == E.BAD_PARAMS
+        assert (await c.error("get", "q", 0))[0] == E.BAD_PARAMS
+        assert (await c.error("get", "q", 1, -1))[0] == E.BAD_PARAMS
+        assert (await c.error("confirm", "q", [0]))[0] == E.BAD_PARAMS
+        assert (await c.error("version", 1))[0] == E.BAD_PARAMS
+        assert (await c.error("put", "bad name", [b"x"]))[0] == E.BAD_QUEUE_NAME
+        assert (await c.error("get", "q+", 1))[0] == E.BAD_QUEUE_NAME
+        assert (await c.error("get", "x" * 251, 1))[0] == E.BAD_QUEUE_NAME
+        assert (await c.error("get", "x" * 245, 1))[0] == E.BAD_QUEUE_NAME  # file name limit
+        assert await c.call("put", "small", [b"1", b"2"]) == 2
+        assert (await c.error("put", "small", [b"3"]))[0] == E.QUEUE_FULL
+        assert (await c.error("put", "tiny", [b"x" * 11]))[0] == E.ITEM_TOO_LARGE
+        assert await c.call("put", "tiny", [b"x" * 10]) == 1
+        for _ in range(30):
+            msgid, req = c.request("put", "capped", [b"y" * 100])
+            await c.send(req)
+            _, _, error, _ = await c.response(msgid)
+            if error is not None:
+                assert error[0] == E.JOURNAL_FULL
+                break
+        else:
+            pytest.fail("max_journal_size never refused a put")
+        # None of the refusals closed the connection, or stored anything.
+        assert await c.call("get", "small", 10) == [[1, b"1"], [2, b"2"]]
+        assert server.broker.reader_info("tiny")["items"] == 1
+        await c.aclose()
+
+
+async def test_frame_over_the_cap_is_answered_then_closed(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path, rpc_max_frame="64KiB")) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "q", [b"x" * 60_000]) == 1
+        mid, req = c.request("put", "q", [b"y" * 70_000])
+        await c.send(req)
+        _, _, error, _ = await c.response(mid)
+        assert error[0] == E.TOO_LARGE and "65536" in error[1]
+        await c.expect_closed()
+        other = await Rpc.open(server.ports["rpc"])
+        assert await other.call("get", "q", 10) == [[1, b"x" * 60_000]]  # nothing else stored
+        await other.aclose()
+
+
+async def test_batch_over_the_cap_is_answered_then_closed(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path, rpc_max_batch=10)) as server:
+        port = server.ports["rpc"]
+        for method, params in (("put", ["q", [b"x"] * 11]), ("get", ["q", 11]),
+                               ("confirm", ["q", list(range(1, 12))])):
+            c = await Rpc.open(port)
+            assert await c.call("put", "q", [b"ok"] * 10) == 10
+            code, _ = await c.error(method, *params)
+            assert code == E.TOO_LARGE
+            await c.expect_closed()
+        c = await Rpc.open(port)
+        assert (await c.call("peek", "q"))["items"] == 30
+        await c.aclose()
+
+
+async def test_garbage_gets_an_error_notification_then_close(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        port = server.ports["rpc"]
+        for garbage in (b"\xc1", b"GET / HTTP/1.1\r\n\r\n", msgpack.packb({"a": 1}),
+                        msgpack.packb([9, 1, "x", []])):
+            c = await Rpc.open(port)
+            await c.send(garbage)
+            msg = await c.message()
+            assert msg[0] == 2 and msg[1] == "error" and msg[2][0][0] == E.MALFORMED, msg
+            await c.expect_closed()
+        c = await Rpc.open(port)
+        assert await c.call("version") == __version__  # the server is fine
+        await c.aclose()
+
+
+async def test_a_malformed_request_with_a_msgid_is_answered_and_the_connection_goes_on(
+    tmp_path: Path,
+) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        await c.send(msgpack.packb([0, 7, "put", "not an array"]))
+        _, _, error, _ = await c.response(7)
+        assert error[0] == E.MALFORMED
+        assert await c.call("version") == __version__
+        await c.aclose()
+
+
+async def test_too_many_waiting_gets_are_refused(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        reqs = [c.request("get", "idle", 1, 30_000) for _ in range(MAX_WAITING + 1)]
+        await c.send(b"".join(data for _, data in reqs))
+        _, _, error, _ = await c.response(reqs[-1][0])
+        assert error[0] == E.BUSY
+        assert await c.call("version") == __version__
+        await c.aclose()
+
+
+async def test_notifications(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        # A put as a notification is stored without a reply; a get would only lose its
+        # items, so it is ignored.
+        await c.send(msgpack.packb([2, "put", ["q", [b"fire", b"forget"]]]))
+        await c.send(msgpack.packb([2, "get", ["q", 10]]))
+        await c.send(msgpack.packb([2, "no_such_method", []]))
+        assert await c.call("get", "q", 10) == [[1, b"fire"], [2, b"forget"]]
+        assert c.early == {} and c.notifications == []
+        await c.aclose()
+
+
+async def test_shutdown_answers_waiting_gets_empty(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        mid, req = c.request("get", "idle", 1, 30_000)
+        await c.send(req)
+        await trio.testing.wait_all_tasks_blocked()
+        server.request_shutdown("test")
+        assert (await c.response(mid))[2:] == [None, []]
+        await c.expect_closed()
