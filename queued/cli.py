@@ -1,8 +1,8 @@
-"""The `queued` command line: the server (`serve`) and journal tools (`dump`, `check`).
+"""The `queued` command line: the server (`serve`), journal tools (`dump`, `check`) and a client.
 
 Owns argument parsing and human-readable output only; every decision about
-bytes is made by journal_format / recovery. `dump` and `check` never modify
-the files they read.
+bytes is made by journal_format / recovery, and every call goes through
+queued.client. `dump` and `check` never modify the files they read.
 """
 
 from __future__ import annotations
@@ -10,19 +10,31 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime as _dt
+import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import textwrap
+import time
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TextIO
+from typing import Any, BinaryIO, TextIO
 
 import trio
 
 from queued import __version__
 from queued import config as qconfig
 from queued import journal_format as jf
+from queued.client import (
+    DEFAULT_PORT,
+    Client,
+    ClientError,
+    ConnectionFailed,
+    Item,
+    Timeout,
+    parse_servers,
+)
 from queued.config import ConfigError, add_serve_arguments, load_config
 from queued.errors import CorruptRecordError, QueuedError
 from queued.recovery import TailState, inspect_segment, read_checkpoint
@@ -134,7 +146,9 @@ def check(directory: Path, out: TextIO) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="queued", description="queued: a durable queue server")
+    parser = argparse.ArgumentParser(
+        prog="queued", description="queued: a durable queue server",
+        epilog=CLIENT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"queued {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_dump = sub.add_parser("dump", help="print every record of a journal file")
@@ -143,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_check.add_argument("dir", type=Path)
     p_serve = sub.add_parser("serve", help="run the server in the foreground")
     add_serve_arguments(p_serve)
+    add_client_commands(sub)
     return parser
 
 
@@ -201,6 +216,8 @@ def _single(exc: BaseException) -> BaseException:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in CLIENT_COMMANDS:
+        return client_command(args)
     try:
         if args.command == "dump":
             return dump(args.file, sys.stdout)
@@ -215,6 +232,234 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"queued {args.command}: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+# -- client commands: put, get, peek, stats, flush, delete -------------------------------------
+
+EXIT_OK, EXIT_SERVER_ERROR, EXIT_USAGE, EXIT_CONNECT = 0, 1, 2, 3
+CLIENT_EPILOG = f"""\
+client commands (put, get, peek, stats, flush, delete) talk MessagePack-RPC to
+--server HOST:PORT (default 127.0.0.1:{DEFAULT_PORT}; repeat it or separate with commas
+for several servers: puts are spread over them, gets try each).
+
+exit codes: 0 ok; 1 the server answered with an error (bad queue name, queue full...);
+2 usage error; 3 cannot connect to any server, or no reply in time."""
+#: Items per put when reading stdin, and per get.
+BATCH = 1000
+#: An open read from `get --open` returns to the queue if not confirmed in this time.
+OPEN_READ_MS = 60_000
+
+
+def add_client_commands(sub: Any) -> None:
+    """Add the client subcommands to `sub` (argparse's subparsers action)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--server", action="append", metavar="HOST:PORT",
+                        help=f"a server; repeat or comma-separate for several "
+                             f"(default 127.0.0.1:{DEFAULT_PORT})")
+    timeout = argparse.ArgumentParser(add_help=False)
+    timeout.add_argument("--timeout", type=_non_negative, default=10_000, metavar="MS",
+                         help="give up connecting or waiting for a reply after MS "
+                              "milliseconds (default 10000)")
+
+    def add(name: str, helptext: str, *parents: argparse.ArgumentParser,
+            description: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(  # type: ignore[no-any-return]
+            name, help=helptext, description=textwrap.fill(description or helptext, 80),
+            parents=[common, *parents], epilog=CLIENT_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = add("put", "put items (DATA arguments, or one item per line of stdin)", timeout,
+            description="Put each DATA argument as one item; with no DATA, put each line of "
+                        f"stdin (without its newline) as one item, {BATCH} lines per call.")
+    p.add_argument("queue")
+    p.add_argument("data", nargs="*", help="items (as bytes from the command line)")
+    p.add_argument("--expiration", type=_non_negative, default=0, metavar="MS",
+                   help="items expire MS milliseconds from now (default 0: never)")
+    p = add("get", "get items and print each on its own line",
+            description="Print up to N items, each followed by a newline (raw bytes; an item "
+                        "containing a newline is ambiguous). Stops early when the queue "
+                        "stays empty for --timeout. Without --open items are removed when "
+                        "read, so items read but not printed (e.g. stdout closed) are lost.")
+    p.add_argument("queue", help="QUEUE, or QUEUE+READER for a fanout reader")
+    p.add_argument("-n", type=_positive, default=1, metavar="N",
+                   help="how many items at most (default 1)")
+    p.add_argument("--open", action="store_true",
+                   help="reliable read: each batch is confirmed only after it was written "
+                        "and stdout flushed; if that fails the items return to the queue")
+    p.add_argument("--timeout", type=_non_negative, default=0, metavar="MS",
+                   help="wait up to MS milliseconds for items to arrive (default 0: "
+                        "only what is there now); connecting and replies get 10 s more")
+    p = add("peek", "show a queue's head item and numbers (summed over servers)", timeout)
+    p.add_argument("queue", help="QUEUE, or QUEUE+READER for a fanout reader")
+    p = add("stats", "show server and queue statistics", timeout)
+    p.add_argument("--json", action="store_true", help="print one JSON object, by server")
+    p = add("flush", "remove every item of a queue", timeout)
+    p.add_argument("queue", help="QUEUE, or QUEUE+READER for a fanout reader")
+    p = add("delete", "delete a queue and its journal", timeout)
+    p.add_argument("queue", help="QUEUE, or QUEUE+READER for a fanout reader")
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not positive")
+    return value
+
+
+def client_command(args: argparse.Namespace) -> int:
+    """Run a client subcommand; the exit codes are in CLIENT_EPILOG."""
+    prog = f"queued {args.command}"
+    try:
+        servers = parse_servers(args.server or f"127.0.0.1:{DEFAULT_PORT}")
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    seconds = 10.0 if args.command == "get" else args.timeout / 1000
+    try:
+        with Client([a for a, _, _ in servers], connect_timeout=seconds,
+                    read_timeout=seconds) as client:
+            return CLIENT_COMMANDS[args.command](client, args)
+    except (ConnectionFailed, Timeout) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return EXIT_CONNECT
+    except ClientError as exc:  # an error reply (RpcCallError), or a reply we cannot read
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    except BrokenPipeError:
+        # The reader of our stdout went away; silence the interpreter's flush at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"{prog}: stdout closed", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+
+
+def _progress(total: int | None, unit: str, *, also_stdout: bool = False) -> Any:
+    """A tqdm bar on stderr, shown only when stderr is a terminal (and, for output that goes
+    to stdout, stdout is not the same terminal) and the transfer takes over half a second."""
+    from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+
+    hidden = not sys.stderr.isatty() or (also_stdout and sys.stdout.isatty())
+    return tqdm(total=total, unit=unit, unit_scale=True, file=sys.stderr, disable=hidden,
+                delay=0.5, leave=False)
+
+
+def _stdin_lines(stream: BinaryIO) -> Iterator[list[bytes]]:
+    batch: list[bytes] = []
+    for line in stream:
+        batch.append(line[:-1] if line.endswith(b"\n") else line)
+        if len(batch) >= BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def put_command(client: Client, args: argparse.Namespace) -> int:
+    if args.data:
+        data = [os.fsencode(d) for d in args.data]
+        batches: Iterator[list[bytes]] = (data[i:i + BATCH] for i in range(0, len(data), BATCH))
+    else:
+        batches = _stdin_lines(sys.stdin.buffer)
+    stored = 0
+    with _progress(None, "item") as bar:
+        for batch in batches:
+            stored += client.put(args.queue, batch, args.expiration)
+            bar.update(len(batch))
+    print(f"stored {stored} item{'s' if stored != 1 else ''}", file=sys.stderr)
+    return EXIT_OK
+
+
+def get_command(client: Client, args: argparse.Namespace) -> int:
+    out = sys.stdout.buffer
+    deadline = time.monotonic() + args.timeout / 1000
+    auto_abort = OPEN_READ_MS if args.open else 0
+    got = lost = 0
+    with _progress(args.n if args.n > 1 else None, "item", also_stdout=True) as bar:
+        while got < args.n:
+            wait = max(0, int((deadline - time.monotonic()) * 1000))
+            items: list[Item] = client.get(args.queue, min(args.n - got, BATCH), wait,
+                                           auto_abort)
+            if not items:
+                break
+            out.write(b"".join(item.data + b"\n" for item in items))
+            out.flush()
+            if args.open:
+                lost += len(items) - client.confirm(items)
+            got += len(items)
+            bar.update(len(items))
+    if lost:
+        print(f"queued get: {lost} items could not be confirmed and will be delivered again",
+              file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    return EXIT_OK
+
+
+def peek_command(client: Client, args: argparse.Namespace) -> int:
+    info = client.peek(args.queue)
+    print(f"queue: {info.queue}")
+    if info.head is None:
+        print("head: (none)")
+    else:
+        print(f"head: id={info.head.id} size={len(info.head.data)} "
+              f"data={_preview(info.head.data)} server={info.head.server}")
+    for key, value in sorted(info.stats.items()):
+        print(f"{key}: {value}")
+    return EXIT_OK
+
+
+#: The queue columns of the human `stats` table; `--json` has them all.
+STATS_COLUMNS = ("items", "bytes", "open_transactions", "waiters", "total_items",
+                 "expired_items", "discarded", "age_msec")
+
+
+def stats_command(client: Client, args: argparse.Namespace) -> int:
+    stats = client.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True, default=repr))
+        return EXIT_OK
+    for server, answer in stats.items():
+        print(f"== {server}")
+        for key, value in sorted(dict(answer.get("server", {})).items()):
+            print(f"  {key:<24} {value}")
+        queues: dict[str, dict[str, Any]] = dict(answer.get("queues", {}))
+        if not queues:
+            print("  (no queues)")
+            continue
+        rows: list[tuple[str, ...]] = [("queue", *STATS_COLUMNS)]
+        rows += [(name, *(str(q.get(c, "")) for c in STATS_COLUMNS))
+                 for name, q in sorted(queues.items())]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                                   for i, (cell, w) in enumerate(zip(row, widths, strict=True))))
+    return EXIT_OK
+
+
+def flush_command(client: Client, args: argparse.Namespace) -> int:
+    n = client.flush(args.queue)
+    print(f"flushed {n} item{'s' if n != 1 else ''}")
+    return EXIT_OK
+
+
+def delete_command(client: Client, args: argparse.Namespace) -> int:
+    print("deleted" if client.delete(args.queue) else "no such queue")
+    return EXIT_OK
+
+
+CLIENT_COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
+    "put": put_command,
+    "get": get_command,
+    "peek": peek_command,
+    "stats": stats_command,
+    "flush": flush_command,
+    "delete": delete_command,
+}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,419 @@
+"""What queued's two clients share: errors, values, server addresses, back-off, reply shapes.
+
+Pure: no sockets, no trio, no clock (callers pass the time), so `Client` (queued.client)
+and `AsyncClient` (queued.aclient) make the same decisions. Import the public names from
+queued.client; the rest here is internal to the clients.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+from queued.errors import QueuedError
+from queued.rpc_protocol import MAX_MSGID, ErrorCode, RpcParser
+
+DEFAULT_PORT: Final = 2229
+#: Bytes asked of the socket per receive.
+RECV: Final = 256 * 1024
+
+ServerSpec: TypeAlias = str | tuple[str, int]
+Servers: TypeAlias = ServerSpec | Sequence[ServerSpec]
+Data: TypeAlias = bytes | bytearray | memoryview | str
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+class ClientError(QueuedError):
+    """Base of every error the client raises."""
+
+
+class ClientClosed(ClientError):
+    """The client was closed (you closed it), or an AsyncClient is used outside `async with`."""
+
+
+class ConnectionFailed(ClientError):
+    """Cannot connect (refused, timed out), or the connection broke or closed mid-call."""
+
+    def __init__(self, message: str, server: str | None = None) -> None:
+        super().__init__(message)
+        self.server = server
+
+
+class Timeout(ClientError):
+    """No reply within the read timeout; the connection was closed, its open reads returned."""
+
+    def __init__(self, message: str, server: str | None = None) -> None:
+        super().__init__(message)
+        self.server = server
+
+
+class BadResponse(ClientError):
+    """The server sent bytes that are not the protocol's replies (the connection is closed)."""
+
+
+class RpcCallError(ClientError):
+    """The server answered a call with an error `[code, message]`."""
+
+    def __init__(self, code: ErrorCode | int, message: str, server: str | None = None) -> None:
+        name = code.name if isinstance(code, ErrorCode) else f"error {code}"
+        super().__init__(f"{name}: {message}" + (f" ({server})" if server else ""))
+        self.code = code
+        self.message = message
+        self.server = server
+
+
+class Malformed(RpcCallError):
+    """The server could not parse our request (the server closes the connection)."""
+
+
+class UnknownMethod(RpcCallError):
+    pass
+
+
+class BadParams(RpcCallError):
+    pass
+
+
+class BadQueueName(RpcCallError):
+    pass
+
+
+class QueueFull(RpcCallError):
+    pass
+
+
+class ItemTooLarge(RpcCallError):
+    pass
+
+
+class TooLarge(RpcCallError):
+    """A frame or batch over the server's cap (the server closes the connection)."""
+
+
+class TooManyOpenReads(RpcCallError):
+    pass
+
+
+class JournalFull(RpcCallError):
+    pass
+
+
+class ShuttingDown(RpcCallError):
+    """The server is stopping (or the queue was deleted during the call)."""
+
+
+class ServerError(RpcCallError):
+    pass
+
+
+class Busy(RpcCallError):
+    """Too many connections to the server, or too many gets waiting on one connection."""
+
+
+ERRORS: Final[Mapping[ErrorCode, type[RpcCallError]]] = {
+    ErrorCode.MALFORMED: Malformed,
+    ErrorCode.UNKNOWN_METHOD: UnknownMethod,
+    ErrorCode.BAD_PARAMS: BadParams,
+    ErrorCode.BAD_QUEUE_NAME: BadQueueName,
+    ErrorCode.QUEUE_FULL: QueueFull,
+    ErrorCode.ITEM_TOO_LARGE: ItemTooLarge,
+    ErrorCode.TOO_LARGE: TooLarge,
+    ErrorCode.TOO_MANY_OPEN_READS: TooManyOpenReads,
+    ErrorCode.JOURNAL_FULL: JournalFull,
+    ErrorCode.SHUTTING_DOWN: ShuttingDown,
+    ErrorCode.SERVER_ERROR: ServerError,
+    ErrorCode.BUSY: Busy,
+}
+#: Errors after which the call is tried on another server (the server is skipped a while).
+FAILOVER: Final = (ConnectionFailed, Timeout, ShuttingDown, Busy)
+#: Replies after which the server closes the connection.
+CLOSING: Final = frozenset({ErrorCode.MALFORMED, ErrorCode.TOO_LARGE})
+
+
+def call_error(error: Any, server: str) -> RpcCallError:
+    if (isinstance(error, list) and len(error) == 2 and type(error[0]) is int
+            and isinstance(error[1], str)):
+        code, message = error
+        try:
+            known = ErrorCode(code)
+        except ValueError:
+            return RpcCallError(code, message, server)
+        return ERRORS.get(known, RpcCallError)(known, message, server)
+    return RpcCallError(ErrorCode.SERVER_ERROR, f"unreadable error {error!r}", server)
+
+
+# -- values -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One item from a get. Confirm or abort it through the client that got it."""
+
+    id: int
+    data: bytes
+    queue: str  #: the queue (or "queue+reader") it was read from
+    server: str  #: "host:port" of the server it came from
+    #: Client-local serial of the connection holding its open read; 0 for a plain get.
+    connection: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class QueueInfo:
+    """peek(): one queue's numbers, summed over every server."""
+
+    queue: str
+    head: Item | None  #: the next item of the first server (in the client's order) with one
+    items: int
+    bytes: int
+    open_transactions: int
+    waiters: int
+    #: Every integer field the servers sent: counts summed, ages the oldest, times the earliest.
+    stats: Mapping[str, int]
+    servers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStatistics:
+    server: str
+    connected: bool
+    failures: int  #: connection failures, timeouts and SHUTTING_DOWN replies so far
+    skips: int  #: calls that passed this server over because it was backing off
+    backoff: float  #: seconds of back-off left; 0 = available
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStatistics:
+    calls: int  #: requests sent
+    connects: int  #: connections opened
+    retries: int  #: calls re-sent after a broken connection (each may duplicate a put)
+    unconfirmed: int  #: items reserve/consume could not confirm (they will come again)
+    servers: tuple[ServerStatistics, ...]
+
+
+# -- servers and back-off (pure: the caller passes the time) -------------------------------------
+
+
+def _one_server(spec: ServerSpec) -> tuple[str, int]:
+    if isinstance(spec, tuple):
+        host, port = spec
+    else:
+        text = spec.strip()
+        if text.startswith("["):
+            host, _, rest = text[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ""
+            if rest and not rest.startswith(":"):
+                raise ValueError(f"bad server address {spec!r}")
+        elif text.count(":") == 1:
+            host, _, port_text = text.partition(":")
+        else:  # a bare host name, or an IPv6 address without a port
+            host, port_text = text, ""
+        try:
+            port = int(port_text) if port_text else DEFAULT_PORT
+        except ValueError:
+            raise ValueError(f"bad port in server address {spec!r}") from None
+    if not host or type(port) is not int or not 0 < port < 65536:
+        raise ValueError(f"bad server address {spec!r} (want host:port)")
+    return host, port
+
+
+def parse_servers(servers: Servers) -> list[tuple[str, str, int]]:
+    """("address", host, port) per server, duplicates dropped, in the given order.
+
+    Takes "host:port", "host" (port 2229), "[::1]:2229", (host, port), a comma-separated
+    string or a sequence of any of those.
+    """
+    if isinstance(servers, str):
+        specs: list[ServerSpec] = [s for s in servers.split(",") if s.strip()]
+    elif isinstance(servers, tuple) and len(servers) == 2 and isinstance(servers[1], int):
+        specs = [(str(servers[0]), servers[1])]
+    else:
+        specs = []
+        for spec in servers:
+            if isinstance(spec, str):
+                specs.extend(s for s in spec.split(",") if s.strip())
+            else:
+                specs.append(spec)
+    out: dict[str, tuple[str, str, int]] = {}
+    for spec in specs:
+        host, port = _one_server(spec)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        out.setdefault(address, (address, host, port))
+    if not out:
+        raise ValueError("no server given")
+    return list(out.values())
+
+
+@dataclass(slots=True)
+class ServerState:
+    address: str
+    host: str
+    port: int
+    delay: float = 0.0  # the current back-off; 0 = healthy
+    down_until: float = 0.0
+    failures: int = 0
+    skips: int = 0
+
+
+class Pool:
+    """Which servers to try, in which order, and how long a failed one is skipped."""
+
+    def __init__(self, servers: Servers, backoff: float, max_backoff: float) -> None:
+        if backoff <= 0 or max_backoff < backoff:
+            raise ValueError("want 0 < backoff <= max_backoff")
+        self.servers = [ServerState(a, h, p) for a, h, p in parse_servers(servers)]
+        self.by_address = {s.address: s for s in self.servers}
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._next = {"put": 0, "get": 0}
+
+    def order(self, kind: str, now: float) -> list[ServerState]:
+        """The servers from this kind's round-robin cursor on, skipping those backing off.
+
+        When every server is backing off they are all tried anyway: failing without
+        asking anyone helps no one, and a single server is then simply always tried.
+        """
+        n = len(self.servers)
+        start = self._next[kind]
+        self._next[kind] = (start + 1) % n
+        rotated = self.servers[start:] + self.servers[:start]
+        up = [s for s in rotated if s.down_until <= now]
+        if not up:
+            return rotated
+        for s in rotated:
+            if s.down_until > now:
+                s.skips += 1
+        return up
+
+    def failed(self, server: ServerState, now: float) -> None:
+        server.failures += 1
+        server.delay = min(server.delay * 2, self.max_backoff) if server.delay else self.backoff
+        server.down_until = now + server.delay
+
+    def ok(self, server: ServerState) -> None:
+        server.delay = 0.0
+        server.down_until = 0.0
+
+    def statistics(self, connected: Callable[[str], bool], now: float) -> list[ServerStatistics]:
+        return [ServerStatistics(s.address, connected(s.address), s.failures, s.skips,
+                                 max(0.0, s.down_until - now)) for s in self.servers]
+
+
+def lookup(pool: Pool, server: str) -> ServerState:
+    try:
+        return pool.by_address[parse_servers(server)[0][0]]
+    except KeyError:
+        raise ValueError(f"{server!r} is not one of this client's servers") from None
+
+
+def all_failed(errors: Sequence[ClientError]) -> ClientError:
+    if len(errors) == 1:
+        return errors[0]
+    exc = ConnectionFailed("no server answered: " + "; ".join(str(e) for e in errors))
+    exc.__cause__ = errors[-1]
+    return exc
+
+
+# -- request and reply shapes (pure) -------------------------------------------------------------
+
+
+def encode_items(items: Data | Iterable[Data]) -> list[bytes]:
+    if isinstance(items, bytes | bytearray | memoryview | str):
+        items = [items]
+    out: list[bytes] = []
+    for it in items:
+        if isinstance(it, str):
+            out.append(it.encode())
+        elif isinstance(it, bytes):
+            out.append(it)
+        elif isinstance(it, bytearray | memoryview):
+            out.append(bytes(it))
+        else:
+            raise TypeError(f"an item must be bytes or str, not {type(it).__name__}")
+    return out
+
+
+def int_result(result: Any, method: str) -> int:
+    if type(result) is not int:
+        raise BadResponse(f"{method} answered {result!r}, not an integer")
+    return result
+
+
+def to_items(result: Any, queue: str, server: str, serial: int) -> list[Item]:
+    if not isinstance(result, list):
+        raise BadResponse(f"get answered {type(result).__name__}, not an array")
+    out = []
+    for pair in result:
+        if (not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int
+                or not isinstance(pair[1], bytes | str)):
+            raise BadResponse(f"get answered an item {pair!r:.80}, not [id, data]")
+        data = pair[1].encode() if isinstance(pair[1], str) else pair[1]
+        out.append(Item(pair[0], data, queue, server, serial))
+    return out
+
+
+def _sum(a: int, b: int) -> int:
+    return a + b
+
+
+#: How peek merges a field over servers: ages take the oldest, times the earliest, the rest add.
+_PEEK_MERGE: Final[Mapping[str, Callable[[int, int], int]]] = {
+    "age": max, "age_msec": max, "create_time": min,
+}
+
+
+def queue_info(queue: str, answers: list[tuple[str, Any]]) -> QueueInfo:
+    head: Item | None = None
+    totals: dict[str, int] = {}
+    for server, result in answers:
+        if not isinstance(result, dict):
+            raise BadResponse(f"peek answered {type(result).__name__}, not a map")
+        for key, value in result.items():
+            if key == "head":
+                if value is not None and head is None:
+                    head = to_items([value], queue, server, 0)[0]
+            elif type(value) is int:
+                merge = _PEEK_MERGE.get(key, _sum)
+                totals[key] = merge(totals[key], value) if key in totals else value
+    return QueueInfo(queue, head, totals.get("items", 0), totals.get("bytes", 0),
+                     totals.get("open_transactions", 0), totals.get("waiters", 0), totals,
+                     tuple(s for s, _ in answers))
+
+
+def check_timeouts(connect_timeout: float, read_timeout: float, poll_slice: float) -> None:
+    if min(connect_timeout, read_timeout, poll_slice) <= 0:
+        raise ValueError("connect_timeout, read_timeout and poll_slice must be > 0 seconds")
+
+
+def check_get(max_items: int, timeout_ms: int, auto_abort_ms: int) -> None:
+    if max_items < 1 or timeout_ms < 0 or auto_abort_ms < 0:
+        raise ValueError("want max_items >= 1, timeout_ms >= 0 and auto_abort_ms >= 0")
+
+
+def settle_groups(items: Item | Iterable[Item]) -> dict[tuple[str, str, int], list[int]]:
+    groups: dict[tuple[str, str, int], list[int]] = {}
+    for it in [items] if isinstance(items, Item) else items:
+        groups.setdefault((it.server, it.queue, it.connection), []).append(it.id)
+    return groups
+
+
+def make_parser(max_frame: int, max_batch: int) -> RpcParser:
+    # Maps are stats tables (one entry per queue), so they get the batch cap, not 1024.
+    return RpcParser(max_frame=max_frame, max_batch=max_batch, max_map_len=max_batch)
+
+
+class Msgids:
+    def __init__(self) -> None:
+        self._last = 0
+
+    def next(self) -> int:
+        self._last = self._last % MAX_MSGID + 1
+        return self._last
+
+
+#: Connection serials, unique in the process: Item.connection names the one holding a read.
+SERIALS: Final = itertools.count(1)
+

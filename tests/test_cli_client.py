@@ -1,0 +1,183 @@
+"""The `queued` client subcommands, run as subprocesses against a real server subprocess.
+
+One server serves the module (each test uses its own queue names); every command has a
+timeout and the server is killed by PID at the end. Checks output, exit codes (0 ok,
+1 error reply, 2 usage, 3 cannot connect) and that the progress bar is shown only on a
+terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+from server_util import HOST, QUEUED, WAIT, ServerProcess
+
+from queued.client import Client
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    base = tmp_path_factory.mktemp("cli")
+    proc = ServerProcess(base / "data", base / "server.log")
+    try:
+        proc.start()
+        yield f"{HOST}:{proc.rpc}"
+    finally:
+        proc.kill()
+
+
+def queued(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([str(QUEUED), *args], input=stdin, capture_output=True,
+                          timeout=WAIT * 2, check=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def test_put_args_then_get(server: str) -> None:
+    r = queued("put", "--server", server, "args", "a", "b b", "c")
+    assert (r.returncode, r.stderr) == (0, b"stored 3 items\n")
+    r = queued("get", "--server", server, "args", "-n", "2")
+    assert (r.returncode, r.stdout) == (0, b"a\nb b\n")
+    r = queued("get", "--server", server, "args", "-n", "5")
+    assert (r.returncode, r.stdout) == (0, b"c\n")
+    r = queued("get", "--server", server, "args")  # empty: nothing, still ok
+    assert (r.returncode, r.stdout) == (0, b"")
+
+
+def test_put_from_stdin_and_get_many(server: str) -> None:
+    lines = [b"line %d" % i for i in range(10_000)]
+    r = queued("put", "--server", server, "stdin", stdin=b"\n".join(lines) + b"\n")
+    assert (r.returncode, r.stderr) == (0, b"stored 10000 items\n")  # no bar: not a tty
+    with Client(server) as c:
+        assert c.peek("stdin").items == 10_000
+    r = queued("get", "--server", server, "stdin", "-n", "10000")
+    assert r.returncode == 0 and r.stderr == b""
+    assert r.stdout.split(b"\n")[:-1] == lines
+
+
+def test_binary_items_round_trip(server: str) -> None:
+    data = bytes(range(256)).replace(b"\n", b"")
+    r = queued("put", "--server", server, "bin", stdin=data + b"\n" + b"\x00\xff\n")
+    assert r.returncode == 0
+    r = queued("get", "--server", server, "bin", "-n", "2")
+    assert r.stdout == data + b"\n" + b"\x00\xff\n"
+
+
+def test_get_open_confirms_after_writing(server: str) -> None:
+    queued("put", "--server", server, "open", "x", "y")
+    r = queued("get", "--server", server, "open", "-n", "2", "--open")
+    assert (r.returncode, r.stdout) == (0, b"x\ny\n")
+    with Client(server) as c:
+        info = c.peek("open")
+        assert (info.items, info.open_transactions) == (0, 0)
+
+
+def test_get_open_returns_items_when_stdout_fails(server: str) -> None:
+    queued("put", "--server", server, "gone", "p", "q")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads: the first write fails
+    try:
+        r = subprocess.run([str(QUEUED), "get", "--server", server, "gone", "-n", "2",
+                            "--open"], stdout=write_end, stderr=subprocess.PIPE,
+                           timeout=WAIT * 2, check=False)
+    finally:
+        os.close(write_end)
+    assert r.returncode == 1 and b"stdout closed" in r.stderr
+    with Client(server) as c:  # not confirmed: back in the queue once the client is gone
+        deadline = time.monotonic() + WAIT
+        while c.peek("gone").open_transactions and time.monotonic() < deadline:
+            time.sleep(0.01)
+        info = c.peek("gone")
+        assert (info.items, info.open_transactions) == (2, 0)
+
+
+def test_get_timeout_waits(server: str) -> None:
+    started = time.monotonic()
+    r = queued("get", "--server", server, "empty", "--timeout", "300")
+    assert (r.returncode, r.stdout) == (0, b"")
+    assert time.monotonic() - started >= 0.3
+
+
+def test_peek_stats_flush_delete(server: str) -> None:
+    queued("put", "--server", server, "misc", "head-item", "second")
+    r = queued("peek", "--server", server, "misc")
+    assert r.returncode == 0
+    out = r.stdout.decode()
+    assert "items: 2\n" in out and "data=b'head-item'" in out
+
+    r = queued("stats", "--server", server, "--json")
+    assert r.returncode == 0
+    stats = json.loads(r.stdout)
+    assert stats[server]["queues"]["misc"]["items"] == 2
+    r = queued("stats", "--server", server)
+    assert r.returncode == 0
+    table = r.stdout.decode()
+    assert f"== {server}" in table
+    assert any(line.split()[:2] == ["misc", "2"] for line in table.splitlines())
+
+    r = queued("flush", "--server", server, "misc")
+    assert (r.returncode, r.stdout) == (0, b"flushed 2 items\n")
+    r = queued("delete", "--server", server, "misc")
+    assert (r.returncode, r.stdout) == (0, b"deleted\n")
+    r = queued("delete", "--server", server, "misc")
+    assert (r.returncode, r.stdout) == (0, b"no such queue\n")
+
+
+def test_exit_codes(server: str) -> None:
+    nobody = f"{HOST}:{free_port()}"
+    r = queued("peek", "--server", nobody, "q")
+    assert r.returncode == 3 and b"cannot connect" in r.stderr
+    r = queued("put", "--server", server, "bad name", "x")
+    assert r.returncode == 1 and b"BAD_QUEUE_NAME" in r.stderr
+    r = queued("get", "--server", "host:notaport", "q")
+    assert r.returncode == 2
+    r = queued("get", "--server", server)  # no queue
+    assert r.returncode == 2
+    r = queued("get", "--help")
+    assert r.returncode == 0 and b"exit codes: 0 ok" in r.stdout and b"--open" in r.stdout
+
+
+def test_several_servers_skip_one_that_is_down(server: str) -> None:
+    nobody = f"{HOST}:{free_port()}"
+    r = queued("put", "--server", f"{nobody},{server}", "multi", "a", "b")
+    assert r.returncode == 0
+    r = queued("get", "--server", nobody, "--server", server, "multi", "-n", "2")
+    assert (r.returncode, r.stdout) == (0, b"a\nb\n")
+
+
+def test_progress_bar_only_on_a_terminal(server: str) -> None:
+    main, child = os.openpty()
+    proc = subprocess.Popen([str(QUEUED), "put", "--server", server, "tty"],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=child)
+    os.close(child)
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(b"x\n" * 2000)
+        proc.stdin.flush()
+        time.sleep(0.7)  # real time is the point: the bar shows after 0.5 s
+        proc.stdin.write(b"y\n" * 2000)
+        proc.stdin.close()
+        assert proc.wait(WAIT) == 0
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: the child's side is closed
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        proc.kill()
+        os.close(main)
+    assert b"item" in shown and b"stored 4000 items" in shown
