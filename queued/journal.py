@@ -253,8 +253,10 @@ class QueueJournal:
         ticket = Ticket()
         # Check everything before touching any state, so a bad item changes nothing.
         pack_head = jf.put_header_packer(add_time_ms, expire_time_ms, error_count)
-        datas = [d if isinstance(d, bytes) else bytes(d) for d in datas]
-        if any(len(d) > jf.MAX_DATA_SIZE for d in datas):
+        if set(map(type, datas)) - {bytes}:
+            datas = [d if isinstance(d, bytes) else bytes(d) for d in datas]
+        largest = max(map(len, datas), default=0)
+        if largest > jf.MAX_DATA_SIZE:
             raise ValueError("item data larger than 2 GiB - 1")
         if self.last_id + len(datas) > jf.MAX_ID:
             raise ValueError("item ids exhausted")
@@ -264,6 +266,12 @@ class QueueJournal:
         if self._proj_size is not None and not self._pending:
             # This call opens a new round's batch, which a check record will seal.
             self._proj_size += jf.CHECK_RECORD_SIZE
+        if datas and largest < ZERO_COPY_BYTES and self._proj_size is not None:
+            puts = self._append_small(datas, pack_head, ticket, add_time_ms, expire_time_ms,
+                                      error_count)
+            if puts:
+                datas = ()  # done in bulk
+                next_id = puts[-1].id
         for data in datas:
             next_id += 1
             head = pack_head(len(data), next_id)
@@ -300,6 +308,47 @@ class QueueJournal:
         else:
             self.datadir._mark_dirty(self)
         return puts, ticket
+
+    def _append_small(
+        self,
+        datas: Sequence[bytes],
+        pack_head: Callable[[int, int], bytes],
+        ticket: Ticket,
+        add_time_ms: int,
+        expire_time_ms: int | None,
+        error_count: int,
+    ) -> list[jf.Put]:
+        """append_nowait's fast path: small items that fit the current segment and
+        batch, encoded in bulk. [] if they don't (the general loop handles it)."""
+        assert self._proj_size is not None
+        n = len(datas)
+        total = sum(map(len, datas)) + len(pack_head(0, 1)) * n
+        chunk = self._pending[-1] if self._pending else None
+        if (self._proj_size + total > self.config.journal_size
+                or (chunk is not None and chunk.nbytes + total > MAX_BATCH_BYTES)):
+            return []
+        if chunk is None:
+            chunk = _Chunk(rotate=False)
+            self._pending.append(chunk)
+        first = self.last_id + 1
+        ids = range(first, first + n)
+        parts: list[bytes] = [b""] * (2 * n)
+        parts[::2] = map(pack_head, map(len, datas), ids)
+        parts[1::2] = datas
+        chunk.small += b"".join(parts)
+        chunk.nbytes += total
+        if not chunk.count:
+            chunk.first_id = first
+        chunk.count += n
+        chunk.last_id = first + n - 1
+        if not chunk.tickets or chunk.tickets[-1] is not ticket:
+            chunk.tickets.append(ticket)
+        self._proj_size += total
+        self._proj_count += n
+        self._pending_bytes += total
+        put = jf.Put
+        return [put(i, d, add_time_ms, expire_time_ms, error_count)
+                for i, d in zip(ids, datas, strict=True)]
 
     async def append(
         self,

@@ -150,8 +150,12 @@ class RpcParser:
 
     `receive_data(b"")` means end of stream. `next_event()` returns a `Request`,
     `Notification` or `Response` (which ones are allowed is the caller's
-    business), `NEED_DATA`, or `ConnectionClosed`; it raises `RpcError` with
-    close=True for bytes that are not MessagePack-RPC or a frame over the cap.
+    business), `NEED_DATA`, or `ConnectionClosed`; it raises `RpcError` for bytes
+    that are not MessagePack-RPC (close=True, sticky) or a frame over the cap.
+
+    A frame is decoded only once all of it has arrived: a scanning Unpacker finds
+    its end with `skip()`, which builds nothing. So declared lengths (a 2 GiB bin,
+    nested arrays of 2**31 elements) allocate nothing before their bytes are here.
     """
 
     def __init__(self, *, max_frame: int = DEFAULT_MAX_FRAME,
@@ -160,15 +164,16 @@ class RpcParser:
             raise ValueError("max_frame must be >= 64 and max_batch >= 1")
         self.max_frame = max_frame
         self.max_batch = max_batch
-        self._unpacker = msgpack.Unpacker(
-            raw=False, use_list=True, strict_map_key=False,
-            max_buffer_size=max_frame + 1, max_str_len=max_frame, max_bin_len=max_frame,
-            max_array_len=max(max_batch, 4), max_map_len=max_map_len, max_ext_len=0,
+        self._limits: dict[str, Any] = dict(
+            max_str_len=max_frame, max_bin_len=max_frame, max_array_len=max(max_batch, 4),
+            max_map_len=max_map_len, max_ext_len=0,
         )
-        self._pending = bytearray()  # received, not yet fed to the unpacker
-        self._fed = 0  # stream offset fed to the unpacker
+        self._scanner = msgpack.Unpacker(max_buffer_size=max_frame + 1, **self._limits)
+        self._pending = bytearray()  # received, not yet fed to the scanner
+        self._buf = bytearray()  # fed to the scanner; the current frame starts at _pos
+        self._pos = 0
+        self._fed = 0  # stream offset fed to the scanner
         self._frame_start = 0  # stream offset where the current frame begins
-        self._prefix = bytearray()  # the current frame's first bytes
         self._eof = False
         self._failed: RpcError | None = None
         self.frames = 0
@@ -181,31 +186,35 @@ class RpcParser:
 
     @property
     def buffered_bytes(self) -> int:
-        return len(self._pending) + (self._fed - self._frame_start)
+        return len(self._pending) + len(self._buf) - self._pos
 
     def next_event(self) -> Message | NeedData | ConnectionClosed:
         if self._failed is not None:
             raise self._failed
-        unpacker = self._unpacker
         while True:
             try:
-                obj = unpacker.unpack()
+                self._scanner.skip()
             except msgpack.OutOfData:
                 if not self._feed():
                     if self._eof:
                         return ConnectionClosed(self._fed - self._frame_start)
                     return NEED_DATA
                 continue
-            except ValueError as exc:  # FormatError, StackError and the max_* limits
-                too_large = "exceeds max_" in str(exc)
-                code = ErrorCode.TOO_LARGE if too_large else ErrorCode.MALFORMED
-                what = f"frame over the server's limits: {exc}" if too_large else (
-                    f"not MessagePack: {exc}" if str(exc) else "not MessagePack")
-                raise self._fail(code, what) from None
-            except Exception as exc:  # msgpack's other errors: still the peer's bytes
-                raise self._fail(ErrorCode.MALFORMED, f"not MessagePack: {exc}") from None
-            self._frame_start = unpacker.tell()
-            self._prefix.clear()
+            except Exception as exc:  # FormatError, StackError, limits: the peer's bytes
+                raise self._fail(*_unpack_error(exc)) from None
+            end = self._scanner.tell()
+            start, stop = self._pos, self._pos + (end - self._frame_start)
+            try:
+                with memoryview(self._buf) as view:
+                    obj = msgpack.unpackb(view[start:stop], raw=False, use_list=True,
+                                          strict_map_key=False, **self._limits)
+            except Exception as exc:
+                raise self._fail(*_unpack_error(exc)) from None
+            self._frame_start = end
+            self._pos = stop
+            if self._pos == len(self._buf):
+                self._buf.clear()
+                self._pos = 0
             self.frames += 1
             return self._message(obj)
 
@@ -219,25 +228,33 @@ class RpcParser:
                              f"frame over the server's limit of {self.max_frame} bytes")
         chunk = bytes(self._pending[:room])
         del self._pending[:room]
-        if len(self._prefix) < _PREFIX:
-            skip = max(0, self._frame_start - self._fed)
-            self._prefix += chunk[skip : skip + _PREFIX - len(self._prefix)]
-        self._unpacker.feed(chunk)
+        if self._pos:  # drop the frames already decoded (one shift per feed)
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += chunk
+        self._scanner.feed(chunk)
         self._fed += len(chunk)
         return True
 
-    def _fail(self, code: ErrorCode, message: str) -> RpcError:
-        self._failed = RpcError(code, message, _peek_msgid(bytes(self._prefix)), close=True)
+    def _fail(self, code: ErrorCode, message: str, *, msgid_known: bool = True) -> RpcError:
+        msgid = _peek_msgid(bytes(self._buf[self._pos : self._pos + _PREFIX])) if (
+            msgid_known) else None
+        self._failed = RpcError(code, message, msgid, close=True)
+        return self._failed
+
+    def _shape(self, message: str) -> RpcError:
+        """A whole frame that is MessagePack but not a MessagePack-RPC message."""
+        self._failed = RpcError(ErrorCode.MALFORMED, message, None, close=True)
         return self._failed
 
     def _message(self, obj: Any) -> Message:
         if not isinstance(obj, list) or not obj or type(obj[0]) is not int:
-            raise self._fail(ErrorCode.MALFORMED, "a message must be an array [type, ...]")
+            raise self._shape("a message must be an array [type, ...]")
         kind = obj[0]
         if kind == REQUEST and len(obj) == 4:
             _, msgid, method, params = obj
             if type(msgid) is not int or not 0 <= msgid <= MAX_MSGID:
-                raise self._fail(ErrorCode.MALFORMED, "msgid must be a 32-bit unsigned integer")
+                raise self._shape("msgid must be a 32-bit unsigned integer")
             if not isinstance(method, str) or not isinstance(params, list):
                 # The frame was whole, so the connection can go on.
                 raise RpcError(ErrorCode.MALFORMED,
@@ -247,16 +264,21 @@ class RpcParser:
         if kind == NOTIFICATION and len(obj) == 3:
             _, method, params = obj
             if not isinstance(method, str) or not isinstance(params, list):
-                raise self._fail(ErrorCode.MALFORMED,
-                                 "a notification is [2, method (string), params (array)]")
+                raise self._shape("a notification is [2, method (string), params (array)]")
             return Notification(method, params)
         if kind == RESPONSE and len(obj) == 4:
             _, msgid, error, result = obj
-            if type(msgid) is not int:
-                raise self._fail(ErrorCode.MALFORMED, "msgid must be an integer")
+            if type(msgid) is not int or not 0 <= msgid <= MAX_MSGID:
+                raise self._shape("msgid must be a 32-bit unsigned integer")
             return Response(msgid, error, result)
-        raise self._fail(ErrorCode.MALFORMED, f"unknown message shape (type {kind!r}, "
-                                              f"{len(obj)} elements)")
+        raise self._shape(f"unknown message shape (type {kind!r}, {len(obj)} elements)")
+
+
+def _unpack_error(exc: Exception) -> tuple[ErrorCode, str]:
+    text = str(exc)
+    if "exceeds max_" in text and "max_ext_len" not in text:
+        return ErrorCode.TOO_LARGE, f"frame over the server's limits: {text}"
+    return ErrorCode.MALFORMED, f"not MessagePack: {text}" if text else "not MessagePack"
 
 
 def _peek_msgid(prefix: bytes) -> int | None:
@@ -407,12 +429,10 @@ def _put(r: Request, max_batch: int) -> Put:
     if len(items) > max_batch:
         raise RpcError(ErrorCode.TOO_LARGE, f"{len(items)} items, over the limit of {max_batch}",
                        r.msgid, close=True)
-    for n, it in enumerate(items):
-        if type(it) is not bytes:
-            if isinstance(it, str):
-                items[n] = it.encode()
-            else:
-                raise _bad(r.msgid, "items must be binary or string values")
+    if set(map(type, items)) - {bytes}:
+        if not all(isinstance(it, (bytes, str)) for it in items):
+            raise _bad(r.msgid, "items must be binary or string values")
+        items = [it.encode() if isinstance(it, str) else it for it in items]
     expiration = _int(r.msgid, p[2], "expiration_ms", 0, 2**53) if len(p) > 2 else 0
     return Put(r.msgid, queue, items, expiration)
 

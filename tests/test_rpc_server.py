@@ -315,7 +315,7 @@ async def test_open_read_limit(tmp_path: Path) -> None:
         await c.aclose()
 
 
-# -- errors -----------------------------------------------------------------------------------------
+# -- errors ------------------------------------------------------------------------------
 
 
 async def test_error_codes(tmp_path: Path) -> None:
