@@ -1,0 +1,698 @@
+#!/usr/bin/env python3
+"""RPC benchmark: batch put and get+confirm on the MessagePack-RPC port, through queued.client.
+
+Prints numbers, never asserts. For each fsync policy the bench starts a fresh server
+(temp data dir, every port 0; the rpc port is read from the server's log line), stops it
+by PID (SIGTERM, then SIGKILL) and removes the dir. Client load comes from worker OS
+processes (spawned once per server), each with its own blocking `Client`, so 4
+connections are 4 processes; they all use the cell's one queue.
+
+Per cell (item size x batch x connections), each worker:
+
+* put: `c.put(q, [item] * batch)` in a loop for `--seconds`;
+* get+confirm: `c.get(q, batch, 0, 30000)` then `c.confirm(items)` (reliable read) in a
+  loop on the items just put, until `--seconds` pass or the queue is empty;
+* get (batch 100 only, after a refill put that is not reported): plain
+  `c.get(q, batch, 0, 0)` (removed at once, no confirm).
+
+Latency is per batch (one put call; one get plus its confirm), measured in the worker.
+A pipelined variant (64 B, batch 100, the most connections) runs `--tasks` concurrent
+trio tasks per worker on one `AsyncClient` connection. Every loop is bounded by time
+and by an item count; a worker that does not report in time ends the run for that
+server.
+
+Usage:  .venv/bin/python bench/rpc_bench.py [--quick] [--seconds S] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from queued.client import AsyncClient, Client, Item
+
+REPO = Path(__file__).resolve().parent.parent
+QUEUED = REPO / ".venv" / "bin" / "queued"
+HOST = "127.0.0.1"
+KiB = 1 << 10
+MiB = 1 << 20
+MB = 1_000_000
+NS = 1_000_000_000
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+SIZE_NAMES = {64: "64 B", 1 * KiB: "1 KiB"}
+TARGET = 500_000  # items/s: put, 64 B, batch 100, fsync always
+SAME_ORDER = 10  # "the same order" for get+confirm: within 10x of TARGET
+AUTO_ABORT_MS = 30_000
+READ_TIMEOUT = 30.0  # s, the workers' clients
+REPORT_GRACE = 60.0  # s a worker may take past its phase's --seconds to report
+IDLE_LIMIT = 600.0  # s a worker waits for its next task before it gives up
+RPC_LINE = re.compile(r"listening for rpc on \S+:(\d+)")
+
+
+def log(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def size_name(size: int) -> str:
+    return SIZE_NAMES.get(size, f"{size} B")
+
+
+# -- latency histograms ----------------------------------------------------------------------
+# Keys are latencies in ns rounded down to 8 significant bits (< 0.8 % error); values are
+# counts: small enough to send back from the workers, and mergeable.
+
+
+def bucket(ns: int) -> int:
+    b = ns.bit_length()
+    if b <= 8:
+        return ns
+    s = b - 8
+    return (ns >> s) << s
+
+
+def percentiles(hist: dict[int, int], ps: tuple[float, ...]) -> list[float]:
+    """Latency percentiles in ms (nan when empty)."""
+    total = sum(hist.values())
+    if not total:
+        return [float("nan")] * len(ps)
+    keys = sorted(hist)
+    out: list[float] = []
+    for p in ps:
+        rank = max(1, int(p / 100 * total + 0.999999))
+        cum = 0
+        for k in keys:
+            cum += hist[k]
+            if cum >= rank:
+                out.append(k / 1e6)
+                break
+    return out
+
+
+# -- the worker processes --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Task:
+    op: str  # "put", "get_confirm" or "get"
+    queue: str
+    size: int
+    batch: int
+    seconds: float
+    max_items: int  # this worker's share of the phase's item bound
+    tasks: int = 0  # > 0: an AsyncClient with this many concurrent tasks on one connection
+
+
+@dataclass
+class Part:
+    """One worker's share of a phase."""
+
+    items: int = 0
+    calls: int = 0  # batches: put calls, or get (+ confirm) rounds that returned items
+    t0: int = 0  # time.monotonic_ns(): comparable between processes on Linux
+    t1: int = 0
+    cpu: float = 0.0
+    hist: dict[int, int] = field(default_factory=dict)
+    empty: bool = False  # a get found the queue empty
+    bad: int = 0  # puts not all stored, confirms not all counted, items of the wrong size
+    error: str = ""
+
+    def record(self, ns: int) -> None:
+        k = bucket(ns)
+        self.hist[k] = self.hist.get(k, 0) + 1
+
+
+def run_blocking(c: Client, t: Task, p: Part) -> None:
+    clock = time.monotonic_ns
+    p.t0 = clock()
+    deadline = p.t0 + int(t.seconds * NS)
+    try:
+        if t.op == "put":
+            payload = [b"x" * t.size] * t.batch
+            while p.items < t.max_items and clock() < deadline:
+                s = clock()
+                n = c.put(t.queue, payload)
+                p.record(clock() - s)
+                p.calls += 1
+                p.items += n
+                p.bad += t.batch - n
+        else:
+            abort_ms = AUTO_ABORT_MS if t.op == "get_confirm" else 0
+            while p.items < t.max_items and clock() < deadline:
+                s = clock()
+                items = c.get(t.queue, t.batch, 0, abort_ms)
+                if not items:
+                    p.empty = True
+                    break
+                if abort_ms:
+                    p.bad += len(items) - c.confirm(items)
+                p.record(clock() - s)
+                p.calls += 1
+                p.items += len(items)
+                p.bad += len(items[0].data) != t.size
+    finally:
+        p.t1 = clock()
+
+
+async def run_async(address: str, t: Task, p: Part) -> None:
+    clock = time.monotonic_ns
+    p.t0 = clock()
+    deadline = p.t0 + int(t.seconds * NS)
+    abort_ms = AUTO_ABORT_MS if t.op == "get_confirm" else 0
+    payload = [b"x" * t.size] * t.batch
+
+    async def one(c: AsyncClient) -> None:
+        while p.items < t.max_items and clock() < deadline and not p.empty:
+            s = clock()
+            if t.op == "put":
+                n = await c.put(t.queue, payload)
+                p.bad += t.batch - n
+            else:
+                items: list[Item] = await c.get(t.queue, t.batch, 0, abort_ms)
+                if not items:
+                    p.empty = True
+                    return
+                if abort_ms:
+                    p.bad += len(items) - await c.confirm(items)
+                n = len(items)
+                p.bad += len(items[0].data) != t.size
+            p.record(clock() - s)
+            p.calls += 1
+            p.items += n
+
+    try:
+        async with AsyncClient(address, read_timeout=READ_TIMEOUT) as c, \
+                trio.open_nursery() as nursery:
+            for _ in range(t.tasks):
+                nursery.start_soon(one, c)
+    finally:
+        p.t1 = clock()
+
+
+def worker_main(address: str, pipe: multiprocessing.connection.Connection) -> None:
+    client: Client | None = None
+    try:
+        client = Client(address, read_timeout=READ_TIMEOUT)
+        client.version()  # connect now, not inside the first timed call
+        pipe.send({"ready": True})
+        while pipe.poll(IDLE_LIMIT):
+            task = pipe.recv()
+            if task is None:
+                return
+            part = Part()
+            cpu0 = time.process_time()
+            try:
+                if task.tasks:
+                    trio.run(run_async, address, task, part)
+                else:
+                    if client is None:
+                        client = Client(address, read_timeout=READ_TIMEOUT)
+                    run_blocking(client, task, part)
+            except Exception as exc:  # report it; a fresh client for the next task
+                part.error = f"{exc!r}"
+                if client is not None:
+                    client.close()
+                client = None
+            part.cpu = time.process_time() - cpu0
+            pipe.send(asdict(part))
+    except BaseException as exc:  # never leave the parent waiting without a word
+        with contextlib.suppress(Exception):
+            pipe.send({"error": f"{exc!r}\n{traceback.format_exc()}"})
+    finally:
+        if client is not None:
+            client.close()
+
+
+class WorkerStuck(Exception):
+    pass
+
+
+class Workers:
+    """`n` spawned worker processes, each with its own connection to the server."""
+
+    def __init__(self, address: str, n: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: list[tuple[Any, multiprocessing.connection.Connection]] = []
+        try:
+            for _ in range(n):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=worker_main, args=(address, child), daemon=True)
+                p.start()
+                child.close()
+                self.procs.append((p, parent))
+            for _, pipe in self.procs:
+                if not pipe.poll(60):
+                    raise WorkerStuck("a worker process did not connect within 60 s")
+                msg = pipe.recv()
+                if "error" in msg:
+                    raise WorkerStuck(f"a worker process failed to start: {msg['error']}")
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, tasks: list[Task]) -> list[Part]:
+        """Tasks go to workers 0..len-1 at once; their parts come back in the same order."""
+        assert len(tasks) <= len(self.procs)
+        for (_, pipe), task in zip(self.procs, tasks, strict=False):
+            pipe.send(task)
+        deadline = time.monotonic() + max(t.seconds for t in tasks) + REPORT_GRACE
+        parts: list[Part] = []
+        for _, pipe in self.procs[: len(tasks)]:
+            if not pipe.poll(max(0.0, deadline - time.monotonic())):
+                raise WorkerStuck("a worker did not report before the deadline")
+            msg = pipe.recv()
+            if "error" in msg and "items" not in msg:
+                raise WorkerStuck(f"a worker process died: {msg['error']}")
+            parts.append(Part(**msg))
+        return parts
+
+    def close(self) -> None:
+        for _, pipe in self.procs:
+            with contextlib.suppress(OSError, ValueError):
+                pipe.send(None)
+        for p, pipe in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+            pipe.close()
+        self.procs = []
+
+
+# -- the server ------------------------------------------------------------------------------
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def system_busy_s() -> float:
+    """CPU seconds all CPUs spent not idle (user, nice, system, irq, softirq, steal)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+        return (user + nice + system + irq + softirq + steal) / CLK_TCK
+    except (OSError, ValueError):
+        return float("nan")
+
+
+class Server:
+    """One `queued serve` on a fresh temp dir, every port 0; stopped by PID."""
+
+    def __init__(self, root: Path, fsync: str) -> None:
+        self.fsync = fsync
+        self.dir = Path(tempfile.mkdtemp(prefix=f"rpc-bench-{fsync}-", dir=root))
+        self.log_path = self.dir.with_suffix(".log")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> None:
+        cmd = [str(QUEUED), "serve", "--data-dir", str(self.dir), "--host", HOST,
+               "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
+               "--http-port", "0", "--fsync", self.fsync]
+        with open(self.log_path, "wb") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf,
+                                         stdin=subprocess.DEVNULL, cwd=self.dir)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            m = RPC_LINE.search(self.log_path.read_text(errors="replace"))
+            if m:
+                self.port = int(m.group(1))
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"the server logged no rpc port within 20 s (exit code "
+                           f"{self.proc.poll()}); command: {' '.join(cmd)}\n"
+                           f"log tail:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def memory_kib(self) -> dict[str, int]:
+        """VmHWM (peak RSS) and VmRSS of the server, KiB."""
+        out: dict[str, int] = {}
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                for line in f:
+                    key = line.split(":", 1)[0]
+                    if key in ("VmHWM", "VmRSS"):
+                        out[key] = int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+        return out
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join("    " + t for t in text[-lines:])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.log_path.unlink()
+
+
+# -- phases and cells ------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    fsync: str
+    size: int
+    batch: int
+    conns: int
+    op: str
+    items: int
+    seconds: float
+    items_per_s: float
+    mb_per_s: float  # payload bytes, 10^6
+    p50_ms: float
+    p99_ms: float
+    batches: int
+    server_cpu: float  # fraction of one core
+    client_cpu: float
+    other_cpu: float  # everything else on the machine meanwhile
+    note: str = ""
+    errors: list[str] = field(default_factory=list)
+
+
+def run_phase(server: Server, workers: Workers, fsync: str, op: str, label: str, size: int,
+              batch: int, conns: int, seconds: float, max_items: int, tasks: int = 0) -> Row:
+    share = max(batch, max_items // conns)
+    jobs = [Task(op, queue_name(size, batch, conns, tasks), size, batch, seconds, share, tasks)
+            for _ in range(conns)]
+    cpu0, busy0, w0 = proc_cpu_s(server.pid), system_busy_s(), time.monotonic()
+    parts = workers.run(jobs)
+    cpu1, busy1, wall = proc_cpu_s(server.pid), system_busy_s(), time.monotonic() - w0
+    items = sum(p.items for p in parts)
+    t0 = min(p.t0 for p in parts)
+    t1 = max(p.t1 for p in parts)
+    secs = max(1e-9, (t1 - t0) / NS)
+    hist: dict[int, int] = {}
+    for p in parts:
+        for k, v in p.hist.items():
+            hist[k] = hist.get(k, 0) + v
+    p50, p99 = percentiles(hist, (50, 99))
+    client_cpu = sum(p.cpu for p in parts)
+    srv = cpu1 - cpu0
+    other = max(0.0, (busy1 - busy0) - srv - client_cpu)
+    notes = []
+    if op != "put" and any(p.empty for p in parts):
+        notes.append(f"queue emptied after {secs:.2f} s")
+    if items >= max_items and op == "put":
+        notes.append("item bound reached")
+    bad = sum(p.bad for p in parts)
+    if bad:
+        notes.append(f"{bad} not stored/confirmed/of wrong size")
+    errors = [p.error for p in parts if p.error]
+    if errors:
+        notes.append(f"{len(errors)} worker error(s)")
+    return Row(fsync, size, batch, conns, label, items, secs, items / secs,
+               items * size / secs / MB, p50, p99, sum(p.calls for p in parts),
+               srv / wall, client_cpu / wall, other / wall, "; ".join(notes), errors)
+
+
+def queue_name(size: int, batch: int, conns: int, tasks: int) -> str:
+    return f"rpcbench_{size}_{batch}_{conns}" + (f"_p{tasks}" if tasks else "")
+
+
+def print_row(r: Row) -> None:
+    log(f"  {r.fsync:6s} {size_name(r.size):>6s} batch {r.batch:4d} x{r.conns} "
+        f"{r.op:26s} {r.items_per_s:11,.0f} items/s {r.mb_per_s:8.1f} MB/s "
+        f"p50 {r.p50_ms:7.2f} ms p99 {r.p99_ms:7.2f} ms  srv {r.server_cpu:4.0%} "
+        f"cli {r.client_cpu:4.0%} other {r.other_cpu:4.0%}  ({r.items:,} items, "
+        f"{r.seconds:.2f} s){'  ' + r.note if r.note else ''}")
+    for e in r.errors[:3]:
+        log(f"    !! {e}")
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.rows: list[Row] = []
+        self.memory: dict[str, dict[str, int]] = {}
+        self.failures: list[str] = []
+
+    def cap(self, size: int) -> int:
+        cap: int = min(self.a.max_items, self.a.max_bytes // size)
+        return max(1, cap)
+
+    def add(self, r: Row) -> None:
+        print_row(r)
+        self.rows.append(r)
+
+    def server_run(self, fsync: str) -> None:
+        a = self.a
+        server = Server(Path(a.dir), fsync)
+        workers: Workers | None = None
+        try:
+            server.start()
+            log(f"## fsync {fsync}: server pid {server.pid}, rpc port {server.port}")
+            workers = Workers(server.address, max(a.conns))
+            with Client(server.address, read_timeout=READ_TIMEOUT) as control:
+                for size in a.sizes:
+                    for batch in a.batches:
+                        for conns in a.conns:
+                            self.cell(server, workers, control, fsync, size, batch, conns)
+                if 64 in a.sizes and a.tasks > 0:
+                    self.cell(server, workers, control, fsync, 64, 100, max(a.conns),
+                              tasks=a.tasks)
+            self.memory[fsync] = server.memory_kib()
+            mem = self.memory[fsync]
+            log(f"  server memory: VmHWM {mem.get('VmHWM', 0) / KiB:.0f} MiB, "
+                f"VmRSS {mem.get('VmRSS', 0) / KiB:.0f} MiB")
+        except Exception as exc:  # report, go on with the next policy
+            log(f"!! fsync {fsync} run failed: {exc!r}")
+            traceback.print_exc(file=sys.stdout)
+            self.failures.append(f"fsync {fsync}: {exc!r}")
+            if server.proc is not None and not server.alive():
+                log(f"server exited with {server.proc.poll()}; log tail:\n{server.log_tail()}")
+            if server.proc is not None and server.alive():
+                self.memory.setdefault(fsync, server.memory_kib())
+        finally:
+            if workers is not None:
+                workers.close()
+            server.stop()
+        log()
+
+    def cell(self, server: Server, workers: Workers, control: Client, fsync: str, size: int,
+             batch: int, conns: int, tasks: int = 0) -> None:
+        a = self.a
+        q = queue_name(size, batch, conns, tasks)
+        cap = self.cap(size)
+        suffix = f" pipelined x{tasks}" if tasks else ""
+        try:
+            self.add(run_phase(server, workers, fsync, "put", "put" + suffix, size, batch,
+                               conns, a.seconds, cap, tasks))
+            self.add(run_phase(server, workers, fsync, "get_confirm", "get+confirm" + suffix,
+                               size, batch, conns, a.seconds, cap, tasks))
+            if batch == a.plain_get_batch and not tasks:
+                control.flush(q)
+                refill = run_phase(server, workers, fsync, "put", "put (refill)", size, batch,
+                                   conns, a.seconds, cap)
+                log(f"  (refill for the plain get: {refill.items:,} items, "
+                    f"{refill.items_per_s:,.0f} items/s)")
+                self.add(run_phase(server, workers, fsync, "get", "get (no confirm)" + suffix,
+                                   size, batch, conns, a.seconds, cap))
+        finally:
+            if server.alive():
+                control.flush(q)
+                control.delete(q)
+
+    # -- the report ------------------------------------------------------------------------
+
+    def find(self, fsync: str, size: int, batch: int, conns: int, op: str) -> Row | None:
+        for r in self.rows:
+            if (r.fsync, r.size, r.batch, r.conns, r.op) == (fsync, size, batch, conns, op):
+                return r
+        return None
+
+    def headline(self) -> list[dict[str, str]]:
+        out = []
+        for op, need, target in (
+            ("put", TARGET, f">= {TARGET:,} items/s"),
+            ("get+confirm", TARGET // SAME_ORDER,
+             f"same order as {TARGET:,} (>= {TARGET // SAME_ORDER:,} items/s, within "
+             f"{SAME_ORDER}x)"),
+        ):
+            for conns in sorted({max(self.a.conns), 1}, reverse=True):
+                figure = f"{op}, 64 B, batch 100, fsync always, {conns} conn(s)"
+                r = self.find("always", 64, 100, conns, op)
+                if r is None:
+                    out.append({"figure": figure, "measured": "not measured",
+                                "target": target, "met": "-"})
+                    continue
+                met = "met" if r.items_per_s >= need else "not met"
+                out.append({"figure": figure,
+                            "measured": f"{r.items_per_s:,.0f} items/s "
+                                        f"({r.items_per_s / TARGET:.2f} x {TARGET:,}), "
+                                        f"p99 {r.p99_ms:.2f} ms",
+                            "target": target, "met": met})
+        for r in self.rows:
+            if "pipelined" in r.op and r.fsync == "always":
+                out.append({"figure": f"{r.op}, 64 B, batch 100, fsync always, {r.conns} "
+                                      "conn(s) (for comparison)",
+                            "measured": f"{r.items_per_s:,.0f} items/s "
+                                        f"({r.items_per_s / TARGET:.2f} x {TARGET:,}), "
+                                        f"p99 {r.p99_ms:.2f} ms",
+                            "target": "-", "met": "-"})
+        return out
+
+    def report(self, started: float) -> dict[str, Any]:
+        log("## results (latency per batch: one put call; one get plus its confirm)")
+        log()
+        log("| fsync | size | batch | conns | op | items/s | MB/s | p50 ms | p99 ms | "
+            "server CPU | clients CPU | other CPU | note |")
+        log("|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        for r in self.rows:
+            log(f"| {r.fsync} | {size_name(r.size)} | {r.batch} | {r.conns} | {r.op} | "
+                f"{r.items_per_s:,.0f} | {r.mb_per_s:,.1f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | "
+                f"{r.server_cpu:.0%} | {r.client_cpu:.0%} | {r.other_cpu:.0%} | {r.note} |")
+        log()
+        for fsync, mem in self.memory.items():
+            log(f"server fsync {fsync}: VmHWM (peak RSS) {mem.get('VmHWM', 0) / KiB:.0f} MiB, "
+                f"VmRSS at the end {mem.get('VmRSS', 0) / KiB:.0f} MiB")
+        log()
+        head = self.headline()
+        log("## headline (the issue's target, on this machine)")
+        log()
+        log("| figure | measured | target | met? |")
+        log("|---|---|---|---|")
+        for h in head:
+            log(f"| {h['figure']} | {h['measured']} | {h['target']} | {h['met']} |")
+        log()
+        total = time.perf_counter() - started
+        log(f"total run time {total:.0f} s; CPUs {os.cpu_count()}; CPU% columns are of one "
+            "core over the phase's wall time")
+        for f in self.failures:
+            log(f"!! {f}")
+        return {"rows": [asdict(r) for r in self.rows], "server_memory_kib": self.memory,
+                "headline": head, "failures": self.failures, "seconds": total,
+                "environment": environment()}
+
+
+def environment() -> dict[str, Any]:
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True, check=False).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "queued"],
+                           capture_output=True, text=True, check=False).stdout.strip()
+    try:
+        load = Path("/proc/loadavg").read_text().split()[:3]
+    except OSError:
+        load = []
+    return {"commit": commit + ("+dirty" if dirty else ""), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "kernel": platform.release(),
+            "loadavg": load}
+
+
+def ints(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        t = part.strip().lower()
+        if not t:
+            continue
+        out.append(int(t[:-1]) * KiB if t.endswith("k") else int(t))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 1 s per phase, 64 B, batches 100 and 1000 (~40 s)")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="time bound per phase (default 3, --quick 1)")
+    ap.add_argument("--fsync", default="always,never", help="policies (default always,never)")
+    ap.add_argument("--sizes", default=None, help="item sizes (default 64,1k; --quick 64)")
+    ap.add_argument("--batches", default=None,
+                    help="batch sizes (default 1,10,100,1000; --quick 100,1000)")
+    ap.add_argument("--conns", default="1,4",
+                    help="connections = worker processes (default 1,4)")
+    ap.add_argument("--tasks", type=int, default=4,
+                    help="concurrent tasks per connection in the pipelined variant (default "
+                         "4; 0 skips it)")
+    ap.add_argument("--plain-get-batch", type=int, default=100,
+                    help="batch size that also gets the plain get variant (default 100)")
+    ap.add_argument("--max-items", type=int, default=3_000_000,
+                    help="item bound per phase (default 3,000,000)")
+    ap.add_argument("--max-bytes", type=int, default=1 << 30,
+                    help="payload byte bound per phase (default 1 GiB)")
+    ap.add_argument("--dir", default=tempfile.gettempdir(),
+                    help="parent of the servers' temp data dirs (default the temp dir)")
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    a = ap.parse_args()
+    if a.seconds is None:
+        a.seconds = 1.0 if a.quick else 3.0
+    a.sizes = ints(a.sizes if a.sizes is not None else ("64" if a.quick else "64,1k"))
+    a.batches = ints(a.batches if a.batches is not None
+                     else ("100,1000" if a.quick else "1,10,100,1000"))
+    a.conns = ints(a.conns)
+    policies = [p.strip() for p in a.fsync.split(",") if p.strip()]
+    if not (a.sizes and a.batches and a.conns and policies) or a.seconds <= 0:
+        ap.error("need sizes, batches, conns, fsync policies and seconds > 0")
+    if min(a.batches) < 1 or max(a.batches) > 100_000 or min(a.conns) < 1:
+        ap.error("batches must be 1..100000 (the server's rpc_max_batch), conns >= 1")
+
+    env = environment()
+    log(f"# rpc_bench: queued {env['commit']}, Python {env['python']}, kernel {env['kernel']}, "
+        f"{env['cpus']} CPUs, load average {' '.join(env['loadavg'])}")
+    log(f"# {a.seconds:g} s per phase; sizes {a.sizes}; batches {a.batches}; conns {a.conns}; "
+        f"fsync {policies}; pipelined x{a.tasks}")
+    log()
+    started = time.perf_counter()
+    bench = Bench(a)
+    for fsync in policies:
+        bench.server_run(fsync)
+    result = bench.report(started)
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
+        log(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
