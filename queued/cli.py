@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime as _dt
+import gc
 import json
 import logging
 import os
@@ -176,6 +177,7 @@ def serve_command(args: argparse.Namespace) -> int:
     log = logging.getLogger("queued")
     log.info("queued %s starting with this config:\n%s", __version__, qconfig.describe(config))
     _limit_malloc_arenas()
+    _tune_gc()
     try:
         trio.run(partial(serve, config, handle_signals=True))
     except Exception as exc:
@@ -205,6 +207,22 @@ def _limit_malloc_arenas() -> None:
         libc.mallopt(M_ARENA_MAX, 1)
     except (OSError, AttributeError):
         pass
+
+
+#: gc thresholds for the server (CPython's default is 700, 10, 10).
+GC_THRESHOLDS = (50_000, 20, 20)
+
+
+def _tune_gc() -> None:
+    """Collect the young generation less often.
+
+    Every queued item is a tracked object (its Put); with CPython's default
+    threshold of 700 allocations the collector ran about once per 100-item RPC
+    batch and took ~16% of the event loop's CPU (perf, 4 connections putting
+    64 B items in batches of 100). Long-lived items still cost their full
+    collections (CPython runs one after 25% growth), but those are rarer.
+    """
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _single(exc: BaseException) -> BaseException:
