@@ -84,11 +84,11 @@ class RpcSession:
         self.parser = rp.RpcParser(max_frame=self.max_frame, max_batch=self.max_batch)
         self.out = bytearray()
         self.send_lock = trio.Lock()
-        self.scope = trio.CancelScope()
         self.receive_scope: trio.CancelScope | None = None
         self.nursery: trio.Nursery | None = None
         self.busy = False
-        self.done = False
+        self.done = False  # stop reading (quit, or a closing error was answered)
+        self.lost = False  # the peer is gone
         self.batches = 0  # batches run; a waiting get that answers later sends itself
         self.waiting = 0
 
@@ -108,14 +108,11 @@ class RpcSession:
         self.server._sessions.add(self)
         self.broker.register(self.client)
         try:
-            with self.scope:
-                async with trio.open_nursery() as nursery:
-                    self.nursery = nursery
-                    await self._receive_loop()
-                    if not self.server.closing:
-                        nursery.cancel_scope.cancel()  # the peer is gone: so are its gets
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            log.debug("%s: connection lost: %s", self.client.name, exc)
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                await self._receive_loop()
+                if not self.server.closing:
+                    nursery.cancel_scope.cancel()  # the peer is gone: so are its gets
         except Exception:  # one connection's failure must not take the server down
             log.exception("%s: session failed; closing the connection", self.client.name)
         finally:
@@ -148,12 +145,21 @@ class RpcSession:
                 return
 
     async def _flush(self) -> None:
+        """Send what the replies added so far; a lost peer ends the session quietly."""
         async with self.send_lock:
             if self.out:
                 data = bytes(self.out)
                 self.out.clear()
+                if self.lost:
+                    return  # the peer is gone: nobody to answer
                 self.server.counters.bytes_written += len(data)
-                await self.stream.send_all(data)
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    log.debug("%s: connection lost: %s", self.client.name, exc)
+                    self.lost = self.done = True
+                    if self.receive_scope is not None:
+                        self.receive_scope.cancel()
 
     # -- one batch -------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import trio.testing
 from server_util import WAIT, make_config, running
 
 from queued import __version__
+from queued.broker import TIMEOUT_HEAP_MIN
 from queued.config import ServerConfig
 from queued.rpc_protocol import ErrorCode
 from queued.rpc_session import MAX_WAITING
@@ -450,3 +451,16 @@ async def test_shutdown_answers_waiting_gets_empty(tmp_path: Path) -> None:
         server.request_shutdown("test")
         assert (await c.response(mid))[2:] == [None, []]
         await c.expect_closed()
+
+
+async def test_confirmed_reads_leave_no_timers_behind(tmp_path: Path) -> None:
+    # Every open read with a deadline has a timer entry; confirmed ones must not pile
+    # up until their deadline (a fast get/confirm loop would grow them without bound).
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        for _ in range(20):
+            assert await c.call("put", "q", [b"x"] * 1000) == 1000
+            got = await c.call("get", "q", 1000, 0, 60_000)
+            assert await c.call("confirm", "q", [i for i, _ in got]) == 1000
+        assert len(server.broker._timeouts) <= TIMEOUT_HEAP_MIN + 1000  # not 20,000
+        await c.aclose()
