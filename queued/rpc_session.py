@@ -21,6 +21,7 @@ from queued.broker import Client, PendingPut
 from queued.errors import (
     BadNameError,
     ItemTooLargeError,
+    JournalClosedError,
     JournalError,
     JournalFullError,
     QueueClosedError,
@@ -59,7 +60,7 @@ def error_for(exc: BaseException) -> tuple[rp.ErrorCode, str]:
         return E.JOURNAL_FULL, str(exc)
     if isinstance(exc, ReadStateError):
         return E.TOO_MANY_OPEN_READS, str(exc)
-    if isinstance(exc, QueueClosedError):
+    if isinstance(exc, (QueueClosedError, JournalClosedError)):
         return E.SHUTTING_DOWN, str(exc)
     if isinstance(exc, ValueError):
         return E.BAD_PARAMS, str(exc)

@@ -464,3 +464,16 @@ async def test_confirmed_reads_leave_no_timers_behind(tmp_path: Path) -> None:
             assert await c.call("confirm", "q", [i for i, _ in got]) == 1000
         assert len(server.broker._timeouts) <= TIMEOUT_HEAP_MIN + 1000  # not 20,000
         await c.aclose()
+
+
+async def test_requests_during_shutdown_are_refused_shutting_down(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "q", [b"x"]) == 1
+        # What shutdown does first: the broker stops taking new work (the listeners
+        # and this connection stay up for the length of the test).
+        server.broker.wake_waiters()
+        code, message = await c.error("put", "new_queue", [b"x"])
+        assert code == E.SHUTTING_DOWN and "shutting down" in message
+        assert await c.call("get", "q", 1, 1_000) == [[1, b"x"]]  # stored items still read
+        await c.aclose()
