@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchlib import bucket, percentiles, proc_cpu_s, system_busy_s
+
 REPO = Path(__file__).resolve().parent.parent
 QUEUED = REPO / ".venv" / "bin" / "queued"
 HOST = "127.0.0.1"
@@ -59,7 +61,6 @@ GiB = 1 << 30
 NS = 1_000_000_000
 RECV_SIZE = 1 << 18
 SIZE_NAMES = {64: "64 B", 1 * KiB: "1 KiB", 64 * KiB: "64 KiB"}
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 PUT_TARGET = 100_000  # 64 B, fsync never, drain
 GET_TARGET = 90_000
 ALWAYS_FRACTION = 0.70
@@ -81,35 +82,9 @@ def size_name(size: int) -> str:
 # counts. Small, mergeable, and cheap enough to update once per reply batch.
 
 
-def bucket(ns: int) -> int:
-    b = ns.bit_length()
-    if b <= 8:
-        return ns
-    s = b - 8
-    return (ns >> s) << s
-
-
 def merge_hist(into: dict[int, int], other: dict[int, int]) -> None:
     for k, v in other.items():
         into[k] = into.get(k, 0) + v
-
-
-def percentiles(hist: dict[int, int], ps: tuple[float, ...]) -> list[float]:
-    """Latency percentiles in ms (nan when empty)."""
-    total = sum(hist.values())
-    if not total:
-        return [float("nan")] * len(ps)
-    keys = sorted(hist)
-    out: list[float] = []
-    for p in ps:
-        rank = max(1, int(p / 100 * total + 0.999999))
-        cum = 0
-        for k in keys:
-            cum += hist[k]
-            if cum >= rank:
-                out.append(k / 1e6)
-                break
-    return out
 
 
 # -- wire protocols ------------------------------------------------------------------------
@@ -502,27 +477,6 @@ def proc_rss_kib(pid: int) -> int | None:
     except OSError:
         pass
     return None
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    except (OSError, IndexError, ValueError):
-        return float("nan")
-
-
-def system_busy_s() -> float:
-    """CPU seconds all CPUs spent not idle (user, nice, system, irq, softirq, steal)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
-        return (user + nice + system + irq + softirq + steal) / CLK_TCK
-    except (OSError, ValueError):
-        return float("nan")
 
 
 class Server:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from benchlib import bucket, percentiles, proc_cpu_s, system_busy_s
 
 from queued.client import AsyncClient, Client, Item
 
@@ -56,7 +57,6 @@ KiB = 1 << 10
 MiB = 1 << 20
 MB = 1_000_000
 NS = 1_000_000_000
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SIZE_NAMES = {64: "64 B", 1 * KiB: "1 KiB"}
 TARGET = 500_000  # items/s: put, 64 B, batch 100, fsync always
 SAME_ORDER = 10  # "the same order" for get+confirm: within 10x of TARGET
@@ -78,32 +78,6 @@ def size_name(size: int) -> str:
 # -- latency histograms ----------------------------------------------------------------------
 # Keys are latencies in ns rounded down to 8 significant bits (< 0.8 % error); values are
 # counts: small enough to send back from the workers, and mergeable.
-
-
-def bucket(ns: int) -> int:
-    b = ns.bit_length()
-    if b <= 8:
-        return ns
-    s = b - 8
-    return (ns >> s) << s
-
-
-def percentiles(hist: dict[int, int], ps: tuple[float, ...]) -> list[float]:
-    """Latency percentiles in ms (nan when empty)."""
-    total = sum(hist.values())
-    if not total:
-        return [float("nan")] * len(ps)
-    keys = sorted(hist)
-    out: list[float] = []
-    for p in ps:
-        rank = max(1, int(p / 100 * total + 0.999999))
-        cum = 0
-        for k in keys:
-            cum += hist[k]
-            if cum >= rank:
-                out.append(k / 1e6)
-                break
-    return out
 
 
 # -- the worker processes --------------------------------------------------------------------
@@ -300,27 +274,6 @@ class Workers:
 
 
 # -- the server ------------------------------------------------------------------------------
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    except (OSError, IndexError, ValueError):
-        return float("nan")
-
-
-def system_busy_s() -> float:
-    """CPU seconds all CPUs spent not idle (user, nice, system, irq, softirq, steal)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
-        return (user + nice + system + irq + softirq + steal) / CLK_TCK
-    except (OSError, ValueError):
-        return float("nan")
 
 
 class Server:
