@@ -424,12 +424,7 @@ class Broker:
         rname = reader or ""
         h = await self._handle(qs, rname)
         if open:
-            if client is None:
-                raise ValueError("an open read needs a client")
-            if client.open_total >= self.config.max_open_reads:
-                raise ReadStateError(
-                    f"too many open reads on this connection (max {self.config.max_open_reads})"
-                )
+            self._open_room(client)
         deadline = trio.current_time() + timeout_ms / 1000
         while True:
             expired: list[Item] = []
@@ -476,6 +471,17 @@ class Broker:
                 h.reader.counters.canceled_transactions -= 1
                 h.reader.put_back(w.item)
                 self._serve(qs, h)
+
+    def _open_room(self, client: Client | None) -> int:
+        """How many more open reads `client` may take (at least 1), or ReadStateError."""
+        if client is None:
+            raise ValueError("an open read needs a client")
+        room = self.config.max_open_reads - client.open_total
+        if room <= 0:
+            raise ReadStateError(
+                f"too many open reads on this connection (max {self.config.max_open_reads})"
+            )
+        return room
 
     def _finish_get(
         self, qs: QueueState, h: Handle, rname: str, it: Item, client: Client | None,
@@ -549,14 +555,7 @@ class Broker:
         rname = reader or ""
         h = await self._handle(qs, rname)
         if open:
-            if client is None:
-                raise ValueError("an open read needs a client")
-            room = self.config.max_open_reads - client.open_total
-            if room <= 0:
-                raise ReadStateError(
-                    f"too many open reads on this connection (max {self.config.max_open_reads})"
-                )
-            max_items = min(max_items, room)
+            max_items = min(max_items, self._open_room(client))
         owner = client if open else None
         taken = await self._take_now(qs, h, max_items, max_bytes)
         if taken or timeout_ms <= 0 or h.closed or self.closing:

@@ -103,25 +103,12 @@ class RpcSession:
             self.receive_scope.cancel()
 
     async def run(self) -> None:
-        counters = self.server.counters
-        counters.curr_connections += 1
-        counters.total_connections += 1
-        self.server._sessions.add(self)
-        self.broker.register(self.client)
-        try:
-            async with trio.open_nursery() as nursery:
-                self.nursery = nursery
-                await self._receive_loop()
-                if not self.server.closing:
-                    nursery.cancel_scope.cancel()  # the peer is gone: so are its gets
-        except Exception:  # one connection's failure must not take the server down
-            log.exception("%s: session failed; closing the connection", self.client.name)
-        finally:
-            self.server._sessions.discard(self)
-            counters.curr_connections -= 1
-            self.broker.release(self.client, count_error=not self.server.closing)
-            with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await self.stream.aclose()
+        """The connection's loop; the server's handler does the bookkeeping around it."""
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            await self._receive_loop()
+            if not self.server.closing:
+                nursery.cancel_scope.cancel()  # the peer is gone: so are its gets
 
     async def _receive_loop(self) -> None:
         counters = self.server.counters

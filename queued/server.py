@@ -171,7 +171,23 @@ def _handler(server: Server, proto: str) -> Callable[[trio.SocketStream], Any]:
                     await stream.send_all(cls.too_many())
             await stream.aclose()
             return
-        await cls(server, stream, _peer(stream)).run()
+        session = cls(server, stream, _peer(stream))
+        counters = server.counters
+        counters.curr_connections += 1
+        counters.total_connections += 1
+        server._sessions.add(session)
+        server.broker.register(session.client)
+        try:
+            await session.run()
+        except Exception:  # one connection's failure must not take the server down
+            log.exception("%s: session failed; closing the connection", session.client.name)
+        finally:
+            server._sessions.discard(session)
+            counters.curr_connections -= 1
+            # Its open reads go back to their queues (not an error when we are stopping).
+            server.broker.release(session.client, count_error=not server.closing)
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await stream.aclose()
 
     return handle
 
@@ -209,11 +225,8 @@ class _Session:
             self.scope.cancel()
 
     async def run(self) -> None:
+        """The connection's loop; the handler does the bookkeeping around it."""
         counters = self.server.counters
-        counters.curr_connections += 1
-        counters.total_connections += 1
-        self.server._sessions.add(self)
-        self.broker.register(self.client)
         try:
             with self.scope:
                 while not (self.done or self.eof or self.server.closing):
@@ -231,14 +244,6 @@ class _Session:
                     self.busy = False
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("%s: connection lost: %s", self.client.name, exc)
-        except Exception:  # one connection's failure must not take the server down
-            log.exception("%s: session failed; closing the connection", self.client.name)
-        finally:
-            self.server._sessions.discard(self)
-            counters.curr_connections -= 1
-            self.broker.release(self.client, count_error=not self.server.closing)
-            with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await self.stream.aclose()
 
     async def _send(self) -> None:
         data = bytes(self.out)
