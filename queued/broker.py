@@ -100,6 +100,7 @@ class _Waiter:
 @dataclass(eq=False, slots=True)
 class _Inflight:
     puts: list[jf.Put]
+    nbytes: int = 0  # item data bytes of `puts`
     done: bool = False
     error: BaseException | None = None
 
@@ -325,7 +326,7 @@ class Broker:
         cfg = qs.config
         if not datas:
             return PendingPut(qs, _Inflight([], done=True), None)
-        if cfg.max_item_size and any(len(d) > cfg.max_item_size for d in datas):
+        if cfg.max_item_size and max(map(len, datas)) > cfg.max_item_size:
             raise ItemTooLargeError(
                 f"item over max_item_size ({cfg.max_item_size} bytes) of queue {queue!r}"
             )
@@ -333,7 +334,7 @@ class Broker:
         if cfg.max_age:
             cap = now + cfg.max_age
             expire_ms = cap if expire_ms is None else min(expire_ms, cap)
-        n, nbytes = len(datas), sum(len(d) for d in datas)
+        n, nbytes = len(datas), sum(map(len, datas))
         if cfg.max_items or cfg.max_size or self._limited(qs):
             await self._make_room(qs, n, nbytes)
         if qs.journal.config.max_journal_size:
@@ -341,7 +342,7 @@ class Broker:
         if qs.deleted:
             raise QueueClosedError(f"queue {queue!r} was deleted")
         puts, ticket = qs.journal.append_nowait(datas, now, expire_ms, error_count)
-        entry = _Inflight(puts)
+        entry = _Inflight(puts, nbytes)
         qs.inflight.append(entry)
         qs.inflight_items += n
         qs.inflight_bytes += nbytes
@@ -356,7 +357,7 @@ class Broker:
         qs, entry, ticket = pending.qs, pending.entry, pending.ticket
         if ticket is None:
             return 0
-        n, nbytes = len(entry.puts), sum(len(p.data) for p in entry.puts)
+        n, nbytes = len(entry.puts), entry.nbytes
         try:
             await wait_durable(ticket)
         except Exception as exc:

@@ -217,7 +217,7 @@ class RpcSession:
         b.counters.cmd_set += 1
         limit = self.server.config.max_item_size
         try:
-            if any(len(d) > limit for d in call.items):
+            if call.items and max(map(len, call.items)) > limit:
                 raise ItemTooLargeError(f"item over the server's max_item_size ({limit} bytes)")
             expire = b.clock() + call.expiration_ms if call.expiration_ms else None
             return await b.begin_put(call.queue, call.items, expire_ms=expire)
