@@ -209,9 +209,10 @@ class ServerProcess:
         self.ports: dict[str, int] = {}
         self._log_start = 0
 
-    def start(self, timeout: float = 30.0) -> ServerProcess:
+    def start(self, timeout: float = 30.0, *, rpc_port: int = 0) -> ServerProcess:
+        """Start it; `rpc_port` (else any free port) lets a restart keep its address."""
         cmd = [str(QUEUED), "serve", "--data-dir", str(self.data_dir), "--host", HOST,
-               "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
+               "--memcache-port", "0", "--text-port", "0", "--rpc-port", str(rpc_port),
                "--http-port", "0"]
         if self.config is not None:
             cmd += ["--config", str(self.config)]

@@ -8,10 +8,7 @@ server subprocesses and SIGKILLs one. Every wait is bounded and every process is
 
 from __future__ import annotations
 
-import os
-import re
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -24,7 +21,7 @@ import msgpack
 import pytest
 import trio
 import trio.testing
-from server_util import HOST, QUEUED, WAIT, ServerProcess, make_config, running
+from server_util import HOST, WAIT, ServerProcess, make_config, running
 from test_memcache_protocol import FORBIDDEN, imported_modules
 
 from queued import __version__
@@ -680,38 +677,14 @@ async def test_two_servers_spread_puts_and_gets_do_not_wait_on_an_empty_one(
     await in_thread(blocking)
 
 
-_LISTEN_RPC = re.compile(rb"listening for rpc on [0-9.]+:(\d+)")
-
-
-class FixedPortServer(ServerProcess):
-    """ServerProcess whose restart keeps its RPC port, so a client finds it again."""
-
-    def start_on(self, rpc_port: int, timeout: float = 30.0) -> FixedPortServer:
-        cmd = [str(QUEUED), "serve", "--data-dir", str(self.data_dir), "--host", HOST,
-               "--memcache-port", "0", "--text-port", "0", "--rpc-port", str(rpc_port),
-               "--http-port", "0"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("QUEUED_")}
-        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=log, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = _LISTEN_RPC.search(self.log())
-            if found:
-                self.ports = {"rpc": int(found.group(1))}
-                return self
-            assert self.proc.poll() is None, self.log().decode(errors="replace")
-            time.sleep(0.02)
-        raise AssertionError("server did not start in time:\n" + self.log().decode())
 
 
 def test_multi_server_survives_sigkill_and_restart(tmp_path: Path) -> None:
     """Two servers; b is SIGKILLed while it still holds unread items and the consumer
     holds open reads on it, stays down while both clients go on, then restarts on its
     port. Every item put arrives; duplicates stay within what at-least-once allows."""
-    a = FixedPortServer(tmp_path / "a", tmp_path / "a.log")
-    b = FixedPortServer(tmp_path / "b", tmp_path / "b.log")
+    a = ServerProcess(tmp_path / "a", tmp_path / "a.log")
+    b = ServerProcess(tmp_path / "b", tmp_path / "b.log")
     opts: dict[str, Any] = {"backoff": 0.1, "max_backoff": 0.4, "read_timeout": 5.0,
                             "poll_slice": 0.05}
     total, per_put, preload = 1200, 10, 400
@@ -719,8 +692,8 @@ def test_multi_server_survives_sigkill_and_restart(tmp_path: Path) -> None:
     errors: list[BaseException] = []
     paused, resume, b_back = threading.Event(), threading.Event(), threading.Event()
     try:
-        a.start_on(0)
-        b.start_on(0)
+        a.start()
+        b.start()
         servers = [f"{HOST}:{a.rpc}", f"{HOST}:{b.rpc}"]
         producer = Client(servers, **opts)
         consumer = Client(servers, **opts)
@@ -755,7 +728,7 @@ def test_multi_server_survives_sigkill_and_restart(tmp_path: Path) -> None:
         threads[1].start()
         resume.set()
         time.sleep(0.8)  # b stays down: both clients go on with a, backing off from b
-        b.start_on(b.rpc)  # same data dir, same port: its unread and open items come back
+        b.start(rpc_port=b.rpc)  # same data dir, same port: its unread and open items come back
         b_back.set()
         for t in threads:
             t.join(30)
