@@ -81,6 +81,7 @@ _DURATION_UNITS: Final[Mapping[str, int]] = {
     "d": 86_400_000,
 }
 _LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS: Final = ("text", "json")
 
 
 def _with_unit(value: object, units: Mapping[str, int], what: str) -> int:
@@ -209,6 +210,13 @@ def _log_level(value: object, text: bool) -> str:
     return level
 
 
+def _log_format(value: object, text: bool) -> str:
+    word = value.strip().lower() if isinstance(value, str) else ""
+    if word not in LOG_FORMATS:
+        raise ValueError(f"expected one of {', '.join(LOG_FORMATS)}, got {value!r}")
+    return word
+
+
 def _queue_name(value: object, text: bool) -> str:
     if not isinstance(value, str) or not valid_name(value):
         raise ValueError(f"expected a queue name matching [A-Za-z0-9_:-]{{1,250}}, got {value!r}")
@@ -312,6 +320,10 @@ class ServerConfig:
     corruption: CorruptionPolicy = CorruptionPolicy.REFUSE
     archive_dir: Path | None = None
     log_level: str = "INFO"
+    log_format: str = "text"  # "json": one JSON object per line
+    shutdown_grace: int = 5000  # ms sessions get to finish their batch on shutdown
+    metrics_max_queues: int = 1000  # readers with their own /metrics series; 0 = none
+    min_free_disk: int = 1 << 30  # bytes; below this the server warns; 0 = never
     config_file: Path | None = None
     default: QueueConfig = QueueConfig()
     #: Validated, typed overrides per [queues.<name>] section ("jobs", "jobs+audit").
@@ -356,6 +368,10 @@ _SERVER_KEYS: Final[Mapping[str, Parser]] = {
     "corruption": _enum(CorruptionPolicy),
     "archive_dir": _optional(_path),
     "log_level": _log_level,
+    "log_format": _log_format,
+    "shutdown_grace": _positive_duration,
+    "metrics_max_queues": _count,
+    "min_free_disk": _size,
     "fsync": _fsync,
 }
 _PORT_KEYS: Final = ("memcache_port", "text_port", "rpc_port", "http_port")
@@ -393,6 +409,7 @@ _FLAG_KEYS: Final = (
     "http_port",
     "fsync",
     "log_level",
+    "log_format",
 )
 
 
@@ -561,6 +578,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "http_port": ("PORT", "HTTP metrics/health port, 0 = any free (default 2223)"),
         "fsync": ("POLICY", "default queue fsync: always, never or <ms> (default always)"),
         "log_level": ("LEVEL", "DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)"),
+        "log_format": ("FORMAT", "text or json, one object per line (default text)"),
     }
     for key in _FLAG_KEYS:
         metavar, text = helps[key]
@@ -630,13 +648,15 @@ def _toml_value(key: str, value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
-        sizes = {"max_size", "max_item_size", "max_memory_size", "journal_size", "max_journal_size"}
+        sizes = {"max_size", "max_item_size", "max_memory_size", "journal_size",
+                 "max_journal_size", "rpc_max_frame", "min_free_disk"}
         durations = {
             "max_age",
             "max_queue_age",
             "open_transaction_timeout",
             "checkpoint_interval",
             "expiration_timer",
+            "shutdown_grace",
         }
         if key in sizes and value:
             return _quote(format_size(value))
