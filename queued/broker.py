@@ -44,6 +44,7 @@ from queued.errors import (
 from queued.journal import QueueJournal, Ticket, wait_durable
 from queued.queue import Item, Reader
 from queued.recovery import SegmentInfo
+from queued.stats import LATENCY_BUCKETS, Histogram
 
 if TYPE_CHECKING:
     from queued.config import QueueConfig, ServerConfig
@@ -112,6 +113,7 @@ class PendingPut:
     qs: QueueState
     entry: _Inflight
     ticket: Ticket | None
+    started: float = 0.0  # time.perf_counter() when begin_put was called
 
 
 class Handle:
@@ -168,6 +170,10 @@ class Broker:
         self.queues: dict[str, QueueState] = {}
         self.clients: dict[int, Client] = {}
         self.counters = BrokerCounters()
+        #: begin_put to durable, per put call (a batch of items is one observation).
+        self.put_latency = Histogram(LATENCY_BUCKETS)
+        #: Call to answer, per get that did not wait for an item to arrive.
+        self.get_latency = Histogram(LATENCY_BUCKETS)
         self.start_time = time.time()
         self.closing = False
         self._nursery: trio.Nursery | None = None
@@ -322,6 +328,7 @@ class Broker:
         Does not yield unless the queue is full (discard_old, read-behind) or near
         max_journal_size.
         """
+        started = time.perf_counter()
         qs = self._queue(queue)
         cfg = qs.config
         if not datas:
@@ -346,7 +353,7 @@ class Broker:
         qs.inflight.append(entry)
         qs.inflight_items += n
         qs.inflight_bytes += nbytes
-        return PendingPut(qs, entry, ticket)
+        return PendingPut(qs, entry, ticket, started)
 
     async def end_put(self, pending: PendingPut) -> int:
         """Second half of `put`: wait until durable; returns the number of items.
@@ -369,6 +376,7 @@ class Broker:
         if entry.error is not None:
             raise entry.error
         self.counters.total_items += n
+        self.put_latency.observe(time.perf_counter() - pending.started)
         return n
 
     def _limited(self, qs: QueueState) -> bool:
@@ -417,6 +425,7 @@ class Broker:
         confirmed; `peek` leaves it in place. Raises ReadStateError past the client's
         open-read limit.
         """
+        started = time.perf_counter()
         if peek:
             self.counters.cmd_peek += 1
         else:
@@ -440,12 +449,14 @@ class Broker:
                 self.counters.get_hits += 1
                 if h.reader.wants_refill():
                     self._start_refill(qs, h)
+                self.get_latency.observe(time.perf_counter() - started)
                 return it
             if h.reader.behind is None or h.closed:
                 break
             await self._refill_once(qs, h)
         if timeout_ms <= 0 or h.closed or self.closing:
             self.counters.get_misses += 1
+            self.get_latency.observe(time.perf_counter() - started)
             return None
         w = _Waiter(peek)
         h.waiters.append(w)
@@ -552,6 +563,7 @@ class Broker:
         `nursery.start`, it reports started when it answers or begins to wait, so a
         session can go on with later requests while it waits.
         """
+        started = time.perf_counter()
         qs = self._queue(queue)
         rname = reader or ""
         h = await self._handle(qs, rname)
@@ -566,7 +578,9 @@ class Broker:
             else:
                 self.counters.get_misses += 1
             task_status.started()
-            return self._finish_many(qs, h, rname, taken, owner, open_timeout_ms)
+            done = self._finish_many(qs, h, rname, taken, owner, open_timeout_ms)
+            self.get_latency.observe(time.perf_counter() - started)
+            return done
         task_status.started()
         first = await self.get(queue, reader, timeout_ms=timeout_ms, client=client, open=open,
                                open_timeout_ms=open_timeout_ms)
@@ -1047,6 +1061,7 @@ class Broker:
 
     def reader_stats(self, qs: QueueState, h: Handle) -> dict[str, int]:
         r, c = h.reader, h.reader.counters
+        oldest = r.oldest_add_time_ms()
         return {
             "items": r.items,
             "bytes": r.bytes,
@@ -1064,6 +1079,8 @@ class Broker:
             "total_flushes": c.flushes,
             "age_msec": c.age_ms,
             "create_time": r.create_time_ms,
+            "gets": c.taken,
+            "oldest_item_age_msec": 0 if oldest is None else max(0, self.clock() - oldest),
         }
 
     def reader_info(self, queue: str, reader: str | None = None) -> dict[str, int]:

@@ -38,6 +38,7 @@ from queued.client import (
 )
 from queued.config import ConfigError, add_serve_arguments, load_config
 from queued.errors import CorruptRecordError, QueuedError
+from queued.logs import setup_logging
 from queued.recovery import TailState, inspect_segment, read_checkpoint
 from queued.server import serve
 
@@ -169,13 +170,10 @@ def serve_command(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"queued serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(config.log_level, config.log_format, sys.stderr)
     log = logging.getLogger("queued")
-    log.info("queued %s starting with this config:\n%s", __version__, qconfig.describe(config))
+    log.info("queued %s starting (pid %d) with this config:\n%s", __version__, os.getpid(),
+             qconfig.describe(config), extra={"event": "starting", "version": __version__})
     _limit_malloc_arenas()
     _tune_gc()
     try:

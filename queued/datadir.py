@@ -38,12 +38,9 @@ from queued.recovery import (
     scan_segment,
     write_checkpoint,
 )
+from queued.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
 
 log = logging.getLogger("queued.datadir")
-
-#: Upper bounds (seconds) of the fsync duration histogram buckets.
-FSYNC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
 
 @dataclass(slots=True)
 class QueueRecovery:
@@ -87,9 +84,7 @@ class DataDirStats:
     path: str
     queues: int
     rounds: int
-    fsyncs: int
-    fsync_seconds: float
-    fsync_buckets: tuple[int, ...]  # cumulative counts per FSYNC_BUCKETS bound
+    fsync: HistogramSnapshot  # seconds per fsync (journal files; not directories)
     recovery_seconds: float
     truncated_bytes: int
 
@@ -114,9 +109,7 @@ class DataDir:
         self._writer_done = trio.Event()
         self._round_lock = trio.Lock()
         self._rounds = 0
-        self._fsyncs = 0
-        self._fsync_seconds = 0.0
-        self._fsync_buckets = [0] * len(FSYNC_BUCKETS)
+        self._fsync = Histogram(FSYNC_BUCKETS)
 
     # -- opening and recovery -----------------------------------------------------
 
@@ -157,7 +150,8 @@ class DataDir:
             if parsed.role is jf.FileRole.TEMP:
                 (self.path / entry).unlink()
                 rep.temps_removed += 1
-                log.info("recovery: removed leftover temp file %s", entry)
+                log.info("recovery: removed leftover temp file %s", entry,
+                         extra={"event": "recovery_temp_removed", "file_name": entry})
         files = [parsed for _, parsed in entries]
         quarantine = self.path / self.config.quarantine_dir_name
         numbers = sorted(f.number for f in files if f.role is jf.FileRole.SEGMENT)
@@ -193,6 +187,7 @@ class DataDir:
                 log.error(
                     "recovery: checkpoint %s unreadable (%s): replaying reader %r from the "
                     "oldest segment", path.name, exc, f.reader,
+                    extra={"event": "recovery_checkpoint_unreadable", "checkpoint": path.name},
                 )
                 rep.unreadable_checkpoints.append(path.name)
                 readers[f.reader] = Checkpoint()
@@ -223,6 +218,7 @@ class DataDir:
         log.warning(
             "recovery: queue %s: finishing an interrupted compaction, retiring %s",
             name, ", ".join(s.path.name for s in leftovers),
+            extra={"event": "recovery_compaction_finished", "queue": name},
         )
         self.retire_segments(leftovers)
         return [s for s in segments if s.number not in replaced]
@@ -298,11 +294,7 @@ class DataDir:
         self._wake.set()
 
     def _observe_fsync(self, seconds: float = 0.0) -> None:
-        self._fsyncs += 1
-        self._fsync_seconds += seconds
-        for i, bound in enumerate(FSYNC_BUCKETS):
-            if seconds <= bound:
-                self._fsync_buckets[i] += 1
+        self._fsync.observe(seconds)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The writer loop: one round = one worker-thread call writing every dirty queue."""
@@ -386,9 +378,7 @@ class DataDir:
             path=str(self.path),
             queues=len(self.queues),
             rounds=self._rounds,
-            fsyncs=self._fsyncs,
-            fsync_seconds=self._fsync_seconds,
-            fsync_buckets=tuple(self._fsync_buckets),
+            fsync=self._fsync.snapshot(),
             recovery_seconds=self.report.seconds,
             truncated_bytes=self.report.truncated_bytes,
         )

@@ -49,6 +49,7 @@ class ReaderLimits(Protocol):
 @dataclass(slots=True)
 class ReaderCounters:
     total_items: int = 0  # items added to this reader since start
+    taken: int = 0  # items handed to clients (gets and open reads; an abort returns one)
     expired: int = 0
     discarded: int = 0
     transactions: int = 0  # reliable reads opened
@@ -202,7 +203,20 @@ class Reader:
                 expired.append(it)
                 continue
             self.counters.age_ms = max(0, now_ms - it.add_time_ms)
+            self.counters.taken += 1
             return it
+
+    def oldest_add_time_ms(self) -> int | None:
+        """When the oldest item waiting in memory was put (None if memory holds none).
+
+        Aborted items (`front`) were put before everything in `mem`; items waiting
+        only on disk (`behind`) are newer than both.
+        """
+        oldest = self.front[0].add_time_ms if self.front else None
+        if self.mem:
+            first = self.mem[0].add_time_ms
+            oldest = first if oldest is None else min(oldest, first)
+        return oldest
 
     def peek(self, now_ms: int, expired: list[Item]) -> Item | None:
         """The next live item, left in place (expired ones are removed as in take)."""

@@ -288,7 +288,9 @@ def _truncate(path: Path, good_end: int, file_size: int, result: ScanResult, why
     cut = file_size - good_end
     if cut <= 0:
         return
-    log.warning("recovery: %s: cut %d bytes at offset %d (%s)", path.name, cut, good_end, why)
+    log.warning("recovery: %s: cut %d bytes at offset %d (%s)", path.name, cut, good_end, why,
+                extra={"event": "recovery_truncate", "segment": path.name, "offset": good_end,
+                       "cut_bytes": cut, "reason": why})
     with path.open("r+b") as f:
         f.truncate(good_end)
         os.fsync(f.fileno())
@@ -302,7 +304,9 @@ def _cut_short_file(path: Path, file_size: int, result: ScanResult) -> ScanResul
     result.truncated_bytes = file_size
     if file_size:
         result.damage.append(Damage(path.name, 0, file_size, "segment header torn"))
-    log.warning("recovery: %s: rewrote a torn segment header (%d bytes)", path.name, file_size)
+    log.warning("recovery: %s: rewrote a torn segment header (%d bytes)", path.name, file_size,
+                extra={"event": "recovery_torn_header", "segment": path.name,
+                       "cut_bytes": file_size})
     write_file_atomic(path, jf.WRITER_MAGIC + jf.EMPTY_CHECK)
     return result
 
@@ -393,6 +397,8 @@ def _middle_corruption(
         log.error(
             "recovery: %s: lost %d bytes at offset %d (%s); original kept at %s",
             d.path, d.length, d.offset, d.reason, kept,
+            extra={"event": "recovery_quarantine", "segment": d.path, "offset": d.offset,
+                   "lost_bytes": d.length, "reason": d.reason, "kept_at": str(kept)},
         )
     result.damage.extend(damage)
     result.quarantined_to = kept

@@ -29,6 +29,7 @@ from queued.errors import (
     ReadStateError,
 )
 from queued.queue import Item
+from queued.stats import ProtocolStats
 
 if TYPE_CHECKING:
     from queued.server import Server
@@ -79,6 +80,7 @@ class RpcSession:
         self.broker = server.broker
         self.stream = stream
         self.client = Client(name)
+        self.stats = ProtocolStats()  # the server's handler gives it the listener's
         cfg = server.config
         self.max_batch = cfg.rpc_max_batch
         self.max_frame = max(64, cfg.rpc_max_frame)
@@ -163,6 +165,7 @@ class RpcSession:
                 ev = self.parser.next_event()
             except rp.RpcError as exc:
                 await self._end_puts(puts)
+                self.stats.protocol_errors += 1
                 self._refuse(exc)
                 return
             if ev is rp.NEED_DATA or isinstance(ev, rp.ConnectionClosed):
@@ -177,6 +180,7 @@ class RpcSession:
             reply = True
             if isinstance(ev, rp.Notification):
                 if ev.method in _NOTIFY_REFUSED:
+                    self.stats.protocol_errors += 1
                     log.warning("%s: %s sent as a notification ignored (it needs a reply)",
                                 self.client.name, ev.method)
                     continue
@@ -185,9 +189,11 @@ class RpcSession:
                 call = rp.parse_call(ev, self.max_batch)
             except rp.RpcError as exc:
                 await self._end_puts(puts)
+                self.stats.protocol_errors += 1
                 if reply or exc.close:
                     self._refuse(exc)
                 continue
+            self.stats.count(ev.method)
             if isinstance(call, rp.Put):
                 puts.append((call, await self._begin_put(call, reply), reply))
                 continue
@@ -273,8 +279,7 @@ class RpcSession:
         if isinstance(call, rp.FlushAll):
             return b.flush_all()
         if isinstance(call, rp.Stats):
-            return {"server": dict(self.server.global_stats()),
-                    "queues": dict(b.queue_stats())}
+            return self.server.stats()
         if isinstance(call, rp.Version):
             return __version__
         raise AssertionError(f"unhandled call {call!r}")  # pragma: no cover

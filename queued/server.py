@@ -8,8 +8,9 @@ puts share one journal write), and answers the whole batch with one send.
 
 Shutdown (SIGTERM, SIGINT, the `shutdown` command): close the listeners, answer
 waiting gets as empty, let sessions finish the batch they are running (at most
-`SHUTDOWN_GRACE` seconds), return every open read to its queue, write every
-checkpoint, and close the journals (fsync).
+`shutdown_grace`, 5 s by default, as Docker's stop waits 10 s before SIGKILL),
+return every open read to its queue, write every checkpoint, and close the
+journals (fsync).
 """
 
 from __future__ import annotations
@@ -39,24 +40,31 @@ from queued.errors import (
     QueueFullError,
     ReadStateError,
 )
+from queued.http import Ops, serve_http
+from queued.metrics import disk_usage
 from queued.queue import Item
 from queued.rpc_session import RpcSession
+from queued.stats import ProtocolStats, command_name
 
 log = logging.getLogger("queued.server")
 
 RECEIVE_SIZE = 256 * 1024
-SHUTDOWN_GRACE = 10.0
 #: Commands parsed from the receive buffer before they are run (bounds the batch).
 MAX_BATCH = 1024
 #: memcache: exptime values below this are relative seconds, as in memcached.
 RELATIVE_EXPTIME_LIMIT = 1_000_000
 
 
+#: How often the data dir's free space is checked, and how often a low-space warning repeats.
+DISK_CHECK_SECONDS = 10.0
+DISK_WARN_REPEAT_SECONDS = 300.0
+
+#: The listeners that speak a queue protocol (http is served apart, by queued.http).
+PROTOCOLS = ("memcache", "text", "rpc")
+
+
 @dataclass(slots=True)
 class ServerCounters:
-    curr_connections: int = 0
-    total_connections: int = 0
-    refused_connections: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
 
@@ -68,10 +76,12 @@ class Server:
         self.broker = broker
         self.config = config
         self.counters = ServerCounters()
+        self.protocols = {proto: ProtocolStats() for proto in PROTOCOLS}
         self.ports: dict[str, int] = {}
         self.closing = False
         self.shutdown_requested = trio.Event()
         self._sessions: set[_Session | RpcSession] = set()
+        self._disk_warned_at: float | None = None
 
     def request_shutdown(self, why: str) -> None:
         if not self.shutdown_requested.is_set():
@@ -90,6 +100,7 @@ class Server:
         async with trio.open_nursery() as outer:
             if handle_signals:
                 outer.start_soon(self._signals)
+            outer.start_soon(self._watch_disk)
             async with trio.open_nursery() as conns:
                 async with trio.open_nursery() as acceptors:
                     for proto, ls in listeners.items():
@@ -97,6 +108,9 @@ class Server:
                         acceptors.start_soon(
                             partial(trio.serve_listeners, handler, ls, handler_nursery=conns))
                     task_status.started(self)
+                    log.info("ready: %s", ", ".join(
+                        f"{proto} on port {port}" for proto, port in self.ports.items()),
+                        extra={"event": "ready", "ports": dict(self.ports)})
                     await self.shutdown_requested.wait()
                     acceptors.cancel_scope.cancel()
                 for ls in listeners.values():
@@ -111,9 +125,40 @@ class Server:
         log.info("all connections closed")
 
     async def _deadline(self, scope: trio.CancelScope) -> None:
-        await trio.sleep(SHUTDOWN_GRACE)
-        log.warning("shutdown: sessions still busy after %.0f s, closing them", SHUTDOWN_GRACE)
+        grace = self.config.shutdown_grace / 1000
+        await trio.sleep(grace)
+        log.warning("shutdown: sessions still busy after %.1f s, closing them", grace)
         scope.cancel()
+
+    async def _watch_disk(self) -> None:
+        while True:
+            self.check_disk()
+            await trio.sleep(DISK_CHECK_SECONDS)
+
+    def check_disk(self) -> None:
+        """Warn when the data dir's file system has less than `min_free_disk` free
+        (again every DISK_WARN_REPEAT_SECONDS while it stays low), and say when it
+        has room again."""
+        limit = self.config.min_free_disk
+        path = self.broker.datadir.path
+        usage = disk_usage(path)
+        if not limit or usage is None:
+            return
+        now = trio.current_time()
+        if usage.free < limit:
+            warned = self._disk_warned_at
+            if warned is None or now - warned >= DISK_WARN_REPEAT_SECONDS:
+                log.warning(
+                    "data dir %s: disk nearly full: %s free of %s (min_free_disk %s)",
+                    path, human_bytes(usage.free), human_bytes(usage.total), human_bytes(limit),
+                    extra={"event": "disk_low", "free_bytes": usage.free,
+                           "total_bytes": usage.total, "min_free_disk": limit})
+                self._disk_warned_at = now
+        elif self._disk_warned_at is not None:
+            log.info("data dir %s: disk space back above min_free_disk: %s free", path,
+                     human_bytes(usage.free),
+                     extra={"event": "disk_ok", "free_bytes": usage.free})
+            self._disk_warned_at = None
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -133,8 +178,8 @@ class Server:
             ("curr_items", sum(f["items"] for f in readers)),
             ("total_items", c.total_items),
             ("bytes", sum(f["bytes"] for f in readers)),
-            ("curr_connections", self.counters.curr_connections),
-            ("total_connections", self.counters.total_connections),
+            ("curr_connections", self.connections()),
+            ("total_connections", sum(p.total_connections for p in self.protocols.values())),
             ("cmd_get", c.cmd_get),
             ("cmd_set", c.cmd_set),
             ("cmd_peek", c.cmd_peek),
@@ -146,6 +191,14 @@ class Server:
             ("queue_deletes", c.queue_deletes),
             ("queue_expires", c.queue_expires),
         ]
+
+    def stats(self) -> dict[str, object]:
+        """The `stats` figures: {"server": {...}, "queues": {"q" or "q+reader": {...}}}."""
+        return {"server": dict(self.global_stats()), "queues": dict(self.broker.queue_stats())}
+
+    def connections(self) -> int:
+        """Open client connections, every protocol together."""
+        return sum(p.connections for p in self.protocols.values())
 
     def reload(self) -> None:
         """Re-read the config file's queue sections (Kestrel's `reload`)."""
@@ -163,18 +216,20 @@ def _handler(server: Server, proto: str) -> Callable[[trio.SocketStream], Any]:
     else:
         cls = RpcSession
 
+    stats = server.protocols[proto]
+
     async def handle(stream: trio.SocketStream) -> None:
-        if server.counters.curr_connections >= server.config.max_connections:
-            server.counters.refused_connections += 1
+        if server.connections() >= server.config.max_connections:
+            stats.refused_connections += 1
             with trio.move_on_after(1):
                 with contextlib.suppress(trio.BrokenResourceError):
                     await stream.send_all(cls.too_many())
             await stream.aclose()
             return
         session = cls(server, stream, _peer(stream))
-        counters = server.counters
-        counters.curr_connections += 1
-        counters.total_connections += 1
+        session.stats = stats
+        stats.connections += 1
+        stats.total_connections += 1
         server._sessions.add(session)
         server.broker.register(session.client)
         try:
@@ -183,13 +238,23 @@ def _handler(server: Server, proto: str) -> Callable[[trio.SocketStream], Any]:
             log.exception("%s: session failed; closing the connection", session.client.name)
         finally:
             server._sessions.discard(session)
-            counters.curr_connections -= 1
+            stats.connections -= 1
             # Its open reads go back to their queues (not an error when we are stopping).
             server.broker.release(session.client, count_error=not server.closing)
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await stream.aclose()
 
     return handle
+
+
+def human_bytes(n: int) -> str:
+    """1536 -> "1.5 KiB" (for log lines; config values use config.format_size)."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError  # pragma: no cover
 
 
 def _peer(stream: trio.SocketStream) -> str:
@@ -210,6 +275,7 @@ class _Session:
         self.broker = server.broker
         self.stream = stream
         self.client = Client(name)
+        self.stats = ProtocolStats()  # the handler gives it its listener's
         self.busy = False
         self.done = False
         self.eof = False
@@ -333,6 +399,7 @@ class _Session:
             i += 1
             if isinstance(ev, mc.ProtocolError):
                 log.debug("%s: %s", self.client.name, ev)
+                self.stats.protocol_errors += 1
                 self.out += ev.reply
                 if ev.close:
                     self.done = True
@@ -342,6 +409,7 @@ class _Session:
                              self.client.name, ev.unparsed)
                 self.done = True
             else:
+                self.stats.count(command_name(ev))
                 await self._command(ev)
             if len(self.out) >= RECEIVE_SIZE:  # replies of a long batch go out as they grow
                 await self._send()
@@ -361,6 +429,7 @@ class _Session:
 
     async def _puts_shielded(self, events: list[Any]) -> None:
         self.broker.counters.cmd_set += len(events)
+        self.stats.count(command_name(events[0]), len(events))
         groups: list[list[Any]] = []
         for ev in events:
             key = self._group_key(ev)
@@ -674,7 +743,7 @@ async def open_listeners(config: ServerConfig) -> dict[str, list[trio.SocketList
     listeners: dict[str, list[trio.SocketListener]] = {}
     try:
         for proto, port in (("memcache", config.memcache_port), ("text", config.text_port),
-                            ("rpc", config.rpc_port)):
+                            ("rpc", config.rpc_port), ("http", config.http_port)):
             try:
                 listeners[proto] = await trio.open_tcp_listeners(port, host=config.host)
             except OSError as exc:
@@ -684,11 +753,16 @@ async def open_listeners(config: ServerConfig) -> dict[str, list[trio.SocketList
             bound = listeners[proto][0].socket.getsockname()[1]
             log.info("listening for %s on %s:%d", proto, config.host, bound)
     except BaseException:
-        for ls in listeners.values():
-            for listener in ls:
-                await listener.aclose()
+        await _close_all(listeners)
         raise
     return listeners
+
+
+async def _close_all(listeners: dict[str, list[trio.SocketListener]]) -> None:
+    for ls in listeners.values():
+        for listener in ls:
+            with trio.CancelScope(shield=True):
+                await listener.aclose()
 
 
 async def serve(
@@ -697,25 +771,54 @@ async def serve(
     handle_signals: bool = False,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Listen, recover, serve until shutdown, then close cleanly."""
+    """Listen, recover, serve until shutdown, then close cleanly.
+
+    The operations port answers from the start: /livez at once, /readyz once
+    recovery has finished (see queued.http).
+    """
     listeners = await open_listeners(config)
+    ops = Ops(config)
+    failure: Exception | None = None
     try:
-        started = time.monotonic()
-        async with open_broker(config) as broker:
-            report = broker.datadir.report
-            stats = [fields for _, fields in broker.queue_stats()]
-            log.info(
-                "recovered %d queues: %d items waiting (%d bytes); journals hold %d records, "
-                "%d bytes; %d bytes truncated; %.3f s",
-                len(broker.queues), sum(f["items"] for f in stats),
-                sum(f["bytes"] for f in stats), report.records, report.bytes,
-                report.truncated_bytes, time.monotonic() - started,
-            )
-            server = Server(broker, config)
-            await server.run(listeners, handle_signals=handle_signals, task_status=task_status)
+        async with trio.open_nursery() as nursery:
+            http_port = await nursery.start(serve_http, ops, listeners.pop("http"))
+            try:
+                await _recover_and_run(config, listeners, ops, http_port,
+                                       handle_signals=handle_signals, task_status=task_status)
+            except Exception as exc:  # re-raised bare, not wrapped in an ExceptionGroup
+                failure = exc
+            nursery.cancel_scope.cancel()
     finally:
-        for ls in listeners.values():
-            for listener in ls:
-                with trio.CancelScope(shield=True):
-                    await listener.aclose()
+        await _close_all(listeners)
+    if failure is not None:
+        raise failure
     log.info("stopped cleanly")
+
+
+async def _recover_and_run(
+    config: ServerConfig,
+    listeners: dict[str, list[trio.SocketListener]],
+    ops: Ops,
+    http_port: int,
+    *,
+    handle_signals: bool,
+    task_status: trio.TaskStatus[Server],
+) -> None:
+    started = time.monotonic()
+    async with open_broker(config) as broker:
+        report = broker.datadir.report
+        stats = [fields for _, fields in broker.queue_stats()]
+        log.info(
+            "recovered %d queues: %d items waiting (%d bytes); journals hold %d records, "
+            "%d bytes; %d bytes truncated; %.3f s",
+            len(broker.queues), sum(f["items"] for f in stats),
+            sum(f["bytes"] for f in stats), report.records, report.bytes,
+            report.truncated_bytes, time.monotonic() - started,
+            extra={"event": "recovered", "queues": len(broker.queues),
+                   "truncated_bytes": report.truncated_bytes,
+                   "seconds": round(time.monotonic() - started, 6)},
+        )
+        server = Server(broker, config)
+        server.ports["http"] = http_port
+        ops.server = server
+        await server.run(listeners, handle_signals=handle_signals, task_status=task_status)

@@ -6,6 +6,7 @@ subprocess is killed by its PID when the test ends.
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import signal
@@ -224,7 +225,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = dict(_LISTEN_RE.findall(self.log()))
-            if {b"memcache", b"text", b"rpc"} <= found.keys():
+            if {b"memcache", b"text", b"rpc", b"http"} <= found.keys():
                 self.ports = {k.decode(): int(v) for k, v in found.items()}
                 return self
             if self.proc.poll() is not None:
@@ -250,6 +251,10 @@ class ServerProcess:
     def rpc(self) -> int:
         return self.ports["rpc"]
 
+    @property
+    def http(self) -> int:
+        return self.ports["http"]
+
     def signal(self, sig: int) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, sig)
@@ -263,6 +268,18 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(WAIT)
+
+
+def http_get(port: int, path: str, headers: Mapping[str, str] | None = None, *,
+             method: str = "GET", timeout: float = WAIT) -> tuple[int, dict[str, str], bytes]:
+    """Blocking: one request with the standard library's client: (status, headers, body)."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    try:
+        conn.request(method, path, headers=dict(headers or {}))
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
 
 
 def send_lines(port: int, data: bytes, *, until: bytes, timeout: float = WAIT) -> bytes:

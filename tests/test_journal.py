@@ -80,7 +80,7 @@ async def test_concurrent_appends_share_rounds_and_fsyncs(tmp_path: Path) -> Non
         stats = dd.statistics()
     assert sorted(results) == list(range(1, 257))
     # Group commit: far fewer fsyncs than appends.
-    assert stats.fsyncs < 256 / 4
+    assert stats.fsync.count < 256 / 4
     assert len(all_puts(tmp_path)) == 256
 
 
@@ -123,9 +123,9 @@ async def test_fsync_policies_store_everything(tmp_path: Path, policy: str) -> N
         await trio.sleep(0.12)  # let a periodic fsync come due
         stats = dd.statistics()
     if policy == "never":
-        assert stats.fsyncs == 0
+        assert stats.fsync.count == 0
     else:
-        assert 1 <= stats.fsyncs < 20
+        assert 1 <= stats.fsync.count < 20
     assert len(all_puts(tmp_path)) == 20
 
 

@@ -1,0 +1,250 @@
+"""The operations port (2223): /metrics, /livez, /readyz, /stats.json over HTTP/1.1.
+
+h11 parses and frames the HTTP; this module only routes. It starts before
+recovery, so a probe can tell "alive but still recovering" (/livez 200, /readyz
+503) from "dead". Only GET and HEAD; keep-alive; every read is bounded in bytes
+and time, and a bad request gets a 4xx and a closed connection, never a crash.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+import h11
+import trio
+
+from queued import __version__
+from queued.config import ServerConfig
+from queued.metrics import disk_usage, render, take_snapshot
+
+if TYPE_CHECKING:
+    from queued.server import Server
+
+log = logging.getLogger("queued.http")
+
+RECEIVE_SIZE = 64 * 1024
+#: Request line plus headers, bytes.
+MAX_HEADER_BYTES = 16 * 1024
+#: A GET has no business sending a body; a small one is read and ignored.
+MAX_BODY_BYTES = 64 * 1024
+#: Time allowed for one whole request to arrive (also the keep-alive idle time).
+REQUEST_TIMEOUT = 30.0
+#: Open HTTP connections; more are closed at once (scrapers and probes need few).
+MAX_CONNECTIONS = 64
+#: Below this many free bytes the data dir counts as full (/readyz fails).
+DISK_FULL_BYTES = 1 << 20
+
+TEXT = "text/plain; charset=utf-8"
+ROUTES = ("/metrics", "/livez", "/readyz", "/stats.json")
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = (("Content-Type", TEXT),)
+
+
+def _text(status: int, text: str) -> Reply:
+    return Reply(status, text.encode())
+
+
+class Ops:
+    """What the operations port answers from: the Server once recovery is done."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.server: Server | None = None  # set when recovery has finished
+        self.connections = 0
+        self._render_limiter = trio.CapacityLimiter(1)
+
+    def problems(self) -> list[str]:
+        """Why the server is not ready; [] when it is."""
+        server = self.server
+        if server is None:
+            return ["recovering the journals"]
+        if server.closing or server.shutdown_requested.is_set():
+            return ["shutting down"]
+        found = []
+        for name, qs in sorted(server.broker.queues.items()):
+            if qs.journal.failed is not None:
+                found.append(f"queue {name}: {qs.journal.failed}")
+        path = server.broker.datadir.path
+        if not os.access(path, os.W_OK):
+            found.append(f"data dir {path} is not writable")
+        disk = disk_usage(path)
+        if disk is None:
+            found.append(f"data dir {path}: cannot read its file system")
+        elif disk.free < DISK_FULL_BYTES:
+            found.append(f"data dir {path}: disk full ({disk.free} bytes free)")
+        return found
+
+    async def respond(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
+                      ) -> Reply:
+        if method not in (b"GET", b"HEAD"):
+            return Reply(405, b"only GET and HEAD\n", (("Content-Type", TEXT),
+                                                       ("Allow", "GET, HEAD")))
+        path = target.partition(b"?")[0].decode("ascii", "replace")
+        if path == "/livez":
+            return _text(200, "ok\n")
+        if path == "/readyz":
+            problems = self.problems()
+            if problems:
+                return _text(503, "not ready: " + "\n".join(problems) + "\n")
+            return _text(200, "ready\n")
+        if path == "/metrics":
+            return await self._metrics(headers)
+        if path == "/stats.json":
+            if self.server is None:
+                return Reply(503, b'{"error": "recovering the journals"}\n',
+                             (("Content-Type", "application/json"),))
+            body = json.dumps(self.server.stats(), indent=1).encode() + b"\n"
+            return Reply(200, body, (("Content-Type", "application/json"),))
+        if path == "/":
+            return _text(200, f"queued {__version__}: " + " ".join(ROUTES) + "\n")
+        return _text(404, f"not found; try {', '.join(ROUTES)}\n")
+
+    async def _metrics(self, headers: list[tuple[bytes, bytes]]) -> Reply:
+        accept = encoding = ""
+        for name, value in headers:
+            if name == b"accept":
+                accept = value.decode("latin-1")
+            elif name == b"accept-encoding":
+                encoding = value.decode("latin-1")
+        snapshot = take_snapshot(self.server, ready=not self.problems(),
+                                 max_readers=self.config.metrics_max_queues)
+        # Formatting thousands of series is pure Python: off the event loop.
+        body, extra = await trio.to_thread.run_sync(
+            render, snapshot, accept, encoding, limiter=self._render_limiter)
+        return Reply(200, body, tuple(extra))
+
+
+# -- the connection loop ---------------------------------------------------------------------
+
+
+async def serve_http(
+    ops: Ops,
+    listeners: list[trio.SocketListener],
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the operations port until cancelled; reports the bound port when started."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, _handler(ops), listeners)
+        task_status.started(listeners[0].socket.getsockname()[1])
+
+
+def _handler(ops: Ops) -> Callable[[trio.SocketStream], Awaitable[None]]:
+    async def handle(stream: trio.SocketStream) -> None:
+        if ops.connections >= MAX_CONNECTIONS:
+            log.warning("http: %d connections open, closing a new one", ops.connections)
+            await stream.aclose()
+            return
+        ops.connections += 1
+        try:
+            await _connection(ops, stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception:
+            log.exception("http: request failed; closing the connection")
+        finally:
+            ops.connections -= 1
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await stream.aclose()
+
+    return handle
+
+
+async def _connection(ops: Ops, stream: trio.SocketStream) -> None:
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+    while True:
+        try:
+            with trio.move_on_after(REQUEST_TIMEOUT) as timer:
+                request = await _read_request(conn, stream)
+            if timer.cancelled_caught:
+                if conn.their_state is not h11.IDLE:  # stalled mid-request
+                    await _send(conn, stream, _text(408, "request timeout\n"))
+                return
+        except h11.RemoteProtocolError as exc:
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                status = exc.error_status_hint
+                await _send(conn, stream, _text(status, f"bad request: {exc}\n"), close=True)
+            return
+        except _BodyTooLarge:
+            await _send(conn, stream, _text(413, "a request body is not expected\n"), close=True)
+            return
+        if request is None:
+            return  # the client closed the connection
+        reply = await ops.respond(request.method, request.target, list(request.headers))
+        log.debug("http: %s %s -> %d", request.method.decode(), request.target.decode(
+            "ascii", "replace"), reply.status)
+        await _send(conn, stream, reply, head=request.method == b"HEAD")
+        if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+            return
+        try:
+            conn.start_next_cycle()
+        except h11.LocalProtocolError:
+            return
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _next_event(conn: h11.Connection, stream: trio.SocketStream) -> object:
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        data = await stream.receive_some(RECEIVE_SIZE)
+        conn.receive_data(data)  # b"" tells h11 the peer closed
+
+
+async def _read_request(conn: h11.Connection, stream: trio.SocketStream) -> h11.Request | None:
+    """The next request, its body (if any) read and dropped; None at a clean close."""
+    event = await _next_event(conn, stream)
+    if isinstance(event, h11.ConnectionClosed):
+        return None
+    if not isinstance(event, h11.Request):  # pragma: no cover - h11 yields a Request first
+        raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}", error_status_hint=400)
+    request = event
+    body = 0
+    while True:
+        event = await _next_event(conn, stream)
+        if isinstance(event, h11.Data):
+            body += len(event.data)
+            if body > MAX_BODY_BYTES:
+                raise _BodyTooLarge
+        elif isinstance(event, h11.EndOfMessage):
+            return request
+        elif isinstance(event, h11.ConnectionClosed):
+            return None
+
+
+async def _send(conn: h11.Connection, stream: trio.SocketStream, reply: Reply, *,
+                head: bool = False, close: bool = False) -> None:
+    headers = [
+        ("Date", email.utils.formatdate(usegmt=True)),
+        ("Server", f"queued/{__version__}"),
+        ("Cache-Control", "no-store"),
+        ("Content-Length", str(len(reply.body))),
+        *reply.headers,
+    ]
+    if close:
+        headers.append(("Connection", "close"))
+    events: list[h11.Response | h11.Data | h11.EndOfMessage] = [
+        h11.Response(status_code=reply.status, headers=headers,
+                     reason=HTTPStatus(reply.status).phrase)]
+    if not head:
+        events.append(h11.Data(data=reply.body))
+    events.append(h11.EndOfMessage())
+    out = b"".join(conn.send(ev) or b"" for ev in events)
+    with trio.move_on_after(REQUEST_TIMEOUT):
+        await stream.send_all(out)

@@ -1,0 +1,319 @@
+"""Prometheus metrics: the server's `statistics()` read at scrape time.
+
+There is no second copy of the server's state. A scrape takes a `Snapshot` on
+the event loop (plain numbers copied from the broker, the data dir and the
+server's counters: about a millisecond per thousand readers), then builds and
+formats the metric families from it in a worker thread with prometheus-client,
+so a big exposition never stalls the queues.
+
+Naming follows Prometheus: `queued_` prefix, `_total` counters, `_seconds`,
+`_bytes`. Per-reader series carry `queue` and `reader` labels (`reader=""` is
+the queue's own reader); at most `metrics_max_queues` readers get them (by name
+order, so the set is stable between scrapes) and `queued_metrics_omitted_readers`
+says how many did not.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import platform
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from queued import __version__
+from queued.journal import JournalStats
+from queued.stats import HistogramSnapshot, ProtocolStats
+
+if TYPE_CHECKING:
+    from queued.server import Server
+
+#: Bodies at least this big are gzipped when the scraper accepts it.
+GZIP_MIN_BYTES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DiskUsage:
+    free: int  # bytes an unprivileged writer may still use
+    total: int
+
+
+def disk_usage(path: str | os.PathLike[str]) -> DiskUsage | None:
+    """The file system under `path`; None if it cannot be read."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return DiskUsage(free=st.f_bavail * st.f_frsize, total=st.f_blocks * st.f_frsize)
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderSample:
+    queue: str
+    reader: str
+    fields: dict[str, int]  # Broker.reader_stats
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything one scrape exports, copied on the event loop."""
+
+    ready: bool
+    recovering: bool
+    readers: tuple[ReaderSample, ...] = ()
+    journals: tuple[JournalStats, ...] = ()
+    omitted_readers: int = 0
+    queues: int = 0
+    protocols: tuple[tuple[str, ProtocolStats], ...] = ()
+    bytes_read: int = 0
+    bytes_written: int = 0
+    fsync: HistogramSnapshot | None = None
+    put_latency: HistogramSnapshot | None = None
+    get_latency: HistogramSnapshot | None = None
+    recovery_seconds: float = 0.0
+    truncated_bytes: int = 0
+    disk: DiskUsage | None = None
+
+
+def take_snapshot(server: Server | None, *, ready: bool, max_readers: int) -> Snapshot:
+    """Copy the figures of `server` (None while the journals are being recovered)."""
+    if server is None:
+        return Snapshot(ready=ready, recovering=True)
+    broker = server.broker
+    readers: list[ReaderSample] = []
+    journals: list[JournalStats] = []
+    omitted = 0
+    for name in sorted(broker.queues):
+        qs = broker.queues[name]
+        exported = False
+        for rname in sorted(qs.readers):
+            if len(readers) >= max_readers:
+                omitted += 1
+                continue
+            readers.append(ReaderSample(name, rname, broker.reader_stats(qs, qs.readers[rname])))
+            exported = True
+        if exported:
+            journals.append(qs.journal.statistics())
+    dd = broker.datadir.statistics()
+    return Snapshot(
+        ready=ready,
+        recovering=False,
+        readers=tuple(readers),
+        journals=tuple(journals),
+        omitted_readers=omitted,
+        queues=len(broker.queues),
+        protocols=tuple(
+            (proto, ProtocolStats(p.connections, p.total_connections, p.refused_connections,
+                                  p.protocol_errors, dict(p.commands)))
+            for proto, p in server.protocols.items()
+        ),
+        bytes_read=server.counters.bytes_read,
+        bytes_written=server.counters.bytes_written,
+        fsync=dd.fsync,
+        put_latency=broker.put_latency.snapshot(),
+        get_latency=broker.get_latency.snapshot(),
+        recovery_seconds=dd.recovery_seconds,
+        truncated_bytes=dd.truncated_bytes,
+        disk=disk_usage(broker.datadir.path),
+    )
+
+
+# -- families ----------------------------------------------------------------------------
+
+#: (metric, help, reader_stats field, scale) of the per-reader gauges and counters.
+_READER_GAUGES = (
+    ("queued_queue_items", "Items waiting (not open, not yet taken).", "items", 1),
+    ("queued_queue_bytes", "Bytes of item data waiting.", "bytes", 1),
+    ("queued_queue_memory_bytes", "Bytes of waiting item data held in memory.", "mem_bytes", 1),
+    ("queued_queue_open_reads", "Reliable reads open (taken, not confirmed or aborted).",
+     "open_transactions", 1),
+    ("queued_queue_waiters", "Gets waiting for an item.", "waiters", 1),
+    ("queued_queue_oldest_item_age_seconds",
+     "Age of the oldest item waiting in memory (0 when none is).", "oldest_item_age_msec",
+     0.001),
+)
+_READER_COUNTERS = (
+    ("queued_queue_puts", "Items added to the queue since the server started.", "total_items"),
+    ("queued_queue_gets", "Items handed to clients (plain gets and open reads).", "gets"),
+    ("queued_queue_expired", "Items that expired before anyone took them.", "expired_items"),
+    ("queued_queue_discarded", "Items dropped to make room (discard_old_when_full, "
+     "max_journal_size).", "discarded"),
+    ("queued_queue_aborted", "Open reads returned to the queue (abort, timeout, disconnect).",
+     "canceled_transactions"),
+    ("queued_queue_flushes", "Flushes of the queue.", "total_flushes"),
+)
+
+
+def _histogram(name: str, doc: str, h: HistogramSnapshot) -> HistogramMetricFamily:
+    buckets = [(repr(float(b)), c) for b, c in zip(h.bounds, h.cumulative, strict=True)]
+    buckets.append(("+Inf", h.count))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h.sum)
+
+
+class SnapshotCollector(Collector):
+    """The queued_* families of one Snapshot."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        info = GaugeMetricFamily("queued_build_info", "Version of the running server (always 1).",
+                                 labels=["version", "python"])
+        info.add_metric([__version__, platform.python_version()], 1)
+        yield info
+        yield GaugeMetricFamily("queued_ready", "1 when /readyz answers 200.", value=int(s.ready))
+        yield GaugeMetricFamily("queued_recovering", "1 while the journals are being recovered.",
+                                value=int(s.recovering))
+        if s.recovering:
+            return
+        yield from self._readers()
+        yield from self._journals()
+        yield from self._server()
+
+    def _readers(self) -> Iterator[Metric]:
+        s = self.snapshot
+        labels = ["queue", "reader"]
+        for name, doc, key, scale in _READER_GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            for r in s.readers:
+                g.add_metric([r.queue, r.reader], r.fields[key] * scale)
+            yield g
+        for name, doc, key in _READER_COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            for r in s.readers:
+                c.add_metric([r.queue, r.reader], r.fields[key])
+            yield c
+        yield GaugeMetricFamily("queued_queues", "Queues (fanout readers not counted).",
+                                value=s.queues)
+        yield GaugeMetricFamily(
+            "queued_metrics_omitted_readers",
+            "Readers without per-queue series (over metrics_max_queues).",
+            value=s.omitted_readers)
+
+    def _journals(self) -> Iterator[Metric]:
+        js = self.snapshot.journals
+        per_queue: list[tuple[GaugeMetricFamily | CounterMetricFamily, str]] = [
+            (GaugeMetricFamily("queued_journal_bytes", "Bytes of the queue's journal segments.",
+                               labels=["queue"]), "bytes"),
+            (GaugeMetricFamily("queued_journal_segments", "Journal segment files of the queue.",
+                               labels=["queue"]), "segments"),
+            (GaugeMetricFamily("queued_journal_failed",
+                               "1 when the journal refuses writes after an I/O error.",
+                               labels=["queue"]), "failed"),
+            (CounterMetricFamily("queued_journal_fsyncs", "fsyncs of the queue's journal.",
+                                 labels=["queue"]), "fsyncs"),
+            (CounterMetricFamily("queued_journal_write_errors",
+                                 "Failed journal writes (ENOSPC, EIO, ...).", labels=["queue"]),
+             "write_errors"),
+        ]
+        for family, field in per_queue:
+            for j in js:
+                family.add_metric([j.queue], int(getattr(j, field)))
+            yield family
+
+    def _server(self) -> Iterator[Metric]:
+        s = self.snapshot
+        proto = ["protocol"]
+        # Not "queued_connections": that is the counter's family name (OpenMetrics).
+        conns = GaugeMetricFamily("queued_open_connections", "Open client connections.",
+                                  labels=proto)
+        total = CounterMetricFamily("queued_connections", "Client connections accepted.",
+                                    labels=proto)
+        refused = CounterMetricFamily("queued_connections_refused",
+                                      "Connections refused at max_connections.", labels=proto)
+        errors = CounterMetricFamily("queued_protocol_errors",
+                                     "Malformed or refused requests.", labels=proto)
+        commands = CounterMetricFamily("queued_commands", "Commands run.",
+                                       labels=["protocol", "command"])
+        for name, p in s.protocols:
+            conns.add_metric([name], p.connections)
+            total.add_metric([name], p.total_connections)
+            refused.add_metric([name], p.refused_connections)
+            errors.add_metric([name], p.protocol_errors)
+            for command, n in sorted(p.commands.items()):
+                commands.add_metric([name, command], n)
+        yield from (conns, total, refused, errors, commands)
+        yield CounterMetricFamily("queued_bytes_read", "Bytes received from clients.",
+                                  value=s.bytes_read)
+        yield CounterMetricFamily("queued_bytes_written", "Bytes sent to clients.",
+                                  value=s.bytes_written)
+        if s.fsync is not None:
+            yield _histogram("queued_fsync_duration_seconds",
+                             "Time of each journal fsync.", s.fsync)
+        if s.put_latency is not None:
+            yield _histogram("queued_put_latency_seconds",
+                             "From a put's arrival to its items being durable, per put "
+                             "request (a batch counts once).", s.put_latency)
+        if s.get_latency is not None:
+            yield _histogram("queued_get_latency_seconds",
+                             "From a get's arrival to its answer, for gets that did not wait "
+                             "for an item to arrive (long polls are not counted).",
+                             s.get_latency)
+        yield GaugeMetricFamily("queued_recovery_duration_seconds",
+                                "Time the startup recovery took.", value=s.recovery_seconds)
+        yield GaugeMetricFamily("queued_recovery_truncated_bytes",
+                                "Bytes the startup recovery cut from torn journal tails.",
+                                value=s.truncated_bytes)
+        if s.disk is not None:
+            yield GaugeMetricFamily("queued_disk_free_bytes",
+                                    "Free bytes on the data directory's file system.",
+                                    value=s.disk.free)
+            yield GaugeMetricFamily("queued_disk_total_bytes",
+                                    "Size of the data directory's file system.",
+                                    value=s.disk.total)
+
+
+_PROCESS = ProcessCollector(registry=None)
+_PLATFORM = PlatformCollector(registry=None)
+
+
+def render(snapshot: Snapshot, accept: str = "", accept_encoding: str = "",
+           ) -> tuple[bytes, list[tuple[str, str]]]:
+    """The exposition of `snapshot` plus the process metrics: (body, headers).
+
+    Content negotiation as prometheus-client does it (OpenMetrics when asked for);
+    gzip when the scraper accepts it. Safe in a worker thread: it only reads the
+    snapshot and /proc.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshot))
+    registry.register(_PROCESS)
+    registry.register(_PLATFORM)
+    encoder, content_type = choose_encoder(accept)
+    body: bytes = encoder(registry)
+    headers = [("Content-Type", content_type)]
+    if len(body) >= GZIP_MIN_BYTES and _accepts_gzip(accept_encoding):
+        body = gzip.compress(body, compresslevel=1)
+        headers.append(("Content-Encoding", "gzip"))
+    headers.append(("Vary", "Accept, Accept-Encoding"))
+    return body, headers
+
+
+def _accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an Accept-Encoding header admits gzip (a q of 0 refuses it)."""
+    for part in accept_encoding.split(","):
+        coding, *params = (p.strip() for p in part.split(";"))
+        if coding.lower() != "gzip":
+            continue
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    return float(value) > 0
+                except ValueError:
+                    return False
+        return True
+    return False
