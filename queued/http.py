@@ -42,6 +42,10 @@ MAX_CONNECTIONS = 64
 DISK_FULL_BYTES = 1 << 20
 
 TEXT = "text/plain; charset=utf-8"
+TOO_MANY_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                  b"Connection: close\r\n\r\n")
+REQUEST_TIMEOUT_REPLY = (b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
+                         b"Connection: close\r\n\r\n")
 ROUTES = ("/metrics", "/livez", "/readyz", "/stats.json")
 
 
@@ -144,8 +148,8 @@ async def serve_http(
 def _handler(ops: Ops) -> Callable[[trio.SocketStream], Awaitable[None]]:
     async def handle(stream: trio.SocketStream) -> None:
         if ops.connections >= MAX_CONNECTIONS:
-            log.warning("http: %d connections open, closing a new one", ops.connections)
-            await stream.aclose()
+            log.warning("http: %d connections open, refusing a new one", ops.connections)
+            await _refuse(stream)
             return
         ops.connections += 1
         try:
@@ -162,6 +166,19 @@ def _handler(ops: Ops) -> Callable[[trio.SocketStream], Awaitable[None]]:
     return handle
 
 
+async def _refuse(stream: trio.SocketStream) -> None:
+    """503 without reading the request; then drain a little so the close is not a reset."""
+    with trio.move_on_after(1):
+        try:
+            await stream.send_all(TOO_MANY_REPLY)
+            await stream.send_eof()
+            while await stream.receive_some(RECEIVE_SIZE):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    await stream.aclose()
+
+
 async def _connection(ops: Ops, stream: trio.SocketStream) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
     while True:
@@ -169,16 +186,18 @@ async def _connection(ops: Ops, stream: trio.SocketStream) -> None:
             with trio.move_on_after(REQUEST_TIMEOUT) as timer:
                 request = await _read_request(conn, stream)
             if timer.cancelled_caught:
-                if conn.their_state is not h11.IDLE:  # stalled mid-request
-                    await _send(conn, stream, _text(408, "request timeout\n"))
+                if conn.trailing_data[0] or conn.their_state is not h11.IDLE:
+                    # Stalled mid-request (h11 has no state to answer from: plain bytes).
+                    with trio.move_on_after(1):
+                        await stream.send_all(REQUEST_TIMEOUT_REPLY)
                 return
         except h11.RemoteProtocolError as exc:
             if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                 status = exc.error_status_hint
                 await _send(conn, stream, _text(status, f"bad request: {exc}\n"), close=True)
             return
-        except _BodyTooLarge:
-            await _send(conn, stream, _text(413, "a request body is not expected\n"), close=True)
+        except _TooLarge as exc:
+            await _send(conn, stream, exc.reply, close=True)
             return
         if request is None:
             return  # the client closed the connection
@@ -194,8 +213,10 @@ async def _connection(ops: Ops, stream: trio.SocketStream) -> None:
             return
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _TooLarge(Exception):
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(text)
+        self.reply = _text(status, text)
 
 
 async def _next_event(conn: h11.Connection, stream: trio.SocketStream) -> object:
@@ -215,13 +236,18 @@ async def _read_request(conn: h11.Connection, stream: trio.SocketStream) -> h11.
     if not isinstance(event, h11.Request):  # pragma: no cover - h11 yields a Request first
         raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}", error_status_hint=400)
     request = event
+    # h11 bounds only what it buffers of an incomplete request: a whole one that
+    # arrived in a single read is checked here.
+    size = len(request.target) + sum(len(k) + len(v) + 4 for k, v in request.headers)
+    if size > MAX_HEADER_BYTES:
+        raise _TooLarge(431, "request header fields too large\n")
     body = 0
     while True:
         event = await _next_event(conn, stream)
         if isinstance(event, h11.Data):
             body += len(event.data)
             if body > MAX_BODY_BYTES:
-                raise _BodyTooLarge
+                raise _TooLarge(413, "a request body is not expected\n")
         elif isinstance(event, h11.EndOfMessage):
             return request
         elif isinstance(event, h11.ConnectionClosed):

@@ -116,6 +116,10 @@ max_line = 4096
 corruption = "quarantine"
 archive_dir = "/srv/archive"
 log_level = "debug"
+log_format = "JSON"
+shutdown_grace = "2.5s"
+metrics_max_queues = 0
+min_free_disk = "5GB"
 fsync = "never"
 
 [default]
@@ -156,6 +160,10 @@ def test_every_key_from_file(tmp_path: Path) -> None:
         corruption=CorruptionPolicy.QUARANTINE,
         archive_dir=Path("/srv/archive"),
         log_level="DEBUG",
+        log_format="json",
+        shutdown_grace=2500,
+        metrics_max_queues=0,
+        min_free_disk=5_000_000_000,
         config_file=path,
         default=QueueConfig(
             max_items=10,
@@ -373,7 +381,7 @@ def test_every_flag(tmp_path: Path) -> None:
     flags = parse_flags(
         "--config", str(path), "--data-dir", "d", "--host", "::1", "--memcache-port", "0",
         "--text-port", "0", "--rpc-port", "0", "--http-port", "0", "--fsync", "never",
-        "--log-level", "debug",
+        "--log-level", "debug", "--log-format", "json",
     )  # fmt: skip
     config = load_config(flags, env=NO_ENV)
     assert config == ServerConfig(
@@ -384,6 +392,7 @@ def test_every_flag(tmp_path: Path) -> None:
         rpc_port=0,
         http_port=0,
         log_level="DEBUG",
+        log_format="json",
         config_file=path,
         default=QueueConfig(fsync=FsyncPolicy(FsyncMode.NEVER)),
         fsync_override=FsyncPolicy(FsyncMode.NEVER),
@@ -509,6 +518,10 @@ def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
         ('[server]\nhost = "a b"\n', "[server] host: expected a host name or address"),
         ("[server]\ndata_dir = 5\n", "[server] data_dir: expected a non-empty string"),
         ('[server]\nlog_level = "LOUD"\n', "[server] log_level: expected one of DEBUG, INFO"),
+        ('[server]\nlog_format = "xml"\n', "[server] log_format: expected one of text, json"),
+        ("[server]\nshutdown_grace = 0\n", "[server] shutdown_grace: expected a positive"),
+        ("[server]\nmetrics_max_queues = -1\n", "[server] metrics_max_queues: expected a non-"),
+        ('[server]\nmin_free_disk = "lots"\n', "[server] min_free_disk: expected a size"),
         ("[server]\nmax_connections = 0\n", "[server] max_connections: expected a positive"),
     ],
 )
