@@ -92,14 +92,11 @@ class Server:
         self,
         listeners: dict[str, list[trio.SocketListener]],
         *,
-        handle_signals: bool = False,
         task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         for proto, ls in listeners.items():
             self.ports[proto] = ls[0].socket.getsockname()[1]
         async with trio.open_nursery() as outer:
-            if handle_signals:
-                outer.start_soon(self._signals)
             outer.start_soon(self._watch_disk)
             async with trio.open_nursery() as conns:
                 async with trio.open_nursery() as acceptors:
@@ -159,11 +156,6 @@ class Server:
                      human_bytes(usage.free),
                      extra={"event": "disk_ok", "free_bytes": usage.free})
             self._disk_warned_at = None
-
-    async def _signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                self.request_shutdown(signal.Signals(signum).name)
 
     # -- statistics --------------------------------------------------------------------
 
@@ -774,17 +766,24 @@ async def serve(
     """Listen, recover, serve until shutdown, then close cleanly.
 
     The operations port answers from the start: /livez at once, /readyz once
-    recovery has finished (see queued.http).
+    recovery has finished (see queued.http). A SIGTERM or SIGINT that arrives
+    during recovery stops the server as soon as recovery has finished (recovery
+    itself is not interrupted: it may be rewriting a segment).
     """
-    listeners = await open_listeners(config)
     ops = Ops(config)
+    stop = _Stop(ops)
+    listeners: dict[str, list[trio.SocketListener]] = {}
     failure: Exception | None = None
     try:
         async with trio.open_nursery() as nursery:
-            http_port = await nursery.start(serve_http, ops, listeners.pop("http"))
+            if handle_signals:  # before the listeners: a signal is never the default action
+                await nursery.start(stop.watch_signals)
             try:
-                await _recover_and_run(config, listeners, ops, http_port,
-                                       handle_signals=handle_signals, task_status=task_status)
+                listeners = await open_listeners(config)
+                http_port = await nursery.start(serve_http, ops, listeners["http"])
+                queues = {k: v for k, v in listeners.items() if k != "http"}
+                await _recover_and_run(config, queues, ops, stop, http_port,
+                                       task_status=task_status)
             except Exception as exc:  # re-raised bare, not wrapped in an ExceptionGroup
                 failure = exc
             nursery.cancel_scope.cancel()
@@ -795,13 +794,32 @@ async def serve(
     log.info("stopped cleanly")
 
 
+class _Stop:
+    """SIGTERM/SIGINT: shut the server down, or remember to once it exists."""
+
+    def __init__(self, ops: Ops) -> None:
+        self.ops = ops
+        self.pending: str | None = None
+
+    async def watch_signals(self, *, task_status: trio.TaskStatus[None]) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if self.ops.server is not None:
+                    self.ops.server.request_shutdown(name)
+                elif self.pending is None:
+                    log.info("%s during recovery: stopping once recovery has finished", name)
+                    self.pending = name
+
+
 async def _recover_and_run(
     config: ServerConfig,
     listeners: dict[str, list[trio.SocketListener]],
     ops: Ops,
+    stop: _Stop,
     http_port: int,
     *,
-    handle_signals: bool,
     task_status: trio.TaskStatus[Server],
 ) -> None:
     started = time.monotonic()
@@ -821,4 +839,6 @@ async def _recover_and_run(
         server = Server(broker, config)
         server.ports["http"] = http_port
         ops.server = server
-        await server.run(listeners, handle_signals=handle_signals, task_status=task_status)
+        if stop.pending is not None:
+            server.request_shutdown(stop.pending)
+        await server.run(listeners, task_status=task_status)

@@ -14,6 +14,7 @@ import json
 import logging
 import platform
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -527,7 +528,9 @@ def test_json_logs_with_recovery_events(tmp_path: Path,
     with segment.open("ab") as f:
         f.write(b"\x02\x00\x00garbage")  # a torn record at the tail
     srv.start()
-    status, _, _ = http_get(srv.http, "/readyz")
+    deadline = time.monotonic() + WAIT
+    while (status := http_get(srv.http, "/readyz")[0]) != 200 and time.monotonic() < deadline:
+        time.sleep(0.02)  # 503 while recovering
     srv.signal(15)
     assert srv.wait() == 0
     records = json_lines(srv.log())
@@ -543,7 +546,9 @@ def test_json_logs_with_recovery_events(tmp_path: Path,
     assert records[-1]["message"] == "stopped cleanly"
 
 
-def test_text_logs_are_lines(tmp_path: Path, proc_cleanup: list[ServerProcess]) -> None:
+def test_text_logs_and_a_sigterm_at_once(tmp_path: Path,
+                                        proc_cleanup: list[ServerProcess]) -> None:
+    """SIGTERM as soon as the listeners are up (recovery may still run): a clean stop."""
     srv = ServerProcess(tmp_path / "data", tmp_path / "server.log")
     proc_cleanup.append(srv)
     srv.start()
