@@ -49,7 +49,8 @@ class ReaderLimits(Protocol):
 @dataclass(slots=True)
 class ReaderCounters:
     total_items: int = 0  # items added to this reader since start
-    taken: int = 0  # items handed to clients (gets and open reads; an abort returns one)
+    taken: int = 0  # items handed to clients (gets and open reads; an aborted item, taken
+    # again, counts again)
     expired: int = 0
     discarded: int = 0
     transactions: int = 0  # reliable reads opened
@@ -209,14 +210,14 @@ class Reader:
     def oldest_add_time_ms(self) -> int | None:
         """When the oldest item waiting in memory was put (None if memory holds none).
 
-        Aborted items (`front`) were put before everything in `mem`; items waiting
-        only on disk (`behind`) are newer than both.
+        `mem` is in id order, so its first item is its oldest; aborted items
+        (`front`) are few and in no particular order. Items waiting only on disk
+        (`behind`) are newer than all of these. For scrapes, not the hot path.
         """
-        oldest = self.front[0].add_time_ms if self.front else None
+        times = [it.add_time_ms for it in self.front]
         if self.mem:
-            first = self.mem[0].add_time_ms
-            oldest = first if oldest is None else min(oldest, first)
-        return oldest
+            times.append(self.mem[0].add_time_ms)
+        return min(times, default=None)
 
     def peek(self, now_ms: int, expired: list[Item]) -> Item | None:
         """The next live item, left in place (expired ones are removed as in take)."""

@@ -129,6 +129,21 @@ def test_counts_and_bytes_follow_add_take_abort() -> None:
     assert (r.items, r.bytes, r.mem_bytes, r.open_count) == (3, 23, 23, 0)
 
 
+def test_oldest_add_time_and_taken_count() -> None:
+    r = reader()
+    assert r.oldest_add_time_ms() is None
+    # Add times need not follow ids (items moved in from another queue keep theirs).
+    r.add([item(1, add=T0 + 30), item(2, add=T0 + 10), item(3, add=T0 + 20)])
+    assert r.oldest_add_time_ms() == T0 + 30  # mem's first item
+    a, b = take_open(r), take_open(r)
+    assert r.oldest_add_time_ms() == T0 + 20
+    abort_ids(r, [a.id, b.id])
+    assert r.oldest_add_time_ms() == T0 + 10  # any aborted item, not only the first
+    assert r.counters.taken == 2
+    assert [take_id(r) for _ in range(3)] == [1, 2, 3]
+    assert r.counters.taken == 5 and r.oldest_add_time_ms() is None
+
+
 def test_abort_goes_to_the_head() -> None:
     r = reader()
     r.add(items(range(1, 6)))
