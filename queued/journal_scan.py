@@ -199,24 +199,27 @@ def nth_id_after(path: str | os.PathLike[str], summary: SegmentSummary, after: i
     for first_id, last_id, count in summary.batches:
         if last_id <= after:
             continue
-        if first_id > after and taken + count <= n:
+        want = n - taken
+        if first_id > after and count <= want:
             taken += count
             last = last_id
-            if taken == n:
-                return last, taken
-            continue
-        if last_id - first_id + 1 == count:  # contiguous ids: no need to read
+        elif last_id - first_id + 1 == count:  # contiguous ids: no need to read
             lo = max(first_id, after + 1)
-            k = min(n - taken, last_id - lo + 1)
-            return lo + k - 1, taken + k
-        want = n - taken
-        for cols in scan_segment(path, IdFilter(after=max(after, first_id - 1), upto=last_id)):
-            if len(cols) >= want:
-                return cols.ids[want - 1], n
-            want -= len(cols)
-            taken += len(cols)
-            last = cols.ids[-1]
-        return last, taken
+            k = min(want, last_id - lo + 1)
+            taken += k
+            last = lo + k - 1
+        else:
+            for cols in scan_segment(path, IdFilter(after=max(after, first_id - 1),
+                                                    upto=last_id)):
+                k = min(want, len(cols))
+                if k:
+                    taken += k
+                    want -= k
+                    last = cols.ids[k - 1]
+                if not want:
+                    break
+        if taken >= n:
+            break
     return last, taken
 
 
