@@ -357,7 +357,7 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Refuse to skip items silently: the segments that held ids just above `after`
         must still be there (compaction deletes or rewrites segments every server
         reader is past; the stream is not one of the server's readers)."""
-        needed = [(seg, s) for seg, s in segs if s.last_id > after]
+        needed = [pair for pair in segs if pair[1].last_id > after]
         problem = ""
         if not needed:
             problem = f"no segment of queue {queue!r} holds ids in ({after}, {upto}]"

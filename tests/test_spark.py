@@ -1,0 +1,226 @@
+"""The `queued` Spark data source against a real local SparkSession (one per test session,
+local[2], UI off): journals written by the real journal code and by a running server,
+the pending-only option against what the server still delivers, streaming with restarts,
+and the writer into a real server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from server_util import ServerProcess
+
+from queued import journal_format as jf
+from queued import journal_scan as js
+from queued.client import Client
+from queued.datadir import DataDir, open_data_dir
+from queued.journal import DataDirConfig, JournalConfig
+
+try:
+    from queued.spark import QueuedDataSource, QueuedDataSourceError, register
+    from queued.spark.source import QueuedStreamReader
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    pytest.skip(f"pyspark/pyarrow not installed ({exc}); pip install -e '.[spark]'",
+                allow_module_level=True)
+
+T0 = 1_700_000_000_000
+SMALL = JournalConfig(journal_size=8192)
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    session = (SparkSession.builder.master("local[2]").appName("queued-tests")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.driver.memory", "1g")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    register(session)
+    yield session
+    session.stop()
+
+
+def item(queue: str, i: int) -> bytes:
+    return f"{queue}-{i}-".encode() + bytes([i % 256]) * (i % 41)
+
+
+async def write_items(path: Path, queue: str, first: int, n: int,
+                      archive: Path | None = None) -> None:
+    async with open_data_dir(path, DataDirConfig(archive_dir=archive),
+                             queue_config=lambda _: SMALL) as dd:
+        q = dd.queue(queue)
+        i = first
+        while i < first + n:
+            batch = [item(queue, j) for j in range(i, min(first + n, i + 5))]
+            if i % 2:
+                await q.append(batch, T0 + i, expire_time_ms=T0 + 1000 * i, error_count=i % 3)
+            else:
+                await q.append(batch, T0 + i)
+            i += len(batch)
+
+
+def rows(df: Any) -> list[tuple[str, int, int, int | None, int, bytes]]:
+    """(queue, id, add_ms, expire_ms, error_count, data), sorted; timestamps as epoch ms."""
+    out = df.selectExpr("queue", "id", "unix_millis(add_time)", "unix_millis(expire_time)",
+                        "error_count", "data").collect()
+    return sorted((r[0], r[1], r[2], r[3], r[4], bytes(r[5])) for r in out)
+
+
+def journal_rows(path: Path, queue: str) -> list[tuple[str, int, int, int | None, int, bytes]]:
+    puts = DataDir.open(path).queues[queue].iter_puts(1)
+    return [(queue, p.id, p.add_time_ms, p.expire_time_ms, p.error_count, p.data) for p in puts]
+
+
+def test_batch_read_matches_the_journal(spark: Any, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    trio.run(write_items, data, "jobs", 1, 400)
+    trio.run(write_items, data, "mail", 1, 30)
+    (data / "jobs.123~~").write_bytes(b"a temp file")
+    (data / jf.checkpoint_name("jobs")).write_bytes(jf.encode_checkpoint(10, [12]))
+    expected = journal_rows(data, "jobs") + journal_rows(data, "mail")
+    assert len(expected) == 430
+
+    df = spark.read.format("queued").load(str(data))
+    assert [f.name for f in df.schema.fields] == [
+        "queue", "id", "add_time", "expire_time", "error_count", "data"]
+    assert [f.dataType.simpleString() for f in df.schema.fields] == [
+        "string", "bigint", "timestamp", "timestamp", "int", "binary"]
+    segments = js.list_segments(data)
+    assert df.rdd.getNumPartitions() == len(segments) > 2  # one partition per segment
+    assert rows(df) == expected
+    only = spark.read.format("queued").option("queues", "mail").load(str(data))
+    assert rows(only) == journal_rows(data, "mail")
+    # Pending only: the default reader's checkpoint (head 10, 12 done) leaves ids 11, 13...
+    pending = spark.read.format("queued").option("pending", "true").option(
+        "queues", "jobs").load(str(data))
+    assert [r[1] for r in rows(pending)] == [11] + list(range(13, 401))
+    # Auto-registered name from another session's point of view: the class itself works too.
+    assert QueuedDataSource.name() == "queued"
+
+
+def test_pending_reader_matches_what_the_server_still_delivers(
+        spark: Any, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    server = ServerProcess(data, tmp_path / "server.log").start()
+    try:
+        addr = f"127.0.0.1:{server.rpc}"
+        with Client(addr) as c:
+            # Two fanout readers from the start (the first takes over the default reader).
+            assert c.get("work+ops", 1, timeout_ms=0) == []
+            assert c.get("work+audit", 1, timeout_ms=0) == []
+            for k in range(10):
+                c.put("work", [b"w%d" % (k * 20 + j) for j in range(20)])
+            assert [it.id for it in c.get("work+audit", 1, timeout_ms=1000)] == [1]
+            taken = c.get("work+ops", 50, timeout_ms=1000, auto_abort_ms=60_000)
+            # Confirm out of order: ids 1..30 and 41..50; 31..40 go back.
+            c.confirm([it for it in taken if not 31 <= it.id <= 40])
+            c.abort([it for it in taken if 31 <= it.id <= 40])
+        server.signal(signal.SIGTERM)  # a clean stop writes every checkpoint
+        assert server.wait() == 0
+        ops = spark.read.format("queued").option("reader", "ops").load(str(data))
+        got = [(r.id, bytes(r.data)) for r in ops.orderBy("id").collect()]
+        audit = spark.read.format("queued").option("reader", "audit").load(str(data))
+        audit_ids = sorted(r.id for r in audit.select("id").collect())
+        server.start()
+        with Client(f"127.0.0.1:{server.rpc}") as c:
+            delivered = [(it.id, it.data) for it in c.get("work+ops", 1000, timeout_ms=1000)]
+            audit_delivered = [it.id for it in c.get("work+audit", 1000, timeout_ms=1000)]
+        assert [i for i, _ in got] == list(range(31, 41)) + list(range(51, 201))
+        assert sorted(got) == sorted(delivered)
+        assert audit_ids == sorted(audit_delivered) == list(range(2, 201))
+    finally:
+        server.kill()
+
+
+def test_writer_rows_come_out_of_the_server(spark: Any, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    server = ServerProcess(data, tmp_path / "server.log").start()
+    try:
+        addr = f"127.0.0.1:{server.rpc}"
+        n = 2500
+        df = spark.createDataFrame(
+            [("a" if i % 3 else "b", bytes(f"row-{i}", "ascii")) for i in range(n)],
+            "queue string, data binary").repartition(3)
+        df.write.format("queued").mode("append").option("server", addr).option(
+            "batch_size", "100").save()
+        plain = spark.createDataFrame([(f"s{i}",) for i in range(10)], "data string")
+        plain.write.format("queued").mode("append").option("server", addr).option(
+            "queue", "c").save()
+        with Client(addr) as c:
+            got = {q: sorted(it.data for it in c.get(q, 5000, timeout_ms=1000))
+                   for q in ("a", "b", "c")}
+        assert got["a"] == sorted(bytes(f"row-{i}", "ascii") for i in range(n) if i % 3)
+        assert got["b"] == sorted(bytes(f"row-{i}", "ascii") for i in range(n) if not i % 3)
+        assert got["c"] == sorted(b"s%d" % i for i in range(10))
+        with pytest.raises(Exception, match="append"):
+            plain.write.format("queued").mode("overwrite").option("server", addr).option(
+                "queue", "c").save()
+    finally:
+        server.kill()
+
+
+def test_stream_picks_up_new_items_and_resumes_without_duplicates(
+        spark: Any, tmp_path: Path) -> None:
+    data, sink, ckpt = tmp_path / "data", tmp_path / "sink", tmp_path / "ckpt"
+    trio.run(write_items, data, "s", 1, 120)
+    trio.run(write_items, data, "t", 1, 15)
+
+    def start(trigger: dict[str, Any]) -> Any:
+        stream = (spark.readStream.format("queued").option("max_items_per_trigger", "50")
+                  .load(str(data)))
+        return (stream.writeStream.format("parquet").option("path", str(sink))
+                .option("checkpointLocation", str(ckpt)).trigger(**trigger).start())
+
+    q = start({"processingTime": "0 seconds"})
+    try:
+        q.processAllAvailable()
+        trio.run(write_items, data, "s", 121, 60)  # appended while the query runs
+        q.processAllAvailable()
+        sizes = [p["numInputRows"] for p in q.recentProgress]
+    finally:
+        q.stop()
+    assert max(sizes) <= 50 and sum(sizes) == 195
+    trio.run(write_items, data, "s", 181, 40)
+    trio.run(write_items, data, "u", 1, 7)
+    q = start({"availableNow": True})  # a restart from the same checkpoint
+    assert q.awaitTermination(120)
+    out = rows(spark.read.parquet(str(sink)))
+    expected = sorted(journal_rows(data, "s") + journal_rows(data, "t") + journal_rows(data, "u"))
+    assert out == expected  # everything, each row once
+
+
+def test_stream_refuses_to_skip_compacted_segments(tmp_path: Path) -> None:
+    data, archive = tmp_path / "data", tmp_path / "archive"
+    trio.run(write_items, data, "q", 1, 300, archive)
+
+    async def consume_and_compact() -> None:
+        async with open_data_dir(data, DataDirConfig(archive_dir=archive),
+                                 queue_config=lambda _: SMALL) as dd:
+            q = dd.queue("q")
+            await q.write_checkpoint("", 250)
+            result = await q.compact()
+            assert result.removed > 0
+
+    trio.run(consume_and_compact)
+    start, end = {"q": 100}, {"q": 300}
+    reader = QueuedStreamReader({"path": str(data)})
+    with pytest.raises(QueuedDataSourceError, match="archive_dir"):
+        reader.partitions(start, end)
+    # With the archive, the stream reads the retired segments from there.
+    reader = QueuedStreamReader({"path": str(data), "archive_dir": str(archive)})
+    ids = [i for part in reader.partitions(start, end)
+           for batch in reader.read(part) for i in batch.column("id").to_pylist()]
+    assert ids == list(range(101, 301))
+    assert reader.latestOffset({"q": 100}, None) == {"q": 300}
