@@ -23,7 +23,7 @@ from queued.datadir import DataDir, open_data_dir
 from queued.journal import DataDirConfig, JournalConfig
 
 try:
-    from queued.spark import QueuedDataSource, QueuedDataSourceError, register
+    from queued.spark import QueuedDataSourceError, register
     from queued.spark.source import QueuedStreamReader
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"pyspark/pyarrow not installed ({exc}); pip install -e '.[spark]'",
@@ -103,9 +103,7 @@ def test_batch_read_matches_the_journal(spark: Any, tmp_path: Path) -> None:
     # Pending only: the default reader's checkpoint (head 10, 12 done) leaves ids 11, 13...
     pending = spark.read.format("queued").option("pending", "true").option(
         "queues", "jobs").load(str(data))
-    assert [r[1] for r in rows(pending)] == [11] + list(range(13, 401))
-    # Auto-registered name from another session's point of view: the class itself works too.
-    assert QueuedDataSource.name() == "queued"
+    assert [r[1] for r in rows(pending)] == [11, *range(13, 401)]
 
 
 def test_pending_reader_matches_what_the_server_still_delivers(
