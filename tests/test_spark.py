@@ -222,3 +222,24 @@ def test_stream_refuses_to_skip_compacted_segments(tmp_path: Path) -> None:
            for batch in reader.read(part) for i in batch.column("id").to_pylist()]
     assert ids == list(range(101, 301))
     assert reader.latestOffset({"q": 100}, None) == {"q": 300}
+
+
+def test_journal_to_parquet_job(spark: Any, tmp_path: Path) -> None:
+    import importlib.util
+
+    job_path = Path(__file__).parent.parent / "deploy" / "spark" / "journal_to_parquet.py"
+    spec = importlib.util.spec_from_file_location("journal_to_parquet", job_path)
+    assert spec is not None and spec.loader is not None
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    archive, out = tmp_path / "archive", tmp_path / "out"
+    trio.run(write_items, archive, "x", 1, 50)
+    trio.run(write_items, archive, "y", 1, 20)
+    summary = {r["queue"]: r for r in job.convert(spark, str(archive), str(out))}
+    assert {q: r["items"] for q, r in summary.items()} == {"x": 50, "y": 20}
+    assert summary["y"]["bytes"] == sum(len(item("y", i)) for i in range(1, 21))
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["queue=x", "queue=y"]
+    assert [p.name for p in (out / "queue=x").iterdir()] == ["day=2023-11-14"]
+    back = spark.read.parquet(str(out))
+    assert sorted((r.queue, r.id, bytes(r.data)) for r in back.collect()) == sorted(
+        (q, i, item(q, i)) for q, n in (("x", 50), ("y", 20)) for i in range(1, n + 1))
