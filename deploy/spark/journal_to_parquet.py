@@ -11,6 +11,7 @@ the same archive overwrites the days it writes (dynamic partition overwrite).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.master:
         builder = builder.master(args.master)
     elif not _under_spark_submit():
+        # Run as a plain script: the workers use this interpreter (which has queued).
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         builder = builder.master("local[*]").config("spark.ui.enabled", "false")
     spark = builder.getOrCreate()
     try:
@@ -66,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _under_spark_submit() -> bool:
-    import os
-
     return "SPARK_SUBMIT_OPTS" in os.environ or "PYSPARK_GATEWAY_PORT" in os.environ
 
 

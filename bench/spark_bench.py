@@ -1,0 +1,125 @@
+"""Spark data source throughput: scan a ~1 GiB journal with local[2] against
+`spark.read.parquet` of the same rows in the same run, and the writer into a server.
+
+    .venv/bin/python bench/spark_bench.py [--mb 1024] [--item 200] [--write-rows 200000]
+
+Prints rows/s and MB/s of each scan (every column is used, so Parquet cannot prune),
+their ratio, and rows/s written into a `queued serve` subprocess by df.write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+from queued.datadir import open_data_dir
+from queued.journal import FsyncPolicy, JournalConfig
+
+T0 = 1_700_000_000_000
+AGG = ["count(queue)", "sum(id)", "max(add_time)", "count(expire_time)", "sum(error_count)",
+       "sum(length(data))"]
+
+
+async def make_journal(path: Path, mb: int, item: int) -> int:
+    n = (mb << 20) // (item + 34)
+    cfg = JournalConfig(fsync=FsyncPolicy.parse("never"))
+    async with open_data_dir(path, queue_config=lambda _: cfg) as dd:
+        per_queue = n // 4
+        for qi in range(4):
+            q = dd.queue(f"bench{qi}")
+            for i in range(0, per_queue, 2000):
+                k = min(2000, per_queue - i)
+                await q.append([b"%012d" % (i + j) + b"x" * (item - 12) for j in range(k)],
+                               T0 + i)
+    return per_queue * 4
+
+
+def timed(spark: object, df: object) -> tuple[float, list[object]]:
+    t = time.perf_counter()
+    out = df.selectExpr(*AGG).collect()  # type: ignore[attr-defined]
+    return time.perf_counter() - t, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=1024)
+    ap.add_argument("--item", type=int, default=200)
+    ap.add_argument("--write-rows", type=int, default=200_000)
+    args = ap.parse_args()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    from queued.spark import register
+
+    tmp = Path(tempfile.mkdtemp(prefix="queued-spark-bench-"))
+    try:
+        data = tmp / "data"
+        t = time.perf_counter()
+        rows = trio.run(make_journal, data, args.mb, args.item)
+        size = sum(p.stat().st_size for p in data.iterdir())
+        print(f"journal: {rows} rows, {size / 2**20:.0f} MiB in "
+              f"{len(list(data.iterdir()))} files, written in {time.perf_counter() - t:.1f} s")
+        spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+                 .config("spark.ui.showConsoleProgress", "false")
+                 .config("spark.driver.memory", "2g").getOrCreate())
+        spark.sparkContext.setLogLevel("ERROR")
+        register(spark)
+        journal_df = spark.read.format("queued").load(str(data))
+        journal_df.write.parquet(str(tmp / "parquet"))
+        pq_size = sum(p.stat().st_size for p in (tmp / "parquet").rglob("*.parquet"))
+        timed(spark, journal_df)  # warm up the Python workers and the JIT
+        results = {}
+        for name, df in (("journal", journal_df),
+                         ("parquet", spark.read.parquet(str(tmp / "parquet")))):
+            best = min(timed(spark, df)[0] for _ in range(2))
+            mb = (size if name == "journal" else pq_size) / 2**20
+            results[name] = rows / best
+            print(f"{name:8} scan: {best:6.2f} s  {rows / best:12,.0f} rows/s  "
+                  f"{mb / best:8.1f} MB/s (of {mb:.0f} MiB on disk)")
+        print(f"journal/parquet rows/s ratio: {results['journal'] / results['parquet']:.2f}")
+
+        log = tmp / "server.log"
+        queued = Path(sys.executable).with_name("queued")
+        with log.open("wb") as logf:
+            server = subprocess.Popen(
+                [str(queued), "serve", "--data-dir", str(tmp / "srv"), "--host", "127.0.0.1",
+                 "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
+                 "--http-port", "0"], stdout=subprocess.DEVNULL, stderr=logf)
+        try:
+            port = 0
+            for _ in range(500):
+                m = re.search(rb"listening for rpc on [0-9.]+:(\d+)", log.read_bytes())
+                if m:
+                    port = int(m.group(1))
+                    break
+                time.sleep(0.02)
+            if not port:
+                raise SystemExit("server did not start:\n" + log.read_text())
+            src = spark.range(args.write_rows, numPartitions=2).selectExpr(
+                f"cast(repeat('y', {args.item}) as binary) as data")
+            src.cache().count()
+            t = time.perf_counter()
+            (src.write.format("queued").mode("append").option("server", f"127.0.0.1:{port}")
+             .option("queue", "w").option("batch_size", "2000").save())
+            dt = time.perf_counter() - t
+            print(f"writer: {args.write_rows} rows of {args.item} B in {dt:.2f} s = "
+                  f"{args.write_rows / dt:,.0f} rows/s into the server")
+        finally:
+            server.terminate()
+            server.wait(30)
+        spark.stop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
