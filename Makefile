@@ -11,7 +11,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,spark]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -20,7 +20,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
-	$(PY) -m ruff check queued tests bench
+	$(PY) -m ruff check queued tests bench deploy/spark pyspark_queued.py
 	$(PY) -m mypy
 
 # The Docker image end to end (tests/docker): setup.sh makes sure a dockerd runs (installs
@@ -33,7 +33,7 @@ test-docker: $(STAMP)
 	timeout -s INT -k 60 1800 $(PY) -m pytest -m docker -s -v tests/docker
 
 lint: $(STAMP)
-	$(PY) -m ruff check queued tests bench
+	$(PY) -m ruff check queued tests bench deploy/spark pyspark_queued.py
 	$(PY) -m mypy
 
 bench: $(STAMP)
