@@ -11,7 +11,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,spark]'
+	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e '.[test,spark]'
 	touch $(STAMP)
 
 run: $(STAMP)

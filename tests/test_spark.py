@@ -6,6 +6,7 @@ and the writer into a real server."""
 from __future__ import annotations
 
 import os
+import pkgutil
 import signal
 import sys
 from collections.abc import Iterator
@@ -45,7 +46,7 @@ def spark() -> Iterator[Any]:
                .config("spark.driver.memory", "1g")
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
-    register(session)
+    # No register(): every test here goes through PySpark's auto-registration.
     yield session
     session.stop()
 
@@ -79,6 +80,20 @@ def rows(df: Any) -> list[tuple[str, int, int, int | None, int, bytes]]:
 def journal_rows(path: Path, queue: str) -> list[tuple[str, int, int, int | None, int, bytes]]:
     puts = DataDir.open(path).queues[queue].iter_puts(1)
     return [(queue, p.id, p.add_time_ms, p.expire_time_ms, p.error_count, p.data) for p in puts]
+
+
+def test_registration_and_an_empty_directory(spark: Any, tmp_path: Path) -> None:
+    # What PySpark's lookup does (pyspark/sql/worker/lookup_data_sources.py): the module
+    # must be visible to pkgutil (an editable install needs editable_mode=compat).
+    found = [m.name for m in pkgutil.iter_modules() if m.name.startswith("pyspark_")]
+    assert "pyspark_queued" in found
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    df = spark.read.format("queued").load(str(empty))
+    assert df.columns == ["queue", "id", "add_time", "expire_time", "error_count", "data"]
+    assert df.count() == 0
+    register(spark)  # explicit registration as well: the same source
+    assert spark.read.format("queued").load(str(empty)).count() == 0
 
 
 def test_batch_read_matches_the_journal(spark: Any, tmp_path: Path) -> None:

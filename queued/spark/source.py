@@ -200,7 +200,9 @@ class QueuedBatchReader(DataSourceReader):
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, SegmentPartition)
+        if not isinstance(partition, SegmentPartition):
+            # No segment at all: PySpark still reads one partition (None). No rows.
+            return iter(())
         return _read_partition(partition)
 
 
@@ -377,7 +379,8 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 "query from a new checkpoint to skip the lost items.")
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, SegmentPartition)
+        if not isinstance(partition, SegmentPartition):
+            return iter(())  # nothing in (start, end]: PySpark reads one empty partition
         return _read_partition(partition)
 
     def commit(self, end: dict[str, int]) -> None:
