@@ -274,6 +274,20 @@ class Decoded:
 Event = Decoded | EndOfData | TornTail | Sentinel
 
 
+#: PUT header layouts: (cmd, size, error_count, id, add_time[, expire_time]). Public for
+#: bulk readers that walk batches `RecordDecoder.next_batch` has verified (journal_scan).
+PUT_STRUCT = _PUT
+PUT_EXPIRE_STRUCT = _PUT_EXPIRE
+
+
+def record_length(buf: bytes | bytearray | memoryview, pos: int) -> int:
+    """Bytes (header and data) of the record at buf[pos], which a decoder has already
+    checked for shape: only command bytes >= 0x80 carry data, sized by their first word."""
+    cmd = buf[pos]
+    data = _I32.unpack_from(buf, pos + 1)[0] if cmd >= 0x80 else 0
+    return 1 + 4 * (cmd & 0x0F) + data
+
+
 def _need(cmd: int) -> tuple[int, str | None]:
     """Header bytes (including the command byte) for a command byte, or an error."""
     command, words = cmd >> 4, cmd & 0x0F

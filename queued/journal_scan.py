@@ -10,7 +10,6 @@ imports no pyspark or pyarrow, so it is tested without Spark.
 from __future__ import annotations
 
 import os
-import struct
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +24,6 @@ CHUNK_SIZE = 8 << 20
 #: Rows per `PutColumns` chunk at most.
 ROWS_PER_CHUNK = 65536
 
-_PUT_FIELDS = struct.Struct("<xiiqq")  # size, error_count, id, add_time
-_EXPIRE = struct.Struct("<q")
-_I32 = struct.Struct("<i")
-_PUT_BYTES = (jf.PUT_BYTE, jf.PUT_EXPIRE_BYTE)
 
 
 class ScanError(QueuedError):
@@ -274,21 +269,23 @@ class _Scanner:
     def _take(self, pos: int, end: int) -> Iterator[PutColumns]:
         """The PUT records of a verified batch buf[pos:end] (ending in its check record)."""
         buf, out, ids = self.buf, self.out, self.ids
-        unpack, unpack_exp, unpack_i32 = _PUT_FIELDS.unpack_from, _EXPIRE.unpack_from, \
-            _I32.unpack_from
+        unpack, unpack_exp = jf.PUT_STRUCT.unpack_from, jf.PUT_EXPIRE_STRUCT.unpack_from
+        put, put_exp = jf.PUT_BYTE, jf.PUT_EXPIRE_BYTE
+        put_hdr, put_exp_hdr = jf.PUT_HEADER_SIZE, jf.PUT_EXPIRE_HEADER_SIZE
         lo, hi, skip = ids.after, ids.upto, ids.skip
         filtered = not ids.is_all
         rows = self.rows
         end -= jf.CHECK_RECORD_SIZE
         while pos < end:
             cmd = buf[pos]
-            if cmd in _PUT_BYTES:
-                size, errs, xid, added = unpack(buf, pos)
-                if cmd == jf.PUT_BYTE:
-                    hdr, expire = jf.PUT_HEADER_SIZE, None
+            if cmd in (put, put_exp):
+                expire: int | None
+                if cmd == put:
+                    _, size, errs, xid, added = unpack(buf, pos)
+                    start, expire = pos + put_hdr, None
                 else:
-                    hdr, expire = jf.PUT_EXPIRE_HEADER_SIZE, unpack_exp(buf, pos + 25)[0]
-                start = pos + hdr
+                    _, size, errs, xid, added, expire = unpack_exp(buf, pos)
+                    start = pos + put_exp_hdr
                 pos = start + size
                 if filtered and (xid <= lo or (hi > 0 and xid > hi) or xid in skip):
                     continue
@@ -300,10 +297,8 @@ class _Scanner:
                 if len(out.ids) >= rows:
                     yield out
                     self.out = out = PutColumns()
-            else:  # COMPACTED, CHECK-free unknown records: the decoder checked their shape
-                words = cmd & 0x0F
-                size = unpack_i32(buf, pos + 1)[0] if cmd >= 0x80 else 0
-                pos += 1 + 4 * words + size
+            else:  # COMPACTED, READ records, unknown ones: the decoder checked their shape
+                pos += jf.record_length(buf, pos)
 
     def _plain(self, read: Callable[[int], bytes], chunk_size: int) -> Iterator[PutColumns]:
         """A file without check records (another implementation): every valid record."""

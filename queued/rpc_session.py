@@ -29,7 +29,6 @@ from queued.errors import (
     ReadStateError,
 )
 from queued.queue import Item
-from queued.stats import ProtocolStats
 
 if TYPE_CHECKING:
     from queued.server import Server
@@ -75,12 +74,14 @@ def error_for(exc: BaseException) -> tuple[rp.ErrorCode, str]:
 class RpcSession:
     """A connection speaking MessagePack-RPC; its open reads go back when it ends."""
 
+    protocol = "rpc"
+
     def __init__(self, server: Server, stream: trio.SocketStream, name: str) -> None:
         self.server = server
         self.broker = server.broker
         self.stream = stream
         self.client = Client(name)
-        self.stats = ProtocolStats()  # the server's handler gives it the listener's
+        self.stats = server.protocols[self.protocol]
         cfg = server.config
         self.max_batch = cfg.rpc_max_batch
         self.max_frame = max(64, cfg.rpc_max_frame)

@@ -200,14 +200,7 @@ class Server:
 
 
 def _handler(server: Server, proto: str) -> Callable[[trio.SocketStream], Any]:
-    cls: type[MemcacheSession | TextSession | RpcSession]
-    if proto == "memcache":
-        cls = MemcacheSession
-    elif proto == "text":
-        cls = TextSession
-    else:
-        cls = RpcSession
-
+    cls = _SESSIONS[proto]
     stats = server.protocols[proto]
 
     async def handle(stream: trio.SocketStream) -> None:
@@ -219,7 +212,6 @@ def _handler(server: Server, proto: str) -> Callable[[trio.SocketStream], Any]:
             await stream.aclose()
             return
         session = cls(server, stream, _peer(stream))
-        session.stats = stats
         stats.connections += 1
         stats.total_connections += 1
         server._sessions.add(session)
@@ -261,13 +253,14 @@ class _Session:
     """One connection: receive, parse, run a batch, send; release open reads at the end."""
 
     parser: mc.MemcacheParser | tp.TextParser
+    protocol: str  # its listener's name in Server.protocols
 
     def __init__(self, server: Server, stream: trio.SocketStream, name: str) -> None:
         self.server = server
         self.broker = server.broker
         self.stream = stream
         self.client = Client(name)
-        self.stats = ProtocolStats()  # the handler gives it its listener's
+        self.stats = server.protocols[self.protocol]
         self.busy = False
         self.done = False
         self.eof = False
@@ -507,6 +500,8 @@ def exptime_to_ms(exptime: int, now_ms: int) -> int | None:
 
 
 class MemcacheSession(_Session):
+    protocol = "memcache"
+
     def __init__(self, server: Server, stream: trio.SocketStream, name: str) -> None:
         super().__init__(server, stream, name)
         cfg = server.config
@@ -640,6 +635,8 @@ class MemcacheSession(_Session):
 
 
 class TextSession(_Session):
+    protocol = "text"
+
     def __init__(self, server: Server, stream: trio.SocketStream, name: str) -> None:
         super().__init__(server, stream, name)
         cfg = server.config
@@ -725,6 +722,11 @@ class TextSession(_Session):
         if b"\n" in item.data:
             return tp.error(f"Item {item.id} contains a newline; use the memcache protocol.")
         return tp.item(item.data)
+
+
+#: The session class of each protocol listener (see PROTOCOLS).
+_SESSIONS: dict[str, type[MemcacheSession | TextSession | RpcSession]] = {
+    cls.protocol: cls for cls in (MemcacheSession, TextSession, RpcSession)}
 
 
 # -- entry point ------------------------------------------------------------------------------

@@ -296,6 +296,12 @@ def test_golden_encode(record: jf.Record, hexbytes: str) -> None:
     assert jf.encode_record(record) == h(hexbytes)
 
 
+@pytest.mark.parametrize(("record", "hexbytes"), GOLDEN_WRITER + GOLDEN_READER)
+def test_record_length_of_every_record_kind(record: jf.Record, hexbytes: str) -> None:
+    raw = b"\xff" * 3 + h(hexbytes) + b"\x00" * 5  # any bytes around it
+    assert jf.record_length(raw, 3) == len(h(hexbytes))
+
+
 @pytest.mark.parametrize(("record", "hexbytes"), GOLDEN_WRITER_DECODABLE)
 def test_golden_decode_writer(record: jf.Record, hexbytes: str) -> None:
     raw = h(hexbytes)
