@@ -1,7 +1,8 @@
 """queued as a PySpark data source: `spark.read/readStream.format("queued")`, `df.write`.
 
-Owns nothing but the import check; the source lives in `queued.spark.source`, the
-file scanning (no pyspark) in `queued.journal_scan`. Needs `pip install 'queued[spark]'`.
+Owns nothing but the import check. The source lives in `queued.spark.source`, the sink
+in `queued.spark.writer`, option parsing in `queued.spark.options`, and the file
+scanning (no pyspark) in `queued.journal_scan`. Needs `pip install 'queued[spark]'`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         f"(import failed: {exc})"
     ) from exc
 
-from queued.spark.source import (
-    SCHEMA,
-    QueuedDataSource,
-    QueuedDataSourceError,
-    register,
-)
+from queued.spark.options import QueuedDataSourceError
+from queued.spark.source import SCHEMA, QueuedDataSource, register
 
 __all__ = ["SCHEMA", "QueuedDataSource", "QueuedDataSourceError", "register"]

@@ -1,10 +1,9 @@
-"""The `queued` Spark data source: batch and streaming reads of journal directories,
-and a writer that enqueues rows into a running server over MessagePack-RPC.
+"""The `queued` Spark data source: batch and streaming reads of journal directories
+(the sink is `queued.spark.writer`).
 
-Owns the mapping between Spark's Python Data Source API and `queued.journal_scan`
-(one input partition per segment, Arrow record batches out) and `queued.client`
-(one connection and batched puts per write partition). Never writes a journal
-file: reads are read-only scans, writes go through a server.
+Owns the mapping between Spark's Python Data Source API and `queued.journal_scan`:
+one input partition per segment, Arrow record batches out. Never writes a journal
+file: reads are read-only scans.
 """
 
 from __future__ import annotations
@@ -18,11 +17,9 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql.datasource import (
     DataSource,
-    DataSourceArrowWriter,
     DataSourceReader,
     DataSourceStreamReader,
     InputPartition,
-    WriterCommitMessage,
 )
 from pyspark.sql.streaming.datasource import (  # pyspark >= 4.2 (admission control)
     ReadAllAvailable,
@@ -32,9 +29,15 @@ from pyspark.sql.streaming.datasource import (  # pyspark >= 4.2 (admission cont
 )
 from pyspark.sql.types import StructType
 
-from queued import journal_format as jf
 from queued import journal_scan as js
-from queued.errors import QueuedError
+from queued.spark.options import (
+    QueuedDataSourceError,
+    int_option,
+    path_option,
+    pending_reader_option,
+    queues_option,
+)
+from queued.spark.writer import QueuedWriter
 
 #: The rows of every read. Timestamps come from the journal's milliseconds.
 SCHEMA = ("queue string, id bigint, add_time timestamp, expire_time timestamp, "
@@ -47,66 +50,9 @@ _ARROW_SCHEMA = pa.schema([
 _MS = pa.timestamp("ms", tz="UTC")
 _US = pa.timestamp("us", tz="UTC")
 
-DEFAULT_WRITE_BATCH = 1000
-DEFAULT_WRITE_BATCH_BYTES = 8 << 20
-
-
-class QueuedDataSourceError(QueuedError):
-    """A bad option, or a journal the source cannot read (the message says what to do)."""
-
-
 def register(spark: Any) -> None:
     """`spark.dataSource.register(QueuedDataSource)`, for sessions without auto-registration."""
     spark.dataSource.register(QueuedDataSource)
-
-
-# -- options -------------------------------------------------------------------------------
-
-
-def _path(options: Any, key: str = "path") -> str:
-    path = options.get(key)
-    if not path:
-        raise QueuedDataSourceError(
-            f'the queued source needs a directory: .load("/path/to/data_dir") (option {key!r})')
-    if not Path(path).is_dir():
-        raise QueuedDataSourceError(f"{path}: not a directory")
-    return str(path)
-
-
-def _queues(options: Any) -> frozenset[str] | None:
-    raw = options.get("queues") or options.get("queue")
-    if not raw:
-        return None
-    names = frozenset(q.strip() for q in str(raw).split(",") if q.strip())
-    bad = sorted(q for q in names if not jf.valid_name(q))
-    if bad:
-        raise QueuedDataSourceError(f"bad queue names in option queues: {bad}")
-    return names
-
-
-def _int_option(options: Any, key: str, default: int) -> int:
-    raw = options.get(key)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise QueuedDataSourceError(f"option {key} must be an integer, not {raw!r}") from None
-    if value <= 0:
-        raise QueuedDataSourceError(f"option {key} must be positive, not {value}")
-    return value
-
-
-def _pending_reader(options: Any) -> str | None:
-    """The reader whose unconsumed items alone are read, or None (read everything)."""
-    reader = options.get("reader")
-    if reader is not None and reader != "":
-        if not jf.valid_name(reader):
-            raise QueuedDataSourceError(f"bad reader name {reader!r}")
-        return str(reader)
-    if str(options.get("pending", "false")).lower() in ("true", "1", "yes"):
-        return ""
-    return None
 
 
 # -- Arrow ---------------------------------------------------------------------------------
@@ -166,7 +112,7 @@ class QueuedDataSource(DataSource):
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return QueuedStreamReader(self.options)
 
-    def writer(self, schema: StructType, overwrite: bool) -> DataSourceArrowWriter:
+    def writer(self, schema: StructType, overwrite: bool) -> QueuedWriter:
         if overwrite:
             raise QueuedDataSourceError(
                 'the queued sink only appends: use .mode("append") (a queue cannot be '
@@ -178,9 +124,9 @@ class QueuedBatchReader(DataSourceReader):
     """One partition per segment; `queues` and `reader`/`pending` narrow what is read."""
 
     def __init__(self, options: Any) -> None:
-        self.path = _path(options)
-        self.queues = _queues(options)
-        self.reader = _pending_reader(options)
+        self.path = path_option(options)
+        self.queues = queues_option(options)
+        self.reader = pending_reader_option(options)
 
     def partitions(self) -> Sequence[InputPartition]:
         segments = js.list_segments(self.path, self.queues)
@@ -217,10 +163,10 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """
 
     def __init__(self, options: Any) -> None:
-        self.path = _path(options)
-        self.archive = _path(options, "archive_dir") if options.get("archive_dir") else None
-        self.queues = _queues(options)
-        self.max_items = _int_option(options, "max_items_per_trigger", 0) if options.get(
+        self.path = path_option(options)
+        self.archive = path_option(options, "archive_dir") if options.get("archive_dir") else None
+        self.queues = queues_option(options)
+        self.max_items = int_option(options, "max_items_per_trigger", 0) if options.get(
             "max_items_per_trigger") else 0
         self.starting = str(options.get("starting", "earliest")).lower()
         if self.starting not in ("earliest", "latest"):
@@ -387,80 +333,6 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         live = {seg.path for segs in self._segments().values() for seg, _ in segs}
         for path in [p for p in self._summaries if p not in live]:
             del self._summaries[path]
-
-
-# -- writer --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WriteCommit(WriterCommitMessage):
-    rows: int
-    puts: int
-
-
-class QueuedWriter(DataSourceArrowWriter):
-    """Each partition opens one connection and puts its rows in batches (at-least-once:
-    a retried task puts its rows again)."""
-
-    def __init__(self, options: Any, schema: StructType) -> None:
-        self.servers = options.get("server") or options.get("servers")
-        if not self.servers:
-            raise QueuedDataSourceError(
-                'the queued sink needs .option("server", "host:2229") (a comma list for several)')
-        self.queue = options.get("queue")
-        names = set(schema.fieldNames())
-        if "data" not in names:
-            raise QueuedDataSourceError(
-                f"the queued sink needs a column `data` (binary or string); got {sorted(names)}")
-        self.has_queue_column = "queue" in names
-        if not self.has_queue_column and not self.queue:
-            raise QueuedDataSourceError(
-                'the queued sink needs a `queue` column or .option("queue", name)')
-        if self.queue and not jf.valid_name(self.queue):
-            raise QueuedDataSourceError(f"bad queue name {self.queue!r}")
-        self.batch = _int_option(options, "batch_size", DEFAULT_WRITE_BATCH)
-        self.batch_bytes = _int_option(options, "batch_bytes", DEFAULT_WRITE_BATCH_BYTES)
-        self.expiration_ms = int(options.get("expiration_ms", 0) or 0)
-        self.timeout = float(options.get("timeout", 30.0))
-
-    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
-        from queued.client import Client
-
-        rows = puts = 0
-        pending: dict[str, list[bytes | str]] = {}
-        sizes: dict[str, int] = {}
-        with Client(self.servers, read_timeout=self.timeout) as client:
-
-            def flush(queue: str) -> None:
-                nonlocal puts
-                items = pending.pop(queue, [])
-                sizes.pop(queue, None)
-                if items:
-                    client.put(queue, items, self.expiration_ms)
-                    puts += 1
-
-            for batch in iterator:
-                data = batch.column("data").to_pylist()
-                if self.has_queue_column:
-                    queues = batch.column("queue").to_pylist()
-                else:
-                    queues = [self.queue] * len(data)
-                for queue, item in zip(queues, data, strict=True):
-                    if item is None:
-                        continue  # a null row has nothing to enqueue
-                    q = queue or self.queue
-                    if not q:
-                        raise QueuedDataSourceError(
-                            "a row has a null queue and no .option('queue', ...) default")
-                    items = pending.setdefault(q, [])
-                    items.append(item)
-                    sizes[q] = sizes.get(q, 0) + len(item)
-                    rows += 1
-                    if len(items) >= self.batch or sizes[q] >= self.batch_bytes:
-                        flush(q)
-            for q in list(pending):
-                flush(q)
-        return WriteCommit(rows, puts)
 
 
 def offsets_json(offsets: dict[str, int]) -> str:
