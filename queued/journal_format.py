@@ -474,25 +474,35 @@ class RecordDecoder:
         self.last_check_end = self.offset
         return True
 
-    def next_batch(self) -> Batch | EndOfData | TornTail | Sentinel:
+    def next_batch(self, puts: list[int] | None = None) -> Batch | EndOfData | TornTail | Sentinel:
         """Fast path for sealed files: skip to the end of the next checked batch.
 
         Walks record headers without building records and verifies the batch's
         crc in one call. Call it only at a batch boundary (right after the
         magic, a check record, or a previous batch). Bytes after the last check
         record that do not end in one are reported as a `TornTail`.
+
+        With `puts`, the file offset of each PUT record of a returned `Batch` is
+        appended to it (bulk readers take the records' fields from there); nothing
+        is appended when anything else is returned.
         """
         if self._error is not None:
             raise self._error
         if self._done is not None:
             return self._done
+        mark = len(puts) if puts is not None else 0
         try:
-            return self._batch()
+            ev = self._batch(puts)
         except CorruptRecordError as exc:
             self._error = exc
+            if puts is not None:
+                del puts[mark:]
             raise
+        if puts is not None and not isinstance(ev, Batch):
+            del puts[mark:]
+        return ev
 
-    def _batch(self) -> Batch | EndOfData | TornTail | Sentinel:
+    def _batch(self, puts: list[int] | None) -> Batch | EndOfData | TornTail | Sentinel:
         if self._magic_pending and not self._take_magic():
             return NEED_DATA
         if self.offset != self.batch_start:
@@ -524,6 +534,8 @@ class RecordDecoder:
                 count += 1
                 last = xid
                 data_bytes += size
+                if puts is not None:
+                    puts.append(base + pos)
                 pos += hdr + size
                 continue
             if cmd == CHECK_BYTE:

@@ -9,7 +9,9 @@ imports no pyspark or pyarrow, so it is tested without Spark.
 
 from __future__ import annotations
 
+import bisect
 import os
+import struct
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ from queued.recovery import Checkpoint, read_checkpoint
 
 #: Bytes read from a segment file per read call; bounds a scan's memory.
 CHUNK_SIZE = 8 << 20
-#: Rows per `PutColumns` chunk at most.
+#: Rows after which a `PutChunk` is handed out (at the end of the batch reaching it).
 ROWS_PER_CHUNK = 65536
 
 
@@ -42,7 +44,7 @@ class SegmentRef:
 
 @dataclass(slots=True)
 class PutColumns:
-    """Up to ROWS_PER_CHUNK items of one segment, column by column, in id order."""
+    """Items of one segment, column by column, in id order (a decoded `PutChunk`)."""
 
     ids: list[int] = field(default_factory=list)
     add_times: list[int] = field(default_factory=list)  # ms since the epoch
@@ -52,6 +54,55 @@ class PutColumns:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+#: A PUT's id: after cmd (1), size (4), error count (4).
+_ID = struct.Struct("<q")
+_ID_AT = 9
+#: Zero bytes after a chunk's last record, so that a PUT_EXPIRE-sized header can be
+#: read at any record offset (a record in a sealed file is followed by at least a
+#: check record anyway; a plain file's last one may end the file).
+_PAD = bytes(8)
+
+
+@dataclass(frozen=True, slots=True)
+class PutChunk:
+    """Some PUT records of one segment, in id order, as the raw bytes they sit in.
+
+    `buf` holds the file's bytes from offset `base` on; `offsets` are the file
+    offsets of the records (each a PUT or PUT_EXPIRE of a verified batch). Every
+    record is followed in `buf` by at least 8 bytes, so a bulk reader may read
+    `PUT_EXPIRE_HEADER_SIZE` bytes at any record offset (then look at the command
+    byte). `columns()` decodes the records in Python; the Spark source decodes all
+    of them at once with numpy (`queued.spark.arrow`).
+    """
+
+    buf: bytes
+    base: int
+    offsets: list[int]
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def columns(self) -> PutColumns:
+        out = PutColumns()
+        buf, base = self.buf, self.base
+        unpack, unpack_exp = jf.PUT_STRUCT.unpack_from, jf.PUT_EXPIRE_STRUCT.unpack_from
+        for off in self.offsets:
+            pos = off - base
+            expire: int | None
+            if buf[pos] == jf.PUT_BYTE:
+                _, size, errs, xid, added = unpack(buf, pos)
+                start, expire = pos + jf.PUT_HEADER_SIZE, None
+            else:
+                _, size, errs, xid, added, expire = unpack_exp(buf, pos)
+                start = pos + jf.PUT_EXPIRE_HEADER_SIZE
+            out.ids.append(xid)
+            out.add_times.append(added)
+            out.expire_times.append(expire)
+            out.error_counts.append(errs)
+            out.data.append(buf[start:start + size])
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,17 +166,19 @@ def reader_checkpoint(directory: str | os.PathLike[str], queue: str,
 
 def scan_segment(path: str | os.PathLike[str], ids: IdFilter = IdFilter(), *,
                  chunk_size: int = CHUNK_SIZE,
-                 rows_per_chunk: int = ROWS_PER_CHUNK) -> Iterator[PutColumns]:
-    """The items of one segment that `ids` selects, in chunks of at most
-    `rows_per_chunk` rows, reading the file `chunk_size` bytes at a time.
+                 rows_per_chunk: int = ROWS_PER_CHUNK) -> Iterator[PutChunk]:
+    """The PUT records of one segment that `ids` selects, in id order, as chunks of
+    raw bytes plus record offsets (`PutChunk.columns()` decodes one), reading the
+    file `chunk_size` bytes at a time. A chunk ends where a read ends, or after the
+    batch that brings it to `rows_per_chunk` rows.
 
-    Our (sealed) files yield only batches whose check record verifies; files of
-    another implementation yield every structurally valid record. Either way the
-    scan stops quietly at a torn tail or a zero byte (the newest segment of a
-    running server ends mid-batch while a write is in flight) and raises ScanError
-    on corruption.
+    Our (sealed) files yield only records of batches whose check record verifies;
+    files of another implementation yield every structurally valid record. Either
+    way the scan stops quietly at a torn tail or a zero byte (the newest segment of
+    a running server ends mid-batch while a write is in flight) and raises
+    ScanError on corruption.
     """
-    scanner = _Scanner(os.fspath(path), ids, rows_per_chunk)
+    scanner = _Scanner(ids, rows_per_chunk)
     with open(path, "rb") as f:
         try:
             yield from scanner.run(f, chunk_size)
@@ -157,7 +210,8 @@ def summarize_segment(path: str | os.PathLike[str], *,
             [jf.COMPACTED_BYTE])
         f.seek(0)
         if head[jf.MAGIC_SIZE:jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE] != jf.EMPTY_CHECK:
-            for cols in scan_segment(path, chunk_size=chunk_size):  # another implementation's
+            for chunk in scan_segment(path, chunk_size=chunk_size):  # another implementation's
+                cols = chunk.columns()
                 for xid, data in zip(cols.ids, cols.data, strict=True):
                     out.batches.append((xid, xid, 1))
                     out.data_bytes += len(data)
@@ -204,8 +258,9 @@ def nth_id_after(path: str | os.PathLike[str], summary: SegmentSummary, after: i
             taken += k
             last = lo + k - 1
         else:
-            for cols in scan_segment(path, IdFilter(after=max(after, first_id - 1),
-                                                    upto=last_id)):
+            for chunk in scan_segment(path, IdFilter(after=max(after, first_id - 1),
+                                                     upto=last_id)):
+                cols = chunk.columns()
                 k = min(want, len(cols))
                 if k:
                     taken += k
@@ -220,23 +275,39 @@ def nth_id_after(path: str | os.PathLike[str], summary: SegmentSummary, after: i
 
 class _Scanner:
     """The state of one segment scan: the decoder plus a mirror of the bytes fed to it
-    (the decoder verifies a batch; the mirror gives its records' fields)."""
+    (the decoder verifies a batch and gives its PUT offsets; the mirror holds their
+    bytes until the chunk they belong to is handed out)."""
 
-    def __init__(self, path: str, ids: IdFilter, rows: int) -> None:
-        self.path = path
+    def __init__(self, ids: IdFilter, rows: int) -> None:
         self.ids = ids
+        self.skip = sorted(ids.skip)
         self.rows = rows
         self.dec = jf.RecordDecoder(jf.FileKind.WRITER)
         self.buf = bytearray()
         self.base = 0  # file offset of buf[0]
-        self.out = PutColumns()
+        self.offsets: list[int] = []  # wanted PUT records not yet handed out
 
     def _feed(self, data: bytes) -> None:
         self.dec.receive_data(data)
         if data:
             self.buf += data
 
-    def run(self, f: BinaryIO, chunk_size: int) -> Iterator[PutColumns]:
+    def _chunk(self, keep_from: int) -> PutChunk:
+        """The wanted records so far as a chunk; then forget the bytes before file
+        offset `keep_from` (the decoder needs nothing before it)."""
+        offsets, self.offsets = self.offsets, []
+        with memoryview(self.buf) as view:  # every record ends before keep_from
+            chunk = PutChunk(b"".join((view[:keep_from - self.base], _PAD)), self.base, offsets)
+        self._drop(keep_from)
+        return chunk
+
+    def _drop(self, keep_from: int) -> None:
+        drop = keep_from - self.base
+        if drop > 0:
+            del self.buf[:drop]
+            self.base += drop
+
+    def run(self, f: BinaryIO, chunk_size: int) -> Iterator[PutChunk]:
         read = f.read
         head = read(jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE)
         self._feed(head)
@@ -246,69 +317,61 @@ class _Scanner:
             yield from self._sealed(read, chunk_size)
         else:
             yield from self._plain(read, chunk_size)
-        if self.out.ids:
-            yield self.out
+        if self.offsets:
+            yield self._chunk(self.dec.offset)
 
-    def _sealed(self, read: Callable[[int], bytes], chunk_size: int) -> Iterator[PutColumns]:
-        dec, ids = self.dec, self.ids
+    def _sealed(self, read: Callable[[int], bytes], chunk_size: int) -> Iterator[PutChunk]:
+        dec, ids, offsets = self.dec, self.ids, self.offsets
+        filtered = not ids.is_all
         while True:
-            ev = dec.next_batch()
+            mark = len(offsets)
+            ev = dec.next_batch(offsets)
             if ev is jf.NEED_DATA:
-                # Keep only the bytes from the current batch on (the rest is done with).
-                drop = dec.batch_start - self.base
-                if drop > 0:
-                    del self.buf[:drop]
-                    self.base += drop
+                if offsets:
+                    yield self._chunk(dec.batch_start)
+                    offsets = self.offsets
+                else:
+                    self._drop(dec.batch_start)
                 self._feed(read(chunk_size))
                 continue
             if not isinstance(ev, jf.Batch):
                 return  # clean end, zero byte, or a torn tail (a write in flight)
-            if ev.count and ids.wants_range(ev.first_id, ev.last_id):
-                yield from self._take(ev.offset - self.base, ev.end - self.base)
+            if filtered and ev.count:
+                self._filter(ev, mark)
+            if len(offsets) >= self.rows:
+                yield self._chunk(dec.batch_start)
+                offsets = self.offsets
 
-    def _take(self, pos: int, end: int) -> Iterator[PutColumns]:
-        """The PUT records of a verified batch buf[pos:end] (ending in its check record)."""
-        buf, out, ids = self.buf, self.out, self.ids
-        unpack, unpack_exp = jf.PUT_STRUCT.unpack_from, jf.PUT_EXPIRE_STRUCT.unpack_from
-        put, put_exp = jf.PUT_BYTE, jf.PUT_EXPIRE_BYTE
-        put_hdr, put_exp_hdr = jf.PUT_HEADER_SIZE, jf.PUT_EXPIRE_HEADER_SIZE
-        lo, hi, skip = ids.after, ids.upto, ids.skip
-        filtered = not ids.is_all
-        rows = self.rows
-        end -= jf.CHECK_RECORD_SIZE
-        while pos < end:
-            cmd = buf[pos]
-            if cmd in (put, put_exp):
-                expire: int | None
-                if cmd == put:
-                    _, size, errs, xid, added = unpack(buf, pos)
-                    start, expire = pos + put_hdr, None
-                else:
-                    _, size, errs, xid, added, expire = unpack_exp(buf, pos)
-                    start = pos + put_exp_hdr
-                pos = start + size
-                if filtered and (xid <= lo or (hi > 0 and xid > hi) or xid in skip):
-                    continue
-                out.ids.append(xid)
-                out.add_times.append(added)
-                out.expire_times.append(expire)
-                out.error_counts.append(errs)
-                out.data.append(bytes(buf[start:pos]))
-                if len(out.ids) >= rows:
-                    yield out
-                    self.out = out = PutColumns()
-            else:  # COMPACTED, READ records, unknown ones: the decoder checked their shape
-                pos += jf.record_length(buf, pos)
+    def _filter(self, batch: jf.Batch, mark: int) -> None:
+        """Keep only the wanted ones of the PUT offsets the decoder added from `mark` on."""
+        ids, offsets = self.ids, self.offsets
+        if not ids.wants_range(batch.first_id, batch.last_id):
+            del offsets[mark:]
+            return
+        k = bisect.bisect_left(self.skip, batch.first_id)
+        skips = k < len(self.skip) and self.skip[k] <= batch.last_id
+        if batch.first_id > ids.after and (ids.upto <= 0 or batch.last_id <= ids.upto) \
+                and not skips:
+            return  # the whole batch is wanted
+        buf, base, lo, hi, skip = self.buf, self.base, ids.after, ids.upto, ids.skip
+        unpack = _ID.unpack_from
+        offsets[mark:] = [
+            off for off in offsets[mark:]
+            if lo < (xid := unpack(buf, off - base + _ID_AT)[0])
+            and (hi <= 0 or xid <= hi) and xid not in skip]
 
-    def _plain(self, read: Callable[[int], bytes], chunk_size: int) -> Iterator[PutColumns]:
+    def _plain(self, read: Callable[[int], bytes], chunk_size: int) -> Iterator[PutChunk]:
         """A file without check records (another implementation): every valid record."""
         dec, ids = self.dec, self.ids
         lo, hi, skip = ids.after, ids.upto, ids.skip
         while True:
             ev = dec.next_event()
             if ev is jf.NEED_DATA:
-                self.buf.clear()  # the mirror is not needed on this path
-                dec.receive_data(read(chunk_size))
+                if self.offsets:
+                    yield self._chunk(dec.offset)
+                else:
+                    self._drop(dec.offset)
+                self._feed(read(chunk_size))
                 continue
             if not isinstance(ev, jf.Decoded):
                 return
@@ -317,12 +380,6 @@ class _Scanner:
                 continue
             if rec.id <= lo or (hi > 0 and rec.id > hi) or rec.id in skip:
                 continue
-            out = self.out
-            out.ids.append(rec.id)
-            out.add_times.append(rec.add_time_ms)
-            out.expire_times.append(rec.expire_time_ms)
-            out.error_counts.append(rec.error_count)
-            out.data.append(rec.data)
-            if len(out.ids) >= self.rows:
-                yield out
-                self.out = PutColumns()
+            self.offsets.append(ev.offset)
+            if len(self.offsets) >= self.rows:
+                yield self._chunk(ev.end)

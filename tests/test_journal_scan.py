@@ -41,7 +41,8 @@ ALL = js.IdFilter()
 def scan_all(path: Path, queue: str, ids: js.IdFilter = ALL, **kw: int) -> list[jf.Put]:
     out = []
     for seg in js.list_segments(path, {queue}):
-        for cols in js.scan_segment(seg.path, ids, **kw):
+        for chunk in js.scan_segment(seg.path, ids, **kw):
+            cols = chunk.columns()
             out += [jf.Put(i, d, a, e, c) for i, a, e, c, d in zip(
                 cols.ids, cols.add_times, cols.expire_times, cols.error_counts, cols.data,
                 strict=True)]

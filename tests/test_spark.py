@@ -101,7 +101,7 @@ def test_batch_read_matches_the_journal(spark: Any, tmp_path: Path) -> None:
     trio.run(write_items, data, "jobs", 1, 400)
     trio.run(write_items, data, "mail", 1, 30)
     (data / "jobs.123~~").write_bytes(b"a temp file")
-    (data / jf.checkpoint_name("jobs")).write_bytes(jf.encode_checkpoint(10, [12]))
+    (data / jf.checkpoint_name("jobs")).write_bytes(jf.encode_checkpoint(10, [12, 17]))
     expected = journal_rows(data, "jobs") + journal_rows(data, "mail")
     assert len(expected) == 430
 
@@ -115,10 +115,13 @@ def test_batch_read_matches_the_journal(spark: Any, tmp_path: Path) -> None:
     assert rows(df) == expected
     only = spark.read.format("queued").option("queues", "mail").load(str(data))
     assert rows(only) == journal_rows(data, "mail")
-    # Pending only: the default reader's checkpoint (head 10, 12 done) leaves ids 11, 13...
+    # Pending only: the default reader's checkpoint (head 10, 12 and 17 done) leaves 11, 13...
+    # but not the items already expired (the odd batches expired in 2023).
     pending = spark.read.format("queued").option("pending", "true").option(
         "queues", "jobs").load(str(data))
-    assert [r[1] for r in rows(pending)] == [11, *range(13, 401)]
+    live = [r[1] for r in expected if r[0] == "jobs" and r[3] is None]
+    assert len(live) == 200 and live[:6] == [6, 7, 8, 9, 10, 16]  # 1-5, 11-15... expired
+    assert [r[1] for r in rows(pending)] == [i for i in live if i > 10 and i != 17]
 
 
 def test_pending_reader_matches_what_the_server_still_delivers(
@@ -133,7 +136,9 @@ def test_pending_reader_matches_what_the_server_still_delivers(
             assert c.get("work+ops", 1, timeout_ms=0) == []
             assert c.get("work+audit", 1, timeout_ms=0) == []
             for k in range(10):
-                c.put("work", [b"w%d" % (k * 20 + j) for j in range(20)])
+                # Every fourth put expires within 1 ms: neither side may list those.
+                c.put("work", [b"w%d" % (k * 20 + j) for j in range(20)],
+                      expiration_ms=1 if k % 4 == 3 else 0)
             assert [it.id for it in c.get("work+audit", 1, timeout_ms=1000)] == [1]
             taken = c.get("work+ops", 50, timeout_ms=1000, auto_abort_ms=60_000)
             # Confirm out of order: ids 1..30 and 41..50; 31..40 go back.
@@ -149,9 +154,12 @@ def test_pending_reader_matches_what_the_server_still_delivers(
         with Client(f"127.0.0.1:{server.rpc}") as c:
             delivered = [(it.id, it.data) for it in c.get("work+ops", 1000, timeout_ms=1000)]
             audit_delivered = [it.id for it in c.get("work+audit", 1000, timeout_ms=1000)]
-        assert [i for i, _ in got] == list(range(31, 41)) + list(range(51, 201))
+        expired = set(range(61, 81)) | set(range(141, 161))  # the puts k = 3 and 7
+        assert [i for i, _ in got] == [
+            i for i in [*range(31, 41), *range(51, 201)] if i not in expired]
         assert sorted(got) == sorted(delivered)
-        assert audit_ids == sorted(audit_delivered) == list(range(2, 201))
+        assert audit_ids == sorted(audit_delivered) == [
+            i for i in range(2, 201) if i not in expired]
     finally:
         server.kill()
 

@@ -9,6 +9,7 @@ file: reads are read-only scans.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from pyspark.sql.streaming.datasource import (  # pyspark >= 4.2 (admission cont
 from pyspark.sql.types import StructType
 
 from queued import journal_scan as js
+from queued.spark.arrow import chunk_to_arrow
 from queued.spark.options import (
     QueuedDataSourceError,
     int_option,
@@ -42,50 +44,35 @@ from queued.spark.writer import QueuedWriter
 #: The rows of every read. Timestamps come from the journal's milliseconds.
 SCHEMA = ("queue string, id bigint, add_time timestamp, expire_time timestamp, "
           "error_count int, data binary")
-_ARROW_SCHEMA = pa.schema([
-    ("queue", pa.string()), ("id", pa.int64()), ("add_time", pa.timestamp("us", tz="UTC")),
-    ("expire_time", pa.timestamp("us", tz="UTC")), ("error_count", pa.int32()),
-    ("data", pa.binary()),
-])
-_MS = pa.timestamp("ms", tz="UTC")
-_US = pa.timestamp("us", tz="UTC")
 
 def register(spark: Any) -> None:
     """`spark.dataSource.register(QueuedDataSource)`, for sessions without auto-registration."""
     spark.dataSource.register(QueuedDataSource)
 
 
-# -- Arrow ---------------------------------------------------------------------------------
-
-
-def _to_arrow(queue: str, cols: js.PutColumns) -> pa.RecordBatch:
-    n = len(cols)
-    return pa.RecordBatch.from_arrays([
-        pa.repeat(pa.scalar(queue, pa.string()), n),
-        pa.array(cols.ids, pa.int64()),
-        pa.array(cols.add_times, pa.int64()).cast(_MS).cast(_US),
-        pa.array(cols.expire_times, pa.int64()).cast(_MS).cast(_US),
-        pa.array(cols.error_counts, pa.int32()),
-        pa.array(cols.data, pa.binary()),
-    ], schema=_ARROW_SCHEMA)
+# -- partitions ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class SegmentPartition(InputPartition):
-    """One segment file and the ids wanted from it."""
+    """One segment file and the ids wanted from it; with `live_at_ms`, only the items
+    not expired at that time."""
 
     queue: str
     path: str
     after: int = 0
     upto: int = 0
     skip: frozenset[int] = frozenset()
+    live_at_ms: int = 0
 
 
 def _read_partition(partition: SegmentPartition) -> Iterator[pa.RecordBatch]:
     ids = js.IdFilter(partition.after, partition.upto, partition.skip)
     try:
-        for cols in js.scan_segment(partition.path, ids):
-            yield _to_arrow(partition.queue, cols)
+        for chunk in js.scan_segment(partition.path, ids):
+            batch = chunk_to_arrow(partition.queue, chunk, partition.live_at_ms)
+            if batch.num_rows:
+                yield batch
     except FileNotFoundError:
         raise QueuedDataSourceError(
             f"{partition.path} was removed while the query ran (compaction retired it); "
@@ -132,6 +119,8 @@ class QueuedBatchReader(DataSourceReader):
         segments = js.list_segments(self.path, self.queues)
         checkpoints: dict[str, js.IdFilter] = {}
         parts: list[InputPartition] = []
+        # Pending reads leave out what has expired by now: the server discards it.
+        live_at = int(time.time() * 1000) if self.reader is not None else 0
         for seg in segments:
             ids = js.IdFilter()
             if self.reader is not None:
@@ -142,7 +131,8 @@ class QueuedBatchReader(DataSourceReader):
                         raise QueuedDataSourceError(str(exc)) from exc
                     checkpoints[seg.queue] = js.IdFilter.pending(cp)
                 ids = checkpoints[seg.queue]
-            parts.append(SegmentPartition(seg.queue, seg.path, ids.after, ids.upto, ids.skip))
+            parts.append(SegmentPartition(seg.queue, seg.path, ids.after, ids.upto, ids.skip,
+                                          live_at))
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
