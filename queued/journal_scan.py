@@ -127,6 +127,9 @@ class IdFilter:
         return last_id > self.after and (self.upto <= 0 or first_id <= self.upto)
 
 
+ALL_IDS = IdFilter()
+
+
 def list_segments(directory: str | os.PathLike[str],
                   queues: Collection[str] | None = None) -> list[SegmentRef]:
     """Writer segments of `directory` (a data directory or an archive_dir), by queue
@@ -150,6 +153,23 @@ def list_segments(directory: str | os.PathLike[str],
     return found
 
 
+def list_segments_with_archive(directory: str | os.PathLike[str],
+                               archive: str | os.PathLike[str] | None,
+                               queues: Collection[str] | None = None) -> list[SegmentRef]:
+    """Writer segments of a data directory together with its `archive_dir`, by queue then
+    segment number, each segment once.
+
+    Retiring moves a segment into the archive, so a name is in one place, except where
+    compaction rewrote a segment: its output keeps the original's name in the data
+    directory (only the stragglers) while the original, with every record, was copied
+    to the archive first. Where both hold a name, the archive's copy is the one listed.
+    """
+    found = {(s.queue, s.number): s for s in list_segments(directory, queues)}
+    if archive is not None:
+        found.update({(s.queue, s.number): s for s in list_segments(archive, queues)})
+    return [found[key] for key in sorted(found)]
+
+
 def reader_checkpoint(directory: str | os.PathLike[str], queue: str,
                       reader: str = "") -> Checkpoint:
     """A reader's durable position in a data directory; head 0 when it has no checkpoint
@@ -164,7 +184,7 @@ def reader_checkpoint(directory: str | os.PathLike[str], queue: str,
                         "this reader from its oldest segment") from exc
 
 
-def scan_segment(path: str | os.PathLike[str], ids: IdFilter = IdFilter(), *,
+def scan_segment(path: str | os.PathLike[str], ids: IdFilter = ALL_IDS, *,
                  chunk_size: int = CHUNK_SIZE,
                  rows_per_chunk: int = ROWS_PER_CHUNK) -> Iterator[PutChunk]:
     """The PUT records of one segment that `ids` selects, in id order, as chunks of

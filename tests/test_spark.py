@@ -25,7 +25,7 @@ from queued.journal import DataDirConfig, JournalConfig
 
 try:
     from queued.spark import QueuedDataSourceError, register
-    from queued.spark.source import QueuedStreamReader
+    from queued.spark.source import QueuedBatchReader, QueuedStreamReader
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"pyspark/pyarrow not installed ({exc}); pip install -e '.[spark]'",
                 allow_module_level=True)
@@ -245,6 +245,52 @@ def test_stream_refuses_to_skip_compacted_segments(tmp_path: Path) -> None:
            for batch in reader.read(part) for i in batch.column("id").to_pylist()]
     assert ids == list(range(101, 301))
     assert reader.latestOffset({"q": 100}, None) == {"q": 300}
+
+
+def test_batch_read_with_the_archive_sees_every_record(spark: Any, tmp_path: Path) -> None:
+    data, archive = tmp_path / "data", tmp_path / "archive"
+    trio.run(write_items, data, "q", 1, 800, archive)
+    everything = journal_rows(data, "q")
+
+    async def consume_and_compact() -> None:
+        async with open_data_dir(data, DataDirConfig(archive_dir=archive),
+                                 queue_config=lambda _: SMALL) as dd:
+            q = dd.queue("q")
+            # Consumed: up to 100, then all but 150-152 up to 700 (the stragglers).
+            await q.write_checkpoint("", 100, [i for i in range(101, 701)
+                                               if i not in (150, 151, 152)])
+            result = await q.compact()
+            assert result.removed > 0 and result.rewritten > 0
+
+    trio.run(consume_and_compact)
+    in_data = {Path(s.path).name for s in js.list_segments(data)}
+    in_archive = {Path(s.path).name for s in js.list_segments(archive)}
+    assert in_data & in_archive  # a compaction output kept its original's name
+    merged = js.list_segments_with_archive(data, archive)
+    assert sorted(Path(s.path).name for s in merged) == sorted(in_data | in_archive)
+    assert all(Path(s.path).parent == archive for s in merged
+               if Path(s.path).name in in_archive)
+    df = spark.read.format("queued").option("archive_dir", str(archive)).load(str(data))
+    assert rows(df) == everything  # each record once: no straggler twice
+    alone = {r[1] for r in rows(spark.read.format("queued").load(str(data)))}
+    assert {150, 151, 152} <= alone and 100 not in alone and 300 not in alone
+
+    # A segment the server retires after planning is read from the archive.
+    reader = QueuedBatchReader({"path": str(data), "archive_dir": str(archive)})
+    parts = reader.partitions()
+    live = [p for p in parts if Path(p.path).parent == data]
+    assert live
+    moved = Path(live[-1].path)
+    moved.rename(archive / moved.name)
+    got = [i for p in parts for b in reader.read(p) for i in b.column("id").to_pylist()]
+    assert got == [r[1] for r in everything]
+    # Without the archive option, the same is a clear error.
+    without = QueuedBatchReader({"path": str(data)})
+    parts = without.partitions()
+    moved = Path(parts[-1].path)  # type: ignore[attr-defined]
+    moved.rename(tmp_path / moved.name)
+    with pytest.raises(QueuedDataSourceError, match=r"removed while the query ran.*archive_dir"):
+        list(without.read(parts[-1]))
 
 
 def test_journal_to_parquet_job(spark: Any, tmp_path: Path) -> None:

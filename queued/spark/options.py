@@ -26,6 +26,11 @@ def path_option(options: Any, key: str = "path") -> str:
     return str(path)
 
 
+def archive_option(options: Any) -> str | None:
+    """`archive_dir`: the server's archive of retired segments, read with the data dir."""
+    return path_option(options, "archive_dir") if options.get("archive_dir") else None
+
+
 def queues_option(options: Any) -> frozenset[str] | None:
     raw = options.get("queues") or options.get("queue")
     if not raw:

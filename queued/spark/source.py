@@ -8,6 +8,7 @@ file: reads are read-only scans.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -34,6 +35,7 @@ from queued import journal_scan as js
 from queued.spark.arrow import chunk_to_arrow
 from queued.spark.options import (
     QueuedDataSourceError,
+    archive_option,
     int_option,
     path_option,
     pending_reader_option,
@@ -64,20 +66,38 @@ class SegmentPartition(InputPartition):
     upto: int = 0
     skip: frozenset[int] = frozenset()
     live_at_ms: int = 0
+    #: Where the segment is once the server retires it (archive_dir), if anywhere.
+    archived_path: str = ""
+
+
+def _partition(seg: js.SegmentRef, archive: str | None, ids: js.IdFilter = js.ALL_IDS,
+               live_at_ms: int = 0) -> SegmentPartition:
+    archived = str(Path(archive) / Path(seg.path).name) if archive else ""
+    return SegmentPartition(seg.queue, seg.path, ids.after, ids.upto, ids.skip, live_at_ms,
+                            "" if archived == seg.path else archived)
 
 
 def _read_partition(partition: SegmentPartition) -> Iterator[pa.RecordBatch]:
     ids = js.IdFilter(partition.after, partition.upto, partition.skip)
-    try:
-        for chunk in js.scan_segment(partition.path, ids):
+    for path in (partition.path, partition.archived_path):
+        if not path:
+            continue
+        try:
+            chunks = js.scan_segment(path, ids)
+            first = next(chunks, None)  # opens the file: a retired one is not found
+        except FileNotFoundError:
+            continue
+        for chunk in itertools.chain([first] if first else [], chunks):
             batch = chunk_to_arrow(partition.queue, chunk, partition.live_at_ms)
             if batch.num_rows:
                 yield batch
-    except FileNotFoundError:
-        raise QueuedDataSourceError(
-            f"{partition.path} was removed while the query ran (compaction retired it); "
-            "read an archive_dir, or set archive_dir on the server so retired segments "
-            "are kept") from None
+        return
+    raise QueuedDataSourceError(
+        f"{partition.path} was removed while the query ran (compaction retired it)"
+        + (f", and is not in {Path(partition.archived_path).parent} either"
+           if partition.archived_path else
+           "; set archive_dir on the server so retired segments are kept, and pass it "
+           "with .option('archive_dir', ...)"))
 
 
 # -- the data source -----------------------------------------------------------------------
@@ -112,11 +132,12 @@ class QueuedBatchReader(DataSourceReader):
 
     def __init__(self, options: Any) -> None:
         self.path = path_option(options)
+        self.archive = archive_option(options)
         self.queues = queues_option(options)
         self.reader = pending_reader_option(options)
 
     def partitions(self) -> Sequence[InputPartition]:
-        segments = js.list_segments(self.path, self.queues)
+        segments = js.list_segments_with_archive(self.path, self.archive, self.queues)
         checkpoints: dict[str, js.IdFilter] = {}
         parts: list[InputPartition] = []
         # Pending reads leave out what has expired by now: the server discards it.
@@ -131,8 +152,7 @@ class QueuedBatchReader(DataSourceReader):
                         raise QueuedDataSourceError(str(exc)) from exc
                     checkpoints[seg.queue] = js.IdFilter.pending(cp)
                 ids = checkpoints[seg.queue]
-            parts.append(SegmentPartition(seg.queue, seg.path, ids.after, ids.upto, ids.skip,
-                                          live_at))
+            parts.append(_partition(seg, self.archive, ids, live_at))
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -154,7 +174,7 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def __init__(self, options: Any) -> None:
         self.path = path_option(options)
-        self.archive = path_option(options, "archive_dir") if options.get("archive_dir") else None
+        self.archive = archive_option(options)
         self.queues = queues_option(options)
         self.max_items = int_option(options, "max_items_per_trigger", 0) if options.get(
             "max_items_per_trigger") else 0
@@ -184,23 +204,13 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return cached[1]
 
     def _segments(self) -> dict[str, list[tuple[js.SegmentRef, js.SegmentSummary]]]:
-        """Per queue, its segments with items, oldest first: archived originals first,
-        then the data directory's (whose compaction outputs the archive covers)."""
+        """Per queue, its segments with items, oldest first (the archive's originals in
+        place of the compaction outputs that replaced them)."""
         found: dict[str, list[tuple[js.SegmentRef, js.SegmentSummary]]] = {}
-        archived: dict[str, int] = {}
-        if self.archive is not None:
-            for seg in js.list_segments(self.archive, self.queues):
-                summary = self._summary(seg)
-                if summary is not None and summary.count:
-                    found.setdefault(seg.queue, []).append((seg, summary))
-                    archived[seg.queue] = max(archived.get(seg.queue, 0), summary.last_id)
-        for seg in js.list_segments(self.path, self.queues):
+        for seg in js.list_segments_with_archive(self.path, self.archive, self.queues):
             summary = self._summary(seg)
-            if summary is None or not summary.count:
-                continue
-            if summary.last_id <= archived.get(seg.queue, 0):
-                continue  # its items are in the archive (a copy, or a compaction's originals)
-            found.setdefault(seg.queue, []).append((seg, summary))
+            if summary is not None and summary.count:
+                found.setdefault(seg.queue, []).append((seg, summary))
         return found
 
     def _latest(self) -> dict[str, int]:
@@ -287,7 +297,7 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._check_continuity(q, after, upto, segs)
             for seg, summary in segs:
                 if summary.last_id > after and summary.first_id <= upto:
-                    parts.append(SegmentPartition(q, seg.path, after, upto))
+                    parts.append(_partition(seg, self.archive, js.IdFilter(after, upto)))
         return parts
 
     def _check_continuity(self, queue: str, after: int, upto: int,
