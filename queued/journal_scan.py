@@ -170,6 +170,32 @@ def list_segments_with_archive(directory: str | os.PathLike[str],
     return [found[key] for key in sorted(found)]
 
 
+def first_id(path: str | os.PathLike[str]) -> int | None:
+    """The id of a segment's first PUT record, from its first few KiB (not verified: use
+    it to plan, not to read), or None when there is none there or the file is gone.
+
+    Ids ascend through a queue's segments in number order (a compaction output holds
+    stragglers older than every later segment's ids), so the next segment's first id
+    bounds this one's last.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except FileNotFoundError:
+        return None
+    pos = jf.MAGIC_SIZE
+    if head[pos:pos + jf.CHECK_RECORD_SIZE] == jf.EMPTY_CHECK:
+        pos += jf.CHECK_RECORD_SIZE
+    while pos + jf.PUT_HEADER_SIZE <= len(head):
+        cmd = head[pos]
+        if cmd in (jf.PUT_BYTE, jf.PUT_EXPIRE_BYTE):
+            return int(_ID.unpack_from(head, pos + _ID_AT)[0])
+        if cmd not in (jf.CHECK_BYTE, jf.COMPACTED_BYTE, jf.READ_HEAD_BYTE):
+            return None  # a zero byte, READ_DONE data, or not a record: no guess
+        pos += jf.record_length(head, pos)
+    return None
+
+
 def reader_checkpoint(directory: str | os.PathLike[str], queue: str,
                       reader: str = "") -> Checkpoint:
     """A reader's durable position in a data directory; head 0 when it has no checkpoint
@@ -357,6 +383,9 @@ class _Scanner:
             if not isinstance(ev, jf.Batch):
                 return  # clean end, zero byte, or a torn tail (a write in flight)
             if filtered and ev.count:
+                if 0 < ids.upto < ev.first_id:  # ids ascend: none further on is wanted
+                    del offsets[mark:]
+                    return
                 self._filter(ev, mark)
             if len(offsets) >= self.rows:
                 yield self._chunk(dec.batch_start)

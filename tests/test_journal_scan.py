@@ -100,6 +100,8 @@ def test_summary_and_nth_id(journal: Path) -> None:
     segs = js.list_segments(journal, {"q"})
     summaries = [js.summarize_segment(s.path) for s in segs]
     assert sum(s.count for s in summaries) == 300
+    assert [js.first_id(s.path) for s in segs] == [x.first_id for x in summaries]
+    assert js.first_id(Path(segs[0].path).with_name("q.999")) is None  # no such file
     assert summaries[0].first_id == 1 and summaries[-1].last_id == 300
     s0 = summaries[0]
     assert js.nth_id_after(segs[0].path, s0, 0, 3) == (3, 3)

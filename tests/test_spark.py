@@ -124,6 +124,39 @@ def test_batch_read_matches_the_journal(spark: Any, tmp_path: Path) -> None:
     assert [r[1] for r in rows(pending)] == [i for i in live if i > 10 and i != 17]
 
 
+def test_id_range_options_skip_segments(spark: Any, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    trio.run(write_items, data, "jobs", 1, 2000)
+    trio.run(write_items, data, "mail", 1, 30)
+    base = spark.read.format("queued").load(str(data))
+    n_jobs = len(js.list_segments(data, {"jobs"}))
+    assert n_jobs > 10
+
+    def read(**options: str) -> Any:
+        return spark.read.format("queued").options(**options).load(str(data))
+
+    for lo, hi in [("1", "2000"), ("1751", "0"), ("350", "359"), ("7", "7"), ("1", "3"),
+                   ("11", "4"), ("1995", "3000")]:
+        opts = {"min_id": lo} | ({"max_id": hi} if hi != "0" else {})
+        cond = f"id >= {lo}" + (f" and id <= {hi}" if hi != "0" else "")
+        assert rows(read(**opts)) == rows(base.where(cond)), opts
+    # ids ascend through a queue's segments: only the last few can hold ids above 1750.
+    late = read(min_id="1751", queues="jobs").rdd.getNumPartitions()
+    assert 1 <= late < n_jobs / 2
+    early = read(max_id="20", queues="jobs").rdd.getNumPartitions()
+    assert 1 <= early < n_jobs / 2
+    # The same pruning serves pending reads (above the checkpoint's head only).
+    (data / jf.checkpoint_name("jobs")).write_bytes(jf.encode_checkpoint(1800, []))
+    pending = read(pending="true", queues="jobs")
+    assert pending.rdd.getNumPartitions() < n_jobs / 2
+    assert [r[1] for r in rows(pending)] == [
+        r[1] for r in journal_rows(data, "jobs") if r[1] > 1800 and r[3] is None]
+    with pytest.raises(Exception, match="min_id must be an integer"):
+        read(min_id="ten").count()
+    with pytest.raises(Exception, match="pending must be true or false"):
+        read(pending="maybe").count()
+
+
 def test_pending_reader_matches_what_the_server_still_delivers(
         spark: Any, tmp_path: Path) -> None:
     data = tmp_path / "data"

@@ -62,6 +62,15 @@ def pending_reader_option(options: Any) -> str | None:
         if not jf.valid_name(reader):
             raise QueuedDataSourceError(f"bad reader name {reader!r}")
         return str(reader)
-    if str(options.get("pending", "false")).lower() in ("true", "1", "yes"):
+    if bool_option(options, "pending"):
         return ""
     return None
+
+
+def bool_option(options: Any, key: str) -> bool:
+    raw = str(options.get(key, "false")).strip().lower()
+    if raw in ("true", "1", "yes"):
+        return True
+    if raw in ("false", "0", "no", ""):
+        return False
+    raise QueuedDataSourceError(f"option {key} must be true or false, not {raw!r}")

@@ -100,6 +100,26 @@ def _read_partition(partition: SegmentPartition) -> Iterator[pa.RecordBatch]:
            "with .option('archive_dir', ...)"))
 
 
+def _prune(segments: list[js.SegmentRef], ids: js.IdFilter) -> list[js.SegmentRef]:
+    """The segments of one queue (in number order) that may hold ids `ids` wants, from
+    their first ids (ids ascend through a queue's segments). Prunes nothing when a first
+    id is unknown or out of order."""
+    if ids.after <= 0 and ids.upto <= 0:
+        return segments
+    firsts = [js.first_id(seg.path) for seg in segments]
+    known = [f for f in firsts if f is not None]
+    if len(known) < len(firsts) or known != sorted(set(known)):
+        return segments
+    keep = []
+    for k, seg in enumerate(segments):
+        if k + 1 < len(segments) and (firsts[k + 1] or 0) - 1 <= ids.after:
+            continue  # every id here is below the next segment's first, so <= after
+        if ids.upto > 0 and (firsts[k] or 0) > ids.upto:
+            break
+        keep.append(seg)
+    return keep
+
+
 # -- the data source -----------------------------------------------------------------------
 
 
@@ -128,33 +148,44 @@ class QueuedDataSource(DataSource):
 
 
 class QueuedBatchReader(DataSourceReader):
-    """One partition per segment; `queues` and `reader`/`pending` narrow what is read."""
+    """One partition per segment that may hold wanted rows; `queues`, `min_id`/`max_id`
+    and `reader`/`pending` narrow what is read.
+
+    No `pushFilters`: PySpark 4.3 keeps the read planned during filter pushdown on the
+    relation, shared by every query on the same DataFrame, so a later query without
+    pushable conditions reads with an earlier query's narrowed plan (seen here: wrong
+    row counts). The options above are part of the relation and safe."""
 
     def __init__(self, options: Any) -> None:
         self.path = path_option(options)
         self.archive = archive_option(options)
         self.queues = queues_option(options)
         self.reader = pending_reader_option(options)
+        self.id_after = int_option(options, "min_id", 1) - 1  # ids wanted: (after, upto]
+        self.id_upto = int_option(options, "max_id", 0)  # 0: no bound
 
     def partitions(self) -> Sequence[InputPartition]:
-        segments = js.list_segments_with_archive(self.path, self.archive, self.queues)
-        checkpoints: dict[str, js.IdFilter] = {}
+        if 0 < self.id_upto <= self.id_after:
+            return []  # min_id > max_id: nothing
+        by_queue: dict[str, list[js.SegmentRef]] = {}
+        for seg in js.list_segments_with_archive(self.path, self.archive, self.queues):
+            by_queue.setdefault(seg.queue, []).append(seg)
         parts: list[InputPartition] = []
         # Pending reads leave out what has expired by now: the server discards it.
         live_at = int(time.time() * 1000) if self.reader is not None else 0
-        for seg in segments:
-            ids = js.IdFilter()
+        for queue, segments in by_queue.items():
+            after, upto, skip = self.id_after, self.id_upto, frozenset[int]()
             if self.reader is not None:
-                if seg.queue not in checkpoints:
-                    try:
-                        cp = js.reader_checkpoint(self.path, seg.queue, self.reader)
-                    except js.ScanError as exc:
-                        raise QueuedDataSourceError(str(exc)) from exc
-                    checkpoints[seg.queue] = js.IdFilter.pending(cp)
-                ids = checkpoints[seg.queue]
-            parts.append(_partition(seg, self.archive, ids, live_at))
+                try:
+                    cp = js.reader_checkpoint(self.path, queue, self.reader)
+                except js.ScanError as exc:
+                    raise QueuedDataSourceError(str(exc)) from exc
+                pending = js.IdFilter.pending(cp)
+                after, skip = max(after, pending.after), pending.skip
+            ids = js.IdFilter(after, upto, skip)
+            parts += [_partition(seg, self.archive, ids, live_at)
+                      for seg in _prune(segments, ids)]
         return parts
-
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if not isinstance(partition, SegmentPartition):
             # No segment at all: PySpark still reads one partition (None). No rows.
