@@ -1,7 +1,8 @@
 """Spark data source throughput: scan a ~1 GiB journal with local[2] against
 `spark.read.parquet` of the same rows in the same run, and the writer into a server.
 
-    .venv/bin/python bench/spark_bench.py [--mb 1024] [--item 200] [--write-rows 200000]
+    .venv/bin/python bench/spark_bench.py [--mb 1024] [--item 200] [--payload json]
+                                          [--write-rows 200000]
 
 Prints rows/s and MB/s of each scan (every column is used, so Parquet cannot prune),
 their ratio, and rows/s written into a `queued serve` subprocess by df.write.
@@ -10,7 +11,9 @@ their ratio, and rows/s written into a `queued serve` subprocess by df.write.
 from __future__ import annotations
 
 import argparse
+import base64
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -29,17 +32,40 @@ AGG = ["count(queue)", "sum(id)", "max(add_time)", "count(expire_time)", "sum(er
        "sum(length(data))"]
 
 
-async def make_journal(path: Path, mb: int, item: int) -> int:
+KINDS = [b"click", b"view", b"purchase", b"signup", b"refund", b"search"]
+
+
+def payloads(kind: str, item: int, start: int, k: int, rnd: random.Random) -> list[bytes]:
+    """`k` items of `item` bytes. json: an event record with a few repeating fields and a
+    random base64 note (compresses about 1.5x, like real messages); random: incompressible;
+    repeat: one byte repeated (compresses ~100x: Parquet's best case)."""
+    if kind == "repeat":
+        return [b"%012d" % (start + j) + b"x" * (item - 12) for j in range(k)]
+    if kind == "random":
+        blob = rnd.randbytes(item * k)
+        return [blob[j * item:(j + 1) * item] for j in range(k)]
+    note = base64.b64encode(rnd.randbytes(item * k))
+    out = []
+    for j in range(k):
+        n = start + j
+        head = (b'{"seq":%d,"user":"u%05d","kind":"%s","amount":%d.%02d,"note":"'
+                % (n, n % 50_000, KINDS[n % len(KINDS)], n % 997, n % 100))
+        room = max(0, item - len(head) - 2)
+        out.append(head + note[j * item:j * item + room] + b'"}')
+    return out
+
+
+async def make_journal(path: Path, mb: int, item: int, kind: str) -> int:
     n = (mb << 20) // (item + 34)
     cfg = JournalConfig(fsync=FsyncPolicy.parse("never"))
+    rnd = random.Random(6)
     async with open_data_dir(path, queue_config=lambda _: cfg) as dd:
         per_queue = n // 4
         for qi in range(4):
             q = dd.queue(f"bench{qi}")
             for i in range(0, per_queue, 2000):
                 k = min(2000, per_queue - i)
-                await q.append([b"%012d" % (i + j) + b"x" * (item - 12) for j in range(k)],
-                               T0 + i)
+                await q.append(payloads(kind, item, i, k, rnd), T0 + i)
     return per_queue * 4
 
 
@@ -53,6 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--item", type=int, default=200)
+    ap.add_argument("--payload", choices=["json", "random", "repeat"], default="json")
     ap.add_argument("--write-rows", type=int, default=200_000)
     args = ap.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -64,9 +91,9 @@ def main() -> None:
     try:
         data = tmp / "data"
         t = time.perf_counter()
-        rows = trio.run(make_journal, data, args.mb, args.item)
+        rows = trio.run(make_journal, data, args.mb, args.item, args.payload)
         size = sum(p.stat().st_size for p in data.iterdir())
-        print(f"journal: {rows} rows, {size / 2**20:.0f} MiB in "
+        print(f"journal: {rows} rows of {args.item} B {args.payload}, {size / 2**20:.0f} MiB in "
               f"{len(list(data.iterdir()))} files, written in {time.perf_counter() - t:.1f} s")
         spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
                  .config("spark.ui.showConsoleProgress", "false")
@@ -87,6 +114,9 @@ def main() -> None:
                   f"{mb / best:8.1f} MB/s (of {mb:.0f} MiB on disk)")
         print(f"journal/parquet rows/s ratio: {results['journal'] / results['parquet']:.2f}")
 
+        if args.write_rows <= 0:
+            spark.stop()
+            return
         log = tmp / "server.log"
         queued = Path(sys.executable).with_name("queued")
         with log.open("wb") as logf:

@@ -44,6 +44,7 @@ _CHECK = struct.Struct("<BII")
 _COMPACTED = struct.Struct("<Bqq")
 _Q = struct.Struct("<q")
 _SIZE_ID = struct.Struct("<xi4xq")  # a PUT's data size and id
+_PUT_ID_AT = 9  # a PUT's id: after the command byte, size and error count
 _I32 = struct.Struct("<i")
 
 PUT_HEADER_SIZE: Final = _PUT.size  # 25
@@ -511,33 +512,36 @@ class RecordDecoder:
         n = len(buf)
         start = pos = self._pos
         base = self._base
-        count = first = last = data_bytes = 0
+        offsets: list[int] = [] if puts is None else puts  # the batch's PUTs, file offsets
+        mark = len(offsets)
+        note = offsets.append
+        data_bytes = 0
         cap = self.max_data_size
         unpack_i32 = _I32.unpack_from
         unpack_size_id = _SIZE_ID.unpack_from
+        put_byte, put_expire_byte = PUT_BYTE, PUT_EXPIRE_BYTE
         while True:
-            if pos >= n:
+            # The hot path of recovery and scans: a run of PUT records, size and id in
+            # one unpack, the bounds checked by the indexing itself.
+            try:
+                while True:
+                    cmd = buf[pos]
+                    if cmd == put_byte:
+                        hdr = PUT_HEADER_SIZE
+                    elif cmd == put_expire_byte:
+                        hdr = PUT_EXPIRE_HEADER_SIZE
+                    else:
+                        break
+                    size, xid = unpack_size_id(buf, pos)
+                    if not 0 <= size <= cap:
+                        raise CorruptRecordError(base + pos, f"bad data size {size}")
+                    if xid <= 0:
+                        raise CorruptRecordError(base + pos, f"PUT with non-positive id {xid}")
+                    note(base + pos)
+                    data_bytes += size
+                    pos += hdr + size
+            except (IndexError, struct.error):  # past the bytes received so far
                 return self._short_batch(start, n)
-            cmd = buf[pos]
-            if cmd in (PUT_BYTE, PUT_EXPIRE_BYTE):
-                # The hot path of recovery: size and id in one unpack.
-                hdr = PUT_HEADER_SIZE if cmd == PUT_BYTE else PUT_EXPIRE_HEADER_SIZE
-                if pos + hdr > n:
-                    return self._short_batch(start, n)
-                size, xid = unpack_size_id(buf, pos)
-                if size < 0 or size > cap:
-                    raise CorruptRecordError(base + pos, f"bad data size {size}")
-                if xid <= 0:
-                    raise CorruptRecordError(base + pos, f"PUT with non-positive id {xid}")
-                if count == 0:
-                    first = xid
-                count += 1
-                last = xid
-                data_bytes += size
-                if puts is not None:
-                    puts.append(base + pos)
-                pos += hdr + size
-                continue
             if cmd == CHECK_BYTE:
                 if pos + CHECK_RECORD_SIZE > n:
                     return self._short_batch(start, n)
@@ -554,6 +558,11 @@ class RecordDecoder:
                 self.batch_start = self.last_check_end = base + end
                 self._crc = crc_seed(self.batch_start)
                 self.sealed = True
+                count = len(offsets) - mark
+                if not count:
+                    return Batch(base + start, base + end, 0, 0, 0, 0)
+                first = _Q.unpack_from(buf, offsets[mark] - base + _PUT_ID_AT)[0]
+                last = _Q.unpack_from(buf, offsets[-1] - base + _PUT_ID_AT)[0]
                 return Batch(base + start, base + end, count, first, last, data_bytes)
             elif cmd == 0:
                 if pos == start:

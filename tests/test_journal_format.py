@@ -146,16 +146,16 @@ def run_events(
 
 
 def run_batches(
-    chunks: Sequence[bytes], dec: RecordDecoder | None = None
+    chunks: Sequence[bytes], dec: RecordDecoder | None = None, puts: list[int] | None = None
 ) -> tuple[list[Batch], Outcome, RecordDecoder]:
-    """Like run_events, through next_batch."""
+    """Like run_events, through next_batch (which appends PUT offsets to `puts`)."""
     dec = RecordDecoder() if dec is None else dec
     batches: list[Batch] = []
 
     def drain(at_eof: bool) -> Outcome | None:
         while True:
             try:
-                ev = dec.next_batch()
+                ev = dec.next_batch(puts)
             except CorruptRecordError as exc:
                 return exc
             if ev is NEED_DATA:
@@ -609,6 +609,14 @@ def test_next_batch_agrees_with_next_event(blob: bytes) -> None:
         assert isinstance(b_end, CorruptRecordError)
         assert b_end.offset == ev_end.offset
         assert type(b_end) is type(ev_end)
+    # The PUT offsets handed out: exactly those of verified batches, in any chunking.
+    verified = batches[-1].end if batches else 0
+    expected = [d.offset for d in records if isinstance(d.record, Put) and d.end <= verified]
+    for cuts in ([], [len(blob) // 3, 2 * len(blob) // 3], list(range(1, len(blob), 5))):
+        offsets: list[int] = []
+        again, _, _ = run_batches(split_at(blob, cuts), puts=offsets)
+        assert again == batches
+        assert offsets == expected
 
 
 # -- 4. torn tail --------------------------------------------------------------------
