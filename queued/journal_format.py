@@ -360,6 +360,17 @@ class RecordDecoder:
             self._pos = 0
         self._buf += data
 
+    def copy_received(self, start: int, end: int, pad: int = 0) -> bytes:
+        """A copy of the bytes received at file offsets [start, end), plus `pad` zero
+        bytes. Bytes before the batch in progress may be let go at each
+        `receive_data`; anything decoded since the last one is still held."""
+        lo, hi = start - self._base, end - self._base
+        if not 0 <= lo <= hi <= len(self._buf):
+            raise ValueError(f"bytes [{start}, {end}) are not held (held from {self._base} "
+                             f"to {self._base + len(self._buf)})")
+        with memoryview(self._buf) as view:
+            return b"".join((view[lo:hi], bytes(pad)))
+
     def next_event(self) -> Event:
         if self._error is not None:
             raise self._error

@@ -320,45 +320,29 @@ def nth_id_after(path: str | os.PathLike[str], summary: SegmentSummary, after: i
 
 
 class _Scanner:
-    """The state of one segment scan: the decoder plus a mirror of the bytes fed to it
-    (the decoder verifies a batch and gives its PUT offsets; the mirror holds their
-    bytes until the chunk they belong to is handed out)."""
+    """The state of one segment scan: the decoder verifies each batch and gives its PUT
+    offsets; the wanted ones wait in `offsets` until their chunk is handed out, which
+    happens before the decoder is given more bytes (so it still holds theirs)."""
 
     def __init__(self, ids: IdFilter, rows: int) -> None:
         self.ids = ids
         self.skip = sorted(ids.skip)
         self.rows = rows
         self.dec = jf.RecordDecoder(jf.FileKind.WRITER)
-        self.buf = bytearray()
-        self.base = 0  # file offset of buf[0]
         self.offsets: list[int] = []  # wanted PUT records not yet handed out
 
-    def _feed(self, data: bytes) -> None:
-        self.dec.receive_data(data)
-        if data:
-            self.buf += data
-
-    def _chunk(self, keep_from: int) -> PutChunk:
-        """The wanted records so far as a chunk; then forget the bytes before file
-        offset `keep_from` (the decoder needs nothing before it)."""
+    def _chunk(self, end: int) -> PutChunk:
+        """The wanted records so far (all of them end before file offset `end`)."""
         offsets, self.offsets = self.offsets, []
-        with memoryview(self.buf) as view:  # every record ends before keep_from
-            chunk = PutChunk(b"".join((view[:keep_from - self.base], _PAD)), self.base, offsets)
-        self._drop(keep_from)
-        return chunk
-
-    def _drop(self, keep_from: int) -> None:
-        drop = keep_from - self.base
-        if drop > 0:
-            del self.buf[:drop]
-            self.base += drop
+        return PutChunk(self.dec.copy_received(offsets[0], end, len(_PAD)), offsets[0],
+                        offsets)
 
     def run(self, f: BinaryIO, chunk_size: int) -> Iterator[PutChunk]:
         read = f.read
         head = read(jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE)
-        self._feed(head)
+        self.dec.receive_data(head)
         if len(head) < jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE:
-            self._feed(b"")
+            self.dec.receive_data(b"")
         if head[jf.MAGIC_SIZE:] == jf.EMPTY_CHECK:
             yield from self._sealed(read, chunk_size)
         else:
@@ -376,9 +360,7 @@ class _Scanner:
                 if offsets:
                     yield self._chunk(dec.batch_start)
                     offsets = self.offsets
-                else:
-                    self._drop(dec.batch_start)
-                self._feed(read(chunk_size))
+                dec.receive_data(read(chunk_size))
                 continue
             if not isinstance(ev, jf.Batch):
                 return  # clean end, zero byte, or a torn tail (a write in flight)
@@ -402,7 +384,8 @@ class _Scanner:
         if batch.first_id > ids.after and (ids.upto <= 0 or batch.last_id <= ids.upto) \
                 and not skips:
             return  # the whole batch is wanted
-        buf, base, lo, hi, skip = self.buf, self.base, ids.after, ids.upto, ids.skip
+        buf, base = self.dec.copy_received(batch.offset, batch.end), batch.offset
+        lo, hi, skip = ids.after, ids.upto, ids.skip
         unpack = _ID.unpack_from
         offsets[mark:] = [
             off for off in offsets[mark:]
@@ -418,9 +401,7 @@ class _Scanner:
             if ev is jf.NEED_DATA:
                 if self.offsets:
                     yield self._chunk(dec.offset)
-                else:
-                    self._drop(dec.offset)
-                self._feed(read(chunk_size))
+                dec.receive_data(read(chunk_size))
                 continue
             if not isinstance(ev, jf.Decoded):
                 return

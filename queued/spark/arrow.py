@@ -1,8 +1,8 @@
 """Journal records to Arrow record batches, all of a chunk's records at once.
 
 Owns the Arrow schema of the source's rows and the vectorised decoding of a
-`journal_scan.PutChunk`: numpy gathers every record's header from the chunk's
-bytes in one indexing step, and Arrow copies the item data out of the same bytes
+`journal_scan.PutChunk`: numpy gathers each header field of every record from the
+chunk's bytes in one indexing step, and Arrow copies the item data out of the same bytes
 (`take` over an array whose elements alternate between data and the bytes in
 between). No per-record Python: a scan's cost is the decoder's walk that verifies
 the batches and finds the records.
@@ -26,7 +26,6 @@ ARROW_SCHEMA = pa.schema([
 _HEADER = np.dtype([("cmd", "u1"), ("size", "<i4"), ("errors", "<i4"), ("id", "<i8"),
                     ("added", "<i8"), ("expire", "<i8")])
 assert _HEADER.itemsize == jf.PUT_EXPIRE_HEADER_SIZE == jf.PUT_EXPIRE_STRUCT.size
-_HEADER_BYTES = np.arange(jf.PUT_EXPIRE_HEADER_SIZE, dtype=np.int64)
 _EMPTY = pa.RecordBatch.from_pylist([], schema=ARROW_SCHEMA)
 _MS = pa.timestamp("ms", tz="UTC")
 _US = pa.timestamp("us", tz="UTC")
@@ -38,34 +37,37 @@ def chunk_to_arrow(queue: str, chunk: PutChunk, live_at_ms: int = 0) -> pa.Recor
     n = len(chunk)
     if n == 0:
         return _EMPTY
-    raw = np.frombuffer(chunk.buf, dtype=np.uint8)
+    # Element i of `headers` is the header-sized bytes from chunk.buf[i] on: indexing it
+    # with the record offsets gathers every field of every record, one field at a time.
+    headers = np.ndarray(shape=(len(chunk.buf) - _HEADER.itemsize + 1,), dtype=_HEADER,
+                         buffer=chunk.buf, strides=(1,))
     at = np.fromiter(chunk.offsets, dtype=np.int64, count=n)
     at -= chunk.base
-    headers = raw[at[:, None] + _HEADER_BYTES].view(_HEADER).reshape(n)
-    has_expire = headers["cmd"] == jf.PUT_EXPIRE_BYTE
+    has_expire = headers["cmd"][at] == jf.PUT_EXPIRE_BYTE
     if live_at_ms and has_expire.any():
-        expired = has_expire & (headers["expire"] <= live_at_ms)
+        expired = has_expire & (headers["expire"][at] <= live_at_ms)
         if expired.any():
             live = ~expired
-            headers, has_expire, at = headers[live], has_expire[live], at[live]
-            n = len(headers)
+            at, has_expire = at[live], has_expire[live]
+            n = len(at)
             if n == 0:
                 return _EMPTY
+    sizes = headers["size"][at]
     starts = at + np.where(has_expire, jf.PUT_EXPIRE_HEADER_SIZE, jf.PUT_HEADER_SIZE)
 
     # Elements 0, 2, 4, ... are the items' data; 1, 3, ... the bytes between two items.
     bounds = np.empty(2 * n, dtype=np.int64)
     bounds[0::2] = starts
-    bounds[1::2] = starts + headers["size"]
+    bounds[1::2] = starts + sizes
     spans = pa.Array.from_buffers(pa.large_binary(), 2 * n - 1,
                                   [None, pa.py_buffer(bounds), pa.py_buffer(chunk.buf)])
     data = spans.take(pa.array(np.arange(0, 2 * n - 1, 2))).cast(pa.binary())
 
     return pa.RecordBatch.from_arrays([
         pa.repeat(pa.scalar(queue, pa.string()), n),
-        pa.array(headers["id"]),
-        pa.array(headers["added"], _MS).cast(_US),  # the cast refuses to overflow
-        pa.array(headers["expire"], _MS, mask=~has_expire).cast(_US),
-        pa.array(headers["errors"], pa.int32()),
+        pa.array(headers["id"][at]),
+        pa.array(headers["added"][at], _MS).cast(_US),  # the cast refuses to overflow
+        pa.array(headers["expire"][at], _MS, mask=~has_expire).cast(_US),
+        pa.array(headers["errors"][at], pa.int32()),
         data,
     ], schema=ARROW_SCHEMA)
