@@ -44,7 +44,7 @@ _CHECK = struct.Struct("<BII")
 _COMPACTED = struct.Struct("<Bqq")
 _Q = struct.Struct("<q")
 _SIZE_ID = struct.Struct("<xi4xq")  # a PUT's data size and id
-_PUT_ID_AT = 9  # a PUT's id: after the command byte, size and error count
+PUT_ID_AT: Final = 9  # a PUT's id (i64): after the command byte, size and error count
 _I32 = struct.Struct("<i")
 
 PUT_HEADER_SIZE: Final = _PUT.size  # 25
@@ -572,8 +572,8 @@ class RecordDecoder:
                 count = len(offsets) - mark
                 if not count:
                     return Batch(base + start, base + end, 0, 0, 0, 0)
-                first = _Q.unpack_from(buf, offsets[mark] - base + _PUT_ID_AT)[0]
-                last = _Q.unpack_from(buf, offsets[-1] - base + _PUT_ID_AT)[0]
+                first = _Q.unpack_from(buf, offsets[mark] - base + PUT_ID_AT)[0]
+                last = _Q.unpack_from(buf, offsets[-1] - base + PUT_ID_AT)[0]
                 return Batch(base + start, base + end, count, first, last, data_bytes)
             elif cmd == 0:
                 if pos == start:

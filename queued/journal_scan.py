@@ -56,9 +56,7 @@ class PutColumns:
         return len(self.ids)
 
 
-#: A PUT's id: after cmd (1), size (4), error count (4).
-_ID = struct.Struct("<q")
-_ID_AT = 9
+_ID = struct.Struct("<q")  # a PUT's id, at jf.PUT_ID_AT
 #: Zero bytes after a chunk's last record, so that a PUT_EXPIRE-sized header can be
 #: read at any record offset (a record in a sealed file is followed by at least a
 #: check record anyway; a plain file's last one may end the file).
@@ -189,7 +187,7 @@ def first_id(path: str | os.PathLike[str]) -> int | None:
     while pos + jf.PUT_HEADER_SIZE <= len(head):
         cmd = head[pos]
         if cmd in (jf.PUT_BYTE, jf.PUT_EXPIRE_BYTE):
-            return int(_ID.unpack_from(head, pos + _ID_AT)[0])
+            return int(_ID.unpack_from(head, pos + jf.PUT_ID_AT)[0])
         if cmd not in (jf.CHECK_BYTE, jf.COMPACTED_BYTE, jf.READ_HEAD_BYTE):
             return None  # a zero byte, READ_DONE data, or not a record: no guess
         pos += jf.record_length(head, pos)
@@ -389,7 +387,7 @@ class _Scanner:
         unpack = _ID.unpack_from
         offsets[mark:] = [
             off for off in offsets[mark:]
-            if lo < (xid := unpack(buf, off - base + _ID_AT)[0])
+            if lo < (xid := unpack(buf, off - base + jf.PUT_ID_AT)[0])
             and (hi <= 0 or xid <= hi) and xid not in skip]
 
     def _plain(self, read: Callable[[int], bytes], chunk_size: int) -> Iterator[PutChunk]:

@@ -157,6 +157,34 @@ def test_id_range_options_skip_segments(spark: Any, tmp_path: Path) -> None:
         read(pending="maybe").count()
 
 
+def test_prune_keeps_segments_it_cannot_place(tmp_path: Path) -> None:
+    from queued.spark.source import _prune
+
+    def segment(number: int, ids: range) -> js.SegmentRef:
+        body = b"".join(jf.encode_put(jf.Put(i, b"x", T0)) for i in ids)
+        blob = jf.WRITER_MAGIC + jf.EMPTY_CHECK
+        blob += jf.seal(body, len(blob)) if body else b""
+        path = tmp_path / jf.segment_name("q", number)
+        path.write_bytes(blob)
+        return js.SegmentRef("q", number, str(path), len(blob))
+
+    a, b, c = segment(1, range(1, 11)), segment(2, range(11, 21)), segment(3, range(21, 31))
+    empty = segment(4, range(0))  # just rotated: no PUT yet
+    segs = [a, b, c, empty]
+    assert js.first_id(empty.path) is None
+    assert _prune(segs, js.IdFilter()) == segs
+    assert _prune(segs, js.IdFilter(after=15)) == [b, c, empty]
+    assert _prune(segs, js.IdFilter(after=20)) == [c, empty]
+    assert _prune(segs, js.IdFilter(after=30)) == [c, empty]  # c's end is not known
+    assert _prune(segs, js.IdFilter(upto=12)) == [a, b]
+    assert _prune(segs, js.IdFilter(after=10, upto=20)) == [b]
+    # An unknown first id in the middle: the next known one bounds what comes before.
+    assert _prune([a, empty, b, c], js.IdFilter(after=15)) == [b, c]
+    assert _prune([a, empty, b, c], js.IdFilter(upto=5)) == [a, empty]
+    # First ids out of order (not our files): nothing is pruned.
+    assert _prune([b, a, c], js.IdFilter(after=15)) == [b, a, c]
+
+
 def test_pending_reader_matches_what_the_server_still_delivers(
         spark: Any, tmp_path: Path) -> None:
     data = tmp_path / "data"

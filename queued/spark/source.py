@@ -102,19 +102,22 @@ def _read_partition(partition: SegmentPartition) -> Iterator[pa.RecordBatch]:
 
 def _prune(segments: list[js.SegmentRef], ids: js.IdFilter) -> list[js.SegmentRef]:
     """The segments of one queue (in number order) that may hold ids `ids` wants, from
-    their first ids (ids ascend through a queue's segments). Prunes nothing when a first
-    id is unknown or out of order."""
+    their first ids (ids ascend through a queue's segments): a segment ends below the
+    next known first id. A first id may be unknown (no PUT yet in the newest segment);
+    nothing is pruned when the known ones are out of order."""
     if ids.after <= 0 and ids.upto <= 0:
         return segments
     firsts = [js.first_id(seg.path) for seg in segments]
     known = [f for f in firsts if f is not None]
-    if len(known) < len(firsts) or known != sorted(set(known)):
+    if known != sorted(set(known)):
         return segments
     keep = []
     for k, seg in enumerate(segments):
-        if k + 1 < len(segments) and (firsts[k + 1] or 0) - 1 <= ids.after:
+        after_this = next((f for f in firsts[k + 1:] if f is not None), None)
+        if after_this is not None and after_this - 1 <= ids.after:
             continue  # every id here is below the next segment's first, so <= after
-        if ids.upto > 0 and (firsts[k] or 0) > ids.upto:
+        first = firsts[k]
+        if ids.upto > 0 and first is not None and first > ids.upto:
             break
         keep.append(seg)
     return keep
