@@ -15,10 +15,9 @@ the machine's busy CPU over the phase (2 cores = 200 %), and how many items the 
 holds afterwards (a sanity check; every queue is flushed between phases).
 
 Bare client phases (the ceiling, no Spark): `Client.put` in a loop of `--batch-size`
-puts, each waiting for its reply, in one process and in two at once (as two Spark tasks);
-then the sink's own pipelined connection (`queued.spark.writer.PipelinedPutter`, default
-window) the same two ways. The processes build their items and connect before the clock
-starts. The sink's batch_size is set to `--batch-size` too.
+puts, each waiting for its reply, in one process and in two at once (as two Spark tasks).
+The processes build their items and connect before the clock starts. The sink's
+batch_size is set to `--batch-size` too.
 
 The server is started with the default config (fsync "always") unless `--fsync` is given;
 it is stopped by PID (SIGTERM, then SIGKILL) and its temp data dir removed.
@@ -138,7 +137,7 @@ def items_for(first: int, n: int, item: int) -> list[bytes]:
 
 def bare_sequential(address: str, queue: str, rows: int, item: int, batch: int,
                     ready: Any, go: Any) -> None:
-    """Client.put in a loop, each waiting for its reply (the sink before pipelining)."""
+    """Client.put in a loop, each waiting for its reply (what the sink does per task)."""
     from queued.client import Client
 
     batches = [items_for(i, min(batch, rows - i), item) for i in range(0, rows, batch)]
@@ -148,20 +147,6 @@ def bare_sequential(address: str, queue: str, rows: int, item: int, batch: int,
         go.wait(60)
         for items in batches:
             c.put(queue, items)
-
-
-def bare_pipelined(address: str, queue: str, rows: int, item: int, batch: int,
-                   ready: Any, go: Any) -> None:
-    """The sink's pipelined connection, puts of `batch` items."""
-    from queued.spark.writer import PipelinedPutter
-
-    batches = [items_for(i, min(batch, rows - i), item) for i in range(0, rows, batch)]
-    with PipelinedPutter(address, timeout=60) as p:
-        ready.set()
-        go.wait(60)
-        for items in batches:
-            p.put(queue, items, 0)
-        p.drain()
 
 
 def in_processes(fn: Callable[..., None], procs: int, address: str, rows: int, item: int,
@@ -196,14 +181,7 @@ def in_processes(fn: Callable[..., None], procs: int, address: str, rows: int, i
 
 
 def bench_bare(server: Server, a: argparse.Namespace) -> None:
-    try:
-        import queued.spark.writer as writer_module
-        has_pipelined = hasattr(writer_module, "PipelinedPutter")
-    except ImportError:
-        has_pipelined = False
     kinds: list[tuple[str, Callable[..., None]]] = [("Client.put loop", bare_sequential)]
-    if has_pipelined:
-        kinds.append(("pipelined puts", bare_pipelined))
     queues = ["bare0", "bare1"]
     for label, fn in kinds:
         for procs in (1, 2):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from disk_util import tmpfs_mount
@@ -13,3 +16,21 @@ from disk_util import tmpfs_mount
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A fresh 2 MiB tmpfs (skips the test where it cannot be mounted)."""
     yield from tmpfs_mount(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local[2] SparkSession (UI off) for every Spark test of the run. No register():
+    the Spark tests go through PySpark's auto-registration of the `queued` source."""
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    session = (SparkSession.builder.master("local[2]").appName("queued-tests")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.driver.memory", "1g")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()

@@ -5,11 +5,8 @@ and the writer into a real server."""
 
 from __future__ import annotations
 
-import os
 import pkgutil
 import signal
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +29,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 T0 = 1_700_000_000_000
 SMALL = JournalConfig(journal_size=8192)
-
-
-@pytest.fixture(scope="session")
-def spark() -> Iterator[Any]:
-    from pyspark.sql import SparkSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (SparkSession.builder.master("local[2]").appName("queued-tests")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.driver.memory", "1g")
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
-    # No register(): every test here goes through PySpark's auto-registration.
-    yield session
-    session.stop()
 
 
 def item(queue: str, i: int) -> bytes:

@@ -1,15 +1,13 @@
 """The Spark sink (`queued.spark.writer`) against a real local SparkSession (local[2], the
 same session as tests/test_spark.py) and real `queued serve` subprocesses: each queue's
 rows come out in partition order, routing by the queue column, null data refused or
-skipped, an item over the server's max_item_size, an unreachable server, and the
-pipelined putter re-sending what a lost connection left unanswered."""
+skipped, an item over the server's max_item_size, an unreachable server, and failover to
+a second server when the first is killed between puts."""
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,27 +21,10 @@ try:
     import pyarrow as pa
     from pyspark.sql.types import BinaryType, StringType, StructField, StructType
 
-    from queued.spark.writer import PipelinedPutter, QueuedWriter, Unreachable, WriteCommit
+    from queued.spark.writer import QueuedWriter, WriteCommit
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"pyspark/pyarrow not installed ({exc}); pip install -e '.[spark]'",
                 allow_module_level=True)
-
-
-@pytest.fixture(scope="session")
-def spark() -> Iterator[Any]:
-    # The builder call of tests/test_spark.py: getOrCreate() hands both files one session.
-    from pyspark.sql import SparkSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (SparkSession.builder.master("local[2]").appName("queued-tests")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.driver.memory", "1g")
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +59,7 @@ def save(df: Any, addr: str, **options: str) -> None:
 
 
 @pytest.mark.parametrize(("prefix", "options"), [
-    ("cnt", {"batch_size": "7", "max_inflight": "3"}),  # many small pipelined puts
+    ("cnt", {"batch_size": "7"}),  # many small puts
     ("byt", {"batch_bytes": "300"}),  # puts cut by bytes (the per-item path)
 ])
 def test_each_queue_gets_its_rows_in_partition_order(
@@ -158,7 +139,7 @@ def test_commit_message_counts_rows_puts_and_skipped_rows(server: ServerProcess)
     ]
     commit = writer.write(iter(batches))
     # cm_a gets 1 and 4 (one put), cm_d 2, cm_b 3: three puts, two null rows skipped.
-    assert commit == WriteCommit(rows=4, puts=3, skipped=2, resent=0)
+    assert commit == WriteCommit(rows=4, puts=3, skipped=2)
     assert drain(address(server), "cm_a") == [b"1", b"4"]
     assert drain(address(server), "cm_d") == [b"2"]
     assert drain(address(server), "cm_b") == [b"3"]
@@ -189,45 +170,36 @@ def test_an_unreachable_server_fails_the_write_naming_it(spark: Any) -> None:
         port = s.getsockname()[1]
     df = spark.createDataFrame([(b"x",)], "data binary")
     with pytest.raises(Exception, match=re.escape(
-            f"the queued sink cannot reach option server '127.0.0.1:{port}': "
-            f"127.0.0.1:{port}: cannot connect:")):
+            f"the queued sink cannot reach option server '127.0.0.1:{port}' (a put of 1 "
+            "items into queue 'nowhere'):")):
         save(df, f"127.0.0.1:{port}", queue="nowhere", connect_timeout="2")
     with pytest.raises(Exception, match="option server 'nohost:notaport'"):
         save(df, "nohost:notaport", queue="nowhere")
 
 
-def test_putter_resends_unanswered_puts_on_the_next_server(tmp_path: Path) -> None:
+def test_puts_fail_over_to_the_next_server(tmp_path: Path) -> None:
     a = ServerProcess(tmp_path / "a", tmp_path / "a.log").start()
     b = ServerProcess(tmp_path / "b", tmp_path / "b.log").start()
     try:
-        first = [b"first-%d" % i for i in range(100)]
-        second = [b"second-%d" % i for i in range(100)]
-        with PipelinedPutter(f"{address(a)},{address(b)}", timeout=5, window=4) as p:
-            p.put("fo", first, 0)
-            p.drain()  # answered by a: durable there (fsync always)
-            a.kill()
-            p.put("fo", second, 0)  # sent to the dead a, then again to b
-            p.drain()
-            assert (p.stored, p.answered, p.resent, p.address) == (200, 2, 1, address(b))
-        assert drain(address(b), "fo") == second
-        a.start()  # nothing acknowledged was lost
-        assert drain(address(a), "fo") == first
+        schema = StructType([StructField("data", BinaryType())])
+        writer = QueuedWriter({"server": f"{address(a)},{address(b)}", "queue": "fo",
+                               "batch_size": "10"}, schema)
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            yield pa.RecordBatch.from_pydict({"data": [b"first-%d" % i for i in range(40)]})
+            a.kill()  # between two batches: the next puts meant for a go to b
+            yield pa.RecordBatch.from_pydict({"data": [b"second-%d" % i for i in range(40)]})
+
+        commit = writer.write(batches())
+        assert (commit.rows, commit.puts) == (80, 8)
+        on_b = drain(address(b), "fo")
+        a.start()
+        on_a = drain(address(a), "fo")  # acknowledged before the kill: still there
+        assert sorted(on_a + on_b) == sorted([b"first-%d" % i for i in range(40)]
+                                             + [b"second-%d" % i for i in range(40)])
+        assert on_a and all(x.startswith(b"first-") for x in on_a)
+        assert [x for x in on_b if x.startswith(b"second-")] == [
+            b"second-%d" % i for i in range(40)]  # in order
     finally:
         a.kill()
         b.kill()
-
-
-def test_putter_gives_up_when_its_only_server_is_gone(tmp_path: Path) -> None:
-    server = ServerProcess(tmp_path / "data", tmp_path / "server.log").start()
-    try:
-        with PipelinedPutter(address(server), timeout=5) as p:
-            p.put("gone", [b"one"], 0)
-            p.drain()
-            server.kill()
-            with pytest.raises(Unreachable, match=re.escape(
-                    f"the queued sink lost its connection to '{address(server)}' and could "
-                    "not re-send 1 unanswered puts")):
-                p.put("gone", [b"two"], 0)
-                p.drain()
-    finally:
-        server.kill()

@@ -74,3 +74,16 @@ def bool_option(options: Any, key: str) -> bool:
     if raw in ("false", "0", "no", ""):
         return False
     raise QueuedDataSourceError(f"option {key} must be true or false, not {raw!r}")
+
+
+def float_option(options: Any, key: str, default: float) -> float:
+    raw = options.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise QueuedDataSourceError(f"option {key} must be a number, not {raw!r}") from None
+    if not value > 0:
+        raise QueuedDataSourceError(f"option {key} must be positive, not {raw!r}")
+    return value

@@ -1,26 +1,20 @@
 """The `queued` Spark sink: `df.write.format("queued").mode("append")` enqueues each row's
-`data` into a running server over MessagePack-RPC.
+`data` into running servers over MessagePack-RPC.
 
-Owns turning write partitions into batched, pipelined puts: one connection per partition,
-rows grouped by queue with Arrow compute (a queue's rows keep their order within the
-partition), up to `max_inflight` puts sent before the oldest is answered (the server runs
-the puts of one connection in the order they arrive), bad rows refused with a message
-that says what to do, at-least-once delivery. The data source class that hands it out
-lives in `queued.spark.source`.
+Owns turning write partitions into batched puts through the blocking `queued.client.Client`
+(one per partition; its failover moves a put to the next server when one fails): rows
+grouped by queue with Arrow compute (a queue's rows keep their order within the
+partition), bad rows refused with a message that says what to do, at-least-once
+delivery. The data source class that hands it out lives in `queued.spark.source`.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import msgpack
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
@@ -28,33 +22,19 @@ from pyspark.sql.types import BinaryType, StringType, StructType
 
 from queued import journal_format as jf
 from queued.client_common import (
-    FAILOVER,
-    RECV,
-    BadResponse,
     ClientError,
     ConnectionFailed,
     ItemTooLarge,
     JournalFull,
-    Msgids,
     QueueFull,
     RpcCallError,
-    Timeout,
     TooLarge,
-    call_error,
-    make_parser,
     parse_servers,
 )
-from queued.rpc_protocol import (
-    DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_FRAME,
-    NEED_DATA,
-    ConnectionClosed,
-    Notification,
-    Response,
-    RpcError,
-    encode_request,
-)
-from queued.spark.options import QueuedDataSourceError, int_option
+from queued.spark.options import QueuedDataSourceError, bool_option, float_option, int_option
+
+if TYPE_CHECKING:  # imported by the task itself: planning does not need the client
+    from queued.client import Client
 
 log = logging.getLogger("queued.spark")
 
@@ -62,14 +42,7 @@ log = logging.getLogger("queued.spark")
 #: the server's cost per put (parse, fsync, reply) is then spread over more items.
 DEFAULT_WRITE_BATCH = 5000
 DEFAULT_WRITE_BATCH_BYTES = 8 << 20
-#: Puts sent on a connection before the oldest is answered.
-DEFAULT_MAX_INFLIGHT = 4
-#: Bytes of unanswered puts kept for a re-send (the window shrinks below max_inflight
-#: puts when they are this big).
-MAX_INFLIGHT_BYTES = 32 << 20
 DEFAULT_CONNECT_TIMEOUT = 5.0
-#: Reconnections of one task in all (each re-sends every unanswered put).
-MAX_RECONNECTS = 10
 
 
 @dataclass(frozen=True)
@@ -77,284 +50,37 @@ class WriteCommit(WriterCommitMessage):
     rows: int  #: rows put (acknowledged by a server)
     puts: int  #: put calls answered
     skipped: int = 0  #: rows with a null `data` skipped (option skip_null_data)
-    resent: int = 0  #: puts re-sent after a broken connection (each may be stored twice)
 
 
 class PutFailed(QueuedDataSourceError):
-    """A server refused a put (an item too large, a full queue, ...): not retried."""
+    """A server refused a put (an item too large, a full queue, ...), or none answered."""
 
 
-class Unreachable(QueuedDataSourceError):
-    """No server could be reached, or the connection kept breaking."""
-
-
-# -- the pipelined connection ------------------------------------------------------------------
-
-
-@dataclass(slots=True, eq=False)
-class _Put:
-    msgid: int
-    queue: str
-    frame: bytes
-    count: int
-    sends: int = 0
-    done: bool = False
-
-    def largest(self) -> int:
-        """The largest item's bytes (decoded again: only error messages need it)."""
-        items = msgpack.unpackb(self.frame)[3][1]
-        return max(map(len, items), default=0)
-
-
-class PipelinedPutter:
-    """Puts on one connection to one server, up to `window` unanswered at a time.
-
-    The server runs the calls of one connection in the order they arrive, so the items of
-    a queue are stored in the order of the put calls. Replies are matched by msgid.
-
-    When the connection fails (refused, reset, closed, no reply within `timeout`
-    seconds, or a SHUTTING_DOWN or BUSY reply), every put not yet answered is sent again,
-    in order, on a fresh connection to the next server of the list (the same one when
-    there is one): at-least-once, as a put whose reply was lost may be stored twice.
-    Each server is tried once per failure before giving up (Unreachable), and a task
-    reconnects at most MAX_RECONNECTS times. Any other error reply (ITEM_TOO_LARGE,
-    QUEUE_FULL, ...) raises PutFailed at once; puts sent after it may have been stored.
-    """
-
-    def __init__(self, servers: str, *, timeout: float = 30.0,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 window: int = DEFAULT_MAX_INFLIGHT, window_bytes: int = MAX_INFLIGHT_BYTES,
-                 first: int = 0) -> None:
-        try:
-            self.servers = parse_servers(servers)
-        except ValueError as exc:
-            raise QueuedDataSourceError(f"option server {servers!r}: {exc}") from None
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.window = max(1, window)
-        self.window_bytes = window_bytes
-        self.index = first % len(self.servers)
-        self.sock: socket.socket | None = None
-        self.parser = make_parser(DEFAULT_MAX_FRAME, DEFAULT_MAX_BATCH)
-        self.msgids = Msgids()
-        self.unanswered: dict[int, _Put] = {}
-        self.sent: deque[_Put] = deque()  # in sending order, until answered from the left
-        self.sent_bytes = 0
-        self.stored = 0  # items the servers acknowledged
-        self.answered = 0  # puts answered
-        self.resent = 0  # puts sent again on a fresh connection
-        self.connects = 0
-        self.errors: list[ClientError] = []  # failures since the last answer
-
-    @property
-    def address(self) -> str:
-        return self.servers[self.index][0]
-
-    def __enter__(self) -> PipelinedPutter:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-    def put(self, queue: str, items: list[bytes], expiration_ms: int) -> None:
-        """Send one put (items are bytes); waits only while the window is full."""
-        msgid = self.msgids.next()
-        frame = encode_request(msgid, "put", [queue, items, expiration_ms])
-        while self.unanswered and (len(self.unanswered) >= self.window
-                                   or self.sent_bytes + len(frame) > self.window_bytes):
-            self._receive()
-        p = _Put(msgid, queue, frame, len(items))
-        self.unanswered[msgid] = p
-        self.sent.append(p)
-        self.sent_bytes += len(frame)
-        if self.sock is None:
-            self._reconnect(None)  # sends it too
-            return
-        try:
-            p.sends += 1
-            self.sock.settimeout(self.timeout)
-            self.sock.sendall(frame)
-        except OSError as exc:
-            self._reconnect(self._broken("sending a put", exc))
-
-    def drain(self) -> None:
-        """Wait until every put is answered."""
-        while self.unanswered:
-            self._receive()
-
-    # -- plumbing
-
-    def _broken(self, during: str, exc: OSError) -> ClientError:
-        if isinstance(exc, TimeoutError):
-            return Timeout(f"{self.address}: no progress {during} within {self.timeout:.3g} s",
-                           self.address)
-        return ConnectionFailed(f"{self.address}: connection broke {during}: {exc}",
-                                self.address)
-
-    def _connect(self) -> None:
-        address, host, port = self.servers[self.index]
-        try:
-            sock = socket.create_connection((host, port), self.connect_timeout)
-        except OSError as exc:
-            raise ConnectionFailed(f"{address}: cannot connect: {exc}", address) from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = sock
-        self.parser = make_parser(DEFAULT_MAX_FRAME, DEFAULT_MAX_BATCH)
-
-    def _reconnect(self, failure: ClientError | None) -> None:
-        """Open a connection (after `failure`: to the next server, after a short pause) and
-        send every unanswered put on it, in order."""
-        if failure is not None:
-            self.close()
-            self.errors.append(failure)
-        while True:
-            if len(self.errors) > len(self.servers) or self.connects > MAX_RECONNECTS:
-                raise self._unreachable()
-            if self.errors:
-                self.index = (self.index + 1) % len(self.servers)
-                time.sleep(min(0.05 * len(self.errors), 0.5))
-            try:
-                self._connect()
-            except ConnectionFailed as exc:
-                self.errors.append(exc)
-                continue
-            self.connects += 1
-            assert self.sock is not None
-            try:
-                self.sock.settimeout(self.timeout)
-                for p in self.sent:
-                    if not p.done:
-                        self.resent += p.sends > 0
-                        p.sends += 1
-                        self.sock.sendall(p.frame)
-                return
-            except OSError as exc:
-                self.close()
-                self.errors.append(self._broken("re-sending puts", exc))
-
-    def _unreachable(self) -> Unreachable:
-        addresses = ",".join(a for a, _, _ in self.servers)
-        detail = "; ".join(str(e) for e in self.errors[-len(self.servers) - 1:])
-        if self.answered == 0 and all(isinstance(e, ConnectionFailed) for e in self.errors):
-            message = f"the queued sink cannot reach option server {addresses!r}: {detail}"
-        else:
-            message = (f"the queued sink lost its connection to {addresses!r} and could not "
-                       f"re-send {len(self.unanswered)} unanswered puts "
-                       f"({self.connects} connections opened): {detail}")
-        exc = Unreachable(message)
-        if self.errors:
-            exc.__cause__ = self.errors[-1]
-        return exc
-
-    def _receive(self) -> None:
-        """Handle the next reply (or a failure: then everything unanswered was re-sent)."""
-        if self.sock is None:
-            self._reconnect(None)
-        sock = self.sock
-        assert sock is not None
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                event = self.parser.next_event()
-            except RpcError as exc:
-                self.close()
-                raise BadResponse(f"{self.address}: {exc}") from None
-            if event is NEED_DATA:
-                remaining = deadline - time.monotonic()
-                try:
-                    if remaining <= 0:
-                        raise TimeoutError
-                    sock.settimeout(remaining)
-                    data = sock.recv(RECV)
-                except OSError as exc:
-                    self._reconnect(self._broken("waiting for a reply", exc))
-                    return
-                self.parser.receive_data(data)
-            elif isinstance(event, ConnectionClosed):
-                self._reconnect(ConnectionFailed(
-                    f"{self.address}: the server closed the connection", self.address))
-                return
-            elif isinstance(event, Response):
-                self._answer(event)
-                return
-            elif isinstance(event, Notification):
-                if event.method == "error" and event.params:
-                    self._refused(None, call_error(event.params[0], self.address))
-                    return
-            else:
-                self.close()
-                raise BadResponse(f"{self.address}: the server sent a request")
-
-    def _answer(self, response: Response) -> None:
-        p = self.unanswered.get(response.msgid)
-        if p is None:
-            return  # not ours (cannot happen on a fresh connection per re-send)
-        if response.error is not None:
-            self._refused(p, call_error(response.error, self.address))
-            return
-        if type(response.result) is not int:
-            self.close()
-            raise BadResponse(f"{self.address}: put answered {response.result!r:.80}")
-        del self.unanswered[response.msgid]
-        p.done = True
-        self.stored += response.result
-        self.answered += 1
-        self.errors.clear()
-        while self.sent and self.sent[0].done:
-            self.sent_bytes -= len(self.sent.popleft().frame)
-
-    def _refused(self, p: _Put | None, exc: RpcCallError) -> None:
-        if isinstance(exc, FAILOVER):
-            self._reconnect(exc)
-            return
-        self.close()
-        if p is None:
-            raise PutFailed(f"the queued sink's connection to {self.address} failed: {exc}")
-        where = f"a put of {p.count} items into queue {p.queue!r} on {self.address}"
-        if isinstance(exc, ItemTooLarge):
-            hint = (f"its largest item has {p.largest()} bytes; raise the server's or the "
-                    "queue's max_item_size, or filter out the big rows")
-        elif isinstance(exc, TooLarge):
-            hint = (f"the request has {len(p.frame)} bytes, over the server's rpc_max_frame "
-                    "or rpc_max_batch: lower option batch_bytes or batch_size")
-        elif isinstance(exc, QueueFull):
-            hint = "the queue is at its max_items or max_size; consume it or raise the limit"
-        elif isinstance(exc, JournalFull):
-            hint = "the server's max_journal_size is reached"
-        else:
-            hint = "see the server's log"
-        raise PutFailed(f"{where} was refused: {exc} ({hint})") from exc
+def _refused(queue: str, items: list[bytes], servers: str, exc: ClientError) -> PutFailed:
+    """The error a task fails with when a put fails: what, where, and what to do."""
+    where = f"a put of {len(items)} items into queue {queue!r}"
+    if isinstance(exc, ConnectionFailed):
+        return PutFailed(f"the queued sink cannot reach option server {servers!r} ({where}): "
+                         f"{exc}")
+    if isinstance(exc, ItemTooLarge):
+        hint = (f"its largest item has {max(map(len, items), default=0)} bytes; raise the "
+                "server's or the queue's max_item_size, or filter out the big rows")
+    elif isinstance(exc, TooLarge):
+        hint = (f"the request has {sum(map(len, items))} bytes of items, over the server's "
+                "rpc_max_frame or rpc_max_batch: lower option batch_bytes or batch_size")
+    elif isinstance(exc, QueueFull):
+        hint = "the queue is at its max_items or max_size; consume it or raise the limit"
+    elif isinstance(exc, JournalFull):
+        hint = "the server's max_journal_size is reached"
+    elif isinstance(exc, RpcCallError):
+        hint = "see the server's log"
+    else:
+        return PutFailed(f"{where} on {servers} failed: {exc} (rows put before it are "
+                         "stored; a retried task puts them again)")
+    return PutFailed(f"{where} on {servers} was refused: {exc} ({hint})")
 
 
 # -- the writer -------------------------------------------------------------------------------
-
-
-def _bool_option(options: Any, key: str) -> bool:
-    raw = str(options.get(key, "false") or "false").strip().lower()
-    if raw in ("true", "1", "yes"):
-        return True
-    if raw in ("false", "0", "no"):
-        return False
-    raise QueuedDataSourceError(f"option {key} must be true or false, not {raw!r}")
-
-
-def _float_option(options: Any, key: str, default: float) -> float:
-    raw = options.get(key)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise QueuedDataSourceError(f"option {key} must be a number, not {raw!r}") from None
-    if not value > 0:
-        raise QueuedDataSourceError(f"option {key} must be positive, not {raw!r}")
-    return value
 
 
 def _as_binary(column: pa.Array) -> pa.Array:
@@ -370,8 +96,8 @@ def _as_binary(column: pa.Array) -> pa.Array:
 
 
 class QueuedWriter(DataSourceArrowWriter):
-    """Each partition opens one connection and pipelines its rows' puts in batches
-    (at-least-once: a retried task puts its rows again)."""
+    """Each partition opens a client and puts its rows in batches (at-least-once: a
+    retried task puts its rows again)."""
 
     def __init__(self, options: Any, schema: StructType) -> None:
         self.servers = options.get("server") or options.get("servers")
@@ -404,7 +130,6 @@ class QueuedWriter(DataSourceArrowWriter):
             raise QueuedDataSourceError(f"bad queue name {self.queue!r} in option queue")
         self.batch = int_option(options, "batch_size", DEFAULT_WRITE_BATCH)
         self.batch_bytes = int_option(options, "batch_bytes", DEFAULT_WRITE_BATCH_BYTES)
-        self.max_inflight = int_option(options, "max_inflight", DEFAULT_MAX_INFLIGHT)
         raw_expiration = options.get("expiration_ms") or "0"
         try:
             self.expiration_ms = int(raw_expiration)
@@ -414,46 +139,40 @@ class QueuedWriter(DataSourceArrowWriter):
             raise QueuedDataSourceError(
                 f"option expiration_ms must be a whole number of ms >= 0 (0 = never), not "
                 f"{raw_expiration!r}")
-        self.timeout = _float_option(options, "timeout", 30.0)
-        self.connect_timeout = _float_option(options, "connect_timeout",
+        self.timeout = float_option(options, "timeout", 30.0)
+        self.connect_timeout = float_option(options, "connect_timeout",
                                              DEFAULT_CONNECT_TIMEOUT)
-        self.skip_null_data = _bool_option(options, "skip_null_data")
+        self.skip_null_data = bool_option(options, "skip_null_data")
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
-        from pyspark import TaskContext
+        from queued.client import Client
 
-        context = TaskContext.get()
-        partition = context.partitionId() if context is not None else 0
-        state = _PartitionWrite(self, PipelinedPutter(
-            self.servers, timeout=self.timeout, connect_timeout=self.connect_timeout,
-            window=self.max_inflight, first=partition))
-        with state.putter:
+        with Client(self.servers, connect_timeout=self.connect_timeout,
+                    read_timeout=self.timeout) as client:
+            state = _PartitionWrite(self, client)
             for batch in iterator:
                 state.add_batch(batch)
             state.finish()
-        p = state.putter
-        return WriteCommit(p.stored, p.answered, state.skipped, p.resent)
+        return WriteCommit(state.stored, state.puts, state.skipped)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         done = [m for m in messages if isinstance(m, WriteCommit)]
         rows, skipped = sum(m.rows for m in done), sum(m.skipped for m in done)
-        resent = sum(m.resent for m in done)
         log.info("queued sink: %d rows put in %d puts by %d tasks", rows,
                  sum(m.puts for m in done), len(done))
         if skipped:
             log.warning("queued sink: %d rows with a null data were skipped (skip_null_data)",
                         skipped)
-        if resent:
-            log.warning("queued sink: %d puts were re-sent after a broken connection; their "
-                        "items may be stored twice", resent)
 
 
 class _PartitionWrite:
-    """One task's rows on their way to the putter: per queue, items waiting for a full put."""
+    """One task's rows on their way to the server: per queue, items waiting for a full put."""
 
-    def __init__(self, writer: QueuedWriter, putter: PipelinedPutter) -> None:
+    def __init__(self, writer: QueuedWriter, client: Client) -> None:
         self.w = writer
-        self.putter = putter
+        self.client = client
+        self.stored = 0  # items the servers acknowledged
+        self.puts = 0
         self.pending: dict[str, list[bytes]] = {}
         self.pending_bytes: dict[str, int] = {}
         self.checked: set[str] = set()  # queue names of the queue column found valid
@@ -543,11 +262,14 @@ class _PartitionWrite:
 
     def _send(self, queue: str, items: list[bytes]) -> None:
         if items:
-            self.putter.put(queue, items, self.w.expiration_ms)
+            try:
+                self.stored += self.client.put(queue, items, self.w.expiration_ms)
+            except ClientError as exc:
+                raise _refused(queue, items, self.w.servers, exc) from exc
+            self.puts += 1
 
     def finish(self) -> None:
         for queue, items in self.pending.items():
             self._send(queue, items)
         self.pending.clear()
         self.pending_bytes.clear()
-        self.putter.drain()
