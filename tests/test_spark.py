@@ -91,7 +91,13 @@ def test_batch_read_matches_the_journal(spark: Any, tmp_path: Path) -> None:
     assert [f.dataType.simpleString() for f in df.schema.fields] == [
         "string", "bigint", "timestamp", "timestamp", "int", "binary"]
     segments = js.list_segments(data)
-    assert df.rdd.getNumPartitions() == len(segments) > 2  # one partition per segment
+    assert df.rdd.getNumPartitions() == 1  # small segments: read several to a task
+    one_each = spark.read.format("queued").option("max_partition_bytes", 1).load(str(data))
+    assert one_each.rdd.getNumPartitions() == len(segments) > 2
+    assert rows(one_each) == expected
+    sizes = [s.size for s in segments]
+    assert spark.read.format("queued").option("max_partition_bytes", 2 * max(sizes)).load(
+        str(data)).rdd.getNumPartitions() == len(_pack_sizes(sizes, 2 * max(sizes)))
     assert rows(df) == expected
     only = spark.read.format("queued").option("queues", "mail").load(str(data))
     assert rows(only) == journal_rows(data, "mail")
@@ -104,6 +110,17 @@ def test_batch_read_matches_the_journal(spark: Any, tmp_path: Path) -> None:
     assert [r[1] for r in rows(pending)] == [i for i in live if i > 10 and i != 17]
 
 
+def _pack_sizes(sizes: list[int], budget: int) -> list[list[int]]:
+    """The packing the reader should do: consecutive segments up to `budget` bytes."""
+    groups: list[list[int]] = []
+    for size in sizes:
+        if groups and sum(groups[-1]) + size <= budget:
+            groups[-1].append(size)
+        else:
+            groups.append([size])
+    return groups
+
+
 def test_id_range_options_skip_segments(spark: Any, tmp_path: Path) -> None:
     data = tmp_path / "data"
     trio.run(write_items, data, "jobs", 1, 2000)
@@ -112,8 +129,9 @@ def test_id_range_options_skip_segments(spark: Any, tmp_path: Path) -> None:
     n_jobs = len(js.list_segments(data, {"jobs"}))
     assert n_jobs > 10
 
-    def read(**options: str) -> Any:
-        return spark.read.format("queued").options(**options).load(str(data))
+    def read(**options: str) -> Any:  # one partition per segment: counts what is read
+        return spark.read.format("queued").option("max_partition_bytes", 1).options(
+            **options).load(str(data))
 
     for lo, hi in [("1", "2000"), ("1751", "0"), ("350", "359"), ("7", "7"), ("1", "3"),
                    ("11", "4"), ("1995", "3000")]:
@@ -319,7 +337,8 @@ def test_batch_read_with_the_archive_sees_every_record(spark: Any, tmp_path: Pat
     # A segment the server retires after planning is read from the archive.
     reader = QueuedBatchReader({"path": str(data), "archive_dir": str(archive)})
     parts = reader.partitions()
-    live = [p for p in parts if Path(p.path).parent == data]
+    live = [seg for p in parts for seg in p.segments  # type: ignore[attr-defined]
+            if Path(seg.path).parent == data]
     assert live
     moved = Path(live[-1].path)
     moved.rename(archive / moved.name)
@@ -328,7 +347,7 @@ def test_batch_read_with_the_archive_sees_every_record(spark: Any, tmp_path: Pat
     # Without the archive option, the same is a clear error.
     without = QueuedBatchReader({"path": str(data)})
     parts = without.partitions()
-    moved = Path(parts[-1].path)  # type: ignore[attr-defined]
+    moved = Path(parts[-1].segments[-1].path)  # type: ignore[attr-defined]
     moved.rename(tmp_path / moved.name)
     with pytest.raises(QueuedDataSourceError, match=r"removed while the query ran.*archive_dir"):
         list(without.read(parts[-1]))

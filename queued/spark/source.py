@@ -2,7 +2,7 @@
 (the sink is `queued.spark.writer`).
 
 Owns the mapping between Spark's Python Data Source API and `queued.journal_scan`:
-one input partition per segment, Arrow record batches out. Never writes a journal
+whole segments as input partitions, Arrow record batches out. Never writes a journal
 file: reads are read-only scans.
 """
 
@@ -55,47 +55,80 @@ def register(spark: Any) -> None:
 # -- partitions ----------------------------------------------------------------------------
 
 
+#: Segment bytes per input partition, as Spark's own spark.sql.files.maxPartitionBytes:
+#: PySpark spends tens of ms on each Python data source task (measured here: 64 one-segment
+#: tasks of 16 MiB read at half the rows/s of 16 bigger ones), so small segments are read
+#: several to a task.
+DEFAULT_PARTITION_BYTES = 128 << 20
+
+
 @dataclass(frozen=True)
-class SegmentPartition(InputPartition):
-    """One segment file and the ids wanted from it; with `live_at_ms`, only the items
-    not expired at that time."""
+class SegmentRead:
+    """One segment file of a queue and the ids wanted from it."""
 
     queue: str
     path: str
-    after: int = 0
-    upto: int = 0
-    skip: frozenset[int] = frozenset()
-    live_at_ms: int = 0
+    ids: js.IdFilter = js.ALL_IDS
     #: Where the segment is once the server retires it (archive_dir), if anywhere.
     archived_path: str = ""
 
 
-def _partition(seg: js.SegmentRef, archive: str | None, ids: js.IdFilter = js.ALL_IDS,
-               live_at_ms: int = 0) -> SegmentPartition:
+@dataclass(frozen=True)
+class SegmentPartition(InputPartition):
+    """Whole segments read by one task, in order; with `live_at_ms`, only the items not
+    expired at that time."""
+
+    segments: tuple[SegmentRead, ...]
+    live_at_ms: int = 0
+
+
+def _segment_read(seg: js.SegmentRef, archive: str | None,
+                  ids: js.IdFilter = js.ALL_IDS) -> SegmentRead:
     archived = str(Path(archive) / Path(seg.path).name) if archive else ""
-    return SegmentPartition(seg.queue, seg.path, ids.after, ids.upto, ids.skip, live_at_ms,
-                            "" if archived == seg.path else archived)
+    return SegmentRead(seg.queue, seg.path, ids, "" if archived == seg.path else archived)
+
+
+def _pack(reads: list[tuple[SegmentRead, int]], max_bytes: int,
+          live_at_ms: int = 0) -> list[InputPartition]:
+    """(segment, size) pairs, in order, as partitions of up to `max_bytes` (at least one
+    segment each)."""
+    parts: list[InputPartition] = []
+    group: list[SegmentRead] = []
+    size = 0
+    for read, nbytes in reads:
+        if group and size + nbytes > max_bytes:
+            parts.append(SegmentPartition(tuple(group), live_at_ms))
+            group, size = [], 0
+        group.append(read)
+        size += nbytes
+    if group:
+        parts.append(SegmentPartition(tuple(group), live_at_ms))
+    return parts
 
 
 def _read_partition(partition: SegmentPartition) -> Iterator[pa.RecordBatch]:
-    ids = js.IdFilter(partition.after, partition.upto, partition.skip)
-    for path in (partition.path, partition.archived_path):
+    for seg in partition.segments:
+        yield from _read_segment(seg, partition.live_at_ms)
+
+
+def _read_segment(seg: SegmentRead, live_at_ms: int) -> Iterator[pa.RecordBatch]:
+    for path in (seg.path, seg.archived_path):
         if not path:
             continue
         try:
-            chunks = js.scan_segment(path, ids)
+            chunks = js.scan_segment(path, seg.ids)
             first = next(chunks, None)  # opens the file: a retired one is not found
         except FileNotFoundError:
             continue
         for chunk in itertools.chain([first] if first else [], chunks):
-            batch = chunk_to_arrow(partition.queue, chunk, partition.live_at_ms)
+            batch = chunk_to_arrow(seg.queue, chunk, live_at_ms)
             if batch.num_rows:
                 yield batch
         return
     raise QueuedDataSourceError(
-        f"{partition.path} was removed while the query ran (compaction retired it)"
-        + (f", and is not in {Path(partition.archived_path).parent} either"
-           if partition.archived_path else
+        f"{seg.path} was removed while the query ran (compaction retired it)"
+        + (f", and is not in {Path(seg.archived_path).parent} either"
+           if seg.archived_path else
            "; set archive_dir on the server so retired segments are kept, and pass it "
            "with .option('archive_dir', ...)"))
 
@@ -151,8 +184,9 @@ class QueuedDataSource(DataSource):
 
 
 class QueuedBatchReader(DataSourceReader):
-    """One partition per segment that may hold wanted rows; `queues`, `min_id`/`max_id`
-    and `reader`/`pending` narrow what is read.
+    """The segments that may hold wanted rows, whole, packed into partitions of up to
+    `max_partition_bytes` (128 MiB; 1 gives one segment per partition); `queues`,
+    `min_id`/`max_id` and `reader`/`pending` narrow what is read.
 
     No `pushFilters`: PySpark 4.3 keeps the read planned during filter pushdown on the
     relation, shared by every query on the same DataFrame, so a later query without
@@ -166,6 +200,8 @@ class QueuedBatchReader(DataSourceReader):
         self.reader = pending_reader_option(options)
         self.id_after = int_option(options, "min_id", 1) - 1  # ids wanted: (after, upto]
         self.id_upto = int_option(options, "max_id", 0)  # 0: no bound
+        self.partition_bytes = int_option(options, "max_partition_bytes",
+                                          DEFAULT_PARTITION_BYTES)
 
     def partitions(self) -> Sequence[InputPartition]:
         if 0 < self.id_upto <= self.id_after:
@@ -173,7 +209,7 @@ class QueuedBatchReader(DataSourceReader):
         by_queue: dict[str, list[js.SegmentRef]] = {}
         for seg in js.list_segments_with_archive(self.path, self.archive, self.queues):
             by_queue.setdefault(seg.queue, []).append(seg)
-        parts: list[InputPartition] = []
+        reads: list[tuple[SegmentRead, int]] = []
         # Pending reads leave out what has expired by now: the server discards it.
         live_at = int(time.time() * 1000) if self.reader is not None else 0
         for queue, segments in by_queue.items():
@@ -186,9 +222,9 @@ class QueuedBatchReader(DataSourceReader):
                 pending = js.IdFilter.pending(cp)
                 after, skip = max(after, pending.after), pending.skip
             ids = js.IdFilter(after, upto, skip)
-            parts += [_partition(seg, self.archive, ids, live_at)
+            reads += [(_segment_read(seg, self.archive, ids), seg.size)
                       for seg in _prune(segments, ids)]
-        return parts
+        return _pack(reads, self.partition_bytes, live_at)
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if not isinstance(partition, SegmentPartition):
             # No segment at all: PySpark still reads one partition (None). No rows.
@@ -212,6 +248,8 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.queues = queues_option(options)
         self.max_items = int_option(options, "max_items_per_trigger", 0) if options.get(
             "max_items_per_trigger") else 0
+        self.partition_bytes = int_option(options, "max_partition_bytes",
+                                          DEFAULT_PARTITION_BYTES)
         self.starting = str(options.get("starting", "earliest")).lower()
         if self.starting not in ("earliest", "latest"):
             raise QueuedDataSourceError('option starting must be "earliest" or "latest"')
@@ -322,17 +360,17 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         segments = self._segments()
-        parts: list[InputPartition] = []
+        reads: list[tuple[SegmentRead, int]] = []
         for q in sorted(end):
             after, upto = start.get(q, 0), end[q]
             if upto <= after:
                 continue
             segs = segments.get(q, [])
             self._check_continuity(q, after, upto, segs)
-            for seg, summary in segs:
-                if summary.last_id > after and summary.first_id <= upto:
-                    parts.append(_partition(seg, self.archive, js.IdFilter(after, upto)))
-        return parts
+            reads += [(_segment_read(seg, self.archive, js.IdFilter(after, upto)), seg.size)
+                      for seg, summary in segs
+                      if summary.last_id > after and summary.first_id <= upto]
+        return _pack(reads, self.partition_bytes)
 
     def _check_continuity(self, queue: str, after: int, upto: int,
                           segs: list[tuple[js.SegmentRef, js.SegmentSummary]]) -> None:
