@@ -21,6 +21,7 @@ try:
     import pyarrow as pa
     from pyspark.sql.types import BinaryType, StringType, StructField, StructType
 
+    from queued.spark import QueuedDataSourceError
     from queued.spark.writer import QueuedWriter, WriteCommit
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"pyspark/pyarrow not installed ({exc}); pip install -e '.[spark]'",
@@ -148,7 +149,7 @@ def test_commit_message_counts_rows_puts_and_skipped_rows(server: ServerProcess)
 def test_an_item_over_the_servers_max_item_size_fails_the_write(
         spark: Any, tmp_path: Path) -> None:
     config = tmp_path / "queued.toml"
-    config.write_text("[server]\nmax_item_size = 4096\n")
+    config.write_text("[server]\nmax_item_size = 4096\n\n[queues.tiny]\nmax_items = 2\n")
     server = ServerProcess(tmp_path / "data", tmp_path / "server.log", config).start()
     try:
         addr = address(server)
@@ -160,6 +161,14 @@ def test_an_item_over_the_servers_max_item_size_fails_the_write(
             save(df, addr, queue="big")
         assert "its largest item has 5000 bytes" in str(info.value)
         assert drain(addr, "big") == []  # the put was refused whole
+        # A full queue: the third one-item put is refused, the first two are stored.
+        writer = QueuedWriter({"server": addr, "queue": "tiny", "batch_size": "1"},
+                              StructType([StructField("data", BinaryType())]))
+        with pytest.raises(QueuedDataSourceError, match=re.escape(
+                f"a put of 1 items into queue 'tiny' on {addr} was refused: QUEUE_FULL")
+                + ".*consume it or raise the limit"):
+            writer.write(iter([pa.RecordBatch.from_pydict({"data": [b"1", b"2", b"3"]})]))
+        assert drain(addr, "tiny") == [b"1", b"2"]
     finally:
         server.kill()
 
