@@ -6,7 +6,7 @@ waiters (FIFO); reliable reads belong to a `Client` (one per connection) and go
 back to the head of their queue when it leaves; read-behind refills memory from
 the journal in a worker thread; background tasks write checkpoints, compact,
 sweep expired items and expire open reads. No sockets here: the protocol
-sessions call these methods. The per-reader state machine is `queued.queue`.
+sessions call these methods. The per-reader state machine is `queued.core.queue`.
 
 Readers. `q` is reader "" of queue q; `q+name` is reader `name`. A new named
 reader starts at the tail (it sees items put after it was created), except the
@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from queued import journal_format as jf
-from queued.datadir import DataDir, open_data_dir
-from queued.errors import (
+from queued.core import journal_format as jf
+from queued.core.errors import (
     BadNameError,
     ItemTooLargeError,
     JournalError,
@@ -41,10 +40,11 @@ from queued.errors import (
     QueueFullError,
     ReadStateError,
 )
-from queued.journal import QueueJournal, Ticket, wait_durable
-from queued.queue import Item, Reader
-from queued.recovery import SegmentInfo
-from queued.stats import LATENCY_BUCKETS, Histogram
+from queued.core.queue import Item, Reader
+from queued.core.stats import LATENCY_BUCKETS, Histogram
+from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.journal import QueueJournal, Ticket, wait_durable
+from queued.storage.recovery import SegmentInfo
 
 if TYPE_CHECKING:
     from queued.config import QueueConfig, ServerConfig

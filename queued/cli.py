@@ -26,7 +26,6 @@ import trio
 
 from queued import __version__
 from queued import config as qconfig
-from queued import journal_format as jf
 from queued.client import (
     DEFAULT_PORT,
     Client,
@@ -37,10 +36,11 @@ from queued.client import (
     parse_servers,
 )
 from queued.config import ConfigError, add_serve_arguments, load_config
-from queued.errors import CorruptRecordError, QueuedError
+from queued.core import journal_format as jf
+from queued.core.errors import CorruptRecordError, QueuedError
 from queued.logs import setup_logging
-from queued.recovery import TailState, inspect_segment, read_checkpoint
-from queued.server import serve
+from queued.server.listeners import serve
+from queued.storage.recovery import TailState, inspect_segment, read_checkpoint
 
 PREVIEW = 40
 

@@ -29,10 +29,17 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final, TypeVar
 
-from queued.errors import QueuedError
-from queued.journal import DataDirConfig, FsyncMode, FsyncPolicy, FullPolicy, JournalConfig, MiB
-from queued.journal_format import valid_name
-from queued.recovery import CorruptionPolicy
+from queued.core.errors import QueuedError
+from queued.core.journal_format import valid_name
+from queued.storage.journal import (
+    DataDirConfig,
+    FsyncMode,
+    FsyncPolicy,
+    FullPolicy,
+    JournalConfig,
+    MiB,
+)
+from queued.storage.recovery import CorruptionPolicy
 
 log = logging.getLogger("queued.config")
 

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import trio
 
-from queued.datadir import open_data_dir
-from queued.journal import (
+from queued.storage.datadir import open_data_dir
+from queued.storage.journal import (
     DataDirConfig,
     FsyncPolicy,
     JournalConfig,

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import queued.broker as broker_module
-from queued import journal_format as jf
 from queued.broker import Broker, Client, open_broker
 from queued.config import ServerConfig, load_config
-from queued.errors import ItemTooLargeError, QueueFullError, ReadStateError
+from queued.core import journal_format as jf
+from queued.core.errors import ItemTooLargeError, QueueFullError, ReadStateError
 
 T0 = 1_700_000_000_000
 HOUR = 3_600_000

@@ -46,8 +46,8 @@ from queued.client import (
     UnknownMethod,
     parse_servers,
 )
-from queued.client_common import ERRORS, Pool, call_error
-from queued.rpc_protocol import (
+from queued.client.core import ERRORS, Pool, call_error
+from queued.core.rpc_protocol import (
     NEED_DATA,
     ErrorCode,
     Request,
@@ -95,7 +95,7 @@ def free_port() -> int:
 
 
 def test_client_common_is_pure() -> None:
-    assert imported_modules("queued.client_common", set()) & FORBIDDEN == set()
+    assert imported_modules("queued.client.core", set()) & FORBIDDEN == set()
 
 
 def test_parse_servers() -> None:

@@ -30,9 +30,16 @@ from queued.config import (
     parse_size,
     reload_queue_configs,
 )
-from queued.errors import QueuedError
-from queued.journal import DataDirConfig, FsyncMode, FsyncPolicy, FullPolicy, JournalConfig, MiB
-from queued.recovery import CorruptionPolicy
+from queued.core.errors import QueuedError
+from queued.storage.journal import (
+    DataDirConfig,
+    FsyncMode,
+    FsyncPolicy,
+    FullPolicy,
+    JournalConfig,
+    MiB,
+)
+from queued.storage.recovery import CorruptionPolicy
 
 NO_ENV: dict[str, str] = {}
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import crash_driver as drv
 import pytest
 
-from queued import journal as journal_module
-from queued import journal_format as jf
-from queued.datadir import DataDir, open_data_dir
-from queued.journal import (
+from queued.core import journal_format as jf
+from queued.storage import journal as journal_module
+from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.journal import (
     DataDirConfig,
     FsyncPolicy,
     JournalConfig,
@@ -401,7 +401,7 @@ async def test_compacting_twice_keeps_what_a_rewritten_segment_still_holds(
 
 
 class FsyncTracker:
-    """Stands in for `os` inside queued.journal: which files hold unfsynced writes.
+    """Stands in for `os` inside queued.storage.journal: which files hold unfsynced writes.
 
     SIGKILL keeps the page cache, so the subprocess tests cannot see a missing
     fsync; a power cut would. This records, per path, whether bytes were written

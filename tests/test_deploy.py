@@ -35,7 +35,7 @@ from queued.config import (
     env_var,
     load_config,
 )
-from queued.http import ROUTES
+from queued.server.http import ROUTES
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -17,11 +17,17 @@ import pytest
 import trio
 from disk_util import fill, fill_completely
 
-from queued import journal as journal_module
-from queued import journal_format as jf
-from queued.datadir import DataDir, open_data_dir
-from queued.errors import JournalWriteError
-from queued.journal import DataDirConfig, FsyncPolicy, JournalConfig, QueueJournal, wait_durable
+from queued.core import journal_format as jf
+from queued.core.errors import JournalWriteError
+from queued.storage import journal as journal_module
+from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.journal import (
+    DataDirConfig,
+    FsyncPolicy,
+    JournalConfig,
+    QueueJournal,
+    wait_durable,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -253,7 +259,7 @@ async def test_batch_acked_before_a_split_batch_hit_enospc_was_fsynced(
 
 
 class FailingFsync:
-    """Stands in for `os` inside queued.journal; `fail` makes the next fsync raise it.
+    """Stands in for `os` inside queued.storage.journal; `fail` makes the next fsync raise it.
 
     On a delayed-allocation filesystem (ext4, XFS, NFS) a full disk can surface
     at fsync time as ENOSPC, after write() succeeded.

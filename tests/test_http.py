@@ -30,10 +30,10 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 from server_util import HOST, WAIT, Conn, ServerProcess, http_get, make_config, running
 
 from queued import __version__
-from queued import http as qhttp
 from queued.config import ServerConfig
-from queued.http import Ops, serve_http
-from queued.server import Server
+from queued.server import http as qhttp
+from queued.server.http import Ops, serve_http
+from queued.server.listeners import Server
 
 Labels = frozenset[tuple[str, str]]
 

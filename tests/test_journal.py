@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import trio
 
-from queued import journal_format as jf
 from queued.cli import check, dump
-from queued.compaction import live_upper_bound, plan_compaction
-from queued.datadir import DataDir, open_data_dir
-from queued.errors import CorruptJournalError, JournalFullError
-from queued.journal import DataDirConfig, FsyncPolicy, FullPolicy, JournalConfig
-from queued.recovery import Checkpoint, CorruptionPolicy, SegmentInfo
+from queued.core import journal_format as jf
+from queued.core.errors import CorruptJournalError, JournalFullError
+from queued.storage.compaction import live_upper_bound, plan_compaction
+from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.journal import DataDirConfig, FsyncPolicy, FullPolicy, JournalConfig
+from queued.storage.recovery import Checkpoint, CorruptionPolicy, SegmentInfo
 
 T0 = 1_700_000_000_000
 

@@ -1,4 +1,4 @@
-"""queued.journal_scan (no Spark needed): segment listing, chunked scans of journals
+"""queued.storage.journal_scan (no Spark needed): segment listing, chunked scans of journals
 written by the real journal code, id filters, torn tails of a live writer, summaries."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from queued import journal_format as jf
-from queued import journal_scan as js
-from queued.datadir import DataDir, open_data_dir
-from queued.journal import JournalConfig
+from queued.core import journal_format as jf
+from queued.storage import journal_scan as js
+from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.journal import JournalConfig
 
 T0 = 1_700_000_000_000
 
@@ -122,6 +122,6 @@ def test_reader_checkpoint(tmp_path: Path) -> None:
 
 
 def test_journal_scan_imports_no_spark() -> None:
-    code = "import sys, queued.journal_scan; assert 'pyspark' not in sys.modules; " \
+    code = "import sys, queued.storage.journal_scan; assert 'pyspark' not in sys.modules; " \
            "assert 'pyarrow' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from queued import memcache_protocol as mp
-from queued.errors import QueuedError
-from queued.memcache_protocol import (
+from queued.core import memcache_protocol as mp
+from queued.core.errors import QueuedError
+from queued.core.memcache_protocol import (
     NEED_DATA,
     Confirm,
     ConnectionClosed,
@@ -437,7 +437,7 @@ def imported_modules(module: str, seen: set[str]) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("module", ["queued.memcache_protocol", "queued.text_protocol"])
+@pytest.mark.parametrize("module", ["queued.core.memcache_protocol", "queued.core.text_protocol"])
 def test_protocol_modules_are_pure(module: str) -> None:
     assert imported_modules(module, set()) & FORBIDDEN == set()
 

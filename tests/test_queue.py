@@ -1,4 +1,4 @@
-"""The pure per-reader state machine (queued.queue.Reader): ordering, read-behind,
+"""The pure per-reader state machine (queued.core.queue.Reader): ordering, read-behind,
 checkpoints, expiry, limits, drop_through, and a hypothesis state machine checking that a
 checkpoint (head, done) always describes exactly the outstanding items."""
 
@@ -18,8 +18,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from queued.journal_format import Put
-from queued.queue import Reader
+from queued.core.journal_format import Put
+from queued.core.queue import Reader
 
 T0 = 1_700_000_000_000
 
@@ -895,7 +895,7 @@ def test_restore_then_refill_order(cap: int) -> None:
 
 
 def test_flush_with_an_open_read_lists_at_most_the_cap_of_done_ids() -> None:
-    from queued.queue import FLUSH_DONE_CAP
+    from queued.core.queue import FLUSH_DONE_CAP
 
     r = reader(max_memory_size=100)
     r.add(items(range(1, 11), 10))  # ids 1..10 in memory

@@ -1,5 +1,5 @@
-"""Regression tests for the bugs a review found in queued.broker / queued.server /
-queued.queue (repro scripts t1..t9): each failed before the fix that followed the review.
+"""Regression tests for the bugs a review found in queued.broker / queued.server.listeners /
+queued.core.queue (repro scripts t1..t9): each failed before the fix that followed the review.
 
 Races are made deterministic by gating the journal's checkpoint methods on trio Events
 instead of sleeping.
@@ -19,7 +19,7 @@ import trio
 import trio.testing
 from server_util import WAIT, Conn, make_config, running
 
-import queued.journal
+import queued.storage.journal
 from queued.broker import Client, open_broker
 from queued.config import ServerConfig
 
@@ -228,7 +228,7 @@ async def test_checkpoint_write_oserror_is_a_server_error(
         port = server.ports["memcache"]
         conn = await Conn.open(port)
         assert await conn.set("q", b"a") == b"STORED"
-        monkeypatch.setattr(queued.journal, "write_checkpoint", enospc)  # the disk fills up
+        monkeypatch.setattr(queued.storage.journal, "write_checkpoint", enospc)  # the disk fills up
         await conn.send(b"get q+r\r\nget q+s/t=50\r\n")
         for _ in range(2):
             reply = await conn.line()

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from queued import rpc_protocol as rp
-from queued.errors import QueuedError
-from queued.rpc_protocol import (
+from queued.core import rpc_protocol as rp
+from queued.core.errors import QueuedError
+from queued.core.rpc_protocol import (
     DEFAULT_MAX_BATCH,
     MAX_MAP_LEN,
     MAX_MS,
@@ -1082,7 +1082,7 @@ def imported_modules(module: str, seen: set[str]) -> set[str]:
 
 
 def test_rpc_protocol_is_pure() -> None:
-    found = imported_modules("queued.rpc_protocol", set())
+    found = imported_modules("queued.core.rpc_protocol", set())
     forbidden = {"trio", "socket", "os", "time", "prometheus_client", "asyncio", "select",
                  "selectors", "threading", "io", "pathlib", "shutil", "subprocess"}
     assert not found & forbidden, found & forbidden

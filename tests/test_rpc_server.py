@@ -21,8 +21,8 @@ from server_util import WAIT, make_config, running
 from queued import __version__
 from queued.broker import TIMEOUT_HEAP_MIN
 from queued.config import ServerConfig
-from queued.rpc_protocol import ErrorCode
-from queued.rpc_session import MAX_WAITING
+from queued.core.rpc_protocol import ErrorCode
+from queued.server.rpc_session import MAX_WAITING
 
 E = ErrorCode
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from queued import journal_format as jf
-from queued import journal_scan as js
+from queued.core import journal_format as jf
+from queued.storage import journal_scan as js
 
 try:
     from queued.spark.arrow import ARROW_SCHEMA, chunk_to_arrow

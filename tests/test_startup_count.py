@@ -14,7 +14,7 @@ from test_broker import make_config, stats, with_default
 
 import queued.broker as broker_module
 from queued.broker import Client, open_broker
-from queued.journal import QueueJournal
+from queued.storage.journal import QueueJournal
 
 
 async def fill(tmp_path: Path) -> tuple[int, int]:

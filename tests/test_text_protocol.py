@@ -9,9 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from queued import text_protocol as tp
-from queued.memcache_protocol import NEED_DATA, ConnectionClosed, LocalProtocolError, ProtocolError
-from queued.text_protocol import (
+from queued.core import text_protocol as tp
+from queued.core.memcache_protocol import (
+    NEED_DATA,
+    ConnectionClosed,
+    LocalProtocolError,
+    ProtocolError,
+)
+from queued.core.text_protocol import (
     Confirm,
     Delete,
     Flush,

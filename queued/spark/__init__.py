@@ -2,7 +2,7 @@
 
 Owns nothing but the import check. The source lives in `queued.spark.source`, the sink
 in `queued.spark.writer`, option parsing in `queued.spark.options`, and the file
-scanning (no pyspark) in `queued.journal_scan`. Needs `pip install 'queued[spark]'`.
+scanning (no pyspark) in `queued.storage.journal_scan`. Needs `pip install 'queued[spark]'`.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from queued import journal_format as jf
-from queued.journal_scan import PutChunk
+from queued.core import journal_format as jf
+from queued.storage.journal_scan import PutChunk
 
 ARROW_SCHEMA = pa.schema([
     ("queue", pa.string()), ("id", pa.int64()), ("add_time", pa.timestamp("us", tz="UTC")),

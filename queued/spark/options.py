@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from queued import journal_format as jf
-from queued.errors import QueuedError
+from queued.core import journal_format as jf
+from queued.core.errors import QueuedError
 
 
 class QueuedDataSourceError(QueuedError):

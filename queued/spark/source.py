@@ -1,7 +1,7 @@
 """The `queued` Spark data source: batch and streaming reads of journal directories
 (the sink is `queued.spark.writer`).
 
-Owns the mapping between Spark's Python Data Source API and `queued.journal_scan`:
+Owns the mapping between Spark's Python Data Source API and `queued.storage.journal_scan`:
 whole segments as input partitions, Arrow record batches out. Never writes a journal
 file: reads are read-only scans.
 """
@@ -31,7 +31,6 @@ from pyspark.sql.streaming.datasource import (  # pyspark >= 4.2 (admission cont
 )
 from pyspark.sql.types import StructType
 
-from queued import journal_scan as js
 from queued.spark.arrow import chunk_to_arrow
 from queued.spark.options import (
     QueuedDataSourceError,
@@ -42,6 +41,7 @@ from queued.spark.options import (
     queues_option,
 )
 from queued.spark.writer import QueuedWriter
+from queued.storage import journal_scan as js
 
 #: The rows of every read. Timestamps come from the journal's milliseconds.
 SCHEMA = ("queue string, id bigint, add_time timestamp, expire_time timestamp, "

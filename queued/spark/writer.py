@@ -20,8 +20,7 @@ import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 from pyspark.sql.types import BinaryType, StringType, StructType
 
-from queued import journal_format as jf
-from queued.client_common import (
+from queued.client.core import (
     ClientError,
     ConnectionFailed,
     ItemTooLarge,
@@ -31,6 +30,7 @@ from queued.client_common import (
     TooLarge,
     parse_servers,
 )
+from queued.core import journal_format as jf
 from queued.spark.options import QueuedDataSourceError, bool_option, float_option, int_option
 
 if TYPE_CHECKING:  # imported by the task itself: planning does not need the client

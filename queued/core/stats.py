@@ -2,7 +2,7 @@
 
 PURE: no clocks, sockets or files; callers pass durations in. Everything here is
 cheap enough for the hot path (a bisect and two additions per observation), and
-nothing here knows about Prometheus: `queued.metrics` reads these at scrape time.
+nothing here knows about Prometheus: `queued.server.metrics` reads these at scrape time.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from typing import Any, Final, TypeAlias
 
 import msgpack
 
-from queued.errors import QueuedError
-from queued.memcache_protocol import NEED_DATA, ConnectionClosed, NeedData, is_valid_name
+from queued.core.errors import QueuedError
+from queued.core.memcache_protocol import NEED_DATA, ConnectionClosed, NeedData, is_valid_name
 
 __all__ = [
     "METHODS",

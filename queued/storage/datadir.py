@@ -19,9 +19,10 @@ from pathlib import Path
 
 import trio
 
-from queued import journal_format as jf
-from queued.errors import CorruptJournalError, CorruptRecordError, JournalClosedError
-from queued.journal import (
+from queued.core import journal_format as jf
+from queued.core.errors import CorruptJournalError, CorruptRecordError, JournalClosedError
+from queued.core.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
+from queued.storage.journal import (
     DataDirConfig,
     FsyncMode,
     JournalConfig,
@@ -29,7 +30,7 @@ from queued.journal import (
     _Chunk,
     _Written,
 )
-from queued.recovery import (
+from queued.storage.recovery import (
     Checkpoint,
     Damage,
     SegmentInfo,
@@ -38,7 +39,6 @@ from queued.recovery import (
     scan_segment,
     write_checkpoint,
 )
-from queued.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
 
 log = logging.getLogger("queued.datadir")
 

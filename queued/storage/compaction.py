@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from queued import journal_format as jf
-from queued.errors import JournalError
-from queued.recovery import Checkpoint, SegmentInfo, fsync_dir
+from queued.core import journal_format as jf
+from queued.core.errors import JournalError
+from queued.storage.recovery import Checkpoint, SegmentInfo, fsync_dir
 
 if TYPE_CHECKING:
-    from queued.journal import QueueJournal
+    from queued.storage.journal import QueueJournal
 
 #: Records per batch in a rewritten segment.
 REWRITE_BATCH_BYTES = 1 << 20

@@ -22,10 +22,10 @@ import trio
 
 from queued import __version__
 from queued.config import ServerConfig
-from queued.metrics import disk_usage, render, take_snapshot
+from queued.server.metrics import disk_usage, render, take_snapshot
 
 if TYPE_CHECKING:
-    from queued.server import Server
+    from queued.server.listeners import Server
 
 log = logging.getLogger("queued.http")
 

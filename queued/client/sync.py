@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-from queued.aclient import AsyncClient, AsyncConsumer
-from queued.client_common import (
+from queued.client.aio import AsyncClient, AsyncConsumer
+from queued.client.core import (
     CLOSING,
     DEFAULT_PORT,
     FAILOVER,
@@ -63,7 +63,7 @@ from queued.client_common import (
     settle_groups,
     to_items,
 )
-from queued.rpc_protocol import (
+from queued.core.rpc_protocol import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_FRAME,
     NEED_DATA,

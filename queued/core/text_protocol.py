@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
-from queued.memcache_protocol import (
+from queued.core.memcache_protocol import (
     MAX_TIMEOUT_MS,
     NEED_DATA,
     ArgumentError,

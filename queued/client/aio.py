@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from queued.client_common import (
+from queued.client.core import (
     CLOSING,
     DEFAULT_PORT,
     FAILOVER,
@@ -48,7 +48,7 @@ from queued.client_common import (
     settle_groups,
     to_items,
 )
-from queued.rpc_protocol import (
+from queued.core.rpc_protocol import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_FRAME,
     NEED_DATA,

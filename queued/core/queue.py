@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from queued.journal_format import Put
+from queued.core.journal_format import Put
 
 Item = Put
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from queued import journal_format as jf
-from queued.errors import BadMagicError, CorruptJournalError, CorruptRecordError
+from queued.core import journal_format as jf
+from queued.core.errors import BadMagicError, CorruptJournalError, CorruptRecordError
 
 log = logging.getLogger("queued.recovery")
 

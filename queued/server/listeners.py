@@ -27,11 +27,11 @@ from typing import Any
 import trio
 
 from queued import __version__
-from queued import memcache_protocol as mc
-from queued import text_protocol as tp
 from queued.broker import Broker, Client, PendingPut, open_broker
 from queued.config import ConfigError, ServerConfig, reload_queue_configs
-from queued.errors import (
+from queued.core import memcache_protocol as mc
+from queued.core import text_protocol as tp
+from queued.core.errors import (
     ItemTooLargeError,
     JournalError,
     JournalFullError,
@@ -40,11 +40,11 @@ from queued.errors import (
     QueueFullError,
     ReadStateError,
 )
-from queued.http import Ops, serve_http
-from queued.metrics import disk_usage
-from queued.queue import Item
-from queued.rpc_session import RpcSession
-from queued.stats import ProtocolStats, command_name
+from queued.core.queue import Item
+from queued.core.stats import ProtocolStats, command_name
+from queued.server.http import Ops, serve_http
+from queued.server.metrics import disk_usage
+from queued.server.rpc_session import RpcSession
 
 log = logging.getLogger("queued.server")
 
@@ -59,7 +59,7 @@ RELATIVE_EXPTIME_LIMIT = 1_000_000
 DISK_CHECK_SECONDS = 10.0
 DISK_WARN_REPEAT_SECONDS = 300.0
 
-#: The listeners that speak a queue protocol (http is served apart, by queued.http).
+#: The listeners that speak a queue protocol (http is served apart, by queued.server.http).
 PROTOCOLS = ("memcache", "text", "rpc")
 
 
@@ -768,7 +768,7 @@ async def serve(
     """Listen, recover, serve until shutdown, then close cleanly.
 
     The operations port answers from the start: /livez at once, /readyz once
-    recovery has finished (see queued.http). A SIGTERM or SIGINT that arrives
+    recovery has finished (see queued.server.http). A SIGTERM or SIGINT that arrives
     during recovery stops the server as soon as recovery has finished (recovery
     itself is not interrupted: it may be rewriting a segment).
     """

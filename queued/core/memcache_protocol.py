@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias
 
-from queued.errors import QueuedError
+from queued.core.errors import QueuedError
 
 DEFAULT_MAX_LINE: Final = 2048
 DEFAULT_MAX_ITEM_SIZE: Final = 16 * 1024 * 1024

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
-from queued.errors import BadMagicError, ChecksumMismatchError, CorruptRecordError
+from queued.core.errors import BadMagicError, ChecksumMismatchError, CorruptRecordError
 
 # -- magic bytes and command numbers (seed 002) ---------------------------------
 

@@ -1,7 +1,7 @@
 """What queued's two clients share: errors, values, server addresses, back-off, reply shapes.
 
 Pure: no sockets, no trio, no clock (callers pass the time), so `Client` (queued.client)
-and `AsyncClient` (queued.aclient) make the same decisions. Import the public names from
+and `AsyncClient` (queued.client.aio) make the same decisions. Import the public names from
 queued.client; the rest here is internal to the clients.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
-from queued.errors import QueuedError
-from queued.rpc_protocol import MAX_MSGID, ErrorCode, RpcParser
+from queued.core.errors import QueuedError
+from queued.core.rpc_protocol import MAX_MSGID, ErrorCode, RpcParser
 
 DEFAULT_PORT: Final = 2229
 #: Bytes asked of the socket per receive.

@@ -34,11 +34,11 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from queued import __version__
-from queued.journal import JournalStats
-from queued.stats import HistogramSnapshot, ProtocolStats
+from queued.core.stats import HistogramSnapshot, ProtocolStats
+from queued.storage.journal import JournalStats
 
 if TYPE_CHECKING:
-    from queued.server import Server
+    from queued.server.listeners import Server
 
 #: Bodies at least this big are gzipped when the scraper accepts it.
 GZIP_MIN_BYTES = 1024

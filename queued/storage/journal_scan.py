@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from queued import journal_format as jf
-from queued.errors import CorruptRecordError, QueuedError
-from queued.recovery import Checkpoint, read_checkpoint
+from queued.core import journal_format as jf
+from queued.core.errors import CorruptRecordError, QueuedError
+from queued.storage.recovery import Checkpoint, read_checkpoint
 
 #: Bytes read from a segment file per read call; bounds a scan's memory.
 CHUNK_SIZE = 8 << 20

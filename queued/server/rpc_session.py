@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from queued import __version__
-from queued import rpc_protocol as rp
 from queued.broker import Client, PendingPut
-from queued.errors import (
+from queued.core import rpc_protocol as rp
+from queued.core.errors import (
     BadNameError,
     ItemTooLargeError,
     JournalClosedError,
@@ -28,10 +28,10 @@ from queued.errors import (
     QueueFullError,
     ReadStateError,
 )
-from queued.queue import Item
+from queued.core.queue import Item
 
 if TYPE_CHECKING:
-    from queued.server import Server
+    from queued.server.listeners import Server
 
 log = logging.getLogger("queued.rpc")
 

@@ -2,7 +2,7 @@
 
 Owns the queue's writer segments and reader checkpoint files. Appends are
 planned here on the trio side and written by the data directory's writer task
-(queued.datadir) in a worker thread: one write + one fsync per queue per round.
+(queued.storage.datadir) in a worker thread: one write + one fsync per queue per round.
 Never acknowledges an append before its bytes are written and, under fsync
 "always", fsynced. Knows nothing of sockets or protocols.
 """
@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from queued import compaction
-from queued import journal_format as jf
-from queued.compaction import CompactionResult
-from queued.errors import (
+from queued.core import journal_format as jf
+from queued.core.errors import (
     JournalClosedError,
     JournalError,
     JournalFullError,
     JournalWriteError,
 )
-from queued.recovery import (
+from queued.storage import compaction
+from queued.storage.compaction import CompactionResult
+from queued.storage.recovery import (
     Checkpoint,
     CorruptionPolicy,
     SegmentInfo,
@@ -40,7 +40,7 @@ from queued.recovery import (
 )
 
 if TYPE_CHECKING:
-    from queued.datadir import DataDir
+    from queued.storage.datadir import DataDir
 
 log = logging.getLogger("queued.journal")
 
@@ -622,7 +622,7 @@ class QueueJournal:
     # -- compaction and size limits -------------------------------------------------
 
     async def compact(self) -> CompactionResult:
-        """Remove dead segments, rewrite straggler-pinned ones; see queued.compaction."""
+        """Remove dead segments, rewrite straggler-pinned ones; see queued.storage.compaction."""
         async with self._maintenance_lock:
             return await compaction.compact(self)
 
