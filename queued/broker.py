@@ -1122,7 +1122,7 @@ def _count_unconsumed(journal: QueueJournal, head: int, done: frozenset[int]) ->
             count += seg.count
             nbytes += seg.data_bytes
             continue
-        for put in journal._iter_segment(seg, head + 1, None):
+        for put in journal.iter_segment(seg, head + 1, None):
             if put.id not in done:
                 count += 1
                 nbytes += len(put.data)
@@ -1131,7 +1131,7 @@ def _count_unconsumed(journal: QueueJournal, head: int, done: frozenset[int]) ->
 
 def _segment_sizes(journal: QueueJournal, seg: SegmentInfo) -> list[tuple[int, int]]:
     """(id, data size) of every item in one segment."""
-    return [(p.id, len(p.data)) for p in journal._iter_segment(seg, 1, None)]
+    return [(p.id, len(p.data)) for p in journal.iter_segment(seg, 1, None)]
 
 
 def _read_range(

@@ -55,13 +55,13 @@ async def test_restart_counts_the_backlog_exactly(
 
         monkeypatch.setattr(broker_module, "_count_unconsumed", slow)
     decoded: list[int] = []
-    real_iter = QueueJournal._iter_segment
+    real_iter = QueueJournal.iter_segment
 
     def spy(self, seg, from_id, to_id):  # type: ignore[no-untyped-def]
         decoded.append(seg.number)
         return real_iter(self, seg, from_id, to_id)
 
-    monkeypatch.setattr(QueueJournal, "_iter_segment", spy)
+    monkeypatch.setattr(QueueJournal, "iter_segment", spy)
     async with open_broker(cfg) as broker:
         segments = len(broker.queues["q"].journal.segments)
         # Fast: only the segment holding the done ids is decoded to count (read-behind

@@ -138,7 +138,7 @@ def _rewrite_run(
             count = first = 0
 
         for seg in run:
-            for put in journal._iter_segment(seg, seg.first_id, None):
+            for put in journal.iter_segment(seg, seg.first_id, None):
                 if not needed(put.id, snapshot):
                     continue
                 batch += jf.encode_put(put)

@@ -557,7 +557,7 @@ class QueueJournal:
             if seg is None or (to_id is not None and next_id > to_id):
                 return
             try:
-                yield from self._iter_segment(seg, next_id, to_id)
+                yield from self.iter_segment(seg, next_id, to_id)
             except FileNotFoundError:
                 # Compaction replaced it under us and is about to publish the new
                 # list: look it up again after a short pause (bounded).
@@ -568,7 +568,7 @@ class QueueJournal:
                 continue
             next_id = max(next_id, seg.last_id + 1)
 
-    def _iter_segment(self, seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[jf.Put]:
+    def iter_segment(self, seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[jf.Put]:
         offset = seg.seek_offset(from_id)
         limit = seg.size
         with seg.path.open("rb") as f:
