@@ -13,12 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from queued.core import errors, wire
 from queued.core import memcache_protocol as mp
-from queued.core.errors import QueuedError
+from queued.core.errors import ProtocolError, QueuedError
 from queued.core.memcache_protocol import (
-    NEED_DATA,
     Confirm,
-    ConnectionClosed,
     Delete,
     DumpStats,
     Flush,
@@ -28,7 +27,6 @@ from queued.core.memcache_protocol import (
     Get,
     MemcacheParser,
     Monitor,
-    ProtocolError,
     Quit,
     Reload,
     Set,
@@ -36,6 +34,7 @@ from queued.core.memcache_protocol import (
     Stats,
     Version,
 )
+from queued.core.wire import NEED_DATA, ConnectionClosed
 
 
 @dataclass(frozen=True)
@@ -221,7 +220,7 @@ def test_end_of_stream() -> None:
     assert p.next_event() == Get("q", "q")
     assert p.next_event() == ConnectionClosed(unparsed=5)
     assert p.next_event() == ConnectionClosed(unparsed=5)
-    with pytest.raises(mp.LocalProtocolError):
+    with pytest.raises(errors.LocalProtocolError):
         p.receive_data(b"more")
     q = make()
     q.receive_data(b"set q 0 0 10\r\nabc")
@@ -232,10 +231,10 @@ def test_end_of_stream() -> None:
 def test_huge_declared_size_is_refused_from_the_header_alone() -> None:
     p = MemcacheParser()  # default cap: 16 MiB
     p.receive_data(b"set q 0 0 %d\r\n" % 2**40)
-    with pytest.raises(mp.TooLarge) as info:
+    with pytest.raises(errors.TooLarge) as info:
         p.next_event()
     assert (info.value.reply, info.value.close) == (b"NOT_STORED\r\n", False)
-    assert p.statistics() == mp.ParserStatistics(0, 2**40, False)
+    assert p.statistics() == wire.ParserStatistics(0, 2**40, False)
     chunk = bytes(65536)
     for _ in range(16):
         p.receive_data(chunk)
@@ -247,7 +246,7 @@ def test_huge_declared_size_is_refused_from_the_header_alone() -> None:
 def test_absurd_declared_size_is_too_large_not_a_crash() -> None:
     p = make()
     p.receive_data(b"set q 0 0 " + b"9" * 1000 + b"\r\n")
-    with pytest.raises(mp.TooLarge):
+    with pytest.raises(errors.TooLarge):
         p.next_event()
 
 
@@ -257,7 +256,7 @@ def test_refused_value_is_skipped_without_being_buffered() -> None:
     tracemalloc.start()
     try:
         p.receive_data(b"set q 0 0 %d\r\n" % size)
-        with pytest.raises(mp.TooLarge):
+        with pytest.raises(errors.TooLarge):
             p.next_event()
         chunk = bytes(256 * 1024)
         tracemalloc.reset_peak()
@@ -291,10 +290,10 @@ def test_line_cap() -> None:
 def test_a_closing_error_is_final() -> None:
     p = make()
     p.receive_data(b"get q/open/peek\r\nget q\r\n")
-    with pytest.raises(mp.BadCommand) as first:
+    with pytest.raises(errors.BadCommand) as first:
         p.next_event()
     p.receive_data(b"get r\r\n")
-    with pytest.raises(mp.BadCommand) as again:
+    with pytest.raises(errors.BadCommand) as again:
         p.next_event()
     assert again.value is first.value
     assert p.statistics().failed
@@ -319,15 +318,17 @@ def test_bad_names_are_client_errors(name: bytes) -> None:
 def test_longest_name_is_accepted() -> None:
     name = "n" * 250
     assert run(make(), [b"get " + name.encode() + b"\r\n"]) == [Get(name, name)]
-    assert mp.is_valid_name(name) and not mp.is_valid_name(name + "n")
-    assert not mp.is_valid_name("é") and not mp.is_valid_name("")
+    assert wire.is_valid_name(name) and not wire.is_valid_name(name + "n")
+    assert not wire.is_valid_name("é") and not wire.is_valid_name("")
 
 
 def test_errors_belong_to_the_tree() -> None:
-    for cls in [mp.ProtocolError, mp.LocalProtocolError, mp.ArgumentError, mp.LineOverflow]:
+    for cls in [errors.ProtocolError, errors.LocalProtocolError, wire.ArgumentError,
+                wire.LineOverflow]:
         assert issubclass(cls, QueuedError)
-    for cls in [mp.UnknownCommand, mp.BadCommand, mp.LineTooLong, mp.TooLarge, mp.BadDataChunk]:
-        assert issubclass(cls, mp.ProtocolError)
+    for cls in [errors.UnknownCommand, errors.BadCommand, errors.LineTooLong, errors.TooLarge,
+                errors.BadDataChunk]:
+        assert issubclass(cls, errors.ProtocolError)
 
 
 GOLDEN: list[tuple[Callable[[], bytes], bytes]] = [
@@ -375,7 +376,7 @@ def test_reply_encoders_golden(encode: Callable[[], bytes], wire: bytes) -> None
     ],
 )
 def test_encoders_refuse_what_the_wire_cannot_carry(encode: Callable[[], bytes]) -> None:
-    with pytest.raises(mp.LocalProtocolError):
+    with pytest.raises(errors.LocalProtocolError):
         encode()
 
 

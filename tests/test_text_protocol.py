@@ -10,12 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from queued.core import text_protocol as tp
-from queued.core.memcache_protocol import (
-    NEED_DATA,
-    ConnectionClosed,
-    LocalProtocolError,
-    ProtocolError,
-)
+from queued.core.errors import LineTooLong, LocalProtocolError, ProtocolError, TooLarge
 from queued.core.text_protocol import (
     Confirm,
     Delete,
@@ -29,6 +24,7 @@ from queued.core.text_protocol import (
     TextParser,
     Version,
 )
+from queued.core.wire import NEED_DATA, ConnectionClosed
 
 
 @dataclass(frozen=True)
@@ -173,9 +169,9 @@ def test_item_at_the_cap_is_accepted() -> None:
 def test_over_long_line_is_detected_without_its_line_end() -> None:
     p = make()
     p.receive_data(b"g" * 66)
-    with pytest.raises(tp.LineTooLong):
+    with pytest.raises(LineTooLong):
         p.next_event()
-    with pytest.raises(tp.LineTooLong):  # final: every later call says the same
+    with pytest.raises(LineTooLong):  # final: every later call says the same
         p.next_event()
     assert p.statistics().failed
 
@@ -183,7 +179,7 @@ def test_over_long_line_is_detected_without_its_line_end() -> None:
 def test_refused_put_does_not_keep_its_items() -> None:
     p = make()
     p.receive_data(b"put q:\na\nb\nc\nd\n")
-    with pytest.raises(tp.TooLarge):
+    with pytest.raises(TooLarge):
         p.next_event()
     for _ in range(100):
         p.receive_data(b"more\n")

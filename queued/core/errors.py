@@ -70,3 +70,44 @@ class ReadStateError(QueueError):
 
 class QueueClosedError(QueueError):
     """The queue was deleted, or the server is shutting down."""
+
+
+# -- the wire: what a peer got wrong ---------------------------------------------------------
+
+
+class ProtocolError(QueuedError):
+    """The peer broke the protocol (h11's RemoteProtocolError).
+
+    `reply` is what to send (b"" when the command asked for noreply); `close` says whether
+    the connection must end after it. When `close` is false the parser has already dropped
+    the offending command and next_event() may be called again.
+    """
+
+    def __init__(self, message: str, *, reply: bytes, close: bool) -> None:
+        super().__init__(message)
+        self.reply = reply
+        self.close = close
+
+
+class UnknownCommand(ProtocolError):
+    """A command name this protocol does not have."""
+
+
+class BadCommand(ProtocolError):
+    """A known command with bad or missing arguments."""
+
+
+class LineTooLong(ProtocolError):
+    """A line longer than the parser's cap; its end cannot be found, so the connection closes."""
+
+
+class TooLarge(ProtocolError):
+    """A value (or put) larger than the cap; refused before its bytes are read."""
+
+
+class BadDataChunk(ProtocolError):
+    """A data block not followed by CRLF: framing is lost, so the connection closes."""
+
+
+class LocalProtocolError(QueuedError):
+    """We were asked to encode something the wire cannot carry (our bug, not the peer's)."""

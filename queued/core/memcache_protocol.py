@@ -3,7 +3,7 @@
 Owns command framing, argument and queue-name validation, and the exact reply bytes.
 PURE: no sockets, files, clocks or trio; bytes in, events and bytes out (h11's shape).
 It must never allocate what a peer merely declares: every buffer has a cap.
-Also hosts what text_protocol shares: ReceiveBuffer, NEED_DATA, names, the errors.
+The pieces every parser shares (receive buffer, NEED_DATA, names) are in `wire`.
 """
 
 from __future__ import annotations
@@ -12,191 +12,36 @@ import enum
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Final, Literal, TypeAlias
+from typing import Final, TypeAlias
 
-from queued.core.errors import QueuedError
+from queued.core.errors import (
+    BadCommand,
+    BadDataChunk,
+    LineTooLong,
+    LocalProtocolError,
+    TooLarge,
+    UnknownCommand,
+)
+from queued.core.wire import (
+    MAX_TIMEOUT_MS,
+    NEED_DATA,
+    ArgumentError,
+    ConnectionClosed,
+    LineOverflow,
+    LineParser,
+    NeedData,
+    ParserStatistics,
+    parse_address,
+    parse_int,
+    parse_name,
+    parse_queue,
+)
 
 DEFAULT_MAX_LINE: Final = 2048
 DEFAULT_MAX_ITEM_SIZE: Final = 16 * 1024 * 1024
-MAX_TIMEOUT_MS: Final = (1 << 31) - 1  # Kestrel parses timeouts as a Java Int
 MAX_FLAGS: Final = (1 << 32) - 1
 I64_MIN: Final = -(1 << 63)
 I64_MAX: Final = (1 << 63) - 1
-
-# -- errors ---------------------------------------------------------------------------------
-
-
-class ProtocolError(QueuedError):
-    """The peer broke the protocol (h11's RemoteProtocolError).
-
-    `reply` is what to send (b"" when the command asked for noreply); `close` says whether
-    the connection must end after it. When `close` is false the parser has already dropped
-    the offending command and next_event() may be called again.
-    """
-
-    def __init__(self, message: str, *, reply: bytes, close: bool) -> None:
-        super().__init__(message)
-        self.reply = reply
-        self.close = close
-
-
-class UnknownCommand(ProtocolError):
-    """A command name this protocol does not have."""
-
-
-class BadCommand(ProtocolError):
-    """A known command with bad or missing arguments."""
-
-
-class LineTooLong(ProtocolError):
-    """A line longer than the parser's cap; its end cannot be found, so the connection closes."""
-
-
-class TooLarge(ProtocolError):
-    """A value (or put) larger than the cap; refused before its bytes are read."""
-
-
-class BadDataChunk(ProtocolError):
-    """A data block not followed by CRLF: framing is lost, so the connection closes."""
-
-
-class LocalProtocolError(QueuedError):
-    """We were asked to encode something the wire cannot carry (our bug, not the peer's)."""
-
-
-class ArgumentError(QueuedError):
-    """One argument failed validation; each parser turns it into its own wire reply."""
-
-
-class LineOverflow(QueuedError):
-    """No line end within the cap (raised by ReceiveBuffer.take_line)."""
-
-
-# -- shared pieces: NEED_DATA, ConnectionClosed, names, numbers, the receive buffer -----------
-
-
-class Signal(enum.Enum):
-    NEED_DATA = "NEED_DATA"
-
-
-NEED_DATA: Final = Signal.NEED_DATA
-NeedData: TypeAlias = Literal[Signal.NEED_DATA]
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectionClosed:
-    """The peer ended the stream (receive_data(b"")); `unparsed` bytes of a command were lost."""
-
-    unparsed: int = 0
-
-
-_NAME_RE: Final = re.compile(rb"[A-Za-z0-9_:-]{1,250}")
-_INT_RE: Final = re.compile(rb"-?[0-9]+")
-
-
-def is_valid_name(name: str) -> bool:
-    """True if `name` may be a queue or reader name (they become file names)."""
-    return name.isascii() and _NAME_RE.fullmatch(name.encode("ascii")) is not None
-
-
-def _name(token: bytes, what: str) -> str:
-    if _NAME_RE.fullmatch(token) is None:
-        raise ArgumentError(f"bad {what} name")
-    return token.decode("ascii")
-
-
-def parse_address(token: bytes) -> tuple[str, str | None]:
-    """`q` -> (q, None); `q+r` -> (q, r), fanout reader r of queue q. Raises ArgumentError."""
-    queue, plus, reader = token.partition(b"+")
-    return _name(queue, "queue"), (_name(reader, "reader") if plus else None)
-
-
-def parse_queue(token: bytes) -> str:
-    """A plain queue name (no reader), as writes need. Raises ArgumentError."""
-    queue, reader = parse_address(token)
-    if reader is not None:
-        raise ArgumentError("cannot write to a fanout reader; write to its queue")
-    return queue
-
-
-def parse_int(token: bytes, what: str, lo: int, hi: int) -> int:
-    """A decimal integer in [lo, hi]; never int()'s leniency (`_`, `+`, spaces, unicode)."""
-    if _INT_RE.fullmatch(token) is None:
-        raise ArgumentError(f"bad {what}")
-    if len(token) > 20 or not lo <= int(token) <= hi:  # length first: int() of huge strings
-        raise ArgumentError(f"{what} out of range")
-    return int(token)
-
-
-class ReceiveBuffer:
-    """Bytes received but not yet parsed. Consumed from the front without O(n) shifts."""
-
-    __slots__ = ("_buf", "_pos", "_scanned", "eof")
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._pos = 0
-        self._scanned = 0  # bytes after _pos known to hold no b"\n"
-        self.eof = False
-
-    def __len__(self) -> int:
-        return len(self._buf) - self._pos
-
-    def append(self, data: bytes | memoryview) -> None:
-        if self._pos:
-            del self._buf[: self._pos]  # once per received chunk, not once per command
-            self._pos = 0
-        self._buf += data
-
-    def take_line(self, limit: int) -> bytes | None:
-        """The next line without its `\\n` or `\\r\\n`, or None if incomplete.
-
-        Raises LineOverflow when more than `limit` bytes precede the line end.
-        """
-        start = self._pos + self._scanned
-        end = self._pos + limit + 2
-        i = self._buf.find(b"\n", start, end)
-        if i < 0:
-            if len(self) >= limit + 2:
-                raise LineOverflow(f"line longer than {limit} bytes")
-            self._scanned = len(self)
-            return None
-        line = bytes(self._buf[self._pos : i])
-        self._pos = i + 1
-        self._scanned = 0
-        if line.endswith(b"\r"):
-            line = line[:-1]
-        if len(line) > limit:
-            raise LineOverflow(f"line longer than {limit} bytes")
-        return line
-
-    def take(self, n: int) -> bytes | None:
-        """Exactly `n` bytes, or None if fewer are buffered."""
-        if len(self) < n:
-            return None
-        data = bytes(self._buf[self._pos : self._pos + n])
-        self._pos += n
-        self._scanned = 0
-        return data
-
-    def peek(self, start: int, end: int) -> bytes:
-        """Buffered bytes [start, end) counted from the first unread byte, left unread."""
-        return bytes(self._buf[self._pos + start : self._pos + min(end, len(self))])
-
-    def skip(self, n: int) -> int:
-        """Drop up to `n` bytes; returns how many were dropped."""
-        n = min(n, len(self))
-        self._pos += n
-        self._scanned = 0
-        return n
-
-
-@dataclass(frozen=True, slots=True)
-class ParserStatistics:
-    buffered_bytes: int  # received, not yet parsed
-    skipping_bytes: int  # still to be discarded for a refused value
-    failed: bool  # a closing error happened; the parser only re-raises it
-
 
 # -- commands -------------------------------------------------------------------------------
 
@@ -421,7 +266,7 @@ _NOREPLY: Final = frozenset({b"delete", b"flush_all"})  # besides the storage co
 _Handler: TypeAlias = Callable[["MemcacheParser", list[bytes]], Command]
 
 
-class MemcacheParser:
+class MemcacheParser(LineParser["Command"]):
     """Bytes in (receive_data), commands out (next_event), in order, until NEED_DATA.
 
     Call next_event() until NEED_DATA before each receive_data(): the buffer then stays
@@ -448,22 +293,14 @@ class MemcacheParser:
     ) -> None:
         if max_line < 16 or max_item_size < 0:
             raise ValueError("max_line must be >= 16 and max_item_size >= 0")
+        super().__init__()
         self.max_line = max_line
         self.max_item_size = max_item_size
-        self._in = ReceiveBuffer()
         self._state = _State.LINE
         self._skip = 0
         self._pending: tuple[str, int, int, bool, int] | None = None
-        self._failed: ProtocolError | None = None
 
-    def receive_data(self, data: bytes) -> None:
-        if self._in.eof:
-            raise LocalProtocolError("receive_data() after end of stream")
-        if not data:
-            self._in.eof = True
-            return
-        if self._failed is not None:
-            return
+    def _accept(self, data: bytes) -> None:
         view = memoryview(data)
         if self._state is _State.SKIP and not len(self._in):
             n = min(self._skip, len(view))  # refused bytes never enter the buffer
@@ -475,17 +312,6 @@ class MemcacheParser:
 
     def statistics(self) -> ParserStatistics:
         return ParserStatistics(len(self._in), self._skip, self._failed is not None)
-
-    def next_event(self) -> Event | NeedData:
-        """The next command, ConnectionClosed, or NEED_DATA; raises ProtocolError."""
-        if self._failed is not None:
-            raise self._failed
-        try:
-            return self._next()
-        except ProtocolError as e:
-            if e.close:
-                self._failed = e
-            raise
 
     # -- states --
 
@@ -666,7 +492,7 @@ class MemcacheParser:
         return FlushAll(delay, noreply)
 
     def _stats(self, args: list[bytes]) -> Stats:
-        return Stats(tuple(_name(a, "stats argument") for a in args))
+        return Stats(tuple(parse_name(a, "stats argument") for a in args))
 
     def _monitor(self, args: list[bytes]) -> Monitor:
         _arity(args, 2, 3, "monitor <queue> <seconds> [max_items]")

@@ -19,8 +19,8 @@ from typing import Any, Final, TypeAlias
 
 import msgpack
 
-from queued.core.errors import QueuedError
-from queued.core.memcache_protocol import NEED_DATA, ConnectionClosed, NeedData, is_valid_name
+from queued.core.errors import ProtocolError
+from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData, is_valid_name
 
 __all__ = [
     "METHODS",
@@ -84,23 +84,22 @@ class ErrorCode(enum.IntEnum):
     BUSY = 12  #: too many connections, or too many gets waiting on one connection
 
 
-class RpcError(QueuedError):
-    """A request the peer got wrong (or we refuse): its error reply and whether to close."""
+class RpcError(ProtocolError):
+    """A request the peer got wrong (or we refuse): its error reply and whether to close.
+
+    The reply answers `msgid`, or is an `error` notification when the msgid is unknown.
+    """
 
     def __init__(self, code: ErrorCode, message: str, msgid: int | None = None,
                  *, close: bool = False) -> None:
-        super().__init__(f"{code.name}: {message}")
+        if msgid is None:
+            reply = encode_notification("error", [[int(code), message]])
+        else:
+            reply = encode_error(msgid, code, message)
+        super().__init__(f"{code.name}: {message}", reply=reply, close=close)
         self.code = code
         self.message = message
         self.msgid = msgid
-        self.close = close
-
-    @property
-    def reply(self) -> bytes:
-        """A response to `msgid`, or an `error` notification when the msgid is unknown."""
-        if self.msgid is None:
-            return encode_notification("error", [[int(self.code), self.message]])
-        return encode_error(self.msgid, self.code, self.message)
 
 
 @dataclass(frozen=True, slots=True)

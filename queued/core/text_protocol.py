@@ -11,32 +11,26 @@ import enum
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
-from queued.core.memcache_protocol import (
+from queued.core.errors import (
+    BadCommand,
+    LineTooLong,
+    LocalProtocolError,
+    TooLarge,
+    UnknownCommand,
+)
+from queued.core.wire import (
     MAX_TIMEOUT_MS,
     NEED_DATA,
     ArgumentError,
-    BadCommand,
     ConnectionClosed,
     LineOverflow,
-    LineTooLong,
-    LocalProtocolError,
+    LineParser,
     NeedData,
     ParserStatistics,
-    ProtocolError,
-    ReceiveBuffer,
-    TooLarge,
-    UnknownCommand,
     parse_address,
     parse_int,
     parse_queue,
 )
-
-__all__ = [  # the shared pieces are re-exported so a session needs only this module
-    "NEED_DATA", "BadCommand", "Command", "Confirm", "ConnectionClosed", "Delete", "Event",
-    "Flush", "Get", "LineTooLong", "LocalProtocolError", "Monitor", "NeedData",
-    "ParserStatistics", "Peek", "ProtocolError", "Put", "Quit", "Shutdown", "TextParser",
-    "TooLarge", "UnknownCommand", "Version", "count", "empty", "error", "item", "version",
-]
 
 DEFAULT_MAX_LINE: Final = 2048
 DEFAULT_MAX_ITEM_SIZE: Final = 64 * 1024  # one item is one line
@@ -153,7 +147,7 @@ class _State(enum.Enum):
     DISCARD = "discard"  # dropping the rest of a refused put, up to its blank line
 
 
-class TextParser:
+class TextParser(LineParser["Command"]):
     """Bytes in (receive_data), commands out (next_event), in order, until NEED_DATA.
 
     Lines end in `\\n` (a preceding `\\r` is dropped). Blank lines between commands are
@@ -176,34 +170,14 @@ class TextParser:
         self.max_item_size = max_item_size
         self.max_put_items = max_put_items
         self.max_put_bytes = max_put_bytes
-        self._in = ReceiveBuffer()
+        super().__init__()
         self._state = _State.LINE
         self._put: tuple[str, int | None] | None = None
         self._items: list[bytes] = []
         self._put_size = 0
-        self._failed: ProtocolError | None = None
-
-    def receive_data(self, data: bytes) -> None:
-        if self._in.eof:
-            raise LocalProtocolError("receive_data() after end of stream")
-        if not data:
-            self._in.eof = True
-        elif self._failed is None:
-            self._in.append(data)
 
     def statistics(self) -> ParserStatistics:
         return ParserStatistics(len(self._in) + self._put_size, 0, self._failed is not None)
-
-    def next_event(self) -> Event | NeedData:
-        """The next command, ConnectionClosed, or NEED_DATA; raises ProtocolError."""
-        if self._failed is not None:
-            raise self._failed
-        try:
-            return self._next()
-        except ProtocolError as e:
-            if e.close:
-                self._failed = e
-            raise
 
     def _next(self) -> Event | NeedData:
         while True:

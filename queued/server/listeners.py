@@ -31,10 +31,12 @@ from queued.broker import Broker, Client, PendingPut, open_broker
 from queued.config import ConfigError, ServerConfig, reload_queue_configs
 from queued.core import memcache_protocol as mc
 from queued.core import text_protocol as tp
+from queued.core import wire
 from queued.core.errors import (
     ItemTooLargeError,
     JournalError,
     JournalFullError,
+    ProtocolError,
     QueueClosedError,
     QueueError,
     QueueFullError,
@@ -358,15 +360,15 @@ class _Session:
         while len(events) < MAX_BATCH:
             try:
                 ev = self.parser.next_event()
-            except mc.ProtocolError as e:
+            except ProtocolError as e:
                 events.append(e)
                 if e.close:
                     break
                 continue
-            if ev is mc.NEED_DATA:
+            if ev is wire.NEED_DATA:
                 break
             events.append(ev)
-            if isinstance(ev, mc.ConnectionClosed):
+            if isinstance(ev, wire.ConnectionClosed):
                 break
         return events
 
@@ -382,13 +384,13 @@ class _Session:
                 i = j
                 continue
             i += 1
-            if isinstance(ev, mc.ProtocolError):
+            if isinstance(ev, ProtocolError):
                 log.debug("%s: %s", self.client.name, ev)
                 self.stats.protocol_errors += 1
                 self.out += ev.reply
                 if ev.close:
                     self.done = True
-            elif isinstance(ev, mc.ConnectionClosed):
+            elif isinstance(ev, wire.ConnectionClosed):
                 if ev.unparsed:
                     log.info("%s: closed mid-command, %d bytes dropped",
                              self.client.name, ev.unparsed)
