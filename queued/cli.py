@@ -39,7 +39,7 @@ from queued.config import ConfigError, add_serve_arguments, load_config
 from queued.core import journal_format as jf
 from queued.core.errors import CorruptRecordError, QueuedError
 from queued.logs import setup_logging
-from queued.server.listeners import serve
+from queued.server.app import serve
 from queued.storage.recovery import TailState, inspect_segment, read_checkpoint
 
 PREVIEW = 40

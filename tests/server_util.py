@@ -23,7 +23,8 @@ import trio
 from pymemcache.client.base import Client as MemcacheClient
 
 from queued.config import ServerConfig, load_config
-from queued.server.listeners import Server, serve
+from queued.server.app import serve
+from queued.server.listeners import Server
 
 HOST = "127.0.0.1"
 #: Every single network wait of a test is bounded by this.

@@ -22,7 +22,7 @@ from queued import __version__
 from queued.broker import TIMEOUT_HEAP_MIN
 from queued.config import ServerConfig
 from queued.core.rpc_protocol import ErrorCode
-from queued.server.rpc_session import MAX_WAITING
+from queued.server.session import MAX_WAITING
 
 E = ErrorCode
 

@@ -34,7 +34,7 @@ from server_util import (
 
 from queued import __version__
 from queued.config import ServerConfig
-from queued.server.listeners import serve
+from queued.server.app import serve
 
 T = TypeVar("T")
 

@@ -300,7 +300,7 @@ class MemcacheParser(LineParser["Command"]):
         self._skip = 0
         self._pending: tuple[str, int, int, bool, int] | None = None
 
-    def _accept(self, data: bytes) -> None:
+    def _accept(self, data: bytes | bytearray) -> None:
         view = memoryview(data)
         if self._state is _State.SKIP and not len(self._in):
             n = min(self._skip, len(view))  # refused bytes never enter the buffer

@@ -177,7 +177,7 @@ class RpcParser:
         self._failed: RpcError | None = None
         self.frames = 0
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray) -> None:
         if not data:
             self._eof = True
         else:

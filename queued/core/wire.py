@@ -106,7 +106,7 @@ class ReceiveBuffer:
     def __len__(self) -> int:
         return len(self._buf) - self._pos
 
-    def append(self, data: bytes | memoryview) -> None:
+    def append(self, data: bytes | bytearray | memoryview) -> None:
         if self._pos:
             del self._buf[: self._pos]  # once per received chunk, not once per command
             self._pos = 0
@@ -169,7 +169,7 @@ class LineParser(Generic[E]):
         self._in = ReceiveBuffer()
         self._failed: ProtocolError | None = None
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray) -> None:
         """Append received bytes; b"" means the peer closed (feed it once)."""
         if self._in.eof:
             raise LocalProtocolError("receive_data() after end of stream")
@@ -178,7 +178,7 @@ class LineParser(Generic[E]):
         elif self._failed is None:
             self._accept(data)
 
-    def _accept(self, data: bytes) -> None:
+    def _accept(self, data: bytes | bytearray) -> None:
         self._in.append(data)
 
     def next_event(self) -> E | ConnectionClosed | NeedData:

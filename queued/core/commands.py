@@ -1,0 +1,315 @@
+"""Protocol-neutral commands and replies: what a session runs and what it answers.
+
+Each protocol maps its wire events to these commands and these replies back to
+bytes with tables (`memcache_commands`, `text_commands`, `rpc_commands`); the one
+session runs them against the broker. PURE: values and tables only, no I/O.
+The one error-kind enum lives here too: every refusal the broker or the session
+can give becomes one `ErrorKind`, and each protocol's table says how it looks.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias
+
+from queued.core.errors import (
+    BadNameError,
+    ItemTooLargeError,
+    JournalClosedError,
+    JournalError,
+    JournalFullError,
+    QueueClosedError,
+    QueueError,
+    QueueFullError,
+    ReadStateError,
+)
+from queued.core.queue import Item
+from queued.core.wire import ConnectionClosed, NeedData
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """Journal `items`; expiry relative (`ttl_ms`) or absolute (`expire_at_ms`, unix ms)."""
+
+    queue: str
+    items: Sequence[bytes]
+    ttl_ms: int | None = None
+    expire_at_ms: int | None = None
+
+    def expire_ms(self, now_ms: int) -> int | None:
+        if self.expire_at_ms is not None:
+            return self.expire_at_ms
+        return None if self.ttl_ms is None else now_ms + self.ttl_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    """Kestrel's get: up to `max_items`, waiting `timeout_ms` for the first.
+
+    `close` confirms the connection's open reads on the queue first, `abort` returns
+    them (and takes nothing); `open` takes the items as reliable reads (returned after
+    `open_timeout_ms`, None = the queue's setting), `peek` leaves them in place.
+    `exclusive`: a get while the connection holds an open read on the queue is refused
+    (Kestrel's memcache rule). `line_safe`: an item the protocol cannot frame (it holds
+    a newline) stays queued and the reply is NOT_ENCODABLE; what is taken is consumed.
+    """
+
+    queue: str
+    reader: str | None = None
+    max_items: int = 1
+    timeout_ms: int = 0
+    open: bool = False
+    close: bool = False
+    abort: bool = False
+    peek: bool = False
+    open_timeout_ms: int | None = None
+    exclusive: bool = False
+    line_safe: bool = False
+    max_bytes: int = 0  # stop adding items past this much data (0: no cap; one at least)
+
+
+@dataclass(frozen=True, slots=True)
+class Peek:
+    """The head item and the reader's statistics, without taking anything."""
+
+    queue: str
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Confirm:
+    """Confirm the connection's open reads: `ids`, else the `count` oldest, else all."""
+
+    queue: str
+    reader: str | None = None
+    count: int | None = None
+    ids: Sequence[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Return the connection's open reads (`ids`, else all) to the head of the queue."""
+
+    queue: str
+    reader: str | None = None
+    ids: Sequence[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Flush:
+    queue: str
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FlushAll:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class FlushExpired:
+    queue: str
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FlushAllExpired:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    queue: str
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Reload:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Stop the server; this connection ends at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class Quit:
+    """End this connection."""
+
+
+@dataclass(frozen=True, slots=True)
+class Monitor:
+    """Send items as they arrive, as open reads, until `timeout_ms` or `max_items`."""
+
+    queue: str
+    reader: str | None
+    timeout_ms: int
+    max_items: int | None = None
+
+
+Command: TypeAlias = (
+    Put | Get | Peek | Confirm | Abort | Flush | FlushAll | FlushExpired | FlushAllExpired
+    | Delete | Stats | Version | Reload | Shutdown | Quit | Monitor
+)
+
+# -- replies --------------------------------------------------------------------------------
+
+
+class ErrorKind(enum.Enum):
+    """Why a command was refused; each protocol's table turns it into its reply."""
+
+    BAD_NAME = "bad_name"
+    BAD_PARAMS = "bad_params"
+    QUEUE_FULL = "queue_full"
+    ITEM_TOO_LARGE = "item_too_large"
+    JOURNAL_FULL = "journal_full"
+    TOO_MANY_OPEN_READS = "too_many_open_reads"
+    READ_OPEN = "read_open"  # an exclusive get while a read is open on the queue
+    NOT_ENCODABLE = "not_encodable"  # an item this protocol cannot frame
+    SHUTTING_DOWN = "shutting_down"
+    BUSY = "busy"
+    SERVER_ERROR = "server_error"
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    kind: ErrorKind
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Items:
+    items: Sequence[Item]
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    """How many items a confirm, abort, flush or flush_expired touched."""
+
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    existed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """A structured answer: stats, the version string, a peek's head and statistics."""
+
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Nothing to report (reload, shutdown, quit, a monitor's end)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Peeked:
+    """A peek's answer: the head item (None when empty) and the reader's statistics."""
+
+    item: Item | None
+    info: dict[str, int]
+
+
+Reply: TypeAlias = Failure | Stored | Items | Count | Deleted | Value | Done | Peeked
+
+#: Exception types to error kinds, most specific first (BadNameError is also a ValueError).
+_KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
+    (BadNameError, ErrorKind.BAD_NAME),
+    (QueueFullError, ErrorKind.QUEUE_FULL),
+    (ItemTooLargeError, ErrorKind.ITEM_TOO_LARGE),
+    (JournalFullError, ErrorKind.JOURNAL_FULL),
+    (ReadStateError, ErrorKind.TOO_MANY_OPEN_READS),
+    (QueueClosedError, ErrorKind.SHUTTING_DOWN),
+    (JournalClosedError, ErrorKind.SHUTTING_DOWN),
+    (ValueError, ErrorKind.BAD_PARAMS),
+    (JournalError, ErrorKind.SERVER_ERROR),
+    (QueueError, ErrorKind.SERVER_ERROR),
+    (OSError, ErrorKind.SERVER_ERROR),
+)
+
+
+def failure_of(exc: BaseException) -> Failure | None:
+    """The Failure an exception from running a command stands for; None for an
+    unexpected exception (a bug: the session logs it with its traceback)."""
+    for cls, kind in _KINDS:
+        if isinstance(exc, cls):
+            if isinstance(exc, OSError) and not isinstance(exc, QueueError):
+                return Failure(kind, exc.strerror or str(exc))
+            return Failure(kind, str(exc))
+    return None
+
+
+# -- a protocol as the session sees it -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The caps a connection's parser is made with (from the server's config)."""
+
+    max_line: int
+    max_item_size: int
+    max_frame: int
+    max_batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One command as parsed: what to run, the wire context its replies need (a memcache
+    event with its key and noreply, an RPC msgid), and its name for the metrics."""
+
+    command: Command
+    context: Any
+    name: str
+
+
+class Codec(Protocol):
+    """One connection's protocol, as the session sees it (h11's shape): bytes in,
+    requests out; replies in, bytes out. Pure; one per connection.
+
+    `ordered`: replies go out in request order, so a get that waits holds up the ones
+    behind it (memcache, text); otherwise replies are matched by id and a waiting get
+    runs on while later requests are answered (RPC).
+    """
+
+    ordered: bool
+    #: failures after which the connection closes (the reply is sent first)
+    closing: frozenset[ErrorKind]
+    #: the answer to a connection over max_connections, before it is closed
+    too_many: bytes
+
+    def receive_data(self, data: bytes | bytearray) -> None: ...
+
+    def next_request(self) -> Request | ConnectionClosed | NeedData | None:
+        """The next request, the end of the stream, NEED_DATA, or None for an event
+        that needs nothing (ignored); raises ProtocolError (its reply, maybe close)."""
+
+    def encode(self, request: Request, reply: Reply) -> bytes: ...
+
+    def encode_item(self, request: Request, item: Item) -> bytes:
+        """One item of a monitor, sent as it arrives."""
+
+    def buffered_bytes(self) -> int: ...

@@ -1,0 +1,133 @@
+"""queued's MessagePack-RPC calls mapped to the protocol-neutral commands, and back.
+
+Owns the tables: call -> command, reply -> response, error kind -> error code; and
+which notifications are refused (without a reply a get would only lose items). Replies
+are matched by msgid, so a waiting get does not hold up later calls. PURE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+from queued.core import commands as c
+from queued.core import rpc_protocol as rp
+from queued.core.errors import ProtocolError
+from queued.core.queue import Item
+from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData
+
+#: Notifications are run without a reply, except these: without a reply they would
+#: only lose items (get) or do nothing (peek, stats, version).
+NOTIFY_REFUSED: Final = frozenset({"get", "peek", "stats", "version"})
+
+
+def _get(call: rp.Get, max_bytes: int) -> c.Get:
+    auto_abort = call.auto_abort_ms
+    return c.Get(call.queue, call.reader, call.max_items, call.timeout_ms, open=auto_abort > 0,
+                 open_timeout_ms=auto_abort, max_bytes=max_bytes)
+
+
+COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
+    rp.Put: lambda call: c.Put(call.queue, call.items, ttl_ms=call.expiration_ms or None),
+    rp.Confirm: lambda call: c.Confirm(call.queue, call.reader, ids=call.ids),
+    rp.Abort: lambda call: c.Abort(call.queue, call.reader, ids=call.ids),
+    rp.Peek: lambda call: c.Peek(call.queue, call.reader),
+    rp.Flush: lambda call: c.Flush(call.queue, call.reader),
+    rp.Delete: lambda call: c.Delete(call.queue, call.reader),
+    rp.FlushAll: lambda call: c.FlushAll(),
+    rp.Stats: lambda call: c.Stats(),
+    rp.Version: lambda call: c.Version(),
+}
+
+
+def _result(reply: c.Reply) -> Any:
+    if isinstance(reply, c.Items):
+        return [[it.id, it.data] for it in reply.items]
+    if isinstance(reply, c.Peeked):
+        head = None if reply.item is None else [reply.item.id, reply.item.data]
+        return {"head": head, **reply.info}
+    if isinstance(reply, c.Stored):
+        return reply.count
+    if isinstance(reply, c.Count):
+        return reply.n
+    if isinstance(reply, c.Deleted):
+        return reply.existed
+    if isinstance(reply, c.Value):
+        return reply.value
+    return None
+
+
+E = rp.ErrorCode
+K = c.ErrorKind
+CODES: Final[dict[c.ErrorKind, rp.ErrorCode]] = {
+    K.BAD_NAME: E.BAD_QUEUE_NAME,
+    K.BAD_PARAMS: E.BAD_PARAMS,
+    K.QUEUE_FULL: E.QUEUE_FULL,
+    K.ITEM_TOO_LARGE: E.ITEM_TOO_LARGE,
+    K.JOURNAL_FULL: E.JOURNAL_FULL,
+    K.TOO_MANY_OPEN_READS: E.TOO_MANY_OPEN_READS,
+    K.READ_OPEN: E.TOO_MANY_OPEN_READS,
+    K.NOT_ENCODABLE: E.SERVER_ERROR,
+    K.SHUTTING_DOWN: E.SHUTTING_DOWN,
+    K.BUSY: E.BUSY,
+    K.SERVER_ERROR: E.SERVER_ERROR,
+}
+
+
+class RpcCodec:
+    """One RPC connection's parser and tables (see `queued.core.commands.Codec`).
+
+    A request's context is its msgid, or None for a notification (no reply is sent).
+    """
+
+    ordered = False
+    closing: frozenset[c.ErrorKind] = frozenset()
+    too_many = rp.RpcError(E.BUSY, "too many connections").reply
+
+    def __init__(self, limits: c.Limits) -> None:
+        self.max_batch = limits.max_batch
+        self.max_frame = max(64, limits.max_frame)
+        self.parser = rp.RpcParser(max_frame=self.max_frame, max_batch=self.max_batch)
+
+    def receive_data(self, data: bytes | bytearray) -> None:
+        self.parser.receive_data(data)
+
+    def buffered_bytes(self) -> int:
+        return self.parser.buffered_bytes
+
+    def next_request(self) -> c.Request | ConnectionClosed | NeedData | None:
+        ev = self.parser.next_event()
+        if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
+            return ev
+        if isinstance(ev, rp.Response):
+            return None  # we send no requests: nothing to match it to
+        msgid: int | None
+        if isinstance(ev, rp.Notification):
+            if ev.method in NOTIFY_REFUSED:
+                raise ProtocolError(f"{ev.method} sent as a notification ignored (it needs a "
+                                    "reply)", reply=b"", close=False)
+            ev, msgid = rp.Request(0, ev.method, ev.params), None
+        else:
+            msgid = ev.msgid
+        try:
+            call = rp.parse_call(ev, self.max_batch)
+        except rp.RpcError as exc:
+            if msgid is None and not exc.close:  # a notification's error has nobody to go to
+                raise ProtocolError(str(exc), reply=b"", close=False) from None
+            raise
+        if isinstance(call, rp.Get):
+            command: c.Command = _get(call, self.max_frame // 2)
+        else:
+            command = COMMANDS[type(call)](call)
+        return c.Request(command, msgid, ev.method)
+
+    def encode(self, request: c.Request, reply: c.Reply) -> bytes:
+        msgid = request.context
+        if msgid is None:
+            return b""
+        if isinstance(reply, c.Failure):
+            return rp.encode_error(msgid, CODES[reply.kind], reply.message)
+        return rp.encode_response(msgid, _result(reply))
+
+    def encode_item(self, request: c.Request, item: Item) -> bytes:
+        raise NotImplementedError("RPC has no monitor")

@@ -1,0 +1,169 @@
+"""What each protocol-neutral command does to the broker: one function per command type.
+
+Owns the meaning of a command, whatever protocol it came in on; returns a Reply (or
+None when the session answers later, for a get that waits in a task of its own). It
+never touches sockets or bytes: the session runs these and the codec encodes replies.
+Puts are not here: the session groups them (one append, one fsync per batch).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from queued import __version__
+from queued.config import ConfigError
+from queued.core import commands as c
+
+if TYPE_CHECKING:
+    from queued.broker import Broker, Client
+    from queued.core.queue import Item
+
+log = logging.getLogger("queued.server")
+
+
+class Hub(Protocol):
+    """What a session needs of the server it belongs to."""
+
+    @property
+    def closing(self) -> bool: ...
+
+    def stats(self) -> dict[str, object]: ...
+
+    def reload(self) -> None: ...
+
+    def request_shutdown(self, why: str) -> None: ...
+
+
+class Conn(Protocol):
+    """What a handler needs of the session running it."""
+
+    broker: Broker
+    hub: Hub
+    reads: Client
+    name: str
+    done: bool
+    #: replies go out in request order (memcache, text); else matched by id (RPC)
+    ordered: bool
+
+    async def take(self, cmd: c.Get) -> list[Item]:
+        """Items for a get that answers in place (watching for a hang-up while it waits)."""
+
+    async def get_later(self, request: c.Request) -> c.Reply | None:
+        """A get whose reply is matched by id: it may wait in a task of its own (None)."""
+
+    async def monitor(self, request: c.Request) -> c.Reply: ...
+
+
+async def get(conn: Conn, cmd: c.Get, req: c.Request) -> c.Reply | None:
+    b, reads, reader = conn.broker, conn.reads, cmd.reader or ""
+    if cmd.abort:
+        b.abort(reads, cmd.queue, reader)
+        return c.Done()
+    if cmd.close:
+        b.confirm(reads, cmd.queue, reader)
+        if not cmd.open:
+            return c.Done()
+    if cmd.exclusive and not cmd.peek and reads.open_ids(cmd.queue, reader):
+        # Kestrel: a second open, or a plain get, while a read is open: ERROR, close.
+        log.warning("%s: get %s with a read already open on it", conn.name, cmd.queue)
+        return c.Failure(c.ErrorKind.READ_OPEN, "a read is already open on this queue")
+    if not conn.ordered:
+        return await conn.get_later(req)
+    items = await conn.take(cmd)
+    if cmd.line_safe and items:
+        it = items[0]
+        if b"\n" in it.data:
+            b.abort(reads, cmd.queue, cmd.reader, ids=[it.id], count_error=False)
+            return c.Failure(c.ErrorKind.NOT_ENCODABLE, "item contains a newline")
+        b.confirm(reads, cmd.queue, cmd.reader, ids=[it.id])
+    return c.Items(items)
+
+
+async def peek(conn: Conn, cmd: c.Peek, req: c.Request) -> c.Reply:
+    item = await conn.broker.get(cmd.queue, cmd.reader, peek=True)
+    return c.Peeked(item, conn.broker.reader_info(cmd.queue, cmd.reader))
+
+
+async def confirm(conn: Conn, cmd: c.Confirm, req: c.Request) -> c.Reply:
+    return c.Count(conn.broker.confirm(conn.reads, cmd.queue, cmd.reader, cmd.count, cmd.ids))
+
+
+async def abort(conn: Conn, cmd: c.Abort, req: c.Request) -> c.Reply:
+    return c.Count(conn.broker.abort(conn.reads, cmd.queue, cmd.reader, ids=cmd.ids))
+
+
+async def flush(conn: Conn, cmd: c.Flush, req: c.Request) -> c.Reply:
+    return c.Count(conn.broker.flush(cmd.queue, cmd.reader))
+
+
+async def flush_all(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
+    return c.Count(conn.broker.flush_all())
+
+
+async def flush_expired(conn: Conn, cmd: c.FlushExpired, req: c.Request) -> c.Reply:
+    return c.Count(conn.broker.flush_expired(cmd.queue, cmd.reader))
+
+
+async def flush_all_expired(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
+    return c.Count(conn.broker.flush_all_expired())
+
+
+async def delete(conn: Conn, cmd: c.Delete, req: c.Request) -> c.Reply:
+    return c.Deleted(await conn.broker.delete(cmd.queue, cmd.reader))
+
+
+async def stats(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
+    return c.Value(conn.hub.stats())
+
+
+async def version(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
+    return c.Value(__version__)
+
+
+async def reload(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
+    try:
+        conn.hub.reload()
+    except ConfigError as exc:
+        log.error("reload failed, keeping the old config: %s", exc)
+        return c.Failure(c.ErrorKind.SERVER_ERROR, f"reload failed: {exc}")
+    return c.Done()
+
+
+async def shutdown(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
+    conn.hub.request_shutdown(f"shutdown command from {conn.name}")
+    conn.done = True
+    return c.Done()
+
+
+async def quit(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
+    conn.done = True
+    return c.Done()
+
+
+async def monitor(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
+    return await conn.monitor(req)
+
+
+#: (session, the command, its request) -> the reply, or None if the session answers later
+Handler = Callable[[Conn, Any, c.Request], Awaitable[c.Reply | None]]
+
+#: command type -> what it does (c.Put is the session's: it groups puts)
+HANDLERS: Final[dict[type, Handler]] = {
+    c.Get: get,
+    c.Peek: peek,
+    c.Confirm: confirm,
+    c.Abort: abort,
+    c.Flush: flush,
+    c.FlushAll: flush_all,
+    c.FlushExpired: flush_expired,
+    c.FlushAllExpired: flush_all_expired,
+    c.Delete: delete,
+    c.Stats: stats,
+    c.Version: version,
+    c.Reload: reload,
+    c.Shutdown: shutdown,
+    c.Quit: quit,
+    c.Monitor: monitor,
+}

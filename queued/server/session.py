@@ -1,0 +1,361 @@
+"""One connection, whatever its protocol: receive, parse, run a batch, send.
+
+Owns the one receive loop (over any `trio.abc.Stream`, so TLS can go under it), the
+batching (every complete request in a chunk is run before one send; consecutive puts
+share one journal append and one fsync), long-poll gets with hang-up detection, the
+connection's open-read ledger and monitor. A codec (`queued.core.*_commands`) turns
+bytes into protocol-neutral requests and replies into bytes; `handlers` says what each
+command does. Never parses bytes itself and never touches the journal but through the
+broker.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import suppress
+from dataclasses import dataclass
+
+import trio
+
+from queued.broker import Broker, Client, PendingPut
+from queued.core import commands as c
+from queued.core.errors import ItemTooLargeError, ProtocolError
+from queued.core.queue import Item
+from queued.core.stats import ProtocolStats
+from queued.core.wire import NEED_DATA, ConnectionClosed
+from queued.server.handlers import HANDLERS, Hub
+
+log = logging.getLogger("queued.server")
+
+RECEIVE_SIZE = 256 * 1024
+#: Requests parsed from the receive buffer before they are run (bounds the batch).
+MAX_BATCH = 1024
+#: Gets waiting at once in tasks of their own (RPC) on one connection; more are refused.
+MAX_WAITING = 1024
+
+
+@dataclass(slots=True)
+class ServerCounters:
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+class Session:
+    """A connection's loop; the listener's handler does the bookkeeping around it."""
+
+    def __init__(self, hub: Hub, broker: Broker, stream: trio.abc.Stream, codec: c.Codec, *,
+                 name: str, max_item_size: int, counters: ServerCounters,
+                 stats: ProtocolStats) -> None:
+        self.hub = hub
+        self.broker = broker
+        self.max_item_size = max_item_size
+        self.counters = counters
+        self.stream = stream
+        self.codec = codec
+        self.ordered = codec.ordered
+        self.name = name
+        self.stats = stats
+        self.reads = Client(name)
+        self.out = bytearray()
+        self.send_lock = trio.Lock()
+        self.receive_scope: trio.CancelScope | None = None
+        self.nursery: trio.Nursery | None = None
+        self.busy = False
+        self.done = False  # stop reading (quit, shutdown, or a closing error was answered)
+        self.eof = False  # the peer ended its side; fed to the parser once
+        self.lost = False  # sending failed: the peer is gone
+        self.batches = 0  # batches run; a get that answers after its batch sends itself
+        self.waiting = 0
+
+    def stop_if_idle(self) -> None:
+        """Shutdown: stop reading; a batch that runs finishes, waiting gets (woken empty
+        by the broker) still answer."""
+        if not self.busy and self.receive_scope is not None:
+            self.receive_scope.cancel()
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            await self._receive_loop()
+            if not self.hub.closing:
+                nursery.cancel_scope.cancel()  # the peer is gone: so are its waiting gets
+
+    async def _receive_loop(self) -> None:
+        while not (self.done or self.eof or self.hub.closing):
+            with trio.CancelScope() as self.receive_scope:
+                await self._receive()
+            if self.receive_scope.cancelled_caught:
+                return
+            self.busy = True
+            try:
+                await self._run_batch()
+                await self._flush()
+            finally:
+                self.batches += 1
+                self.busy = False
+
+    async def _receive(self) -> bytes | bytearray:
+        try:
+            data = await self.stream.receive_some(RECEIVE_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            data = b""
+        self.counters.bytes_read += len(data)
+        if data:
+            self.codec.receive_data(data)
+        elif not self.eof:  # the end of the stream is fed once, however often it is seen
+            self.eof = True
+            self.codec.receive_data(b"")
+        return data
+
+    async def _flush(self) -> None:
+        """Send what the replies added so far; a lost peer ends the session quietly."""
+        async with self.send_lock:
+            if not self.out:
+                return
+            data = bytes(self.out)
+            self.out.clear()  # in place: a waiting get's task may hold a reference
+            if self.lost:
+                return  # nobody to answer
+            self.counters.bytes_written += len(data)
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                log.debug("%s: connection lost: %s", self.name, exc)
+                self.lost = self.done = True
+                if self.receive_scope is not None:
+                    self.receive_scope.cancel()
+
+    # -- one batch ---------------------------------------------------------------------------
+
+    async def _run_batch(self) -> None:
+        """Run every complete request buffered, in order; replies collect in `out`.
+
+        Loops because a long poll reads ahead (see `_watching`): requests that arrived
+        while it waited are run before the session waits for the network again.
+        """
+        while not self.done:
+            requests = self._parse()
+            if not requests:
+                return
+            await self._run(requests)
+            if len(self.out) >= RECEIVE_SIZE:
+                await self._flush()
+
+    def _parse(self) -> list[c.Request | ProtocolError | ConnectionClosed]:
+        out: list[c.Request | ProtocolError | ConnectionClosed] = []
+        while len(out) < MAX_BATCH:
+            try:
+                r = self.codec.next_request()
+            except ProtocolError as e:
+                out.append(e)
+                if e.close:
+                    break
+                continue
+            if r is NEED_DATA:
+                break
+            if r is not None:
+                out.append(r)
+                if isinstance(r, ConnectionClosed):
+                    break
+        return out
+
+    async def _run(self, requests: list[c.Request | ProtocolError | ConnectionClosed]) -> None:
+        i, n = 0, len(requests)
+        while i < n and not self.done:
+            r = requests[i]
+            if isinstance(r, c.Request) and type(r.command) is c.Put:
+                j = i + 1
+                while j < n and isinstance(rj := requests[j], c.Request) and type(
+                        rj.command) is c.Put:
+                    j += 1
+                await self._puts(requests[i:j])  # type: ignore[arg-type]
+                i = j
+                continue
+            i += 1
+            if isinstance(r, ProtocolError):
+                log.debug("%s: %s", self.name, r)
+                self.stats.protocol_errors += 1
+                self.out += r.reply
+                if r.close:
+                    self.done = True
+            elif isinstance(r, ConnectionClosed):
+                if r.unparsed:
+                    log.info("%s: closed mid-request, %d bytes dropped", self.name, r.unparsed)
+                self.done = True
+            else:
+                self.stats.count(r.name)
+                await self._execute(r)
+            if len(self.out) >= RECEIVE_SIZE:  # replies of a long batch go out as they grow
+                await self._flush()
+
+    async def _execute(self, req: c.Request) -> None:
+        try:
+            reply = await HANDLERS[type(req.command)](self, req.command, req)
+        except Exception as exc:  # mapped to the protocol's reply, by kind
+            reply = self._failure(req, exc)
+        if reply is not None:
+            self._answer(req, reply)
+
+    def _answer(self, req: c.Request, reply: c.Reply) -> None:
+        self.out += self.codec.encode(req, reply)
+        if isinstance(reply, c.Failure) and reply.kind in self.codec.closing:
+            self.done = True
+
+    def _failure(self, req: c.Request, exc: Exception) -> c.Failure:
+        failure = c.failure_of(exc)
+        if failure is None:  # a bug: say where, keep the connection
+            log.error("%s: %s failed", self.name, req.name, exc_info=exc)
+            return c.Failure(c.ErrorKind.SERVER_ERROR, f"{type(exc).__name__}: {exc}")
+        if failure.kind is c.ErrorKind.SERVER_ERROR:
+            log.warning("%s: %s failed: %s", self.name, req.name, failure.message)
+        return failure
+
+    # -- puts ------------------------------------------------------------------------------------
+
+    async def _puts(self, requests: list[c.Request]) -> None:
+        """Begin every put of the run, then wait for all: one write, one fsync.
+
+        Consecutive puts to the same queue with the same expiry become one journal append
+        (one id range, one wake-up); if that append is refused, they are retried one by
+        one so each gets its own answer. Shielded: every begun put must be ended.
+        """
+        with trio.CancelScope(shield=True):
+            self.broker.counters.cmd_set += len(requests)
+            self.stats.count(requests[0].name, len(requests))  # one protocol: one put name
+            groups: list[list[c.Request]] = []
+            for r in requests:
+                if groups and _same_append(groups[-1][0].command, r.command):
+                    groups[-1].append(r)
+                else:
+                    groups.append([r])
+            begun: list[tuple[list[c.Request], PendingPut | Exception]] = []
+            for group in groups:
+                try:
+                    begun.append((group, await self._begin_put(group)))
+                except Exception as exc:
+                    if len(group) == 1:
+                        begun.append((group, exc))
+                        continue
+                    for r in group:
+                        try:
+                            begun.append(([r], await self._begin_put([r])))
+                        except Exception as exc1:
+                            begun.append(([r], exc1))
+            for group, pending in begun:
+                if not isinstance(pending, Exception):
+                    try:
+                        await self.broker.end_put(pending)
+                    except Exception as exc:
+                        pending = exc
+                for r in group:
+                    if isinstance(pending, Exception):
+                        self._answer(r, self._failure(r, pending))
+                    else:
+                        self._answer(r, c.Stored(len(r.command.items)))  # type: ignore[union-attr]
+
+    async def _begin_put(self, group: list[c.Request]) -> PendingPut:
+        first: c.Put = group[0].command  # type: ignore[assignment]
+        items = first.items if len(group) == 1 else [
+            d for r in group for d in r.command.items]  # type: ignore[union-attr]
+        limit = self.max_item_size
+        if items and max(map(len, items)) > limit:
+            raise ItemTooLargeError(f"item over the server's max_item_size ({limit} bytes)")
+        b = self.broker
+        return await b.begin_put(first.queue, items, expire_ms=first.expire_ms(b.clock()))
+
+    # -- gets (see handlers.Conn) --------------------------------------------------------------
+
+    async def take(self, cmd: c.Get) -> list[Item]:
+        """A get answered in place. A long poll also watches the stream, so a client that
+        hangs up while waiting is noticed at once and takes no item with it; after the
+        peer's end of stream a get does not wait (its reply still goes out)."""
+        timeout = 0 if self.eof else cmd.timeout_ms
+        item: Item | None = None
+        error: Exception | None = None
+        if timeout <= 0:
+            item = await self.broker.get(cmd.queue, cmd.reader, client=self.reads,
+                                         open=cmd.open, peek=cmd.peek,
+                                         open_timeout_ms=cmd.open_timeout_ms)
+            return [] if item is None else [item]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_for_eof, nursery.cancel_scope)
+            try:
+                item = await self.broker.get(cmd.queue, cmd.reader, timeout_ms=timeout,
+                                             client=self.reads, open=cmd.open, peek=cmd.peek,
+                                             open_timeout_ms=cmd.open_timeout_ms)
+            except Exception as exc:  # re-raised bare, not wrapped in an ExceptionGroup
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return [] if item is None else [item]
+
+    async def _watch_for_eof(self, scope: trio.CancelScope) -> None:
+        # Bytes that arrive meanwhile are pipelined requests: hand them to the parser
+        # (its caps bound them) and stop reading once a batch's worth is buffered.
+        while self.codec.buffered_bytes() < RECEIVE_SIZE:
+            if not await self._receive():
+                scope.cancel()
+                return
+        await trio.sleep_forever()
+
+    async def get_later(self, req: c.Request) -> c.Reply | None:
+        """A get whose reply is matched by id: if it has to wait, it moves to a task of
+        its own (started when it answers or begins to wait) and later requests go on."""
+        cmd: c.Get = req.command  # type: ignore[assignment]
+        if cmd.timeout_ms <= 0:
+            return c.Items(await self._get_many(cmd))
+        if self.waiting >= MAX_WAITING:
+            return c.Failure(c.ErrorKind.BUSY,
+                             f"{MAX_WAITING} gets are already waiting on this connection")
+        assert self.nursery is not None
+        await self.nursery.start(self._waiting_get, req)
+        return None
+
+    async def _get_many(self, cmd: c.Get,
+                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+                        ) -> list[Item]:
+        return await self.broker.get_many(
+            cmd.queue, cmd.reader, cmd.max_items, timeout_ms=cmd.timeout_ms,
+            client=self.reads, open=cmd.open, open_timeout_ms=cmd.open_timeout_ms,
+            max_bytes=cmd.max_bytes, task_status=task_status)
+
+    async def _waiting_get(self, req: c.Request, task_status: trio.TaskStatus[None]) -> None:
+        batch = self.batches
+        self.waiting += 1
+        reply: c.Reply
+        try:
+            reply = c.Items(await self._get_many(req.command, task_status))  # type: ignore[arg-type]
+        except Exception as exc:
+            reply = self._failure(req, exc)
+            with suppress(RuntimeError):  # failed before it started: report started now
+                task_status.started()
+        finally:
+            self.waiting -= 1
+        self._answer(req, reply)
+        if batch != self.batches or not self.busy:
+            await self._flush()  # answered after its batch went out: send it now
+
+    async def monitor(self, req: c.Request) -> c.Reply:
+        """Send items as they arrive (open reads, confirmed with `confirm`) until time is up."""
+        cmd: c.Monitor = req.command  # type: ignore[assignment]
+        deadline = trio.current_time() + cmd.timeout_ms / 1000
+        sent = 0
+        while cmd.max_items is None or sent < cmd.max_items:
+            left = deadline - trio.current_time()
+            if left <= 0 or self.hub.closing:
+                break
+            items = await self.take(c.Get(cmd.queue, cmd.reader,
+                                          timeout_ms=max(1, int(left * 1000)), open=True))
+            if not items:
+                break
+            self.out += self.codec.encode_item(req, items[0])
+            sent += 1
+            await self._flush()
+        return c.Done()
+
+
+def _same_append(a: c.Command, b: c.Command) -> bool:
+    """Puts that may share one journal append: same queue, same expiry."""
+    return (a.queue == b.queue and a.ttl_ms == b.ttl_ms  # type: ignore[union-attr]
+            and a.expire_at_ms == b.expire_at_ms)  # type: ignore[union-attr]

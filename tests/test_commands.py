@@ -1,0 +1,146 @@
+"""The protocol-neutral commands and each protocol's tables (queued.core.commands and
+queued.core.{memcache,text,rpc}_commands): complete, and mapping what they should."""
+
+from __future__ import annotations
+
+import errno
+import typing
+
+import pytest
+
+from queued.core import commands as c
+from queued.core import memcache_commands as mcc
+from queued.core import memcache_protocol as mc
+from queued.core import rpc_commands as rpcc
+from queued.core import rpc_protocol as rp
+from queued.core import text_commands as tc
+from queued.core import text_protocol as tp
+from queued.core.errors import (
+    BadNameError,
+    ItemTooLargeError,
+    JournalClosedError,
+    JournalFullError,
+    JournalWriteError,
+    ProtocolError,
+    QueueClosedError,
+    QueueFullError,
+    ReadStateError,
+)
+from queued.core.queue import Item
+from queued.core.wire import NEED_DATA
+
+LIMITS = c.Limits(max_line=2048, max_item_size=1 << 20, max_frame=1 << 20, max_batch=1000)
+
+
+def test_every_parser_event_has_a_command_and_a_reply() -> None:
+    for table, events in ((mcc, mc.Command), (tc, tp.Command)):
+        kinds = set(typing.get_args(events))
+        assert set(table.COMMANDS) == kinds
+        assert set(table.REPLIES) == kinds
+    calls = set(typing.get_args(rp.Call))
+    assert set(rpcc.COMMANDS) == calls - {rp.Get}  # get takes the connection's max_bytes
+
+
+def test_every_error_kind_has_a_reply_in_every_protocol() -> None:
+    assert set(mcc.FAILURES) == set(c.ErrorKind)
+    assert set(rpcc.CODES) == set(c.ErrorKind)
+    codec = tc.TextCodec(LIMITS)
+    req = c.Request(c.Put("q", (b"x",)), tp.Put("q", (b"x",)), "put")
+    for kind in c.ErrorKind:
+        assert codec.encode(req, c.Failure(kind, "why")).startswith(b"-")
+
+
+@pytest.mark.parametrize(("exc", "kind"), [
+    (BadNameError("bad"), c.ErrorKind.BAD_NAME),
+    (QueueFullError("full"), c.ErrorKind.QUEUE_FULL),
+    (ItemTooLargeError("big"), c.ErrorKind.ITEM_TOO_LARGE),
+    (JournalFullError("full"), c.ErrorKind.JOURNAL_FULL),
+    (ReadStateError("open"), c.ErrorKind.TOO_MANY_OPEN_READS),
+    (QueueClosedError("gone"), c.ErrorKind.SHUTTING_DOWN),
+    (JournalClosedError("closed"), c.ErrorKind.SHUTTING_DOWN),
+    (ValueError("bad value"), c.ErrorKind.BAD_PARAMS),
+    (JournalWriteError("disk"), c.ErrorKind.SERVER_ERROR),
+])
+def test_failure_of_maps_each_error_to_its_kind(exc: Exception, kind: c.ErrorKind) -> None:
+    assert c.failure_of(exc) == c.Failure(kind, str(exc))
+
+
+def test_failure_of_an_os_error_says_its_strerror_and_a_bug_is_none() -> None:
+    assert c.failure_of(OSError(errno.ENOSPC, "No space left on device")) == c.Failure(
+        c.ErrorKind.SERVER_ERROR, "No space left on device")
+    assert c.failure_of(KeyError("bug")) is None
+
+
+@pytest.mark.parametrize(("exptime", "ttl", "at"), [
+    (0, None, None), (-1, 0, None), (60, 60_000, None), (999_999, 999_999_000, None),
+    (1_700_000_000, None, 1_700_000_000_000),
+])
+def test_memcache_exptime_becomes_a_relative_or_absolute_expiry(
+    exptime: int, ttl: int | None, at: int | None,
+) -> None:
+    put = mcc.put_of(mc.Set("q", 0, exptime, b"x"))
+    assert (put.ttl_ms, put.expire_at_ms) == (ttl, at)
+    assert put.expire_ms(1000) == (at if at is not None else None if ttl is None else 1000 + ttl)
+
+
+def decode_all(codec: c.Codec, data: bytes) -> list[object]:
+    codec.receive_data(data)
+    out: list[object] = []
+    while True:
+        try:
+            r = codec.next_request()
+        except ProtocolError as e:
+            out.append(e)
+            continue
+        if r is NEED_DATA:
+            return out
+        out.append(r)
+
+
+def test_memcache_requests_and_replies() -> None:
+    codec = mcc.MemcacheCodec(LIMITS)
+    set_, get, quiet = decode_all(codec, b"set q 0 0 1\r\nx\r\nget q+r/t=5/open\r\n"
+                                         b"set q 0 0 1 noreply\r\ny\r\n")
+    assert isinstance(set_, c.Request) and set_.command == c.Put("q", (b"x",))
+    assert set_.name == "set"
+    assert isinstance(get, c.Request) and get.command == c.Get(
+        "q", "r", timeout_ms=5, open=True, exclusive=True)
+    assert codec.encode(set_, c.Stored(1)) == b"STORED\r\n"
+    assert codec.encode(set_, c.Failure(c.ErrorKind.QUEUE_FULL, "full")) == b"NOT_STORED\r\n"
+    assert isinstance(quiet, c.Request)
+    assert codec.encode(quiet, c.Stored(1)) == b""
+    assert codec.encode(quiet, c.Failure(c.ErrorKind.QUEUE_FULL, "full")) == b""
+    item = Item(3, b"data", 0)
+    assert codec.encode(get, c.Items([item])) == b"VALUE q+r/t=5/open 0 4\r\ndata\r\nEND\r\n"
+    assert codec.encode(get, c.Failure(c.ErrorKind.READ_OPEN, "open")) == b"ERROR\r\n"
+    assert c.ErrorKind.READ_OPEN in codec.closing
+
+
+def test_text_get_leaves_an_item_with_a_newline_queued() -> None:
+    codec = tc.TextCodec(LIMITS)
+    (get,) = decode_all(codec, b"get q 10\n")
+    assert isinstance(get, c.Request)
+    assert get.command == c.Get("q", None, timeout_ms=10, open=True, line_safe=True)
+    assert codec.encode(get, c.Failure(c.ErrorKind.NOT_ENCODABLE, "nl")).startswith(b"-Item")
+    assert codec.encode(get, c.Items([])) == b"*\n"
+
+
+def test_rpc_notifications_get_no_reply_and_refused_ones_are_errors_without_one() -> None:
+    codec = rpcc.RpcCodec(LIMITS)
+    put, refused, bad = decode_all(codec, rp.encode_notification("put", ["q", [b"x"]])
+                                   + rp.encode_notification("get", ["q", 1])
+                                   + rp.encode_notification("put", ["q"]))
+    assert isinstance(put, c.Request) and put.context is None
+    assert codec.encode(put, c.Stored(1)) == b""
+    assert isinstance(refused, ProtocolError) and refused.reply == b"" and not refused.close
+    assert isinstance(bad, ProtocolError) and bad.reply == b"" and not bad.close
+
+
+def test_rpc_get_is_open_with_auto_abort_and_capped_to_half_a_frame() -> None:
+    codec = rpcc.RpcCodec(LIMITS)
+    (get,) = decode_all(codec, rp.encode_request(4, "get", ["q+r", 10, 100, 5000]))
+    assert isinstance(get, c.Request) and get.context == 4
+    assert get.command == c.Get("q", "r", 10, 100, open=True, open_timeout_ms=5000,
+                                max_bytes=LIMITS.max_frame // 2)
+    assert codec.encode(get, c.Failure(c.ErrorKind.BUSY, "busy")) == rp.encode_error(
+        4, rp.ErrorCode.BUSY, "busy")

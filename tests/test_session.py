@@ -1,0 +1,137 @@
+"""The one session (queued.server.session): every protocol through one receive loop.
+
+Real servers on 127.0.0.1 port 0 for the socket behaviours (half-close, hang-ups), and a
+session over trio's in-memory streams to pin that it needs only a `trio.abc.Stream`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import socket
+import struct
+from pathlib import Path
+
+import msgpack
+import pytest
+import trio
+import trio.testing
+from server_util import WAIT, Conn, make_config, running
+
+from queued import __version__
+from queued.broker import open_broker
+from queued.core import commands as c
+from queued.core.memcache_commands import MemcacheCodec
+from queued.core.rpc_commands import RpcCodec
+from queued.core.stats import ProtocolStats
+from queued.core.text_commands import TextCodec
+from queued.server.listeners import Server
+from queued.server.session import ServerCounters, Session
+
+
+async def read_to_eof(conn: Conn) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    return await conn.expect_closed()
+
+
+# -- D1: every complete command sent before a FIN gets its reply ------------------------------
+
+
+@pytest.mark.parametrize(("proto", "request_bytes", "reply"), [
+    ("memcache", b"get a/t=300\r\nget a/t=300\r\nversion\r\n",
+     b"END\r\nEND\r\nVERSION %s\r\n" % __version__.encode()),
+    ("text", b"get a 300\nget a 300\nversion\n",
+     b"*\n*\n:%s\n" % __version__.encode()),
+])
+async def test_pipelined_long_polls_then_half_close_answer_every_command(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, proto: str, request_bytes: bytes,
+    reply: bytes,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with running(make_config(tmp_path / "data")) as server:
+        conn = await Conn.open(server.ports[proto])
+        await conn.send(request_bytes)
+        await conn.stream.send_eof()  # shutdown(SHUT_WR): the client still reads
+        assert await read_to_eof(conn) == reply
+        await conn.aclose()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+async def test_rpc_calls_before_a_half_close_are_answered(tmp_path: Path) -> None:
+    async with running(make_config(tmp_path / "data")) as server:
+        conn = await Conn.open(server.ports["rpc"])
+        await conn.send(msgpack.packb([0, 1, "put", ["q", [b"x"]]])
+                        + msgpack.packb([0, 2, "version", []]))
+        await conn.stream.send_eof()
+        replies = list(msgpack.Unpacker(io.BytesIO(await read_to_eof(conn))))
+        assert sorted(replies) == [[1, 1, None, 1], [1, 2, None, __version__]]
+        await conn.aclose()
+
+
+@pytest.mark.parametrize(("proto", "line"), [
+    ("memcache", b"get q/t=10000\r\n"), ("text", b"get q 10000\n"),
+])
+async def test_hang_up_during_a_long_poll_is_an_ordinary_event(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, proto: str, line: bytes,
+) -> None:
+    """A client that disconnects while its get waits: debug log, no traceback, and the
+    item put afterwards is not taken by the dead connection."""
+    caplog.set_level(logging.DEBUG)
+    async with running(make_config(tmp_path / "data")) as server:
+        conn = await Conn.open(server.ports[proto])
+        await conn.send(line)
+        with trio.fail_after(WAIT):
+            while server.broker.queue_stats() == [] or \
+                    server.broker.reader_info("q").get("waiters") != 1:
+                await trio.sleep(0.01)
+        # SO_LINGER 0: the close sends RST, not FIN (the rudest hang-up)
+        conn.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                      struct.pack("ii", 1, 0))
+        await conn.stream.aclose()
+        with trio.fail_after(WAIT):
+            while server.connections():
+                await trio.sleep(0.01)
+        other = await Conn.open(server.ports["memcache"])
+        assert await other.set("q", b"item") == b"STORED"
+        assert await other.get("q") == b"item"
+        await other.aclose()
+    assert "session failed" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+# -- the session needs only a trio.abc.Stream --------------------------------------------------
+
+
+@pytest.mark.parametrize(("codec", "request_bytes", "reply"), [
+    (MemcacheCodec, b"set q 0 0 2\r\nhi\r\nget q\r\n", b"STORED\r\nVALUE q 0 2\r\nhi\r\nEND\r\n"),
+    (TextCodec, b"put q:\nhi\n\nget q\n", b"+1\n:hi\n"),
+    (RpcCodec, msgpack.packb([0, 7, "put", ["q", [b"hi"]]])
+     + msgpack.packb([0, 8, "get", ["q", 1]]),
+     msgpack.packb([1, 7, None, 1]) + msgpack.packb([1, 8, None, [[1, b"hi"]]])),
+])
+async def test_session_over_an_in_memory_stream(
+    tmp_path: Path, codec: type[MemcacheCodec | TextCodec | RpcCodec], request_bytes: bytes,
+    reply: bytes,
+) -> None:
+    config = make_config(tmp_path / "data", fsync="never")
+    async with open_broker(config) as broker:
+        server = Server(broker, config)
+        client, server_end = trio.testing.memory_stream_pair()
+        limits = c.Limits(config.max_line, config.max_item_size, config.rpc_max_frame,
+                          config.rpc_max_batch)
+        stats = ProtocolStats()
+        session = Session(server, broker, server_end, codec(limits), name="memory",
+                          max_item_size=config.max_item_size, counters=ServerCounters(),
+                          stats=stats)
+        broker.register(session.reads)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.run)
+            await client.send_all(request_bytes)
+            got = b""
+            with trio.fail_after(WAIT):
+                while len(got) < len(reply):
+                    got += await client.receive_some()
+            assert got == reply
+            await client.aclose()
+        assert session.eof
+        assert sum(stats.commands.values()) == 2
