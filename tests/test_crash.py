@@ -25,16 +25,11 @@ from pathlib import Path
 import crash_driver as drv
 import pytest
 
+from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
 from queued.core import journal_format as jf
 from queued.storage import journal as journal_module
 from queued.storage.datadir import DataDir, open_data_dir
-from queued.storage.journal import (
-    DataDirConfig,
-    FsyncPolicy,
-    JournalConfig,
-    QueueJournal,
-    wait_durable,
-)
+from queued.storage.journal import QueueJournal, wait_durable
 
 pytestmark = pytest.mark.slow
 

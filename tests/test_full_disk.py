@@ -17,17 +17,12 @@ import pytest
 import trio
 from disk_util import fill, fill_completely
 
+from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
 from queued.core import journal_format as jf
 from queued.core.errors import JournalWriteError
 from queued.storage import journal as journal_module
 from queued.storage.datadir import DataDir, open_data_dir
-from queued.storage.journal import (
-    DataDirConfig,
-    FsyncPolicy,
-    JournalConfig,
-    QueueJournal,
-    wait_durable,
-)
+from queued.storage.journal import QueueJournal, wait_durable
 
 pytestmark = pytest.mark.slow
 

@@ -12,12 +12,12 @@ import pytest
 import trio
 
 from queued.cli import check, dump
+from queued.config import CorruptionPolicy, DataDirConfig, FsyncPolicy, FullPolicy, JournalConfig
 from queued.core import journal_format as jf
 from queued.core.errors import CorruptJournalError, JournalFullError
 from queued.storage.compaction import live_upper_bound, plan_compaction
 from queued.storage.datadir import DataDir, open_data_dir
-from queued.storage.journal import DataDirConfig, FsyncPolicy, FullPolicy, JournalConfig
-from queued.storage.recovery import Checkpoint, CorruptionPolicy, SegmentInfo
+from queued.storage.recovery import Checkpoint, SegmentInfo
 
 T0 = 1_700_000_000_000
 

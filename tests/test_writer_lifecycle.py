@@ -12,16 +12,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from queued.config import DataDirConfig, FsyncPolicy, FullPolicy, JournalConfig
 from queued.core import journal_format as jf
 from queued.core.errors import JournalClosedError, JournalFullError
 from queued.storage.datadir import DataDir, open_data_dir
-from queued.storage.journal import (
-    DataDirConfig,
-    FsyncPolicy,
-    FullPolicy,
-    JournalConfig,
-    QueueJournal,
-)
+from queued.storage.journal import QueueJournal
 
 T0 = 1_700_000_000_000
 ITEM = b"x" * 100  # PUT record 125 bytes; with journal_size=600 a segment holds 4 items

@@ -19,17 +19,11 @@ from pathlib import Path
 
 import trio
 
+from queued.config.policies import DataDirConfig, FsyncMode, JournalConfig
 from queued.core import journal_format as jf
 from queued.core.errors import CorruptJournalError, CorruptRecordError, JournalClosedError
 from queued.core.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
-from queued.storage.journal import (
-    DataDirConfig,
-    FsyncMode,
-    JournalConfig,
-    QueueJournal,
-    _Chunk,
-    _Written,
-)
+from queued.storage.journal import QueueJournal, _Chunk, _Written
 from queued.storage.recovery import (
     Checkpoint,
     Damage,

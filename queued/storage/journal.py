@@ -9,7 +9,6 @@ Never acknowledges an append before its bytes are written and, under fsync
 
 from __future__ import annotations
 
-import enum
 import errno
 import logging
 import os
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from queued.config.policies import FsyncMode, FullPolicy, JournalConfig, MiB
 from queued.core import journal_format as jf
 from queued.core.errors import (
     JournalClosedError,
@@ -33,7 +33,6 @@ from queued.storage import compaction
 from queued.storage.compaction import CompactionResult
 from queued.storage.recovery import (
     Checkpoint,
-    CorruptionPolicy,
     SegmentInfo,
     fsync_dir,
     write_checkpoint,
@@ -44,63 +43,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("queued.journal")
 
-MiB = 1 << 20
 #: One check record covers at most this much: its length field is 32 bits.
 MAX_BATCH_BYTES = 64 * MiB
 #: write() errors after which the file can be trimmed back and appends retried later.
 RECOVERABLE_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-
-
-class FsyncMode(enum.Enum):
-    ALWAYS = "always"
-    NEVER = "never"
-    PERIODIC = "periodic"
-
-
-@dataclass(frozen=True, slots=True)
-class FsyncPolicy:
-    mode: FsyncMode = FsyncMode.ALWAYS
-    interval_ms: int = 0
-
-    @classmethod
-    def parse(cls, value: str | int) -> FsyncPolicy:
-        """`"always"`, `"never"`, or a number of milliseconds (`"200"`, `200`, `"200ms"`)."""
-        text = str(value).strip().lower()
-        if text == "always":
-            return cls(FsyncMode.ALWAYS)
-        if text == "never":
-            return cls(FsyncMode.NEVER)
-        text = text.removesuffix("ms")
-        if text.isdigit() and int(text) > 0:
-            return cls(FsyncMode.PERIODIC, int(text))
-        if text == "0":
-            return cls(FsyncMode.ALWAYS)
-        raise ValueError(f"fsync must be 'always', 'never' or a number of ms, not {value!r}")
-
-    def __str__(self) -> str:
-        return f"{self.interval_ms}" if self.mode is FsyncMode.PERIODIC else self.mode.value
-
-
-class FullPolicy(enum.Enum):
-    REFUSE = "refuse"  # refuse puts while the journal is at max_journal_size
-    DROP_OLDEST = "drop_oldest"  # drop the oldest segment, items and all
-
-
-@dataclass(frozen=True, slots=True)
-class JournalConfig:
-    journal_size: int = 16 * MiB
-    max_journal_size: int = 0  # 0 = unbounded
-    full_policy: FullPolicy = FullPolicy.REFUSE
-    fsync: FsyncPolicy = FsyncPolicy()
-    #: rewrite a closed segment when at most this fraction of its items is still needed
-    compact_live_ratio: float = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class DataDirConfig:
-    corruption: CorruptionPolicy = CorruptionPolicy.REFUSE
-    archive_dir: Path | None = None
-    quarantine_dir_name: str = "quarantine"
 
 
 @dataclass(frozen=True, slots=True)

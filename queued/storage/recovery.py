@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from queued.config.policies import CorruptionPolicy
 from queued.core import journal_format as jf
 from queued.core.errors import BadMagicError, CorruptJournalError, CorruptRecordError
 
@@ -24,11 +25,6 @@ log = logging.getLogger("queued.recovery")
 READ_CHUNK = 4 << 20
 #: Sparse index stride: one (first_id, offset) entry per this many bytes.
 INDEX_STRIDE = 1 << 20
-
-
-class CorruptionPolicy(enum.Enum):
-    REFUSE = "refuse"  # refuse to start, name the file and offset
-    QUARANTINE = "quarantine"  # keep a copy aside, salvage every verified batch
 
 
 @dataclass(slots=True)
