@@ -17,7 +17,7 @@ from queued.core import journal_format as jf
 from queued.core.errors import CorruptJournalError, JournalFullError
 from queued.storage.compaction import live_upper_bound, plan_compaction
 from queued.storage.datadir import DataDir, open_data_dir
-from queued.storage.recovery import Checkpoint, SegmentInfo
+from queued.storage.files import Checkpoint, SegmentInfo
 
 T0 = 1_700_000_000_000
 

@@ -20,7 +20,7 @@ import trio
 
 from queued.core import journal_format as jf
 from queued.core.errors import JournalError
-from queued.storage.recovery import Checkpoint, SegmentInfo, fsync_dir
+from queued.storage.files import Checkpoint, SegmentInfo, fsync_dir
 
 if TYPE_CHECKING:
     from queued.storage.journal import QueueJournal

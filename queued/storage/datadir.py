@@ -23,16 +23,15 @@ from queued.config.policies import DataDirConfig, FsyncMode, JournalConfig
 from queued.core import journal_format as jf
 from queued.core.errors import CorruptJournalError, CorruptRecordError, JournalClosedError
 from queued.core.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
-from queued.storage.journal import QueueJournal, _Chunk, _Written
-from queued.storage.recovery import (
+from queued.storage.files import (
     Checkpoint,
-    Damage,
     SegmentInfo,
     fsync_dir,
     read_checkpoint,
-    scan_segment,
     write_checkpoint,
 )
+from queued.storage.journal import QueueJournal, _Chunk, _Written
+from queued.storage.recovery import Damage, scan_segment
 
 log = logging.getLogger("queued.datadir")
 

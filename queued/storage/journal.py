@@ -16,7 +16,6 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
@@ -31,10 +30,11 @@ from queued.core.errors import (
 )
 from queued.storage import compaction
 from queued.storage.compaction import CompactionResult
-from queued.storage.recovery import (
+from queued.storage.files import (
     Checkpoint,
     SegmentInfo,
     fsync_dir,
+    unlink_durably,
     write_checkpoint,
 )
 
@@ -563,7 +563,7 @@ class QueueJournal:
         path = self.datadir.path / jf.checkpoint_name(self.name, reader)
         async with self._checkpoint_lock:
             self.readers.pop(reader, None)
-            await trio.to_thread.run_sync(_unlink_durably, path)
+            await trio.to_thread.run_sync(unlink_durably, path)
 
     # -- compaction and size limits -------------------------------------------------
 
@@ -646,12 +646,4 @@ def _writev_all(fd: int, pieces: list[bytes | bytearray]) -> None:
                 view = view[os.write(fd, view):]
             i += 1
             break
-
-
-def _unlink_durably(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return
-    fsync_dir(path.parent)
 
