@@ -1,22 +1,26 @@
 """Durable file primitives and the two values every storage module shares.
 
 Owns what a segment is to the journal (`SegmentInfo`: its ids, size and sparse
-index), a reader's checkpoint file (`Checkpoint`, read and written atomically),
-and the crash-safe file steps (temp + fsync + rename + directory fsync).
+index) and reading one back, a reader's checkpoint file (`Checkpoint`, read and
+written atomically), and the crash-safe file steps (temp + fsync + rename +
+directory fsync).
 Synchronous file I/O only; callers on the event loop run it in a worker thread.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from queued.core import journal_format as jf
-from queued.core.errors import CorruptRecordError
+from queued.core.errors import CorruptRecordError, JournalError
 
 #: Sparse index stride: one (first_id, offset) entry per this many bytes.
 INDEX_STRIDE = 1 << 20
+#: Bytes read per call when reading a segment back.
+READ_BACK_CHUNK = 1 << 20
 
 
 @dataclass(slots=True)
@@ -62,6 +66,40 @@ class SegmentInfo:
                 break
             best = offset
         return best
+
+
+def read_segment(seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[jf.Put]:
+    """PUT records of `seg` with from_id <= id (<= to_id), in order, up to seg.size.
+
+    Streams in chunks from the nearest indexed batch; raises FileNotFoundError when
+    the file was replaced under a stale `seg` (compaction), JournalError on a record
+    cut short. Synchronous file I/O.
+    """
+    offset = seg.seek_offset(from_id)
+    limit = seg.size
+    with seg.path.open("rb") as f:
+        if seg.inode and os.fstat(f.fileno()).st_ino != seg.inode:
+            raise FileNotFoundError(f"{seg.path} was replaced")
+        f.seek(offset)
+        dec = jf.RecordDecoder(jf.FileKind.WRITER, start_offset=offset, expect_magic=False)
+        remaining = limit - offset
+        while True:
+            ev = dec.next_event()
+            if ev is jf.NEED_DATA:
+                data = f.read(min(remaining, READ_BACK_CHUNK)) if remaining > 0 else b""
+                remaining -= len(data)
+                dec.receive_data(data)
+                continue
+            if isinstance(ev, jf.Decoded):
+                rec = ev.record
+                if isinstance(rec, jf.Put) and rec.id >= from_id:
+                    if to_id is not None and rec.id > to_id:
+                        return
+                    yield rec
+                continue
+            if isinstance(ev, jf.TornTail):
+                raise JournalError(f"{seg.path}: record cut short at {ev.offset}")
+            return
 
 
 def fsync_dir(path: Path) -> None:
