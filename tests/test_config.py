@@ -880,3 +880,12 @@ def test_describe_is_toml_that_loads_back(tmp_path: Path, text: str) -> None:
     config = load_file(write(tmp_path, text))
     again = load_file(write(tmp_path, describe(config), "described.toml"))
     assert dataclasses.replace(again, config_file=config.config_file) == config
+
+
+def test_fsync_policy_parse() -> None:
+    assert str(FsyncPolicy.parse("always")) == "always"
+    assert str(FsyncPolicy.parse("never")) == "never"
+    assert FsyncPolicy.parse("200ms").interval_ms == 200
+    assert FsyncPolicy.parse(15).interval_ms == 15
+    with pytest.raises(ValueError):
+        FsyncPolicy.parse("sometimes")

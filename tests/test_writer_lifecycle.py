@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from journal_util import queue_files
 
 from queued.config import DataDirConfig, FsyncPolicy, FullPolicy, JournalConfig
 from queued.core import journal_format as jf
@@ -21,13 +22,6 @@ from queued.storage.datadir import DataDir, open_data_dir
 
 T0 = 1_700_000_000_000
 ITEM = b"x" * 100  # PUT record 125 bytes; with journal_size=600 a segment holds 4 items
-
-
-def queue_files(path: Path, queue: str = "q") -> list[str]:
-    return sorted(
-        p.name for p in path.iterdir()
-        if (n := jf.parse_file_name(p.name)) is not None and n.queue == queue
-    )
 
 
 async def test_delete_queue_during_a_round_leaves_no_segment_behind(
