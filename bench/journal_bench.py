@@ -46,9 +46,9 @@ from typing import TypeVar
 
 import trio
 
+from queued.config import FsyncMode, FsyncPolicy, JournalConfig
 from queued.core import journal_format as jf
 from queued.storage.datadir import DataDir, open_data_dir
-from queued.storage.journal import FsyncMode, FsyncPolicy, JournalConfig
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import trio
 
+from queued.config import FsyncPolicy, JournalConfig
 from queued.storage.datadir import open_data_dir
-from queued.storage.journal import FsyncPolicy, JournalConfig
 
 T0 = 1_700_000_000_000
 AGG = ["count(queue)", "sum(id)", "max(add_time)", "count(expire_time)", "sum(error_count)",

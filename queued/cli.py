@@ -40,7 +40,8 @@ from queued.core import journal_format as jf
 from queued.core.errors import CorruptRecordError, QueuedError
 from queued.logs import setup_logging
 from queued.server.app import serve
-from queued.storage.recovery import TailState, inspect_segment, read_checkpoint
+from queued.storage.files import read_checkpoint
+from queued.storage.recovery import TailState, inspect_segment
 
 PREVIEW = 40
 

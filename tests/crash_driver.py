@@ -36,14 +36,9 @@ from pathlib import Path
 
 import trio
 
+from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
 from queued.storage.datadir import open_data_dir
-from queued.storage.journal import (
-    DataDirConfig,
-    FsyncPolicy,
-    JournalConfig,
-    QueueJournal,
-    wait_durable,
-)
+from queued.storage.journal import QueueJournal, wait_durable
 
 QUEUE = "jobs"
 STRAGGLER_EVERY = 37

@@ -19,27 +19,26 @@ from hypothesis import strategies as st
 from queued import config as cfg
 from queued.config import (
     ConfigError,
-    QueueConfig,
-    ServerConfig,
-    add_serve_arguments,
-    describe,
-    format_duration,
-    format_size,
-    load_config,
-    parse_duration,
-    parse_size,
-    reload_queue_configs,
-)
-from queued.core.errors import QueuedError
-from queued.storage.journal import (
+    CorruptionPolicy,
     DataDirConfig,
     FsyncMode,
     FsyncPolicy,
     FullPolicy,
     JournalConfig,
     MiB,
+    QueueConfig,
+    ServerConfig,
+    add_serve_arguments,
+    describe,
+    format_duration,
+    format_size,
+    keys,
+    load_config,
+    parse_duration,
+    parse_size,
+    reload_queue_configs,
 )
-from queued.storage.recovery import CorruptionPolicy
+from queued.core.errors import QueuedError
 
 NO_ENV: dict[str, str] = {}
 
@@ -94,13 +93,13 @@ def test_config_error_is_a_queued_error() -> None:
 
 def test_key_tables_cover_every_field() -> None:
     queue_fields = {f.name for f in dataclasses.fields(QueueConfig)}
-    assert set(cfg._QUEUE_KEYS) == queue_fields
+    assert set(cfg.QUEUE_KEYS) == queue_fields
     server_scalars = {
         f.name
         for f in dataclasses.fields(ServerConfig)
         if f.name not in ("config_file", "default", "queues", "fsync_override")
     }
-    assert set(cfg._SERVER_KEYS) == server_scalars | {"fsync"}
+    assert set(cfg.SERVER_KEYS) == server_scalars | {"fsync"}
     assert queue_fields >= cfg.JOURNAL_KEYS
 
 
@@ -673,13 +672,13 @@ def test_duplicate_ports() -> None:
     [("true", True), ("FALSE", False), ("1", True), ("0", False), ("yes", True), ("No", False)],
 )
 def test_env_bool_spellings(value: str, expected: bool) -> None:
-    assert cfg._bool(value, True) is expected
+    assert keys.parse_bool(value, True) is expected
 
 
 @pytest.mark.parametrize("value", ["maybe", "", "2", "y"])
 def test_env_bad_bool(value: str) -> None:
     with pytest.raises(ValueError, match="expected true/false/1/0/yes/no"):
-        cfg._bool(value, True)
+        keys.parse_bool(value, True)
 
 
 # -- sizes and durations --------------------------------------------------------------------
@@ -761,7 +760,7 @@ def test_duration_format_round_trip(ms: int) -> None:
 
 @given(
     st.integers(0, 10**6),
-    st.sampled_from(sorted(cfg._SIZE_UNITS.items())),
+    st.sampled_from(sorted(keys.SIZE_UNITS.items())),
     st.sampled_from(["", " "]),
 )
 def test_size_units(amount: int, unit: tuple[str, int], space: str) -> None:
@@ -770,7 +769,7 @@ def test_size_units(amount: int, unit: tuple[str, int], space: str) -> None:
     assert parse_size(f"{amount}{name.upper()}") == amount * scale
 
 
-@given(st.integers(0, 10**6), st.sampled_from(sorted(cfg._DURATION_UNITS.items())))
+@given(st.integers(0, 10**6), st.sampled_from(sorted(keys.DURATION_UNITS.items())))
 def test_duration_units(amount: int, unit: tuple[str, int]) -> None:
     name, scale = unit
     assert parse_duration(f"{amount}{name}") == amount * scale
@@ -801,7 +800,7 @@ def test_huge_numbers_are_plain_errors(digits: int) -> None:
 def test_queue_name_rule_matches_regex(name: str) -> None:
     ok = re.fullmatch(r"[A-Za-z0-9_:-]{1,250}", name) is not None
     try:
-        cfg._queue_name(name, False)
+        keys.parse_queue_name(name, False)
     except ValueError:
         assert not ok
     else:
@@ -881,3 +880,12 @@ def test_describe_is_toml_that_loads_back(tmp_path: Path, text: str) -> None:
     config = load_file(write(tmp_path, text))
     again = load_file(write(tmp_path, describe(config), "described.toml"))
     assert dataclasses.replace(again, config_file=config.config_file) == config
+
+
+def test_fsync_policy_parse() -> None:
+    assert str(FsyncPolicy.parse("always")) == "always"
+    assert str(FsyncPolicy.parse("never")) == "never"
+    assert FsyncPolicy.parse("200ms").interval_ms == 200
+    assert FsyncPolicy.parse(15).interval_ms == 15
+    with pytest.raises(ValueError):
+        FsyncPolicy.parse("sometimes")

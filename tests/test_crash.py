@@ -25,16 +25,11 @@ from pathlib import Path
 import crash_driver as drv
 import pytest
 
+from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
 from queued.core import journal_format as jf
-from queued.storage import journal as journal_module
+from queued.storage import writer as writer_module
 from queued.storage.datadir import DataDir, open_data_dir
-from queued.storage.journal import (
-    DataDirConfig,
-    FsyncPolicy,
-    JournalConfig,
-    QueueJournal,
-    wait_durable,
-)
+from queued.storage.journal import QueueJournal, wait_durable
 
 pytestmark = pytest.mark.slow
 
@@ -401,7 +396,7 @@ async def test_compacting_twice_keeps_what_a_rewritten_segment_still_holds(
 
 
 class FsyncTracker:
-    """Stands in for `os` inside queued.storage.journal: which files hold unfsynced writes.
+    """Stands in for `os` inside queued.storage.writer: which files hold unfsynced writes.
 
     SIGKILL keeps the page cache, so the subprocess tests cannot see a missing
     fsync; a power cut would. This records, per path, whether bytes were written
@@ -458,7 +453,7 @@ async def test_acknowledged_appends_are_fsynced_when_a_round_rotates(
     (a power cut right after the acks would otherwise lose the first one).
     """
     tracker = FsyncTracker()
-    monkeypatch.setattr(journal_module, "os", tracker)
+    monkeypatch.setattr(writer_module, "os", tracker)
     datadir = tmp_path / "data"
     cfg = JournalConfig(journal_size=2048, fsync=FsyncPolicy.parse("always"))
     async with open_data_dir(datadir, DataDirConfig(), lambda _n: cfg) as dd:

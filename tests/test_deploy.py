@@ -28,9 +28,9 @@ import yaml
 from server_util import HOST, WAIT, Conn, make_config, running
 
 from queued.config import (
-    _QUEUE_KEYS,
-    _SERVER_KEYS,
     CONFIG_ENV,
+    QUEUE_KEYS,
+    SERVER_KEYS,
     ServerConfig,
     env_var,
     load_config,
@@ -204,7 +204,7 @@ def effective_config(toml: str | None, env: Mapping[str, str], tmp_path: Path) -
 
 
 def check_env_names(env: Mapping[str, str]) -> None:
-    known = {env_var(key) for key in _SERVER_KEYS} | {CONFIG_ENV}
+    known = {env_var(key) for key in SERVER_KEYS} | {CONFIG_ENV}
     unknown = {name for name in env if name.startswith("QUEUED_")} - known
     assert not unknown, f"not queued settings: {sorted(unknown)}"
 
@@ -257,13 +257,13 @@ def test_example_config_writes_every_key() -> None:
     doc = load_one(EXAMPLE)
     assert set(doc) == {"server", "default"}, "the [queues.*] examples stay commented out"
     # Every key active, at its default, but the ones that default to unset; fsync once.
-    assert set(doc["server"]) == set(_SERVER_KEYS) - OPTIONAL_KEYS - {"fsync"}
-    assert set(doc["default"]) == set(_QUEUE_KEYS) - OPTIONAL_KEYS
+    assert set(doc["server"]) == set(SERVER_KEYS) - OPTIONAL_KEYS - {"fsync"}
+    assert set(doc["default"]) == set(QUEUE_KEYS) - OPTIONAL_KEYS
     text = EXAMPLE.read_text()
     server, _, default = text.partition("\n[default]\n")
     mentioned = re.compile(r"^#?\s*([a-z_]+)\s*=", re.MULTILINE)
-    assert set(_SERVER_KEYS) - {"fsync"} <= set(mentioned.findall(server.split("\n[server]\n")[1]))
-    assert set(_QUEUE_KEYS) <= set(mentioned.findall(default))
+    assert set(SERVER_KEYS) - {"fsync"} <= set(mentioned.findall(server.split("\n[server]\n")[1]))
+    assert set(QUEUE_KEYS) <= set(mentioned.findall(default))
     for key in OPTIONAL_KEYS:
         assert re.search(rf"^# {key} = ", text, re.MULTILINE), f"{key}: not shown commented out"
 

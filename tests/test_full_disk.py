@@ -17,17 +17,13 @@ import pytest
 import trio
 from disk_util import fill, fill_completely
 
+from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
 from queued.core import journal_format as jf
 from queued.core.errors import JournalWriteError
 from queued.storage import journal as journal_module
+from queued.storage import writer as writer_module
 from queued.storage.datadir import DataDir, open_data_dir
-from queued.storage.journal import (
-    DataDirConfig,
-    FsyncPolicy,
-    JournalConfig,
-    QueueJournal,
-    wait_durable,
-)
+from queued.storage.journal import QueueJournal, wait_durable
 
 pytestmark = pytest.mark.slow
 
@@ -259,7 +255,7 @@ async def test_batch_acked_before_a_split_batch_hit_enospc_was_fsynced(
 
 
 class FailingFsync:
-    """Stands in for `os` inside queued.storage.journal; `fail` makes the next fsync raise it.
+    """Stands in for `os` inside queued.storage.writer; `fail` makes the next fsync raise it.
 
     On a delayed-allocation filesystem (ext4, XFS, NFS) a full disk can surface
     at fsync time as ENOSPC, after write() succeeded.
@@ -289,7 +285,7 @@ async def test_enospc_from_fsync_at_rotation_is_not_an_ack(
     per the durability contract a failed fsync is fatal to writes.
     """
     fake = FailingFsync()
-    monkeypatch.setattr(journal_module, "os", fake)
+    monkeypatch.setattr(writer_module, "os", fake)
     datadir = tmp_path / "data"
     async with open_data_dir(datadir, DataDirConfig(), config(2048)) as dd:
         q = dd.queue(Q)

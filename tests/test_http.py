@@ -432,7 +432,7 @@ async def test_not_ready_while_shutting_down_or_when_a_journal_failed(tmp_path: 
         ops.server = server
         assert ops.problems() == []
         journal = server.broker.queues["jobs"].journal
-        journal._set_failed("fsync failed: [Errno 5] Input/output error")  # as the writer does
+        journal.file.set_failed("fsync failed: [Errno 5] Input/output error")  # as the writer does
         problems = ops.problems()
         assert len(problems) == 1 and problems[0].startswith("queue jobs: ")
         assert "Input/output error" in problems[0]

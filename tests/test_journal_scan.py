@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from queued.config import JournalConfig
 from queued.core import journal_format as jf
 from queued.storage import journal_scan as js
 from queued.storage.datadir import DataDir, open_data_dir
-from queued.storage.journal import JournalConfig
 
 T0 = 1_700_000_000_000
 

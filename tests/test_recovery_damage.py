@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from queued.cli import check
+from queued.config import CorruptionPolicy, JournalConfig
 from queued.core import journal_format as jf
 from queued.core.errors import CorruptJournalError
 from queued.storage.datadir import DataDir, open_data_dir
-from queued.storage.recovery import CorruptionPolicy, inspect_segment, scan_segment
+from queued.storage.recovery import inspect_segment, scan_segment
 
 T0 = 1_700_000_000_000
 
@@ -119,8 +120,6 @@ async def test_damaged_last_batch_of_an_older_segment_is_not_a_torn_tail(tmp_pat
     # only the NEWEST segment can have a torn tail. A flipped byte in the last batch of an
     # older segment is corruption of acknowledged data, yet recovery classifies it as a
     # garbage tail and truncates the item away with a warning, even with corruption="refuse".
-    from queued.storage.journal import JournalConfig
-
     conf = JournalConfig(journal_size=600)  # 4 items of 100 bytes per segment
     async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
         q = dd.queue("q")

@@ -6,42 +6,32 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 from pathlib import Path
 
 import pytest
 import trio
+from journal_util import queue_files
 
+from queued.config import DataDirConfig, FsyncPolicy, FullPolicy, JournalConfig
 from queued.core import journal_format as jf
 from queued.core.errors import JournalClosedError, JournalFullError
+from queued.storage import writer as writer_module
 from queued.storage.datadir import DataDir, open_data_dir
-from queued.storage.journal import (
-    DataDirConfig,
-    FsyncPolicy,
-    FullPolicy,
-    JournalConfig,
-    QueueJournal,
-)
 
 T0 = 1_700_000_000_000
 ITEM = b"x" * 100  # PUT record 125 bytes; with journal_size=600 a segment holds 4 items
-
-
-def queue_files(path: Path, queue: str = "q") -> list[str]:
-    return sorted(
-        p.name for p in path.iterdir()
-        if (n := jf.parse_file_name(p.name)) is not None and n.queue == queue
-    )
 
 
 async def test_delete_queue_during_a_round_leaves_no_segment_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # delete_queue snapshots j.segments BEFORE waiting for the round lock; a segment the
-    # in-flight round creates is added by _apply afterwards and is never unlinked. The
-    # deleted queue comes back (with its items) at the next start.
+    # in-flight round creates is added by finish_round afterwards and is never unlinked.
+    # The deleted queue comes back (with its items) at the next start.
     entered, release = threading.Event(), threading.Event()
-    real_round = DataDir._round
+    real_round = writer_module.run_round
 
     def slow_round(work, periodic):  # type: ignore[no-untyped-def]
         if work:
@@ -49,7 +39,7 @@ async def test_delete_queue_during_a_round_leaves_no_segment_behind(
             release.wait(5)
         return real_round(work, periodic)
 
-    monkeypatch.setattr(DataDir, "_round", staticmethod(slow_round))
+    monkeypatch.setattr(writer_module, "run_round", slow_round)
     async with open_data_dir(tmp_path) as dd:
         q = dd.queue("q")
 
@@ -77,20 +67,26 @@ async def test_append_after_aclose_fails_instead_of_hanging(tmp_path: Path) -> N
     assert not scope.cancelled_caught, "append after aclose hung forever"
 
 
+class FsyncFails:
+    """Stands in for `os` inside queued.storage.writer: every fsync of a segment fails."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def fsync(self, fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+
 async def test_failed_periodic_fsync_does_not_spin_the_writer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # After a periodic fsync fails, _unsynced stays True and _last_fsync stays old, so
-    # _fsync_deadline() is always in the past: DataDir.run loops with move_on_after(0),
+    # After a periodic fsync fails, the file stays unsynced and its last fsync stays old,
+    # so fsync_deadline() is always in the past: DataDir.run loops with move_on_after(0),
     # retrying fsync and logging an error on every iteration (100% CPU).
     conf = JournalConfig(fsync=FsyncPolicy.parse("20"))
     async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
         q = dd.queue("q")
-
-        def failing_fsync(self: QueueJournal) -> None:
-            raise OSError(errno.EIO, "Input/output error")
-
-        monkeypatch.setattr(QueueJournal, "_fsync", failing_fsync)
+        monkeypatch.setattr(writer_module, "os", FsyncFails())
         # the spin logs one error per iteration; keep the test output readable
         monkeypatch.setattr(logging.getLogger("queued.journal"), "disabled", True)
         await q.append([b"a"], T0)  # acknowledged after the write (periodic policy)
@@ -139,7 +135,7 @@ async def test_read_back_during_compaction_window(
 async def test_drop_oldest_does_not_drop_everything_for_an_item_that_can_never_fit(
     tmp_path: Path,
 ) -> None:
-    # make_room calls _drop_oldest(limit - incoming) with a negative target when one
+    # make_room calls drop_oldest(limit - incoming) with a negative target when one
     # item is bigger than max_journal_size: every segment but the newest is dropped
     # (items lost, checkpoints moved) and the put is refused anyway.
     conf = JournalConfig(journal_size=600, max_journal_size=2000,
@@ -157,7 +153,7 @@ async def test_drop_oldest_of_a_compaction_output_does_not_overwrite_the_archive
     tmp_path: Path,
 ) -> None:
     # With archive_dir, rewrite_run copies the original q.<last> into the archive and
-    # renames the compaction output over it. When _drop_oldest later retires that
+    # renames the compaction output over it. When drop_oldest later retires that
     # output it must be deleted, not archived over the original (ids 5..8) with its
     # compacted subset (ids 4, 8).
     archive = tmp_path / "archive"
@@ -170,7 +166,7 @@ async def test_drop_oldest_of_a_compaction_output_does_not_overwrite_the_archive
             await q.append([ITEM], T0)
         await q.write_checkpoint("", 0, [1, 2, 3, 5, 6, 7])
         await q.compact()
-        await q._drop_oldest(q.total_bytes - 1)
+        await q.drop_oldest(q.total_bytes - 1)
 
     archived: set[int] = set()
     for p in archive.iterdir():

@@ -6,27 +6,46 @@ checkpoint still needs, and never touches the newest segment (the writer's).
 Rewrite protocol: needed records -> `q.<last>~~` (led by a COMPACTED record
 naming the replaced range), fsync, rename over `q.<last>`, fsync the
 directory, then retire the older originals; recovery finishes a crashed one.
+Execution is given what it works on (the live segment list, a segment reader,
+where retired segments go), so it imports no journal or data directory.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
+from queued.config.policies import DataDirConfig
 from queued.core import journal_format as jf
 from queued.core.errors import JournalError
-from queued.storage.recovery import Checkpoint, SegmentInfo, fsync_dir
-
-if TYPE_CHECKING:
-    from queued.storage.journal import QueueJournal
+from queued.storage.files import Checkpoint, SegmentInfo, fsync_dir
 
 #: Records per batch in a rewritten segment.
 REWRITE_BATCH_BYTES = 1 << 20
+
+#: Reads a segment's PUT records with from_id <= id (<= to_id): QueueJournal.iter_segment.
+SegmentReader = Callable[[SegmentInfo, int, int | None], Iterator[jf.Put]]
+
+
+class SegmentStore(Protocol):
+    """Where retired segments go: the data directory (queued.storage.datadir.DataDir)."""
+
+    @property
+    def config(self) -> DataDirConfig: ...
+
+    def retire_segments(self, segs: list[SegmentInfo], /) -> None:
+        """Delete or archive `segs`, durably."""
+        ...
+
+    def copy_to_archive(self, path: Path, /) -> None:
+        """A durable copy of `path` in the archive (the original stays)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +114,17 @@ def needed(put_id: int, readers: list[tuple[int, frozenset[int]]]) -> bool:
 
 
 def rewrite_run(
-    journal: QueueJournal, run: tuple[SegmentInfo, ...], readers: dict[str, Checkpoint]
+    run: tuple[SegmentInfo, ...],
+    readers: dict[str, Checkpoint],
+    read: SegmentReader,
+    store: SegmentStore,
 ) -> SegmentInfo | None:
     """Synchronous: write the run's needed records into one segment and rename it over
     the run's last segment. The caller publishes it, then retires run[:-1]. Returns
     None when nothing was needed (then the whole run is retired here)."""
     tmp = run[-1].path.with_name(jf.temp_name(run[-1].path.name))
     try:
-        return _rewrite_run(journal, run, readers, tmp)
+        return _rewrite_run(run, readers, read, store, tmp)
     except OSError as exc:
         tmp.unlink(missing_ok=True)  # do not hold disk space when space is what we lack
         raise JournalError(f"compaction of {run[0].path.name}..{run[-1].path.name} "
@@ -110,9 +132,10 @@ def rewrite_run(
 
 
 def _rewrite_run(
-    journal: QueueJournal,
     run: tuple[SegmentInfo, ...],
     readers: dict[str, Checkpoint],
+    read: SegmentReader,
+    store: SegmentStore,
     tmp: Path,
 ) -> SegmentInfo | None:
     snapshot = [(cp.head, frozenset(cp.done)) for cp in readers.values()]
@@ -138,7 +161,7 @@ def _rewrite_run(
             count = first = 0
 
         for seg in run:
-            for put in journal.iter_segment(seg, seg.first_id, None):
+            for put in read(seg, seg.first_id, None):
                 if not needed(put.id, snapshot):
                     continue
                 batch += jf.encode_put(put)
@@ -154,38 +177,47 @@ def _rewrite_run(
     out.size = offset
     if not out.count:
         tmp.unlink()
-        journal.datadir.retire_segments(list(run))
+        store.retire_segments(list(run))
         return None
-    if journal.datadir.config.archive_dir is not None and last.compacted_from is None:
+    if store.config.archive_dir is not None and last.compacted_from is None:
         # The rename below replaces the original: keep its records in the archive first.
-        journal.datadir.copy_to_archive(last.path)
+        store.copy_to_archive(last.path)
     os.replace(tmp, last.path)
     fsync_dir(last.path.parent)
     out.inode = last.path.stat().st_ino
     return out
 
 
-async def compact(journal: QueueJournal) -> CompactionResult:
-    readers = dict(journal.readers)
+async def compact(
+    segments: list[SegmentInfo],
+    readers: dict[str, Checkpoint],
+    live_ratio: float,
+    read: SegmentReader,
+    store: SegmentStore,
+) -> CompactionResult:
+    """Carry out plan_compaction on a journal's live `segments` list, which it updates
+    in place (the new list is published before any original goes, so read-back in
+    another thread finds every record). `readers`: the durable checkpoints to respect.
+    The caller holds off other maintenance of the same journal while this runs."""
     if not readers:
         return CompactionResult()
-    plan = plan_compaction(journal.segments, readers, journal.config.compact_live_ratio)
+    plan = plan_compaction(segments, readers, live_ratio)
     removed = rewritten = freed = 0
     if plan.dead:
-        await trio.to_thread.run_sync(journal.datadir.retire_segments, list(plan.dead))
+        await trio.to_thread.run_sync(store.retire_segments, list(plan.dead))
         for seg in plan.dead:
-            journal.segments.remove(seg)
+            segments.remove(seg)
             freed += seg.size
         removed = len(plan.dead)
     for run in plan.runs:
-        new = await trio.to_thread.run_sync(rewrite_run, journal, run, readers)
+        new = await trio.to_thread.run_sync(rewrite_run, run, readers, read, store)
         # Publish the new list before the originals go, so read-back finds its records.
-        at = journal.segments.index(run[0])
-        del journal.segments[at : at + len(run)]
+        at = segments.index(run[0])
+        del segments[at : at + len(run)]
         if new is not None:
-            journal.segments.insert(at, new)
-            await trio.to_thread.run_sync(journal.datadir.retire_segments, list(run[:-1]))
+            segments.insert(at, new)
+            await trio.to_thread.run_sync(store.retire_segments, list(run[:-1]))
         freed += sum(s.size for s in run) - (new.size if new else 0)
         rewritten += len(run)
-    archived = removed if journal.datadir.config.archive_dir is not None else 0
+    archived = removed if store.config.archive_dir is not None else 0
     return CompactionResult(removed, archived, rewritten, freed)

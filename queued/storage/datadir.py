@@ -1,9 +1,10 @@
-"""One data directory: recovery of every queue at startup and the group-commit writer task.
+"""One data directory: recovery of every queue at startup, the writer loop, retiring files.
 
-Owns the directory listing, the recovery report, the writer loop (one worker
-thread call per round, for every queue with pending appends) and retiring
-files (delete or archive). Never touches a file of another directory except
-`archive_dir` and its own quarantine folder.
+Owns the directory listing, the recovery report, the loop that hands every
+queue with planned appends to the writer (queued.storage.writer) in one round
+and the results back, retiring files (delete or archive) and deleting queues.
+Never touches a file of another directory except `archive_dir` and its own
+quarantine folder.
 """
 
 from __future__ import annotations
@@ -19,26 +20,20 @@ from pathlib import Path
 
 import trio
 
+from queued.config.policies import DataDirConfig, FsyncMode, JournalConfig
 from queued.core import journal_format as jf
 from queued.core.errors import CorruptJournalError, CorruptRecordError, JournalClosedError
-from queued.core.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
-from queued.storage.journal import (
-    DataDirConfig,
-    FsyncMode,
-    JournalConfig,
-    QueueJournal,
-    _Chunk,
-    _Written,
-)
-from queued.storage.recovery import (
+from queued.core.stats import HistogramSnapshot
+from queued.storage.files import (
     Checkpoint,
-    Damage,
     SegmentInfo,
     fsync_dir,
     read_checkpoint,
-    scan_segment,
     write_checkpoint,
 )
+from queued.storage.journal import QueueJournal
+from queued.storage.recovery import Damage, scan_segment
+from queued.storage.writer import Writer
 
 log = logging.getLogger("queued.datadir")
 
@@ -103,13 +98,11 @@ class DataDir:
         self.queue_config = queue_config
         self.queues: dict[str, QueueJournal] = {}
         self.report = RecoveryReport()
+        self._writer = Writer(path)
         self._dirty: dict[QueueJournal, None] = {}
         self._wake = trio.Event()
         self._closing = False
         self._writer_done = trio.Event()
-        self._round_lock = trio.Lock()
-        self._rounds = 0
-        self._fsync = Histogram(FSYNC_BUCKETS)
 
     # -- opening and recovery -----------------------------------------------------
 
@@ -202,7 +195,7 @@ class DataDir:
         rep.segments = len(segments)
         rep.records = sum(s.count for s in segments)
         rep.bytes = sum(s.size for s in segments)
-        return QueueJournal(self, name, config, segments, readers, last_id)
+        return self._journal(name, config, segments, readers, last_id)
 
     def _finish_compactions(self, name: str, segments: list[SegmentInfo]) -> list[SegmentInfo]:
         """Remove segments a completed compaction replaced (crash before their removal)."""
@@ -231,21 +224,29 @@ class DataDir:
         if j is None:
             if not jf.valid_name(name):
                 raise ValueError(f"invalid queue name {name!r}")
-            j = QueueJournal(self, name, self.queue_config(name), [], {"": Checkpoint()}, 0)
+            j = self._journal(name, self.queue_config(name), [], {"": Checkpoint()}, 0)
             self.queues[name] = j
         return j
+
+    def _journal(
+        self, name: str, config: JournalConfig, segments: list[SegmentInfo],
+        readers: dict[str, Checkpoint], last_id: int,
+    ) -> QueueJournal:
+        last_number = max((s.number for s in segments), default=0)
+        file = self._writer.segment_file(name, config.fsync, last_number)
+        return QueueJournal(self, name, config, segments, readers, last_id, file)
 
     async def delete_queue(self, name: str) -> None:
         """Remove every file of queue `name` (after its pending appends finish)."""
         j = self.queues.pop(name, None)
         if j is None:
             return
-        j._closed = True
+        j.close()
         self._dirty.pop(j, None)
-        j._fail_pending(JournalClosedError(f"queue {name!r} was deleted"))
+        j.fail_pending(JournalClosedError(f"queue {name!r} was deleted"))
 
         def remove() -> None:
-            j._close_sync()
+            j.file.close()
             # List the directory now: a round or compaction may have made files since.
             for entry in os.listdir(self.path):
                 parsed = jf.parse_file_name(entry)
@@ -254,7 +255,7 @@ class DataDir:
             fsync_dir(self.path)
 
         # No round, compaction or checkpoint of this queue may run while its files go.
-        async with self._round_lock, j._maintenance_lock, j._checkpoint_lock:
+        async with self._writer.paused(), j.exclusive():
             await trio.to_thread.run_sync(remove)
 
     def retire_segments(self, segs: list[SegmentInfo]) -> None:
@@ -287,17 +288,15 @@ class DataDir:
             os.fsync(f.fileno())
         fsync_dir(archive)
 
-    # -- the writer -------------------------------------------------------------------
+    # -- the writer loop --------------------------------------------------------------
 
-    def _mark_dirty(self, journal: QueueJournal) -> None:
+    def note_pending(self, journal: QueueJournal) -> None:
+        """`journal` has planned appends: the next round takes them."""
         self._dirty[journal] = None
         self._wake.set()
 
-    def _observe_fsync(self, seconds: float = 0.0) -> None:
-        self._fsync.observe(seconds)
-
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The writer loop: one round = one worker-thread call writing every dirty queue."""
+        """The writer loop: one round = one writer call for every queue with planned appends."""
         task_status.started()
         try:
             while True:
@@ -305,7 +304,7 @@ class DataDir:
                     if self._closing:
                         return
                     deadline = min(
-                        (d for j in self.queues.values() if (d := j._fsync_deadline())),
+                        (d for j in self.queues.values() if (d := j.file.fsync_deadline())),
                         default=None,
                     )
                     # The fsync deadlines are on the monotonic clock of the worker thread.
@@ -314,57 +313,37 @@ class DataDir:
                         await self._wake.wait()
                 # Appends from here on set a fresh event and are taken next round.
                 self._wake = trio.Event()
-                work = [(j, j._take_pending()) for j in self._dirty]
+                work = [(j, j.take_pending()) for j in self._dirty]
                 self._dirty.clear()
                 now = time.monotonic()
                 periodic = [
-                    j for j in self.queues.values()
-                    if j.config.fsync.mode is FsyncMode.PERIODIC
-                    and (d := j._fsync_deadline()) is not None and d <= now
+                    j.file for j in self.queues.values()
+                    if (d := j.file.fsync_deadline()) is not None and d <= now
                 ]
-                async with self._round_lock:
-                    if not periodic and all(_inline_ok(j, chunks) for j, chunks in work) and (
-                        sum(c.nbytes for _, chunks in work for c in chunks) <= INLINE_ROUND_BYTES
-                    ):
-                        # A small round that needs no fsync and opens no file: a write()
-                        # into the page cache is cheaper than a hand-off to a thread.
-                        results = self._round(work, periodic)
-                    else:
-                        results = await trio.to_thread.run_sync(self._round, work, periodic)
-                self._rounds += 1
-                for (j, chunks), (done, error) in zip(work, results, strict=True):
-                    j._apply(chunks, done, error)
+                results = await self._writer.write_round(
+                    [(j.file, chunks) for j, chunks in work], periodic
+                )
+                for (j, chunks), result in zip(work, results, strict=True):
+                    j.finish_round(chunks, result)
         finally:
             self._writer_done.set()
-
-    @staticmethod
-    def _round(
-        work: list[tuple[QueueJournal, list[_Chunk]]], periodic: list[QueueJournal]
-    ) -> list[tuple[list[_Written], BaseException | None]]:
-        results = [j._write_chunks(chunks) for j, chunks in work]
-        for j in periodic:
-            try:
-                j.fsync_if_due()
-            except OSError as exc:
-                j._set_failed(f"fsync failed: {exc}")
-        return results
 
     async def aclose(self) -> None:
         """Finish pending appends, fsync and close every segment."""
         self._closing = True
         for j in self.queues.values():
-            j._closed = True  # appends from now on fail at once instead of waiting forever
+            j.close()  # appends from now on fail at once instead of waiting forever
         self._wake.set()
         with trio.CancelScope(shield=True):
             await self._writer_done.wait()
             for j in self.queues.values():  # anything queued after the writer's last round
-                j._fail_pending(JournalClosedError(f"queue {j.name!r}: data dir closed"))
+                j.fail_pending(JournalClosedError(f"queue {j.name!r}: data dir closed"))
 
             def close_all() -> None:
                 errors: list[OSError] = []
                 for j in self.queues.values():
                     try:
-                        j._close_sync()
+                        j.file.close()
                     except OSError as exc:  # close the others all the same
                         errors.append(exc)
                         log.error("closing queue %s: %s", j.name, exc)
@@ -374,27 +353,15 @@ class DataDir:
             await trio.to_thread.run_sync(close_all)
 
     def statistics(self) -> DataDirStats:
+        writer = self._writer.statistics()
         return DataDirStats(
             path=str(self.path),
             queues=len(self.queues),
-            rounds=self._rounds,
-            fsync=self._fsync.snapshot(),
+            rounds=writer.rounds,
+            fsync=writer.fsync,
             recovery_seconds=self.report.seconds,
             truncated_bytes=self.report.truncated_bytes,
         )
-
-
-#: A round this small, without fsync or new files, runs on the event loop itself.
-INLINE_ROUND_BYTES = 256 * 1024
-
-
-def _inline_ok(journal: QueueJournal, chunks: list[_Chunk]) -> bool:
-    if journal.config.fsync.mode is FsyncMode.ALWAYS or journal._fd is None:
-        return False
-    if any(c.rotate for c in chunks):
-        return False
-    deadline = journal._fsync_deadline()  # periodic: no fsync may fall due in this round
-    return deadline is None or deadline > time.monotonic()
 
 
 @asynccontextmanager

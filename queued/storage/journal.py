@@ -1,106 +1,48 @@
-"""The journal of one queue: segments, appends, read-back, checkpoints, size limits.
+"""The journal of one queue: planning appends, tickets, the segment index, read-back,
+checkpoints, compaction and size limits.
 
-Owns the queue's writer segments and reader checkpoint files. Appends are
-planned here on the trio side and written by the data directory's writer task
-(queued.storage.datadir) in a worker thread: one write + one fsync per queue per round.
-Never acknowledges an append before its bytes are written and, under fsync
-"always", fsynced. Knows nothing of sockets or protocols.
+Owns the queue's segment list and reader checkpoint files. Appends are planned
+here on the trio side (ids, chunks that become checked batches, tickets) and
+written by the writer (queued.storage.writer) in the data directory's rounds:
+one write + one fsync per queue per round. Never acknowledges an append before
+its bytes are written and, under fsync "always", fsynced. Knows nothing of
+sockets or protocols, and of its data directory only what `JournalHost` says.
 """
 
 from __future__ import annotations
 
-import enum
-import errno
 import logging
-import os
 import time
-import zlib
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
+from queued.config.policies import FullPolicy, JournalConfig, MiB
 from queued.core import journal_format as jf
 from queued.core.errors import (
     JournalClosedError,
-    JournalError,
     JournalFullError,
     JournalWriteError,
 )
 from queued.storage import compaction
-from queued.storage.compaction import CompactionResult
-from queued.storage.recovery import (
+from queued.storage.compaction import CompactionResult, SegmentStore
+from queued.storage.files import (
     Checkpoint,
-    CorruptionPolicy,
     SegmentInfo,
-    fsync_dir,
+    read_segment,
+    unlink_durably,
     write_checkpoint,
 )
-
-if TYPE_CHECKING:
-    from queued.storage.datadir import DataDir
+from queued.storage.writer import ZERO_COPY_BYTES, Chunk, SegmentFile, WriteResult
 
 log = logging.getLogger("queued.journal")
 
-MiB = 1 << 20
 #: One check record covers at most this much: its length field is 32 bits.
 MAX_BATCH_BYTES = 64 * MiB
-#: write() errors after which the file can be trimmed back and appends retried later.
-RECOVERABLE_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-
-
-class FsyncMode(enum.Enum):
-    ALWAYS = "always"
-    NEVER = "never"
-    PERIODIC = "periodic"
-
-
-@dataclass(frozen=True, slots=True)
-class FsyncPolicy:
-    mode: FsyncMode = FsyncMode.ALWAYS
-    interval_ms: int = 0
-
-    @classmethod
-    def parse(cls, value: str | int) -> FsyncPolicy:
-        """`"always"`, `"never"`, or a number of milliseconds (`"200"`, `200`, `"200ms"`)."""
-        text = str(value).strip().lower()
-        if text == "always":
-            return cls(FsyncMode.ALWAYS)
-        if text == "never":
-            return cls(FsyncMode.NEVER)
-        text = text.removesuffix("ms")
-        if text.isdigit() and int(text) > 0:
-            return cls(FsyncMode.PERIODIC, int(text))
-        if text == "0":
-            return cls(FsyncMode.ALWAYS)
-        raise ValueError(f"fsync must be 'always', 'never' or a number of ms, not {value!r}")
-
-    def __str__(self) -> str:
-        return f"{self.interval_ms}" if self.mode is FsyncMode.PERIODIC else self.mode.value
-
-
-class FullPolicy(enum.Enum):
-    REFUSE = "refuse"  # refuse puts while the journal is at max_journal_size
-    DROP_OLDEST = "drop_oldest"  # drop the oldest segment, items and all
-
-
-@dataclass(frozen=True, slots=True)
-class JournalConfig:
-    journal_size: int = 16 * MiB
-    max_journal_size: int = 0  # 0 = unbounded
-    full_policy: FullPolicy = FullPolicy.REFUSE
-    fsync: FsyncPolicy = FsyncPolicy()
-    #: rewrite a closed segment when at most this fraction of its items is still needed
-    compact_live_ratio: float = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class DataDirConfig:
-    corruption: CorruptionPolicy = CorruptionPolicy.REFUSE
-    archive_dir: Path | None = None
-    quarantine_dir_name: str = "quarantine"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,60 +69,26 @@ class Ticket:
         self.error: BaseException | None = None
 
 
-#: Item data at least this large is written from the caller's buffer (writev), not copied.
-ZERO_COPY_BYTES = 4096
-#: Most iovecs one writev takes (IOV_MAX on Linux).
-IOV_MAX = 1024
-
-
 @dataclass(slots=True)
-class _Chunk:
-    """Records waiting for the writer; one chunk becomes one checked batch.
+class Planned(Chunk):
+    """A chunk waiting for the writer, with the tickets of the appends it carries."""
 
-    Small records are copied into `small`; large items are kept as references
-    in `pieces` so a batch of big items reaches the kernel with one copy.
-    """
-
-    rotate: bool  # start a new segment before writing this
-    pieces: list[bytes | bytearray] = field(default_factory=list)
-    small: bytearray = field(default_factory=bytearray)
-    nbytes: int = 0
-    count: int = 0
-    first_id: int = 0
-    last_id: int = 0
     tickets: list[Ticket] = field(default_factory=list)
 
-    def add(self, head: bytes, data: bytes) -> None:
-        if len(data) >= ZERO_COPY_BYTES:
-            if self.small:
-                self.pieces.append(self.small)
-                self.small = bytearray()
-            self.pieces.append(head)
-            self.pieces.append(data)
-        else:
-            self.small += head
-            self.small += data
-        self.nbytes += len(head) + len(data)
 
-    def take_pieces(self) -> list[bytes | bytearray]:
-        if self.small:
-            self.pieces.append(self.small)
-            self.small = bytearray()
-        return self.pieces
+class JournalHost(SegmentStore, Protocol):
+    """What a journal needs from its data directory (queued.storage.datadir.DataDir).
 
+    A protocol rather than an import: the directory owns its journals, so a
+    journal may not import it.
+    """
 
-@dataclass(slots=True)
-class _Written:
-    """What the writer thread did with one chunk."""
+    @property
+    def path(self) -> Path: ...
 
-    number: int
-    created: bool
-    offset: int
-    end: int
-    count: int
-    first_id: int
-    last_id: int
-    inode: int
+    def note_pending(self, journal: QueueJournal, /) -> None:
+        """`journal` has planned chunks: take them in the next writer round."""
+        ...
 
 
 class QueueJournal:
@@ -193,15 +101,18 @@ class QueueJournal:
 
     def __init__(
         self,
-        datadir: DataDir,
+        host: JournalHost,
         name: str,
         config: JournalConfig,
         segments: list[SegmentInfo],
         readers: dict[str, Checkpoint],
         last_id: int,
+        file: SegmentFile,
     ) -> None:
-        self.datadir = datadir
+        self.host = host
         self.name = name
+        #: the writer side of this queue's active segment (queued.storage.writer)
+        self.file = file
         self.config = config
         self.segments = segments
         self.readers = readers
@@ -209,24 +120,26 @@ class QueueJournal:
         #: awaited with a segment about to be dropped under drop_oldest (file still there),
         #: after every reader's checkpoint has moved past it
         self.before_drop: Callable[[SegmentInfo], Awaitable[None]] | None = None
-        self._pending: list[_Chunk] = []
+        self._pending: list[Planned] = []
         self._pending_bytes = 0
         # Projection of the active segment including pending chunks, to split
         # batches where segments rotate. None = the next append opens a segment.
         self._proj_size: int | None = None
         self._proj_count = 0
-        # Writer-thread state: touched only inside the writer's worker thread.
-        self._fd: int | None = None
-        self._fd_number = 0
-        self._fd_size = 0
-        self._last_number = max((s.number for s in segments), default=0)
-        self._unsynced = False
-        self._last_fsync = time.monotonic()
-        self._failed: JournalWriteError | None = None
         self._closed = False
         self._checkpoint_lock = trio.Lock()
         self._maintenance_lock = trio.Lock()
-        self._appends = self._items = self._batches = self._fsyncs = self._write_errors = 0
+        self._appends = self._items = self._batches = 0
+
+    @property
+    def config(self) -> JournalConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: JournalConfig) -> None:
+        """Settings may change (a reload); the writer follows the new fsync policy."""
+        self._config = config
+        self.file.fsync = config.fsync
 
     # -- appends ----------------------------------------------------------------
 
@@ -236,7 +149,7 @@ class QueueJournal:
 
     @property
     def failed(self) -> JournalWriteError | None:
-        return self._failed
+        return self.file.failed
 
     def append_nowait(
         self,
@@ -248,8 +161,8 @@ class QueueJournal:
         """Queue `datas` for the writer; ids are assigned here, in order."""
         if self._closed:
             raise JournalClosedError(f"journal of queue {self.name!r} is closed")
-        if self._failed is not None:
-            raise JournalWriteError(f"queue {self.name!r} refuses writes: {self._failed}")
+        if self.file.failed is not None:
+            raise JournalWriteError(f"queue {self.name!r} refuses writes: {self.file.failed}")
         ticket = Ticket()
         # Check everything before touching any state, so a bad item changes nothing.
         pack_head = jf.put_header_packer(add_time_ms, expire_time_ms, error_count)
@@ -280,14 +193,14 @@ class QueueJournal:
             if self._proj_size is None or (
                 self._proj_count and self._proj_size + size > limit
             ):
-                chunk = _Chunk(rotate=True)
+                chunk = Planned(rotate=True)
                 self._pending.append(chunk)
                 self._proj_size = jf.MAGIC_SIZE + 2 * jf.CHECK_RECORD_SIZE
                 self._proj_count = 0
             elif chunk is None or chunk.nbytes + size > MAX_BATCH_BYTES:
                 if chunk is not None:  # a split batch gets a check record of its own
                     self._proj_size += jf.CHECK_RECORD_SIZE
-                chunk = _Chunk(rotate=False)
+                chunk = Planned(rotate=False)
                 self._pending.append(chunk)
             chunk.add(head, data)
             if not chunk.count:
@@ -306,7 +219,7 @@ class QueueJournal:
         if not puts:
             ticket.event.set()
         else:
-            self.datadir._mark_dirty(self)
+            self.host.note_pending(self)
         return puts, ticket
 
     def _append_small(
@@ -328,7 +241,7 @@ class QueueJournal:
                 or (chunk is not None and chunk.nbytes + total > MAX_BATCH_BYTES)):
             return []
         if chunk is None:
-            chunk = _Chunk(rotate=False)
+            chunk = Planned(rotate=False)
             self._pending.append(chunk)
         first = self.last_id + 1
         ids = range(first, first + n)
@@ -379,7 +292,7 @@ class QueueJournal:
         if self.total_bytes + incoming <= limit:
             return
         if self.config.full_policy is FullPolicy.DROP_OLDEST:
-            await self._drop_oldest(limit - incoming)
+            await self.drop_oldest(limit - incoming)
             if self.total_bytes + incoming <= limit:
                 return
         raise JournalFullError(
@@ -387,148 +300,27 @@ class QueueJournal:
             f"max_journal_size is {limit}"
         )
 
-    def _fail_pending(self, error: BaseException) -> None:
-        for chunk in self._take_pending():
-            self._pending_bytes -= chunk.nbytes
-            for ticket in chunk.tickets:
-                ticket.error = error
-                ticket.event.set()
+    # -- rounds: the data directory hands pending chunks to the writer and back -------
 
-    def _take_pending(self) -> list[_Chunk]:
+    def take_pending(self) -> list[Planned]:
+        """The chunks planned since the last round, for the writer's next round."""
         chunks, self._pending = self._pending, []
         return chunks
 
-    # -- the writer thread's half ----------------------------------------------
-
-    def _open_segment(self) -> bytes:
-        """Create the next segment file; returns the bytes it must start with."""
-        number = max(int(time.time() * 1000), self._last_number + 1)
-        path = self.datadir.path / jf.segment_name(self.name, number)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        self._fd, self._fd_number, self._fd_size = fd, number, 0
-        self._last_number = number
-        return jf.WRITER_MAGIC + jf.EMPTY_CHECK
-
-    def _write_chunks(self, chunks: list[_Chunk]) -> tuple[list[_Written], BaseException | None]:
-        """Runs in the writer thread. Returns what was written and durable, and the
-        error that stopped the round, if any. Nothing is returned as written unless
-        the fsync policy's syncs for it succeeded."""
-        done: list[_Written] = []
-        created_any = False
-        error: BaseException | None = None
-        never = self.config.fsync.mode is FsyncMode.NEVER
-        for chunk in chunks:
-            if (chunk.rotate or self._fd is None) and self._fd is not None:
-                # The segment being left holds batches of this round: sync it first.
-                try:
-                    if not never:
-                        self._fsync()
-                except OSError as exc:
-                    return [], self._set_failed(f"fsync failed: {exc}")
-                os.close(self._fd)
-                self._fd = None
-            created = False
-            try:
-                prefix = b""
-                if self._fd is None:
-                    prefix = self._open_segment()
-                    created = created_any = True
-                assert self._fd is not None
-                offset = self._fd_size + len(prefix)
-                pieces = chunk.take_pieces()
-                crc = jf.crc_seed(offset)
-                for piece in pieces:
-                    crc = zlib.crc32(piece, crc)
-                check = jf.encode_check_crc(chunk.nbytes, crc)
-                written = len(prefix) + chunk.nbytes + len(check)
-                _writev_all(self._fd, [prefix, *pieces, check] if prefix else [*pieces, check])
-            except OSError as exc:
-                error = self._write_failed(exc, created)
-                break
-            self._fd_size += written
-            self._unsynced = True
-            done.append(
-                _Written(self._fd_number, created, offset, self._fd_size, chunk.count,
-                         chunk.first_id, chunk.last_id,
-                         os.fstat(self._fd).st_ino if created else 0)
-            )
-        policy = self.config.fsync
-        try:
-            if policy.mode is FsyncMode.ALWAYS:
-                self._fsync()
-            elif policy.mode is FsyncMode.PERIODIC:
-                self.fsync_if_due()
-            if created_any and not never:
-                fsync_dir(self.datadir.path)
-        except OSError as exc:
-            # After a failed fsync the page cache may have dropped our pages: the
-            # files can no longer be trusted for writes (reads of the past still work).
-            return [], self._set_failed(f"fsync failed: {exc}")
-        return done, error
-
-    def _set_failed(self, why: str) -> JournalWriteError:
-        self._failed = JournalWriteError(f"queue {self.name!r} refuses writes: {why}")
-        log.error("%s", self._failed)
-        return self._failed
-
-    def _fsync(self) -> None:
-        if self._fd is not None and self._unsynced:
-            started = time.monotonic()
-            os.fsync(self._fd)
-            self._fsyncs += 1
-            self.datadir._observe_fsync(time.monotonic() - started)
-        self._unsynced = False
-        self._last_fsync = time.monotonic()
-
-    def fsync_if_due(self) -> None:
-        policy = self.config.fsync
-        due = self._last_fsync + policy.interval_ms / 1000
-        if self._unsynced and time.monotonic() >= due:
-            self._fsync()
-
-    def _fsync_deadline(self) -> float | None:
-        if self.config.fsync.mode is FsyncMode.PERIODIC and self._unsynced and not self._failed:
-            return self._last_fsync + self.config.fsync.interval_ms / 1000
-        return None
-
-    def _write_failed(self, exc: OSError, created: bool) -> BaseException:
-        """Trim a partial write so the file ends on a batch again, or give up writing."""
-        self._write_errors += 1
-        fd = self._fd
-        try:
-            if fd is not None:
-                if created:
-                    os.close(fd)
-                    self._fd = None
-                    os.unlink(self.datadir.path / jf.segment_name(self.name, self._fd_number))
-                else:
-                    os.ftruncate(fd, self._fd_size)
-        except OSError as trim_exc:
-            return self._set_failed(
-                f"write failed ({exc}) and the partial batch could not be trimmed ({trim_exc})"
-            )
-        if exc.errno in RECOVERABLE_WRITE_ERRNOS:
-            return JournalWriteError(
-                f"queue {self.name!r}: write refused, nothing stored: {os.strerror(exc.errno)}"
-            )
-        return self._set_failed(f"write failed: {exc}")
-
-    # -- back on the event loop -------------------------------------------------
-
-    def _apply(
-        self, chunks: list[_Chunk], done: list[_Written], error: BaseException | None
-    ) -> None:
-        for w in done:
+    def finish_round(self, chunks: list[Planned], result: WriteResult) -> None:
+        """Back on the event loop: note what the writer wrote, resolve the tickets."""
+        for w in result.written:
             if w.created:  # the writer only ever appends to the newest segment
-                path = self.datadir.path / jf.segment_name(self.name, w.number)
+                path = self.host.path / jf.segment_name(self.name, w.number)
                 self.segments.append(SegmentInfo(w.number, path, size=w.offset, inode=w.inode))
             self.segments[-1].note_batch(w.offset, w.end, w.count, w.first_id, w.last_id)
             self._batches += 1
         # One append's chunks are always taken in the same round, so every ticket
         # here is resolved now; it fails if any of its chunks failed.
+        error = result.error
         for i, chunk in enumerate(chunks):
             self._pending_bytes -= chunk.nbytes
-            if i >= len(done):
+            if i >= len(result.written):
                 for ticket in chunk.tickets:
                     ticket.error = ticket.error or error
         for chunk in chunks:
@@ -569,31 +361,8 @@ class QueueJournal:
             next_id = max(next_id, seg.last_id + 1)
 
     def iter_segment(self, seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[jf.Put]:
-        offset = seg.seek_offset(from_id)
-        limit = seg.size
-        with seg.path.open("rb") as f:
-            if seg.inode and os.fstat(f.fileno()).st_ino != seg.inode:
-                raise FileNotFoundError(f"{seg.path} was replaced")
-            f.seek(offset)
-            dec = jf.RecordDecoder(jf.FileKind.WRITER, start_offset=offset, expect_magic=False)
-            remaining = limit - offset
-            while True:
-                ev = dec.next_event()
-                if ev is jf.NEED_DATA:
-                    data = f.read(min(remaining, 1 * MiB)) if remaining > 0 else b""
-                    remaining -= len(data)
-                    dec.receive_data(data)
-                    continue
-                if isinstance(ev, jf.Decoded):
-                    rec = ev.record
-                    if isinstance(rec, jf.Put) and rec.id >= from_id:
-                        if to_id is not None and rec.id > to_id:
-                            return
-                        yield rec
-                    continue
-                if isinstance(ev, jf.TornTail):
-                    raise JournalError(f"{seg.path}: record cut short at {ev.offset}")
-                return
+        """PUT records of one segment with from_id <= id (<= to_id); see read_segment."""
+        return read_segment(seg, from_id, to_id)
 
     def iter_unconsumed(self, reader: str = "") -> Iterator[jf.Put]:
         """Items reader `reader`'s durable checkpoint has not consumed."""
@@ -608,25 +377,30 @@ class QueueJournal:
     async def write_checkpoint(self, reader: str, head: int, done: Sequence[int] = ()) -> None:
         """Make reader `reader`'s position durable (temp + fsync + rename + dir fsync)."""
         cp = Checkpoint(head, tuple(sorted(i for i in done if i > head)))
-        path = self.datadir.path / jf.checkpoint_name(self.name, reader)
+        path = self.host.path / jf.checkpoint_name(self.name, reader)
         async with self._checkpoint_lock:
             await trio.to_thread.run_sync(write_checkpoint, path, cp)
             self.readers[reader] = cp
 
     async def remove_reader(self, reader: str) -> None:
-        path = self.datadir.path / jf.checkpoint_name(self.name, reader)
+        path = self.host.path / jf.checkpoint_name(self.name, reader)
         async with self._checkpoint_lock:
             self.readers.pop(reader, None)
-            await trio.to_thread.run_sync(_unlink_durably, path)
+            await trio.to_thread.run_sync(unlink_durably, path)
 
     # -- compaction and size limits -------------------------------------------------
 
     async def compact(self) -> CompactionResult:
         """Remove dead segments, rewrite straggler-pinned ones; see queued.storage.compaction."""
         async with self._maintenance_lock:
-            return await compaction.compact(self)
+            return await compaction.compact(
+                self.segments, dict(self.readers), self.config.compact_live_ratio,
+                self.iter_segment, self.host,
+            )
 
-    async def _drop_oldest(self, target_bytes: int) -> None:
+    async def drop_oldest(self, target_bytes: int) -> None:
+        """Drop whole segments, oldest first, until the journal holds at most
+        `target_bytes` (the newest always stays); readers' checkpoints move past them."""
         async with self._maintenance_lock:
             while self.total_bytes > target_bytes and len(self.segments) > 1:
                 seg = self.segments[0]
@@ -637,7 +411,7 @@ class QueueJournal:
                     await self.write_checkpoint("", seg.last_id)
                 if self.before_drop is not None:
                     await self.before_drop(seg)
-                await trio.to_thread.run_sync(self.datadir.retire_segments, [seg])
+                await trio.to_thread.run_sync(self.host.retire_segments, [seg])
                 self.segments.remove(seg)
                 log.warning(
                     "queue %s: journal over max_journal_size, dropped %d items (ids %d..%d)",
@@ -646,14 +420,24 @@ class QueueJournal:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def _close_sync(self) -> None:
-        if self._fd is not None:
-            try:
-                if self._unsynced:
-                    os.fsync(self._fd)
-            finally:
-                os.close(self._fd)
-                self._fd = None
+    def close(self) -> None:
+        """Refuse appends from now on (JournalClosedError); planned ones still get written
+        by the next round unless `fail_pending` fails them first."""
+        self._closed = True
+
+    def fail_pending(self, error: BaseException) -> None:
+        """Fail every planned append that no round has taken."""
+        for chunk in self.take_pending():
+            self._pending_bytes -= chunk.nbytes
+            for ticket in chunk.tickets:
+                ticket.error = error
+                ticket.event.set()
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """No compaction, drop or checkpoint of this queue runs inside this block."""
+        async with self._maintenance_lock, self._checkpoint_lock:
+            yield
 
     def statistics(self) -> JournalStats:
         return JournalStats(
@@ -665,9 +449,9 @@ class QueueJournal:
             appends=self._appends,
             items_appended=self._items,
             batches_written=self._batches,
-            fsyncs=self._fsyncs,
-            write_errors=self._write_errors,
-            failed=self._failed is not None,
+            fsyncs=self.file.fsyncs,
+            write_errors=self.file.write_errors,
+            failed=self.file.failed is not None,
             readers=len(self.readers),
         )
 
@@ -677,35 +461,3 @@ async def wait_durable(ticket: Ticket) -> None:
         await ticket.event.wait()
     if ticket.error is not None:
         raise ticket.error
-
-
-def _writev_all(fd: int, pieces: list[bytes | bytearray]) -> None:
-    """Write every piece, in order, with as few syscalls as writev allows."""
-    i = 0
-    while i < len(pieces):
-        batch = pieces[i : i + IOV_MAX]
-        n = os.writev(fd, batch)
-        want = sum(len(p) for p in batch)
-        if n == want:
-            i += len(batch)
-            continue
-        # A short write: skip what went out, finish the piece it stopped in.
-        for p in batch:
-            if n >= len(p):
-                n -= len(p)
-                i += 1
-                continue
-            view = memoryview(p)[n:]
-            while view:
-                view = view[os.write(fd, view):]
-            i += 1
-            break
-
-
-def _unlink_durably(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return
-    fsync_dir(path.parent)
-

@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 from queued.core import journal_format as jf
 from queued.core.errors import CorruptRecordError, QueuedError
-from queued.storage.recovery import Checkpoint, read_checkpoint
+from queued.storage.files import Checkpoint, read_checkpoint
 
 #: Bytes read from a segment file per read call; bounds a scan's memory.
 CHUNK_SIZE = 8 << 20

@@ -1,0 +1,274 @@
+"""Journal records and their bytes: magic, command bytes, layouts, encoding, decoder events.
+
+Owns the byte layout of seed 002 (Kestrel's journal) plus our check and COMPACTED
+records, and the values decoding yields. PURE: no file, clock, socket or trio
+access; queued.core.journal_format is the one import for users.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+# -- magic bytes and command numbers (seed 002) ---------------------------------
+
+WRITER_MAGIC: Final = b"\x27\x64\x26\x03"
+READER_MAGIC: Final = b"\x26\x3c\x26\x03"
+MAGIC_SIZE: Final = 4
+
+CMD_READ_HEAD: Final = 0
+CMD_COMPACTED: Final = 6  # ours: marks a segment rewritten by compaction
+CMD_CHECK: Final = 7  # ours: unused by the seed, no data block, so seed readers skip it
+CMD_PUT: Final = 8
+CMD_READ_DONE: Final = 9
+
+PUT_BYTE: Final = 0x86  # command 8, 6 header words
+PUT_EXPIRE_BYTE: Final = 0x88  # command 8, 8 header words
+READ_HEAD_BYTE: Final = 0x02  # command 0, 2 header words
+READ_DONE_BYTE: Final = 0x91  # command 9, 1 header word (the data byte count)
+CHECK_BYTE: Final = 0x72  # command 7, 2 header words: covered length, crc32
+COMPACTED_BYTE: Final = 0x64  # command 6, 4 header words: i64 first, i64 last segment number
+
+#: Record layouts, shared with the decoder. The PUT ones also serve bulk readers
+#: that walk batches `RecordDecoder.next_batch` has verified (journal_scan).
+PUT_STRUCT = struct.Struct("<Biiqq")  # cmd, size, error_count, id, add_time
+PUT_EXPIRE_STRUCT = struct.Struct("<Biiqqq")  # ... expire_time
+READ_HEAD_STRUCT = struct.Struct("<Bq")
+READ_DONE_STRUCT = struct.Struct("<Bi")
+CHECK_STRUCT = struct.Struct("<BII")
+COMPACTED_STRUCT = struct.Struct("<Bqq")
+I64_STRUCT = struct.Struct("<q")
+SIZE_ID_STRUCT = struct.Struct("<xi4xq")  # a PUT's data size and id
+PUT_ID_AT: Final = 9  # a PUT's id (i64): after the command byte, size and error count
+I32_STRUCT = struct.Struct("<i")
+
+PUT_HEADER_SIZE: Final = PUT_STRUCT.size  # 25
+PUT_EXPIRE_HEADER_SIZE: Final = PUT_EXPIRE_STRUCT.size  # 33
+CHECK_RECORD_SIZE: Final = CHECK_STRUCT.size  # 9
+
+MAX_ID: Final = (1 << 63) - 1
+MAX_DATA_SIZE: Final = (1 << 31) - 1
+_U64 = struct.Struct("<Q")
+
+
+def crc_seed(offset: int) -> int:
+    """The CRC a batch starting at file offset `offset` begins from.
+
+    Seeding with the offset ties a check record to its place in the file, so
+    bytes that merely look like a valid batch (an item's payload holding a
+    crafted check record, say) do not verify anywhere else.
+    """
+    return zlib.crc32(_U64.pack(offset))
+
+
+#: A check record covering nothing; written right after the magic of every file
+#: we create, so recovery knows the file is sealed (ours) even if its first
+#: batch is torn.
+EMPTY_CHECK: Final = CHECK_STRUCT.pack(CHECK_BYTE, 0, crc_seed(MAGIC_SIZE))
+
+
+# -- records --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Put:
+    """An item added to a queue (writer files only).
+
+    Treat it as frozen. It is not declared frozen because one is made per item on
+    every hot path (put, recovery, read-behind), and a frozen dataclass's __init__
+    costs about 4x more (object.__setattr__ per field).
+    """
+
+    id: int
+    data: bytes
+    add_time_ms: int
+    expire_time_ms: int | None = None
+    error_count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReadHead:
+    """A reader's head: every id <= head has been consumed (0 = nothing yet)."""
+
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDone:
+    """Ids above the head that were confirmed out of order, sorted ascending."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """Our checksum record: crc32 of the `length` bytes before it."""
+
+    length: int
+    crc: int
+
+
+@dataclass(frozen=True, slots=True)
+class Compacted:
+    """Ours: this segment replaces segments numbered first..last (itself is `last`).
+
+    Written first in a compaction's output, so recovery can finish a compaction
+    that crashed after the rename by removing the replaced segments.
+    """
+
+    first_number: int
+    last_number: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unknown:
+    """A record with a command number we do not know; skipped, kept for reports."""
+
+    command: int
+    header_words: int
+    data_size: int
+
+
+Record = Put | ReadHead | ReadDone | Check | Compacted | Unknown
+
+
+def encode_put(put: Put) -> bytes:
+    data = put.data
+    if not 0 < put.id <= MAX_ID:
+        raise ValueError(f"item id out of range: {put.id}")
+    if len(data) > MAX_DATA_SIZE:
+        raise ValueError("item data larger than 2 GiB - 1")
+    try:
+        if put.expire_time_ms is None:
+            head = PUT_STRUCT.pack(PUT_BYTE, len(data), put.error_count, put.id, put.add_time_ms)
+        else:
+            head = PUT_EXPIRE_STRUCT.pack(
+                PUT_EXPIRE_BYTE, len(data), put.error_count, put.id, put.add_time_ms,
+                put.expire_time_ms,
+            )
+    except struct.error as exc:
+        raise ValueError(f"PUT field out of range: {exc}") from None
+    return head + data
+
+
+def put_header_packer(
+    add_time_ms: int, expire_time_ms: int | None = None, error_count: int = 0
+) -> Callable[[int, int], bytes]:
+    """A function (data size, id) -> PUT header bytes, for many items sharing the
+    other fields. Raises ValueError at once when a shared field is out of range."""
+    try:
+        if expire_time_ms is None:
+            PUT_STRUCT.pack(PUT_BYTE, 0, error_count, 1, add_time_ms)
+            pack, cmd = PUT_STRUCT.pack, PUT_BYTE
+            return lambda size, xid: pack(cmd, size, error_count, xid, add_time_ms)
+        PUT_EXPIRE_STRUCT.pack(PUT_EXPIRE_BYTE, 0, error_count, 1, add_time_ms, expire_time_ms)
+    except struct.error as exc:
+        raise ValueError(f"PUT field out of range: {exc}") from None
+    pack_e = PUT_EXPIRE_STRUCT.pack
+    return lambda size, xid: pack_e(
+        PUT_EXPIRE_BYTE, size, error_count, xid, add_time_ms, expire_time_ms
+    )
+
+
+def encode_read_head(head: ReadHead) -> bytes:
+    return READ_HEAD_STRUCT.pack(READ_HEAD_BYTE, head.id)
+
+
+def encode_read_done(done: ReadDone) -> bytes:
+    ids = done.ids
+    return READ_DONE_STRUCT.pack(READ_DONE_BYTE, 8 * len(ids)) + struct.pack(f"<{len(ids)}q", *ids)
+
+
+def encode_check(covered: bytes | bytearray | memoryview, offset: int) -> bytes:
+    """The check record sealing `covered`: the bytes since the previous check,
+    which start at file offset `offset`."""
+    return CHECK_STRUCT.pack(CHECK_BYTE, len(covered), zlib.crc32(covered, crc_seed(offset)))
+
+
+def encode_record(record: Record) -> bytes:
+    if isinstance(record, Put):
+        return encode_put(record)
+    if isinstance(record, ReadHead):
+        return encode_read_head(record)
+    if isinstance(record, ReadDone):
+        return encode_read_done(record)
+    if isinstance(record, Check):
+        return CHECK_STRUCT.pack(CHECK_BYTE, record.length, record.crc)
+    if isinstance(record, Compacted):
+        return COMPACTED_STRUCT.pack(COMPACTED_BYTE, record.first_number, record.last_number)
+    raise TypeError(f"cannot encode {record!r}")
+
+
+def encode_check_crc(length: int, crc: int) -> bytes:
+    """A check record from a crc already computed (from crc_seed(offset) on)."""
+    return CHECK_STRUCT.pack(CHECK_BYTE, length, crc)
+
+
+def seal(batch: bytes | bytearray, offset: int) -> bytes:
+    """`batch` followed by the check record covering it, for file offset `offset`."""
+    return bytes(batch) + encode_check(batch, offset)
+
+
+def encode_checkpoint(head: int, done_ids: tuple[int, ...] | list[int]) -> bytes:
+    """A whole reader file: magic, seal, READ_HEAD, READ_DONE, seal."""
+    body = encode_read_head(ReadHead(head)) + encode_read_done(ReadDone(tuple(sorted(done_ids))))
+    return READER_MAGIC + EMPTY_CHECK + seal(body, MAGIC_SIZE + CHECK_RECORD_SIZE)
+
+
+# -- what decoding yields ---------------------------------------------------------
+
+
+class FileKind(enum.Enum):
+    WRITER = "writer"
+    READER = "reader"
+
+
+class Sentinel(enum.Enum):
+    NEED_DATA = "NEED_DATA"
+
+
+NEED_DATA: Final = Sentinel.NEED_DATA
+
+
+@dataclass(frozen=True, slots=True)
+class EndOfData:
+    """Valid data ends at `offset`: a zero command byte, or the input ended on a boundary."""
+
+    offset: int
+    zero_byte: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TornTail:
+    """The input ended `missing` bytes short of completing the record at `offset`."""
+
+    offset: int
+    available: int
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A verified batch: bytes [offset, end) ending in a good check record."""
+
+    offset: int
+    end: int
+    count: int  # PUT records in it
+    first_id: int  # 0 when count == 0
+    last_id: int
+    data_bytes: int = field(default=0, compare=False)  # item data in its PUT records
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """One record and where it sits: bytes [offset, end) of the file."""
+
+    record: Record
+    offset: int
+    end: int
+
+
+Event = Decoded | EndOfData | TornTail | Sentinel

@@ -1,0 +1,176 @@
+"""Durable file primitives and the two values every storage module shares.
+
+Owns what a segment is to the journal (`SegmentInfo`: its ids, size and sparse
+index) and reading one back, a reader's checkpoint file (`Checkpoint`, read and
+written atomically), and the crash-safe file steps (temp + fsync + rename +
+directory fsync).
+Synchronous file I/O only; callers on the event loop run it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from queued.core import journal_format as jf
+from queued.core.errors import CorruptRecordError, JournalError
+
+#: Sparse index stride: one (first_id, offset) entry per this many bytes.
+INDEX_STRIDE = 1 << 20
+#: Bytes read per call when reading a segment back.
+READ_BACK_CHUNK = 1 << 20
+
+
+@dataclass(slots=True)
+class SegmentInfo:
+    """What the journal knows of one writer segment (mutable: the active one grows)."""
+
+    number: int
+    path: Path
+    size: int
+    count: int = 0
+    first_id: int = 0
+    last_id: int = 0
+    sealed: bool = True
+    compacted_from: int | None = None  # first segment number this one replaced
+    inode: int = 0  # to notice the file was replaced under a stale SegmentInfo (0 = unknown)
+    #: sparse (first id of a batch, its offset), ascending, for seeking read-back
+    index: list[tuple[int, int]] = field(default_factory=list)
+    #: bytes of item data in the segment; None once a batch was noted without it
+    data_bytes: int | None = 0
+
+    def note_batch(
+        self, offset: int, end: int, count: int, first_id: int, last_id: int,
+        data_bytes: int | None = None,
+    ) -> None:
+        if count:
+            if data_bytes is None or self.data_bytes is None:
+                self.data_bytes = None
+            else:
+                self.data_bytes += data_bytes
+            if not self.count:
+                self.first_id = first_id
+            if not self.index or offset - self.index[-1][1] >= INDEX_STRIDE:
+                self.index.append((first_id, offset))
+            self.count += count
+            self.last_id = last_id
+        self.size = max(self.size, end)
+
+    def seek_offset(self, from_id: int) -> int:
+        """Offset of a batch start at or before the first record with id >= from_id."""
+        best = jf.MAGIC_SIZE
+        for first_id, offset in self.index:
+            if first_id > from_id:
+                break
+            best = offset
+        return best
+
+
+def read_segment(seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[jf.Put]:
+    """PUT records of `seg` with from_id <= id (<= to_id), in order, up to seg.size.
+
+    Streams in chunks from the nearest indexed batch; raises FileNotFoundError when
+    the file was replaced under a stale `seg` (compaction), JournalError on a record
+    cut short. Synchronous file I/O.
+    """
+    offset = seg.seek_offset(from_id)
+    limit = seg.size
+    with seg.path.open("rb") as f:
+        if seg.inode and os.fstat(f.fileno()).st_ino != seg.inode:
+            raise FileNotFoundError(f"{seg.path} was replaced")
+        f.seek(offset)
+        dec = jf.RecordDecoder(jf.FileKind.WRITER, start_offset=offset, expect_magic=False)
+        remaining = limit - offset
+        while True:
+            ev = dec.next_event()
+            if ev is jf.NEED_DATA:
+                data = f.read(min(remaining, READ_BACK_CHUNK)) if remaining > 0 else b""
+                remaining -= len(data)
+                dec.receive_data(data)
+                continue
+            if isinstance(ev, jf.Decoded):
+                rec = ev.record
+                if isinstance(rec, jf.Put) and rec.id >= from_id:
+                    if to_id is not None and rec.id > to_id:
+                        return
+                    yield rec
+                continue
+            if isinstance(ev, jf.TornTail):
+                raise JournalError(f"{seg.path}: record cut short at {ev.offset}")
+            return
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_durably(path: Path) -> None:
+    """Remove `path` (if there) and make the removal durable."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    fsync_dir(path.parent)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """temp + fsync + rename + directory fsync: the file is old or new, never half."""
+    tmp = path.with_name(jf.temp_name(path.name))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# -- checkpoints ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A reader's durable position: ids <= head and ids in done are consumed."""
+
+    head: int = 0
+    done: tuple[int, ...] = ()
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Decode a reader file; raises CorruptRecordError when it cannot be trusted."""
+    data = path.read_bytes()
+    dec = jf.RecordDecoder(jf.FileKind.READER)
+    dec.receive_data(data)
+    dec.receive_data(b"")
+    head = 0
+    done: set[int] = set()
+    while True:
+        ev = dec.next_event()
+        if isinstance(ev, jf.Decoded):
+            if isinstance(ev.record, jf.ReadHead):
+                head = ev.record.id
+            elif isinstance(ev.record, jf.ReadDone):
+                done.update(ev.record.ids)
+            continue
+        if isinstance(ev, jf.TornTail):
+            raise CorruptRecordError(ev.offset, "torn checkpoint")
+        break
+    if dec.sealed and dec.last_check_end != dec.offset:
+        raise CorruptRecordError(dec.offset, "checkpoint records after the last check record")
+    if head < 0:
+        raise CorruptRecordError(0, f"negative head {head}")
+    return Checkpoint(head, tuple(sorted(i for i in done if i > head)))
+
+
+def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
+    write_file_atomic(path, jf.encode_checkpoint(checkpoint.head, checkpoint.done))

@@ -1,0 +1,357 @@
+"""The writer: every queue's open segment file and the write + fsync rounds (group commit).
+
+Owns the file handles and their state (fd, size, unsynced bytes, last fsync,
+failure) and one round: for each queue with planned chunks one writev and one
+fsync, in a worker thread, or inline on the event loop for a small round that
+needs no fsync and opens no file. Never reports a chunk written unless the
+fsync policy's syncs covering it succeeded; after a failed fsync (or a write
+error it cannot trim away) that queue's file refuses writes for good.
+Knows nothing of tickets, readers or ids beyond what a chunk carries.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+import zlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from queued.config.policies import FsyncMode, FsyncPolicy
+from queued.core import journal_format as jf
+from queued.core.errors import JournalWriteError
+from queued.core.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
+from queued.storage.files import fsync_dir
+
+# Failures are the queue's journal failing, as operators know it: log under its name.
+log = logging.getLogger("queued.journal")
+
+#: write() errors after which the file can be trimmed back and appends retried later.
+RECOVERABLE_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: Item data at least this large is written from the caller's buffer (writev), not copied.
+ZERO_COPY_BYTES = 4096
+#: Most iovecs one writev takes (IOV_MAX on Linux).
+IOV_MAX = 1024
+#: A round this small, without fsync or new files, runs on the event loop itself.
+INLINE_ROUND_BYTES = 256 * 1024
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Records planned for the writer (by the journal); one chunk becomes one checked batch.
+
+    Small records are copied into `small`; large items are kept as references
+    in `pieces` so a batch of big items reaches the kernel with one copy.
+    """
+
+    rotate: bool  # start a new segment before writing this
+    pieces: list[bytes | bytearray] = field(default_factory=list)
+    small: bytearray = field(default_factory=bytearray)
+    nbytes: int = 0
+    count: int = 0
+    first_id: int = 0
+    last_id: int = 0
+
+    def add(self, head: bytes, data: bytes) -> None:
+        if len(data) >= ZERO_COPY_BYTES:
+            if self.small:
+                self.pieces.append(self.small)
+                self.small = bytearray()
+            self.pieces.append(head)
+            self.pieces.append(data)
+        else:
+            self.small += head
+            self.small += data
+        self.nbytes += len(head) + len(data)
+
+    def take_pieces(self) -> list[bytes | bytearray]:
+        if self.small:
+            self.pieces.append(self.small)
+            self.small = bytearray()
+        return self.pieces
+
+
+@dataclass(slots=True)
+class Written:
+    """What the writer did with one chunk: bytes [offset, end) of segment `number`."""
+
+    number: int
+    created: bool  # the segment was created for it
+    offset: int
+    end: int
+    count: int
+    first_id: int
+    last_id: int
+    inode: int  # of a created segment, else 0
+
+
+@dataclass(slots=True)
+class WriteResult:
+    """One queue's share of a round: the chunks written and durable, in order, and
+    the error that stopped the rest (chunks past len(written) were not stored)."""
+
+    written: list[Written]
+    error: BaseException | None = None
+
+
+class SegmentFile:
+    """One queue's active segment, writer side.
+
+    Touched only by a round: in the worker thread, or inline on the loop while
+    no thread runs one. `fsync` is the queue's current policy (its journal keeps
+    it up to date); `failed` is read from the loop.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        queue: str,
+        fsync: FsyncPolicy,
+        last_number: int,
+        observe_fsync: Callable[[float], None],
+    ) -> None:
+        self.directory = directory
+        self.queue = queue
+        self.fsync = fsync
+        self.fsyncs = 0
+        self.write_errors = 0
+        self._observe_fsync = observe_fsync
+        self._fd: int | None = None
+        self._number = 0
+        self._size = 0
+        self._last_number = last_number
+        self._unsynced = False
+        self._last_fsync = time.monotonic()
+        self._failed: JournalWriteError | None = None
+
+    @property
+    def failed(self) -> JournalWriteError | None:
+        """Set once writes can no longer be trusted; reads of the past still work."""
+        return self._failed
+
+    def write(self, chunks: Sequence[Chunk]) -> WriteResult:
+        """Write the chunks, then sync as the policy says. Nothing is returned as
+        written unless the fsync policy's syncs for it succeeded."""
+        done: list[Written] = []
+        created_any = False
+        error: BaseException | None = None
+        never = self.fsync.mode is FsyncMode.NEVER
+        for chunk in chunks:
+            if (chunk.rotate or self._fd is None) and self._fd is not None:
+                # The segment being left holds batches of this round: sync it first.
+                try:
+                    if not never:
+                        self._fsync()
+                except OSError as exc:
+                    return WriteResult([], self.set_failed(f"fsync failed: {exc}"))
+                os.close(self._fd)
+                self._fd = None
+            created = False
+            try:
+                prefix = b""
+                if self._fd is None:
+                    prefix = self._open_segment()
+                    created = created_any = True
+                assert self._fd is not None
+                offset = self._size + len(prefix)
+                pieces = chunk.take_pieces()
+                crc = jf.crc_seed(offset)
+                for piece in pieces:
+                    crc = zlib.crc32(piece, crc)
+                check = jf.encode_check_crc(chunk.nbytes, crc)
+                written = len(prefix) + chunk.nbytes + len(check)
+                _writev_all(self._fd, [prefix, *pieces, check] if prefix else [*pieces, check])
+            except OSError as exc:
+                error = self._write_failed(exc, created)
+                break
+            self._size += written
+            self._unsynced = True
+            done.append(
+                Written(self._number, created, offset, self._size, chunk.count,
+                        chunk.first_id, chunk.last_id,
+                        os.fstat(self._fd).st_ino if created else 0)
+            )
+        try:
+            if self.fsync.mode is FsyncMode.ALWAYS:
+                self._fsync()
+            elif self.fsync.mode is FsyncMode.PERIODIC:
+                self.fsync_if_due()
+            if created_any and not never:
+                fsync_dir(self.directory)
+        except OSError as exc:
+            # After a failed fsync the page cache may have dropped our pages: the
+            # files can no longer be trusted for writes (reads of the past still work).
+            return WriteResult([], self.set_failed(f"fsync failed: {exc}"))
+        return WriteResult(done, error)
+
+    def set_failed(self, why: str) -> JournalWriteError:
+        """Refuse writes from now on (logged); what the writer does after a failed fsync."""
+        self._failed = JournalWriteError(f"queue {self.queue!r} refuses writes: {why}")
+        log.error("%s", self._failed)
+        return self._failed
+
+    def fsync_if_due(self) -> None:
+        """Under a periodic policy: fsync when the interval since the last one is over."""
+        due = self._last_fsync + self.fsync.interval_ms / 1000
+        if self._unsynced and time.monotonic() >= due:
+            self._fsync()
+
+    def periodic_fsync(self) -> None:
+        """fsync_if_due for a queue with nothing to write: a failure, having no append
+        to report to, makes the file refuse writes (and is logged)."""
+        try:
+            self.fsync_if_due()
+        except OSError as exc:
+            self.set_failed(f"fsync failed: {exc}")
+
+    def fsync_deadline(self) -> float | None:
+        """When a periodic fsync falls due (time.monotonic()), if one is owed."""
+        if self.fsync.mode is FsyncMode.PERIODIC and self._unsynced and not self._failed:
+            return self._last_fsync + self.fsync.interval_ms / 1000
+        return None
+
+    def can_write_inline(self, chunks: Sequence[Chunk]) -> bool:
+        """True when writing `chunks` needs no fsync and opens no file."""
+        if self.fsync.mode is FsyncMode.ALWAYS or self._fd is None:
+            return False
+        if any(c.rotate for c in chunks):
+            return False
+        deadline = self.fsync_deadline()  # periodic: no fsync may fall due in this round
+        return deadline is None or deadline > time.monotonic()
+
+    def close(self) -> None:
+        """fsync what is unsynced and close the file (a later write opens a new segment)."""
+        if self._fd is not None:
+            try:
+                if self._unsynced:
+                    os.fsync(self._fd)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+    def _open_segment(self) -> bytes:
+        """Create the next segment file; returns the bytes it must start with."""
+        number = max(int(time.time() * 1000), self._last_number + 1)
+        path = self.directory / jf.segment_name(self.queue, number)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        self._fd, self._number, self._size = fd, number, 0
+        self._last_number = number
+        return jf.WRITER_MAGIC + jf.EMPTY_CHECK
+
+    def _fsync(self) -> None:
+        if self._fd is not None and self._unsynced:
+            started = time.monotonic()
+            os.fsync(self._fd)
+            self.fsyncs += 1
+            self._observe_fsync(time.monotonic() - started)
+        self._unsynced = False
+        self._last_fsync = time.monotonic()
+
+    def _write_failed(self, exc: OSError, created: bool) -> BaseException:
+        """Trim a partial write so the file ends on a batch again, or give up writing."""
+        self.write_errors += 1
+        fd = self._fd
+        try:
+            if fd is not None:
+                if created:
+                    os.close(fd)
+                    self._fd = None
+                    os.unlink(self.directory / jf.segment_name(self.queue, self._number))
+                else:
+                    os.ftruncate(fd, self._size)
+        except OSError as trim_exc:
+            return self.set_failed(
+                f"write failed ({exc}) and the partial batch could not be trimmed ({trim_exc})"
+            )
+        if exc.errno in RECOVERABLE_WRITE_ERRNOS:
+            return JournalWriteError(
+                f"queue {self.queue!r}: write refused, nothing stored: {os.strerror(exc.errno)}"
+            )
+        return self.set_failed(f"write failed: {exc}")
+
+
+def run_round(
+    work: Sequence[tuple[SegmentFile, Sequence[Chunk]]], periodic: Sequence[SegmentFile]
+) -> list[WriteResult]:
+    """The round itself (synchronous): write every queue's chunks, then the periodic
+    fsyncs that fell due in queues with nothing to write."""
+    results = [file.write(chunks) for file, chunks in work]
+    for file in periodic:
+        file.periodic_fsync()
+    return results
+
+
+@dataclass(frozen=True, slots=True)
+class WriterStats:
+    rounds: int
+    fsync: HistogramSnapshot  # seconds per fsync (journal files; not directories)
+
+
+class Writer:
+    """The rounds of one data directory; see the module docstring."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._lock = trio.Lock()
+        self._rounds = 0
+        self._fsync = Histogram(FSYNC_BUCKETS)
+
+    def segment_file(self, queue: str, fsync: FsyncPolicy, last_number: int) -> SegmentFile:
+        """The writer side of queue `queue`, whose newest segment number is `last_number`."""
+        return SegmentFile(self.directory, queue, fsync, last_number, self._fsync.observe)
+
+    async def write_round(
+        self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
+        periodic: Sequence[SegmentFile] = (),
+    ) -> list[WriteResult]:
+        """One round: each file's chunks written with one writev and one fsync, then
+        the due periodic fsyncs of `periodic`. Returns one result per `work` entry."""
+        async with self._lock:
+            if not periodic and all(f.can_write_inline(chunks) for f, chunks in work) and (
+                sum(c.nbytes for _, chunks in work for c in chunks) <= INLINE_ROUND_BYTES
+            ):
+                # A small round that needs no fsync and opens no file: a write()
+                # into the page cache is cheaper than a hand-off to a thread.
+                results = run_round(work, periodic)
+            else:
+                results = await trio.to_thread.run_sync(run_round, work, periodic)
+        self._rounds += 1
+        return results
+
+    @asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """No round runs inside this block (to remove a queue's files, say)."""
+        async with self._lock:
+            yield
+
+    def statistics(self) -> WriterStats:
+        return WriterStats(rounds=self._rounds, fsync=self._fsync.snapshot())
+
+
+def _writev_all(fd: int, pieces: list[bytes | bytearray]) -> None:
+    """Write every piece, in order, with as few syscalls as writev allows."""
+    i = 0
+    while i < len(pieces):
+        batch = pieces[i : i + IOV_MAX]
+        n = os.writev(fd, batch)
+        want = sum(len(p) for p in batch)
+        if n == want:
+            i += len(batch)
+            continue
+        # A short write: skip what went out, finish the piece it stopped in.
+        for p in batch:
+            if n >= len(p):
+                n -= len(p)
+                i += 1
+                continue
+            view = memoryview(p)[n:]
+            while view:
+                view = view[os.write(fd, view):]
+            i += 1
+            break

@@ -1,0 +1,380 @@
+"""The data directory against real files: recovery of a whole directory, the writer
+rounds it runs (group commit across queues, fsync counts), retiring segments (delete
+or archive), deleting queues and closing."""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import trio
+from journal_util import T0, all_puts, cfg, data_for, fill, queue_files, segments
+
+from queued.cli import check
+from queued.config import CorruptionPolicy, DataDirConfig, FsyncPolicy
+from queued.core import journal_format as jf
+from queued.core.errors import CorruptJournalError, JournalClosedError
+from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.files import Checkpoint, SegmentInfo
+from queued.storage.journal import wait_durable
+
+# -- recovery of a directory --------------------------------------------------------
+
+
+async def test_recovery_of_several_queues_and_their_readers(tmp_path: Path) -> None:
+    async with open_data_dir(tmp_path, queue_config=lambda _: cfg(journal_size=1000)) as dd:
+        a, b = dd.queue("a"), dd.queue("b")
+        for i in range(1, 31):
+            await a.append([data_for(i)], T0)
+        await b.append([data_for(i) for i in range(1, 4)], T0)
+        await a.write_checkpoint("", 10, [12, 15])
+        await a.write_checkpoint("audit", 3)
+        await b.write_checkpoint("", 3)
+        sizes = {name: sum(s.size for s in j.segments) for name, j in dd.queues.items()}
+        counts = {name: len(j.segments) for name, j in dd.queues.items()}
+    (tmp_path / "notes.txt").write_text("not a journal file")
+    (tmp_path / "sub").mkdir()
+
+    dd2 = DataDir.open(tmp_path)
+    assert sorted(dd2.queues) == ["a", "b"]
+    rep = dd2.report
+    assert [(q.queue, q.segments, q.records, q.bytes) for q in rep.queues.values()] == [
+        ("a", counts["a"], 30, sizes["a"]), ("b", counts["b"], 3, sizes["b"])
+    ]
+    assert rep.records == 33 and rep.truncated_bytes == 0
+    assert rep.summary().startswith("recovered 2 queues, 33 records")
+    a2, b2 = dd2.queues["a"], dd2.queues["b"]
+    assert counts["a"] > 1  # rotation happened: several segments recovered in order
+    assert a2.readers == {"": Checkpoint(10, (12, 15)), "audit": Checkpoint(3)}
+    assert [p.id for p in a2.iter_unconsumed("")] == [11, 13, 14, *range(16, 31)]
+    assert b2.readers == {"": Checkpoint(3)} and list(b2.iter_unconsumed("")) == []
+    assert (a2.last_id, b2.last_id) == (30, 3)
+    assert (tmp_path / "notes.txt").exists()  # not ours: left alone
+    assert dd2.statistics().queues == 2 and dd2.statistics().recovery_seconds > 0
+
+
+async def test_ids_continue_after_recovery_even_past_a_checkpoint(tmp_path: Path) -> None:
+    async with open_data_dir(tmp_path) as dd:
+        q = dd.queue("q")
+        await q.append([b"a", b"b"], T0)
+        await q.write_checkpoint("", 5)  # a reader's head may run past the last segment id
+    async with open_data_dir(tmp_path) as dd:
+        assert (await dd.queue("q").append([b"c"], T0))[0].id == 6
+
+
+async def test_torn_tail_cut_at_every_offset_of_the_last_batch(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    await fill(src, 6, per_append=3)
+    seg = segments(src)[0]
+    whole = seg.read_bytes()
+    records = jf.decode_all(whole)
+    checks = [d for d in records if isinstance(d.record, jf.Check)]
+    last_batch_start = checks[-2].end
+    for cut in range(last_batch_start, len(whole)):
+        d = tmp_path / f"cut{cut}"
+        d.mkdir()
+        (d / seg.name).write_bytes(whole[:cut])
+        dd = DataDir.open(d)
+        assert [p.id for p in dd.queues["q"].iter_puts(1)] == [1, 2, 3]
+        assert dd.report.truncated_bytes == cut - last_batch_start
+        assert (d / seg.name).stat().st_size == last_batch_start
+
+
+async def test_garbage_appended_is_cut(tmp_path: Path) -> None:
+    await fill(tmp_path, 5)
+    seg = segments(tmp_path)[0]
+    size = seg.stat().st_size
+    with seg.open("ab") as f:
+        f.write(os.urandom(300))
+    dd = DataDir.open(tmp_path)
+    assert [p.id for p in dd.queues["q"].iter_puts(1)] == [1, 2, 3, 4, 5]
+    assert dd.report.truncated_bytes == 300
+    assert seg.stat().st_size == size
+
+
+async def test_bit_flip_in_the_middle_is_refused(tmp_path: Path) -> None:
+    await fill(tmp_path, 9, per_append=3)
+    seg = segments(tmp_path)[0]
+    raw = bytearray(seg.read_bytes())
+    second_batch = [d for d in jf.decode_all(bytes(raw)) if isinstance(d.record, jf.Put)][4]
+    raw[second_batch.end - 1] ^= 0x10  # inside item 5's data
+    seg.write_bytes(bytes(raw))
+    out = io.StringIO()
+    assert check(tmp_path, out) == 1
+    assert "CORRUPT" in out.getvalue()
+    with pytest.raises(CorruptJournalError, match="refusing to start"):
+        DataDir.open(tmp_path)
+    assert seg.read_bytes() == bytes(raw)  # refusing changes nothing
+
+
+async def test_bit_flip_quarantined_keeps_every_verified_batch(tmp_path: Path) -> None:
+    await fill(tmp_path, 9, per_append=3)
+    seg = segments(tmp_path)[0]
+    raw = bytearray(seg.read_bytes())
+    fifth = [d for d in jf.decode_all(bytes(raw)) if isinstance(d.record, jf.Put)][4]
+    raw[fifth.end - 1] ^= 0x10
+    seg.write_bytes(bytes(raw))
+    dd = DataDir.open(tmp_path, DataDirConfig(corruption=CorruptionPolicy.QUARANTINE))
+    assert [p.id for p in dd.queues["q"].iter_puts(1)] == [1, 2, 3, 7, 8, 9]
+    rep = dd.report.queues["q"]
+    assert len(rep.quarantined) == 1
+    kept = Path(rep.quarantined[0])
+    assert kept.read_bytes() == bytes(raw)  # the original is kept as it was
+    assert sum(d.length for d in rep.damage) > 0
+    assert check(tmp_path, io.StringIO()) == 0
+
+
+def test_seed_file_from_another_implementation_loads(tmp_path: Path) -> None:
+    # Hand-built per seed 002: no check records, an expiry, a torn last record.
+    def put(i: int, data: bytes, expire: int | None = None) -> bytes:
+        if expire is None:
+            return struct.pack("<BiiqQ", 0x86, len(data), 0, i, T0) + data
+        return struct.pack("<BiiqQQ", 0x88, len(data), 1, i, T0, expire) + data
+
+    body = jf.WRITER_MAGIC + put(5, b"five") + put(6, b"six", T0 + 9) + put(7, b"seven")[:-2]
+    (tmp_path / "q.1321401903634").write_bytes(body)
+    reader = jf.READER_MAGIC + struct.pack("<Bq", 0x02, 4) + struct.pack("<Bi", 0x91, 8) + \
+        struct.pack("<q", 6)
+    (tmp_path / "q.read.").write_bytes(reader)
+    dd = DataDir.open(tmp_path)
+    q = dd.queues["q"]
+    assert [(p.id, p.data, p.expire_time_ms) for p in q.iter_puts(1)] == [
+        (5, b"five", None), (6, b"six", T0 + 9)
+    ]
+    assert q.readers[""] == Checkpoint(4, (6,))
+    assert [p.id for p in q.iter_unconsumed("")] == [5]
+    assert dd.report.truncated_bytes == len(put(7, b"seven")) - 2
+    assert q.last_id == 6
+
+
+async def test_torn_segment_header_is_rewritten(tmp_path: Path) -> None:
+    await fill(tmp_path, 3)
+    (tmp_path / "q.99999999999999").write_bytes(jf.WRITER_MAGIC[:3])
+    dd = DataDir.open(tmp_path)
+    assert [p.id for p in dd.queues["q"].iter_puts(1)] == [1, 2, 3]
+    assert (tmp_path / "q.99999999999999").read_bytes() == jf.WRITER_MAGIC + jf.EMPTY_CHECK
+
+
+async def test_leftover_temp_files_are_removed(tmp_path: Path) -> None:
+    await fill(tmp_path, 2)
+    (tmp_path / "q.read.~~").write_bytes(b"half")
+    (tmp_path / "q.123~~").write_bytes(b"half")
+    (tmp_path / "other.read.~~").write_bytes(b"half")
+    dd = DataDir.open(tmp_path)
+    assert not (tmp_path / "q.read.~~").exists()
+    assert not (tmp_path / "q.123~~").exists()
+    assert not (tmp_path / "other.read.~~").exists()
+    assert dd.report.queues["q"].temps_removed == 2
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "empty", "torn", "bad_magic"])
+async def test_unreadable_checkpoint_replays_from_oldest_segment(
+    tmp_path: Path, damage: str
+) -> None:
+    async with open_data_dir(tmp_path) as dd:
+        q = dd.queue("q")
+        await q.append([data_for(i) for i in range(1, 6)], T0)
+        await q.write_checkpoint("", 4, [])
+    cp = tmp_path / "q.read."
+    raw = bytearray(cp.read_bytes())
+    if damage == "corrupt":
+        raw[14] ^= 0xFF  # inside READ_HEAD's id: the check record disagrees
+    elif damage == "empty":
+        raw = bytearray()
+    elif damage == "torn":
+        raw = raw[:-5]
+    else:
+        raw[0] = 0x99
+    cp.write_bytes(bytes(raw))
+    dd2 = DataDir.open(tmp_path)
+    assert dd2.report.queues["q"].unreadable_checkpoints == ["q.read."]
+    assert [p.id for p in dd2.queues["q"].iter_unconsumed("")] == [1, 2, 3, 4, 5]
+    assert dd2.queues["q"].last_id == 5  # ids never go back
+
+
+async def test_missing_checkpoint_means_default_reader_from_start(tmp_path: Path) -> None:
+    await fill(tmp_path, 4)
+    assert not (tmp_path / "q.read.").exists()
+    q = DataDir.open(tmp_path).queues["q"]
+    assert list(q.readers) == [""]
+    assert [p.id for p in q.iter_unconsumed("")] == [1, 2, 3, 4]
+
+
+# -- writer rounds ---------------------------------------------------------------------
+
+
+async def test_concurrent_appends_share_rounds_and_fsyncs(tmp_path: Path) -> None:
+    async with open_data_dir(tmp_path) as dd:
+        q = dd.queue("q")
+        results: list[int] = []
+
+        async def one(i: int) -> None:
+            puts = await q.append([data_for(i)], T0)
+            results.append(puts[0].id)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(256):
+                nursery.start_soon(one, i)
+        stats = dd.statistics()
+    assert sorted(results) == list(range(1, 257))
+    # Group commit: far fewer fsyncs than appends.
+    assert stats.fsync.count < 256 / 4
+    assert len(all_puts(tmp_path)) == 256
+
+
+@pytest.mark.parametrize("policy", ["never", "50"])
+async def test_fsync_policies_store_everything(tmp_path: Path, policy: str) -> None:
+    async with open_data_dir(
+        tmp_path, queue_config=lambda _: cfg(fsync=FsyncPolicy.parse(policy))
+    ) as dd:
+        q = dd.queue("q")
+        for i in range(20):
+            await q.append([data_for(i)], T0)
+        await trio.sleep(0.12)  # let a periodic fsync come due
+        stats = dd.statistics()
+    if policy == "never":
+        assert stats.fsync.count == 0
+    else:
+        assert 1 <= stats.fsync.count < 20
+    assert len(all_puts(tmp_path)) == 20
+
+
+async def test_one_round_writes_several_queues_with_one_fsync_each(tmp_path: Path) -> None:
+    async with open_data_dir(tmp_path) as dd:
+        queues = [dd.queue(name) for name in ("a", "b", "c")]
+        for q in queues:
+            await q.append([b"first"], T0)  # each queue has its segment open now
+        before = dd.statistics()
+        # Planned without yielding to the writer: all of them land in its next round.
+        tickets = [q.append_nowait([data_for(i) for i in range(1, 6)], T0)[1]
+                   for q in queues for _ in range(4)]
+        for ticket in tickets:
+            await wait_durable(ticket)
+        after = dd.statistics()
+        assert after.rounds - before.rounds == 1
+        assert after.fsync.count - before.fsync.count == 3  # one per queue (group commit)
+        for q in queues:
+            stats = q.statistics()
+            assert (stats.fsyncs, stats.batches_written) == (2, 2)  # first append + the round
+            assert stats.appends == 5 and stats.items_appended == 21
+            assert stats.pending_bytes == 0
+    for name in ("a", "b", "c"):
+        assert [p.id for p in DataDir.open(tmp_path).queues[name].iter_puts(1)] == list(
+            range(1, 22)
+        )
+
+
+async def test_a_round_that_rotates_fsyncs_the_segment_it_leaves(tmp_path: Path) -> None:
+    async with open_data_dir(tmp_path, queue_config=lambda _: cfg(journal_size=600)) as dd:
+        q = dd.queue("q")
+        await q.append([b"x" * 100], T0)
+        fsyncs = q.statistics().fsyncs
+        _, t1 = q.append_nowait([b"x" * 100], T0)  # still fits the open segment
+        _, t2 = q.append_nowait([b"y" * 1000], T0)  # does not: a new segment, same round
+        await wait_durable(t1)
+        await wait_durable(t2)
+        assert len(q.segments) == 2
+        assert q.statistics().fsyncs - fsyncs == 2  # the old one before leaving it, the new
+
+
+async def test_fsync_never_writes_without_any_fsync(tmp_path: Path) -> None:
+    conf = cfg(fsync=FsyncPolicy.parse("never"))
+    async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
+        q = dd.queue("q")
+        for i in range(1, 11):
+            await q.append([data_for(i)], T0)
+        assert dd.statistics().rounds == 10
+        assert dd.statistics().fsync.count == 0 and q.statistics().fsyncs == 0
+    assert [p.id for p in all_puts(tmp_path)] == list(range(1, 11))
+
+
+async def test_a_config_change_reaches_the_writer(tmp_path: Path) -> None:
+    conf = cfg(fsync=FsyncPolicy.parse("never"))
+    async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
+        q = dd.queue("q")
+        await q.append([b"a"], T0)
+        assert q.statistics().fsyncs == 0
+        q.config = cfg(fsync=FsyncPolicy.parse("always"))  # as a reload does
+        await q.append([b"b"], T0)
+        assert q.statistics().fsyncs == 1
+
+
+# -- retiring segments ------------------------------------------------------------------
+
+
+async def _three_segments(path: Path, config: DataDirConfig | None = None) -> DataDir:
+    async with open_data_dir(path, config, lambda _: cfg(journal_size=600)) as dd:
+        q = dd.queue("q")
+        for _ in range(9):
+            await q.append([b"x" * 100], T0)
+    return DataDir.open(path, config)
+
+
+async def test_retire_without_archive_deletes(tmp_path: Path) -> None:
+    dd = await _three_segments(tmp_path)
+    q = dd.queues["q"]
+    old = q.segments[0]
+    dd.retire_segments([old])
+    assert not old.path.exists()
+    assert [p.name for p in segments(tmp_path)] == [s.path.name for s in q.segments[1:]]
+
+
+async def test_retire_with_archive_moves_originals_and_deletes_compaction_outputs(
+    tmp_path: Path,
+) -> None:
+    data, archive = tmp_path / "data", tmp_path / "archive"
+    dd = await _three_segments(data, DataDirConfig(archive_dir=archive))
+    original, other = dd.queues["q"].segments[:2]
+    content = original.path.read_bytes()
+    # A compaction output: its records are in archived originals already.
+    output = SegmentInfo(other.number, other.path, other.size, compacted_from=original.number)
+    dd.retire_segments([original, output])
+    assert not original.path.exists() and not other.path.exists()
+    assert sorted(p.name for p in archive.iterdir()) == [original.path.name]
+    assert (archive / original.path.name).read_bytes() == content
+
+
+async def test_copy_to_archive_keeps_the_original(tmp_path: Path) -> None:
+    data, archive = tmp_path / "data", tmp_path / "archive"
+    dd = await _three_segments(data, DataDirConfig(archive_dir=archive))
+    seg = dd.queues["q"].segments[0]
+    dd.copy_to_archive(seg.path)
+    assert (archive / seg.path.name).read_bytes() == seg.path.read_bytes()
+
+
+# -- deleting queues and closing ----------------------------------------------------------
+
+
+async def test_delete_queue_removes_its_files_and_fails_what_is_planned(tmp_path: Path) -> None:
+    async with open_data_dir(tmp_path) as dd:
+        q, other = dd.queue("q"), dd.queue("other")
+        await q.append([b"a"], T0)
+        await q.write_checkpoint("audit", 0)
+        await other.append([b"keep"], T0)
+        _, planned = q.append_nowait([b"never written"], T0)
+        await dd.delete_queue("q")
+        with pytest.raises(JournalClosedError, match="was deleted"):
+            await wait_durable(planned)
+        with pytest.raises(JournalClosedError):
+            q.append_nowait([b"late"], T0)
+        assert "q" not in dd.queues and queue_files(tmp_path) == []
+        fresh = dd.queue("q")  # the same name again is a new queue
+        assert (await fresh.append([b"new"], T0))[0].id == 1
+        await dd.delete_queue("nothing")  # unknown: nothing to do
+    dd2 = DataDir.open(tmp_path)
+    assert [p.data for p in dd2.queues["q"].iter_puts(1)] == [b"new"]
+    assert [p.data for p in dd2.queues["other"].iter_puts(1)] == [b"keep"]
+
+
+async def test_aclose_writes_what_was_planned_before_it(tmp_path: Path) -> None:
+    async with open_data_dir(tmp_path) as dd:
+        q = dd.queue("q")
+        await q.append([b"a"], T0)
+        _, ticket = q.append_nowait([b"planned"], T0)
+    await wait_durable(ticket)  # written by the writer's last round, not failed
+    with pytest.raises(JournalClosedError):
+        q.append_nowait([b"after"], T0)
+    assert [p.data for p in all_puts(tmp_path)] == [b"a", b"planned"]

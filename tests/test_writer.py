@@ -1,0 +1,100 @@
+"""The writer on its own, against real files: one round's batches on disk, rotation,
+fsync deadlines, and which rounds run inline on the event loop instead of in a thread."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from queued.config import FsyncPolicy
+from queued.core import journal_format as jf
+from queued.storage.writer import Chunk, Writer, WriteResult
+
+T0 = 1_700_000_000_000
+PERIODIC = FsyncPolicy.parse("3600000")  # an hour: due only when a test says so
+
+
+def chunk(first_id: int, datas: list[bytes], *, rotate: bool = False) -> Chunk:
+    pack = jf.put_header_packer(T0)
+    c = Chunk(rotate=rotate, count=len(datas), first_id=first_id,
+              last_id=first_id + len(datas) - 1)
+    for i, data in enumerate(datas):
+        c.add(pack(len(data), first_id + i), data)
+    return c
+
+
+def puts_in(path: Path) -> list[tuple[int, bytes]]:
+    return [(d.record.id, d.record.data) for d in jf.decode_all(path.read_bytes())
+            if isinstance(d.record, jf.Put)]
+
+
+async def test_a_round_writes_one_checked_batch_per_chunk(tmp_path: Path) -> None:
+    writer = Writer(tmp_path)
+    file = writer.segment_file("q", FsyncPolicy(), 0)
+    big = b"B" * 5000  # written from its own buffer (writev), not copied
+    [result] = await writer.write_round([(file, [chunk(1, [b"a", b"b"]), chunk(3, [big])])])
+    assert result.error is None
+    first, second = result.written
+    assert first.created and not second.created and first.number == second.number
+    assert first.offset == jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE and second.offset == first.end
+    assert (first.first_id, first.last_id, second.first_id) == (1, 2, 3)
+    path = tmp_path / jf.segment_name("q", first.number)
+    assert path.stat().st_size == second.end and path.stat().st_ino == first.inode
+    assert puts_in(path) == [(1, b"a"), (2, b"b"), (3, big)]
+    checks = [d for d in jf.decode_all(path.read_bytes()) if isinstance(d.record, jf.Check)]
+    assert [c.end for c in checks] == [jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE, first.end,
+                                       second.end]
+    assert file.fsyncs == 1 and writer.statistics().rounds == 1
+    assert writer.statistics().fsync.count == 1
+
+
+async def test_rotation_fsyncs_the_segment_it_leaves_and_numbers_go_up(tmp_path: Path) -> None:
+    writer = Writer(tmp_path)
+    file = writer.segment_file("q", FsyncPolicy(), 10**13)  # newest existing segment
+    [one] = await writer.write_round([(file, [chunk(1, [b"a"])])])
+    [two] = await writer.write_round([(file, [chunk(2, [b"b"]), chunk(3, [b"c"], rotate=True)])])
+    assert one.written[0].number == 10**13 + 1
+    assert [w.created for w in two.written] == [False, True]
+    assert two.written[1].number == one.written[0].number + 1
+    assert file.fsyncs == 3  # round one; round two: the segment it left, then the new one
+    paths = sorted(tmp_path.iterdir())
+    assert [puts_in(p) for p in paths] == [[(1, b"a"), (2, b"b")], [(3, b"c")]]
+
+
+async def test_periodic_fsync_deadline(tmp_path: Path) -> None:
+    writer = Writer(tmp_path)
+    file = writer.segment_file("q", PERIODIC, 0)
+    assert file.fsync_deadline() is None  # nothing unsynced
+    await writer.write_round([(file, [chunk(1, [b"a"])])])
+    assert file.fsync_deadline() is not None
+    assert file.fsyncs == 0  # not due yet: acknowledged after the write alone
+    file.set_failed("test")
+    assert file.fsync_deadline() is None  # a failed file owes nothing any more
+    assert file.failed is not None and "refuses writes: test" in str(file.failed)
+    file.close()
+
+
+async def test_only_a_small_round_without_fsync_or_new_file_runs_inline(tmp_path: Path) -> None:
+    writer = Writer(tmp_path)
+    file = writer.segment_file("q", FsyncPolicy.parse("never"), 0)
+    limiter = trio.to_thread.current_default_thread_limiter()
+    limiter.total_tokens = 1
+    await writer.write_round([(file, [chunk(1, [b"a"])])])  # opens the segment: a thread
+    results: list[WriteResult] = []
+
+    async def rotating_round() -> None:
+        results.extend(await writer.write_round([(file, [chunk(3, [b"c"], rotate=True)])]))
+
+    # While the test holds the one token no worker thread can start. On leaving, the
+    # token goes back first, then the nursery waits for the rotating round's thread.
+    async with trio.open_nursery() as nursery, limiter:
+        with trio.fail_after(5):  # a bound, not a timing: an inline round never waits
+            await writer.write_round([(file, [chunk(2, [b"b"])])])
+        nursery.start_soon(rotating_round)
+        await trio.testing.wait_all_tasks_blocked()
+        assert results == [], "a round that opens a file ran on the event loop"
+    assert [w.created for w in results[0].written] == [True]
+    assert writer.statistics().rounds == 3
+    file.close()
