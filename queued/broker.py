@@ -2,7 +2,7 @@
 
 Owns the async half of the queue logic: puts become durable through the data
 directory's writer and only then reach readers (in id order) and long-polling
-waiters (FIFO); reliable reads belong to a `Client` (one per connection) and go
+waiters (FIFO); reliable reads belong to an `OpenReads` (one per connection) and go
 back to the head of their queue when it leaves; read-behind refills memory from
 the journal in a worker thread; background tasks write checkpoints, compact,
 sweep expired items and expire open reads. No sockets here: the protocol
@@ -18,9 +18,8 @@ plain `q` starts a new default reader at the tail.
 from __future__ import annotations
 
 import bisect
-import heapq
-import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -40,6 +39,7 @@ from queued.core.errors import (
     QueueFullError,
     ReadStateError,
 )
+from queued.core.open_reads import OpenReads, TimeoutHeap
 from queued.core.queue import Item, Reader
 from queued.core.stats import LATENCY_BUCKETS, Histogram
 from queued.storage.datadir import DataDir, open_data_dir
@@ -54,41 +54,10 @@ log = logging.getLogger("queued.broker")
 MiB = 1 << 20
 #: Items read back from the journal per worker-thread call, at most.
 REFILL_MAX_ITEMS = 50_000
-#: The open-read timeout heap is compacted when it outgrows twice its live entries.
-TIMEOUT_HEAP_MIN = 4096
 
 
 def wall_ms() -> int:
     return int(time.time() * 1000)
-
-
-class Client:
-    """One connection's reliable reads: (queue, reader) -> {item id: deadline or None}."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, name: str = "") -> None:
-        self.id = next(self._ids)
-        self.name = name or f"client-{self.id}"
-        self.open: dict[tuple[str, str], dict[int, float | None]] = {}
-        self.open_total = 0
-
-    def open_ids(self, queue: str, reader: str) -> list[int]:
-        return list(self.open.get((queue, reader), ()))
-
-    def _add(self, queue: str, reader: str, item_id: int, deadline: float | None) -> None:
-        self.open.setdefault((queue, reader), {})[item_id] = deadline
-        self.open_total += 1
-
-    def _remove(self, queue: str, reader: str, item_id: int) -> bool:
-        ids = self.open.get((queue, reader))
-        if ids is None or item_id not in ids:
-            return False
-        del ids[item_id]
-        if not ids:
-            del self.open[(queue, reader)]
-        self.open_total -= 1
-        return True
 
 
 @dataclass(eq=False, slots=True)
@@ -168,7 +137,7 @@ class Broker:
         self.config = config
         self.clock = clock
         self.queues: dict[str, QueueState] = {}
-        self.clients: dict[int, Client] = {}
+        self.clients: dict[int, OpenReads] = {}
         self.counters = BrokerCounters()
         #: begin_put to durable, per put call (a batch of items is one observation).
         self.put_latency = Histogram(LATENCY_BUCKETS)
@@ -177,9 +146,7 @@ class Broker:
         self.start_time = time.time()
         self.closing = False
         self._nursery: trio.Nursery | None = None
-        self._timeouts: list[tuple[float, int, Client, str, str, int]] = []
-        self._timeout_seq = itertools.count()
-        self._timeouts_limit = TIMEOUT_HEAP_MIN
+        self.timeouts = TimeoutHeap()
         self._timeout_wake = trio.Event()
 
     # -- startup ------------------------------------------------------------------------
@@ -413,7 +380,7 @@ class Broker:
         reader: str | None = None,
         *,
         timeout_ms: int = 0,
-        client: Client | None = None,
+        client: OpenReads | None = None,
         open: bool = False,
         peek: bool = False,
         open_timeout_ms: int | None = None,
@@ -484,7 +451,7 @@ class Broker:
                 h.reader.put_back(w.item)
                 self._serve(qs, h)
 
-    def _open_room(self, client: Client | None) -> int:
+    def _open_room(self, client: OpenReads | None) -> int:
         """How many more open reads `client` may take (at least 1), or ReadStateError."""
         if client is None:
             raise ValueError("an open read needs a client")
@@ -496,7 +463,7 @@ class Broker:
         return room
 
     def _finish_get(
-        self, qs: QueueState, h: Handle, rname: str, it: Item, client: Client | None,
+        self, qs: QueueState, h: Handle, rname: str, it: Item, client: OpenReads | None,
         open_timeout_ms: int | None = None,
     ) -> Item | None:
         """A held item becomes the client's open read (under the name the client used),
@@ -505,7 +472,7 @@ class Broker:
         return done[0] if done else None
 
     def _finish_many(
-        self, qs: QueueState, h: Handle, rname: str, items: list[Item], client: Client | None,
+        self, qs: QueueState, h: Handle, rname: str, items: list[Item], client: OpenReads | None,
         open_timeout_ms: int | None,
     ) -> list[Item]:
         if client is None:
@@ -520,26 +487,12 @@ class Broker:
                    else open_timeout_ms)
         deadline = trio.current_time() + timeout / 1000 if timeout else None
         for it in items:
-            client._add(qs.name, rname, it.id, deadline)  # the held item stays open
-        if deadline is not None:
-            if len(self._timeouts) + len(items) > self._timeouts_limit:
-                self._compact_timeouts()
-            wake = not self._timeouts or deadline < self._timeouts[0][0]
-            for it in items:
-                heapq.heappush(self._timeouts, (deadline, next(self._timeout_seq), client,
-                                                qs.name, rname, it.id))
-            if wake:
-                self._timeout_wake.set()
+            client.add(qs.name, rname, it.id, deadline)  # the held item stays open
+        if deadline is not None and self.timeouts.push(
+            deadline, client, qs.name, rname, [it.id for it in items]
+        ):
+            self._timeout_wake.set()
         return items
-
-    def _compact_timeouts(self) -> None:
-        """Drop heap entries of reads already confirmed or aborted (they would otherwise
-        stay until their deadline: many under a fast get/confirm loop)."""
-        live = [e for e in self._timeouts
-                if e[2].open.get((e[3], e[4]), {}).get(e[5], -1.0) == e[0]]
-        heapq.heapify(live)
-        self._timeouts = live
-        self._timeouts_limit = max(TIMEOUT_HEAP_MIN, 2 * len(live))
 
     async def get_many(
         self,
@@ -548,7 +501,7 @@ class Broker:
         max_items: int = 1,
         *,
         timeout_ms: int = 0,
-        client: Client | None = None,
+        client: OpenReads | None = None,
         open: bool = False,
         open_timeout_ms: int | None = None,
         max_bytes: int = 0,
@@ -657,7 +610,7 @@ class Broker:
 
     def confirm(
         self,
-        client: Client,
+        client: OpenReads,
         queue: str,
         reader: str | None = None,
         count: int | None = None,
@@ -665,10 +618,10 @@ class Broker:
     ) -> int:
         """Confirm the client's open reads on queue/reader: `ids`, the `count` oldest, or all."""
         rname = reader or ""
-        chosen = self._chosen(client, queue, rname, count, ids)
+        chosen = client.choose(queue, rname, count, ids)
         qs = self.queues.get(queue)
         for i in chosen:
-            client._remove(queue, rname, i)
+            client.remove(queue, rname, i)
             h = self._owner(qs, rname, i)
             if h is not None:
                 h.reader.confirm(i)
@@ -676,7 +629,7 @@ class Broker:
 
     def abort(
         self,
-        client: Client,
+        client: OpenReads,
         queue: str,
         reader: str | None = None,
         count: int | None = None,
@@ -686,11 +639,11 @@ class Broker:
     ) -> int:
         """Return the client's open reads on queue/reader to the head of the queue."""
         rname = reader or ""
-        chosen = self._chosen(client, queue, rname, count, ids)
+        chosen = client.choose(queue, rname, count, ids)
         qs = self.queues.get(queue)
         served: dict[int, Handle] = {}
         for i in sorted(chosen, reverse=True):  # the lowest id ends up first
-            client._remove(queue, rname, i)
+            client.remove(queue, rname, i)
             h = self._owner(qs, rname, i)
             if h is not None and qs is not None:
                 self._return(qs, h, i, count_error=count_error)
@@ -699,17 +652,6 @@ class Broker:
             assert qs is not None
             self._serve(qs, h)
         return len(chosen)
-
-    @staticmethod
-    def _chosen(
-        client: Client, queue: str, rname: str, count: int | None, ids: Sequence[int] | None
-    ) -> list[int]:
-        if ids is not None:
-            mine = client.open.get((queue, rname), {})
-            held = [i for i in dict.fromkeys(ids) if i in mine]
-        else:
-            held = client.open_ids(queue, rname)
-        return held if count is None else held[:count]
 
     @staticmethod
     def _owner(qs: QueueState | None, rname: str, item_id: int) -> Handle | None:
@@ -735,13 +677,13 @@ class Broker:
         else:
             h.reader.put_back(it)
 
-    def release(self, client: Client, *, count_error: bool = True) -> None:
+    def release(self, client: OpenReads, *, count_error: bool = True) -> None:
         """The client is gone: every open read goes back to the head of its queue."""
         self.clients.pop(client.id, None)
-        for queue, rname in list(client.open):
+        for queue, rname in client.open_keys():
             self.abort(client, queue, rname, count_error=count_error)
 
-    def register(self, client: Client) -> Client:
+    def register(self, client: OpenReads) -> OpenReads:
         self.clients[client.id] = client
         return client
 
@@ -883,12 +825,15 @@ class Broker:
         only if that reader holds them: a newer default reader's reads stay.
         """
         for client in self.clients.values():
-            for key in [k for k in client.open if k[0] == queue]:
-                if reader is None or key[1] == reader:
-                    client.open_total -= len(client.open.pop(key))
-                elif h is not None and key[1] in h.aliases:
-                    for item_id in [i for i in client.open[key] if i in h.reader.open]:
-                        client._remove(queue, key[1], item_id)
+            if reader is None:
+                client.forget(queue)
+                continue
+            client.forget(queue, reader)
+            if h is not None:
+                for alias in h.aliases:
+                    for item_id in client.open_ids(queue, alias):
+                        if item_id in h.reader.open:
+                            client.remove(queue, alias, item_id)
 
     def _close_handle(self, h: Handle) -> None:
         h.closed = True
@@ -1008,27 +953,24 @@ class Broker:
 
     async def _timeout_loop(self) -> None:
         while True:
-            if not self._timeouts:
-                self._timeout_wake = trio.Event()
-                await self._timeout_wake.wait()
-                continue
-            deadline = self._timeouts[0][0]
             self._timeout_wake = trio.Event()
-            with trio.move_on_at(deadline):
+            deadline = self.timeouts.next_deadline()
+            with trio.move_on_at(math.inf if deadline is None else deadline):
                 await self._timeout_wake.wait()
-            now = trio.current_time()
-            while self._timeouts and self._timeouts[0][0] <= now:
-                dl, _, client, queue, rname, item_id = heapq.heappop(self._timeouts)
-                if client.open.get((queue, rname), {}).get(item_id, -1.0) != dl:
-                    continue  # confirmed or aborted already
-                client._remove(queue, rname, item_id)
-                qs = self.queues.get(queue)
-                h = self._owner(qs, rname, item_id)
-                if qs is not None and h is not None:
-                    log.info("queue %s: open read %d of %s timed out, returned to the queue",
-                             queue, item_id, client.name)
-                    self._return(qs, h, item_id, count_error=True)
-                    self._serve(qs, h)
+            self.expire_open_reads(trio.current_time())
+
+    def expire_open_reads(self, now: float) -> int:
+        """Return every open read whose deadline passed to its queue; how many."""
+        due = self.timeouts.pop_due(now)
+        for t in due:
+            qs = self.queues.get(t.queue)
+            h = self._owner(qs, t.reader, t.item_id)
+            if qs is not None and h is not None:
+                log.info("queue %s: open read %d of %s timed out, returned to the queue",
+                         t.queue, t.item_id, t.reads.name)
+                self._return(qs, h, t.item_id, count_error=True)
+                self._serve(qs, h)
+        return len(due)
 
     def wake_waiters(self) -> None:
         """Answer every waiting get as empty (shutdown)."""

@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import queued.broker as broker_module
-from queued.broker import Broker, Client, open_broker
+from queued.broker import Broker, open_broker
 from queued.config import ServerConfig, load_config
 from queued.core import journal_format as jf
 from queued.core.errors import ItemTooLargeError, QueueFullError, ReadStateError
+from queued.core.open_reads import OpenReads
 
 T0 = 1_700_000_000_000
 HOUR = 3_600_000
@@ -179,7 +180,7 @@ async def run_model(
                 assert await broker.get("q", "a") is None  # takes over the default reader
                 assert await broker.get("q", "b") is None
             first = False
-            clients = [broker.register(Client()) for _ in range(N_CLIENTS)]
+            clients = [broker.register(OpenReads()) for _ in range(N_CLIENTS)]
             while ops:
                 name, *args = ops.pop(0)
                 ri = args[0] % len(names) if name not in NO_READER else 0
@@ -240,7 +241,7 @@ async def run_model(
                 elif name == "disconnect":
                     k = args[0]
                     broker.release(clients[k])
-                    clients[k] = broker.register(Client())
+                    clients[k] = broker.register(OpenReads())
                     for mm in models:
                         for p in mm.open[k]:
                             mm.errors[p] += 1
@@ -365,7 +366,7 @@ async def test_peek_waiter_sees_item_and_leaves_it(tmp_path: Path) -> None:
 async def test_waiter_cancelled_after_handover_does_not_lose_the_item(tmp_path: Path) -> None:
     async with open_broker(make_config(tmp_path)) as broker:
         await broker.put("q", [b"a", b"b"])
-        holder = broker.register(Client())
+        holder = broker.register(OpenReads())
         assert datas([await broker.get("q", client=holder, open=True)]) == [b"a"]
         assert datas([await broker.get("q", client=holder, open=True)]) == [b"b"]
         outcome: list[object] = []
@@ -396,7 +397,7 @@ async def test_waiter_cancelled_after_handover_does_not_lose_the_item(tmp_path: 
 async def test_waiter_whose_timeout_races_a_handover_gets_the_item(tmp_path: Path) -> None:
     async with open_broker(make_config(tmp_path)) as broker:
         await broker.put("q", [b"a"])
-        holder = broker.register(Client())
+        holder = broker.register(OpenReads())
         await broker.get("q", client=holder, open=True)
         got: list[bytes | None] = []
 
@@ -417,7 +418,7 @@ async def test_open_read_limit_per_client(tmp_path: Path) -> None:
     cfg = make_config(tmp_path, max_open_reads=2)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"a", b"b", b"c"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         await broker.get("q", client=c, open=True)
         await broker.get("q", client=c, open=True)
         with pytest.raises(ReadStateError):
@@ -473,7 +474,7 @@ async def test_read_behind_with_open_reads_and_aborts(tmp_path: Path) -> None:
     payloads = [b"%04d" % i + b"-" * 96 for i in range(40)]
     async with open_broker(cfg) as broker:
         await broker.put("q", payloads)
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         opened = [await broker.get("q", client=c, open=True) for _ in range(10)]
         assert datas(opened) == payloads[:10]  # type: ignore[arg-type]
         broker.abort(c, "q")
@@ -515,7 +516,7 @@ async def test_fanout_readers_keep_their_own_position_across_restart(tmp_path: P
         await broker.put("q", [b"1", b"2", b"3"])
         assert await get_all(broker, "q", "a") == [b"1", b"2", b"3"]
         assert datas([await broker.get("q", "b")]) == [b"1"]
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         assert datas([await broker.get("q", "b", client=c, open=True)]) == [b"2"]
     async with open_broker(cfg) as broker:
         assert await broker.get("q", "a") is None
@@ -525,7 +526,7 @@ async def test_fanout_readers_keep_their_own_position_across_restart(tmp_path: P
 async def test_open_reads_taken_as_q_are_closed_as_q_after_takeover(tmp_path: Path) -> None:
     async with open_broker(make_config(tmp_path)) as broker:
         await broker.put("q", [b"1", b"2", b"3"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         assert datas([await broker.get("q", client=c, open=True)]) == [b"1"]
         assert datas([await broker.get("q", client=c, open=True)]) == [b"2"]
         assert datas([await broker.get("q", "a")]) == [b"3"]  # takeover
@@ -540,7 +541,7 @@ async def test_open_read_timeout_survives_takeover(tmp_path: Path) -> None:
     cfg = make_config(tmp_path, toml="[default]\nopen_transaction_timeout = 50\n")
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"1", b"2"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         assert datas([await broker.get("q", client=c, open=True)]) == [b"1"]
         assert datas([await broker.get("q", "a")]) == [b"2"]  # takeover
         await trio.sleep(0.3)
@@ -574,7 +575,7 @@ async def test_error_queue_after_max_errors(tmp_path: Path) -> None:
     toml = '[queues.q]\nerror_queue = "errors"\nmax_errors = 2\n'
     async with open_broker(make_config(tmp_path, toml)) as broker:
         await broker.put("q", [b"bad", b"good"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         it = await broker.get("q", client=c, open=True)
         assert it is not None and it.data == b"bad"
         broker.abort(c, "q")
@@ -594,7 +595,7 @@ async def test_abort_without_error_count_never_moves(tmp_path: Path) -> None:
     toml = '[queues.q]\nerror_queue = "errors"\nmax_errors = 1\n'
     async with open_broker(make_config(tmp_path, toml)) as broker:
         await broker.put("q", [b"a"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         for _ in range(3):
             await broker.get("q", client=c, open=True)
             broker.abort(c, "q", count_error=False)
@@ -607,7 +608,7 @@ async def test_open_transaction_timeout_returns_the_item(tmp_path: Path) -> None
     toml = "[queues.q]\nopen_transaction_timeout = 50\n"
     async with open_broker(make_config(tmp_path, toml)) as broker:
         await broker.put("q", [b"a", b"b"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         assert datas([await broker.get("q", client=c, open=True)]) == [b"a"]
         await trio.sleep(0.3)
         assert c.open_total == 0 and stats(broker)["open_transactions"] == 0
@@ -623,7 +624,7 @@ async def test_open_transaction_timeout_wakes_a_waiter(tmp_path: Path) -> None:
     toml = "[queues.q]\nopen_transaction_timeout = 50\n"
     async with open_broker(make_config(tmp_path, toml)) as broker:
         await broker.put("q", [b"a"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         await broker.get("q", client=c, open=True)
         start = trio.current_time()
         it = await broker.get("q", timeout_ms=5000)
@@ -702,7 +703,7 @@ async def test_max_items_refuses_when_full(tmp_path: Path) -> None:
             await broker.put("q", [b"4"])
         with pytest.raises(QueueFullError):
             await broker.put("other", [b"1", b"2", b"3", b"4"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         await broker.get("q", client=c, open=True)  # open reads do not count
         await broker.put("q", [b"4"])
         broker.abort(c, "q")
@@ -772,7 +773,7 @@ async def test_max_queue_age_spares_a_queue_with_open_reads(tmp_path: Path) -> N
     toml = "[default]\nmax_queue_age = 1000\n"
     async with open_broker(make_config(tmp_path, toml), clock=clock) as broker:
         await broker.put("q", [b"x"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         await broker.get("q", client=c, open=True)
         clock.now += 5000
         await broker.sweep()
@@ -820,7 +821,7 @@ async def test_stale_open_read_of_a_deleted_queue_does_not_touch_the_new_queue(
     tmp_path: Path,
 ) -> None:
     async with open_broker(make_config(tmp_path)) as broker:
-        old, new = broker.register(Client()), broker.register(Client())
+        old, new = broker.register(OpenReads()), broker.register(OpenReads())
         await broker.put("q", [b"old"])
         await broker.get("q", client=old, open=True)
         await broker.delete("q")
@@ -836,7 +837,7 @@ async def test_flush_with_open_read_then_restart(tmp_path: Path) -> None:
     cfg = make_config(tmp_path)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"1", b"2", b"3", b"4"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         assert datas([await broker.get("q", client=c, open=True)]) == [b"1"]
         assert broker.flush("q") == 3
         assert await broker.get("q") is None
@@ -856,7 +857,7 @@ async def test_flush_with_open_read_and_checkpoint_then_crash_like_restart(
     cfg = make_config(tmp_path)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"1", b"2", b"3"])
-        c = Client()
+        c = OpenReads()
         await broker.get("q", client=c, open=True)
         broker.flush("q")
         await broker.checkpoint_all()
@@ -868,7 +869,7 @@ async def test_flush_with_read_behind_then_restart(tmp_path: Path) -> None:
     cfg = with_default(make_config(tmp_path), max_memory_size=500)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"%03d" % i + b"." * 97 for i in range(30)])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         await broker.get("q", client=c, open=True)
         assert broker.flush("q") == 29
         await broker.put("q", [b"after"])
@@ -880,7 +881,7 @@ async def test_confirmed_out_of_order_reads_stay_confirmed_after_restart(tmp_pat
     cfg = make_config(tmp_path)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"%d" % i for i in range(1, 7)])
-        a, b = broker.register(Client()), broker.register(Client())
+        a, b = broker.register(OpenReads()), broker.register(OpenReads())
         await broker.get("q", client=a, open=True)  # 1
         await broker.get("q", client=b, open=True)  # 2
         await broker.get("q", client=a, open=True)  # 3
@@ -986,7 +987,7 @@ async def test_drop_oldest_after_out_of_order_confirms_keeps_items_right(tmp_pat
     cfg = make_config(tmp_path, DROP_OLDEST.format(cap=150))
     async with open_broker(cfg) as broker:
         await broker.put("q", [p100(i) for i in range(1, 15)])
-        c1, c2 = broker.register(Client()), broker.register(Client())
+        c1, c2 = broker.register(OpenReads()), broker.register(OpenReads())
         for c in (c1, c1, c2, c2):  # ids 1, 2 to c1; 3, 4 to c2
             await broker.get("q", client=c, open=True)
         broker.confirm(c2, "q")  # done = {3, 4}
@@ -1024,7 +1025,7 @@ async def test_clean_restart_returns_open_reads_and_forgets_confirmed(tmp_path: 
     cfg = make_config(tmp_path)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"%d" % i for i in range(1, 7)])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         await broker.get("q")  # 1, consumed
         for _ in range(3):
             await broker.get("q", client=c, open=True)  # 2 3 4

@@ -13,7 +13,8 @@ import pytest
 from test_broker import make_config, stats, with_default
 
 import queued.broker as broker_module
-from queued.broker import Client, open_broker
+from queued.broker import open_broker
+from queued.core.open_reads import OpenReads
 from queued.storage.journal import QueueJournal
 
 
@@ -29,7 +30,7 @@ async def fill(tmp_path: Path) -> tuple[int, int]:
             await broker.put("q", [b"x" * n for n in sizes[i : i + 50]])
         first = await broker.get("q")  # id 1, consumed
         assert first is not None
-        holder = broker.register(Client())
+        holder = broker.register(OpenReads())
         opened = [await broker.get("q", client=holder, open=True) for _ in range(3)]
         # Confirm the 2nd and 3rd while the 1st stays open: READ_DONE ids 3 and 4.
         assert all(it is not None for it in opened)

@@ -27,7 +27,7 @@ from typing import Any
 import trio
 
 from queued import __version__
-from queued.broker import Broker, Client, PendingPut, open_broker
+from queued.broker import Broker, PendingPut, open_broker
 from queued.config import ConfigError, ServerConfig, reload_queue_configs
 from queued.core import memcache_protocol as mc
 from queued.core import text_protocol as tp
@@ -40,6 +40,7 @@ from queued.core.errors import (
     QueueFullError,
     ReadStateError,
 )
+from queued.core.open_reads import OpenReads
 from queued.core.queue import Item
 from queued.core.stats import ProtocolStats, command_name
 from queued.server.http import Ops, serve_http
@@ -259,7 +260,7 @@ class _Session:
         self.server = server
         self.broker = server.broker
         self.stream = stream
-        self.client = Client(name)
+        self.client = OpenReads(name)
         self.stats = server.protocols[self.protocol]
         self.busy = False
         self.done = False

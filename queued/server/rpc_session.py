@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from queued import __version__
-from queued.broker import Client, PendingPut
+from queued.broker import PendingPut
 from queued.core import rpc_protocol as rp
 from queued.core.errors import (
     BadNameError,
@@ -28,6 +28,7 @@ from queued.core.errors import (
     QueueFullError,
     ReadStateError,
 )
+from queued.core.open_reads import OpenReads
 from queued.core.queue import Item
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class RpcSession:
         self.server = server
         self.broker = server.broker
         self.stream = stream
-        self.client = Client(name)
+        self.client = OpenReads(name)
         self.stats = server.protocols[self.protocol]
         cfg = server.config
         self.max_batch = cfg.rpc_max_batch
