@@ -17,12 +17,13 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import queued.broker as broker_module
-from queued.broker import Broker, open_broker
+import queued.queues
+from queued.broker import Broker
 from queued.config import ServerConfig, load_config
 from queued.core import journal_format as jf
 from queued.core.errors import ItemTooLargeError, QueueFullError, ReadStateError
 from queued.core.open_reads import OpenReads
+from queued.upkeep import open_broker
 
 T0 = 1_700_000_000_000
 HOUR = 3_600_000
@@ -923,14 +924,14 @@ async def test_delete_during_background_refill_keeps_the_broker_alive(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     entered, release = threading.Event(), threading.Event()
-    real = broker_module._read_range
+    real = queued.queues.read_range
 
     def slow_read_range(*args: Any) -> Any:
         entered.set()
         release.wait(10)
         return real(*args)
 
-    monkeypatch.setattr(broker_module, "_read_range", slow_read_range)
+    monkeypatch.setattr(queued.queues, "read_range", slow_read_range)
     cfg = with_default(make_config(tmp_path), max_memory_size=150)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"%03d" % i + b"." * 97 for i in range(20)])

@@ -27,7 +27,7 @@ from typing import Any
 import trio
 
 from queued import __version__
-from queued.broker import Broker, PendingPut, open_broker
+from queued.broker import Broker, PendingPut
 from queued.config import ConfigError, ServerConfig, reload_queue_configs
 from queued.core import memcache_protocol as mc
 from queued.core import text_protocol as tp
@@ -46,6 +46,7 @@ from queued.core.stats import ProtocolStats, command_name
 from queued.server.http import Ops, serve_http
 from queued.server.metrics import disk_usage
 from queued.server.rpc_session import RpcSession
+from queued.upkeep import open_broker
 
 log = logging.getLogger("queued.server")
 
