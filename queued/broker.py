@@ -3,12 +3,12 @@
 Puts become durable through the data directory's writer and only then reach the
 readers (in id order) and long-polling waiters (FIFO); a reliable read belongs to
 the `OpenReads` ledger of its connection and goes back to the head of its queue
-when confirmed too late, aborted, or its connection leaves. No sockets and no
+when aborted, not confirmed in time, or when its connection leaves. No sockets and no
 background loops here: the sessions call these methods and `queued.upkeep` runs
 the periodic work (it may import this module; this module never imports it).
 The registry (`queued.registry`) finds and creates queues and readers; each
-queue's own logic is `queued.queues`; the per-reader state machine is pure, in
-`queued.core.queue`.
+queue's own logic is `queued.queues`; open reads across queues, `queued.reliable`;
+the per-reader state machine is pure, in `queued.core.queue`.
 
 Readers. `q` is reader "" of queue q; `q+name` is reader `name`. A new named
 reader starts at the tail (it sees items put after it was created), except the

@@ -5,7 +5,7 @@ readers in id order, serves long-polling waiters first come first served, reads 
 backlog back from the journal, returns open reads and disposes of expired items.
 Work that runs on its own (refills ahead of time, moves to another queue) goes to a
 `Background`, which `queued.upkeep` attaches. Never creates queues or readers (the
-registry does) and never touches a connection's open reads (the broker does).
+registry does) and never touches a connection's open reads (`queued.reliable` does).
 """
 
 from __future__ import annotations
