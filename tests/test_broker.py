@@ -1,13 +1,23 @@
-"""The broker (queued.broker) over a real data directory: a hypothesis model test of
-put / get / open / confirm / abort / disconnect / flush / checkpoint / restart, and
-targeted tests of long polls, read-behind, fanout readers, error and expiry queues,
-limits, open-read timeouts, queue ageing, delete and flush."""
+"""The broker (queued.broker, run by queued.upkeep) over a real data directory: a
+hypothesis model test of put / get / open / confirm / abort / disconnect / flush /
+checkpoint / restart, and targeted tests of long polls, read-behind, fanout readers,
+error and expiry queues, limits, open-read timeouts, queue ageing, delete and flush.
+
+Time is the test's: the wall clock (item add and expiry times) is a FakeClock where
+expiry matters, and trio time (long polls, open-read timeouts, the upkeep timers)
+is a MockClock that only moves when a test jumps it. Not autojump_threshold=0: trio
+counts a task waiting for a worker thread (the journal's writes) as blocked, so an
+autojump clock would run ahead while a put is being written and time out the long
+poll that put was meant to answer.
+"""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +27,49 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import queued.broker as broker_module
-from queued.broker import Broker, Client, open_broker
+import queued.queues
+from queued.broker import Broker
 from queued.config import ServerConfig, load_config
 from queued.core import journal_format as jf
 from queued.core.errors import ItemTooLargeError, QueueFullError, ReadStateError
+from queued.core.open_reads import OpenReads
+from queued.storage.datadir import open_data_dir
+from queued.upkeep import Upkeep, open_broker
 
 T0 = 1_700_000_000_000
 HOUR = 3_600_000
+#: Real seconds with every task blocked after which the test clock jumps to the next
+#: deadline anyway: a long poll nothing answers then times out and its test fails,
+#: instead of hanging. A passing test never waits that long.
+HANG_GUARD_S = 10.0
+
+
+def frozen_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=HANG_GUARD_S)
+
+
+@pytest.fixture
+def trio_clock() -> trio.testing.MockClock:
+    """trio time for the test (pytest-trio runs the test on it): see the module docstring."""
+    return frozen_clock()
+
+
+async def advance(trio_clock: trio.testing.MockClock, seconds: float) -> None:
+    """Once every task waits, `seconds` of trio time pass at once; then every task they
+    made due runs."""
+    await trio.testing.wait_all_tasks_blocked()
+    trio_clock.jump(seconds)
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def settle(done: Callable[[], bool]) -> None:
+    """Run the other tasks until `done()`: for background work that ends in a worker
+    thread, which neither trio time nor wait_all_tasks_blocked waits for."""
+    for _ in range(1_000_000):
+        if done():
+            return
+        await trio.sleep(0)
+    raise AssertionError("background work never finished")
 
 
 class FakeClock:
@@ -179,7 +224,7 @@ async def run_model(
                 assert await broker.get("q", "a") is None  # takes over the default reader
                 assert await broker.get("q", "b") is None
             first = False
-            clients = [broker.register(Client()) for _ in range(N_CLIENTS)]
+            clients = [broker.register(OpenReads()) for _ in range(N_CLIENTS)]
             while ops:
                 name, *args = ops.pop(0)
                 ri = args[0] % len(names) if name not in NO_READER else 0
@@ -240,7 +285,7 @@ async def run_model(
                 elif name == "disconnect":
                     k = args[0]
                     broker.release(clients[k])
-                    clients[k] = broker.register(Client())
+                    clients[k] = broker.register(OpenReads())
                     for mm in models:
                         for p in mm.open[k]:
                             mm.errors[p] += 1
@@ -294,7 +339,7 @@ model_args = {
 @given(**model_args)
 def test_broker_matches_model(ops: list[tuple[Any, ...]], cap: int, journal_size: int) -> None:
     with tempfile.TemporaryDirectory() as d:
-        trio.run(run_model, Path(d), list(ops), cap, journal_size, False)
+        trio.run(run_model, Path(d), list(ops), cap, journal_size, False, clock=frozen_clock())
 
 
 @model_settings
@@ -303,7 +348,7 @@ def test_fanout_broker_matches_model(
     ops: list[tuple[Any, ...]], cap: int, journal_size: int
 ) -> None:
     with tempfile.TemporaryDirectory() as d:
-        trio.run(run_model, Path(d), list(ops), cap, journal_size, True)
+        trio.run(run_model, Path(d), list(ops), cap, journal_size, True, clock=frozen_clock())
 
 
 # -- long polls ------------------------------------------------------------------------------
@@ -332,11 +377,21 @@ async def test_long_poll_waiters_are_served_fifo(tmp_path: Path) -> None:
         assert stats(broker)["waiters"] == 0 and stats(broker)["items"] == 0
 
 
-async def test_long_poll_times_out_with_none(tmp_path: Path) -> None:
+async def test_long_poll_times_out_with_none(
+    tmp_path: Path, trio_clock: trio.testing.MockClock
+) -> None:
     async with open_broker(make_config(tmp_path)) as broker:
-        start = trio.current_time()
-        assert await broker.get("q", timeout_ms=50) is None
-        assert trio.current_time() - start >= 0.05
+        got: list[object] = []
+
+        async def poll() -> None:
+            got.append(await broker.get("q", timeout_ms=500))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poll)
+            await advance(trio_clock, 0.25)
+            assert got == [] and stats(broker)["waiters"] == 1  # not before its timeout
+            await advance(trio_clock, 0.25)
+            assert got == [None]  # at it
         assert stats(broker)["waiters"] == 0
         await broker.put("q", [b"a"])
         assert datas([await broker.get("q")]) == [b"a"]
@@ -365,7 +420,7 @@ async def test_peek_waiter_sees_item_and_leaves_it(tmp_path: Path) -> None:
 async def test_waiter_cancelled_after_handover_does_not_lose_the_item(tmp_path: Path) -> None:
     async with open_broker(make_config(tmp_path)) as broker:
         await broker.put("q", [b"a", b"b"])
-        holder = broker.register(Client())
+        holder = broker.register(OpenReads())
         assert datas([await broker.get("q", client=holder, open=True)]) == [b"a"]
         assert datas([await broker.get("q", client=holder, open=True)]) == [b"b"]
         outcome: list[object] = []
@@ -393,10 +448,12 @@ async def test_waiter_cancelled_after_handover_does_not_lose_the_item(tmp_path: 
         assert [it.error_count for it in got if it] == [1, 1]
 
 
-async def test_waiter_whose_timeout_races_a_handover_gets_the_item(tmp_path: Path) -> None:
+async def test_waiter_whose_timeout_races_a_handover_gets_the_item(
+    tmp_path: Path, trio_clock: trio.testing.MockClock
+) -> None:
     async with open_broker(make_config(tmp_path)) as broker:
         await broker.put("q", [b"a"])
-        holder = broker.register(Client())
+        holder = broker.register(OpenReads())
         await broker.get("q", client=holder, open=True)
         got: list[bytes | None] = []
 
@@ -406,7 +463,7 @@ async def test_waiter_whose_timeout_races_a_handover_gets_the_item(tmp_path: Pat
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(waiter)
-            await trio.sleep(0.2)  # the move_on_after has fired and cancelled the wait...
+            await advance(trio_clock, 0.0625)  # the move_on_after fires and cancels the wait...
         assert got == []
         # ...and a later handover finds no stale waiter.
         broker.abort(holder, "q")
@@ -417,7 +474,7 @@ async def test_open_read_limit_per_client(tmp_path: Path) -> None:
     cfg = make_config(tmp_path, max_open_reads=2)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"a", b"b", b"c"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         await broker.get("q", client=c, open=True)
         await broker.get("q", client=c, open=True)
         with pytest.raises(ReadStateError):
@@ -473,7 +530,7 @@ async def test_read_behind_with_open_reads_and_aborts(tmp_path: Path) -> None:
     payloads = [b"%04d" % i + b"-" * 96 for i in range(40)]
     async with open_broker(cfg) as broker:
         await broker.put("q", payloads)
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         opened = [await broker.get("q", client=c, open=True) for _ in range(10)]
         assert datas(opened) == payloads[:10]  # type: ignore[arg-type]
         broker.abort(c, "q")
@@ -515,7 +572,7 @@ async def test_fanout_readers_keep_their_own_position_across_restart(tmp_path: P
         await broker.put("q", [b"1", b"2", b"3"])
         assert await get_all(broker, "q", "a") == [b"1", b"2", b"3"]
         assert datas([await broker.get("q", "b")]) == [b"1"]
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         assert datas([await broker.get("q", "b", client=c, open=True)]) == [b"2"]
     async with open_broker(cfg) as broker:
         assert await broker.get("q", "a") is None
@@ -525,7 +582,7 @@ async def test_fanout_readers_keep_their_own_position_across_restart(tmp_path: P
 async def test_open_reads_taken_as_q_are_closed_as_q_after_takeover(tmp_path: Path) -> None:
     async with open_broker(make_config(tmp_path)) as broker:
         await broker.put("q", [b"1", b"2", b"3"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         assert datas([await broker.get("q", client=c, open=True)]) == [b"1"]
         assert datas([await broker.get("q", client=c, open=True)]) == [b"2"]
         assert datas([await broker.get("q", "a")]) == [b"3"]  # takeover
@@ -536,14 +593,17 @@ async def test_open_reads_taken_as_q_are_closed_as_q_after_takeover(tmp_path: Pa
         assert await broker.get("q") is None  # a new default reader, at the tail
 
 
-async def test_open_read_timeout_survives_takeover(tmp_path: Path) -> None:
+async def test_open_read_timeout_survives_takeover(
+    tmp_path: Path, trio_clock: trio.testing.MockClock
+) -> None:
     cfg = make_config(tmp_path, toml="[default]\nopen_transaction_timeout = 50\n")
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"1", b"2"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         assert datas([await broker.get("q", client=c, open=True)]) == [b"1"]
         assert datas([await broker.get("q", "a")]) == [b"2"]  # takeover
-        await trio.sleep(0.3)
+        assert c.open_total == 1
+        await advance(trio_clock, 0.0625)  # past the 50 ms
         assert c.open_total == 0, "the open read never timed out"
         assert datas([await broker.get("q", "a")]) == [b"1"]
 
@@ -574,7 +634,7 @@ async def test_error_queue_after_max_errors(tmp_path: Path) -> None:
     toml = '[queues.q]\nerror_queue = "errors"\nmax_errors = 2\n'
     async with open_broker(make_config(tmp_path, toml)) as broker:
         await broker.put("q", [b"bad", b"good"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         it = await broker.get("q", client=c, open=True)
         assert it is not None and it.data == b"bad"
         broker.abort(c, "q")
@@ -594,7 +654,7 @@ async def test_abort_without_error_count_never_moves(tmp_path: Path) -> None:
     toml = '[queues.q]\nerror_queue = "errors"\nmax_errors = 1\n'
     async with open_broker(make_config(tmp_path, toml)) as broker:
         await broker.put("q", [b"a"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         for _ in range(3):
             await broker.get("q", client=c, open=True)
             broker.abort(c, "q", count_error=False)
@@ -603,32 +663,45 @@ async def test_abort_without_error_count_never_moves(tmp_path: Path) -> None:
         assert await get_all(broker) == [b"a"]
 
 
-async def test_open_transaction_timeout_returns_the_item(tmp_path: Path) -> None:
+async def test_open_transaction_timeout_returns_the_item(
+    tmp_path: Path, trio_clock: trio.testing.MockClock
+) -> None:
     toml = "[queues.q]\nopen_transaction_timeout = 50\n"
     async with open_broker(make_config(tmp_path, toml)) as broker:
         await broker.put("q", [b"a", b"b"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         assert datas([await broker.get("q", client=c, open=True)]) == [b"a"]
-        await trio.sleep(0.3)
+        await advance(trio_clock, 0.03125)
+        assert c.open_total == 1, "timed out before its 50 ms"
+        await advance(trio_clock, 0.03125)
         assert c.open_total == 0 and stats(broker)["open_transactions"] == 0
         assert broker.confirm(c, "q") == 0
         it = await broker.get("q", client=c, open=True)
         assert it is not None and it.data == b"a" and it.error_count == 1
         assert broker.confirm(c, "q") == 1  # in time: stays confirmed
-        await trio.sleep(0.2)
+        await advance(trio_clock, 0.25)
         assert await get_all(broker) == [b"b"]
 
 
-async def test_open_transaction_timeout_wakes_a_waiter(tmp_path: Path) -> None:
+async def test_open_transaction_timeout_wakes_a_waiter(
+    tmp_path: Path, trio_clock: trio.testing.MockClock
+) -> None:
     toml = "[queues.q]\nopen_transaction_timeout = 50\n"
     async with open_broker(make_config(tmp_path, toml)) as broker:
         await broker.put("q", [b"a"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         await broker.get("q", client=c, open=True)
-        start = trio.current_time()
-        it = await broker.get("q", timeout_ms=5000)
-        assert it is not None and it.data == b"a"
-        assert 0.04 <= trio.current_time() - start < 2
+        got: list[bytes | None] = []
+
+        async def poll() -> None:
+            got.extend(datas([await broker.get("q", timeout_ms=5000)]))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poll)
+            await advance(trio_clock, 0.03125)
+            assert got == []
+            await advance(trio_clock, 0.03125)  # the open read times out: the poll gets it
+            assert got == [b"a"]
 
 
 async def test_expire_to_queue_on_sweep(tmp_path: Path) -> None:
@@ -702,7 +775,7 @@ async def test_max_items_refuses_when_full(tmp_path: Path) -> None:
             await broker.put("q", [b"4"])
         with pytest.raises(QueueFullError):
             await broker.put("other", [b"1", b"2", b"3", b"4"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         await broker.get("q", client=c, open=True)  # open reads do not count
         await broker.put("q", [b"4"])
         broker.abort(c, "q")
@@ -772,7 +845,7 @@ async def test_max_queue_age_spares_a_queue_with_open_reads(tmp_path: Path) -> N
     toml = "[default]\nmax_queue_age = 1000\n"
     async with open_broker(make_config(tmp_path, toml), clock=clock) as broker:
         await broker.put("q", [b"x"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         await broker.get("q", client=c, open=True)
         clock.now += 5000
         await broker.sweep()
@@ -820,7 +893,7 @@ async def test_stale_open_read_of_a_deleted_queue_does_not_touch_the_new_queue(
     tmp_path: Path,
 ) -> None:
     async with open_broker(make_config(tmp_path)) as broker:
-        old, new = broker.register(Client()), broker.register(Client())
+        old, new = broker.register(OpenReads()), broker.register(OpenReads())
         await broker.put("q", [b"old"])
         await broker.get("q", client=old, open=True)
         await broker.delete("q")
@@ -836,7 +909,7 @@ async def test_flush_with_open_read_then_restart(tmp_path: Path) -> None:
     cfg = make_config(tmp_path)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"1", b"2", b"3", b"4"])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         assert datas([await broker.get("q", client=c, open=True)]) == [b"1"]
         assert broker.flush("q") == 3
         assert await broker.get("q") is None
@@ -856,7 +929,7 @@ async def test_flush_with_open_read_and_checkpoint_then_crash_like_restart(
     cfg = make_config(tmp_path)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"1", b"2", b"3"])
-        c = Client()
+        c = OpenReads()
         await broker.get("q", client=c, open=True)
         broker.flush("q")
         await broker.checkpoint_all()
@@ -868,7 +941,7 @@ async def test_flush_with_read_behind_then_restart(tmp_path: Path) -> None:
     cfg = with_default(make_config(tmp_path), max_memory_size=500)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"%03d" % i + b"." * 97 for i in range(30)])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         await broker.get("q", client=c, open=True)
         assert broker.flush("q") == 29
         await broker.put("q", [b"after"])
@@ -880,7 +953,7 @@ async def test_confirmed_out_of_order_reads_stay_confirmed_after_restart(tmp_pat
     cfg = make_config(tmp_path)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"%d" % i for i in range(1, 7)])
-        a, b = broker.register(Client()), broker.register(Client())
+        a, b = broker.register(OpenReads()), broker.register(OpenReads())
         await broker.get("q", client=a, open=True)  # 1
         await broker.get("q", client=b, open=True)  # 2
         await broker.get("q", client=a, open=True)  # 3
@@ -919,17 +992,17 @@ async def test_deleting_the_last_reader_does_not_resurrect_consumed_items(
 
 
 async def test_delete_during_background_refill_keeps_the_broker_alive(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trio_clock: trio.testing.MockClock
 ) -> None:
     entered, release = threading.Event(), threading.Event()
-    real = broker_module._read_range
+    real = queued.queues.read_range
 
     def slow_read_range(*args: Any) -> Any:
         entered.set()
         release.wait(10)
         return real(*args)
 
-    monkeypatch.setattr(broker_module, "_read_range", slow_read_range)
+    monkeypatch.setattr(queued.queues, "read_range", slow_read_range)
     cfg = with_default(make_config(tmp_path), max_memory_size=150)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"%03d" % i + b"." * 97 for i in range(20)])
@@ -938,9 +1011,7 @@ async def test_delete_during_background_refill_keeps_the_broker_alive(
         await trio.to_thread.run_sync(entered.wait, 5)
         assert await broker.delete("q")
         release.set()
-        with trio.fail_after(10):
-            while h.refilling:
-                await trio.sleep(0.05)
+        await settle(lambda: not h.refilling)
         await broker.put("other", [b"x"])
         assert await get_all(broker, "other") == [b"x"]
 
@@ -986,7 +1057,7 @@ async def test_drop_oldest_after_out_of_order_confirms_keeps_items_right(tmp_pat
     cfg = make_config(tmp_path, DROP_OLDEST.format(cap=150))
     async with open_broker(cfg) as broker:
         await broker.put("q", [p100(i) for i in range(1, 15)])
-        c1, c2 = broker.register(Client()), broker.register(Client())
+        c1, c2 = broker.register(OpenReads()), broker.register(OpenReads())
         for c in (c1, c1, c2, c2):  # ids 1, 2 to c1; 3, 4 to c2
             await broker.get("q", client=c, open=True)
         broker.confirm(c2, "q")  # done = {3, 4}
@@ -1001,7 +1072,9 @@ async def test_drop_oldest_after_out_of_order_confirms_keeps_items_right(tmp_pat
 # -- background loops and restarts --------------------------------------------------------------
 
 
-async def test_background_checkpoint_and_sweep(tmp_path: Path) -> None:
+async def test_background_checkpoint_and_sweep(
+    tmp_path: Path, trio_clock: trio.testing.MockClock
+) -> None:
     clock = FakeClock()
     cfg = make_config(tmp_path, checkpoint_interval=20, expiration_timer=20)
     async with open_broker(cfg, clock=clock) as broker:
@@ -1010,21 +1083,22 @@ async def test_background_checkpoint_and_sweep(tmp_path: Path) -> None:
         await broker.get("q")
         await broker.get("q")
         journal = broker.queues["q"].journal
-        with trio.fail_after(5):
-            while journal.readers[""].head != 2:
-                await trio.sleep(0.01)
+        assert journal.readers[""].head == 0
+        await advance(trio_clock, 0.015625)
+        assert journal.readers[""].head == 0  # no round before 20 ms
+        await advance(trio_clock, 0.015625)  # the checkpoint timer writes (in a thread)...
+        await settle(lambda: journal.readers[""].head == 2)
+        assert stats(broker)["items"] == 1  # ...and the sweep finds nothing expired yet
         clock.now += 10
-        with trio.fail_after(5):
-            while stats(broker)["items"]:
-                await trio.sleep(0.01)
-        assert stats(broker)["expired_items"] == 1
+        await advance(trio_clock, 0.03125)  # the next sweep expires c
+        assert stats(broker)["items"] == 0 and stats(broker)["expired_items"] == 1
 
 
 async def test_clean_restart_returns_open_reads_and_forgets_confirmed(tmp_path: Path) -> None:
     cfg = make_config(tmp_path)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"%d" % i for i in range(1, 7)])
-        c = broker.register(Client())
+        c = broker.register(OpenReads())
         await broker.get("q")  # 1, consumed
         for _ in range(3):
             await broker.get("q", client=c, open=True)  # 2 3 4
@@ -1043,3 +1117,66 @@ async def test_max_item_size(tmp_path: Path) -> None:
             await broker.put("q", [b"ok", b"toolong"])
         await broker.put("q", [b"four"])
         assert await get_all(broker) == [b"four"]
+
+
+# -- statistics and the upkeep itself ---------------------------------------------------------
+
+
+async def test_broker_statistics_count_open_reads_and_their_timers(
+    tmp_path: Path, trio_clock: trio.testing.MockClock
+) -> None:
+    toml = "[queues.q]\nopen_transaction_timeout = 1000\n"
+    async with open_broker(make_config(tmp_path, toml)) as broker:
+        await broker.put("q", [b"a", b"b", b"c"])
+        c = broker.register(OpenReads())
+        for _ in range(2):
+            await broker.get("q", client=c, open=True)
+        # A named reader takes over the default one, open reads included.
+        assert datas([await broker.get("q", "other")]) == [b"c"]
+        s = broker.statistics()
+        assert (s.queues, s.readers, s.clients, s.open_reads, s.timeouts.entries) == (
+            1, 1, 1, 2, 2)
+        assert dict(s.counters)["cmd_get"] == 3 and not s.closing
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            s.queues = 0  # type: ignore[misc]
+        broker.confirm(c, "q")
+        await advance(trio_clock, 1.0)  # both entries come due; neither read is open
+        s = broker.statistics()
+        assert (s.open_reads, s.timeouts.entries) == (0, 0)
+        assert await broker.get("q", "other") is None  # confirmed, not timed out
+
+
+async def test_upkeep_counts_its_rounds_and_outlives_a_failing_one(
+    tmp_path: Path, trio_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def failing_sweep(self: Broker) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Broker, "sweep", failing_sweep)
+    cfg = make_config(tmp_path, checkpoint_interval=1000, expiration_timer=1000)
+    async with open_data_dir(cfg.data_dir, cfg.data_dir_config(),
+                             lambda name: cfg.queue_config(name).journal_config()) as dd:
+        upkeep = Upkeep(Broker(dd, cfg))
+        assert not upkeep.statistics().running
+        async with trio.open_nursery() as nursery:
+            await nursery.start(upkeep.run)
+            await advance(trio_clock, 1.0)
+            await advance(trio_clock, 1.0)
+            s = upkeep.statistics()
+            assert s.running and (s.checkpoint_rounds, s.sweep_rounds, s.failed_rounds) == (
+                2, 0, 2)
+            nursery.cancel_scope.cancel()
+        assert not upkeep.statistics().running
+
+
+@pytest.mark.parametrize("module", ["broker", "registry", "queues", "handles", "reliable",
+                                    "readback"])
+def test_only_upkeep_imports_the_broker_side_from_above(module: str) -> None:
+    # upkeep may import the broker; nothing the broker imports may import upkeep (no cycle,
+    # TYPE_CHECKING imports included).
+    tree = ast.parse((Path(queued.queues.__file__).parent / f"{module}.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom)}
+    assert "queued.upkeep" not in imported

@@ -74,7 +74,7 @@ def abort_ids(r: Reader, ids: Iterable[int], *, count_error: bool = True) -> Non
 
 
 def read_range(journal: dict[int, Put], start: int, end: int, budget: int) -> tuple[list[Put], int]:
-    """broker._read_range over an in-memory journal."""
+    """queued.readback.read_range over an in-memory journal."""
     out: list[Put] = []
     nbytes = 0
     for i in sorted(journal):
@@ -161,6 +161,21 @@ def test_several_aborts_in_a_row_keep_lowest_id_first() -> None:
     abort_ids(r, [opened[2], opened[0], opened[3]])  # any order: the lowest comes first
     assert [take_id(r) for _ in range(5)] == [1, 3, 4, 5, 6]
     assert r.open_count == 1 and 2 in r.open
+
+
+def test_unhold_puts_a_held_item_back_unharmed() -> None:
+    r = reader()
+    r.add(items(range(1, 4)))
+    expired: list[Put] = []
+    a, b = r.take(T0, expired), r.take(T0, expired)
+    assert a is not None and b is not None
+    r.hold(a)
+    r.hold(b)
+    assert r.unhold(b.id) and r.unhold(a.id)  # in reverse: the lowest id ends up first
+    assert not r.unhold(a.id)  # not held any more
+    assert (r.items, r.counters.canceled_transactions, r.open_count) == (3, 0, 0)
+    got = [r.take(T0, expired) for _ in range(3)]
+    assert got[:2] == [a, b] and a.error_count == 0
 
 
 def test_abort_counts_errors_on_a_copy() -> None:
@@ -808,7 +823,7 @@ class ReaderMachine(RuleBasedStateMachine):
         mem: list[Put] = []
         mem_bytes = count = nbytes = 0
         behind = None
-        for i in sorted(replay(self.journal, head, done)):  # broker._scan_unconsumed
+        for i in sorted(replay(self.journal, head, done)):  # what readback.count_unconsumed counts
             p = self.journal[i]
             count += 1
             nbytes += len(p.data)

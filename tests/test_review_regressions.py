@@ -20,8 +20,9 @@ import trio.testing
 from server_util import WAIT, Conn, make_config, running
 
 import queued.storage.journal
-from queued.broker import Client, open_broker
 from queued.config import ServerConfig
+from queued.core.open_reads import OpenReads
+from queued.upkeep import open_broker
 
 MiB = 1 << 20
 HOUR = 3_600_000
@@ -247,7 +248,7 @@ async def test_get_finishing_after_queue_delete_leaves_no_stale_open_read(
     tmp_path: Path,
 ) -> None:
     async with open_broker(broker_config(tmp_path)) as b:
-        a, c = b.register(Client("A")), b.register(Client("B"))
+        a, c = b.register(OpenReads("A")), b.register(OpenReads("B"))
         b._queue("q")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(b.get, "q", timeout_ms=int(WAIT * 1000), client=a,
@@ -274,7 +275,7 @@ async def test_open_long_poll_waiting_across_takeover_is_closed_by_plain_name(
     tmp_path: Path,
 ) -> None:
     async with open_broker(broker_config(tmp_path)) as b:
-        a = b.register(Client("A"))
+        a = b.register(OpenReads("A"))
         got: list[Any] = []
 
         async def waiter() -> None:  # get q/t=.../open

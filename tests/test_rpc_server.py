@@ -19,8 +19,8 @@ import trio.testing
 from server_util import WAIT, make_config, running
 
 from queued import __version__
-from queued.broker import TIMEOUT_HEAP_MIN
 from queued.config import ServerConfig
+from queued.core.open_reads import TIMEOUT_HEAP_MIN
 from queued.core.rpc_protocol import ErrorCode
 from queued.server.session import MAX_WAITING
 
@@ -462,7 +462,7 @@ async def test_confirmed_reads_leave_no_timers_behind(tmp_path: Path) -> None:
             assert await c.call("put", "q", [b"x"] * 1000) == 1000
             got = await c.call("get", "q", 1000, 0, 60_000)
             assert await c.call("confirm", "q", [i for i, _ in got]) == 1000
-        assert len(server.broker._timeouts) <= TIMEOUT_HEAP_MIN + 1000  # not 20,000
+        assert len(server.broker.timeouts) <= TIMEOUT_HEAP_MIN + 1000  # not 20,000
         await c.aclose()
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from test_broker import make_config, stats, with_default
 
-import queued.broker as broker_module
-from queued.broker import Client, open_broker
+import queued.registry
+from queued.core.open_reads import OpenReads
 from queued.storage.journal import QueueJournal
+from queued.upkeep import open_broker
 
 
 async def fill(tmp_path: Path) -> tuple[int, int]:
@@ -29,7 +30,7 @@ async def fill(tmp_path: Path) -> tuple[int, int]:
             await broker.put("q", [b"x" * n for n in sizes[i : i + 50]])
         first = await broker.get("q")  # id 1, consumed
         assert first is not None
-        holder = broker.register(Client())
+        holder = broker.register(OpenReads())
         opened = [await broker.get("q", client=holder, open=True) for _ in range(3)]
         # Confirm the 2nd and 3rd while the 1st stays open: READ_DONE ids 3 and 4.
         assert all(it is not None for it in opened)
@@ -46,14 +47,14 @@ async def test_restart_counts_the_backlog_exactly(
     items, nbytes = await fill(tmp_path)
     cfg = with_default(make_config(tmp_path), max_memory_size=2048, journal_size=4096)
     if not fast:  # as if recovery had not learnt the data bytes: every item is decoded
-        real = broker_module._count_unconsumed
+        real = queued.registry.count_unconsumed
 
         def slow(journal, head, done):  # type: ignore[no-untyped-def]
             for seg in journal.segments:
                 seg.data_bytes = None
             return real(journal, head, done)
 
-        monkeypatch.setattr(broker_module, "_count_unconsumed", slow)
+        monkeypatch.setattr(queued.registry, "count_unconsumed", slow)
     decoded: list[int] = []
     real_iter = QueueJournal.iter_segment
 

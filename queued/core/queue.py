@@ -278,6 +278,15 @@ class Reader:
             it = dataclasses.replace(it, error_count=it.error_count + 1)
         return it
 
+    def unhold(self, item_id: int) -> bool:
+        """A held item goes back to the head unharmed: the get that took it was cancelled
+        before it answered (no error counted, no transaction canceled). False if not held."""
+        it = self.open.pop(item_id, None)
+        if it is None:
+            return False
+        self.put_back(it)
+        return True
+
     def put_back(self, it: Item) -> None:
         """An item this reader had handed out goes back to the head."""
         self.front.appendleft(it)

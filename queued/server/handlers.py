@@ -17,7 +17,8 @@ from queued.config import ConfigError
 from queued.core import commands as c
 
 if TYPE_CHECKING:
-    from queued.broker import Broker, Client
+    from queued.broker import Broker
+    from queued.core.open_reads import OpenReads
     from queued.core.queue import Item
 
 log = logging.getLogger("queued.server")
@@ -41,7 +42,7 @@ class Conn(Protocol):
 
     broker: Broker
     hub: Hub
-    reads: Client
+    reads: OpenReads
     name: str
     done: bool
     #: replies go out in request order (memcache, text); else matched by id (RPC)

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import trio
 
-from queued.broker import Broker, Client, PendingPut
+from queued.broker import Broker, PendingPut
 from queued.core import commands as c
 from queued.core.errors import ItemTooLargeError, ProtocolError
+from queued.core.open_reads import OpenReads
 from queued.core.queue import Item
 from queued.core.stats import ProtocolStats
 from queued.core.wire import NEED_DATA, ConnectionClosed
@@ -55,7 +56,7 @@ class Session:
         self.ordered = codec.ordered
         self.name = name
         self.stats = stats
-        self.reads = Client(name)
+        self.reads = OpenReads(name)
         self.out = bytearray()
         self.send_lock = trio.Lock()
         self.receive_scope: trio.CancelScope | None = None

@@ -1,0 +1,177 @@
+"""Open reads: which connection holds which reliable read, and when each one times out.
+
+PURE: no trio, sockets, files or clocks. Deadlines are plain numbers on the caller's
+clock (the broker uses trio time) and `now` is always passed in. `OpenReads` is one
+connection's ledger; `TimeoutHeap` orders the deadlines of every connection's reads.
+The heap never owns a read: an entry is live only while its ledger still holds that
+read with that deadline, so a confirm or abort touches the ledger alone and the
+heap skips (or compacts away) what it finds already gone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+#: The timeout heap is compacted when it outgrows twice its live entries, and never
+#: below this many entries (a fast get/confirm loop would grow it without bound).
+TIMEOUT_HEAP_MIN = 4096
+
+#: (queue, reader name the read was taken under)
+Key = tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenReadsStatistics:
+    id: int
+    name: str
+    open_total: int
+    readers: int  # (queue, reader) pairs with a read open
+
+
+class OpenReads:
+    """One connection's reliable reads: (queue, reader) -> {item id: deadline or None}."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, name: str = "") -> None:
+        self.id = next(self._ids)
+        self.name = name or f"client-{self.id}"
+        self.open: dict[Key, dict[int, float | None]] = {}
+        self.open_total = 0
+
+    def open_ids(self, queue: str, reader: str) -> list[int]:
+        """Ids open on queue/reader, oldest first."""
+        return list(self.open.get((queue, reader), ()))
+
+    def open_keys(self) -> list[Key]:
+        """Every (queue, reader) with a read open."""
+        return list(self.open)
+
+    def holds(self, queue: str, reader: str, item_id: int, deadline: float | None) -> bool:
+        """Whether `item_id` is open on queue/reader with exactly this deadline."""
+        ids = self.open.get((queue, reader))
+        return ids is not None and item_id in ids and ids[item_id] == deadline
+
+    def choose(
+        self, queue: str, reader: str, count: int | None, ids: Sequence[int] | None
+    ) -> list[int]:
+        """Open ids on queue/reader among `ids` (None: all, oldest first), the first `count`."""
+        if ids is not None:
+            mine = self.open.get((queue, reader), {})
+            held = [i for i in dict.fromkeys(ids) if i in mine]
+        else:
+            held = self.open_ids(queue, reader)
+        return held if count is None else held[:count]
+
+    def add(self, queue: str, reader: str, item_id: int, deadline: float | None) -> None:
+        """`item_id` is open until `deadline` (None: no deadline). Adding an id that is
+        open already only moves its deadline."""
+        ids = self.open.setdefault((queue, reader), {})
+        if item_id not in ids:
+            self.open_total += 1
+        ids[item_id] = deadline
+
+    def remove(self, queue: str, reader: str, item_id: int) -> bool:
+        """Close one read; False if it was not open."""
+        ids = self.open.get((queue, reader))
+        if ids is None or item_id not in ids:
+            return False
+        del ids[item_id]
+        if not ids:
+            del self.open[(queue, reader)]
+        self.open_total -= 1
+        return True
+
+    def forget(self, queue: str, reader: str | None = None) -> int:
+        """Drop every read on `queue` (reader None) or on queue/reader: they were deleted.
+        Returns how many."""
+        dropped = 0
+        for key in [k for k in self.open if k[0] == queue and reader in (None, k[1])]:
+            dropped += len(self.open.pop(key))
+        self.open_total -= dropped
+        return dropped
+
+    def statistics(self) -> OpenReadsStatistics:
+        return OpenReadsStatistics(self.id, self.name, self.open_total, len(self.open))
+
+
+@dataclass(frozen=True, slots=True)
+class TimedOut:
+    """A read whose deadline passed, already removed from its ledger."""
+
+    reads: OpenReads
+    queue: str
+    reader: str
+    item_id: int
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutHeapStatistics:
+    entries: int  # live or not: stale ones go at their deadline or at a compaction
+    limit: int  # the size that triggers the next compaction
+    compactions: int
+
+
+_Entry = tuple[float, int, OpenReads, str, str, int]  # deadline, push order, read
+
+
+class TimeoutHeap:
+    """The deadlines of open reads, earliest first (in push order among equals)."""
+
+    def __init__(self, min_size: int = TIMEOUT_HEAP_MIN) -> None:
+        self._heap: list[_Entry] = []
+        self._seq = itertools.count()
+        self._min = min_size
+        self._limit = min_size
+        self._compactions = 0
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(
+        self, deadline: float, reads: OpenReads, queue: str, reader: str, ids: Iterable[int]
+    ) -> bool:
+        """Entries for reads just opened in `reads` with `deadline`.
+
+        True if the earliest deadline moved earlier: whoever sleeps until it must wake.
+        """
+        ids = list(ids)
+        if not ids:
+            return False
+        if len(self._heap) + len(ids) > self._limit:
+            self.compact()
+        wake = not self._heap or deadline < self._heap[0][0]
+        for item_id in ids:
+            heapq.heappush(self._heap, (deadline, next(self._seq), reads, queue, reader, item_id))
+        return wake
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline (perhaps of a read closed since), or None when empty."""
+        return self._heap[0][0] if self._heap else None
+
+    def pop_due(self, now: float) -> list[TimedOut]:
+        """Every read still open whose deadline is <= now, earliest first, each removed
+        from its ledger; entries of reads closed meanwhile are dropped."""
+        due: list[TimedOut] = []
+        while self._heap and self._heap[0][0] <= now:
+            deadline, _, reads, queue, reader, item_id = heapq.heappop(self._heap)
+            if reads.holds(queue, reader, item_id, deadline):
+                reads.remove(queue, reader, item_id)
+                due.append(TimedOut(reads, queue, reader, item_id, deadline))
+        return due
+
+    def compact(self) -> int:
+        """Drop the entries of reads already closed; returns how many went."""
+        before = len(self._heap)
+        self._heap = [e for e in self._heap if e[2].holds(e[3], e[4], e[5], e[0])]
+        heapq.heapify(self._heap)
+        self._limit = max(self._min, 2 * len(self._heap))
+        self._compactions += 1
+        return before - len(self._heap)
+
+    def statistics(self) -> TimeoutHeapStatistics:
+        return TimeoutHeapStatistics(len(self._heap), self._limit, self._compactions)

@@ -1,0 +1,93 @@
+"""One reader of a queue as the async side sees it: the pure `Reader` plus its waiting
+gets, its refill lock and the names it answers to.
+
+Holds state only; what moves items between readers, waiters and the journal is
+`queued.queues.QueueState`. No journal access here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from queued.core.queue import Item, Reader
+
+if TYPE_CHECKING:
+    from queued.config import QueueConfig
+
+log = logging.getLogger("queued.broker")
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    """A get waiting for an item; `serve` hands it one (held, unless `peek`) and wakes it."""
+
+    peek: bool
+    event: trio.Event = field(default_factory=trio.Event)
+    item: Item | None = None
+
+
+
+class Handle:
+    """A reader plus what only the async side needs: waiters, refill lock."""
+
+    def __init__(self, reader: Reader, config: QueueConfig) -> None:
+        self.reader = reader
+        self.config = config
+        self.waiters: deque[Waiter] = deque()
+        self.refill_lock = trio.Lock()
+        self.refilling = False  # a background refill task runs for it
+        self.closed = False
+        #: earlier names of this reader (the default reader it took over)
+        self.aliases: set[str] = set()
+
+    def close(self) -> None:
+        """Deleted: waiting gets answer empty; nothing more is read back for it."""
+        self.closed = True
+        self.wake_all()
+
+    def wake_all(self) -> None:
+        while self.waiters:
+            self.waiters.popleft().event.set()
+
+    def flush(self) -> int:
+        """Discard every available item; how many."""
+        r = self.reader
+        n = r.flush()
+        if r.flush_overflow:
+            log.warning(
+                "queue %s reader %r: flushed with reads open; %d flushed items would come "
+                "back after a crash before those reads end (READ_DONE is capped)",
+                r.queue, r.name, r.flush_overflow,
+            )
+            r.flush_overflow = 0
+        return n
+
+    def stats(self, now_ms: int, logsize: int) -> dict[str, int]:
+        """The `stats` fields of this reader (`logsize`: its queue's journal bytes)."""
+        r, c = self.reader, self.reader.counters
+        oldest = r.oldest_add_time_ms()
+        return {
+            "items": r.items,
+            "bytes": r.bytes,
+            "total_items": c.total_items,
+            "logsize": logsize,
+            "expired_items": c.expired,
+            "mem_items": len(r.front) + len(r.mem),
+            "mem_bytes": r.mem_bytes,
+            "age": c.age_ms,
+            "discarded": c.discarded,
+            "waiters": len(self.waiters),
+            "open_transactions": len(r.open),
+            "transactions": c.transactions,
+            "canceled_transactions": c.canceled_transactions,
+            "total_flushes": c.flushes,
+            "age_msec": c.age_ms,
+            "create_time": r.create_time_ms,
+            "gets": c.taken,
+            "oldest_item_age_msec": 0 if oldest is None else max(0, now_ms - oldest),
+        }

@@ -1,0 +1,395 @@
+"""One queue's async state: its journal, its readers with their waiters, puts in flight.
+
+`QueueState` is what the broker acts on for one queue: it hands durable puts to the
+readers in id order, serves long-polling waiters first come first served, reads the
+backlog back from the journal, returns open reads and disposes of expired items.
+Work that runs on its own (refills ahead of time, moves to another queue) goes to a
+`Background`, which `queued.upkeep` attaches. Never creates queues or readers (the
+registry does) and never touches a connection's open reads (`queued.reliable` does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+
+from queued.core import journal_format as jf
+from queued.core.errors import ItemTooLargeError, JournalError, QueueClosedError, QueueFullError
+from queued.core.queue import Item
+from queued.handles import Handle, Waiter
+from queued.readback import read_range, segment_sizes
+from queued.storage.journal import QueueJournal, Ticket, wait_durable
+from queued.storage.recovery import SegmentInfo
+
+if TYPE_CHECKING:
+    from queued.config import QueueConfig
+
+log = logging.getLogger("queued.broker")
+
+
+@dataclass(eq=False, slots=True)
+class Inflight:
+    puts: list[jf.Put]
+    nbytes: int = 0  # item data bytes of `puts`
+    done: bool = False
+    error: BaseException | None = None
+
+
+@dataclass(eq=False, slots=True)
+class PendingPut:
+    """A put handed to the writer, not yet known durable (see Broker.begin_put)."""
+
+    qs: QueueState
+    entry: Inflight
+    ticket: Ticket | None
+    started: float = 0.0  # time.perf_counter() when begin_put was called
+
+
+class Runner(Protocol):
+    """What runs a queue's background work (`queued.upkeep.Upkeep`)."""
+
+    def refill(self, qs: QueueState, h: Handle) -> None: ...
+
+    def move(
+        self, qs: QueueState, h: Handle, items: list[Item], target: str, keep_errors: bool
+    ) -> None: ...
+
+    def timeouts_changed(self) -> None: ...
+
+
+class Background:
+    """Where queues send work that runs on its own. Until a runner attaches (upkeep does,
+    in `open_broker`), read-behind waits for the next get and moves are refused."""
+
+    def __init__(self) -> None:
+        self.runner: Runner | None = None
+
+    def start_refill(self, qs: QueueState, h: Handle) -> None:
+        if self.runner is not None and not h.closed:
+            self.runner.refill(qs, h)
+
+    def start_move(
+        self, qs: QueueState, h: Handle, items: list[Item], target: str, keep_errors: bool
+    ) -> None:
+        if self.runner is None:
+            raise RuntimeError("broker is not running")
+        self.runner.move(qs, h, items, target, keep_errors)
+
+    def timeouts_changed(self) -> None:
+        if self.runner is not None:
+            self.runner.timeouts_changed()
+
+
+class QueueState:
+    """See the module docstring. `clock` is the broker's wall clock (unix ms)."""
+
+    def __init__(
+        self,
+        name: str,
+        journal: QueueJournal,
+        config: QueueConfig,
+        clock: Callable[[], int],
+        background: Background,
+    ) -> None:
+        self.name = name
+        self.journal = journal
+        self.config = config
+        self.clock = clock
+        self.background = background
+        self.readers: dict[str, Handle] = {}
+        self.inflight: deque[Inflight] = deque()
+        self.inflight_items = 0
+        self.inflight_bytes = 0
+        self.delivered = journal.last_id  # highest id handed to the readers
+        self.create_time_ms = clock()
+        self.reader_lock = trio.Lock()
+        self.deleted = False
+        journal.before_drop = self.before_drop
+
+    # -- puts --------------------------------------------------------------------------------
+
+    async def begin_put(
+        self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int
+    ) -> PendingPut:
+        """Checks, limits, ids; hands the items to the writer (see Broker.begin_put)."""
+        cfg = self.config
+        if not datas:
+            return PendingPut(self, Inflight([], done=True), None)
+        if cfg.max_item_size and max(map(len, datas)) > cfg.max_item_size:
+            raise ItemTooLargeError(
+                f"item over max_item_size ({cfg.max_item_size} bytes) of queue {self.name!r}"
+            )
+        now = self.clock()
+        if cfg.max_age:
+            cap = now + cfg.max_age
+            expire_ms = cap if expire_ms is None else min(expire_ms, cap)
+        n, nbytes = len(datas), sum(map(len, datas))
+        if cfg.max_items or cfg.max_size or self.limited():
+            await self.make_room(n, nbytes)
+        if self.journal.config.max_journal_size:
+            await self.journal.make_room(nbytes + jf.PUT_EXPIRE_HEADER_SIZE * n)
+        if self.deleted:
+            raise QueueClosedError(f"queue {self.name!r} was deleted")
+        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count)
+        entry = Inflight(puts, nbytes)
+        self.inflight.append(entry)
+        self.inflight_items += n
+        self.inflight_bytes += nbytes
+        return PendingPut(self, entry, ticket)
+
+    async def end_put(self, pending: PendingPut) -> int:
+        """Wait until durable, then deliver (in id order); the number of items."""
+        entry, ticket = pending.entry, pending.ticket
+        if ticket is None:
+            return 0
+        try:
+            await wait_durable(ticket)
+        except Exception as exc:
+            entry.error = exc
+        entry.done = True
+        self.inflight_items -= len(entry.puts)
+        self.inflight_bytes -= entry.nbytes
+        self.drain()
+        if entry.error is not None:
+            raise entry.error
+        return len(entry.puts)
+
+    def limited(self) -> bool:
+        return any(h.config.max_items or h.config.max_size for h in self.readers.values())
+
+    async def make_room(self, n: int, nbytes: int) -> None:
+        """Room for `n` more items (`nbytes`) under every reader's limits, discarding the
+        oldest where the config says so; QueueFullError otherwise."""
+        for h in list(self.readers.values()):
+            r = h.reader
+            while r.over_limits(n + self.inflight_items, nbytes + self.inflight_bytes):
+                if not h.config.discard_old_when_full:
+                    raise QueueFullError(f"queue {self.name!r} is full")
+                if r.discard_oldest() is None:
+                    if r.behind is not None and not h.closed:
+                        await self.refill_once(h)
+                        continue
+                    raise QueueFullError(f"queue {self.name!r} cannot hold {n} items")
+
+    def drain(self) -> None:
+        """Hand durable puts to the readers in id order."""
+        while self.inflight and self.inflight[0].done:
+            entry = self.inflight.popleft()
+            if entry.error is not None or self.deleted:
+                continue
+            self.delivered = entry.puts[-1].id
+            for h in list(self.readers.values()):
+                h.reader.add(entry.puts)
+                self.serve(h)
+
+    # -- gets --------------------------------------------------------------------------------
+
+    def serve(self, h: Handle) -> None:
+        """Hand available items to waiting gets, first come first served."""
+        if h.waiters:
+            expired: list[Item] = []
+            now = self.clock()
+            while h.waiters:
+                w = h.waiters[0]
+                it = h.reader.peek(now, expired) if w.peek else h.reader.take(now, expired)
+                if it is None:
+                    break
+                h.waiters.popleft()
+                if not w.peek:
+                    h.reader.hold(it)  # until the waiter's get finishes
+                w.item = it
+                w.event.set()
+            self.dispose_expired(h, expired)
+        if h.reader.wants_refill():
+            self.background.start_refill(self, h)
+
+    async def wait(self, h: Handle, *, peek: bool, deadline: float) -> Item | None:
+        """Wait in line until `deadline` (trio time) for the next item: held for the
+        caller unless `peek`, None if none came. If the wait is cancelled after an
+        item was handed over, the item goes back unharmed."""
+        w = Waiter(peek)
+        h.waiters.append(w)
+        try:
+            with trio.move_on_at(deadline):
+                await w.event.wait()
+        except BaseException:
+            if w.item is not None and not peek and h.reader.unhold(w.item.id):
+                self.serve(h)
+            raise
+        finally:
+            if w.item is None:
+                with suppress(ValueError):
+                    h.waiters.remove(w)
+        return w.item
+
+    async def take_now(self, h: Handle, max_items: int, max_bytes: int) -> list[Item]:
+        """Items available now (read back from disk if need be), each held by `hold`."""
+        r = h.reader
+        out: list[Item] = []
+        nbytes = 0
+        expired: list[Item] = []
+        now = self.clock()
+        try:
+            while len(out) < max_items and not (max_bytes and nbytes >= max_bytes):
+                it = r.take(now, expired)
+                if it is None:
+                    self.dispose_expired(h, expired)
+                    expired = []
+                    if r.behind is None or h.closed:
+                        break
+                    try:
+                        await self.refill_once(h)
+                    except JournalError:
+                        if out:
+                            break  # serve what we have; the next get reports it
+                        raise
+                    now = self.clock()
+                    continue
+                r.hold(it)
+                out.append(it)
+                nbytes += len(it.data)
+        except BaseException:
+            for it in reversed(out):  # cancelled while reading back: put them back unharmed
+                r.unhold(it.id)
+            raise
+        self.dispose_expired(h, expired)
+        if r.wants_refill():
+            self.background.start_refill(self, h)
+        return out
+
+    async def refill_once(self, h: Handle) -> None:
+        """Read the next run of on-disk items back into memory (in a worker thread)."""
+        async with h.refill_lock:
+            r = h.reader
+            if r.behind is None or h.closed:
+                return
+            start, end = r.behind, r.tail
+            try:
+                items, next_id = await trio.to_thread.run_sync(
+                    read_range, self.journal, start, end, r.refill_budget()
+                )
+            except (OSError, JournalError) as exc:
+                if h.closed or self.deleted:
+                    return  # deleted while reading: nothing left to serve
+                log.error("queue %s: read-behind failed: %s", self.name, exc)
+                raise JournalError(
+                    f"queue {self.name!r}: reading items back failed: {exc}") from exc
+            r.load(start, items, next_id)
+            self.serve(h)
+
+    # -- open reads, expiry, moves ---------------------------------------------------------
+
+    def owner(self, rname: str, item_id: int) -> Handle | None:
+        """The reader holding open read `item_id` taken under the name `rname`."""
+        h = self.readers.get(rname)
+        if h is not None and item_id in h.reader.open:
+            return h
+        for other in self.readers.values():
+            if rname in other.aliases and item_id in other.reader.open:
+                return other
+        return None
+
+    def return_read(self, h: Handle, item_id: int, *, count_error: bool) -> None:
+        """An open read goes back to the head, or to the error queue past max_errors."""
+        it = h.reader.abort(item_id, count_error=count_error)
+        if it is None:
+            return
+        cfg = h.config
+        if cfg.error_queue and cfg.max_errors and it.error_count >= cfg.max_errors:
+            h.reader.start_move(it)
+            self.background.start_move(self, h, [it], cfg.error_queue, True)
+        else:
+            h.reader.put_back(it)
+
+    def dispose_expired(self, h: Handle, items: list[Item]) -> None:
+        """Expired items leave: moved to expire_to_queue if set, else consumed."""
+        if not items:
+            return
+        target = h.config.expire_to_queue
+        if target and target != self.name:
+            for it in items:
+                h.reader.start_move(it)
+            self.background.start_move(self, h, items, target, False)
+        else:
+            for it in items:
+                h.reader.consume(it.id)
+
+    def expire_head(self, h: Handle, now_ms: int, limit: int) -> int:
+        """Expired items at the head of `h` leave (at most `limit`, 0 = all); how many."""
+        expired: list[Item] = []
+        h.reader.expire_head(now_ms, limit, expired)
+        self.dispose_expired(h, expired)
+        return len(expired)
+
+    def finish_move(self, h: Handle, items: list[Item], *, moved: bool, keep_errors: bool) -> None:
+        """Items sent to another queue arrived (consume them here) or did not: a failed
+        error-queue move puts them back; an expired item that cannot move is dropped,
+        as Kestrel drops it."""
+        for it in items:
+            h.reader.end_move(it.id, moved=moved or not keep_errors)
+        if not moved:
+            self.serve(h)
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def idle(self) -> bool:
+        """Nothing in flight, stored, open, moving or waiting (max_queue_age may delete it)."""
+        return not self.inflight and all(
+            not (h.reader.items or h.reader.open or h.reader.moving or h.waiters)
+            for h in self.readers.values()
+        )
+
+    async def write_checkpoints(self, *, force: bool = False) -> int:
+        """Write the checkpoint of every reader that consumed something (all if `force`),
+        then compact if one was written; returns how many were written."""
+        written = 0
+        async with self.reader_lock:  # not in the middle of a takeover
+            for name, h in list(self.readers.items()):
+                if not (h.reader.dirty or force) or self.deleted or h.closed:
+                    continue
+                head, done = h.reader.checkpoint()
+                try:
+                    await self.journal.write_checkpoint(name, head, done)
+                except OSError as exc:
+                    h.reader.dirty = True
+                    log.error("queue %s: checkpoint of reader %r failed: %s",
+                              self.name, name, exc)
+                    continue
+                written += 1
+        if written and not self.deleted and len(self.journal.segments) > 1:
+            try:
+                await self.journal.compact()
+            except (OSError, JournalError) as exc:
+                log.error("queue %s: compaction failed: %s", self.name, exc)
+        return written
+
+    async def before_drop(self, seg: SegmentInfo) -> None:
+        """drop_oldest is about to remove `seg`: take its items out of every reader.
+
+        The segment is read (in a thread) so items that were only on disk are
+        subtracted exactly; ids in a reader's `done` were never counted.
+        """
+        sizes: list[tuple[int, int]] = []
+        if any(h.reader.behind is not None and h.reader.behind <= seg.last_id
+               for h in self.readers.values()):
+            sizes = await trio.to_thread.run_sync(segment_sizes, self.journal, seg)
+        for h in self.readers.values():
+            r = h.reader
+            count = nbytes = 0
+            if r.behind is not None:
+                for item_id, size in sizes:
+                    if item_id >= r.behind and item_id <= r.tail and item_id not in r.done:
+                        count += 1
+                        nbytes += size
+            r.drop_through(seg.last_id, count, nbytes)
+
+    # -- statistics --------------------------------------------------------------------------
+
+    def reader_stats(self, h: Handle) -> dict[str, int]:
+        return h.stats(self.clock(), self.journal.total_bytes)

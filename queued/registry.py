@@ -1,0 +1,202 @@
+"""The queues of one server by name, and each queue's readers by name.
+
+Creates queues on first use, loads the recovered ones at startup, creates readers
+(with libkestrel's takeover: the first named reader of a queue that only has the
+default reader takes over its backlog and checkpoint) and applies reloaded configs.
+Never moves items: what happens to them is the broker's and the queue's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from queued.core import journal_format as jf
+from queued.core.errors import BadNameError, QueueClosedError
+from queued.core.queue import Reader
+from queued.handles import Handle
+from queued.queues import Background, QueueState
+from queued.readback import count_unconsumed
+from queued.storage.datadir import DataDir
+
+if TYPE_CHECKING:
+    from queued.config import QueueConfig, ServerConfig
+
+log = logging.getLogger("queued.broker")
+
+
+@dataclass(slots=True)
+class BrokerCounters:
+    cmd_get: int = 0
+    cmd_set: int = 0
+    cmd_peek: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    total_items: int = 0
+    queue_creates: int = 0
+    queue_deletes: int = 0
+    queue_expires: int = 0
+
+
+class Registry:
+    """See the module docstring. `closing`: no new queues (the server is shutting down)."""
+
+    def __init__(
+        self,
+        datadir: DataDir,
+        config: ServerConfig,
+        clock: Callable[[], int],
+        background: Background,
+        counters: BrokerCounters,
+    ) -> None:
+        self.datadir = datadir
+        self.config = config
+        self.clock = clock
+        self.background = background
+        self.counters = counters
+        self.queues: dict[str, QueueState] = {}
+        self.closing = False
+
+    async def load(self) -> None:
+        """Build every recovered queue's readers from their durable checkpoints."""
+        started = time.monotonic()
+        for name, journal in sorted(self.datadir.queues.items()):
+            qs = self._add(name)
+            for rname, cp in sorted(journal.readers.items()):
+                cfg = self.reader_config(name, rname)
+                reader = Reader(name, rname, cfg, head=cp.head, done=cp.done,
+                                tail=journal.last_id, create_time_ms=qs.create_time_ms)
+                count, nbytes = await trio.to_thread.run_sync(
+                    count_unconsumed, journal, cp.head, frozenset(cp.done)
+                )
+                # Everything starts on disk; read-behind fills memory once running.
+                reader.restore([], cp.head + 1 if count else None, count, nbytes)
+                qs.readers[rname] = Handle(reader, cfg)
+                log.info("queue %s%s: %d items (%d bytes) recovered", name,
+                         f"+{rname}" if rname else "", count, nbytes)
+        if self.queues:
+            log.info("loaded %d queues in %.3f s", len(self.queues), time.monotonic() - started)
+
+    def _add(self, name: str) -> QueueState:
+        qs = QueueState(name, self.datadir.queue(name), self.config.queue_config(name),
+                        self.clock, self.background)
+        self.queues[name] = qs
+        return qs
+
+    def reader_config(self, queue: str, reader: str) -> QueueConfig:
+        if reader:
+            return self.config.reader_config(queue, reader)
+        return self.config.queue_config(queue)
+
+    def queue(self, name: str) -> QueueState:
+        """Queue `name`, created (with a default reader at the tail) on first use."""
+        qs = self.queues.get(name)
+        if qs is None:
+            if self.closing:
+                raise QueueClosedError("server is shutting down")
+            if not jf.valid_name(name):
+                raise BadNameError(f"invalid queue name {name!r}")
+            if not jf.names_fit(name) or not jf.names_fit(name, ""):
+                raise BadNameError(
+                    f"queue name of {len(name)} characters is too long for its journal file "
+                    f"names ({jf.NAME_MAX} bytes at most)"
+                )
+            qs = self._add(name)
+            cfg = qs.config
+            qs.readers[""] = Handle(
+                Reader(name, "", cfg, tail=qs.journal.last_id, create_time_ms=qs.create_time_ms),
+                cfg,
+            )
+            self.counters.queue_creates += 1
+        return qs
+
+    async def handle(self, qs: QueueState, name: str) -> Handle:
+        """Reader `name` of `qs`, created on first use (durably, before it serves)."""
+        h = qs.readers.get(name)
+        if h is not None:
+            return h
+        if name and not jf.valid_name(name):
+            raise BadNameError(f"invalid reader name {name!r}")
+        if not jf.names_fit(qs.name, name):
+            raise BadNameError(
+                f"queue and reader names together are too long for a checkpoint file name "
+                f"({jf.NAME_MAX} bytes at most)"
+            )
+        async with qs.reader_lock:
+            h = qs.readers.get(name)
+            if h is not None:
+                return h
+            if qs.deleted:
+                raise QueueClosedError(f"queue {qs.name!r} was deleted")
+            if name and set(qs.readers) == {""}:
+                return await self._take_over(qs, name)
+            cfg = self.reader_config(qs.name, name)
+            start = qs.delivered
+            reader = Reader(qs.name, name, cfg, head=start, tail=start,
+                            create_time_ms=self.clock())
+            h = Handle(reader, cfg)
+            # Registered first, so puts delivered while its checkpoint is written reach
+            # it; durable before it serves, so compaction keeps what it will need.
+            qs.readers[name] = h
+            try:
+                with trio.CancelScope(shield=True):
+                    await qs.journal.write_checkpoint(name, start)
+            except BaseException:
+                qs.readers.pop(name, None)
+                raise
+            if qs.deleted:
+                raise QueueClosedError(f"queue {qs.name!r} was deleted")
+            log.info("queue %s: new reader %r starts at id %d", qs.name, name, start)
+            return h
+
+    async def _take_over(self, qs: QueueState, name: str) -> Handle:
+        """The first named reader takes over the default reader's backlog (under the
+        reader lock). Shielded: both files must change, or neither (a shutdown may
+        cancel)."""
+        with trio.CancelScope(shield=True):
+            taken = qs.readers[""]
+            head, done = taken.reader.checkpoint()
+            await qs.journal.write_checkpoint(name, head, done)
+            await qs.journal.remove_reader("")
+            del qs.readers[""]
+            taken.reader.name = name
+            taken.config = self.reader_config(qs.name, name)
+            taken.reader.limits = taken.config
+            taken.aliases.add("")  # open reads taken as `q` are still confirmed as `q`
+            qs.readers[name] = taken
+        log.info("queue %s: reader %r took over the default reader", qs.name, name)
+        return taken
+
+    def find(
+        self, queue: str, reader: str | None, *, aliases: bool = False
+    ) -> tuple[QueueState, Handle] | None:
+        """Reader `reader` ("" or None: the default) of `queue`, if both exist; with
+        `aliases`, also the reader that took over under that name."""
+        qs = self.queues.get(queue)
+        if qs is None:
+            return None
+        rname = reader or ""
+        h = qs.readers.get(rname)
+        if h is None and aliases:
+            h = next((o for o in qs.readers.values() if rname in o.aliases), None)
+        return None if h is None else (qs, h)
+
+    def all_readers(self) -> list[tuple[QueueState, str, Handle]]:
+        """Every reader of every queue, sorted by queue and reader name."""
+        return [(qs, rname, h) for _, qs in sorted(self.queues.items())
+                for rname, h in sorted(qs.readers.items())]
+
+    def reconfigure(self, config: ServerConfig) -> None:
+        """Apply reloaded queue configs to every existing queue and reader."""
+        self.config = config
+        for name, qs in self.queues.items():
+            qs.config = config.queue_config(name)
+            qs.journal.config = qs.config.journal_config()
+            for rname, h in qs.readers.items():
+                h.config = self.reader_config(name, rname)
+                h.reader.limits = h.config

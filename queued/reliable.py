@@ -1,0 +1,139 @@
+"""Reliable reads across queues: every connection's open reads and their deadlines, and
+what a confirm, an abort, a timeout, a hang-up or a delete does to them.
+
+The ledgers and the deadline heap are pure (`queued.core.open_reads`); this module
+applies them to the queues: an open read ends in its ledger first, then in the
+reader holding it (found under the name it was taken by, aliases included). It
+never waits: the upkeep sleeps until the next deadline and calls `expire`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import trio
+
+from queued.core.errors import ReadStateError
+from queued.core.open_reads import OpenReads, TimeoutHeap
+from queued.core.queue import Item
+from queued.handles import Handle
+from queued.queues import Background, QueueState
+
+log = logging.getLogger("queued.broker")
+
+
+class ReliableReads:
+    """See the module docstring. `queues` is the registry's live dict."""
+
+    def __init__(self, queues: dict[str, QueueState], background: Background) -> None:
+        self.queues = queues
+        self.background = background
+        self.clients: dict[int, OpenReads] = {}  # registered: released at shutdown
+        self.timeouts = TimeoutHeap()
+
+    def register(self, client: OpenReads) -> OpenReads:
+        self.clients[client.id] = client
+        return client
+
+    def release(self, client: OpenReads, *, count_error: bool = True) -> None:
+        """The client is gone: every open read goes back to the head of its queue."""
+        self.clients.pop(client.id, None)
+        for queue, rname in client.open_keys():
+            self.abort(client, queue, rname, count_error=count_error)
+
+    @staticmethod
+    def room(client: OpenReads | None, max_open_reads: int) -> int:
+        """How many more open reads `client` may take (at least 1), or ReadStateError."""
+        if client is None:
+            raise ValueError("an open read needs a client")
+        room = max_open_reads - client.open_total
+        if room <= 0:
+            raise ReadStateError(
+                f"too many open reads on this connection (max {max_open_reads})"
+            )
+        return room
+
+    def open(
+        self, qs: QueueState, h: Handle, rname: str, items: list[Item], client: OpenReads,
+        open_timeout_ms: int | None,
+    ) -> list[Item]:
+        """Held items become `client`'s open reads under the name it used, returned
+        after `open_timeout_ms` (None: the reader's open_transaction_timeout; 0:
+        never). None of them if the queue or reader was deleted meanwhile."""
+        if h.closed or qs.deleted:
+            return []  # deleted with its queue: there is nothing left to confirm
+        h.reader.counters.transactions += len(items)
+        timeout = (h.config.open_transaction_timeout if open_timeout_ms is None
+                   else open_timeout_ms)
+        deadline = trio.current_time() + timeout / 1000 if timeout else None
+        for it in items:
+            client.add(qs.name, rname, it.id, deadline)  # the held item stays open
+        if deadline is not None and self.timeouts.push(
+            deadline, client, qs.name, rname, [it.id for it in items]
+        ):
+            self.background.timeouts_changed()
+        return items
+
+    def confirm(
+        self, client: OpenReads, queue: str, rname: str, count: int | None,
+        ids: Sequence[int] | None,
+    ) -> int:
+        chosen = client.choose(queue, rname, count, ids)
+        qs = self.queues.get(queue)
+        for i in chosen:
+            client.remove(queue, rname, i)
+            h = qs.owner(rname, i) if qs is not None else None
+            if h is not None:
+                h.reader.confirm(i)
+        return len(chosen)
+
+    def abort(
+        self, client: OpenReads, queue: str, rname: str, count: int | None = None,
+        ids: Sequence[int] | None = None, *, count_error: bool = True,
+    ) -> int:
+        chosen = client.choose(queue, rname, count, ids)
+        for i in chosen:
+            client.remove(queue, rname, i)
+        qs = self.queues.get(queue)
+        if qs is not None:
+            self._return(qs, rname, chosen, count_error=count_error)
+        return len(chosen)
+
+    def _return(self, qs: QueueState, rname: str, ids: list[int], *, count_error: bool) -> None:
+        """Open reads (closed in their ledgers already) go back to the head of their
+        readers, the lowest id first; then waiting gets are served."""
+        served: dict[int, Handle] = {}
+        for i in sorted(ids, reverse=True):
+            h = qs.owner(rname, i)
+            if h is not None:
+                qs.return_read(h, i, count_error=count_error)
+                served[id(h)] = h
+        for h in served.values():
+            qs.serve(h)
+
+    def expire(self, now: float) -> int:
+        """Return every open read whose deadline (trio time) is <= now; how many."""
+        due = self.timeouts.pop_due(now)
+        for t in due:
+            qs = self.queues.get(t.queue)
+            if qs is not None and qs.owner(t.reader, t.item_id) is not None:
+                log.info("queue %s: open read %d of %s timed out, returned to the queue",
+                         t.queue, t.item_id, t.reads.name)
+                self._return(qs, t.reader, [t.item_id], count_error=True)
+        return len(due)
+
+    def forget(self, queue: str, reader: str | None, h: Handle | None) -> None:
+        """Open reads of a deleted queue (reader None) or reader end: ids are reused.
+
+        Reads taken under an alias of the deleted reader (`q` before a takeover) end
+        only if that reader holds them: a newer default reader's reads stay.
+        """
+        for client in self.clients.values():
+            client.forget(queue, reader)
+            if h is None:
+                continue
+            for alias in h.aliases:
+                for item_id in client.open_ids(queue, alias):
+                    if item_id in h.reader.open:
+                        client.remove(queue, alias, item_id)
