@@ -1,27 +1,22 @@
-"""The trio client of queued's MessagePack-RPC port: `AsyncClient` (import it from queued.client).
+"""Both clients' one implementation: `AsyncClient` (trio) here, the blocking `Client` from it.
 
-Owns the trio connections: calls from any number of tasks pipelined on one stream per
-server, and one reader task per stream handing each reply to its caller by msgid. Server
-choice, back-off and failover follow Client's rules (shared in client_common). It never
-leaves a cancelled get's connection open: a late reply carrying items could be lost.
+Owns each call's choice of server, failover and retry, and the queue operations built on
+calls (get's long-poll rotation, confirm/abort routing, reserve, consume). sync.py is
+GENERATED from this file (python queued/client/unasync.py): edit here, then regenerate.
+All I/O goes through io_trio's names, which io_sync repeats for blocking sockets, so the
+twins differ by tokens alone: never import trio, socket or time here.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Iterable
+from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any
 
-import trio
-
 from queued.client.core import (
-    CLOSING,
     DEFAULT_PORT,
     FAILOVER,
-    RECV,
-    SERIALS,
     BadResponse,
     ClientClosed,
     ClientError,
@@ -29,182 +24,53 @@ from queued.client.core import (
     ConnectionFailed,
     Data,
     Item,
-    Msgids,
     Pool,
     QueueInfo,
-    RpcCallError,
     Servers,
     ServerState,
-    Timeout,
     all_failed,
-    call_error,
     check_get,
     check_timeouts,
     encode_items,
     int_result,
     lookup,
-    make_parser,
     queue_info,
     settle_groups,
     to_items,
 )
-from queued.core.rpc_protocol import (
-    DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_FRAME,
-    NEED_DATA,
-    ConnectionClosed,
-    Notification,
-    Response,
-    RpcError,
-    encode_request,
-)
+from queued.client.io_trio import Connection, Lock, Network, call_gate, checkpoint, now, shielded
+from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 
 __all__ = ["AsyncClient", "AsyncConsumer"]
 
 
-@dataclass(slots=True, eq=False)
-class _Slot:
-    event: trio.Event = field(default_factory=trio.Event)
-    response: Response | None = None
-    error: ClientError | None = None
-
-
-class _AsyncConnection:
-    """One trio stream: calls from any task, replies dispatched by msgid by one reader task."""
-
-    def __init__(self, address: str, stream: trio.SocketStream, max_frame: int,
-                 max_batch: int) -> None:
-        self.address = address
-        self.serial = next(SERIALS)
-        self.stream = stream
-        self.parser = make_parser(max_frame, max_batch)
-        self.msgids = Msgids()
-        self.pending: dict[int, _Slot] = {}
-        self.send_lock = trio.Lock()
-        self.error: ClientError | None = None  # set once the connection is over
-
-    def kill(self, error: ClientError) -> None:
-        """End the connection now (sync, so it works in finally blocks and cancellations)."""
-        if self.error is None:
-            self.error = error
-        self.stream.socket.close()  # wakes the reader with ClosedResourceError
-        self._fail_pending()
-
-    def _fail_pending(self) -> None:
-        error = self.error or ConnectionFailed(f"{self.address}: connection closed", self.address)
-        for slot in self.pending.values():
-            slot.error = error
-            slot.event.set()
-        self.pending.clear()
-
-    async def read_loop(self) -> None:
-        """The reader task: never raises anything but Cancelled."""
-        try:
-            while True:
-                data = await self.stream.receive_some(RECV)
-                self.parser.receive_data(data)
-                if not self._dispatch():
-                    return
-        except (trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
-            if self.error is None:
-                self.error = ConnectionFailed(f"{self.address}: connection broke: {exc}",
-                                              self.address)
-        except ClientError as exc:
-            if self.error is None:
-                self.error = exc
-        finally:
-            if self.error is None:
-                self.error = ConnectionFailed(f"{self.address}: connection closed", self.address)
-            self.stream.socket.close()
-            self._fail_pending()
-
-    def _dispatch(self) -> bool:
-        """Hand out every complete reply; False when the connection is over."""
-        while True:
-            try:
-                event = self.parser.next_event()
-            except RpcError as exc:
-                raise BadResponse(f"{self.address}: {exc}") from None
-            if event is NEED_DATA:
-                return True
-            if isinstance(event, ConnectionClosed):
-                self.error = ConnectionFailed(f"{self.address}: the server closed the "
-                                              "connection", self.address)
-                return False
-            if isinstance(event, Response):
-                slot = self.pending.pop(event.msgid, None)
-                if slot is not None:  # else: a call that was given up
-                    slot.response = event
-                    slot.event.set()
-                if event.error is not None and call_error(event.error, "").code in CLOSING:
-                    self.error = ConnectionFailed(f"{self.address}: the server closed the "
-                                                  "connection after an error", self.address)
-                    return False
-            elif isinstance(event, Notification):
-                if event.method == "error" and event.params:
-                    raise call_error(event.params[0], self.address)
-            else:
-                raise BadResponse(f"{self.address}: the server sent a request")
-
-    def _fresh(self, error: ClientError) -> ClientError:
-        """A new exception like `error`: one shared instance would pile up tracebacks."""
-        if isinstance(error, RpcCallError):
-            return call_error([int(error.code), error.message], self.address)
-        if isinstance(error, Timeout):
-            return Timeout(str(error), self.address)
-        if isinstance(error, BadResponse | ClientClosed):
-            return type(error)(str(error))
-        return ConnectionFailed(str(error), self.address)
-
-    async def call(self, method: str, params: list[Any], wait: float) -> Any:
-        if self.error is not None:
-            raise ConnectionFailed(f"{self.address}: connection closed ({self.error})",
-                                   self.address)
-        msgid = self.msgids.next()
-        slot = _Slot()
-        self.pending[msgid] = slot
-        sent = answered = False
-        try:
-            frame = encode_request(msgid, method, params)
-            async with self.send_lock:
-                sent = True
-                try:
-                    await self.stream.send_all(frame)
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    self.kill(ConnectionFailed(f"{self.address}: connection broke during "
-                                               f"{method}: {exc}", self.address))
-                except BaseException:  # cancelled mid-frame: the stream is out of step
-                    self.kill(ConnectionFailed(f"{self.address}: a send was interrupted",
-                                               self.address))
-                    raise
-            with trio.move_on_after(wait):
-                await slot.event.wait()
-            if not slot.event.is_set():
-                self.kill(Timeout(f"{self.address}: no reply to {method} within {wait:.3g} s",
-                                  self.address))
-            answered = True
-        finally:
-            gone = self.pending.pop(msgid, None) is not None
-            if not answered and gone and sent and method == "get":
-                # A get given up (cancelled) may still be answered with items: closing the
-                # connection makes the server return open reads instead of losing them.
-                self.kill(ConnectionFailed(f"{self.address}: a get was cancelled", self.address))
-        if slot.error is not None:
-            raise self._fresh(slot.error)
-        assert slot.response is not None
-        if slot.response.error is not None:
-            raise call_error(slot.response.error, self.address)
-        return slot.response.result
-
-
 class AsyncClient:
-    """The trio twin of `Client`: same methods, awaited; use it as `async with AsyncClient(...)`.
+    """A client of one or several servers (`"host:port"`, a list, or tuples).
 
-    Any number of tasks may share it: each server has one connection, requests are
-    pipelined on it and a reader task hands each reply to its caller by msgid. Server
-    choice, back-off and failover are Client's. Cancelling a get that is waiting closes
-    its connection (other calls on it fail over or fail), because a reply carrying items
-    could otherwise be lost; give get a timeout_ms instead.
+    Timeouts are in seconds; the queue operations' `*_ms` arguments are milliseconds, as
+    on the wire. A call waits for its reply at most `read_timeout` (plus a get's own
+    timeout_ms). One connection per server, opened on first use; leaving
+    `async with AsyncClient(...) as client:` closes them (the servers return open reads).
+
+    The trio client must be entered (it runs a reader task per connection); any number of
+    tasks may share it: their calls are pipelined on each connection. Cancelling a get that
+    is waiting closes its connection (other calls on it fail over or fail), because a reply
+    carrying items could otherwise be lost: give get a timeout_ms instead. The blocking
+    client runs one call at a time: threads may share one, but use one per thread for
+    concurrency (a long-polling get holds the others up).
+
+    Several servers (no cluster: the client chooses): each put goes to the next server in
+    round robin; a get asks each server with timeout 0 starting at its own rotating
+    cursor, then long-polls one in turn for at most `poll_slice` seconds until its timeout
+    runs out. A server whose connection fails (refused, reset, timed out) or that answers
+    SHUTTING_DOWN or BUSY is skipped for `backoff` seconds, doubling per failure up to
+    `max_backoff`, and the call is retried on the next server; when every server fails,
+    the call raises (ConnectionFailed, or the one server's own error). A call on a reused
+    connection that turns out broken is first re-sent once on a fresh connection, so
+    delivery is at-least-once: such a put may be stored twice.
+    peek/flush/delete/flush_all/stats ask every server and raise if any fails.
+    max_frame and max_batch cap what the client accepts from a server (a get's reply,
+    a stats map); keep them at least the servers' rpc_max_frame and rpc_max_batch.
     """
 
     def __init__(self, servers: Servers = f"127.0.0.1:{DEFAULT_PORT}", *,
@@ -219,68 +85,70 @@ class AsyncClient:
         self.poll_slice = poll_slice
         self._max_frame = max_frame
         self._max_batch = max_batch
-        self._conns: dict[str, _AsyncConnection] = {}
-        self._connect_locks = {s.address: trio.Lock() for s in self._pool.servers}
-        self._stack: AsyncExitStack | None = None
-        self._nursery: trio.Nursery | None = None
+        self._conns: dict[str, Connection] = {}
+        self._net = Network()
+        # Held by each public call: the blocking client's serializes threads, the trio
+        # client's is always open (its calls are pipelined).
+        self._gate = call_gate()
+        self._connect_locks = {s.address: Lock() for s in self._pool.servers}
         self._closed = False
         self._calls = self._connects = self._retries = self._unconfirmed = 0
 
+    # -- lifetime
+
     async def __aenter__(self) -> AsyncClient:
-        if self._stack is not None or self._closed:
-            raise ClientClosed("an AsyncClient can be entered once")
-        self._stack = AsyncExitStack()
-        self._nursery = await self._stack.enter_async_context(trio.open_nursery())
+        await self._net.open(self._closed)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        assert self._stack is not None
         try:
-            self._close_all()  # sync: nothing may stop the nursery below from being exited
+            self._close_all()  # not awaited: nothing may stop the network below from closing
         finally:
-            # The reader tasks end with their sockets; the body's own exception goes on
-            # unwrapped (not in an exception group) because the nursery is not given it.
-            await self._stack.__aexit__(None, None, None)
+            await self._net.aclose()
 
     async def aclose(self) -> None:
         """Close every connection (the servers return their open reads). Idempotent."""
         self._close_all()
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
 
     def _close_all(self) -> None:
-        self._closed = True
-        for conn in self._conns.values():
-            conn.kill(ClientClosed("the client is closed"))
-        self._conns.clear()
+        with self._gate:
+            self._closed = True
+            for conn in self._conns.values():
+                conn.close(ClientClosed("the client is closed"))
+            self._conns.clear()
+
+    def statistics(self) -> ClientStatistics:
+        def connected(address: str) -> bool:
+            conn = self._conns.get(address)
+            return conn is not None and not conn.closed
+
+        return ClientStatistics(self._calls, self._connects, self._retries, self._unconfirmed,
+                                tuple(self._pool.statistics(connected, now())))
 
     # -- plumbing
 
-    async def _connection(self, server: ServerState) -> tuple[_AsyncConnection, bool]:
-        if self._closed or self._nursery is None:
-            raise ClientClosed("the client is closed" if self._closed
-                               else "use the AsyncClient in `async with`")
+    async def _connection(self, server: ServerState) -> tuple[Connection, bool]:
+        """The server's connection and whether it is fresh (opened now)."""
+        if self._closed:
+            raise ClientClosed("the client is closed")
         async with self._connect_locks[server.address]:
             conn = self._conns.get(server.address)
-            if conn is not None and conn.error is None:
+            if conn is not None and not conn.closed:
                 return conn, False
-            try:
-                with trio.fail_after(self.connect_timeout):
-                    stream = await trio.open_tcp_stream(server.host, server.port)
-            except (OSError, trio.TooSlowError) as exc:
-                raise ConnectionFailed(f"{server.address}: cannot connect: "
-                                       f"{str(exc) or 'timed out'}", server.address) from exc
-            if self._closed:
-                await stream.aclose()
+            conn = await self._net.connect(server, self.connect_timeout, self._max_frame,
+                                           self._max_batch)
+            if self._closed:  # meanwhile
+                conn.close(ClientClosed("the client is closed"))
                 raise ClientClosed("the client is closed")
-            conn = _AsyncConnection(server.address, stream, self._max_frame, self._max_batch)
             self._connects += 1
             self._conns[server.address] = conn
-            self._nursery.start_soon(conn.read_loop)
             return conn, True
 
     async def _on(self, server: ServerState, method: str, params: list[Any],
                   wait: float) -> tuple[int, Any]:
+        """(connection serial, result) of one call on one server."""
         conn, fresh = await self._connection(server)
         self._calls += 1
         try:
@@ -288,7 +156,7 @@ class AsyncClient:
         except ConnectionFailed:
             if fresh:
                 raise
-        self._retries += 1
+        self._retries += 1  # the server may have closed an idle connection: once more
         conn, _ = await self._connection(server)
         self._calls += 1
         return conn.serial, await conn.call(method, params, wait)
@@ -300,7 +168,7 @@ class AsyncClient:
             try:
                 serial, result = await self._on(server, method, params, wait)
             except FAILOVER as exc:
-                self._pool.failed(server, trio.current_time())
+                self._pool.failed(server, now())
                 errors.append(exc)
                 if len(errors) < len(order):
                     self._retries += 1
@@ -312,66 +180,87 @@ class AsyncClient:
     async def _everyone(self, method: str, params: list[Any]) -> list[tuple[str, Any]]:
         answers: list[tuple[str, Any]] = []
         errors: list[ClientError] = []
-        for server in self._pool.servers:
-            try:
-                _, result = await self._on(server, method, params, self.read_timeout)
-            except FAILOVER as exc:
-                self._pool.failed(server, trio.current_time())
-                errors.append(exc)
-                continue
-            self._pool.ok(server)
-            answers.append((server.address, result))
+        with self._gate:
+            for server in self._pool.servers:
+                try:
+                    _, result = await self._on(server, method, params, self.read_timeout)
+                except FAILOVER as exc:
+                    self._pool.failed(server, now())
+                    errors.append(exc)
+                    continue
+                self._pool.ok(server)
+                answers.append((server.address, result))
         if errors:
             raise all_failed(errors)
         return answers
 
-    # -- the protocol's methods (see Client for their meaning)
+    # -- the protocol's methods
 
     async def call(self, method: str, *params: Any, server: str | None = None) -> Any:
-        order = ([lookup(self._pool, server)] if server is not None
-                 else self._pool.order("put", trio.current_time()))
-        return (await self._failover(order, method, list(params), self.read_timeout))[2]
+        """A raw call: the result as decoded, or the mapped RpcCallError.
+
+        Goes to `server` ("host:port" as in `servers`) or to the next server in the put
+        rotation, with failover.
+        """
+        with self._gate:
+            order = ([lookup(self._pool, server)] if server is not None
+                     else self._pool.order("put", now()))
+            _, _, result = await self._failover(order, method, list(params), self.read_timeout)
+        return result
 
     async def put(self, queue: str, items: Data | Iterable[Data], expiration_ms: int = 0) -> int:
+        """Store items (bytes, or str as UTF-8; a single one or an iterable) on one server.
+
+        Returns how many were stored. expiration_ms is relative; 0 = never.
+        """
         batch = encode_items(items)
-        order = self._pool.order("put", trio.current_time())
-        result = await self._failover(order, "put", [queue, batch, expiration_ms],
-                                      self.read_timeout)
-        return int_result(result[2], "put")
+        with self._gate:
+            order = self._pool.order("put", now())
+            _, _, result = await self._failover(order, "put", [queue, batch, expiration_ms],
+                                                self.read_timeout)
+        return int_result(result, "put")
 
     async def get(self, queue: str, max_items: int = 1, timeout_ms: int = 0,
                   auto_abort_ms: int = 0) -> list[Item]:
+        """Up to max_items items, waiting up to timeout_ms for the first; [] if none came.
+
+        auto_abort_ms > 0 makes each item an open read held by this client's connection
+        to its server: confirm() it, or it returns to the queue after auto_abort_ms or
+        when the connection closes. 0 removes the items at once (at most once).
+        """
         check_get(max_items, timeout_ms, auto_abort_ms)
-        deadline = trio.current_time() + timeout_ms / 1000
-        order = self._pool.order("get", trio.current_time())
-        if len(order) == 1:
-            return await self._get_from(order, queue, max_items, timeout_ms, auto_abort_ms,
-                                        first_answer=True)
-        while True:
-            items = await self._get_from(order, queue, max_items, 0, auto_abort_ms,
-                                         first_answer=False)
-            left_ms = int((deadline - trio.current_time()) * 1000)
-            if items or left_ms <= 0:
-                return items
-            wait_ms = min(left_ms, int(self.poll_slice * 1000))
-            order = self._pool.order("get", trio.current_time())  # skips any just failed
-            items = await self._get_from(order, queue, max_items, wait_ms, auto_abort_ms,
-                                         first_answer=True)
-            if items:
-                return items
-            order = self._pool.order("get", trio.current_time())
+        with self._gate:
+            deadline = now() + timeout_ms / 1000
+            order = self._pool.order("get", now())
+            if len(order) == 1:
+                return await self._get_from(order, queue, max_items, timeout_ms,
+                                            auto_abort_ms, first_answer=True)
+            while True:
+                items = await self._get_from(order, queue, max_items, 0, auto_abort_ms,
+                                             first_answer=False)
+                left_ms = int((deadline - now()) * 1000)
+                if items or left_ms <= 0:
+                    return items
+                wait_ms = min(left_ms, int(self.poll_slice * 1000))
+                order = self._pool.order("get", now())  # skips any just failed
+                items = await self._get_from(order, queue, max_items, wait_ms, auto_abort_ms,
+                                             first_answer=True)
+                if items:
+                    return items
+                order = self._pool.order("get", now())
 
     async def _get_from(self, order: list[ServerState], queue: str, max_items: int,
                         timeout_ms: int, auto_abort_ms: int, *,
                         first_answer: bool) -> list[Item]:
+        """Ask the servers in order until one has items (or, first_answer, until one answers)."""
         errors: list[ClientError] = []
         wait = timeout_ms / 1000 + self.read_timeout
+        params = [queue, max_items, timeout_ms, auto_abort_ms]
         for server in order:
             try:
-                serial, result = await self._on(
-                    server, "get", [queue, max_items, timeout_ms, auto_abort_ms], wait)
+                serial, result = await self._on(server, "get", params, wait)
             except FAILOVER as exc:
-                self._pool.failed(server, trio.current_time())
+                self._pool.failed(server, now())
                 errors.append(exc)
                 continue
             self._pool.ok(server)
@@ -383,29 +272,38 @@ class AsyncClient:
         return []
 
     async def confirm(self, items: Item | Iterable[Item]) -> int:
+        """Confirm open reads (items from a get with auto_abort_ms); returns how many counted.
+
+        Each item goes to the connection it came from. Items whose connection has closed
+        since count 0: the server has already returned them to the queue.
+        """
         return await self._settle("confirm", items)
 
     async def abort(self, items: Item | Iterable[Item]) -> int:
+        """Return open reads to their queues; returns how many counted (see confirm)."""
         return await self._settle("abort", items)
 
     async def _settle(self, method: str, items: Item | Iterable[Item]) -> int:
         total = 0
-        for (address, queue, serial), ids in settle_groups(items).items():
-            conn = self._conns.get(address)
-            if serial == 0 or conn is None or conn.serial != serial or conn.error is not None:
-                continue
-            self._calls += 1
-            total += int_result(await conn.call(method, [queue, ids], self.read_timeout),
-                                 method)
+        with self._gate:
+            for (address, queue, serial), ids in settle_groups(items).items():
+                conn = self._conns.get(address)
+                if serial == 0 or conn is None or conn.serial != serial or conn.closed:
+                    continue
+                self._calls += 1
+                result = await conn.call(method, [queue, ids], self.read_timeout)
+                total += int_result(result, method)
         return total
 
     async def peek(self, queue: str) -> QueueInfo:
         return queue_info(queue, await self._everyone("peek", [queue]))
 
     async def flush(self, queue: str) -> int:
+        """Remove every item of the queue (or of one fanout reader) on every server."""
         return sum(int_result(r, "flush") for _, r in await self._everyone("flush", [queue]))
 
     async def delete(self, queue: str) -> bool:
+        """Delete the queue on every server; True if any server had it."""
         return any(r is True for _, r in await self._everyone("delete", [queue]))
 
     async def flush_all(self) -> int:
@@ -413,9 +311,11 @@ class AsyncClient:
         return sum(int_result(r, "flush_all") for _, r in answers)
 
     async def stats(self) -> dict[str, dict[str, Any]]:
-        return {s: r for s, r in await self._everyone("stats", [])}
+        """Each server's `{"server": {...}, "queues": {...}}`, keyed by "host:port"."""
+        return dict(await self._everyone("stats", []))
 
     async def version(self) -> str:
+        """The version of the first server (in put rotation) that answers."""
         result = await self.call("version")
         if not isinstance(result, str):
             raise BadResponse(f"version answered {result!r}")
@@ -425,8 +325,14 @@ class AsyncClient:
 
     @asynccontextmanager
     async def reserve(self, queue: str, timeout_ms: int = 0,
-                      auto_abort_ms: int = 60_000) -> AsyncIterator[Item | None]:
-        """`async with client.reserve(q) as item:` as Client.reserve (item may be None)."""
+                      auto_abort_ms: int = 60_000) -> AsyncGenerator[Item | None, None]:
+        """Get one item as an open read; confirm it if the body ends normally, abort if it raises.
+
+        `async with client.reserve(queue) as item:` yields None when no item came within
+        timeout_ms: the body always runs, so check. A confirm or abort that cannot reach
+        the server (the connection is gone) is not an error: the server returns the item
+        to the queue, and it will be delivered again.
+        """
         if auto_abort_ms <= 0:
             raise ValueError("reserve needs auto_abort_ms > 0")
         got = await self.get(queue, 1, timeout_ms, auto_abort_ms)
@@ -443,19 +349,46 @@ class AsyncClient:
     def consume(self, queue: str, *, batch: int = 100, timeout_ms: int = 1000,
                 auto_abort_ms: int = 0, max_items: int | None = None,
                 stop_when_empty: bool = False) -> AsyncConsumer:
-        """`async with client.consume(q, ...) as items: async for item in items:`.
+        """Items, fetched `batch` at a time, until max_items or (stop_when_empty) an empty
+        get; otherwise forever. `async with client.consume(queue) as items:`, then
+        `async for item in items:`; a bare `async for` works too.
 
-        The rules are Client.consume's. A bare `async for` works too, but stopping it
-        early then leaves its batch open until auto_abort_ms or the client closes.
+        Reliable mode (auto_abort_ms > 0): an item is confirmed once the loop asks for the
+        next one after it. Confirms are sent per batch, before the next batch is fetched.
+        When the loop stops early (break, or an exception in its body) the items it
+        finished are confirmed and the current one and the rest of its batch are aborted,
+        so they come back: on leaving the `async with`, else once the iterator is garbage.
+        auto_abort_ms must cover a whole batch's processing. Plain mode (0): items are
+        removed when fetched; stopping early loses the rest of the batch (use batch=1).
         """
         if batch < 1 or (max_items is not None and max_items < 0):
             raise ValueError("want batch >= 1 and max_items >= 0")
-        return AsyncConsumer(self, queue, batch, timeout_ms, auto_abort_ms, max_items,
-                             stop_when_empty)
+        return AsyncConsumer(self._consume(queue, batch, timeout_ms, auto_abort_ms, max_items,
+                                           stop_when_empty))
+
+    async def _consume(self, queue: str, batch: int, timeout_ms: int, auto_abort_ms: int,
+                       max_items: int | None,
+                       stop_when_empty: bool) -> AsyncGenerator[Item, None]:
+        got = 0
+        while max_items is None or got < max_items:
+            want = batch if max_items is None else min(batch, max_items - got)
+            items = await self.get(queue, want, timeout_ms, auto_abort_ms)
+            if not items:
+                if stop_when_empty:
+                    return
+                continue
+            got += len(items)
+            done = 0
+            try:
+                for item in items:
+                    yield item
+                    done += 1
+            finally:
+                if auto_abort_ms:
+                    await self._settle_quietly(items[:done], items[done:])
 
     async def _settle_quietly(self, confirm: list[Item], abort: list[Item]) -> None:
-        # Runs on the way out of cancelled code too: shielded, and bounded.
-        with trio.CancelScope(shield=True), trio.move_on_after(self.read_timeout):
+        with shielded(self.read_timeout):  # runs on the way out of cancelled code too
             for method, items in (("confirm", confirm), ("abort", abort)):
                 if not items:
                     continue
@@ -466,66 +399,22 @@ class AsyncClient:
                 if method == "confirm":
                     self._unconfirmed += len(items) - n
 
-    def statistics(self) -> ClientStatistics:
-        def connected(address: str) -> bool:
-            conn = self._conns.get(address)
-            return conn is not None and conn.error is None
-
-        return ClientStatistics(self._calls, self._connects, self._retries, self._unconfirmed,
-                                tuple(self._pool.statistics(connected, trio.current_time())))
-
 
 class AsyncConsumer:
-    """AsyncClient.consume's iterator; an async context manager settles it on the way out."""
+    """What consume returns: its items, and a context that stops it (settling its batch)."""
 
-    def __init__(self, client: AsyncClient, queue: str, batch: int, timeout_ms: int,
-                 auto_abort_ms: int, max_items: int | None, stop_when_empty: bool) -> None:
-        self._client = client
-        self._queue = queue
-        self._batch = batch
-        self._timeout_ms = timeout_ms
-        self._auto_abort_ms = auto_abort_ms
-        self._max_items = max_items
-        self._stop_when_empty = stop_when_empty
-        self._items: list[Item] = []
-        self._handed = 0  # items of self._items returned so far
-        self._got = 0
-        self._done = False
+    def __init__(self, items: AsyncGenerator[Item, None]) -> None:
+        self._items = items
 
     def __aiter__(self) -> AsyncConsumer:
         return self
 
     async def __anext__(self) -> Item:
-        # Being asked for the next item means every item handed out so far is done.
-        while True:
-            if self._handed < len(self._items):
-                self._handed += 1
-                return self._items[self._handed - 1]
-            if self._items:
-                finished, self._items, self._handed = self._items, [], 0
-                if self._auto_abort_ms:
-                    await self._client._settle_quietly(finished, [])
-            if self._done or (self._max_items is not None and self._got >= self._max_items):
-                self._done = True
-                raise StopAsyncIteration
-            want = (self._batch if self._max_items is None
-                    else min(self._batch, self._max_items - self._got))
-            items = await self._client.get(self._queue, want, self._timeout_ms,
-                                           self._auto_abort_ms)
-            if not items and self._stop_when_empty:
-                self._done = True
-            self._items, self._handed = items, 0
-            self._got += len(items)
+        return await anext(self._items)
 
     async def aclose(self) -> None:
         """Stop: confirm the items finished, abort the current one and the rest of its batch."""
-        self._done = True
-        items, self._items = self._items, []
-        if items and self._auto_abort_ms:
-            current = max(self._handed - 1, 0)
-            await self._client._settle_quietly(items[:current], items[current:])
-        elif items:
-            await trio.lowlevel.checkpoint()
+        await self._items.aclose()
 
     async def __aenter__(self) -> AsyncConsumer:
         return self

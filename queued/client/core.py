@@ -1,23 +1,20 @@
 """What queued's two clients share: errors, values, server addresses, back-off, reply shapes.
 
-Pure: no sockets, no trio, no clock (callers pass the time), so `Client` (queued.client)
-and `AsyncClient` (queued.client.aio) make the same decisions. Import the public names from
-queued.client; the rest here is internal to the clients.
+Pure: no sockets, no trio, no clock (callers pass the time), so `Client` and `AsyncClient`
+make the same decisions. Import the public names from queued.client; the rest here is
+internal to the clients.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
 from queued.core.errors import QueuedError
-from queued.core.rpc_protocol import MAX_MSGID, ErrorCode, RpcParser
+from queued.core.rpc_protocol import ErrorCode
 
 DEFAULT_PORT: Final = 2229
-#: Bytes asked of the socket per receive.
-RECV: Final = 256 * 1024
 
 ServerSpec: TypeAlias = str | tuple[str, int]
 Servers: TypeAlias = ServerSpec | Sequence[ServerSpec]
@@ -398,22 +395,3 @@ def settle_groups(items: Item | Iterable[Item]) -> dict[tuple[str, str, int], li
     for it in [items] if isinstance(items, Item) else items:
         groups.setdefault((it.server, it.queue, it.connection), []).append(it.id)
     return groups
-
-
-def make_parser(max_frame: int, max_batch: int) -> RpcParser:
-    # Maps are stats tables (one entry per queue), so they get the batch cap, not 1024.
-    return RpcParser(max_frame=max_frame, max_batch=max_batch, max_map_len=max_batch)
-
-
-class Msgids:
-    def __init__(self) -> None:
-        self._last = 0
-
-    def next(self) -> int:
-        self._last = self._last % MAX_MSGID + 1
-        return self._last
-
-
-#: Connection serials, unique in the process: Item.connection names the one holding a read.
-SERIALS: Final = itertools.count(1)
-

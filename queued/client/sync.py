@@ -1,203 +1,71 @@
-"""The Python client of queued's MessagePack-RPC port: the blocking `Client`, and the public API.
+"""GENERATED from aio.py by queued/client/unasync.py: do not edit, regenerate.
 
-Owns the blocking connections (one per server, one call at a time, replies matched by
-msgid) and the calls' failover. Delivery is at-least-once: a call is re-sent (on a fresh
-connection or another server) only after its connection broke, so a put may then be
-stored twice. Re-exports the errors, values and `AsyncClient` so users import from here.
+The blocking `Client`: `AsyncClient`'s code with its I/O (io_trio) swapped for blocking
+sockets (io_sync) and async/await removed, so both clients behave alike by construction.
+Every behaviour and its documentation live in aio.py; import from queued.client.
 """
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-from queued.client.aio import AsyncClient, AsyncConsumer
 from queued.client.core import (
-    CLOSING,
     DEFAULT_PORT,
     FAILOVER,
-    RECV,
-    SERIALS,
-    BadParams,
-    BadQueueName,
     BadResponse,
-    Busy,
     ClientClosed,
     ClientError,
     ClientStatistics,
     ConnectionFailed,
     Data,
     Item,
-    ItemTooLarge,
-    JournalFull,
-    Malformed,
-    Msgids,
     Pool,
-    QueueFull,
     QueueInfo,
-    RpcCallError,
-    ServerError,
     Servers,
     ServerState,
-    ServerStatistics,
-    ShuttingDown,
-    Timeout,
-    TooLarge,
-    TooManyOpenReads,
-    UnknownMethod,
     all_failed,
-    call_error,
     check_get,
     check_timeouts,
     encode_items,
     int_result,
     lookup,
-    make_parser,
-    parse_servers,
     queue_info,
     settle_groups,
     to_items,
 )
-from queued.core.rpc_protocol import (
-    DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_FRAME,
-    NEED_DATA,
-    ConnectionClosed,
-    Notification,
-    Response,
-    RpcError,
-    encode_request,
-)
+from queued.client.io_sync import Connection, Lock, Network, call_gate, checkpoint, now, shielded
+from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 
-__all__ = [
-    "DEFAULT_PORT",
-    "AsyncClient",
-    "AsyncConsumer",
-    "BadParams",
-    "BadQueueName",
-    "BadResponse",
-    "Busy",
-    "Client",
-    "ClientClosed",
-    "ClientError",
-    "ClientStatistics",
-    "ConnectionFailed",
-    "Item",
-    "ItemTooLarge",
-    "JournalFull",
-    "Malformed",
-    "QueueFull",
-    "QueueInfo",
-    "RpcCallError",
-    "ServerError",
-    "ServerStatistics",
-    "ShuttingDown",
-    "Timeout",
-    "TooLarge",
-    "TooManyOpenReads",
-    "UnknownMethod",
-    "parse_servers",
-]
-
-
-class _SyncConnection:
-    """One socket: one request at a time, replies matched by msgid."""
-
-    def __init__(self, server: ServerState, connect_timeout: float, max_frame: int,
-                 max_batch: int) -> None:
-        self.address = server.address
-        self.serial = next(SERIALS)
-        try:
-            self.sock = socket.create_connection((server.host, server.port), connect_timeout)
-        except OSError as exc:  # refused, unreachable, timed out, name not found
-            raise ConnectionFailed(f"{server.address}: cannot connect: {exc}",
-                                   server.address) from exc
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.parser = make_parser(max_frame, max_batch)
-        self.msgids = Msgids()
-        self.broken = False
-
-    def close(self) -> None:
-        self.broken = True
-        self.sock.close()
-
-    def call(self, method: str, params: list[Any], wait: float) -> Any:
-        if self.broken:
-            raise ConnectionFailed(f"{self.address}: connection closed", self.address)
-        msgid = self.msgids.next()
-        deadline = time.monotonic() + wait
-        try:
-            self.sock.settimeout(wait)
-            self.sock.sendall(encode_request(msgid, method, params))
-            while True:
-                response = self._next_response(deadline)
-                if response.msgid == msgid:
-                    break
-                # Any other msgid belongs to a call nobody waits for any more.
-        except TimeoutError:
-            self.close()
-            raise Timeout(f"{self.address}: no reply to {method} within {wait:.3g} s",
-                          self.address) from None
-        except OSError as exc:
-            self.close()
-            raise ConnectionFailed(f"{self.address}: connection broke during {method}: {exc}",
-                                   self.address) from exc
-        except ClientError:
-            self.close()
-            raise
-        if response.error is not None:
-            error = call_error(response.error, self.address)
-            if error.code in CLOSING:
-                self.close()
-            raise error
-        return response.result
-
-    def _next_response(self, deadline: float) -> Response:
-        while True:
-            try:
-                event = self.parser.next_event()
-            except RpcError as exc:
-                raise BadResponse(f"{self.address}: {exc}") from None
-            if event is NEED_DATA:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError
-                self.sock.settimeout(remaining)
-                self.parser.receive_data(self.sock.recv(RECV))
-            elif isinstance(event, ConnectionClosed):
-                raise ConnectionFailed(f"{self.address}: the server closed the connection",
-                                       self.address)
-            elif isinstance(event, Response):
-                return event
-            elif isinstance(event, Notification):
-                if event.method == "error" and event.params:
-                    raise call_error(event.params[0], self.address)
-            else:
-                raise BadResponse(f"{self.address}: the server sent a request")
+__all__ = ["Client", "Consumer"]
 
 
 class Client:
-    """A blocking client of one or several servers (`"host:port"`, a list, or tuples).
+    """A client of one or several servers (`"host:port"`, a list, or tuples).
 
     Timeouts are in seconds; the queue operations' `*_ms` arguments are milliseconds, as
     on the wire. A call waits for its reply at most `read_timeout` (plus a get's own
-    timeout_ms). One connection per server, opened on first use. Calls are serialized by
-    a lock: share a Client between threads if you like, but use one per thread for
-    concurrency (a long-polling get holds the lock).
+    timeout_ms). One connection per server, opened on first use; leaving
+    `with Client(...) as client:` closes them (the servers return open reads).
+
+    The trio client must be entered (it runs a reader task per connection); any number of
+    tasks may share it: their calls are pipelined on each connection. Cancelling a get that
+    is waiting closes its connection (other calls on it fail over or fail), because a reply
+    carrying items could otherwise be lost: give get a timeout_ms instead. The blocking
+    client runs one call at a time: threads may share one, but use one per thread for
+    concurrency (a long-polling get holds the others up).
 
     Several servers (no cluster: the client chooses): each put goes to the next server in
     round robin; a get asks each server with timeout 0 starting at its own rotating
     cursor, then long-polls one in turn for at most `poll_slice` seconds until its timeout
-    runs out. A server whose connection fails (refused, reset, timed out) or that
-    answers SHUTTING_DOWN or BUSY is skipped for `backoff` seconds, doubling per failure up to
+    runs out. A server whose connection fails (refused, reset, timed out) or that answers
+    SHUTTING_DOWN or BUSY is skipped for `backoff` seconds, doubling per failure up to
     `max_backoff`, and the call is retried on the next server; when every server fails,
     the call raises (ConnectionFailed, or the one server's own error). A call on a reused
-    connection that turns out broken is first re-sent once on a fresh connection.
+    connection that turns out broken is first re-sent once on a fresh connection, so
+    delivery is at-least-once: such a put may be stored twice.
     peek/flush/delete/flush_all/stats ask every server and raise if any fails.
     max_frame and max_batch cap what the client accepts from a server (a get's reply,
     a stats map); keep them at least the servers' rpc_max_frame and rpc_max_batch.
@@ -215,24 +83,66 @@ class Client:
         self.poll_slice = poll_slice
         self._max_frame = max_frame
         self._max_batch = max_batch
-        self._conns: dict[str, _SyncConnection] = {}
-        self._lock = threading.RLock()
+        self._conns: dict[str, Connection] = {}
+        self._net = Network()
+        # Held by each public call: the blocking client's serializes threads, the trio
+        # client's is always open (its calls are pipelined).
+        self._gate = call_gate()
+        self._connect_locks = {s.address: Lock() for s in self._pool.servers}
         self._closed = False
         self._calls = self._connects = self._retries = self._unconfirmed = 0
 
+    # -- lifetime
+
+    def __enter__(self) -> Client:
+        self._net.open(self._closed)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self._close_all()  # not awaited: nothing may stop the network below from closing
+        finally:
+            self._net.close()
+
+    def close(self) -> None:
+        """Close every connection (the servers return their open reads). Idempotent."""
+        self._close_all()
+        checkpoint()
+
+    def _close_all(self) -> None:
+        with self._gate:
+            self._closed = True
+            for conn in self._conns.values():
+                conn.close(ClientClosed("the client is closed"))
+            self._conns.clear()
+
+    def statistics(self) -> ClientStatistics:
+        def connected(address: str) -> bool:
+            conn = self._conns.get(address)
+            return conn is not None and not conn.closed
+
+        return ClientStatistics(self._calls, self._connects, self._retries, self._unconfirmed,
+                                tuple(self._pool.statistics(connected, now())))
+
     # -- plumbing
 
-    def _connection(self, server: ServerState) -> tuple[_SyncConnection, bool]:
+    def _connection(self, server: ServerState) -> tuple[Connection, bool]:
         """The server's connection and whether it is fresh (opened now)."""
         if self._closed:
             raise ClientClosed("the client is closed")
-        conn = self._conns.get(server.address)
-        if conn is not None and not conn.broken:
-            return conn, False
-        conn = _SyncConnection(server, self.connect_timeout, self._max_frame, self._max_batch)
-        self._connects += 1
-        self._conns[server.address] = conn
-        return conn, True
+        with self._connect_locks[server.address]:
+            conn = self._conns.get(server.address)
+            if conn is not None and not conn.closed:
+                return conn, False
+            conn = self._net.connect(server, self.connect_timeout, self._max_frame,
+                                     self._max_batch)
+            if self._closed:  # meanwhile
+                conn.close(ClientClosed("the client is closed"))
+                raise ClientClosed("the client is closed")
+            self._connects += 1
+            self._conns[server.address] = conn
+            return conn, True
 
     def _on(self, server: ServerState, method: str, params: list[Any],
             wait: float) -> tuple[int, Any]:
@@ -256,7 +166,7 @@ class Client:
             try:
                 serial, result = self._on(server, method, params, wait)
             except FAILOVER as exc:
-                self._pool.failed(server, time.monotonic())
+                self._pool.failed(server, now())
                 errors.append(exc)
                 if len(errors) < len(order):
                     self._retries += 1
@@ -268,15 +178,16 @@ class Client:
     def _everyone(self, method: str, params: list[Any]) -> list[tuple[str, Any]]:
         answers: list[tuple[str, Any]] = []
         errors: list[ClientError] = []
-        for server in self._pool.servers:
-            try:
-                _, result = self._on(server, method, params, self.read_timeout)
-            except FAILOVER as exc:
-                self._pool.failed(server, time.monotonic())
-                errors.append(exc)
-                continue
-            self._pool.ok(server)
-            answers.append((server.address, result))
+        with self._gate:
+            for server in self._pool.servers:
+                try:
+                    _, result = self._on(server, method, params, self.read_timeout)
+                except FAILOVER as exc:
+                    self._pool.failed(server, now())
+                    errors.append(exc)
+                    continue
+                self._pool.ok(server)
+                answers.append((server.address, result))
         if errors:
             raise all_failed(errors)
         return answers
@@ -289,10 +200,11 @@ class Client:
         Goes to `server` ("host:port" as in `servers`) or to the next server in the put
         rotation, with failover.
         """
-        with self._lock:
+        with self._gate:
             order = ([lookup(self._pool, server)] if server is not None
-                     else self._pool.order("put", time.monotonic()))
-            return self._failover(order, method, list(params), self.read_timeout)[2]
+                     else self._pool.order("put", now()))
+            _, _, result = self._failover(order, method, list(params), self.read_timeout)
+        return result
 
     def put(self, queue: str, items: Data | Iterable[Data], expiration_ms: int = 0) -> int:
         """Store items (bytes, or str as UTF-8; a single one or an iterable) on one server.
@@ -300,10 +212,10 @@ class Client:
         Returns how many were stored. expiration_ms is relative; 0 = never.
         """
         batch = encode_items(items)
-        with self._lock:
-            order = self._pool.order("put", time.monotonic())
-            result = self._failover(order, "put", [queue, batch, expiration_ms],
-                                    self.read_timeout)[2]
+        with self._gate:
+            order = self._pool.order("put", now())
+            _, _, result = self._failover(order, "put", [queue, batch, expiration_ms],
+                                          self.read_timeout)
         return int_result(result, "put")
 
     def get(self, queue: str, max_items: int = 1, timeout_ms: int = 0,
@@ -315,37 +227,38 @@ class Client:
         when the connection closes. 0 removes the items at once (at most once).
         """
         check_get(max_items, timeout_ms, auto_abort_ms)
-        with self._lock:
-            deadline = time.monotonic() + timeout_ms / 1000
-            order = self._pool.order("get", time.monotonic())
+        with self._gate:
+            deadline = now() + timeout_ms / 1000
+            order = self._pool.order("get", now())
             if len(order) == 1:
-                return self._get_from(order, queue, max_items, timeout_ms, auto_abort_ms,
-                                      first_answer=True)
+                return self._get_from(order, queue, max_items, timeout_ms,
+                                      auto_abort_ms, first_answer=True)
             while True:
                 items = self._get_from(order, queue, max_items, 0, auto_abort_ms,
                                        first_answer=False)
-                left_ms = int((deadline - time.monotonic()) * 1000)
+                left_ms = int((deadline - now()) * 1000)
                 if items or left_ms <= 0:
                     return items
                 wait_ms = min(left_ms, int(self.poll_slice * 1000))
-                order = self._pool.order("get", time.monotonic())  # skips any just failed
+                order = self._pool.order("get", now())  # skips any just failed
                 items = self._get_from(order, queue, max_items, wait_ms, auto_abort_ms,
                                        first_answer=True)
                 if items:
                     return items
-                order = self._pool.order("get", time.monotonic())
+                order = self._pool.order("get", now())
 
-    def _get_from(self, order: list[ServerState], queue: str, max_items: int, timeout_ms: int,
-                  auto_abort_ms: int, *, first_answer: bool) -> list[Item]:
+    def _get_from(self, order: list[ServerState], queue: str, max_items: int,
+                  timeout_ms: int, auto_abort_ms: int, *,
+                  first_answer: bool) -> list[Item]:
         """Ask the servers in order until one has items (or, first_answer, until one answers)."""
         errors: list[ClientError] = []
         wait = timeout_ms / 1000 + self.read_timeout
+        params = [queue, max_items, timeout_ms, auto_abort_ms]
         for server in order:
             try:
-                serial, result = self._on(server, "get",
-                                          [queue, max_items, timeout_ms, auto_abort_ms], wait)
+                serial, result = self._on(server, "get", params, wait)
             except FAILOVER as exc:
-                self._pool.failed(server, time.monotonic())
+                self._pool.failed(server, now())
                 errors.append(exc)
                 continue
             self._pool.ok(server)
@@ -370,37 +283,34 @@ class Client:
 
     def _settle(self, method: str, items: Item | Iterable[Item]) -> int:
         total = 0
-        with self._lock:
+        with self._gate:
             for (address, queue, serial), ids in settle_groups(items).items():
                 conn = self._conns.get(address)
-                if serial == 0 or conn is None or conn.serial != serial or conn.broken:
+                if serial == 0 or conn is None or conn.serial != serial or conn.closed:
                     continue
                 self._calls += 1
-                total += int_result(conn.call(method, [queue, ids], self.read_timeout), method)
+                result = conn.call(method, [queue, ids], self.read_timeout)
+                total += int_result(result, method)
         return total
 
     def peek(self, queue: str) -> QueueInfo:
-        with self._lock:
-            return queue_info(queue, self._everyone("peek", [queue]))
+        return queue_info(queue, self._everyone("peek", [queue]))
 
     def flush(self, queue: str) -> int:
         """Remove every item of the queue (or of one fanout reader) on every server."""
-        with self._lock:
-            return sum(int_result(r, "flush") for _, r in self._everyone("flush", [queue]))
+        return sum(int_result(r, "flush") for _, r in self._everyone("flush", [queue]))
 
     def delete(self, queue: str) -> bool:
         """Delete the queue on every server; True if any server had it."""
-        with self._lock:
-            return any(r is True for _, r in self._everyone("delete", [queue]))
+        return any(r is True for _, r in self._everyone("delete", [queue]))
 
     def flush_all(self) -> int:
-        with self._lock:
-            return sum(int_result(r, "flush_all") for _, r in self._everyone("flush_all", []))
+        answers = self._everyone("flush_all", [])
+        return sum(int_result(r, "flush_all") for _, r in answers)
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Each server's `{"server": {...}, "queues": {...}}`, keyed by "host:port"."""
-        with self._lock:
-            return {s: r for s, r in self._everyone("stats", [])}
+        return dict(self._everyone("stats", []))
 
     def version(self) -> str:
         """The version of the first server (in put rotation) that answers."""
@@ -413,12 +323,13 @@ class Client:
 
     @contextmanager
     def reserve(self, queue: str, timeout_ms: int = 0,
-                auto_abort_ms: int = 60_000) -> Iterator[Item | None]:
+                auto_abort_ms: int = 60_000) -> Generator[Item | None, None, None]:
         """Get one item as an open read; confirm it if the body ends normally, abort if it raises.
 
-        Yields None when no item came within timeout_ms: the body always runs, so check.
-        A confirm or abort that cannot reach the server (the connection is gone) is not an
-        error: the server returns the item to the queue, and it will be delivered again.
+        `with client.reserve(queue) as item:` yields None when no item came within
+        timeout_ms: the body always runs, so check. A confirm or abort that cannot reach
+        the server (the connection is gone) is not an error: the server returns the item
+        to the queue, and it will be delivered again.
         """
         if auto_abort_ms <= 0:
             raise ValueError("reserve needs auto_abort_ms > 0")
@@ -435,24 +346,27 @@ class Client:
 
     def consume(self, queue: str, *, batch: int = 100, timeout_ms: int = 1000,
                 auto_abort_ms: int = 0, max_items: int | None = None,
-                stop_when_empty: bool = False) -> Iterator[Item]:
-        """Yield items, fetched `batch` at a time, until max_items or (stop_when_empty) an
-        empty get; otherwise forever.
+                stop_when_empty: bool = False) -> Consumer:
+        """Items, fetched `batch` at a time, until max_items or (stop_when_empty) an empty
+        get; otherwise forever. `with client.consume(queue) as items:`, then
+        `for item in items:`; a bare `for` works too.
 
         Reliable mode (auto_abort_ms > 0): an item is confirmed once the loop asks for the
         next one after it. Confirms are sent per batch, before the next batch is fetched.
-        When the loop stops early (break, or an exception in its body closes the generator)
-        the items it finished are confirmed and the current one and the rest of its batch
-        are aborted, so they come back. auto_abort_ms must cover a whole batch's processing.
-        Plain mode (0): items are removed when fetched; stopping early loses the rest of
-        the batch (use batch=1).
+        When the loop stops early (break, or an exception in its body) the items it
+        finished are confirmed and the current one and the rest of its batch are aborted,
+        so they come back: on leaving the `with`, else once the iterator is garbage.
+        auto_abort_ms must cover a whole batch's processing. Plain mode (0): items are
+        removed when fetched; stopping early loses the rest of the batch (use batch=1).
         """
         if batch < 1 or (max_items is not None and max_items < 0):
             raise ValueError("want batch >= 1 and max_items >= 0")
-        return self._consume(queue, batch, timeout_ms, auto_abort_ms, max_items, stop_when_empty)
+        return Consumer(self._consume(queue, batch, timeout_ms, auto_abort_ms, max_items,
+                                      stop_when_empty))
 
     def _consume(self, queue: str, batch: int, timeout_ms: int, auto_abort_ms: int,
-                 max_items: int | None, stop_when_empty: bool) -> Iterator[Item]:
+                 max_items: int | None,
+                 stop_when_empty: bool) -> Generator[Item, None, None]:
         got = 0
         while max_items is None or got < max_items:
             want = batch if max_items is None else min(batch, max_items - got)
@@ -472,40 +386,37 @@ class Client:
                     self._settle_quietly(items[:done], items[done:])
 
     def _settle_quietly(self, confirm: list[Item], abort: list[Item]) -> None:
-        for method, items in (("confirm", confirm), ("abort", abort)):
-            if not items:
-                continue
-            try:
-                n = self._settle(method, items)
-            except FAILOVER:
-                n = 0
-            if method == "confirm":
-                self._unconfirmed += len(items) - n
+        with shielded(self.read_timeout):  # runs on the way out of cancelled code too
+            for method, items in (("confirm", confirm), ("abort", abort)):
+                if not items:
+                    continue
+                try:
+                    n = self._settle(method, items)
+                except FAILOVER:
+                    n = 0
+                if method == "confirm":
+                    self._unconfirmed += len(items) - n
 
-    # -- lifetime
 
-    def statistics(self) -> ClientStatistics:
-        def connected(address: str) -> bool:
-            conn = self._conns.get(address)
-            return conn is not None and not conn.broken
+class Consumer:
+    """What consume returns: its items, and a context that stops it (settling its batch)."""
 
-        return ClientStatistics(self._calls, self._connects, self._retries, self._unconfirmed,
-                                tuple(self._pool.statistics(connected, time.monotonic())))
+    def __init__(self, items: Generator[Item, None, None]) -> None:
+        self._items = items
+
+    def __iter__(self) -> Consumer:
+        return self
+
+    def __next__(self) -> Item:
+        return next(self._items)
 
     def close(self) -> None:
-        """Close every connection (the servers return their open reads). Idempotent."""
-        with self._lock:
-            self._closed = True
-            for conn in self._conns.values():
-                conn.close()
-            self._conns.clear()
+        """Stop: confirm the items finished, abort the current one and the rest of its batch."""
+        self._items.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Consumer:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
-
-
-# -- the trio client ----------------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""The blocking side of the clients' I/O: one socket per server, one call at a time on it.
+
+The generated `Client` (queued.client.sync) is written against these names; io_trio has
+the same names for `AsyncClient`. Owns sockets, timeouts and the lock that serializes a
+Client's calls; never chooses servers or fails over (that is the client's, in aio.py).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+from queued.client.core import (
+    ClientError,
+    ConnectionFailed,
+    ServerState,
+    Timeout,
+    call_error,
+)
+from queued.client.wire import RECV, ClientConnection, closes
+from queued.core.rpc_protocol import Response
+
+Lock = threading.Lock
+now = time.monotonic
+
+
+def call_gate() -> AbstractContextManager[Any]:
+    """Serializes a Client's calls: threads may share one, a long-polling get holds the rest."""
+    return threading.RLock()
+
+
+def checkpoint() -> None:
+    """Blocking code has no other task to let run."""
+
+
+@contextmanager
+def shielded(timeout: float) -> Iterator[None]:
+    """Nothing cancels blocking code; each call is bounded by its own read timeout."""
+    yield
+
+
+class Network:
+    """Opens a Client's connections; there are no reader tasks: a call reads its own reply."""
+
+    def open(self, closed: bool) -> None:
+        """A blocking Client needs no `with`, and may enter one even after close()."""
+
+    def close(self) -> None:
+        pass
+
+    def connect(self, server: ServerState, timeout: float, max_frame: int,
+                max_batch: int) -> Connection:
+        return Connection(server, timeout, max_frame, max_batch)
+
+
+class Connection(ClientConnection):
+    """One socket: one request at a time, replies matched by msgid."""
+
+    def __init__(self, server: ServerState, connect_timeout: float, max_frame: int,
+                 max_batch: int) -> None:
+        super().__init__(server.address, max_frame, max_batch)
+        try:
+            self.sock = socket.create_connection((server.host, server.port), connect_timeout)
+        except OSError as exc:  # refused, unreachable, timed out, name not found
+            raise ConnectionFailed(f"{server.address}: cannot connect: {exc}",
+                                   server.address) from exc
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def close(self, error: ClientError) -> None:
+        self.end(error)
+        self.sock.close()
+
+    def call(self, method: str, params: list[Any], wait: float) -> Any:
+        if self.closed:
+            raise ConnectionFailed(f"{self.address}: connection closed", self.address)
+        msgid, frame = self.request(method, params)
+        deadline = time.monotonic() + wait
+        try:
+            self.sock.settimeout(wait)
+            self.sock.sendall(frame)
+            while True:
+                response = self._next_response(deadline)
+                if response.msgid == msgid:
+                    break
+                # Any other msgid belongs to a call nobody waits for any more.
+        except TimeoutError:
+            error: ClientError = Timeout(f"{self.address}: no reply to {method} within "
+                                         f"{wait:.3g} s", self.address)
+            self.close(error)
+            raise error from None
+        except OSError as exc:
+            error = ConnectionFailed(f"{self.address}: connection broke during {method}: {exc}",
+                                     self.address)
+            self.close(error)
+            raise error from exc
+        except ClientError as exc:
+            self.close(exc)
+            raise
+        if response.error is not None:
+            failed = call_error(response.error, self.address)
+            if closes(response):
+                self.close(failed)
+            raise failed
+        return response.result
+
+    def _next_response(self, deadline: float) -> Response:
+        while (response := self.next_reply()) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            self.sock.settimeout(remaining)
+            self.receive_data(self.sock.recv(RECV))
+        return response

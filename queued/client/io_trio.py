@@ -1,0 +1,189 @@
+"""The trio side of the clients' I/O: one stream per server, calls pipelined on it by any task.
+
+`AsyncClient` (queued.client.aio) is written against these names; io_sync has the same
+names for the generated blocking `Client`. Owns streams, the reader tasks handing each
+reply to its caller by msgid, and cancellation; never chooses servers or fails over. It
+never leaves a cancelled get's connection open: a late reply carrying items could be lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, AsyncExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from queued.client.core import (
+    BadResponse,
+    ClientClosed,
+    ClientError,
+    ConnectionFailed,
+    RpcCallError,
+    ServerState,
+    Timeout,
+    call_error,
+)
+from queued.client.wire import RECV, ClientConnection, closes
+from queued.core.rpc_protocol import Response
+
+Lock = trio.Lock
+now = trio.current_time
+checkpoint = trio.lowlevel.checkpoint
+
+
+def call_gate() -> AbstractContextManager[Any]:
+    """An AsyncClient's calls run concurrently (pipelined), so they pass an open gate."""
+    return nullcontext()
+
+
+@contextmanager
+def shielded(timeout: float) -> Iterator[None]:
+    """Cancellation cannot stop the body (it settles items on the way out); `timeout` can."""
+    with trio.CancelScope(shield=True), trio.move_on_after(timeout):
+        yield
+
+
+class Network:
+    """Opens an AsyncClient's connections; their reader tasks run in a nursery that is open
+    while the client is in `async with`."""
+
+    def __init__(self) -> None:
+        self._stack: AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+        self._over = False
+
+    async def open(self, closed: bool) -> None:
+        if self._stack is not None or closed:
+            raise ClientClosed("an AsyncClient can be entered once")
+        self._stack = AsyncExitStack()
+        self._nursery = await self._stack.enter_async_context(trio.open_nursery())
+
+    async def aclose(self) -> None:
+        """Wait for the reader tasks: close their connections first."""
+        self._over = True
+        if self._stack is not None:
+            # The body's own exception goes on unwrapped (not in an exception group)
+            # because the nursery is not given it.
+            await self._stack.__aexit__(None, None, None)
+
+    async def connect(self, server: ServerState, timeout: float, max_frame: int,
+                      max_batch: int) -> Connection:
+        if self._nursery is None:
+            raise ClientClosed("use the AsyncClient in `async with`")
+        try:
+            with trio.fail_after(timeout):
+                stream = await trio.open_tcp_stream(server.host, server.port)
+        except (OSError, trio.TooSlowError) as exc:
+            raise ConnectionFailed(f"{server.address}: cannot connect: "
+                                   f"{str(exc) or 'timed out'}", server.address) from exc
+        if self._over:  # the client left `async with` meanwhile: no task may start now
+            stream.socket.close()
+            raise ClientClosed("the client is closed")
+        conn = Connection(server.address, stream, max_frame, max_batch)
+        self._nursery.start_soon(conn.read_loop)
+        return conn
+
+
+@dataclass(slots=True, eq=False)
+class _Slot:
+    event: trio.Event = field(default_factory=trio.Event)
+    response: Response | None = None
+    error: ClientError | None = None
+
+
+class Connection(ClientConnection):
+    """One trio stream: calls from any task, replies dispatched by msgid by one reader task."""
+
+    def __init__(self, address: str, stream: trio.SocketStream, max_frame: int,
+                 max_batch: int) -> None:
+        super().__init__(address, max_frame, max_batch)
+        self.stream = stream
+        self.pending: dict[int, _Slot] = {}
+        self.send_lock = trio.Lock()
+
+    def close(self, error: ClientError) -> None:
+        """End the connection now (sync, so it works in finally blocks and cancellations)."""
+        self.end(error)
+        self.stream.socket.close()  # wakes the reader with ClosedResourceError
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        error = self.error or ConnectionFailed(f"{self.address}: connection closed", self.address)
+        for slot in self.pending.values():
+            slot.error = error
+            slot.event.set()
+        self.pending.clear()
+
+    async def read_loop(self) -> None:
+        """The reader task: never raises anything but Cancelled."""
+        try:
+            while True:
+                self.receive_data(await self.stream.receive_some(RECV))
+                while (response := self.next_reply()) is not None:
+                    slot = self.pending.pop(response.msgid, None)
+                    if slot is not None:  # else: a call that was given up
+                        slot.response = response
+                        slot.event.set()
+                    if closes(response):
+                        raise ConnectionFailed(f"{self.address}: the server closed the "
+                                               "connection after an error", self.address)
+        except (trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
+            self.end(ConnectionFailed(f"{self.address}: connection broke: {exc}", self.address))
+        except ClientError as exc:
+            self.end(exc)
+        finally:
+            self.end(ConnectionFailed(f"{self.address}: connection closed", self.address))
+            self.stream.socket.close()
+            self._fail_pending()
+
+    def _fresh(self, error: ClientError) -> ClientError:
+        """A new exception like `error`: one shared instance would pile up tracebacks."""
+        if isinstance(error, RpcCallError):
+            return call_error([int(error.code), error.message], self.address)
+        if isinstance(error, Timeout):
+            return Timeout(str(error), self.address)
+        if isinstance(error, BadResponse | ClientClosed):
+            return type(error)(str(error))
+        return ConnectionFailed(str(error), self.address)
+
+    async def call(self, method: str, params: list[Any], wait: float) -> Any:
+        if self.error is not None:
+            raise ConnectionFailed(f"{self.address}: connection closed ({self.error})",
+                                   self.address)
+        msgid, frame = self.request(method, params)
+        slot = _Slot()
+        self.pending[msgid] = slot
+        sent = answered = False
+        try:
+            async with self.send_lock:
+                sent = True
+                try:
+                    await self.stream.send_all(frame)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self.close(ConnectionFailed(f"{self.address}: connection broke during "
+                                                f"{method}: {exc}", self.address))
+                except BaseException:  # cancelled mid-frame: the stream is out of step
+                    self.close(ConnectionFailed(f"{self.address}: a send was interrupted",
+                                                self.address))
+                    raise
+            with trio.move_on_after(wait):
+                await slot.event.wait()
+            if not slot.event.is_set():
+                self.close(Timeout(f"{self.address}: no reply to {method} within {wait:.3g} s",
+                                   self.address))
+            answered = True
+        finally:
+            gone = self.pending.pop(msgid, None) is not None
+            if not answered and gone and sent and method == "get":
+                # A get given up (cancelled) may still be answered with items: closing the
+                # connection makes the server return open reads instead of losing them.
+                self.close(ConnectionFailed(f"{self.address}: a get was cancelled",
+                                            self.address))
+        if slot.error is not None:
+            raise self._fresh(slot.error)
+        assert slot.response is not None
+        if slot.response.error is not None:
+            raise call_error(slot.response.error, self.address)
+        return slot.response.result
