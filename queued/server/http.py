@@ -3,7 +3,8 @@
 h11 parses and frames the HTTP; this module only routes. It starts before
 recovery, so a probe can tell "alive but still recovering" (/livez 200, /readyz
 503) from "dead". Only GET and HEAD; keep-alive; every read is bounded in bytes
-and time, and a bad request gets a 4xx and a closed connection, never a crash.
+and time, and a bad request gets a 4xx and a closed connection, never a crash. It reads
+the server through `OpsServer` and never imports the listeners (they import it).
 """
 
 from __future__ import annotations
@@ -12,20 +13,17 @@ import email.utils
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 import h11
 import trio
 
 from queued import __version__
 from queued.config import ServerConfig
-from queued.server.metrics import disk_usage, render, take_snapshot
-
-if TYPE_CHECKING:
-    from queued.server.listeners import Server
+from queued.server.metrics import StatsSource, disk_usage, render, take_snapshot
 
 log = logging.getLogger("queued.http")
 
@@ -60,12 +58,27 @@ def _text(status: int, text: str) -> Reply:
     return Reply(status, text.encode())
 
 
+@runtime_checkable
+class OpsServer(StatsSource, Protocol):
+    """What the operations port reads from the server: a scrape's `StatsSource`, plus
+    /readyz's shutdown flags and /stats.json's figures. `queued.server.listeners.Server`
+    satisfies it structurally; this module never imports the listeners."""
+
+    @property
+    def closing(self) -> bool: ...
+    @property
+    def shutdown_requested(self) -> trio.Event: ...
+    def stats(self) -> Mapping[str, object]: ...
+    # Not read here: the listeners' signal watcher reaches the server through `Ops.server`.
+    def request_shutdown(self, why: str) -> None: ...
+
+
 class Ops:
-    """What the operations port answers from: the Server once recovery is done."""
+    """What the operations port answers from: the server once recovery is done."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.server: Server | None = None  # set when recovery has finished
+        self.server: OpsServer | None = None  # set when recovery has finished
         self.connections = 0
         self._render_limiter = trio.CapacityLimiter(1)
 
