@@ -79,18 +79,20 @@ async def test_methods_and_paths(tmp_path: Path) -> None:
         assert status == 200 and body == b"" and int(headers["content-length"]) > 1000
 
 
-def raw_http(port: int, data: bytes, timeout: float = WAIT) -> bytes:
-    """Blocking: send raw bytes, read until the server closes."""
+def raw_http(port: int, data: bytes, timeout: float = WAIT, *, eof: bool = False) -> bytes:
+    """Blocking: send raw bytes (then EOF if `eof`), read until the server closes."""
     with socket.create_connection((HOST, port), timeout=timeout) as s:
         s.sendall(data)
+        if eof:
+            s.shutdown(socket.SHUT_WR)
         chunks = []
         while chunk := s.recv(65536):
             chunks.append(chunk)
         return b"".join(chunks)
 
 
-async def raw(port: int, data: bytes) -> bytes:
-    return await trio.to_thread.run_sync(raw_http, port, data)
+async def raw(port: int, data: bytes, *, eof: bool = False) -> bytes:
+    return await trio.to_thread.run_sync(lambda: raw_http(port, data, eof=eof))
 
 
 async def test_malformed_requests_get_4xx_and_a_closed_connection(tmp_path: Path) -> None:
@@ -142,6 +144,64 @@ async def test_too_many_http_connections_are_closed(tmp_path: Path,
             while (await raw(port, b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close"
                              b"\r\n\r\n")) == qhttp.TOO_MANY_REPLY:
                 await trio.sleep(0.05)
+
+
+# -- refused requests: a HEAD as a GET, without the body ------------------------------------
+
+
+def parse_replies(data: bytes, methods: list[bytes],
+                  ) -> list[tuple[bytes, dict[bytes, bytes], bytes]]:
+    """Raw replies, one per request method: (status line, headers, body). A HEAD's
+    reply has no body, so any bytes of one are left over and fail the test."""
+    out = []
+    for method in methods:
+        head, sep, data = data.partition(b"\r\n\r\n")
+        assert sep, f"an incomplete reply: {head[:200]!r}"
+        status, *lines = head.split(b"\r\n")
+        headers = {k.strip().lower(): v.strip()
+                   for k, _, v in (line.partition(b":") for line in lines)}
+        n = 0 if method == b"HEAD" else int(headers[b"content-length"])
+        out.append((status, headers, data[:n]))
+        data = data[n:]
+    assert data == b"", f"bytes after the last reply: {data[:200]!r}"
+    return out
+
+
+_START = b"METHOD /livez HTTP/1.1\r\nHost: x\r\n"
+_BIG_HEADER = b"X-Big: " + b"a" * 20_000 + b"\r\n"
+_BIG_BODY = b"x" * (qhttp.MAX_BODY_BYTES + 1)
+#: id: (request, with METHOD for its method; EOF after it; the reply's status)
+REFUSED = {
+    "body-cut-short-by-eof": (_START + b"Content-Length: 10\r\n\r\n", True, 400),
+    "a-20000-byte-header-line": (_START + _BIG_HEADER + b"\r\n", False, 431),
+    "headers-over-the-cap-unfinished": (_START + _BIG_HEADER, False, 431),
+    "an-illegal-header-line": (_START + b"Bad Header: 1\r\n\r\n", False, 400),
+    "a-body-over-the-cap": (_START + b"Content-Length: %d\r\n\r\n" % len(_BIG_BODY)
+                            + _BIG_BODY, False, 413),
+}
+
+
+@pytest.mark.parametrize("after_a_get", [False, True], ids=["first", "pipelined"])
+@pytest.mark.parametrize(("request_", "eof", "status"), REFUSED.values(), ids=REFUSED.keys())
+async def test_a_refused_head_gets_the_status_of_a_get_without_a_body_then_a_close(
+        tmp_path: Path, request_: bytes, eof: bool, status: int, after_a_get: bool) -> None:
+    """D2: h11 refuses to send a body after a HEAD, and the reply was lost with it."""
+    async with running(cfg(tmp_path)) as server:
+        port = server.ports["http"]
+        for method in (b"GET", b"HEAD"):
+            data, methods = request_.replace(b"METHOD", method), [method]
+            if after_a_get:  # the refused request's start arrives with the one before
+                data, methods = b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n" + data, [b"GET", method]
+            # raw() returns once the server has closed the connection.
+            replies = parse_replies(await raw(port, data, eof=eof), methods)
+            if after_a_get:
+                assert replies[0][0] == b"HTTP/1.1 200 OK" and replies[0][2] == b"ok\n"
+            line, headers, body = replies[-1]
+            assert line.startswith(b"HTTP/1.1 %d " % status), (method, line)
+            assert headers[b"connection"] == b"close"
+            assert int(headers[b"content-length"]) > 0  # what a GET's body is
+            if method == b"GET":
+                assert body.endswith(b"\n")
 
 
 # -- the server, as the operations port sees it ----------------------------------------------
