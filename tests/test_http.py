@@ -1,100 +1,33 @@
-"""The operations port over real HTTP: /metrics, /livez, /readyz, /stats.json.
+"""The operations port over real HTTP: /livez, /readyz, /stats.json, and how it treats
+methods, malformed requests, stalls and crowds (/metrics' content: test_metrics.py).
 
 Requests go through the standard library's http.client (in a worker thread) or a
-raw socket for malformed input; the metrics are read back with prometheus-client's
-own parsers, text and OpenMetrics, so the exposition is checked as Prometheus
-would read it. Each test runs its own server on free 127.0.0.1 ports.
+raw socket for malformed input. Each test runs its own server on free 127.0.0.1 ports.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import gzip
 import json
 import logging
-import platform
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
 import trio
 from disk_util import fill_completely
-from prometheus_client.openmetrics.parser import (
-    text_string_to_metric_families as parse_openmetrics,
-)
-from prometheus_client.parser import text_string_to_metric_families as parse_text
+from ops_util import NONE, cfg, get, lab, put, q, samples, scrape
 from server_util import HOST, WAIT, Conn, ServerProcess, http_get, make_config, running
 
 from queued import __version__
-from queued.config import ServerConfig
 from queued.server import http as qhttp
-from queued.server.http import Ops, serve_http
-from queued.server.listeners import Server
-
-Labels = frozenset[tuple[str, str]]
-
-
-def cfg(tmp_path: Path, toml: str | None = None, **settings: object) -> ServerConfig:
-    return make_config(tmp_path / "data", toml, **settings)
-
-
-async def get(port: int, path: str, headers: dict[str, str] | None = None, *,
-              method: str = "GET") -> tuple[int, dict[str, str], bytes]:
-    return await trio.to_thread.run_sync(
-        lambda: http_get(port, path, headers, method=method))
-
-
-def samples(text: str) -> dict[tuple[str, Labels], float]:
-    """{(sample name, labels): value} of a text exposition."""
-    out: dict[tuple[str, Labels], float] = {}
-    for family in parse_text(text):
-        for s in family.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
-async def scrape(server: Server) -> dict[tuple[str, Labels], float]:
-    status, headers, body = await get(server.ports["http"], "/metrics")
-    assert status == 200
-    assert headers["content-type"].startswith("text/plain; version=0.0.4")
-    return samples(body.decode())
-
-
-def q(queue: str, reader: str = "") -> Labels:
-    return frozenset({("queue", queue), ("reader", reader)})
-
-
-def lab(**labels: str) -> Labels:
-    return frozenset(labels.items())
-
-
-NONE: Labels = frozenset()
-
-
-async def mc(server: Server, *lines: bytes) -> list[bytes]:
-    """Send memcache commands on a fresh connection; the (single) reply line of each."""
-    conn = await Conn.open(server.ports["memcache"])
-    try:
-        out = []
-        for line in lines:
-            out.append(await conn.cmd(line))
-        return out
-    finally:
-        await conn.aclose()
-
-
-async def put(server: Server, queue: str, *values: bytes) -> None:
-    conn = await Conn.open(server.ports["memcache"])
-    try:
-        for v in values:
-            assert await conn.set(queue, v) == b"STORED"
-    finally:
-        await conn.aclose()
-
+from queued.server import metrics as qmetrics
+from queued.server.http import Ops, OpsServer, serve_http
+from queued.server.metrics import ByteCounters, StatsSource
 
 # -- health --------------------------------------------------------------------------------
 
@@ -146,18 +79,20 @@ async def test_methods_and_paths(tmp_path: Path) -> None:
         assert status == 200 and body == b"" and int(headers["content-length"]) > 1000
 
 
-def raw_http(port: int, data: bytes, timeout: float = WAIT) -> bytes:
-    """Blocking: send raw bytes, read until the server closes."""
+def raw_http(port: int, data: bytes, timeout: float = WAIT, *, eof: bool = False) -> bytes:
+    """Blocking: send raw bytes (then EOF if `eof`), read until the server closes."""
     with socket.create_connection((HOST, port), timeout=timeout) as s:
         s.sendall(data)
+        if eof:
+            s.shutdown(socket.SHUT_WR)
         chunks = []
         while chunk := s.recv(65536):
             chunks.append(chunk)
         return b"".join(chunks)
 
 
-async def raw(port: int, data: bytes) -> bytes:
-    return await trio.to_thread.run_sync(raw_http, port, data)
+async def raw(port: int, data: bytes, *, eof: bool = False) -> bytes:
+    return await trio.to_thread.run_sync(lambda: raw_http(port, data, eof=eof))
 
 
 async def test_malformed_requests_get_4xx_and_a_closed_connection(tmp_path: Path) -> None:
@@ -211,195 +146,88 @@ async def test_too_many_http_connections_are_closed(tmp_path: Path,
                 await trio.sleep(0.05)
 
 
-# -- metrics ---------------------------------------------------------------------------------
+# -- refused requests: a HEAD as a GET, without the body ------------------------------------
 
 
-async def test_metrics_per_queue_and_reader(tmp_path: Path) -> None:
+def parse_replies(data: bytes, methods: list[bytes],
+                  ) -> list[tuple[bytes, dict[bytes, bytes], bytes]]:
+    """Raw replies, one per request method: (status line, headers, body). A HEAD's
+    reply has no body, so any bytes of one are left over and fail the test."""
+    out = []
+    for method in methods:
+        head, sep, data = data.partition(b"\r\n\r\n")
+        assert sep, f"an incomplete reply: {head[:200]!r}"
+        status, *lines = head.split(b"\r\n")
+        headers = {k.strip().lower(): v.strip()
+                   for k, _, v in (line.partition(b":") for line in lines)}
+        n = 0 if method == b"HEAD" else int(headers[b"content-length"])
+        out.append((status, headers, data[:n]))
+        data = data[n:]
+    assert data == b"", f"bytes after the last reply: {data[:200]!r}"
+    return out
+
+
+_START = b"METHOD /livez HTTP/1.1\r\nHost: x\r\n"
+_BIG_HEADER = b"X-Big: " + b"a" * 20_000 + b"\r\n"
+_BIG_BODY = b"x" * (qhttp.MAX_BODY_BYTES + 1)
+#: id: (request, with METHOD for its method; EOF after it; the reply's status)
+REFUSED = {
+    "body-cut-short-by-eof": (_START + b"Content-Length: 10\r\n\r\n", True, 400),
+    "a-20000-byte-header-line": (_START + _BIG_HEADER + b"\r\n", False, 431),
+    "headers-over-the-cap-unfinished": (_START + _BIG_HEADER, False, 431),
+    "an-illegal-header-line": (_START + b"Bad Header: 1\r\n\r\n", False, 400),
+    "a-body-over-the-cap": (_START + b"Content-Length: %d\r\n\r\n" % len(_BIG_BODY)
+                            + _BIG_BODY, False, 413),
+}
+
+
+@pytest.mark.parametrize("after_a_get", [False, True], ids=["first", "pipelined"])
+@pytest.mark.parametrize(("request_", "eof", "status"), REFUSED.values(), ids=REFUSED.keys())
+async def test_a_refused_head_gets_the_status_of_a_get_without_a_body_then_a_close(
+        tmp_path: Path, request_: bytes, eof: bool, status: int, after_a_get: bool) -> None:
+    """D2: h11 refuses to send a body after a HEAD, and the reply was lost with it."""
     async with running(cfg(tmp_path)) as server:
-        await put(server, "jobs", b"one", b"two", b"three", b"four")
-        conn = await Conn.open(server.ports["memcache"])
-        try:
-            assert await conn.get("jobs") == b"one"
-            assert await conn.get("jobs/open") == b"two"  # stays an open read
-            m = await scrape(server)
-            assert m[("queued_queue_items", q("jobs"))] == 2
-            assert m[("queued_queue_bytes", q("jobs"))] == len(b"threefour")
-            assert m[("queued_queue_memory_bytes", q("jobs"))] == len(b"threefour")
-            assert m[("queued_queue_open_reads", q("jobs"))] == 1
-            assert m[("queued_queue_waiters", q("jobs"))] == 0
-            assert m[("queued_queue_puts_total", q("jobs"))] == 4
-            assert m[("queued_queue_gets_total", q("jobs"))] == 2
-            assert m[("queued_queue_aborted_total", q("jobs"))] == 0
-            assert await conn.cmd(b"get jobs/abort") == b"END"
-        finally:
-            await conn.aclose()
-        m = await scrape(server)
-        assert m[("queued_queue_aborted_total", q("jobs"))] == 1
-        assert m[("queued_queue_items", q("jobs"))] == 3
-        assert m[("queued_queue_open_reads", q("jobs"))] == 0
-        assert m[("queued_queue_expired_total", q("jobs"))] == 0
-        assert m[("queued_queue_flushes_total", q("jobs"))] == 0
-        assert m[("queued_queue_discarded_total", q("jobs"))] == 0
-        # Journal series per queue.
-        assert m[("queued_journal_segments", lab(queue="jobs"))] == 1
-        assert m[("queued_journal_bytes", lab(queue="jobs"))] > len(b"onetwothreefour")
-        assert m[("queued_journal_failed", lab(queue="jobs"))] == 0
-        assert m[("queued_journal_fsyncs_total", lab(queue="jobs"))] >= 1
-        assert m[("queued_journal_write_errors_total", lab(queue="jobs"))] == 0
-        assert m[("queued_queues", NONE)] == 1
-        assert m[("queued_ready", NONE)] == 1
-        assert m[("queued_recovering", NONE)] == 0
-        assert m[("queued_build_info", lab(version=__version__,
-                                           python=platform.python_version()))
-                 ] == 1
-        assert m[("process_resident_memory_bytes", NONE)] > 0
-
-
-async def test_fanout_readers_have_their_own_series(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        assert await mc(server, b"get jobs+audit") == [b"END"]  # creates the reader
-        await put(server, "jobs", b"a", b"b")
-        conn = await Conn.open(server.ports["memcache"])
-        try:
-            assert await conn.get("jobs+audit") == b"a"
-        finally:
-            await conn.aclose()
-        m = await scrape(server)
-        assert m[("queued_queue_items", q("jobs", "audit"))] == 1
-        assert m[("queued_queue_gets_total", q("jobs", "audit"))] == 1
-        assert m[("queued_queue_puts_total", q("jobs", "audit"))] == 2
-        assert m[("queued_journal_segments", lab(queue="jobs"))] == 1
-
-
-async def test_oldest_item_age(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        m = await scrape(server)
-        await put(server, "jobs", b"a", b"b")
-        real = server.broker.clock
-        server.broker.clock = lambda: real() + 90_000  # 90 s later
-        try:
-            m = await scrape(server)
-        finally:
-            server.broker.clock = real
-        assert 89 <= m[("queued_queue_oldest_item_age_seconds", q("jobs"))] <= 95
-        conn = await Conn.open(server.ports["memcache"])
-        try:
-            assert [await conn.get("jobs"), await conn.get("jobs")] == [b"a", b"b"]
-        finally:
-            await conn.aclose()
-        m = await scrape(server)
-        assert m[("queued_queue_oldest_item_age_seconds", q("jobs"))] == 0
-
-
-async def test_commands_errors_connections_and_latency(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        await put(server, "jobs", b"a", b"b", b"c")
-        conn = await Conn.open(server.ports["memcache"])
-        try:
-            assert await conn.get("jobs") == b"a"
-            assert await conn.cmd(b"bogus command") == b"ERROR"
-            assert await conn.cmd(b"version") == b"VERSION " + __version__.encode()
-        finally:
-            await conn.aclose()
-        text = await trio.open_tcp_stream(HOST, server.ports["text"])
-        rpc = await trio.open_tcp_stream(HOST, server.ports["rpc"])
-        try:
-            await text.send_all(b"PUT jobs:\nd\n\nGET jobs\n")
-            await rpc.send_all(msgpack.packb([0, 1, "no_such_method", []])
-                               + msgpack.packb([0, 2, "put", ["jobs", [b"e", b"f"]]]))
-            unpacker = msgpack.Unpacker(raw=False)
-            got: list[Any] = []
-            replies = b""
-            with trio.fail_after(WAIT):
-                while len(got) < 2:
-                    unpacker.feed(await rpc.receive_some(4096))
-                    got.extend(unpacker)
-                while replies.count(b"\n") < 2:
-                    replies += await text.receive_some(4096)
-            assert got[0][:2] == [1, 1] and got[0][2] is not None  # an error reply
-            assert got[1] == [1, 2, None, 2]
-            m = await scrape(server)
-            assert m[("queued_open_connections", lab(protocol="text"))] == 1
-            assert m[("queued_open_connections", lab(protocol="rpc"))] == 1
-        finally:
-            await text.aclose()
-            await rpc.aclose()
-        with trio.fail_after(WAIT):
-            while (await scrape(server))[("queued_open_connections", lab(protocol="rpc"))]:
-                await trio.sleep(0.02)
-        m = await scrape(server)
-        cmd = "queued_commands_total"
-        assert m[(cmd, lab(protocol="memcache", command="set"))] == 3
-        assert m[(cmd, lab(protocol="memcache", command="get"))] == 1
-        assert m[(cmd, lab(protocol="memcache", command="version"))] == 1
-        assert m[(cmd, lab(protocol="rpc", command="put"))] == 1
-        assert ("queued_commands_total", lab(protocol="rpc", command="no_such_method")) not in m
-        assert m[("queued_protocol_errors_total", lab(protocol="memcache"))] == 1
-        assert m[("queued_protocol_errors_total", lab(protocol="rpc"))] == 1
-        assert m[("queued_connections_total", lab(protocol="memcache"))] == 2
-        assert m[("queued_connections_total", lab(protocol="rpc"))] == 1
-        assert m[("queued_connections_refused_total", lab(protocol="memcache"))] == 0
-        assert m[("queued_bytes_read_total", NONE)] > 0
-        assert m[("queued_bytes_written_total", NONE)] > 0
-        assert m[(cmd, lab(protocol="text", command="put"))] == 1
-        assert m[(cmd, lab(protocol="text", command="get"))] == 1
-        # 3 memcache sets sent one by one, 1 text put, 1 rpc put of two items.
-        puts = m[("queued_put_latency_seconds_count", NONE)]
-        assert puts == 5
-        assert m[("queued_put_latency_seconds_bucket", lab(le="+Inf"))] == puts
-        assert m[("queued_put_latency_seconds_sum", NONE)] > 0
-        assert m[("queued_get_latency_seconds_count", NONE)] >= 1
-        fsyncs = m[("queued_fsync_duration_seconds_count", NONE)]
-        assert fsyncs >= 1  # fsync "always" by default
-        buckets = [v for (name, labels), v in m.items()
-                   if name == "queued_fsync_duration_seconds_bucket"]
-        assert max(buckets) == fsyncs and min(buckets) >= 0
-        assert m[("queued_recovery_duration_seconds", NONE)] >= 0
-        assert m[("queued_recovery_truncated_bytes", NONE)] == 0
-        assert m[("queued_disk_total_bytes", NONE)] > m[("queued_disk_free_bytes", NONE)] > 0
-
-
-async def test_openmetrics_and_gzip(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        await put(server, "jobs", b"a")
         port = server.ports["http"]
-        status, headers, body = await get(port, "/metrics", {
-            "Accept": "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            "Accept-Encoding": "gzip"})
-        assert status == 200
-        assert headers["content-type"].startswith("application/openmetrics-text")
-        assert headers["content-encoding"] == "gzip"
-        text = gzip.decompress(body).decode()
-        assert text.endswith("# EOF\n")
-        # The strict OpenMetrics parser refuses duplicate family names, among others.
-        families = {f.name: f for f in parse_openmetrics(text)}
-        assert families["queued_connections"].type == "counter"
-        assert families["queued_open_connections"].type == "gauge"
-        assert families["queued_put_latency_seconds"].type == "histogram"
-        items = [s for s in families["queued_queue_items"].samples if s.labels["queue"] == "jobs"]
-        assert [s.value for s in items] == [1]
-        # gzip refused (q=0): plain text.
-        status, headers, body = await get(port, "/metrics", {"Accept-Encoding": "gzip;q=0"})
-        assert "content-encoding" not in headers and body.startswith(b"# HELP")
+        for method in (b"GET", b"HEAD"):
+            data, methods = request_.replace(b"METHOD", method), [method]
+            if after_a_get:  # the refused request's start arrives with the one before
+                data, methods = b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n" + data, [b"GET", method]
+            # raw() returns once the server has closed the connection.
+            replies = parse_replies(await raw(port, data, eof=eof), methods)
+            if after_a_get:
+                assert replies[0][0] == b"HTTP/1.1 200 OK" and replies[0][2] == b"ok\n"
+            line, headers, body = replies[-1]
+            assert line.startswith(b"HTTP/1.1 %d " % status), (method, line)
+            assert headers[b"connection"] == b"close"
+            assert int(headers[b"content-length"]) > 0  # what a GET's body is
+            if method == b"GET":
+                assert body.endswith(b"\n")
 
 
-async def test_per_queue_series_are_capped(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path, metrics_max_queues=2)) as server:
-        for name in ("c", "a", "b"):
-            await put(server, name, b"x")
-        m = await scrape(server)
-        exported = sorted(dict(labels)["queue"] for name, labels in m
-                          if name == "queued_queue_items")
-        assert exported == ["a", "b"]  # by name: the same set on every scrape
-        journals = sorted(dict(labels)["queue"] for name, labels in m
-                          if name == "queued_journal_bytes")
-        assert journals == ["a", "b"]
-        assert m[("queued_metrics_omitted_readers", NONE)] == 1
-        assert m[("queued_queues", NONE)] == 3
-    async with running(cfg(tmp_path, metrics_max_queues=0)) as server:
-        m = await scrape(server)
-        assert not [k for k in m if k[0] == "queued_queue_items"]
-        assert m[("queued_metrics_omitted_readers", NONE)] == 3
+# -- the server, as the operations port sees it ----------------------------------------------
+
+
+def test_http_and_metrics_import_neither_the_listeners_nor_the_sessions() -> None:
+    """They read the server through OpsServer / StatsSource, so the listeners import
+    them without a cycle; TYPE_CHECKING imports count too."""
+    for module in (qhttp, qmetrics):
+        assert module.__file__ is not None
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        assert "queued.core.stats" in imported or "queued.server.metrics" in imported
+        assert not {name for name in imported if name.startswith(
+            ("queued.server.listeners", "queued.server.rpc_session"))}, module.__name__
+
+
+async def test_a_running_server_has_what_the_ops_port_reads(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        assert isinstance(server, OpsServer) and isinstance(server, StatsSource)
+        assert isinstance(server.counters, ByteCounters)
 
 
 # -- readiness -------------------------------------------------------------------------------

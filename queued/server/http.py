@@ -3,7 +3,9 @@
 h11 parses and frames the HTTP; this module only routes. It starts before
 recovery, so a probe can tell "alive but still recovering" (/livez 200, /readyz
 503) from "dead". Only GET and HEAD; keep-alive; every read is bounded in bytes
-and time, and a bad request gets a 4xx and a closed connection, never a crash.
+and time, and a bad request gets a 4xx and a closed connection, never a crash. A
+HEAD gets what a GET would without the body, error replies included. It reads the
+server through `OpsServer` and never imports the listeners (they import it).
 """
 
 from __future__ import annotations
@@ -12,20 +14,17 @@ import email.utils
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 import h11
 import trio
 
 from queued import __version__
 from queued.config import ServerConfig
-from queued.server.metrics import disk_usage, render, take_snapshot
-
-if TYPE_CHECKING:
-    from queued.server.listeners import Server
+from queued.server.metrics import StatsSource, disk_usage, render, take_snapshot
 
 log = logging.getLogger("queued.http")
 
@@ -60,12 +59,27 @@ def _text(status: int, text: str) -> Reply:
     return Reply(status, text.encode())
 
 
+@runtime_checkable
+class OpsServer(StatsSource, Protocol):
+    """What the operations port reads from the server: a scrape's `StatsSource`, plus
+    /readyz's shutdown flags and /stats.json's figures. `queued.server.listeners.Server`
+    satisfies it structurally; this module never imports the listeners."""
+
+    @property
+    def closing(self) -> bool: ...
+    @property
+    def shutdown_requested(self) -> trio.Event: ...
+    def stats(self) -> Mapping[str, object]: ...
+    # Not read here: the listeners' signal watcher reaches the server through `Ops.server`.
+    def request_shutdown(self, why: str) -> None: ...
+
+
 class Ops:
-    """What the operations port answers from: the Server once recovery is done."""
+    """What the operations port answers from: the server once recovery is done."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.server: Server | None = None  # set when recovery has finished
+        self.server: OpsServer | None = None  # set when recovery has finished
         self.connections = 0
         self._render_limiter = trio.CapacityLimiter(1)
 
@@ -191,13 +205,9 @@ async def _connection(ops: Ops, stream: trio.SocketStream) -> None:
                     with trio.move_on_after(1):
                         await stream.send_all(REQUEST_TIMEOUT_REPLY)
                 return
-        except h11.RemoteProtocolError as exc:
+        except _BadRequest as exc:
             if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                status = exc.error_status_hint
-                await _send(conn, stream, _text(status, f"bad request: {exc}\n"), close=True)
-            return
-        except _TooLarge as exc:
-            await _send(conn, stream, exc.reply, close=True)
+                await _send(conn, stream, exc.reply, head=exc.head, close=True)
             return
         if request is None:
             return  # the client closed the connection
@@ -213,49 +223,77 @@ async def _connection(ops: Ops, stream: trio.SocketStream) -> None:
             return
 
 
-class _TooLarge(Exception):
-    def __init__(self, status: int, text: str) -> None:
+class _BadRequest(Exception):
+    """A request answered with an error status, after which the connection closes.
+
+    `head`: the request was a HEAD, so the reply must carry no body (RFC 9110 9.3.2),
+    whether or not h11 got far enough to know the method.
+    """
+
+    def __init__(self, status: int, text: str, *, head: bool) -> None:
         super().__init__(text)
         self.reply = _text(status, text)
+        self.head = head
 
 
-async def _next_event(conn: h11.Connection, stream: trio.SocketStream) -> object:
-    while True:
-        event = conn.next_event()
-        if event is not h11.NEED_DATA:
-            return event
-        data = await stream.receive_some(RECEIVE_SIZE)
-        conn.receive_data(data)  # b"" tells h11 the peer closed
+_HEAD = b"HEAD "
 
 
 async def _read_request(conn: h11.Connection, stream: trio.SocketStream) -> h11.Request | None:
-    """The next request, its body (if any) read and dropped; None at a clean close."""
-    event = await _next_event(conn, stream)
-    if isinstance(event, h11.ConnectionClosed):
-        return None
-    if not isinstance(event, h11.Request):  # pragma: no cover - h11 yields a Request first
-        raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}", error_status_hint=400)
-    request = event
-    # h11 bounds only what it buffers of an incomplete request: a whole one that
-    # arrived in a single read is checked here.
-    size = len(request.target) + sum(len(k) + len(v) + 4 for k, v in request.headers)
-    if size > MAX_HEADER_BYTES:
-        raise _TooLarge(431, "request header fields too large\n")
+    """The next request, its body (if any) read and dropped; None at a clean close.
+
+    Raises _BadRequest for a request to refuse.
+    """
+    # The request's first bytes, kept to tell a HEAD that h11 refuses before it has
+    # parsed the method: its buffer may have dropped them by then. A pipelined
+    # request's start is already in that buffer.
+    start = conn.trailing_data[0][:len(_HEAD)]
+    request: h11.Request | None = None
     body = 0
-    while True:
-        event = await _next_event(conn, stream)
-        if isinstance(event, h11.Data):
-            body += len(event.data)
-            if body > MAX_BODY_BYTES:
-                raise _TooLarge(413, "a request body is not expected\n")
-        elif isinstance(event, h11.EndOfMessage):
-            return request
-        elif isinstance(event, h11.ConnectionClosed):
-            return None
+    try:
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(RECEIVE_SIZE)
+                start += data[:len(_HEAD) - len(start)]
+                conn.receive_data(data)  # b"" tells h11 the peer closed
+            elif isinstance(event, h11.Request):
+                request = event
+                # h11 bounds only what it buffers of an incomplete request: a whole
+                # one that arrived in a single read is checked here.
+                size = len(request.target) + sum(len(k) + len(v) + 4
+                                                 for k, v in request.headers)
+                if size > MAX_HEADER_BYTES:
+                    raise _BadRequest(431, "request header fields too large\n",
+                                      head=_is_head(request, start))
+            elif isinstance(event, h11.Data):
+                body += len(event.data)
+                if body > MAX_BODY_BYTES:
+                    raise _BadRequest(413, "a request body is not expected\n",
+                                      head=_is_head(request, start))
+            elif isinstance(event, h11.EndOfMessage):
+                return request
+            elif isinstance(event, h11.ConnectionClosed):
+                return None
+    except h11.RemoteProtocolError as exc:
+        raise _BadRequest(exc.error_status_hint, f"bad request: {exc}\n",
+                          head=_is_head(request, start)) from exc
+
+
+def _is_head(request: h11.Request | None, start: bytes) -> bool:
+    if request is not None:
+        return request.method == b"HEAD"
+    return start == _HEAD
 
 
 async def _send(conn: h11.Connection, stream: trio.SocketStream, reply: Reply, *,
                 head: bool = False, close: bool = False) -> None:
+    """`reply` through h11. A HEAD gets the headers GET would, without the body.
+
+    A reply that closes the connection ends with the close: h11 is not asked for an
+    EndOfMessage, which it would refuse after a HEAD it never parsed (it would still
+    expect the declared body).
+    """
     headers = [
         ("Date", email.utils.formatdate(usegmt=True)),
         ("Server", f"queued/{__version__}"),
@@ -270,7 +308,8 @@ async def _send(conn: h11.Connection, stream: trio.SocketStream, reply: Reply, *
                      reason=HTTPStatus(reply.status).phrase)]
     if not head:
         events.append(h11.Data(data=reply.body))
-    events.append(h11.EndOfMessage())
+    if not close:
+        events.append(h11.EndOfMessage())
     out = b"".join(conn.send(ev) or b"" for ev in events)
     with trio.move_on_after(REQUEST_TIMEOUT):
         await stream.send_all(out)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import gzip
 import os
 import platform
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -34,11 +34,9 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from queued import __version__
+from queued.broker import Broker
 from queued.core.stats import HistogramSnapshot, ProtocolStats
 from queued.storage.journal import JournalStats
-
-if TYPE_CHECKING:
-    from queued.server.listeners import Server
 
 #: Bodies at least this big are gzipped when the scraper accepts it.
 GZIP_MIN_BYTES = 1024
@@ -57,6 +55,30 @@ def disk_usage(path: str | os.PathLike[str]) -> DiskUsage | None:
     except OSError:
         return None
     return DiskUsage(free=st.f_bavail * st.f_frsize, total=st.f_blocks * st.f_frsize)
+
+
+@runtime_checkable
+class ByteCounters(Protocol):
+    @property
+    def bytes_read(self) -> int: ...
+    @property
+    def bytes_written(self) -> int: ...
+
+
+@runtime_checkable
+class StatsSource(Protocol):
+    """What a scrape reads from the running server, and nothing more.
+
+    `queued.server.listeners.Server` satisfies it structurally: this module never
+    imports the listeners (they import it), so the arrows point one way.
+    """
+
+    @property
+    def broker(self) -> Broker: ...
+    @property
+    def protocols(self) -> Mapping[str, ProtocolStats]: ...
+    @property
+    def counters(self) -> ByteCounters: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +109,7 @@ class Snapshot:
     disk: DiskUsage | None = None
 
 
-def take_snapshot(server: Server | None, *, ready: bool, max_readers: int) -> Snapshot:
+def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int) -> Snapshot:
     """Copy the figures of `server` (None while the journals are being recovered)."""
     if server is None:
         return Snapshot(ready=ready, recovering=True)
