@@ -221,7 +221,7 @@ def test_http_and_metrics_import_neither_the_listeners_nor_the_sessions() -> Non
                 imported |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
         assert "queued.core.stats" in imported or "queued.server.metrics" in imported
         assert not {name for name in imported if name.startswith(
-            ("queued.server.listeners", "queued.server.rpc_session"))}, module.__name__
+            ("queued.server.listeners", "queued.server.session", "queued.server.app"))}, module.__name__
 
 
 async def test_a_running_server_has_what_the_ops_port_reads(tmp_path: Path) -> None:
