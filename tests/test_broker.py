@@ -13,7 +13,6 @@ poll that put was meant to answer.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import tempfile
 import threading
@@ -1169,14 +1168,3 @@ async def test_upkeep_counts_its_rounds_and_outlives_a_failing_one(
         assert not upkeep.statistics().running
 
 
-@pytest.mark.parametrize("module", ["broker", "registry", "queues", "handles", "reliable",
-                                    "readback"])
-def test_only_upkeep_imports_the_broker_side_from_above(module: str) -> None:
-    # upkeep may import the broker; nothing the broker imports may import upkeep (no cycle,
-    # TYPE_CHECKING imports included).
-    tree = ast.parse((Path(queued.queues.__file__).parent / f"{module}.py").read_text())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module or "" for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom)}
-    assert "queued.upkeep" not in imported

@@ -23,7 +23,6 @@ import pytest
 import trio
 import trio.testing
 from server_util import HOST, WAIT, ServerProcess, make_config, running
-from test_memcache_protocol import FORBIDDEN, imported_modules
 
 from queued import __version__
 from queued.client import (
@@ -95,9 +94,6 @@ def free_port() -> int:
 # -- pure pieces --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", ["queued.client.core", "queued.client.wire"])
-def test_client_common_is_pure(module: str) -> None:
-    assert imported_modules(module, set()) & FORBIDDEN == set()
 
 
 def test_parse_servers() -> None:

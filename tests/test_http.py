@@ -7,7 +7,6 @@ raw socket for malformed input. Each test runs its own server on free 127.0.0.1 
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 import logging
@@ -25,7 +24,6 @@ from server_util import HOST, WAIT, Conn, ServerProcess, http_get, make_config, 
 
 from queued import __version__
 from queued.server import http as qhttp
-from queued.server import metrics as qmetrics
 from queued.server.http import Ops, OpsServer, serve_http
 from queued.server.metrics import ByteCounters, StatsSource
 
@@ -207,21 +205,6 @@ async def test_a_refused_head_gets_the_status_of_a_get_without_a_body_then_a_clo
 # -- the server, as the operations port sees it ----------------------------------------------
 
 
-def test_http_and_metrics_import_neither_the_listeners_nor_the_sessions() -> None:
-    """They read the server through OpsServer / StatsSource, so the listeners import
-    them without a cycle; TYPE_CHECKING imports count too."""
-    for module in (qhttp, qmetrics):
-        assert module.__file__ is not None
-        tree = ast.parse(Path(module.__file__).read_text())
-        imported = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                imported |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                imported |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        assert "queued.core.stats" in imported or "queued.server.metrics" in imported
-        assert not {name for name in imported if name.startswith(
-            ("queued.server.listeners", "queued.server.session", "queued.server.app"))}, module.__name__
 
 
 async def test_a_running_server_has_what_the_ops_port_reads(tmp_path: Path) -> None:

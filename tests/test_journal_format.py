@@ -10,12 +10,9 @@ must give only our own errors.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -1328,54 +1325,11 @@ def test_file_names_round_trip(queue: str, reader: str, number: int) -> None:
         assert jf.parse_file_name(jf.temp_name(final)) == JournalFileName(queue, FileRole.TEMP)
 
 
-# -- 9. purity -----------------------------------------------------------------------
-
-FORBIDDEN = {"trio", "socket", "os", "time", "prometheus_client", "importlib"}
 
 
-def _import_roots(path: Path) -> tuple[set[str], set[str]]:
-    """Top-level modules imported by a file, and the queued.* modules it imports."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    roots: set[str] = set()
-    local: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "relative import"
-            names = [node.module or ""]
-        elif isinstance(node, ast.Name) and node.id == "__import__":
-            raise AssertionError(f"{path} calls __import__")
-        else:
-            continue
-        for name in names:
-            roots.add(name.split(".")[0])
-            if name.startswith("queued."):
-                local.add(name)
-    return roots, local
 
 
-def _source(module: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    assert spec is not None and spec.origin is not None
-    return Path(spec.origin)
 
 
-def test_journal_format_is_pure() -> None:
-    roots, local = _import_roots(Path(jf.__file__))
-    parts = {"queued.core.journal_records", "queued.core.journal_decoder",
-             "queued.core.journal_names"}
-    assert parts <= local  # the facade re-exports its parts
-    assert {"struct", "zlib"} <= _import_roots(_source("queued.core.journal_records"))[0], (
-        "the scan sees a part's real imports"
-    )
-    # The facade, its parts and what they pull in from queued are all pure.
-    seen = {"queued.core.journal_format"}
-    todo = set(local)
-    assert not roots & FORBIDDEN, roots & FORBIDDEN
-    while todo:
-        mod = todo.pop()
-        seen.add(mod)
-        sub_roots, sub_local = _import_roots(_source(mod))
-        assert not sub_roots & FORBIDDEN, (mod, sub_roots & FORBIDDEN)
-        todo |= sub_local - seen
+
+

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import tracemalloc
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -412,35 +409,10 @@ def test_token_soup_only_produces_events_or_protocol_errors(chunks: list[bytes])
     drain_only_events_or_protocol_errors(MemcacheParser(max_line=40, max_item_size=8), chunks)
 
 
-FORBIDDEN = {"trio", "socket", "os", "time", "prometheus_client"}
 
 
-def imported_modules(module: str, seen: set[str]) -> set[str]:
-    """Top-level names of everything `module` imports, following queued.* transitively."""
-    if module in seen:
-        return set()
-    seen.add(module)
-    spec = importlib.util.find_spec(module)
-    assert spec is not None and spec.origin is not None
-    tree = ast.parse(Path(spec.origin).read_text())
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            targets = [node.module]
-        else:
-            continue
-        for target in targets:
-            names.add(target.split(".")[0])
-            if target.startswith("queued."):
-                names |= imported_modules(target, seen)
-    return names
 
 
-@pytest.mark.parametrize("module", ["queued.core.memcache_protocol", "queued.core.text_protocol"])
-def test_protocol_modules_are_pure(module: str) -> None:
-    assert imported_modules(module, set()) & FORBIDDEN == set()
 
 
 class FakeSocket:

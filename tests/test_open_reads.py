@@ -5,15 +5,12 @@ deadline order), plus a few targeted cases."""
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
-from pathlib import Path
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from queued.core import open_reads
 from queued.core.open_reads import OpenReads, TimedOut, TimeoutHeap
 
 QUEUES = ["q", "r"]
@@ -189,10 +186,3 @@ def test_ledger_names_and_ids() -> None:
     assert second.open_total == 1 and second.holds("q", "", 1, 2.0)
 
 
-def test_the_module_is_pure() -> None:
-    tree = ast.parse(Path(open_reads.__file__).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
-                if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom)}
-    assert not imported & {"trio", "socket", "os", "time", "prometheus_client"}

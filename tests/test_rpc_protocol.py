@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import importlib.util
 import tracemalloc
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -1057,34 +1054,5 @@ def test_error_codes_are_stable() -> None:
 # -- purity -----------------------------------------------------------------------------------
 
 
-def imported_modules(module: str, seen: set[str]) -> set[str]:
-    """Top-level names of everything `module` imports, following queued.* transitively."""
-    if module in seen:
-        return set()
-    seen.add(module)
-    spec = importlib.util.find_spec(module)
-    assert spec is not None and spec.origin is not None
-    tree = ast.parse(Path(spec.origin).read_text())
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "relative imports would hide from this check"
-            targets = [node.module or ""]
-        else:
-            continue
-        for target in targets:
-            found.add(target.split(".")[0])
-            if target.startswith("queued."):
-                found |= imported_modules(target, seen)
-    return found
 
 
-def test_rpc_protocol_is_pure() -> None:
-    found = imported_modules("queued.core.rpc_protocol", set())
-    forbidden = {"trio", "socket", "os", "time", "prometheus_client", "asyncio", "select",
-                 "selectors", "threading", "io", "pathlib", "shutil", "subprocess"}
-    assert not found & forbidden, found & forbidden
-    assert found <= {"__future__", "enum", "re", "collections", "dataclasses", "typing",
-                     "msgpack", "queued"}, found

@@ -302,16 +302,16 @@ class MemcacheParser(LineParser["Command"]):
 
     def _accept(self, data: bytes | bytearray) -> None:
         view = memoryview(data)
-        if self._state is _State.SKIP and not len(self._in):
+        if self._state is _State.SKIP and not len(self.buffer):
             n = min(self._skip, len(view))  # refused bytes never enter the buffer
             self._skip -= n
             view = view[n:]
             if not self._skip:
                 self._state = _State.SKIP_END
-        self._in.append(view)
+        self.buffer.append(view)
 
     def statistics(self) -> ParserStatistics:
-        return ParserStatistics(len(self._in), self._skip, self._failed is not None)
+        return ParserStatistics(len(self.buffer), self._skip, self.failure is not None)
 
     # -- states --
 
@@ -319,7 +319,7 @@ class MemcacheParser(LineParser["Command"]):
         while True:
             if self._state is _State.LINE:
                 try:
-                    line = self._in.take_line(self.max_line)
+                    line = self.buffer.take_line(self.max_line)
                 except LineOverflow as e:
                     raise LineTooLong(str(e), reply=client_error("line too long"),
                                       close=True) from None
@@ -336,24 +336,24 @@ class MemcacheParser(LineParser["Command"]):
             elif self._state is _State.DATA:
                 assert self._pending is not None
                 queue, flags, exptime, noreply, size = self._pending
-                if len(self._in) < size + 2:
+                if len(self.buffer) < size + 2:
                     return self._starved()
-                if self._in.peek(size, size + 2) != b"\r\n":
+                if self.buffer.peek(size, size + 2) != b"\r\n":
                     raise BadDataChunk("data block not followed by CRLF",
                                        reply=client_error("bad data chunk"), close=True)
-                data = self._in.take(size)
-                self._in.skip(2)
+                data = self.buffer.take(size)
+                self.buffer.skip(2)
                 assert data is not None
                 self._pending = None
                 self._state = _State.LINE
                 return Set(queue, flags, exptime, data, noreply)
             elif self._state is _State.SKIP:
-                self._skip -= self._in.skip(self._skip)
+                self._skip -= self.buffer.skip(self._skip)
                 if self._skip:
                     return self._starved()
                 self._state = _State.SKIP_END
             else:  # SKIP_END
-                crlf = self._in.take(2)
+                crlf = self.buffer.take(2)
                 if crlf is None:
                     return self._starved()
                 self._state = _State.LINE
@@ -377,9 +377,9 @@ class MemcacheParser(LineParser["Command"]):
             return None
         queue = m[1].decode("ascii")
         exptime = int(m[3])
-        if len(self._in) >= size + 2 and self._in.peek(size, size + 2) == b"\r\n":
-            data = self._in.take(size)
-            self._in.skip(2)
+        if len(self.buffer) >= size + 2 and self.buffer.peek(size, size + 2) == b"\r\n":
+            data = self.buffer.take(size)
+            self.buffer.skip(2)
             assert data is not None
             return Set(queue, flags, exptime, data)
         self._pending = (queue, flags, exptime, False, size)
@@ -387,7 +387,7 @@ class MemcacheParser(LineParser["Command"]):
         return _TO_DATA
 
     def _starved(self) -> ConnectionClosed | NeedData:
-        return ConnectionClosed(len(self._in)) if self._in.eof else NEED_DATA
+        return ConnectionClosed(len(self.buffer)) if self.buffer.eof else NEED_DATA
 
     def _command(self, line: bytes) -> Command | None:
         """An event, or None when a storage command switched state to read its data."""

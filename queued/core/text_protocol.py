@@ -177,18 +177,18 @@ class TextParser(LineParser["Command"]):
         self._put_size = 0
 
     def statistics(self) -> ParserStatistics:
-        return ParserStatistics(len(self._in) + self._put_size, 0, self._failed is not None)
+        return ParserStatistics(len(self.buffer) + self._put_size, 0, self.failure is not None)
 
     def _next(self) -> Event | NeedData:
         while True:
             limit = self.max_line if self._state is _State.LINE else self.max_item_size
             try:
-                line = self._in.take_line(limit)
+                line = self.buffer.take_line(limit)
             except LineOverflow as e:
                 raise LineTooLong(str(e), reply=error("Line too long."), close=True) from None
             if line is None:
-                if self._in.eof:
-                    return ConnectionClosed(len(self._in) + self._put_size)
+                if self.buffer.eof:
+                    return ConnectionClosed(len(self.buffer) + self._put_size)
                 return NEED_DATA
             if self._state is _State.LINE:
                 event = self._command(line)

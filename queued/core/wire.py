@@ -166,30 +166,30 @@ class LineParser(Generic[E]):
     again and received bytes are dropped. Subclasses implement `_next`."""
 
     def __init__(self) -> None:
-        self._in = ReceiveBuffer()
-        self._failed: ProtocolError | None = None
+        self.buffer = ReceiveBuffer()
+        self.failure: ProtocolError | None = None
 
     def receive_data(self, data: bytes | bytearray) -> None:
         """Append received bytes; b"" means the peer closed (feed it once)."""
-        if self._in.eof:
+        if self.buffer.eof:
             raise LocalProtocolError("receive_data() after end of stream")
         if not data:
-            self._in.eof = True
-        elif self._failed is None:
+            self.buffer.eof = True
+        elif self.failure is None:
             self._accept(data)
 
     def _accept(self, data: bytes | bytearray) -> None:
-        self._in.append(data)
+        self.buffer.append(data)
 
     def next_event(self) -> E | ConnectionClosed | NeedData:
         """The next command, ConnectionClosed, or NEED_DATA; raises ProtocolError."""
-        if self._failed is not None:
-            raise self._failed
+        if self.failure is not None:
+            raise self.failure
         try:
             return self._next()
         except ProtocolError as e:
             if e.close:
-                self._failed = e
+                self.failure = e
             raise
 
     def _next(self) -> E | ConnectionClosed | NeedData:

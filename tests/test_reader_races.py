@@ -1,9 +1,10 @@
-"""Regression tests for the bugs a review found in queued.broker / queued.server.listeners /
-queued.core.queue (repro scripts t1..t9): each failed before the fix that followed the review.
+"""Readers under races and at the edges: takeovers, deletes and checkpoints racing with
+gets and long polls, new readers created while puts land, and the errors a session gives
+for names too long together, monitors past max_open_reads, failing checkpoint writes and
+floods of peeks at a big item.
 
 Races are made deterministic by gating the journal's checkpoint methods on trio Events
-instead of sleeping.
-"""
+instead of sleeping."""
 
 from __future__ import annotations
 
@@ -249,7 +250,7 @@ async def test_get_finishing_after_queue_delete_leaves_no_stale_open_read(
 ) -> None:
     async with open_broker(broker_config(tmp_path)) as b:
         a, c = b.register(OpenReads("A")), b.register(OpenReads("B"))
-        b._queue("q")
+        b.registry.queue("q")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(b.get, "q", timeout_ms=int(WAIT * 1000), client=a,
                                        open=True))
@@ -281,7 +282,7 @@ async def test_open_long_poll_waiting_across_takeover_is_closed_by_plain_name(
         async def waiter() -> None:  # get q/t=.../open
             got.append(await b.get("q", timeout_ms=int(WAIT * 1000), client=a, open=True))
 
-        b._queue("q")
+        b.registry.queue("q")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(waiter)
             await trio.testing.wait_all_tasks_blocked()
