@@ -1,4 +1,4 @@
-"""The broker (queued.broker, run by queued.upkeep) over a real data directory: a
+"""The broker (queued.broker.broker, run by queued.broker.upkeep) over a real data directory: a
 hypothesis model test of put / get / open / confirm / abort / disconnect / flush /
 checkpoint / restart, and targeted tests of long polls, read-behind, fanout readers,
 error and expiry queues, limits, open-read timeouts, queue ageing, delete and flush.
@@ -26,14 +26,14 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import queued.queues
-from queued.broker import Broker
+import queued.broker.queues
+from queued.broker.broker import Broker
+from queued.broker.upkeep import Upkeep, open_broker
 from queued.config import ServerConfig, load_config
 from queued.core import journal_format as jf
 from queued.core.errors import ItemTooLargeError, QueueFullError, ReadStateError
 from queued.core.open_reads import OpenReads
 from queued.storage.datadir import open_data_dir
-from queued.upkeep import Upkeep, open_broker
 
 T0 = 1_700_000_000_000
 HOUR = 3_600_000
@@ -994,14 +994,14 @@ async def test_delete_during_background_refill_keeps_the_broker_alive(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trio_clock: trio.testing.MockClock
 ) -> None:
     entered, release = threading.Event(), threading.Event()
-    real = queued.queues.read_range
+    real = queued.broker.queues.read_range
 
     def slow_read_range(*args: Any) -> Any:
         entered.set()
         release.wait(10)
         return real(*args)
 
-    monkeypatch.setattr(queued.queues, "read_range", slow_read_range)
+    monkeypatch.setattr(queued.broker.queues, "read_range", slow_read_range)
     cfg = with_default(make_config(tmp_path), max_memory_size=150)
     async with open_broker(cfg) as broker:
         await broker.put("q", [b"%03d" % i + b"." * 97 for i in range(20)])

@@ -29,9 +29,7 @@ FORBIDDEN = {"trio", "socket", "os", "time", "prometheus_client", "select", "sel
 LAYERS = {
     "queued.core.": "core", "queued": "core", "queued.config.": "config",
     "queued.storage.": "storage",
-    "queued.broker": "broker", "queued.registry": "broker", "queued.queues": "broker",
-    "queued.reliable": "broker", "queued.handles": "broker", "queued.readback": "broker",
-    "queued.upkeep": "broker",
+    "queued.broker.": "broker",
     "queued.server.": "server", "queued.client.": "client", "queued.spark.": "spark",
     "queued.cli": "cli", "queued.logs": "cli",
 }
@@ -180,4 +178,4 @@ def test_the_checks_can_fail() -> None:
     assert found and layer("queued.storage.journal") == "storage"
     assert "server" not in ALLOWED["storage"]
     assert "_secret" not in defined_names(cycle)
-    assert layer("queued.core.wire") == "core" and layer("queued.broker") == "broker"
+    assert layer("queued.core.wire") == "core" and layer("queued.broker.broker") == "broker"

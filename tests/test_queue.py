@@ -74,7 +74,7 @@ def abort_ids(r: Reader, ids: Iterable[int], *, count_error: bool = True) -> Non
 
 
 def read_range(journal: dict[int, Put], start: int, end: int, budget: int) -> tuple[list[Put], int]:
-    """queued.readback.read_range over an in-memory journal."""
+    """queued.broker.readback.read_range over an in-memory journal."""
     out: list[Put] = []
     nbytes = 0
     for i in sorted(journal):

@@ -21,9 +21,9 @@ import trio.testing
 from server_util import WAIT, Conn, make_config, running
 
 import queued.storage.journal
+from queued.broker.upkeep import open_broker
 from queued.config import ServerConfig
 from queued.core.open_reads import OpenReads
-from queued.upkeep import open_broker
 
 MiB = 1 << 20
 HOUR = 3_600_000

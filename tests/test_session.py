@@ -19,6 +19,7 @@ import trio.testing
 from server_util import WAIT, Conn, make_config, running
 
 from queued import __version__
+from queued.broker.upkeep import open_broker
 from queued.core import commands as c
 from queued.core.memcache_commands import MemcacheCodec
 from queued.core.rpc_commands import RpcCodec
@@ -26,7 +27,6 @@ from queued.core.stats import ProtocolStats
 from queued.core.text_commands import TextCodec
 from queued.server.listeners import Server
 from queued.server.session import ServerCounters, Session
-from queued.upkeep import open_broker
 
 
 async def read_to_eof(conn: Conn) -> bytes:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from test_broker import make_config, stats, with_default
 
-import queued.registry
+import queued.broker.registry
+from queued.broker.upkeep import open_broker
 from queued.core.open_reads import OpenReads
 from queued.storage.journal import QueueJournal
-from queued.upkeep import open_broker
 
 
 async def fill(tmp_path: Path) -> tuple[int, int]:
@@ -47,14 +47,14 @@ async def test_restart_counts_the_backlog_exactly(
     items, nbytes = await fill(tmp_path)
     cfg = with_default(make_config(tmp_path), max_memory_size=2048, journal_size=4096)
     if not fast:  # as if recovery had not learnt the data bytes: every item is decoded
-        real = queued.registry.count_unconsumed
+        real = queued.broker.registry.count_unconsumed
 
         def slow(journal, head, done):  # type: ignore[no-untyped-def]
             for seg in journal.segments:
                 seg.data_bytes = None
             return real(journal, head, done)
 
-        monkeypatch.setattr(queued.registry, "count_unconsumed", slow)
+        monkeypatch.setattr(queued.broker.registry, "count_unconsumed", slow)
     decoded: list[int] = []
     real_iter = QueueJournal.iter_segment
 

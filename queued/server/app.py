@@ -12,10 +12,10 @@ import time
 
 import trio
 
+from queued.broker.upkeep import open_broker
 from queued.config import ConfigError, ServerConfig
 from queued.server.http import Ops, serve_http
 from queued.server.listeners import Server
-from queued.upkeep import open_broker
 
 log = logging.getLogger("queued.server")
 

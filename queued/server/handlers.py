@@ -17,7 +17,7 @@ from queued.config import ConfigError
 from queued.core import commands as c
 
 if TYPE_CHECKING:
-    from queued.broker import Broker
+    from queued.broker.broker import Broker
     from queued.core.open_reads import OpenReads
     from queued.core.queue import Item
 

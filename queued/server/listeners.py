@@ -21,7 +21,7 @@ from typing import Final
 import trio
 
 from queued import __version__
-from queued.broker import Broker
+from queued.broker.broker import Broker
 from queued.config import ServerConfig, reload_queue_configs
 from queued.core import commands as c
 from queued.core.memcache_commands import MemcacheCodec

@@ -34,7 +34,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from queued import __version__
-from queued.broker import Broker
+from queued.broker.broker import Broker
 from queued.core.stats import HistogramSnapshot, ProtocolStats
 from queued.storage.journal import JournalStats
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import trio
 
-from queued.broker import Broker, PendingPut
+from queued.broker.broker import Broker, PendingPut
 from queued.core import commands as c
 from queued.core.errors import ItemTooLargeError, ProtocolError
 from queued.core.open_reads import OpenReads

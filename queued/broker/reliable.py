@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 import trio
 
+from queued.broker.handles import Handle
+from queued.broker.queues import Background, QueueState
 from queued.core.errors import ReadStateError
 from queued.core.open_reads import OpenReads, TimeoutHeap
 from queued.core.queue import Item
-from queued.handles import Handle
-from queued.queues import Background, QueueState
 
 log = logging.getLogger("queued.broker")
 

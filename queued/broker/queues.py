@@ -4,8 +4,8 @@
 readers in id order, serves long-polling waiters first come first served, reads the
 backlog back from the journal, returns open reads and disposes of expired items.
 Work that runs on its own (refills ahead of time, moves to another queue) goes to a
-`Background`, which `queued.upkeep` attaches. Never creates queues or readers (the
-registry does) and never touches a connection's open reads (`queued.reliable` does).
+`Background`, which `queued.broker.upkeep` attaches. Never creates queues or readers (the
+registry does) and never touches a connection's open reads (`queued.broker.reliable` does).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from queued.broker.handles import Handle, Waiter
+from queued.broker.readback import read_range, segment_sizes
 from queued.core import journal_format as jf
 from queued.core.errors import ItemTooLargeError, JournalError, QueueClosedError, QueueFullError
 from queued.core.queue import Item
-from queued.handles import Handle, Waiter
-from queued.readback import read_range, segment_sizes
 from queued.storage.journal import QueueJournal, Ticket, wait_durable
 from queued.storage.recovery import SegmentInfo
 
@@ -52,7 +52,7 @@ class PendingPut:
 
 
 class Runner(Protocol):
-    """What runs a queue's background work (`queued.upkeep.Upkeep`)."""
+    """What runs a queue's background work (`queued.broker.upkeep.Upkeep`)."""
 
     def refill(self, qs: QueueState, h: Handle) -> None: ...
 

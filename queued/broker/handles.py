@@ -2,7 +2,7 @@
 gets, its refill lock and the names it answers to.
 
 Holds state only; what moves items between readers, waiters and the journal is
-`queued.queues.QueueState`. No journal access here.
+`queued.broker.queues.QueueState`. No journal access here.
 """
 
 from __future__ import annotations

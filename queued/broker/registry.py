@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from queued.broker.handles import Handle
+from queued.broker.queues import Background, QueueState
+from queued.broker.readback import count_unconsumed
 from queued.core import journal_format as jf
 from queued.core.errors import BadNameError, QueueClosedError
 from queued.core.queue import Reader
-from queued.handles import Handle
-from queued.queues import Background, QueueState
-from queued.readback import count_unconsumed
 from queued.storage.datadir import DataDir
 
 if TYPE_CHECKING:

@@ -4,10 +4,10 @@ Puts become durable through the data directory's writer and only then reach the
 readers (in id order) and long-polling waiters (FIFO); a reliable read belongs to
 the `OpenReads` ledger of its connection and goes back to the head of its queue
 when aborted, not confirmed in time, or when its connection leaves. No sockets and no
-background loops here: the sessions call these methods and `queued.upkeep` runs
+background loops here: the sessions call these methods and `queued.broker.upkeep` runs
 the periodic work (it may import this module; this module never imports it).
-The registry (`queued.registry`) finds and creates queues and readers; each
-queue's own logic is `queued.queues`; open reads across queues, `queued.reliable`;
+The registry (`queued.broker.registry`) finds and creates queues and readers; each
+queue's own logic is `queued.broker.queues`; open reads across queues, `queued.broker.reliable`;
 the per-reader state machine is pure, in `queued.core.queue`.
 
 Readers. `q` is reader "" of queue q; `q+name` is reader `name`. A new named
@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from queued.broker.handles import Handle
+from queued.broker.queues import Background, PendingPut, QueueState
+from queued.broker.registry import BrokerCounters, Registry
+from queued.broker.reliable import ReliableReads
 from queued.core.open_reads import OpenReads, TimeoutHeapStatistics
 from queued.core.queue import Item
 from queued.core.stats import LATENCY_BUCKETS, Histogram
-from queued.handles import Handle
-from queued.queues import Background, PendingPut, QueueState
-from queued.registry import BrokerCounters, Registry
-from queued.reliable import ReliableReads
 from queued.storage.datadir import DataDir
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class BrokerStatistics:
 
 
 class Broker:
-    """See the module docstring. Create with `queued.upkeep.open_broker`."""
+    """See the module docstring. Create with `queued.broker.upkeep.open_broker`."""
 
     def __init__(
         self, datadir: DataDir, config: ServerConfig, clock: Callable[[], int] = wall_ms
@@ -376,7 +376,7 @@ class Broker:
         self.counters.queue_deletes += 1
         return True
 
-    # -- rounds of upkeep (queued.upkeep runs them on timers) ------------------------------------
+    # -- rounds of upkeep (queued.broker.upkeep runs them on timers) ---------------------
 
     async def checkpoint_all(self, *, force: bool = False) -> int:
         """Write the checkpoint of every reader that consumed something; compact."""

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from queued.broker import Broker, wall_ms
+from queued.broker.broker import Broker, wall_ms
+from queued.broker.handles import Handle
+from queued.broker.queues import QueueState
 from queued.core.errors import ItemTooLargeError, JournalError, QueueClosedError, QueueFullError
 from queued.core.queue import Item
-from queued.handles import Handle
-from queued.queues import QueueState
 from queued.storage.datadir import open_data_dir
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class Upkeep:
                 await self._timeout_wake.wait()
             self.broker.expire_open_reads(trio.current_time())
 
-    # -- what queues hand over (queued.queues.Runner) ------------------------------------------
+    # -- what queues hand over (queued.broker.queues.Runner) ----------------------
 
     def timeouts_changed(self) -> None:
         """An earlier deadline was pushed: the timeout loop sleeps until it instead."""
