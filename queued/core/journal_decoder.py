@@ -26,7 +26,6 @@ from queued.core.journal_records import (
     I64_STRUCT,
     MAGIC_SIZE,
     MAX_DATA_SIZE,
-    NEED_DATA,
     PUT_BYTE,
     PUT_EXPIRE_BYTE,
     PUT_EXPIRE_HEADER_SIZE,
@@ -54,6 +53,7 @@ from queued.core.journal_records import (
     Unknown,
     crc_seed,
 )
+from queued.core.wire import NEED_DATA
 
 
 def record_length(buf: bytes | bytearray | memoryview, pos: int) -> int:

@@ -16,7 +16,6 @@ from queued.core.journal_decoder import (
 )
 from queued.core.journal_names import (
     NAME_MAX,
-    NAME_RE,
     TEMP_MARK,
     FileRole,
     JournalFileName,
@@ -44,7 +43,6 @@ from queued.core.journal_records import (
     MAGIC_SIZE,
     MAX_DATA_SIZE,
     MAX_ID,
-    NEED_DATA,
     PUT_BYTE,
     PUT_EXPIRE_BYTE,
     PUT_EXPIRE_HEADER_SIZE,
@@ -84,6 +82,7 @@ from queued.core.journal_records import (
     put_header_packer,
     seal,
 )
+from queued.core.wire import NEED_DATA
 
 __all__ = [
     "CHECK_BYTE",
@@ -104,7 +103,6 @@ __all__ = [
     "MAX_DATA_SIZE",
     "MAX_ID",
     "NAME_MAX",
-    "NAME_RE",
     "NEED_DATA",
     "PUT_BYTE",
     "PUT_EXPIRE_BYTE",

@@ -7,11 +7,11 @@ a directory entry back. PURE: strings in, values out.
 from __future__ import annotations
 
 import enum
-import re
 from dataclasses import dataclass
 from typing import Final
 
-NAME_RE: Final = re.compile(r"[A-Za-z0-9_:\-]{1,250}")
+from queued.core.wire import is_valid_name
+
 TEMP_MARK: Final = "~~"
 
 
@@ -29,8 +29,8 @@ class JournalFileName:
     reader: str = ""  # checkpoints ("" = the default reader)
 
 
-def valid_name(name: str) -> bool:
-    return NAME_RE.fullmatch(name) is not None
+#: Queue and reader names: one rule for the wire and the files (`[A-Za-z0-9_:-]{1,250}`).
+valid_name: Final = is_valid_name
 
 
 #: Longest file name most file systems take (NAME_MAX).

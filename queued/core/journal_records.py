@@ -12,7 +12,9 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeAlias
+
+from queued.core.wire import NeedData
 
 # -- magic bytes and command numbers (seed 002) ---------------------------------
 
@@ -227,11 +229,8 @@ class FileKind(enum.Enum):
     READER = "reader"
 
 
-class Sentinel(enum.Enum):
-    NEED_DATA = "NEED_DATA"
-
-
-NEED_DATA: Final = Sentinel.NEED_DATA
+#: The decoders answer NEED_DATA as every parser here does (one marker: `wire`'s).
+Sentinel: TypeAlias = NeedData
 
 
 @dataclass(frozen=True, slots=True)
