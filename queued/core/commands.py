@@ -10,7 +10,7 @@ can give becomes one `ErrorKind`, and each protocol's table says how it looks.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
@@ -26,7 +26,8 @@ from queued.core.errors import (
     ReadStateError,
 )
 from queued.core.queue import Item
-from queued.core.wire import ConnectionClosed, NeedData
+from queued.core.stats import command_name
+from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData
 
 # -- commands -----------------------------------------------------------------------------------
 
@@ -313,3 +314,23 @@ class Codec(Protocol):
         """One item of a monitor, sent as it arrives."""
 
     def buffered_bytes(self) -> int: ...
+
+
+class LineCodec:
+    """What the memcache and text codecs share: a line parser whose events become
+    commands through a table. Subclasses set `parser` and `commands`."""
+
+    parser: Any
+    commands: Mapping[type, Callable[[Any], Command]]
+
+    def receive_data(self, data: bytes | bytearray) -> None:
+        self.parser.receive_data(data)
+
+    def buffered_bytes(self) -> int:
+        return int(self.parser.statistics().buffered_bytes)
+
+    def next_request(self) -> Request | ConnectionClosed | NeedData | None:
+        ev = self.parser.next_event()
+        if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
+            return ev
+        return Request(self.commands[type(ev)](ev), ev, command_name(ev))

@@ -12,8 +12,6 @@ from typing import Any, Final
 from queued.core import commands as c
 from queued.core import memcache_protocol as mc
 from queued.core.queue import Item
-from queued.core.stats import command_name
-from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData
 
 #: memcache exptime values below this are relative seconds, as in memcached.
 RELATIVE_EXPTIME_LIMIT: Final = 1_000_000
@@ -106,7 +104,7 @@ FAILURES: Final[dict[c.ErrorKind, Callable[[str], bytes]]] = {
 }
 
 
-class MemcacheCodec:
+class MemcacheCodec(c.LineCodec):
     """One memcache connection's parser and tables (see `queued.core.commands.Codec`)."""
 
     ordered = True
@@ -114,20 +112,9 @@ class MemcacheCodec:
     too_many = mc.server_error("too many connections")
 
     def __init__(self, limits: c.Limits) -> None:
+        self.commands = COMMANDS
         self.parser = mc.MemcacheParser(max_line=limits.max_line,
                                         max_item_size=limits.max_item_size)
-
-    def receive_data(self, data: bytes | bytearray) -> None:
-        self.parser.receive_data(data)
-
-    def buffered_bytes(self) -> int:
-        return self.parser.statistics().buffered_bytes
-
-    def next_request(self) -> c.Request | ConnectionClosed | NeedData | None:
-        ev = self.parser.next_event()
-        if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
-            return ev
-        return c.Request(COMMANDS[type(ev)](ev), ev, command_name(ev))
 
     def encode(self, request: c.Request, reply: c.Reply) -> bytes:
         ev = request.context

@@ -13,8 +13,6 @@ from typing import Any, Final
 from queued.core import commands as c
 from queued.core import text_protocol as tp
 from queued.core.queue import Item
-from queued.core.stats import command_name
-from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData
 
 NEWLINE_ERROR: Final = "Item contains a newline; use the memcache protocol."
 
@@ -60,7 +58,7 @@ _REFUSALS: Final = frozenset({c.ErrorKind.QUEUE_FULL, c.ErrorKind.ITEM_TOO_LARGE
                               c.ErrorKind.JOURNAL_FULL})
 
 
-class TextCodec:
+class TextCodec(c.LineCodec):
     """One text connection's parser and tables (see `queued.core.commands.Codec`)."""
 
     ordered = True
@@ -68,21 +66,10 @@ class TextCodec:
     too_many = tp.error("Too many connections.")
 
     def __init__(self, limits: c.Limits) -> None:
+        self.commands = COMMANDS
         self.parser = tp.TextParser(max_line=limits.max_line,
                                     max_item_size=min(limits.max_item_size,
                                                       tp.DEFAULT_MAX_ITEM_SIZE))
-
-    def receive_data(self, data: bytes | bytearray) -> None:
-        self.parser.receive_data(data)
-
-    def buffered_bytes(self) -> int:
-        return self.parser.statistics().buffered_bytes
-
-    def next_request(self) -> c.Request | ConnectionClosed | NeedData | None:
-        ev = self.parser.next_event()
-        if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
-            return ev
-        return c.Request(COMMANDS[type(ev)](ev), ev, command_name(ev))
 
     def encode(self, request: c.Request, reply: c.Reply) -> bytes:
         ev = request.context

@@ -51,10 +51,10 @@ class Conn(Protocol):
     async def take(self, cmd: c.Get) -> list[Item]:
         """Items for a get that answers in place (watching for a hang-up while it waits)."""
 
-    async def get_later(self, request: c.Request) -> c.Reply | None:
+    async def get_later(self, cmd: c.Get, request: c.Request) -> c.Reply | None:
         """A get whose reply is matched by id: it may wait in a task of its own (None)."""
 
-    async def monitor(self, request: c.Request) -> c.Reply: ...
+    async def monitor(self, cmd: c.Monitor, request: c.Request) -> c.Reply: ...
 
 
 async def get(conn: Conn, cmd: c.Get, req: c.Request) -> c.Reply | None:
@@ -71,7 +71,7 @@ async def get(conn: Conn, cmd: c.Get, req: c.Request) -> c.Reply | None:
         log.warning("%s: get %s with a read already open on it", conn.name, cmd.queue)
         return c.Failure(c.ErrorKind.READ_OPEN, "a read is already open on this queue")
     if not conn.ordered:
-        return await conn.get_later(req)
+        return await conn.get_later(cmd, req)
     items = await conn.take(cmd)
     if cmd.line_safe and items:
         it = items[0]
@@ -143,8 +143,8 @@ async def quit(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
     return c.Done()
 
 
-async def monitor(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
-    return await conn.monitor(req)
+async def monitor(conn: Conn, cmd: c.Monitor, req: c.Request) -> c.Reply:
+    return await conn.monitor(cmd, req)
 
 
 #: (session, the command, its request) -> the reply, or None if the session answers later

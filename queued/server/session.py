@@ -165,12 +165,12 @@ class Session:
         while i < n and not self.done:
             r = requests[i]
             if isinstance(r, c.Request) and type(r.command) is c.Put:
-                j = i + 1
-                while j < n and isinstance(rj := requests[j], c.Request) and type(
-                        rj.command) is c.Put:
-                    j += 1
-                await self._puts(requests[i:j])  # type: ignore[arg-type]
-                i = j
+                run: list[tuple[c.Request, c.Put]] = []
+                while i < n and isinstance(ri := requests[i], c.Request) and isinstance(
+                        put := ri.command, c.Put):
+                    run.append((ri, put))
+                    i += 1
+                await self._puts(run)
                 continue
             i += 1
             if isinstance(r, ProtocolError):
@@ -213,7 +213,7 @@ class Session:
 
     # -- puts ------------------------------------------------------------------------------------
 
-    async def _puts(self, requests: list[c.Request]) -> None:
+    async def _puts(self, requests: list[tuple[c.Request, c.Put]]) -> None:
         """Begin every put of the run, then wait for all: one write, one fsync.
 
         Consecutive puts to the same queue with the same expiry become one journal append
@@ -222,14 +222,14 @@ class Session:
         """
         with trio.CancelScope(shield=True):
             self.broker.counters.cmd_set += len(requests)
-            self.stats.count(requests[0].name, len(requests))  # one protocol: one put name
-            groups: list[list[c.Request]] = []
-            for r in requests:
-                if groups and _same_append(groups[-1][0].command, r.command):
-                    groups[-1].append(r)
+            self.stats.count(requests[0][0].name, len(requests))  # one protocol: one put name
+            groups: list[list[tuple[c.Request, c.Put]]] = []
+            for entry in requests:
+                if groups and _same_append(groups[-1][0][1], entry[1]):
+                    groups[-1].append(entry)
                 else:
-                    groups.append([r])
-            begun: list[tuple[list[c.Request], PendingPut | Exception]] = []
+                    groups.append([entry])
+            begun: list[tuple[list[tuple[c.Request, c.Put]], PendingPut | Exception]] = []
             for group in groups:
                 try:
                     begun.append((group, await self._begin_put(group)))
@@ -237,27 +237,26 @@ class Session:
                     if len(group) == 1:
                         begun.append((group, exc))
                         continue
-                    for r in group:
+                    for entry in group:
                         try:
-                            begun.append(([r], await self._begin_put([r])))
+                            begun.append(([entry], await self._begin_put([entry])))
                         except Exception as exc1:
-                            begun.append(([r], exc1))
+                            begun.append(([entry], exc1))
             for group, pending in begun:
                 if not isinstance(pending, Exception):
                     try:
                         await self.broker.end_put(pending)
                     except Exception as exc:
                         pending = exc
-                for r in group:
+                for r, put in group:
                     if isinstance(pending, Exception):
                         self._answer(r, self._failure(r, pending))
                     else:
-                        self._answer(r, c.Stored(len(r.command.items)))  # type: ignore[union-attr]
+                        self._answer(r, c.Stored(len(put.items)))
 
-    async def _begin_put(self, group: list[c.Request]) -> PendingPut:
-        first: c.Put = group[0].command  # type: ignore[assignment]
-        items = first.items if len(group) == 1 else [
-            d for r in group for d in r.command.items]  # type: ignore[union-attr]
+    async def _begin_put(self, group: list[tuple[c.Request, c.Put]]) -> PendingPut:
+        first = group[0][1]
+        items = first.items if len(group) == 1 else [d for _, put in group for d in put.items]
         limit = self.max_item_size
         if items and max(map(len, items)) > limit:
             raise ItemTooLargeError(f"item over the server's max_item_size ({limit} bytes)")
@@ -300,17 +299,16 @@ class Session:
                 return
         await trio.sleep_forever()
 
-    async def get_later(self, req: c.Request) -> c.Reply | None:
+    async def get_later(self, cmd: c.Get, req: c.Request) -> c.Reply | None:
         """A get whose reply is matched by id: if it has to wait, it moves to a task of
         its own (started when it answers or begins to wait) and later requests go on."""
-        cmd: c.Get = req.command  # type: ignore[assignment]
         if cmd.timeout_ms <= 0:
             return c.Items(await self._get_many(cmd))
         if self.waiting >= MAX_WAITING:
             return c.Failure(c.ErrorKind.BUSY,
                              f"{MAX_WAITING} gets are already waiting on this connection")
         assert self.nursery is not None
-        await self.nursery.start(self._waiting_get, req)
+        await self.nursery.start(self._waiting_get, cmd, req)
         return None
 
     async def _get_many(self, cmd: c.Get,
@@ -321,12 +319,13 @@ class Session:
             client=self.reads, open=cmd.open, open_timeout_ms=cmd.open_timeout_ms,
             max_bytes=cmd.max_bytes, task_status=task_status)
 
-    async def _waiting_get(self, req: c.Request, task_status: trio.TaskStatus[None]) -> None:
+    async def _waiting_get(self, cmd: c.Get, req: c.Request,
+                           task_status: trio.TaskStatus[None]) -> None:
         batch = self.batches
         self.waiting += 1
         reply: c.Reply
         try:
-            reply = c.Items(await self._get_many(req.command, task_status))  # type: ignore[arg-type]
+            reply = c.Items(await self._get_many(cmd, task_status))
         except Exception as exc:
             reply = self._failure(req, exc)
             with suppress(RuntimeError):  # failed before it started: report started now
@@ -337,9 +336,8 @@ class Session:
         if batch != self.batches or not self.busy:
             await self._flush()  # answered after its batch went out: send it now
 
-    async def monitor(self, req: c.Request) -> c.Reply:
+    async def monitor(self, cmd: c.Monitor, req: c.Request) -> c.Reply:
         """Send items as they arrive (open reads, confirmed with `confirm`) until time is up."""
-        cmd: c.Monitor = req.command  # type: ignore[assignment]
         deadline = trio.current_time() + cmd.timeout_ms / 1000
         sent = 0
         while cmd.max_items is None or sent < cmd.max_items:
@@ -356,7 +354,6 @@ class Session:
         return c.Done()
 
 
-def _same_append(a: c.Command, b: c.Command) -> bool:
+def _same_append(a: c.Put, b: c.Put) -> bool:
     """Puts that may share one journal append: same queue, same expiry."""
-    return (a.queue == b.queue and a.ttl_ms == b.ttl_ms  # type: ignore[union-attr]
-            and a.expire_at_ms == b.expire_at_ms)  # type: ignore[union-attr]
+    return a.queue == b.queue and a.ttl_ms == b.ttl_ms and a.expire_at_ms == b.expire_at_ms
