@@ -58,13 +58,20 @@ async def test_pipelined_long_polls_then_half_close_answer_every_command(
 
 
 async def test_rpc_calls_before_a_half_close_are_answered(tmp_path: Path) -> None:
+    """A get waiting in a task of its own is answered (empty) when the peer ends its side,
+    as a long poll is on the other protocols; its item stays queued."""
     async with running(make_config(tmp_path / "data")) as server:
         conn = await Conn.open(server.ports["rpc"])
         await conn.send(msgpack.packb([0, 1, "put", ["q", [b"x"]]])
+                        + msgpack.packb([0, 3, "get", ["empty", 1, 60_000]])
                         + msgpack.packb([0, 2, "version", []]))
+        with trio.fail_after(WAIT):
+            while server.broker.reader_info("empty").get("waiters") != 1:
+                await trio.sleep(0.01)
         await conn.stream.send_eof()
-        replies = list(msgpack.Unpacker(io.BytesIO(await read_to_eof(conn))))
-        assert sorted(replies) == [[1, 1, None, 1], [1, 2, None, __version__]]
+        with trio.fail_after(WAIT / 2):  # well before the get's own 60 s
+            replies = list(msgpack.Unpacker(io.BytesIO(await read_to_eof(conn))))
+        assert sorted(replies) == [[1, 1, None, 1], [1, 2, None, __version__], [1, 3, None, []]]
         await conn.aclose()
 
 
@@ -135,3 +142,36 @@ async def test_session_over_an_in_memory_stream(
             await client.aclose()
         assert session.eof
         assert sum(stats.commands.values()) == 2
+
+
+@pytest.mark.parametrize(("proto", "line"), [
+    ("memcache", b"monitor m 20\r\n"), ("text", b"monitor m 20000\n"),
+])
+async def test_a_monitor_stops_taking_items_once_its_peer_is_lost(
+    tmp_path: Path, proto: str, line: bytes,
+) -> None:
+    """Once a send fails the monitor ends: it must not go on taking (and, at the hang-up,
+    returning with an error count) the rest of the queue."""
+    toml = '[queues.m]\nerror_queue = "merr"\nmax_errors = 1\n'
+    async with running(make_config(tmp_path / "data", toml, fsync="never")) as server:
+        port = server.ports[proto]
+        producer = await Conn.open(server.ports["memcache"])
+        for _ in range(300):
+            assert await producer.set("m", b"x" * 30_000) == b"STORED"
+        conn = await Conn.open(port)
+        await conn.send(line)
+        await conn.exactly(100)
+        conn.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                      struct.pack("ii", 1, 0))
+        await conn.stream.aclose()
+        with trio.fail_after(WAIT):
+            while server.connections() > 1:
+                await trio.sleep(0.01)
+        # What the dead monitor held went back (with an error count: to merr); the rest
+        # of the queue was never taken.
+        with trio.fail_after(WAIT):
+            while (moved := server.broker.reader_info("merr").get("items", 0)) + \
+                    server.broker.reader_info("m")["items"] < 300:
+                await trio.sleep(0.01)
+        assert moved < 150, moved
+        await producer.aclose()

@@ -15,6 +15,10 @@ from queued.core.queue import Item
 
 #: memcache exptime values below this are relative seconds, as in memcached.
 RELATIVE_EXPTIME_LIMIT: Final = 1_000_000
+END: Final = mc.end()
+STORED: Final = mc.stored()
+#: Distinct get keys whose commands a connection keeps (then it starts again).
+GET_CACHE: Final = 256
 
 
 def put_of(ev: mc.Set) -> c.Put:
@@ -54,7 +58,12 @@ COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
 }
 
 
-def _values(ev: mc.Get, reply: c.Items) -> bytes:
+def _values(ev: mc.Get, reply: c.Items | c.Done) -> bytes:
+    """A get's reply: its VALUE blocks and END (an abort or a close alone: END)."""
+    if type(reply) is not c.Items or not reply.items:
+        return END
+    if len(reply.items) == 1:
+        return mc.value(ev.key, 0, reply.items[0].data) + END
     return b"".join(mc.value(ev.key, 0, it.data) for it in reply.items) + mc.end()
 
 
@@ -70,8 +79,8 @@ def _stats(ev: mc.Stats | mc.DumpStats, reply: c.Value) -> bytes:
 
 #: parser event type -> the bytes of its successful reply
 REPLIES: Final[dict[type, Callable[[Any, Any], bytes]]] = {
-    mc.Set: lambda ev, r: b"" if ev.noreply else mc.stored(),
-    mc.Get: lambda ev, r: _values(ev, r) if isinstance(r, c.Items) else mc.end(),
+    mc.Set: lambda ev, r: b"" if ev.noreply else STORED,
+    mc.Get: _values,
     mc.Delete: lambda ev, r: b"" if ev.noreply else mc.deleted(),
     mc.Flush: lambda ev, r: mc.end(),
     mc.FlushAll: lambda ev, r: b"" if ev.noreply else mc.flushed_all(),
@@ -112,9 +121,19 @@ class MemcacheCodec(c.LineCodec):
     too_many = mc.server_error("too many connections")
 
     def __init__(self, limits: c.Limits) -> None:
-        self.commands = COMMANDS
+        # A client repeats its get keys: their commands are made once (they are values).
+        self.commands = {**COMMANDS, mc.Get: self._get}
+        self._gets: dict[str, c.Get] = {}
         self.parser = mc.MemcacheParser(max_line=limits.max_line,
                                         max_item_size=limits.max_item_size)
+
+    def _get(self, ev: mc.Get) -> c.Get:
+        cmd = self._gets.get(ev.key)
+        if cmd is None:
+            if len(self._gets) >= GET_CACHE:
+                self._gets.clear()
+            cmd = self._gets[ev.key] = get_of(ev)
+        return cmd
 
     def encode(self, request: c.Request, reply: c.Reply) -> bytes:
         ev = request.context

@@ -67,6 +67,7 @@ class Session:
         self.lost = False  # sending failed: the peer is gone
         self.batches = 0  # batches run; a get that answers after its batch sends itself
         self.waiting = 0
+        self.waits: set[trio.CancelScope] = set()  # of the gets waiting in tasks (RPC)
 
     def stop_if_idle(self) -> None:
         """Shutdown: stop reading; a batch that runs finishes, waiting gets (woken empty
@@ -78,7 +79,14 @@ class Session:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             await self._receive_loop()
-            if not self.hub.closing:
+            if self.hub.closing:
+                return  # the broker answers waiting gets empty; they send themselves
+            if self.eof and not self.lost:
+                # The peer ended its side but may still read: its waiting gets answer now
+                # (empty), as a long poll does on the other protocols.
+                for scope in list(self.waits):
+                    scope.cancel()
+            else:
                 nursery.cancel_scope.cancel()  # the peer is gone: so are its waiting gets
 
     async def _receive_loop(self) -> None:
@@ -144,18 +152,21 @@ class Session:
 
     def _parse(self) -> list[c.Request | ProtocolError | ConnectionClosed]:
         out: list[c.Request | ProtocolError | ConnectionClosed] = []
+        next_request, append, request = self.codec.next_request, out.append, c.Request
         while len(out) < MAX_BATCH:
             try:
-                r = self.codec.next_request()
+                r = next_request()
             except ProtocolError as e:
-                out.append(e)
+                append(e)
                 if e.close:
                     break
                 continue
-            if r is NEED_DATA:
+            if type(r) is request:  # the usual case first: one check
+                append(r)
+            elif r is NEED_DATA:
                 break
-            if r is not None:
-                out.append(r)
+            elif r is not None:
+                append(r)
                 if isinstance(r, ConnectionClosed):
                     break
         return out
@@ -164,7 +175,7 @@ class Session:
         i, n = 0, len(requests)
         while i < n and not self.done:
             r = requests[i]
-            if isinstance(r, c.Request) and type(r.command) is c.Put:
+            if type(r) is c.Request and type(r.command) is c.Put:
                 run: list[tuple[c.Request, c.Put]] = []
                 while i < n and isinstance(ri := requests[i], c.Request) and isinstance(
                         put := ri.command, c.Put):
@@ -173,7 +184,10 @@ class Session:
                 await self._puts(run)
                 continue
             i += 1
-            if isinstance(r, ProtocolError):
+            if type(r) is c.Request:
+                self.stats.count(r.name)
+                await self._execute(r)
+            elif isinstance(r, ProtocolError):
                 log.debug("%s: %s", self.name, r)
                 self.stats.protocol_errors += 1
                 self.out += r.reply
@@ -183,9 +197,6 @@ class Session:
                 if r.unparsed:
                     log.info("%s: closed mid-request, %d bytes dropped", self.name, r.unparsed)
                 self.done = True
-            else:
-                self.stats.count(r.name)
-                await self._execute(r)
             if len(self.out) >= RECEIVE_SIZE:  # replies of a long batch go out as they grow
                 await self._flush()
 
@@ -195,11 +206,14 @@ class Session:
         except Exception as exc:  # mapped to the protocol's reply, by kind
             reply = self._failure(req, exc)
         if reply is not None:
-            self._answer(req, reply)
+            self.out += self.codec.encode(req, reply)
+            if type(reply) is c.Failure and reply.kind in self.codec.closing:
+                self.done = True
 
     def _answer(self, req: c.Request, reply: c.Reply) -> None:
+        """Add a reply (the hot path of `_execute` does the same inline)."""
         self.out += self.codec.encode(req, reply)
-        if isinstance(reply, c.Failure) and reply.kind in self.codec.closing:
+        if type(reply) is c.Failure and reply.kind in self.codec.closing:
             self.done = True
 
     def _failure(self, req: c.Request, exc: Exception) -> c.Failure:
@@ -225,7 +239,8 @@ class Session:
             self.stats.count(requests[0][0].name, len(requests))  # one protocol: one put name
             groups: list[list[tuple[c.Request, c.Put]]] = []
             for entry in requests:
-                if groups and _same_append(groups[-1][0][1], entry[1]):
+                put = entry[1]
+                if groups and _same_append(groups[-1][0][1], put):
                     groups[-1].append(entry)
                 else:
                     groups.append([entry])
@@ -248,11 +263,12 @@ class Session:
                         await self.broker.end_put(pending)
                     except Exception as exc:
                         pending = exc
+                encode = self.codec.encode
                 for r, put in group:
                     if isinstance(pending, Exception):
                         self._answer(r, self._failure(r, pending))
                     else:
-                        self._answer(r, c.Stored(len(put.items)))
+                        self.out += encode(r, c.Stored(len(put.items)))
 
     async def _begin_put(self, group: list[tuple[c.Request, c.Put]]) -> PendingPut:
         first = group[0][1]
@@ -324,14 +340,20 @@ class Session:
         batch = self.batches
         self.waiting += 1
         reply: c.Reply
+        items: list[Item] = []
+        scope = trio.CancelScope()  # cancelled: answered empty (see run)
+        self.waits.add(scope)
         try:
-            reply = c.Items(await self._get_many(cmd, task_status))
+            with scope:
+                items = await self._get_many(cmd, task_status)
+            reply = c.Items(items)
         except Exception as exc:
             reply = self._failure(req, exc)
             with suppress(RuntimeError):  # failed before it started: report started now
                 task_status.started()
         finally:
             self.waiting -= 1
+            self.waits.discard(scope)
         self._answer(req, reply)
         if batch != self.batches or not self.busy:
             await self._flush()  # answered after its batch went out: send it now
@@ -342,7 +364,7 @@ class Session:
         sent = 0
         while cmd.max_items is None or sent < cmd.max_items:
             left = deadline - trio.current_time()
-            if left <= 0 or self.hub.closing:
+            if left <= 0 or self.hub.closing or self.done:  # done: the peer is lost
                 break
             items = await self.take(c.Get(cmd.queue, cmd.reader,
                                           timeout_ms=max(1, int(left * 1000)), open=True))
