@@ -144,3 +144,13 @@ def test_rpc_get_is_open_with_auto_abort_and_capped_to_half_a_frame() -> None:
                                 max_bytes=LIMITS.max_frame // 2)
     assert codec.encode(get, c.Failure(c.ErrorKind.BUSY, "busy")) == rp.encode_error(
         4, rp.ErrorCode.BUSY, "busy")
+
+
+def test_memcache_gets_of_one_key_share_their_request_and_the_cache_is_bounded() -> None:
+    codec = mcc.MemcacheCodec(LIMITS)
+    first, again, other = decode_all(codec, b"get q/t=5\r\nget q/t=5\r\nget r\r\n")
+    assert first is again and first is not other
+    keys = b"".join(b"get k%d\r\n" % i for i in range(mcc.GET_CACHE + 10))
+    assert len(decode_all(codec, keys)) == mcc.GET_CACHE + 10
+    (later,) = decode_all(codec, b"get q/t=5\r\n")  # the cache started again when full
+    assert later is not first and later.command == first.command

@@ -101,9 +101,6 @@ class Broker:
         """Build every recovered queue's readers from their durable checkpoints."""
         await self.registry.load()
 
-    def _queue(self, name: str) -> QueueState:
-        return self.registry.queue(name)
-
     # -- put ------------------------------------------------------------------------------------
 
     async def put(
@@ -143,7 +140,7 @@ class Broker:
         max_journal_size.
         """
         started = time.perf_counter()
-        pending = await self._queue(queue).begin_put(
+        pending = await self.registry.queue(queue).begin_put(
             datas, expire_ms=expire_ms, error_count=error_count)
         pending.started = started
         return pending
@@ -185,7 +182,7 @@ class Broker:
             self.counters.cmd_peek += 1
         else:
             self.counters.cmd_get += 1
-        qs = self._queue(queue)
+        qs = self.registry.queue(queue)
         rname = reader or ""
         h = await self.registry.handle(qs, rname)
         if open:
@@ -264,7 +261,7 @@ class Broker:
         session can go on with later requests while it waits.
         """
         started = time.perf_counter()
-        qs = self._queue(queue)
+        qs = self.registry.queue(queue)
         rname = reader or ""
         h = await self.registry.handle(qs, rname)
         if open:

@@ -12,6 +12,8 @@ from typing import Any, Final
 from queued.core import commands as c
 from queued.core import memcache_protocol as mc
 from queued.core.queue import Item
+from queued.core.stats import command_name
+from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData
 
 #: memcache exptime values below this are relative seconds, as in memcached.
 RELATIVE_EXPTIME_LIMIT: Final = 1_000_000
@@ -121,19 +123,25 @@ class MemcacheCodec(c.LineCodec):
     too_many = mc.server_error("too many connections")
 
     def __init__(self, limits: c.Limits) -> None:
-        # A client repeats its get keys: their commands are made once (they are values).
-        self.commands = {**COMMANDS, mc.Get: self._get}
-        self._gets: dict[str, c.Get] = {}
+        self.commands = COMMANDS
         self.parser = mc.MemcacheParser(max_line=limits.max_line,
                                         max_item_size=limits.max_item_size)
+        # A client repeats its get keys: their requests are made once (they are values;
+        # the key, all a get's reply needs of its event, is the same).
+        self._gets: dict[str, c.Request] = {}
 
-    def _get(self, ev: mc.Get) -> c.Get:
-        cmd = self._gets.get(ev.key)
-        if cmd is None:
-            if len(self._gets) >= GET_CACHE:
-                self._gets.clear()
-            cmd = self._gets[ev.key] = get_of(ev)
-        return cmd
+    def next_request(self) -> c.Request | ConnectionClosed | NeedData | None:
+        ev = self.parser.next_event()
+        if type(ev) is mc.Get:
+            req = self._gets.get(ev.key)
+            if req is None:
+                if len(self._gets) >= GET_CACHE:
+                    self._gets.clear()
+                req = self._gets[ev.key] = c.Request(get_of(ev), ev, "get")
+            return req
+        if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
+            return ev
+        return c.Request(COMMANDS[type(ev)](ev), ev, command_name(ev))
 
     def encode(self, request: c.Request, reply: c.Reply) -> bytes:
         ev = request.context
