@@ -124,11 +124,9 @@ class Server:
         self.broker.register(session.reads)
         try:
             await session.run()
-        except Exception as exc:  # one connection's failure must not take the server down
-            if _disconnected(exc):  # the peer went away: an ordinary event
-                log.debug("%s: connection lost: %r", session.name, exc)
-            else:
-                log.exception("%s: session failed; closing the connection", session.name)
+        except Exception:  # one connection's failure must not take the server down
+            # (a peer that goes away is not one: the session handles broken streams itself)
+            log.exception("%s: session failed; closing the connection", session.name)
         finally:
             self._sessions.discard(session)
             stats.connections -= 1
@@ -214,13 +212,6 @@ class Server:
         new = reload_queue_configs(self.config)
         self.config = new
         self.broker.reconfigure(new)
-
-
-def _disconnected(exc: BaseException) -> bool:
-    """True if `exc` (or every exception of a group) says the stream broke or was closed."""
-    if isinstance(exc, BaseExceptionGroup):
-        return all(_disconnected(e) for e in exc.exceptions)
-    return isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError))
 
 
 def human_bytes(n: int) -> str:
