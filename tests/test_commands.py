@@ -7,6 +7,8 @@ import errno
 import typing
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from queued.core import commands as c
 from queued.core import memcache_commands as mcc
@@ -91,6 +93,8 @@ def decode_all(codec: c.Codec, data: bytes) -> list[object]:
             r = codec.next_request()
         except ProtocolError as e:
             out.append(e)
+            if e.close:  # sticky: the parser only repeats it
+                return out
             continue
         if r is NEED_DATA:
             return out
@@ -114,6 +118,79 @@ def test_memcache_requests_and_replies() -> None:
     assert codec.encode(get, c.Items([item])) == b"VALUE q+r/t=5/open 0 4\r\ndata\r\nEND\r\n"
     assert codec.encode(get, c.Failure(c.ErrorKind.READ_OPEN, "open")) == b"ERROR\r\n"
     assert c.ErrorKind.READ_OPEN in codec.closing
+
+
+def test_memcache_joins_pipelined_sets_and_plain_gets() -> None:
+    codec = mcc.MemcacheCodec(LIMITS)
+    codec.receive_data(b"set q 0 0 1\r\na\r\nset q 0 0 1\r\nb\r\nset q 0 0 1\r\nc\r\n"
+                       b"get q\r\nget q\r\nget q\r\nget q/open\r\nget q\r\n")
+    puts, gets, opened, alone = codec.next_requests(100)
+    assert isinstance(puts, c.Request) and puts.count == 3
+    assert puts.command == c.Put("q", [b"a", b"b", b"c"])
+    assert codec.encode(puts, c.Stored(3)) == b"STORED\r\n" * 3
+    assert [p.command for p in puts.split()] == [c.Put("q", (d,)) for d in (b"a", b"b", b"c")]
+    assert isinstance(gets, c.Request) and gets.count == 3
+    assert gets.command == c.Get("q", None, max_items=3, exclusive=True)
+    item = Item(1, b"a", 0)
+    assert codec.encode(gets, c.Items([item])) == (b"VALUE q 0 1\r\na\r\nEND\r\n"
+                                                   + b"END\r\n" * 2)
+    assert codec.encode(gets, c.Items([])) == b"END\r\n" * 3
+    assert codec.encode(gets, c.Failure(c.ErrorKind.READ_OPEN, "open")) == b"ERROR\r\n" * 3
+    assert isinstance(opened, c.Request) and opened.count == 1 and opened.command.open
+    assert isinstance(alone, c.Request) and alone.count == 1
+    assert alone.command == c.Get("q", None, exclusive=True)  # the shared request is intact
+
+
+_LINES = st.sampled_from([
+    b"set a 0 0 1\r\nx\r\n", b"set a 0 0 2\r\nyy\r\n", b"set b 0 0 1\r\nz\r\n",
+    b"set a 0 5 1\r\nt\r\n", b"set a 0 0 1 noreply\r\nn\r\n", b"get a\r\n", b"get b\r\n",
+    b"get a/open\r\n", b"get a/peek\r\n", b"version\r\n", b"bogus\r\n",
+    b"set a 0 0 1\r\nxBAD\r\n",
+])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_LINES, max_size=30), st.integers(1, 40), st.integers(1, 50))
+def test_memcache_joined_requests_stand_for_the_requests_one_by_one(
+        lines: list[bytes], chunk: int, limit: int) -> None:
+    """Whatever the pipeline and however it arrives, next_requests (joining, with the
+    parser's line cache) gives the requests one-by-one parsing gives, in order."""
+    data = b"".join(lines) or b"version\r\n"  # (b"" would be the end of the stream)
+    one = mcc.MemcacheCodec(LIMITS)
+    expected = [_shape(r) for r in decode_all(one, data)]
+    joined = mcc.MemcacheCodec(LIMITS)
+    got: list[object] = []
+    closed = False
+    for i in range(0, len(data), chunk):
+        joined.receive_data(data[i:i + chunk])
+        while not closed and (batch := joined.next_requests(limit)):
+            for r in batch:
+                got.extend(_expand(r))
+                closed = isinstance(r, ProtocolError) and r.close
+    assert got == expected
+
+
+def _shape(r: object) -> object:
+    if isinstance(r, c.Request):
+        cmd = r.command
+        if isinstance(cmd, c.Put):
+            return ("put", cmd.queue, tuple(cmd.items), cmd.ttl_ms, r.context.noreply)
+        if isinstance(cmd, c.Get):
+            return ("get", cmd.queue, cmd.open, cmd.peek, cmd.max_items)
+        return type(cmd).__name__
+    if isinstance(r, ProtocolError):
+        return ("error", r.reply, r.close)
+    return r
+
+
+def _expand(r: object) -> list[object]:
+    if isinstance(r, c.Request) and r.count > 1:
+        if isinstance(r.command, c.Get):
+            assert r.command.max_items == r.count
+            return [("get", r.command.queue, False, False, 1)] * r.count
+        assert isinstance(r.command, c.Put) and len(r.command.items) == r.count
+        return [_shape(p) for p in r.split()]
+    return [_shape(r)]
 
 
 def test_text_get_leaves_an_item_with_a_newline_queued() -> None:

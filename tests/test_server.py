@@ -231,6 +231,32 @@ async def test_pipelined_commands_answer_in_order(tmp_path: Path) -> None:
         await c.aclose()
 
 
+async def test_pipelined_requests_run_together_answer_each(tmp_path: Path) -> None:
+    """Pipelined sets to one queue are one append and pipelined plain gets of one key one
+    take (Request.count), but each request keeps its own answer and its own count: a full
+    queue refuses exactly the sets past its limit, gets past the items answer END."""
+    async with running(cfg(tmp_path, "[queues.full]\nmax_items = 3\n")) as server:
+        c = await Conn.open(server.ports["memcache"])
+        await c.send(b"".join(b"set full 0 0 2\r\nf%d\r\n" % i for i in range(5)))
+        assert [await c.line() for _ in range(5)] == [b"STORED"] * 3 + [b"NOT_STORED"] * 2
+        await c.send(b"get full\r\n" * 5)
+        assert [await c.read_value("full") for _ in range(5)] == [b"f0", b"f1", b"f2",
+                                                                  None, None]
+        # a run broken by another key, an option, a noreply set: each still in its place
+        await c.send(b"set a 0 0 1\r\n1\r\nset a 0 0 1\r\n2\r\nset b 0 0 1\r\n3\r\n"
+                     b"set a 0 0 1 noreply\r\n4\r\nset a 0 0 1\r\n5\r\n"
+                     b"get a\r\nget a/peek\r\nget a\r\nget a\r\nget b\r\nget a\r\n")
+        assert [await c.line() for _ in range(4)] == [b"STORED"] * 4
+        assert [await c.read_value(k) for k in ("a", "a/peek", "a", "a", "b", "a")] == [
+            b"1", b"2", b"2", b"4", b"3", b"5"]
+        stats = await c.stats()
+        # (a peek is a hit, not a cmd_get)
+        assert (stats["cmd_set"], stats["cmd_get"], stats["cmd_peek"], stats["get_hits"],
+                stats["get_misses"]) == ("10", "10", "1", "9", "2")
+        assert stats["total_items"] == "8"
+        await c.aclose()
+
+
 async def test_noreply_set_is_silent(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         c = await Conn.open(server.ports["memcache"])

@@ -249,6 +249,7 @@ class Broker:
         open: bool = False,
         open_timeout_ms: int | None = None,
         max_bytes: int = 0,
+        separate: bool = False,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> list[Item]:
         """Up to `max_items` items: those there now, or, if none, the first to arrive
@@ -258,7 +259,9 @@ class Broker:
         at least). `open`, `client`, `open_timeout_ms` as in `get`; with `open` the
         batch is cut to the client's remaining open-read allowance. Under
         `nursery.start`, it reports started when it answers or begins to wait, so a
-        session can go on with later requests while it waits.
+        session can go on with later requests while it waits. `separate`: the call
+        stands for `max_items` gets of one item each (pipelined, run together): the
+        counters count them so.
         """
         started = time.perf_counter()
         qs = self.registry.queue(queue)
@@ -269,11 +272,14 @@ class Broker:
         owner = client if open else None
         taken = await qs.take_now(h, max_items, max_bytes)
         if taken or timeout_ms <= 0 or h.closed or self.closing:
-            self.counters.cmd_get += 1
-            if taken:
-                self.counters.get_hits += len(taken)
+            counters = self.counters
+            counters.get_hits += len(taken)
+            if separate:
+                counters.cmd_get += max_items
+                counters.get_misses += max_items - len(taken)
             else:
-                self.counters.get_misses += 1
+                counters.cmd_get += 1
+                counters.get_misses += not taken
             task_status.started()
             done = self._finish_many(qs, h, rname, taken, owner, open_timeout_ms)
             self.get_latency.observe(time.perf_counter() - started)

@@ -24,6 +24,7 @@ from queued.core.errors import (
     JournalClosedError,
     JournalError,
     JournalFullError,
+    ProtocolError,
     QueueClosedError,
     QueueError,
     QueueFullError,
@@ -284,11 +285,55 @@ class Limits:
 @dataclass(slots=True)
 class Request:
     """One command as parsed: what to run, the wire context its replies need (a memcache
-    event with its key and noreply, an RPC msgid), and its name for the metrics."""
+    event with its key and noreply, an RPC msgid), and its name for the metrics.
+
+    `count` > 1: pipelined wire requests a codec joined into one command (memcache sets
+    to one queue: a Put of `count` items; plain gets of one key: a Get of `count`
+    items), each still answered on its own. A joined put that fails is retried one
+    request at a time (`split`), so each gets its own answer.
+    """
 
     command: Command
     context: Any
     name: str
+    count: int = 1
+
+    def split(self) -> list[Request]:
+        """A joined put as the single-item puts it stands for (else [self])."""
+        cmd = self.command
+        if self.count == 1 or type(cmd) is not Put:
+            return [self]
+        return [Request(Put(cmd.queue, (d,), cmd.ttl_ms, cmd.expire_at_ms), self.context,
+                        self.name) for d in cmd.items]
+
+
+#: What a codec's next_requests gives: requests, refusals (their reply is ready), the end.
+Parsed: TypeAlias = "Request | ProtocolError | ConnectionClosed"
+
+
+def next_requests(codec: Codec, limit: int) -> list[Parsed]:
+    """Up to `limit` requests parsed from what `codec` has buffered, in order, with each
+    ProtocolError in its place (a closing one ends the list) and ConnectionClosed last
+    if the stream ended: `Codec.next_requests` for a codec that joins nothing."""
+    out: list[Parsed] = []
+    next_request, append = codec.next_request, out.append
+    while len(out) < limit:
+        try:
+            r = next_request()
+        except ProtocolError as e:
+            append(e)
+            if e.close:
+                break
+            continue
+        if type(r) is Request:  # the usual case first: one check
+            append(r)
+        elif r is NEED_DATA:
+            break
+        elif r is not None:
+            append(r)
+            if isinstance(r, ConnectionClosed):
+                break
+    return out
 
 
 class Codec(Protocol):
@@ -311,6 +356,10 @@ class Codec(Protocol):
     def next_request(self) -> Request | ConnectionClosed | NeedData | None:
         """The next request, the end of the stream, NEED_DATA, or None for an event
         that needs nothing (ignored); raises ProtocolError (its reply, maybe close)."""
+
+    def next_requests(self, limit: int) -> list[Parsed]:
+        """Every complete request buffered, up to `limit` (see the function
+        `next_requests`); a codec may join pipelined requests (`Request.count`)."""
 
     def encode(self, request: Request, reply: Reply) -> bytes: ...
 
@@ -338,3 +387,6 @@ class LineCodec:
         if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
             return ev
         return Request(self.commands[type(ev)](ev), ev, command_name(ev))
+
+    def next_requests(self, limit: int) -> list[Parsed]:
+        return next_requests(self, limit)  # type: ignore[arg-type]  # (a Codec's base)

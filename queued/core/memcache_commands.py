@@ -6,11 +6,12 @@ Owns the tables: parser event -> command, (command, reply) -> reply bytes, error
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from queued.core import commands as c
 from queued.core import memcache_protocol as mc
+from queued.core.errors import ProtocolError
 from queued.core.queue import Item
 from queued.core.stats import command_name
 from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData
@@ -23,17 +24,19 @@ STORED: Final = mc.stored()
 GET_CACHE: Final = 256
 
 
-def put_of(ev: mc.Set) -> c.Put:
+def put_of(ev: mc.Set, items: Sequence[bytes] | None = None) -> c.Put:
     """exptime: 0 never, negative already expired (as memcached), < 1,000,000 relative
-    seconds, else unix seconds."""
+    seconds, else unix seconds. `items`: the Put's (a list others may join), else the
+    event's data alone."""
     e = ev.exptime
+    items = (ev.data,) if items is None else items
     if e == 0:
-        return c.Put(ev.queue, (ev.data,))
+        return c.Put(ev.queue, items)
     if e < 0:
-        return c.Put(ev.queue, (ev.data,), ttl_ms=0)
+        return c.Put(ev.queue, items, ttl_ms=0)
     if e < RELATIVE_EXPTIME_LIMIT:
-        return c.Put(ev.queue, (ev.data,), ttl_ms=e * 1000)
-    return c.Put(ev.queue, (ev.data,), expire_at_ms=e * 1000)
+        return c.Put(ev.queue, items, ttl_ms=e * 1000)
+    return c.Put(ev.queue, items, expire_at_ms=e * 1000)
 
 
 def get_of(ev: mc.Get) -> c.Get:
@@ -60,13 +63,18 @@ COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
 }
 
 
-def _values(ev: mc.Get, reply: c.Items | c.Done) -> bytes:
-    """A get's reply: its VALUE blocks and END (an abort or a close alone: END)."""
+def _values(ev: mc.Get, reply: c.Items | c.Done, gets: int = 1) -> bytes:
+    """The replies of `gets` pipelined gets of one key (see `Request.count`): a VALUE
+    block and END for each item, END for each get left without one (an abort or a close
+    alone: END)."""
     if type(reply) is not c.Items or not reply.items:
-        return END
-    if len(reply.items) == 1:
-        return mc.value(ev.key, 0, reply.items[0].data) + END
-    return b"".join(mc.value(ev.key, 0, it.data) for it in reply.items) + mc.end()
+        return END * gets
+    items = reply.items
+    if len(items) == 1:
+        return mc.value(ev.key, 0, items[0].data) + END * gets
+    key = ev.key
+    return b"".join([mc.value(key, 0, it.data) + END for it in items]) + END * (
+        gets - len(items))
 
 
 def _stats(ev: mc.Stats | mc.DumpStats, reply: c.Value) -> bytes:
@@ -81,7 +89,7 @@ def _stats(ev: mc.Stats | mc.DumpStats, reply: c.Value) -> bytes:
 
 #: parser event type -> the bytes of its successful reply
 REPLIES: Final[dict[type, Callable[[Any, Any], bytes]]] = {
-    mc.Set: lambda ev, r: b"" if ev.noreply else STORED,
+    mc.Set: lambda ev, r: b"" if ev.noreply else STORED * r.count,
     mc.Get: _values,
     mc.Delete: lambda ev, r: b"" if ev.noreply else mc.deleted(),
     mc.Flush: lambda ev, r: mc.end(),
@@ -115,6 +123,17 @@ FAILURES: Final[dict[c.ErrorKind, Callable[[str], bytes]]] = {
 }
 
 
+def _joins_set(a: object, b: mc.Set) -> bool:
+    """May set `b` join the request whose context is `a` (one Put, one append)?"""
+    return (type(a) is mc.Set and a.queue == b.queue and a.exptime == b.exptime
+            and not a.noreply and not b.noreply)
+
+
+def _plain(ev: mc.Get) -> bool:
+    """A get without options: pipelined ones may be run as one Get of many items."""
+    return not (ev.timeout_ms or ev.open or ev.close or ev.abort or ev.peek)
+
+
 class MemcacheCodec(c.LineCodec):
     """One memcache connection's parser and tables (see `queued.core.commands.Codec`)."""
 
@@ -133,21 +152,76 @@ class MemcacheCodec(c.LineCodec):
     def next_request(self) -> c.Request | ConnectionClosed | NeedData | None:
         ev = self.parser.next_event()
         if type(ev) is mc.Get:
-            req = self._gets.get(ev.key)
-            if req is None:
-                if len(self._gets) >= GET_CACHE:
-                    self._gets.clear()
-                req = self._gets[ev.key] = c.Request(get_of(ev), ev, "get")
-            return req
+            return self._get(ev)
         if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
             return ev
         return c.Request(COMMANDS[type(ev)](ev), ev, command_name(ev))
 
+    def next_requests(self, limit: int) -> list[c.Parsed]:
+        """As `commands.next_requests`, joining pipelined requests (`Request.count`):
+        consecutive sets to one queue with one exptime become one Put, consecutive plain
+        gets (no options) of one key one Get of as many items. One pass: this is the
+        hot loop of a memcache connection."""
+        out: list[c.Parsed] = []
+        append = out.append
+        next_event = self.parser.next_event
+        last: c.Request | None = None  # the request the next one may join
+        run = c.Get("")  # the Get of `last` once it is a run of gets
+        n = 0
+        while n < limit:
+            n += 1
+            try:
+                ev = next_event()
+            except ProtocolError as e:
+                append(e)
+                last = None
+                if e.close:
+                    break
+                continue
+            t = type(ev)
+            if t is mc.Set:
+                if last is not None and _joins_set(last.context, ev):
+                    last.command.items.append(ev.data)  # type: ignore[union-attr]
+                    last.count += 1
+                    continue
+                last = c.Request(put_of(ev, [ev.data]), ev, "set")
+                append(last)
+            elif t is mc.Get:
+                if last is not None and last.context is ev and _plain(ev):
+                    if last.count == 1:  # the cached request of the key: a run of its own
+                        run = c.Get(ev.queue, ev.reader, exclusive=True)
+                        last = out[-1] = c.Request(run, ev, "get")
+                    run.max_items += 1
+                    last.count += 1
+                    continue
+                last = self._get(ev)
+                append(last)
+            elif ev is NEED_DATA:
+                break
+            else:
+                last = None
+                if isinstance(ev, ConnectionClosed):
+                    append(ev)
+                    break
+                append(c.Request(COMMANDS[t](ev), ev, command_name(ev)))
+        return out
+
+    def _get(self, ev: mc.Get) -> c.Request:
+        req = self._gets.get(ev.key)
+        if req is None:
+            if len(self._gets) >= GET_CACHE:
+                self._gets.clear()
+            req = self._gets[ev.key] = c.Request(get_of(ev), ev, "get")
+        return req
+
     def encode(self, request: c.Request, reply: c.Reply) -> bytes:
         ev = request.context
         if isinstance(reply, c.Failure):
-            return b"" if isinstance(ev, mc.Set) and ev.noreply else FAILURES[reply.kind](
-                reply.message)
+            if isinstance(ev, mc.Set) and ev.noreply:
+                return b""
+            return FAILURES[reply.kind](reply.message) * request.count
+        if type(ev) is mc.Get:
+            return _values(ev, reply, request.count)  # type: ignore[arg-type]
         return REPLIES[type(ev)](ev, reply)
 
     def encode_item(self, request: c.Request, item: Item) -> bytes:

@@ -121,6 +121,9 @@ class RpcCodec:
             command = COMMANDS[type(call)](call)
         return c.Request(command, msgid, ev.method)
 
+    def next_requests(self, limit: int) -> list[c.Parsed]:
+        return c.next_requests(self, limit)
+
     def encode(self, request: c.Request, reply: c.Reply) -> bytes:
         msgid = request.context
         if msgid is None:

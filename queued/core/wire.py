@@ -143,6 +143,18 @@ class ReceiveBuffer:
         self._scanned = 0
         return data
 
+    def take_block(self, n: int) -> bytes | None:
+        """`n` bytes followed by CRLF (both consumed; the data returned), None if fewer
+        than n + 2 are buffered or the CRLF is not there (nothing consumed then)."""
+        pos = self._pos
+        end = pos + n
+        buf = self._buf
+        if len(buf) < end + 2 or buf[end] != 13 or buf[end + 1] != 10:
+            return None
+        self._pos = end + 2
+        self._scanned = 0
+        return bytes(buf[pos:end])
+
     def peek(self, start: int, end: int) -> bytes:
         """Buffered bytes [start, end) counted from the first unread byte, left unread."""
         return bytes(self._buf[self._pos + start : self._pos + min(end, len(self))])

@@ -23,8 +23,9 @@ from queued.core.errors import ItemTooLargeError, ProtocolError
 from queued.core.open_reads import OpenReads
 from queued.core.queue import Item
 from queued.core.stats import ProtocolStats
-from queued.core.wire import NEED_DATA, ConnectionClosed
+from queued.core.wire import ConnectionClosed
 from queued.server.handlers import HANDLERS, Hub
+from queued.server.transport import transport_of
 
 log = logging.getLogger("queued.server")
 
@@ -52,6 +53,7 @@ class Session:
         self.max_item_size = max_item_size
         self.counters = counters
         self.stream = stream
+        self.transport = transport_of(stream)
         self.codec = codec
         self.ordered = codec.ordered
         self.name = name
@@ -103,11 +105,8 @@ class Session:
                 self.batches += 1
                 self.busy = False
 
-    async def _receive(self) -> bytes | bytearray:
-        try:
-            data = await self.stream.receive_some(RECEIVE_SIZE)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            data = b""
+    async def _receive(self) -> bytes:
+        data = await self.transport.receive(RECEIVE_SIZE)
         self.counters.bytes_read += len(data)
         if data:
             self.codec.receive_data(data)
@@ -127,8 +126,8 @@ class Session:
                 return  # nobody to answer
             self.counters.bytes_written += len(data)
             try:
-                await self.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                await self.transport.send(data)
+            except trio.BrokenResourceError as exc:
                 log.debug("%s: connection lost: %s", self.name, exc)
                 self.lost = self.done = True
                 if self.receive_scope is not None:
@@ -150,28 +149,10 @@ class Session:
             if len(self.out) >= RECEIVE_SIZE:
                 await self._flush()
 
-    def _parse(self) -> list[c.Request | ProtocolError | ConnectionClosed]:
-        out: list[c.Request | ProtocolError | ConnectionClosed] = []
-        next_request, append, request = self.codec.next_request, out.append, c.Request
-        while len(out) < MAX_BATCH:
-            try:
-                r = next_request()
-            except ProtocolError as e:
-                append(e)
-                if e.close:
-                    break
-                continue
-            if type(r) is request:  # the usual case first: one check
-                append(r)
-            elif r is NEED_DATA:
-                break
-            elif r is not None:
-                append(r)
-                if isinstance(r, ConnectionClosed):
-                    break
-        return out
+    def _parse(self) -> list[c.Parsed]:
+        return self.codec.next_requests(MAX_BATCH)
 
-    async def _run(self, requests: list[c.Request | ProtocolError | ConnectionClosed]) -> None:
+    async def _run(self, requests: list[c.Parsed]) -> None:
         i, n = 0, len(requests)
         while i < n and not self.done:
             r = requests[i]
@@ -185,7 +166,7 @@ class Session:
                 continue
             i += 1
             if type(r) is c.Request:
-                self.stats.count(r.name)
+                self.stats.count(r.name, r.count)
                 await self._execute(r)
             elif isinstance(r, ProtocolError):
                 log.debug("%s: %s", self.name, r)
@@ -232,11 +213,13 @@ class Session:
 
         Consecutive puts to the same queue with the same expiry become one journal append
         (one id range, one wake-up); if that append is refused, they are retried one by
-        one so each gets its own answer. Shielded: every begun put must be ended.
+        one (a joined request as the requests it stands for) so each gets its own
+        answer. Shielded: every begun put must be ended.
         """
         with trio.CancelScope(shield=True):
-            self.broker.counters.cmd_set += len(requests)
-            self.stats.count(requests[0][0].name, len(requests))  # one protocol: one put name
+            n = sum(r.count for r, _ in requests)
+            self.broker.counters.cmd_set += n
+            self.stats.count(requests[0][0].name, n)  # one protocol: one put name
             groups: list[list[tuple[c.Request, c.Put]]] = []
             for entry in requests:
                 put = entry[1]
@@ -249,10 +232,10 @@ class Session:
                 try:
                     begun.append((group, await self._begin_put(group)))
                 except Exception as exc:
-                    if len(group) == 1:
+                    if len(group) == 1 and group[0][0].count == 1:
                         begun.append((group, exc))
                         continue
-                    for entry in group:
+                    for entry in _one_by_one(group):
                         try:
                             begun.append(([entry], await self._begin_put([entry])))
                         except Exception as exc1:
@@ -289,6 +272,10 @@ class Session:
         item: Item | None = None
         error: Exception | None = None
         if timeout <= 0:
+            if cmd.max_items > 1:  # pipelined gets joined (Request.count): each wants one
+                return await self.broker.get_many(
+                    cmd.queue, cmd.reader, cmd.max_items, client=self.reads, open=cmd.open,
+                    open_timeout_ms=cmd.open_timeout_ms, separate=True)
             item = await self.broker.get(cmd.queue, cmd.reader, client=self.reads,
                                          open=cmd.open, peek=cmd.peek,
                                          open_timeout_ms=cmd.open_timeout_ms)
@@ -374,6 +361,14 @@ class Session:
             sent += 1
             await self._flush()
         return c.Done()
+
+
+def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c.Put]]:
+    """A group of puts as single wire requests (joined requests split)."""
+    out: list[tuple[c.Request, c.Put]] = []
+    for r, _ in group:
+        out.extend((part, part.command) for part in r.split())  # type: ignore[misc]
+    return out
 
 
 def _same_append(a: c.Put, b: c.Put) -> bool:

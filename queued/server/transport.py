@@ -1,0 +1,122 @@
+"""How a session reads and writes its connection: two calls, whatever is under them.
+
+`SocketTransport` is the hot path for plain TCP: it calls the kernel directly on the
+non-blocking socket and enters the event loop only when the kernel says the call would
+block (trio's own socket methods yield to the scheduler on every call, ready or not:
+a third of a small request's cost). So that a connection that always has data ready
+cannot starve the others, it yields once every `YIELD_EVERY` calls that did not block.
+`StreamTransport` serves any other `trio.abc.Stream` (TLS goes there), unchanged.
+
+Both turn a peer that is gone into b"" (receive) or `trio.BrokenResourceError` (send),
+the same way.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Protocol
+
+import trio
+
+#: Calls that did not block, after which a transport yields to the scheduler once.
+YIELD_EVERY = 8
+
+#: errno values of a peer that went away (or a socket closed under us).
+_GONE = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT,
+                   errno.EBADF, errno.ESHUTDOWN, errno.ECONNABORTED})
+
+
+class Transport(Protocol):
+    async def receive(self, max_bytes: int) -> bytes:
+        """Up to `max_bytes`; b"" once the peer ended its side or is gone."""
+
+    async def send(self, data: bytes) -> None:
+        """All of `data`; raises trio.BrokenResourceError if the peer is gone."""
+
+
+class StreamTransport:
+    """Any trio stream (TLS, test streams): its own calls."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+
+    async def receive(self, max_bytes: int) -> bytes:
+        try:
+            return bytes(await self.stream.receive_some(max_bytes))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return b""
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self.stream.send_all(data)
+        except trio.ClosedResourceError as exc:
+            raise trio.BrokenResourceError(str(exc)) from exc
+
+
+class SocketTransport:
+    """A connected TCP socket, called directly (see the module docstring).
+
+    The socket stays the stream's: the listener closes it, which wakes a wait here
+    with ClosedResourceError (taken as the peer gone).
+    """
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.socket = stream.socket
+        self.fd = stream.socket.fileno()
+        self._ready = 0  # calls in a row that did not block
+
+    async def _turn(self) -> None:
+        """Before a call: every YIELD_EVERY-th call in a row that did not block yields
+        first (so a cancellation never falls between a read and its caller)."""
+        self._ready += 1
+        if self._ready >= YIELD_EVERY:
+            self._ready = 0
+            await trio.lowlevel.checkpoint()
+
+    async def receive(self, max_bytes: int) -> bytes:
+        fd = self.fd
+        await self._turn()
+        while True:
+            try:
+                data = os.read(fd, max_bytes)
+            except BlockingIOError:
+                self._ready = 0
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                except trio.ClosedResourceError:
+                    return b""
+                continue
+            except OSError as exc:
+                if exc.errno in _GONE:
+                    return b""
+                raise
+            return data
+
+    async def send(self, data: bytes) -> None:
+        fd = self.fd
+        await self._turn()
+        view = memoryview(data)
+        while view:
+            try:
+                sent = os.write(fd, view)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                if exc.errno in _GONE:
+                    raise trio.BrokenResourceError(f"socket gone: {exc}") from exc
+                raise
+            view = view[sent:]
+            if view:
+                self._ready = 0
+                try:
+                    await trio.lowlevel.wait_writable(fd)
+                except trio.ClosedResourceError as exc:
+                    raise trio.BrokenResourceError("socket closed") from exc
+
+
+def transport_of(stream: trio.abc.Stream) -> Transport:
+    """The fastest transport that serves `stream`."""
+    if type(stream) is trio.SocketStream:
+        return SocketTransport(stream)
+    return StreamTransport(stream)
