@@ -103,6 +103,7 @@ class DataDir:
         self._wake = trio.Event()
         self._closing = False
         self._writer_done = trio.Event()
+        self._in_round = False  # the writer took chunks and has not finished them
 
     # -- opening and recovery -----------------------------------------------------
 
@@ -291,7 +292,16 @@ class DataDir:
     # -- the writer loop --------------------------------------------------------------
 
     def note_pending(self, journal: QueueJournal) -> None:
-        """`journal` has planned appends: the next round takes them."""
+        """`journal` has planned appends: written here and now when no fsync is due
+        (`Writer.write_now`: fsync never, or periodic between its fsyncs) and the writer
+        is idle, so the put is durable without a hand-off to the writer's task; else
+        the next round takes them (group commit: one fsync for every queued append)."""
+        if not (self._in_round or self._closing):
+            result = self._writer.write_now(journal.file, journal.planned)
+            if result is not None:
+                self._dirty.pop(journal, None)
+                journal.finish_round(journal.take_pending(), result)
+                return
         self._dirty[journal] = None
         self._wake.set()
 
@@ -320,9 +330,14 @@ class DataDir:
                     j.file for j in self.queues.values()
                     if (d := j.file.fsync_deadline()) is not None and d <= now
                 ]
-                results = await self._writer.write_round(
-                    [(j.file, chunks) for j, chunks in work], periodic
-                )
+                # No write here and now until these are written: they come first.
+                self._in_round = True
+                try:
+                    results = await self._writer.write_round(
+                        [(j.file, chunks) for j, chunks in work], periodic
+                    )
+                finally:
+                    self._in_round = False
                 for (j, chunks), result in zip(work, results, strict=True):
                     j.finish_round(chunks, result)
         finally:

@@ -87,7 +87,7 @@ class JournalHost(SegmentStore, Protocol):
     def path(self) -> Path: ...
 
     def note_pending(self, journal: QueueJournal, /) -> None:
-        """`journal` has planned chunks: take them in the next writer round."""
+        """`journal` has planned chunks: write them now or in the next writer round."""
         ...
 
 
@@ -301,6 +301,11 @@ class QueueJournal:
         )
 
     # -- rounds: the data directory hands pending chunks to the writer and back -------
+
+    @property
+    def planned(self) -> Sequence[Planned]:
+        """The chunks planned since the last round (not taken)."""
+        return self._pending
 
     def take_pending(self) -> list[Planned]:
         """The chunks planned since the last round, for the writer's next round."""

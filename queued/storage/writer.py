@@ -324,6 +324,16 @@ class Writer:
         self._rounds += 1
         return results
 
+    def write_now(self, file: SegmentFile, chunks: Sequence[Chunk]) -> WriteResult | None:
+        """Write `chunks` here and now if that needs no fsync, opens no file, is small and
+        no round or pause is under way; None (nothing done) otherwise. The caller
+        makes sure no earlier chunk of `file` waits for a round."""
+        if (self._lock.locked() or sum(c.nbytes for c in chunks) > INLINE_ROUND_BYTES
+                or not file.can_write_inline(chunks)):
+            return None
+        self._rounds += 1
+        return file.write(chunks)
+
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
         """No round runs inside this block (to remove a queue's files, say)."""
