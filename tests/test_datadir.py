@@ -7,16 +7,20 @@ from __future__ import annotations
 import io
 import os
 import struct
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from journal_util import T0, all_puts, cfg, data_for, fill, queue_files, segments
 
 from queued.cli import check
 from queued.config import CorruptionPolicy, DataDirConfig, FsyncPolicy
 from queued.core import journal_format as jf
 from queued.core.errors import CorruptJournalError, JournalClosedError
+from queued.storage import writer
 from queued.storage.datadir import DataDir, open_data_dir
 from queued.storage.files import Checkpoint, SegmentInfo
 from queued.storage.journal import wait_durable
@@ -289,6 +293,41 @@ async def test_fsync_never_writes_without_any_fsync(tmp_path: Path) -> None:
         assert dd.statistics().rounds == 10
         assert dd.statistics().fsync.count == 0 and q.statistics().fsyncs == 0
     assert [p.id for p in all_puts(tmp_path)] == list(range(1, 11))
+
+
+async def test_an_append_that_needs_no_fsync_is_written_at_once_and_in_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsync never: append_nowait itself writes when the writer is idle (the ticket is
+    durable before anything yields); while a round is under way (the first write opens
+    the segment, so it goes to the writer's thread, held here until released) later
+    appends wait for the next round instead, so the file keeps id order."""
+    release = threading.Event()
+    real_round = writer.run_round
+
+    def held_round(*args: Any) -> Any:
+        release.wait(10)
+        return real_round(*args)
+
+    monkeypatch.setattr(writer, "run_round", held_round)
+    conf = cfg(fsync=FsyncPolicy.parse("never"), journal_size=1000)
+    async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
+        q = dd.queue("q")
+        _, first = q.append_nowait([data_for(1)], T0)  # opens a file: the writer's round
+        assert not first.event.is_set()
+        await trio.testing.wait_all_tasks_blocked()  # the round waits in its thread
+        _, during = q.append_nowait([data_for(2)], T0)
+        assert not during.event.is_set()  # not ahead of the round
+        release.set()
+        await wait_durable(first)
+        await wait_durable(during)
+        rounds = dd.statistics().rounds
+        _, now = q.append_nowait([data_for(3), data_for(4)], T0)
+        assert now.event.is_set() and now.error is None  # written already, no round
+        assert dd.statistics().rounds == rounds + 1 and q.statistics().pending_bytes == 0
+        for i in range(5, 40):  # fills the segment: a rotation goes to the writer again
+            await wait_durable(q.append_nowait([data_for(i)], T0)[1])
+        assert len(q.segments) > 1
+    assert [p.id for p in all_puts(tmp_path)] == list(range(1, 40))
 
 
 async def test_a_config_change_reaches_the_writer(tmp_path: Path) -> None:
