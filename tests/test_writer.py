@@ -3,14 +3,16 @@ fsync deadlines, and which rounds run inline on the event loop instead of in a t
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 
 from queued.config import FsyncPolicy
 from queued.core import journal_format as jf
-from queued.storage.writer import Chunk, Writer, WriteResult
+from queued.storage.writer import Chunk, RoundThread, Writer, WriteResult
 
 T0 = 1_700_000_000_000
 PERIODIC = FsyncPolicy.parse("3600000")  # an hour: due only when a test says so
@@ -98,3 +100,24 @@ async def test_only_a_small_round_without_fsync_or_new_file_runs_inline(tmp_path
     assert [w.created for w in results[0].written] == [True]
     assert writer.statistics().rounds == 3
     file.close()
+
+
+async def test_the_round_thread_runs_jobs_off_the_loop_and_hands_back_errors() -> None:
+    rt = RoundThread()
+    try:
+        worker = await rt.run(threading.current_thread)
+        assert worker is not threading.current_thread() and worker.is_alive()
+        assert await rt.run(lambda a, b: a + b, 2, 3) == 5
+
+        def fail() -> None:
+            raise OSError(28, "No space left on device")
+
+        with pytest.raises(OSError, match="No space"):
+            await rt.run(fail)
+        assert await rt.run(lambda: "still serving") == "still serving"
+        with trio.CancelScope() as scope:  # a job is never abandoned: it ends shielded
+            scope.cancel()
+            assert await rt.run(lambda: 7) == 7
+    finally:
+        rt.close()
+    assert not worker.is_alive()

@@ -365,7 +365,10 @@ class DataDir:
                 if errors:
                     raise errors[0]
 
-            await trio.to_thread.run_sync(close_all)
+            try:
+                await trio.to_thread.run_sync(close_all)
+            finally:
+                self._writer.close()
 
     def statistics(self) -> DataDirStats:
         writer = self._writer.statistics()
