@@ -34,6 +34,7 @@ from server_util import (
 
 from queued import __version__
 from queued.config import ServerConfig
+from queued.server import memory
 from queued.server.app import serve
 
 T = TypeVar("T")
@@ -1275,3 +1276,35 @@ async def test_text_line_too_long_closes(tmp_path: Path) -> None:
         await t.send(b"get " + b"q" * 5000 + b"\n")
         assert (await t.line()).startswith(b"-")
         assert await t.expect_closed() == b""
+
+
+async def test_memory_is_given_back_once_a_backlog_drains(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heap is trimmed once held item bytes fall by TRIM_STEP (glibc): RSS after the
+    drain is back near where it started, not at the peak."""
+    if not memory.trim():
+        pytest.skip("no malloc_trim in this C library")
+    monkeypatch.setattr(memory, "TRIM_CHECK_SECONDS", 0.3)
+    config = cfg(tmp_path, "[queues.big]\nmax_memory_size = \"256MiB\"\n")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+
+    async with running(config) as server:
+        c = await Conn.open(server.ports["memcache"])
+        before = rss()
+        block = b"m" * (64 << 10)
+        n = 1200  # 75 MiB
+        for _ in range(0, n, 100):
+            await c.send(b"".join(b"set big 0 0 %d\r\n%s\r\n" % (len(block), block)
+                                  for _ in range(100)))
+            assert [await c.line() for _ in range(100)] == [b"STORED"] * 100
+        peak = rss()
+        assert peak - before > 60 << 20
+        for _ in range(n):
+            assert await c.get("big") == block
+        with trio.fail_after(WAIT + memory.TRIM_CHECK_SECONDS):
+            while rss() - before > (peak - before) // 3:
+                await trio.sleep(0.2)
+        await c.aclose()

@@ -435,6 +435,10 @@ class Broker:
         return [(f"{qs.name}+{rname}" if rname else qs.name, qs.reader_stats(h))
                 for qs, rname, h in self.registry.all_readers()]
 
+    def held_bytes(self) -> int:
+        """Item data the readers hold in memory (read-ahead; not open reads)."""
+        return sum(h.reader.mem_bytes for qs in self.queues.values() for h in qs.readers.values())
+
     def statistics(self) -> BrokerStatistics:
         handles = [h for qs in self.queues.values() for h in qs.readers.values()]
         return BrokerStatistics(

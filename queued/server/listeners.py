@@ -28,6 +28,7 @@ from queued.core.memcache_commands import MemcacheCodec
 from queued.core.rpc_commands import RpcCodec
 from queued.core.stats import ProtocolStats
 from queued.core.text_commands import TextCodec
+from queued.server.memory import trim_when_drained
 from queued.server.metrics import disk_usage
 from queued.server.session import ServerCounters, Session
 
@@ -73,6 +74,7 @@ class Server:
             self.ports[proto] = ls[0].socket.getsockname()[1]
         async with trio.open_nursery() as outer:
             outer.start_soon(self._watch_disk)
+            outer.start_soon(trim_when_drained, self.broker.held_bytes)
             async with trio.open_nursery() as conns:
                 async with trio.open_nursery() as acceptors:
                     for proto, ls in listeners.items():

@@ -1,0 +1,78 @@
+"""Giving memory back to the system once queues drain.
+
+Item data lives in `bytes` objects that CPython takes from the C allocator (glibc's
+malloc for anything over 512 bytes). glibc keeps freed memory in its heap for reuse,
+so after a backlog of large items drains the process would keep its peak RSS for as
+long as it runs (measured: 175 MiB held after draining 1 GiB of 64 KiB items, against
+34 MiB idle). `malloc_trim(0)` hands the free pages back; a task looks every
+`TRIM_CHECK_SECONDS` and calls it when RSS has grown by `TRIM_STEP` more than the item
+data held in memory since the last call. A no-op where the C library has no
+malloc_trim (or there is no /proc).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+from collections.abc import Callable
+
+import trio
+
+log = logging.getLogger("queued.server")
+
+TRIM_CHECK_SECONDS = 5.0
+#: RSS beyond the items held, grown since the last trim, that makes the next one worthwhile.
+TRIM_STEP = 16 << 20
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        fn = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def trim() -> bool:
+    """Return free heap pages to the system; True if the C library could."""
+    if _malloc_trim is None:
+        return False
+    _malloc_trim(0)
+    return True
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size (Linux), None where /proc has no statm."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+async def trim_when_drained(held_bytes: Callable[[], int], seconds: float | None = None,
+                            ) -> None:
+    """Forever, every `seconds`: trim if RSS grew by TRIM_STEP more than the item bytes
+    held in memory did since the last trim (memory used for items that are gone)."""
+    if _malloc_trim is None or rss_bytes() is None:
+        return
+    base = (rss_bytes() or 0) - held_bytes()
+    while True:
+        await trio.sleep(TRIM_CHECK_SECONDS if seconds is None else seconds)
+        unexplained = (rss_bytes() or 0) - held_bytes()
+        if unexplained - base >= TRIM_STEP:
+            trim()
+            after = (rss_bytes() or 0) - held_bytes()
+            log.debug("memory: heap trimmed, RSS %+d bytes", after - unexplained)
+            base = after
