@@ -60,7 +60,8 @@ class Session:
         self.stats = stats
         self.reads = OpenReads(name)
         self.out = bytearray()
-        self.send_lock = trio.Lock()
+        self.sending = False  # a send is under way (see _flush)
+        self.sent: trio.Event | None = None  # set when it ends, if anyone waits
         self.receive_scope: trio.CancelScope | None = None
         self.nursery: trio.Nursery | None = None
         self.busy = False
@@ -92,18 +93,18 @@ class Session:
                 nursery.cancel_scope.cancel()  # the peer is gone: so are its waiting gets
 
     async def _receive_loop(self) -> None:
-        while not (self.done or self.eof or self.hub.closing):
-            with trio.CancelScope() as self.receive_scope:
+        # One scope for the whole loop (not one per receive: they cost a few us each); it
+        # is only ever cancelled while the loop waits for data (not `busy`).
+        with trio.CancelScope() as self.receive_scope:
+            while not (self.done or self.eof or self.hub.closing):
                 await self._receive()
-            if self.receive_scope.cancelled_caught:
-                return
-            self.busy = True
-            try:
-                await self._run_batch()
-                await self._flush()
-            finally:
-                self.batches += 1
-                self.busy = False
+                self.busy = True  # no checkpoint between the receive and here
+                try:
+                    await self._run_batch()
+                    await self._flush()
+                finally:
+                    self.batches += 1
+                    self.busy = False
 
     async def _receive(self) -> bytes:
         data = await self.transport.receive(RECEIVE_SIZE)
@@ -116,22 +117,35 @@ class Session:
         return data
 
     async def _flush(self) -> None:
-        """Send what the replies added so far; a lost peer ends the session quietly."""
-        async with self.send_lock:
-            if not self.out:
-                return
-            data = bytes(self.out)
-            self.out.clear()  # in place: a waiting get's task may hold a reference
-            if self.lost:
-                return  # nobody to answer
-            self.counters.bytes_written += len(data)
-            try:
-                await self.transport.send(data)
-            except trio.BrokenResourceError as exc:
-                log.debug("%s: connection lost: %s", self.name, exc)
-                self.lost = self.done = True
-                if self.receive_scope is not None:
-                    self.receive_scope.cancel()
+        """Send what the replies added so far; a lost peer ends the session quietly.
+
+        One sender at a time (the loop, or a waiting get's task): a flag, and an event
+        made only when someone has to wait (a trio.Lock would yield on every send).
+        """
+        while self.sending:
+            if self.sent is None:
+                self.sent = trio.Event()
+            await self.sent.wait()
+        if not self.out:
+            return
+        data = bytes(self.out)
+        self.out.clear()  # in place: a waiting get's task may hold a reference
+        if self.lost:
+            return  # nobody to answer
+        self.counters.bytes_written += len(data)
+        self.sending = True
+        try:
+            await self.transport.send(data)
+        except trio.BrokenResourceError as exc:
+            log.debug("%s: connection lost: %s", self.name, exc)
+            self.lost = self.done = True
+            if not self.busy and self.receive_scope is not None:
+                self.receive_scope.cancel()  # the loop waits for data that won't come
+        finally:
+            self.sending = False
+            if self.sent is not None:
+                self.sent.set()
+                self.sent = None
 
     # -- one batch ---------------------------------------------------------------------------
 
