@@ -4,7 +4,9 @@ fsync deadlines, and which rounds run inline on the event loop instead of in a t
 from __future__ import annotations
 
 import threading
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -12,6 +14,7 @@ import trio.testing
 
 from queued.config import FsyncPolicy
 from queued.core import journal_format as jf
+from queued.storage import writer as writer_module
 from queued.storage.writer import Chunk, RoundThread, Writer, WriteResult
 
 T0 = 1_700_000_000_000
@@ -78,26 +81,46 @@ async def test_periodic_fsync_deadline(tmp_path: Path) -> None:
     file.close()
 
 
-async def test_only_a_small_round_without_fsync_or_new_file_runs_inline(tmp_path: Path) -> None:
+async def test_only_a_small_round_without_fsync_or_new_file_runs_inline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round off the event loop is held in its thread here until released, so one that
+    ran on the loop instead is seen at once."""
+    loop_thread = threading.current_thread()
+    release = threading.Event()
+    real_round = writer_module.run_round
+
+    def held_round(*args: Any) -> Any:
+        if threading.current_thread() is not loop_thread:
+            release.wait(10)
+        return real_round(*args)
+
+    monkeypatch.setattr(writer_module, "run_round", held_round)
     writer = Writer(tmp_path)
     file = writer.segment_file("q", FsyncPolicy.parse("never"), 0)
-    limiter = trio.to_thread.current_default_thread_limiter()
-    limiter.total_tokens = 1
-    await writer.write_round([(file, [chunk(1, [b"a"])])])  # opens the segment: a thread
     results: list[WriteResult] = []
 
-    async def rotating_round() -> None:
-        results.extend(await writer.write_round([(file, [chunk(3, [b"c"], rotate=True)])]))
+    async def round_(n: int, *, rotate: bool = False) -> None:
+        results.extend(await writer.write_round([(file, [chunk(n, [b"x"], rotate=rotate)])]))
 
-    # While the test holds the one token no worker thread can start. On leaving, the
-    # token goes back first, then the nursery waits for the rotating round's thread.
-    async with trio.open_nursery() as nursery, limiter:
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(round_, 1)  # opens the segment: its thread
+            await trio.testing.wait_all_tasks_blocked()
+            assert results == [], "a round that opens a file ran on the event loop"
+            release.set()
+        release.clear()
         with trio.fail_after(5):  # a bound, not a timing: an inline round never waits
-            await writer.write_round([(file, [chunk(2, [b"b"])])])
-        nursery.start_soon(rotating_round)
-        await trio.testing.wait_all_tasks_blocked()
-        assert results == [], "a round that opens a file ran on the event loop"
-    assert [w.created for w in results[0].written] == [True]
+            await round_(2)
+        assert len(results) == 2
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(round_, 3, rotate=True))
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(results) == 2, "a round that rotates ran on the event loop"
+            release.set()
+    finally:
+        release.set()
+        writer.close()
+    assert [[w.created for w in r.written] for r in results] == [[True], [False], [True]]
     assert writer.statistics().rounds == 3
     file.close()
 

@@ -33,11 +33,11 @@ async def test_delete_queue_during_a_round_leaves_no_segment_behind(
     entered, release = threading.Event(), threading.Event()
     real_round = writer_module.run_round
 
-    def slow_round(work, periodic):  # type: ignore[no-untyped-def]
+    def slow_round(work, periodic, *pool):  # type: ignore[no-untyped-def]
         if work:
             entered.set()
             release.wait(5)
-        return real_round(work, periodic)
+        return real_round(work, periodic, *pool)
 
     monkeypatch.setattr(writer_module, "run_round", slow_round)
     async with open_data_dir(tmp_path) as dd:

@@ -184,7 +184,7 @@ class Broker:
             self.counters.cmd_get += 1
         qs = self.registry.queue(queue)
         rname = reader or ""
-        h = await self.registry.handle(qs, rname)
+        h = qs.readers.get(rname) or await self.registry.handle(qs, rname)
         if open:
             self.reads.room(client, self.config.max_open_reads)
         owner = client if open else None
@@ -266,7 +266,7 @@ class Broker:
         started = time.perf_counter()
         qs = self.registry.queue(queue)
         rname = reader or ""
-        h = await self.registry.handle(qs, rname)
+        h = qs.readers.get(rname) or await self.registry.handle(qs, rname)
         if open:
             max_items = min(max_items, self.reads.room(client, self.config.max_open_reads))
         owner = client if open else None
