@@ -32,10 +32,12 @@ import argparse
 import collections
 import contextlib
 import json
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
 import platform
+import random
 import select
 import shutil
 import signal
@@ -46,6 +48,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,13 +56,23 @@ from typing import Any
 from benchlib import bucket, percentiles, proc_cpu_s, system_busy_s
 
 REPO = Path(__file__).resolve().parent.parent
-QUEUED = REPO / ".venv" / "bin" / "queued"
+
+
+def _default_queued() -> Path:
+    """This repo's venv `queued`, else the one beside the running Python (a git worktree
+    without its own venv, run with another checkout's .venv/bin/python)."""
+    own = REPO / ".venv" / "bin" / "queued"
+    return own if own.exists() else Path(sys.executable).parent / "queued"
+
+
+QUEUED = _default_queued()
 HOST = "127.0.0.1"
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 NS = 1_000_000_000
 RECV_SIZE = 1 << 18
+STAMP = 16  # a stamped payload starts with perf_counter_ns at its send, as 16 hex digits
 SIZE_NAMES = {64: "64 B", 1 * KiB: "1 KiB", 64 * KiB: "64 KiB"}
 PUT_TARGET = 100_000  # 64 B, fsync never, drain
 GET_TARGET = 90_000
@@ -137,10 +150,24 @@ def parse_resp_put(buf: bytes) -> tuple[int, int, int, int, bytes]:
     return parse_line_replies(buf, b"\n:")
 
 
-def parse_memcache_get(buf: bytes, size: int) -> tuple[int, int, int, int, bytes]:
-    """`VALUE <key> <flags> <n>\\r\\n<data>\\r\\nEND\\r\\n` (hit) or `END\\r\\n` (miss)."""
+def stamp_latency(e2e: dict[int, int], now: int, buf: bytes, pos: int) -> bool:
+    """Counts now - the send time of the stamped payload at buf[pos:]; False if none."""
+    try:
+        sent = int(buf[pos:pos + STAMP], 16)
+    except ValueError:
+        return False
+    key = bucket(now - sent)
+    e2e[key] = e2e.get(key, 0) + 1
+    return True
+
+
+def parse_memcache_get(buf: bytes, size: int,
+                       e2e: dict[int, int] | None = None) -> tuple[int, int, int, int, bytes]:
+    """`VALUE <key> <flags> <n>\\r\\n<data>\\r\\nEND\\r\\n` (hit) or `END\\r\\n` (miss).
+    With `e2e`, hits carry a send stamp and their end-to-end latency is counted there."""
     pos = replies = ok = misses = errors = 0
     n = len(buf)
+    now = time.perf_counter_ns() if e2e is not None else 0
     while True:
         eol = buf.find(b"\r\n", pos)
         if eol < 0:
@@ -158,7 +185,7 @@ def parse_memcache_get(buf: bytes, size: int) -> tuple[int, int, int, int, bytes
                 break
             if buf[end: end + 7] != b"\r\nEND\r\n":
                 raise ProtocolBroken(f"VALUE not followed by END: {buf[end:end + 40]!r}")
-            if length == size:
+            if length == size and (e2e is None or stamp_latency(e2e, now, buf, eol + 2)):
                 ok += 1
             else:
                 errors += 1
@@ -170,10 +197,13 @@ def parse_memcache_get(buf: bytes, size: int) -> tuple[int, int, int, int, bytes
     return replies, ok, misses, errors, buf[pos:]
 
 
-def parse_resp_get(buf: bytes, size: int) -> tuple[int, int, int, int, bytes]:
-    """`$<n>\\r\\n<data>\\r\\n` (hit), `$-1\\r\\n` (nil: miss) or `-ERR ...\\r\\n`."""
+def parse_resp_get(buf: bytes, size: int,
+                   e2e: dict[int, int] | None = None) -> tuple[int, int, int, int, bytes]:
+    """`$<n>\\r\\n<data>\\r\\n` (hit), `$-1\\r\\n` (nil: miss) or `-ERR ...\\r\\n`.
+    With `e2e`, hits carry a send stamp and their end-to-end latency is counted there."""
     pos = replies = ok = misses = errors = 0
     n = len(buf)
+    now = time.perf_counter_ns() if e2e is not None else 0
     while True:
         eol = buf.find(b"\r\n", pos)
         if eol < 0:
@@ -188,7 +218,7 @@ def parse_resp_get(buf: bytes, size: int) -> tuple[int, int, int, int, bytes]:
                 end = eol + 2 + length
                 if n < end + 2:
                     break
-                if length == size:
+                if length == size and (e2e is None or stamp_latency(e2e, now, buf, eol + 2)):
                     ok += 1
                 else:
                     errors += 1
@@ -209,6 +239,7 @@ def parse_resp_get(buf: bytes, size: int) -> tuple[int, int, int, int, bytes]:
 class ConnSpec:
     role: str  # "put" or "get"
     quota: int  # items to complete on this connection
+    queues: list[str] | None = None  # rotate over these queues (default: the spec's queue)
 
 
 @dataclass
@@ -223,6 +254,12 @@ class WorkerSpec:
     grace: float  # then wait this long at most for the replies in flight
     miss_backoff_ms: float
     batch: bool  # pipeline mode "batch": send `pipeline` requests, await all their replies
+    get_options: str = ""  # appended to the key of every get, e.g. "/close/open"
+    final_get: str | None = None  # options of one last get per get connection ("/close"),
+    # on `queue`, sent after the timed loop
+    stamp: bool = False  # puts carry their send time; gets count end-to-end latency
+    fill: str = "x"  # payload bytes: "x" (all b"x", compressible) or "random" (a ring of
+    # distinct random payloads per connection: incompressible, like real data)
 
 
 @dataclass
@@ -234,6 +271,7 @@ class RoleResult:
     last_ns: int = 0  # last reply parsed
     hist: dict[int, int] = field(default_factory=dict)
     unanswered: int = 0  # requests still in flight at the hard deadline
+    e2e: dict[int, int] = field(default_factory=dict)  # put send to get reply (stamp)
 
     def merge(self, other: RoleResult) -> None:
         self.ok += other.ok
@@ -244,6 +282,7 @@ class RoleResult:
             self.first_ns = other.first_ns
         self.last_ns = max(self.last_ns, other.last_ns)
         merge_hist(self.hist, other.hist)
+        merge_hist(self.e2e, other.e2e)
 
 
 class Conn:
@@ -257,6 +296,7 @@ class Conn:
         "hist",
         "inflight",
         "last_ns",
+        "make",
         "misses",
         "ok",
         "parse",
@@ -269,12 +309,13 @@ class Conn:
     )
 
     def __init__(self, sock: socket.socket, role: str, quota: int, request: bytes,
-                 parse: Any) -> None:
+                 parse: Any, make: Callable[[int, int], bytes] | None = None) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.role = role
         self.quota = quota
-        self.request = request
+        self.request = request  # sent `n` times, unless there is a maker:
+        self.make = make  # make(n, send_ns) -> the bytes of the next n requests
         self.parse = parse
         self.inflight = 0
         self.ok = self.errors = self.misses = 0
@@ -295,24 +336,82 @@ def worker_main(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -
             pipe.send({"error": f"{exc!r}\n{traceback.format_exc()}"})
 
 
-def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> None:
-    data = b"x" * spec.payload
-    if spec.protocol == "memcache":
-        put_req = memcache_put_request(spec.queue, data)
-        get_req = memcache_get_request(spec.queue)
-        parse_put: Any = parse_memcache_put
-        size = spec.payload
+def random_payloads(size: int, seed: int, ring_bytes: int = MiB) -> list[bytes]:
+    """Distinct random payloads, max(16, min(1024, ring_bytes / size)) of them."""
+    rnd = random.Random(seed)
+    return [rnd.randbytes(size) for _ in range(max(16, min(1024, ring_bytes // size)))]
 
-        def parse_get(buf: bytes) -> tuple[int, int, int, int, bytes]:
-            return parse_memcache_get(buf, size)
+
+def request_maker(requests: list[bytes], stamp_at: int | None
+                  ) -> Callable[[int, int], bytes] | None:
+    """None when every request is requests[0] (sent n times); else make(n, send_ns): the
+    next n requests, rotating over `requests`, each with the send stamp written at byte
+    `stamp_at` (over the payload's first STAMP bytes)."""
+    if len(requests) == 1 and stamp_at is None:
+        return None
+    if stamp_at is None and len({len(r) for r in requests}) == 1:
+        return ring_maker(requests)
+    if stamp_at is None:
+        pieces = [(r, b"") for r in requests]
     else:
-        put_req = resp_put_request(spec.queue, data)
-        get_req = resp_get_request(spec.queue)
-        parse_put = parse_resp_put
-        size = spec.payload
+        pieces = [(r[:stamp_at], r[stamp_at + STAMP:]) for r in requests]
+    count = len(pieces)
+    nxt = 0
+
+    def make(n: int, send_ns: int) -> bytes:
+        nonlocal nxt
+        stamp = b"%016x" % send_ns if stamp_at is not None else b""
+        out = []
+        for _ in range(n):
+            head, tail = pieces[nxt]
+            nxt = nxt + 1 if nxt + 1 < count else 0
+            out.append(head + stamp + tail)
+        return b"".join(out)
+
+    return make
+
+
+def ring_maker(requests: list[bytes]) -> Callable[[int, int], bytes]:
+    """make(n, _): the next n of `requests` (all one length) as one slice of their ring."""
+    length = len(requests[0])
+    count = len(requests)
+    ring = b"".join(requests)
+    at = 0
+
+    def make(n: int, _send_ns: int) -> bytes:
+        nonlocal at
+        out = []
+        while n > 0:
+            k = min(n, count - at)
+            out.append(ring[at * length:(at + k) * length])
+            at = (at + k) % count
+            n -= k
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    return make
+
+
+def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> None:
+    size = spec.payload
+    if spec.stamp and size < STAMP:
+        raise ValueError(f"a stamped payload needs >= {STAMP} bytes")
+    e2e: dict[int, int] | None = {} if spec.stamp else None
+    put_request: Callable[[str, bytes], bytes]
+    get_request: Callable[[str], bytes]
+    if spec.protocol == "memcache":
+        put_request, get_request = memcache_put_request, memcache_get_request
+        parse_put: Any = parse_memcache_put
 
         def parse_get(buf: bytes) -> tuple[int, int, int, int, bytes]:
-            return parse_resp_get(buf, size)
+            return parse_memcache_get(buf, size, e2e)
+    else:
+        if spec.get_options or spec.final_get is not None:
+            raise ValueError("get options are memcache only")
+        put_request, get_request = resp_put_request, resp_get_request
+        parse_put = parse_resp_put
+
+        def parse_get(buf: bytes) -> tuple[int, int, int, int, bytes]:
+            return parse_resp_get(buf, size, e2e)
 
     ep = select.epoll()
     conns: dict[int, Conn] = {}
@@ -320,10 +419,24 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
         sock = socket.create_connection((HOST, spec.port), timeout=10)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
+        queues = cs.queues or [spec.queue]
         if cs.role == "put":
-            c = Conn(sock, "put", cs.quota, put_req, parse_put)
+            if spec.fill == "random":
+                datas = random_payloads(size, hash((os.getpid(), sock.fileno())))
+            else:
+                datas = [b"x" * size]
+            # queue i of the rotation with payload i (the lists are cycled to their lcm)
+            n_req = math.lcm(len(queues), len(datas))
+            reqs = [put_request(queues[i % len(queues)], datas[i % len(datas)])
+                    for i in range(n_req)]
+            # the payload is the last thing before the request's final b"\r\n"
+            stamp_at = len(reqs[0]) - size - 2 if spec.stamp else None
+            if stamp_at is not None and any(len(r) != len(reqs[0]) for r in reqs):
+                raise ValueError("stamped puts need queue names of one length")
+            c = Conn(sock, "put", cs.quota, reqs[0], parse_put, request_maker(reqs, stamp_at))
         else:
-            c = Conn(sock, "get", cs.quota, get_req, parse_get)
+            reqs = [get_request(q + spec.get_options) for q in queues]
+            c = Conn(sock, "get", cs.quota, reqs[0], parse_get, request_maker(reqs, None))
         conns[c.fd] = c
         ep.register(c.fd, select.EPOLLIN)
     pipe.send({"ready": True})
@@ -350,7 +463,7 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
             c.first_ns = t
         c.batches.append([n, t])
         c.inflight += n
-        out = c.request * n
+        out = c.make(n, t) if c.make is not None else c.request * n
         if c.wbuf:
             c.wbuf += out
             return
@@ -431,6 +544,14 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
             refill(c, now)
         live = [c for c in live if active(c)]
     cpu1 = os.times()
+    ep.close()
+    final_failed = 0
+    if spec.final_get is not None:  # e.g. "/close": confirm the last open read, untimed
+        last = get_request(spec.queue + spec.final_get)
+        for c in conns.values():
+            if (c.role == "get" and not c.closed and not c.inflight
+                    and not final_get(c.sock, last)):
+                final_failed += 1
     roles: dict[str, RoleResult] = {}
     closed: dict[str, int] = {}
     for c in conns.values():
@@ -440,9 +561,28 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
         if c.closed and c.ok + c.errors < c.quota:
             closed[c.role] = closed.get(c.role, 0) + 1
         c.sock.close()
-    ep.close()
+    if e2e is not None and "get" in roles:
+        roles["get"].e2e = e2e
     pipe.send({"roles": {k: asdict(v) for k, v in roles.items()}, "closed": closed, "t0": t0,
-               "cpu": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)})
+               "cpu": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system),
+               "final_failed": final_failed})
+
+
+def final_get(sock: socket.socket, request: bytes, seconds: float = 2.0) -> bool:
+    """One blocking request on a drained connection; True if it was answered (any line)."""
+    try:
+        sock.setblocking(True)
+        sock.settimeout(seconds)
+        sock.sendall(request)
+        buf = b""
+        while not buf.endswith(b"\r\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                return False
+            buf += chunk
+        return True
+    except OSError:
+        return False
 
 
 # -- servers -----------------------------------------------------------------------------
@@ -561,9 +701,31 @@ class Server:
             return buf
 
 
-class QueuedServer(Server):
-    name = "queued"
+class MemcacheServer(Server):
+    """A Kestrel-protocol server: `stats` has `queue_<q>_items`, `delete <q>` drops q."""
+
     protocol = "memcache"
+
+    def queue_stats(self, queue: str) -> dict[str, str]:
+        reply = self.request(b"stats\r\n", lambda b: b.endswith(b"END\r\n"))
+        prefix = f"STAT queue_{queue}_".encode()
+        out: dict[str, str] = {}
+        for line in reply.split(b"\r\n"):
+            if line.startswith(prefix):
+                k, _, v = line[len(prefix):].partition(b" ")
+                out[k.decode()] = v.decode()
+        return out
+
+    def backlog(self, queue: str) -> int | None:
+        v = self.queue_stats(queue).get("items")
+        return int(v) if v is not None else None
+
+    def delete(self, queue: str) -> None:
+        self.request(b"delete %s\r\n" % queue.encode(), lambda b: b.endswith(b"\r\n"))
+
+
+class QueuedServer(MemcacheServer):
+    name = "queued"
 
     def __init__(self, root: Path, fsync: str, cmd: str, config: str | None = None) -> None:
         super().__init__(root, fsync)
@@ -586,23 +748,6 @@ class QueuedServer(Server):
         if self.config_path is not None:
             with contextlib.suppress(OSError):
                 self.config_path.unlink()
-
-    def queue_stats(self, queue: str) -> dict[str, str]:
-        reply = self.request(b"stats\r\n", lambda b: b.endswith(b"END\r\n"))
-        prefix = f"STAT queue_{queue}_".encode()
-        out: dict[str, str] = {}
-        for line in reply.split(b"\r\n"):
-            if line.startswith(prefix):
-                k, _, v = line[len(prefix):].partition(b" ")
-                out[k.decode()] = v.decode()
-        return out
-
-    def backlog(self, queue: str) -> int | None:
-        v = self.queue_stats(queue).get("items")
-        return int(v) if v is not None else None
-
-    def delete(self, queue: str) -> None:
-        self.request(b"delete %s\r\n" % queue.encode(), lambda b: b.endswith(b"\r\n"))
 
 
 class RedisServer(Server):
@@ -687,6 +832,14 @@ def run_phase(server: Server, queue: str, payload: int, puts: int, gets: int,
         conns += [ConnSpec("put", q) for q in split(puts, a.conns)]
     if gets:
         conns += [ConnSpec("get", q) for q in split(gets, a.conns)]
+    return run_conns(server, queue, payload, conns, a, seconds)
+
+
+def run_conns(server: Server, queue: str, payload: int, conns: list[ConnSpec],
+              a: argparse.Namespace, seconds: float, *, get_options: str = "",
+              final_get: str | None = None, stamp: bool = False, fill: str = "x") -> Phase:
+    """Runs `conns` (spread over a.procs processes, a.pipeline requests in flight each)
+    against `server`; bounded by `seconds`, then a.grace for the replies in flight."""
     procs = max(1, min(a.procs, len(conns)))
     per_proc: list[list[ConnSpec]] = [[] for _ in range(procs)]
     for i, cs in enumerate(conns):
@@ -699,7 +852,8 @@ def run_phase(server: Server, queue: str, payload: int, puts: int, gets: int,
         for cl in per_proc:
             spec = WorkerSpec(server.protocol, server.port, queue, payload, a.pipeline, cl,
                               seconds, a.grace, a.miss_backoff_ms,
-                              a.pipeline_mode == "batch")
+                              a.pipeline_mode == "batch", get_options, final_get, stamp,
+                              fill)
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, args=(spec, child), daemon=True)
             p.start()
@@ -739,6 +893,8 @@ def run_phase(server: Server, queue: str, payload: int, puts: int, gets: int,
     for r in results:
         for role, n in r["closed"].items():
             errors.append(f"{n} {role} connection(s) closed by the server")
+        if r.get("final_failed"):
+            errors.append(f"{r['final_failed']} final get(s) unanswered")
         for role, d in r["roles"].items():
             roles.setdefault(role, RoleResult()).merge(RoleResult(**d))
     last = max((rr.last_ns for rr in roles.values()), default=t0)
