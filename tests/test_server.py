@@ -258,6 +258,23 @@ async def test_pipelined_requests_run_together_answer_each(tmp_path: Path) -> No
         await c.aclose()
 
 
+async def test_pipelined_gets_with_a_read_open_answer_one_error_and_close(
+        tmp_path: Path) -> None:
+    """Kestrel: a plain get while a read is open on the queue is ERROR and the connection
+    closes; pipelined plain gets joined into one still answer that once, then close."""
+    async with running(cfg(tmp_path)) as server:
+        c = await Conn.open(server.ports["memcache"])
+        for v in (b"a", b"b", b"c"):
+            assert await c.set("q", v) == b"STORED"
+        assert await c.get("q/open") == b"a"
+        await c.send(b"get q\r\nget q\r\nget q\r\n")
+        assert await c.expect_closed() == b"ERROR\r\n"
+        await c.aclose()
+        other = await Conn.open(server.ports["memcache"])  # a's read went back; b, c stay
+        assert [await other.get("q") for _ in range(4)] == [b"a", b"b", b"c", None]
+        await other.aclose()
+
+
 async def test_noreply_set_is_silent(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         c = await Conn.open(server.ports["memcache"])

@@ -219,7 +219,9 @@ class MemcacheCodec(c.LineCodec):
         if isinstance(reply, c.Failure):
             if isinstance(ev, mc.Set) and ev.noreply:
                 return b""
-            return FAILURES[reply.kind](reply.message) * request.count
+            # one per joined request, but the connection closes after the first closing one
+            n = 1 if reply.kind in self.closing else request.count
+            return FAILURES[reply.kind](reply.message) * n
         if type(ev) is mc.Get:
             return _values(ev, reply, request.count)  # type: ignore[arg-type]
         return REPLIES[type(ev)](ev, reply)
