@@ -58,3 +58,15 @@ def system_busy_s() -> float:
         return (user + nice + system + irq + softirq + steal) / CLK_TCK
     except (OSError, ValueError):
         return float("nan")
+
+
+def kib_field(path: str, key: str) -> int | None:
+    """The `key:` line of a /proc file in kB (/proc/meminfo, /proc/<pid>/status), or None."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import trio
+from benchlib import kib_field
 
 from queued.config import FsyncMode, FsyncPolicy, JournalConfig
 from queued.core import journal_format as jf
@@ -81,14 +82,7 @@ def pct(values: list[float], p: float) -> float:
 
 
 def meminfo_kib(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+    return kib_field("/proc/meminfo", key)
 
 
 def log(msg: str = "") -> None:
@@ -274,7 +268,7 @@ def journal_run(
             js = j.statistics()
             ds = dd.statistics()
         return JournalRun(mode, size, appenders, batch, done, seconds, js.bytes,
-                          ds.rounds, ds.fsyncs, lat, cpu)
+                          ds.rounds, ds.fsync.count, lat, cpu)
 
     return trio.run(main)
 

@@ -70,7 +70,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchlib import percentiles, system_busy_s
+from benchlib import kib_field, percentiles, system_busy_s
 from load import (
     NS,
     QUEUED_CMD,
@@ -128,14 +128,7 @@ class DarnerServer(MemcacheServer):
 
 def proc_status_kib(pid: int, key: str) -> int | None:
     """A `key:` line of /proc/<pid>/status in KiB (VmHWM = peak RSS, VmRSS = now)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+    return kib_field(f"/proc/{pid}/status", key)
 
 
 def du_bytes(path: Path) -> int:
