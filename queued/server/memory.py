@@ -72,7 +72,9 @@ async def trim_when_drained(held_bytes: Callable[[], int], seconds: float | None
         await trio.sleep(TRIM_CHECK_SECONDS if seconds is None else seconds)
         unexplained = (rss_bytes() or 0) - held_bytes()
         if unexplained - base >= TRIM_STEP:
-            trim()
+            # In a thread: on a large heap a trim takes milliseconds, and malloc_trim
+            # takes the allocator's own locks, so the event loop goes on meanwhile.
+            await trio.to_thread.run_sync(trim)
             after = (rss_bytes() or 0) - held_bytes()
             log.debug("memory: heap trimmed, RSS %+d bytes", after - unexplained)
             base = after
