@@ -330,6 +330,30 @@ async def test_an_append_that_needs_no_fsync_is_written_at_once_and_in_order(
     assert [p.id for p in all_puts(tmp_path)] == list(range(1, 40))
 
 
+async def test_a_periodic_fsync_is_owed_after_a_write_done_at_once(tmp_path: Path) -> None:
+    """fsync every 100 ms: an append written at once (no round) still gets its fsync
+    within the interval, even when the writer was asleep with nothing owed."""
+    conf = cfg(fsync=FsyncPolicy.parse("100"))
+    async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
+        q = dd.queue("q")
+        await q.append([data_for(1)], T0)  # opens the segment: a round
+        with trio.fail_after(5):
+            while q.statistics().fsyncs < 1:  # the periodic fsync of that round's write
+                await trio.sleep(0.02)
+        await trio.testing.wait_all_tasks_blocked()  # the writer sleeps, nothing owed
+        rounds = dd.statistics().rounds
+        _, ticket = q.append_nowait([data_for(2)], T0)
+        assert ticket.event.is_set()  # written at once: no fsync was due yet
+        assert dd.statistics().rounds == rounds + 1
+        with trio.fail_after(5):  # real time is the point: the interval is 100 ms
+            while q.statistics().fsyncs < 2:
+                await trio.sleep(0.02)
+        # ...and nothing more once nothing is owed (no empty rounds meanwhile)
+        rounds = dd.statistics().rounds
+        await trio.sleep(0.3)
+        assert q.statistics().fsyncs == 2 and dd.statistics().rounds == rounds
+
+
 async def test_a_config_change_reaches_the_writer(tmp_path: Path) -> None:
     conf = cfg(fsync=FsyncPolicy.parse("never"))
     async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:

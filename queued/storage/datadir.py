@@ -104,6 +104,8 @@ class DataDir:
         self._closing = False
         self._writer_done = trio.Event()
         self._in_round = False  # the writer took chunks and has not finished them
+        #: when the sleeping writer wakes by itself (-inf while it is awake)
+        self._asleep_until = float("-inf")
 
     # -- opening and recovery -----------------------------------------------------
 
@@ -301,6 +303,9 @@ class DataDir:
             if result is not None:
                 self._dirty.pop(journal, None)
                 journal.finish_round(journal.take_pending(), result)
+                owed = journal.file.fsync_deadline()  # periodic: this write owes an fsync
+                if owed is not None and owed < self._asleep_until:
+                    self._wake.set()  # the writer sleeps past it: it must look again
                 return
         self._dirty[journal] = None
         self._wake.set()
@@ -318,9 +323,11 @@ class DataDir:
                         default=None,
                     )
                     # The fsync deadlines are on the monotonic clock of the worker thread.
-                    wait = float("inf") if deadline is None else deadline - time.monotonic()
+                    self._asleep_until = float("inf") if deadline is None else deadline
+                    wait = self._asleep_until - time.monotonic()
                     with trio.move_on_after(max(0.0, wait)):
                         await self._wake.wait()
+                    self._asleep_until = float("-inf")  # awake: it looks before sleeping
                 # Appends from here on set a fresh event and are taken next round.
                 self._wake = trio.Event()
                 work = [(j, j.take_pending()) for j in self._dirty]
@@ -330,6 +337,8 @@ class DataDir:
                     j.file for j in self.queues.values()
                     if (d := j.file.fsync_deadline()) is not None and d <= now
                 ]
+                if not (work or periodic):
+                    continue  # woken to look at a new fsync deadline: sleep until it
                 # No write here and now until these are written: they come first.
                 self._in_round = True
                 try:
