@@ -36,8 +36,8 @@ def item(i: int, size: int = 0) -> bytes:
     return (base * (size // len(base) + 1))[: max(size, len(base))] if size else base
 
 
-def config(journal_size: int):  # type: ignore[no-untyped-def]
-    cfg = JournalConfig(journal_size=journal_size, fsync=FsyncPolicy.parse("always"))
+def config(journal_size: int, fsync: str = "always"):  # type: ignore[no-untyped-def]
+    cfg = JournalConfig(journal_size=journal_size, fsync=FsyncPolicy.parse(fsync))
     return lambda _name: cfg
 
 
@@ -107,6 +107,38 @@ async def test_enospc_refuses_the_batch_keeps_the_rest_and_recovers(tmpfs: Path)
         acked |= after
         acked |= await append_checked(q, 3, 10)
     check_recovered(datadir, acked)  # exactly the acknowledged items: no refused one
+
+
+async def test_enospc_on_a_write_done_at_once_refuses_that_put_only(tmpfs: Path) -> None:
+    """fsync never: most appends are written at once by the caller (no writer round);
+    one that hits ENOSPC is refused the same way (trimmed, not acknowledged, not fatal)."""
+    datadir = tmpfs / "data"
+    datadir.mkdir()
+    filler = tmpfs / "filler"
+    fill(filler, leave=300 * KiB)
+    acked: dict[int, bytes] = {}
+    async with open_data_dir(datadir, DataDirConfig(), config(1024 * KiB, "never")) as dd:
+        q = dd.queue(Q)
+        acked |= await append_checked(q, 1, 10)  # opens the segment (a round)
+        error: JournalWriteError | None = None
+        for _ in range(2000):
+            rounds = dd.statistics().rounds
+            first = q.last_id + 1
+            datas = [item(first + k, 1500) for k in range(7)]
+            _, ticket = q.append_nowait(datas, 1)
+            assert ticket.event.is_set(), "a put that needs no fsync waits for a round"
+            assert dd.statistics().rounds == rounds + 1
+            try:
+                await wait_durable(ticket)
+            except JournalWriteError as exc:
+                error = exc
+                break
+            acked |= {first + k: d for k, d in enumerate(datas)}
+        assert error is not None, "the 2 MiB tmpfs never filled up"
+        assert q.failed is None and q.statistics().write_errors >= 1
+        filler.unlink()
+        acked |= await append_checked(q, 5, 1500)
+    check_recovered(datadir, acked)  # exactly the acknowledged items, nothing partial
 
 
 async def test_enospc_in_the_middle_of_a_segment_is_trimmed(tmpfs: Path) -> None:
