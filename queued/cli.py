@@ -11,6 +11,7 @@ import argparse
 import ctypes
 import datetime as _dt
 import gc
+import getpass
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from queued.client import (
     parse_servers,
 )
 from queued.config import ConfigError, add_serve_arguments, load_config
+from queued.config.users import hash_password
 from queued.core import journal_format as jf
 from queued.core.errors import CorruptRecordError, QueuedError
 from queued.logs import setup_logging
@@ -160,8 +162,29 @@ def build_parser() -> argparse.ArgumentParser:
     p_check.add_argument("dir", type=Path)
     p_serve = sub.add_parser("serve", help="run the server in the foreground")
     add_serve_arguments(p_serve)
+    sub.add_parser(
+        "passwd", help="print a password hash for the users file",
+        description="Read a password (one line of stdin, or asked twice at a terminal) and "
+                    "print its salted scrypt hash: the `password` of a [users.NAME] table "
+                    "in the users file (see the README's Security section).")
     add_client_commands(sub)
     return parser
+
+
+def passwd_command() -> int:
+    """`queued passwd`: a password from stdin (or the terminal) -> its hash on stdout."""
+    if sys.stdin.isatty():
+        password = getpass.getpass("password: ")
+        if getpass.getpass("again: ") != password:
+            print("queued passwd: the two passwords differ", file=sys.stderr)
+            return 2
+    else:
+        password = sys.stdin.readline().rstrip("\r\n")
+    if not password:
+        print("queued passwd: empty password", file=sys.stderr)
+        return 2
+    print(hash_password(password))
+    return 0
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -240,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return dump(args.file, sys.stdout)
         if args.command == "serve":
             return serve_command(args)
+        if args.command == "passwd":
+            return passwd_command()
         if args.command == "check":
             if not args.dir.is_dir():
                 print(f"queued check: {args.dir} is not a directory", file=sys.stderr)

@@ -58,7 +58,8 @@ PORTS = {
 }
 PROBE_PATHS = {"/livez", "/readyz"}
 #: Server keys that default to unset: the example shows them commented out.
-OPTIONAL_KEYS = {"archive_dir", "expire_to_queue", "error_queue"}
+OPTIONAL_KEYS = {"archive_dir", "expire_to_queue", "error_queue", "tls_cert", "tls_key",
+                 "tls_client_ca", "users_file"}
 
 # -- the exporter's metric names (queued/metrics.py): the contract ----------------------------
 #: Labels queue, reader ("" = the queue's own reader).

@@ -22,6 +22,7 @@ from queued.core.rpc_protocol import (
     METHODS,
     NEED_DATA,
     Abort,
+    Auth,
     Confirm,
     ConnectionClosed,
     Delete,
@@ -753,18 +754,20 @@ FULL: dict[str, list[Any]] = {
     "flush": ["q"],
     "delete": ["q"],
     "flush_all": [],
+    "auth": ["alice", "secret"],
     "stats": [],
     "version": [],
 }
 ARITY: dict[str, tuple[int, int]] = {
     "put": (2, 3), "get": (2, 4), "confirm": (2, 2), "abort": (2, 2), "peek": (1, 1),
     "flush": (1, 1), "delete": (1, 1), "flush_all": (0, 0), "stats": (0, 0), "version": (0, 0),
+    "auth": (2, 2),
 }
 CALL_TYPES: dict[str, type] = {
     "put": Put, "get": Get, "confirm": Confirm, "abort": Abort, "peek": Peek, "flush": Flush,
-    "delete": Delete, "flush_all": FlushAll, "stats": Stats, "version": Version,
+    "delete": Delete, "flush_all": FlushAll, "stats": Stats, "version": Version, "auth": Auth,
 }
-QUEUE_METHODS = [m for m in FULL if FULL[m]]
+QUEUE_METHODS = [m for m in FULL if FULL[m] and m != "auth"]
 
 
 def test_the_tables_cover_every_method() -> None:
@@ -804,6 +807,7 @@ VALID = [
     ("flush_all", [], FlushAll(7)),
     ("stats", [], Stats(7)),
     ("version", [], Version(7)),
+    ("auth", ["alice", "pass word"], Auth(7, "alice", "pass word")),
 ]
 
 
@@ -1048,6 +1052,8 @@ def test_error_codes_are_stable() -> None:
         "MALFORMED": 1, "UNKNOWN_METHOD": 2, "BAD_PARAMS": 3, "BAD_QUEUE_NAME": 4,
         "QUEUE_FULL": 5, "ITEM_TOO_LARGE": 6, "TOO_LARGE": 7, "TOO_MANY_OPEN_READS": 8,
         "JOURNAL_FULL": 9, "SHUTTING_DOWN": 10, "SERVER_ERROR": 11, "BUSY": 12,
+        "UNAUTHENTICATED": 13, "AUTH_FAILED": 14, "PERMISSION_DENIED": 15,
+        "TOO_MANY_QUEUES": 16,
     }
 
 

@@ -20,7 +20,7 @@ from queued.broker.handles import Handle
 from queued.broker.queues import Background, QueueState
 from queued.broker.readback import count_unconsumed
 from queued.core import journal_format as jf
-from queued.core.errors import BadNameError, QueueClosedError
+from queued.core.errors import BadNameError, QueueClosedError, TooManyQueuesError
 from queued.core.queue import Reader
 from queued.storage.datadir import DataDir
 
@@ -88,6 +88,20 @@ class Registry:
         self.queues[name] = qs
         return qs
 
+    def _check_room(self, what: str) -> None:
+        """Refuse a new queue or reader past max_queues (each holds files and memory:
+        without a cap, clients could create them until either runs out)."""
+        limit = self.config.max_queues
+        if len(self.queues) < limit and self.names() < limit:
+            return
+        raise TooManyQueuesError(f"cannot create {what}: the server holds max_queues "
+                                 f"({limit}) queues and fanout readers")
+
+    def names(self) -> int:
+        """Queues and readers together: what max_queues counts (a queue's first reader
+        is the queue itself)."""
+        return sum(max(1, len(qs.readers)) for qs in self.queues.values())
+
     def reader_config(self, queue: str, reader: str) -> QueueConfig:
         if reader:
             return self.config.reader_config(queue, reader)
@@ -106,6 +120,7 @@ class Registry:
                     f"queue name of {len(name)} characters is too long for its journal file "
                     f"names ({jf.NAME_MAX} bytes at most)"
                 )
+            self._check_room(f"queue {name!r}")
             qs = self._add(name)
             cfg = qs.config
             qs.readers[""] = Handle(
@@ -135,6 +150,7 @@ class Registry:
                 raise QueueClosedError(f"queue {qs.name!r} was deleted")
             if name and set(qs.readers) == {""}:
                 return await self._take_over(qs, name)
+            self._check_room(f"reader {qs.name}+{name}")
             cfg = self.reader_config(qs.name, name)
             start = qs.delivered
             reader = Reader(qs.name, name, cfg, head=start, tail=start,

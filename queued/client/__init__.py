@@ -8,6 +8,7 @@ pure parts they share (errors, values, addresses, back-off, replies) are core's.
 from queued.client.aio import AsyncClient, AsyncConsumer
 from queued.client.core import (
     DEFAULT_PORT,
+    AuthFailed,
     BadParams,
     BadQueueName,
     BadResponse,
@@ -20,6 +21,7 @@ from queued.client.core import (
     ItemTooLarge,
     JournalFull,
     Malformed,
+    PermissionDenied,
     QueueFull,
     QueueInfo,
     RpcCallError,
@@ -29,6 +31,8 @@ from queued.client.core import (
     Timeout,
     TooLarge,
     TooManyOpenReads,
+    TooManyQueues,
+    Unauthenticated,
     UnknownMethod,
     parse_servers,
 )
@@ -38,6 +42,7 @@ __all__ = [
     "DEFAULT_PORT",
     "AsyncClient",
     "AsyncConsumer",
+    "AuthFailed",
     "BadParams",
     "BadQueueName",
     "BadResponse",
@@ -52,6 +57,7 @@ __all__ = [
     "ItemTooLarge",
     "JournalFull",
     "Malformed",
+    "PermissionDenied",
     "QueueFull",
     "QueueInfo",
     "RpcCallError",
@@ -61,6 +67,8 @@ __all__ = [
     "Timeout",
     "TooLarge",
     "TooManyOpenReads",
+    "TooManyQueues",
+    "Unauthenticated",
     "UnknownMethod",
     "parse_servers",
 ]

@@ -111,6 +111,22 @@ class Busy(RpcCallError):
     """Too many connections to the server, or too many gets waiting on one connection."""
 
 
+class Unauthenticated(RpcCallError):
+    """A call before logging in, on a server with users (give user= and password=)."""
+
+
+class AuthFailed(RpcCallError):
+    """Wrong user or password (the server closes the connection)."""
+
+
+class PermissionDenied(RpcCallError):
+    """The user lacks the permission the call needs on that queue."""
+
+
+class TooManyQueues(RpcCallError):
+    """The server's max_queues is reached: the call would have created a queue."""
+
+
 ERRORS: Final[Mapping[ErrorCode, type[RpcCallError]]] = {
     ErrorCode.MALFORMED: Malformed,
     ErrorCode.UNKNOWN_METHOD: UnknownMethod,
@@ -124,11 +140,16 @@ ERRORS: Final[Mapping[ErrorCode, type[RpcCallError]]] = {
     ErrorCode.SHUTTING_DOWN: ShuttingDown,
     ErrorCode.SERVER_ERROR: ServerError,
     ErrorCode.BUSY: Busy,
+    ErrorCode.UNAUTHENTICATED: Unauthenticated,
+    ErrorCode.AUTH_FAILED: AuthFailed,
+    ErrorCode.PERMISSION_DENIED: PermissionDenied,
+    ErrorCode.TOO_MANY_QUEUES: TooManyQueues,
 }
 #: Errors after which the call is tried on another server (the server is skipped a while).
 FAILOVER: Final = (ConnectionFailed, Timeout, ShuttingDown, Busy)
 #: Replies after which the server closes the connection.
-CLOSING: Final = frozenset({ErrorCode.MALFORMED, ErrorCode.TOO_LARGE})
+CLOSING: Final = frozenset({ErrorCode.MALFORMED, ErrorCode.TOO_LARGE, ErrorCode.UNAUTHENTICATED,
+                            ErrorCode.AUTH_FAILED})
 
 
 def call_error(error: Any, server: str) -> RpcCallError:

@@ -264,6 +264,14 @@ SERVER_KEYS: Final[Mapping[str, Parser]] = {
     "metrics_max_queues": _count,
     "min_free_disk": _size,
     "fsync": _fsync,
+    "tls_cert": _optional(parse_path),
+    "tls_key": _optional(parse_path),
+    "tls_client_ca": _optional(parse_path),
+    "users_file": _optional(parse_path),
+    "allow_anonymous": parse_bool,
+    "request_timeout": _positive_duration,
+    "auth_timeout": _positive_duration,
+    "max_queues": _positive,
 }
 PORT_KEYS: Final = ("memcache_port", "text_port", "rpc_port", "http_port")
 
@@ -301,6 +309,11 @@ FLAG_KEYS: Final = (
     "fsync",
     "log_level",
     "log_format",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "users_file",
+    "allow_anonymous",
 )
 
 

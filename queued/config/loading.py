@@ -174,6 +174,14 @@ def _from_flags(flags: Mapping[str, object]) -> dict[str, object]:
     return parsed
 
 
+def _check_tls(config: ServerConfig) -> None:
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise ConfigError("tls_cert and tls_key: set both (TLS on) or neither (TLS off)")
+    if config.tls_client_ca is not None and config.tls_cert is None:
+        raise ConfigError("tls_client_ca: needs tls_cert and tls_key (client certificates "
+                          "are checked during the TLS handshake)")
+
+
 def _check_ports(config: ServerConfig) -> None:
     seen: dict[int, str] = {}
     for key in PORT_KEYS:
@@ -204,8 +212,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "fsync": ("POLICY", "default queue fsync: always, never or <ms> (default always)"),
         "log_level": ("LEVEL", "DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)"),
         "log_format": ("FORMAT", "text or json, one object per line (default text)"),
+        "tls_cert": ("FILE", "PEM certificate chain: every listener speaks TLS only"),
+        "tls_key": ("FILE", "PEM private key of --tls-cert"),
+        "tls_client_ca": ("FILE", "PEM CA bundle: clients must present a certificate it signed"),
+        "users_file": ("FILE", "TOML users file: every connection authenticates first"),
     }
     for key in FLAG_KEYS:
+        if key == "allow_anonymous":
+            parser.add_argument(
+                flag(key), dest=key, action="store_const", const="true", default=None,
+                help="listen beyond loopback without a users file (accept the risk); "
+                     f"env {env_var(key)}=1")
+            continue
         metavar, text = helps[key]
         parser.add_argument(
             flag(key), dest=key, metavar=metavar, default=None, help=f"{text}; env {env_var(key)}"
@@ -250,6 +268,7 @@ def load_config(
         fsync_override=fsync_override,
     )
     _check_ports(config)
+    _check_tls(config)
     return config
 
 
@@ -276,6 +295,8 @@ def _toml_value(key: str, value: object) -> str:
         sizes = {"max_size", "max_item_size", "max_memory_size", "journal_size",
                  "max_journal_size", "rpc_max_frame", "min_free_disk"}
         durations = {
+            "request_timeout",
+            "auth_timeout",
             "max_age",
             "max_queue_age",
             "open_transaction_timeout",

@@ -91,6 +91,15 @@ class ServerConfig:
     shutdown_grace: int = 5000  # ms sessions get to finish their batch on shutdown
     metrics_max_queues: int = 1000  # readers with their own /metrics series; 0 = none
     min_free_disk: int = 1 << 30  # bytes; below this the server warns; 0 = never
+    #: TLS on every listener when both are set (PEM files; re-read on reload / SIGHUP)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # set: client certificates required and verified
+    users_file: Path | None = None  # set: every connection authenticates first
+    allow_anonymous: bool = False  # listen beyond loopback without a users file
+    request_timeout: int = 30_000  # ms a request that has begun to arrive may take
+    auth_timeout: int = 10_000  # ms to finish the TLS handshake and authenticate
+    max_queues: int = 10_000  # queues and fanout readers; creating more is refused
     config_file: Path | None = None
     default: QueueConfig = QueueConfig()
     #: Validated, typed overrides per [queues.<name>] section ("jobs", "jobs+audit").

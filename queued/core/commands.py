@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
 from queued.core.errors import (
@@ -29,6 +29,7 @@ from queued.core.errors import (
     QueueError,
     QueueFullError,
     ReadStateError,
+    TooManyQueuesError,
 )
 from queued.core.queue import Item
 from queued.core.stats import command_name
@@ -135,7 +136,15 @@ class Delete:
 
 @dataclass(slots=True)
 class Stats:
-    pass
+    dump: bool = False  # memcache dump_stats (an admin command with users configured)
+
+
+@dataclass(slots=True)
+class Auth:
+    """Authenticate the connection as `user` (text AUTH, RPC auth, memcache's first set)."""
+
+    user: str
+    password: str = field(repr=False)
 
 
 @dataclass(slots=True)
@@ -170,7 +179,7 @@ class Monitor:
 
 Command: TypeAlias = (
     Put | Get | Peek | Confirm | Abort | Flush | FlushAll | FlushExpired | FlushAllExpired
-    | Delete | Stats | Version | Reload | Shutdown | Quit | Monitor
+    | Delete | Stats | Version | Reload | Shutdown | Quit | Monitor | Auth
 )
 
 # -- replies --------------------------------------------------------------------------------
@@ -190,6 +199,11 @@ class ErrorKind(enum.Enum):
     SHUTTING_DOWN = "shutting_down"
     BUSY = "busy"
     SERVER_ERROR = "server_error"
+    #: a command before authentication; wrong credentials (both close the connection)
+    UNAUTHENTICATED = "unauthenticated"
+    AUTH_FAILED = "auth_failed"
+    PERMISSION_DENIED = "permission_denied"  # the connection stays usable
+    TOO_MANY_QUEUES = "too_many_queues"  # max_queues reached: no new queue or reader
 
 
 @dataclass(slots=True)
@@ -246,6 +260,7 @@ Reply: TypeAlias = Failure | Stored | Items | Count | Deleted | Value | Done | P
 _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (BadNameError, ErrorKind.BAD_NAME),
     (QueueFullError, ErrorKind.QUEUE_FULL),
+    (TooManyQueuesError, ErrorKind.TOO_MANY_QUEUES),
     (ItemTooLargeError, ErrorKind.ITEM_TOO_LARGE),
     (JournalFullError, ErrorKind.JOURNAL_FULL),
     (ReadStateError, ErrorKind.TOO_MANY_OPEN_READS),
@@ -368,6 +383,22 @@ class Codec(Protocol):
 
     def buffered_bytes(self) -> int: ...
 
+    def pending(self) -> bool:
+        """A request has begun to arrive and is not complete (request_timeout runs)."""
+
+    def auth_of(self, request: Request) -> Auth | None:
+        """The credentials `request` carries when it is the protocol's way to
+        authenticate (see `auth_of`), else None."""
+
+    def set_limits(self, limits: Limits) -> None:
+        """Parse what follows with these caps (smaller ones before authentication)."""
+
+
+def auth_of(request: Request) -> Auth | None:
+    """`Codec.auth_of` of a protocol with an auth command of its own."""
+    command = request.command
+    return command if type(command) is Auth else None
+
 
 class LineCodec:
     """What the memcache and text codecs share: a line parser whose events become
@@ -382,6 +413,9 @@ class LineCodec:
     def buffered_bytes(self) -> int:
         return int(self.parser.statistics().buffered_bytes)
 
+    def pending(self) -> bool:
+        return bool(self.parser.in_request())
+
     def next_request(self) -> Request | ConnectionClosed | NeedData | None:
         ev = self.parser.next_event()
         if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
@@ -390,3 +424,10 @@ class LineCodec:
 
     def next_requests(self, limit: int) -> list[Parsed]:
         return next_requests(self, limit)  # type: ignore[arg-type]  # (a Codec's base)
+
+    def auth_of(self, request: Request) -> Auth | None:
+        return auth_of(request)
+
+    def set_limits(self, limits: Limits) -> None:
+        self.parser.max_line = limits.max_line
+        self.parser.max_item_size = limits.max_item_size

@@ -68,6 +68,10 @@ class ReadStateError(QueueError):
     """A reliable-read rule was broken (too many open reads, plain get with one open)."""
 
 
+class TooManyQueuesError(QueueError):
+    """Creating a queue or fanout reader would pass the server's max_queues."""
+
+
 class QueueClosedError(QueueError):
     """The queue was deleted, or the server is shutting down."""
 

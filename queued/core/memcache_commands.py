@@ -53,7 +53,7 @@ COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
     mc.FlushExpired: lambda ev: c.FlushExpired(ev.queue, ev.reader),
     mc.FlushAllExpired: lambda ev: c.FlushAllExpired(),
     mc.Stats: lambda ev: c.Stats(),
-    mc.DumpStats: lambda ev: c.Stats(),
+    mc.DumpStats: lambda ev: c.Stats(dump=True),
     mc.Version: lambda ev: c.Version(),
     mc.Reload: lambda ev: c.Reload(),
     mc.Shutdown: lambda ev: c.Shutdown(),
@@ -89,7 +89,9 @@ def _stats(ev: mc.Stats | mc.DumpStats, reply: c.Value) -> bytes:
 
 #: parser event type -> the bytes of its successful reply
 REPLIES: Final[dict[type, Callable[[Any, Any], bytes]]] = {
-    mc.Set: lambda ev, r: b"" if ev.noreply else STORED * r.count,
+    # (a Value: the set that authenticated the connection)
+    mc.Set: lambda ev, r: b"" if ev.noreply else STORED * (
+        r.count if type(r) is c.Stored else 1),
     mc.Get: _values,
     mc.Delete: lambda ev, r: b"" if ev.noreply else mc.deleted(),
     mc.Flush: lambda ev, r: mc.end(),
@@ -120,6 +122,11 @@ FAILURES: Final[dict[c.ErrorKind, Callable[[str], bytes]]] = {
     K.SHUTTING_DOWN: mc.server_error,
     K.BUSY: mc.server_error,
     K.SERVER_ERROR: mc.server_error,
+    # memcached's ASCII authentication (-Y) answers these two; both close
+    K.UNAUTHENTICATED: lambda msg: mc.client_error("unauthenticated"),
+    K.AUTH_FAILED: lambda msg: mc.client_error("authentication failure"),
+    K.PERMISSION_DENIED: mc.client_error,
+    K.TOO_MANY_QUEUES: mc.server_error,
 }
 
 
@@ -205,6 +212,18 @@ class MemcacheCodec(c.LineCodec):
                     break
                 append(c.Request(COMMANDS[t](ev), ev, command_name(ev)))
         return out
+
+    def auth_of(self, request: c.Request) -> c.Auth | None:
+        """memcached's ASCII authentication: the first command is a set (any key) whose
+        data is `<user> <password>`."""
+        ev = request.context
+        if type(ev) is not mc.Set or request.count != 1:
+            return None
+        user, _, password = ev.data.partition(b" ")
+        try:
+            return c.Auth(user.decode(), password.rstrip(b"\r\n").decode())
+        except UnicodeDecodeError:
+            return c.Auth("", "")  # not a user anyone has: refused as such
 
     def _get(self, ev: mc.Get) -> c.Request:
         req = self._gets.get(ev.key)

@@ -316,6 +316,9 @@ class MemcacheParser(LineParser["Command"]):
                 self._state = _State.SKIP_END
         self.buffer.append(view)
 
+    def in_request(self) -> bool:
+        return self._state is not _State.LINE or len(self.buffer) > 0
+
     def statistics(self) -> ParserStatistics:
         return ParserStatistics(len(self.buffer), self._skip, self.failure is not None)
 

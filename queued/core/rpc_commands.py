@@ -18,7 +18,7 @@ from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData
 
 #: Notifications are run without a reply, except these: without a reply they would
 #: only lose items (get) or do nothing (peek, stats, version).
-NOTIFY_REFUSED: Final = frozenset({"get", "peek", "stats", "version"})
+NOTIFY_REFUSED: Final = frozenset({"get", "peek", "stats", "version", "auth"})
 
 
 def _get(call: rp.Get, max_bytes: int) -> c.Get:
@@ -37,6 +37,7 @@ COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
     rp.FlushAll: lambda call: c.FlushAll(),
     rp.Stats: lambda call: c.Stats(),
     rp.Version: lambda call: c.Version(),
+    rp.Auth: lambda call: c.Auth(call.user, call.password),
 }
 
 
@@ -53,7 +54,7 @@ def _result(reply: c.Reply) -> Any:
     if isinstance(reply, c.Deleted):
         return reply.existed
     if isinstance(reply, c.Value):
-        return reply.value
+        return reply.value  # (auth: true)
     return None
 
 
@@ -71,6 +72,10 @@ CODES: Final[dict[c.ErrorKind, rp.ErrorCode]] = {
     K.SHUTTING_DOWN: E.SHUTTING_DOWN,
     K.BUSY: E.BUSY,
     K.SERVER_ERROR: E.SERVER_ERROR,
+    K.UNAUTHENTICATED: E.UNAUTHENTICATED,
+    K.AUTH_FAILED: E.AUTH_FAILED,
+    K.PERMISSION_DENIED: E.PERMISSION_DENIED,
+    K.TOO_MANY_QUEUES: E.TOO_MANY_QUEUES,
 }
 
 
@@ -94,6 +99,9 @@ class RpcCodec:
 
     def buffered_bytes(self) -> int:
         return self.parser.buffered_bytes
+
+    def pending(self) -> bool:
+        return self.parser.buffered_bytes > 0
 
     def next_request(self) -> c.Request | ConnectionClosed | NeedData | None:
         ev = self.parser.next_event()
@@ -123,6 +131,14 @@ class RpcCodec:
 
     def next_requests(self, limit: int) -> list[c.Parsed]:
         return c.next_requests(self, limit)
+
+    def auth_of(self, request: c.Request) -> c.Auth | None:
+        return c.auth_of(request)
+
+    def set_limits(self, limits: c.Limits) -> None:
+        self.max_batch = limits.max_batch
+        self.max_frame = max(64, limits.max_frame)
+        self.parser.set_limits(self.max_frame, self.max_batch)
 
     def encode(self, request: c.Request, reply: c.Reply) -> bytes:
         msgid = request.context

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
 import msgpack
@@ -26,6 +26,7 @@ __all__ = [
     "METHODS",
     "NEED_DATA",
     "Abort",
+    "Auth",
     "Call",
     "Confirm",
     "ConnectionClosed",
@@ -82,6 +83,10 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 10  #: the server is stopping, or the queue was deleted meanwhile
     SERVER_ERROR = 11  #: a journal write failed, or a bug; see the server log
     BUSY = 12  #: too many connections, or too many gets waiting on one connection
+    UNAUTHENTICATED = 13  #: a call before `auth` on a server with users; closes
+    AUTH_FAILED = 14  #: wrong user or password; closes
+    PERMISSION_DENIED = 15  #: the user lacks the permission on that queue
+    TOO_MANY_QUEUES = 16  #: max_queues reached: the call would create a queue or reader
 
 
 class RpcError(ProtocolError):
@@ -168,6 +173,7 @@ class RpcParser:
             max_map_len=max_map_len, max_ext_len=0,
         )
         self._scanner = msgpack.Unpacker(max_buffer_size=max_frame + 1, **self._limits)
+        self._scanner_frame = max_frame
         self._pending = bytearray()  # received, not yet fed to the scanner
         self._buf = bytearray()  # fed to the scanner; the current frame starts at _pos
         self._pos = 0
@@ -176,6 +182,14 @@ class RpcParser:
         self._eof = False
         self._failed: RpcError | None = None
         self.frames = 0
+
+    def set_limits(self, max_frame: int, max_batch: int) -> None:
+        """Caps for the frames that follow; max_frame no more than the parser was made
+        with (its scanner's buffer is sized then)."""
+        self.max_frame = min(max(64, max_frame), self._scanner_frame)
+        self.max_batch = max(1, max_batch)
+        self._limits.update(max_str_len=self.max_frame, max_bin_len=self.max_frame,
+                            max_array_len=max(self.max_batch, 4))
 
     def receive_data(self, data: bytes | bytearray) -> None:
         if not data:
@@ -366,7 +380,15 @@ class Version:
     msgid: int
 
 
-Call: TypeAlias = Put | Get | Confirm | Abort | Peek | Flush | Delete | FlushAll | Stats | Version
+@dataclass(frozen=True, slots=True)
+class Auth:
+    msgid: int
+    user: str
+    password: str = field(repr=False)
+
+
+Call: TypeAlias = (
+    Put | Get | Confirm | Abort | Peek | Flush | Delete | FlushAll | Stats | Version | Auth)
 
 
 def _bad(msgid: int, message: str) -> RpcError:
@@ -471,6 +493,15 @@ def _no_params(cls: type[FlushAll] | type[Stats] | type[Version]) -> Callable[[R
     return parse
 
 
+def _auth(r: Request, max_batch: int) -> Auth:
+    """auth [user, password]; a refusal never quotes the params (a password)."""
+    _arity(r.msgid, "auth", r.params, 2, 2)
+    user, password = r.params
+    if not isinstance(user, str) or not isinstance(password, str):
+        raise _bad(r.msgid, "auth takes [user, password], two strings")
+    return Auth(r.msgid, user, password)
+
+
 #: method name -> parser of its params. The signatures are in the README.
 METHODS: Final[dict[str, Callable[[Request, int], Call]]] = {
     "put": _put,
@@ -483,6 +514,7 @@ METHODS: Final[dict[str, Callable[[Request, int], Call]]] = {
     "flush_all": _no_params(FlushAll),
     "stats": _no_params(Stats),
     "version": _no_params(Version),
+    "auth": _auth,
 }
 
 

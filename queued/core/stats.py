@@ -75,6 +75,10 @@ class ProtocolStats:
     refused_connections: int = 0
     protocol_errors: int = 0  # malformed or refused requests (not a queue's own errors)
     commands: dict[str, int] = field(default_factory=dict)
+    auth_failures: int = 0  # wrong credentials, a command first, no login in time
+    permission_denied: int = 0
+    request_timeouts: int = 0  # connections closed on a request not complete in time
+    tls_handshake_failures: int = 0
 
     def count(self, command: str, n: int = 1) -> None:
         self.commands[command] = self.commands.get(command, 0) + n

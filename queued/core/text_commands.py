@@ -27,6 +27,7 @@ COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
     tp.Flush: lambda ev: c.Flush(ev.queue, ev.reader),
     tp.Delete: lambda ev: c.Delete(ev.queue, ev.reader),
     tp.Version: lambda ev: c.Version(),
+    tp.Auth: lambda ev: c.Auth(ev.user, ev.password),
     tp.Shutdown: lambda ev: c.Shutdown(),
     tp.Quit: lambda ev: c.Quit(),
 }
@@ -49,6 +50,7 @@ REPLIES: Final[dict[type, Callable[[Any, Any], bytes]]] = {
     tp.Flush: lambda ev, r: tp.count(0),
     tp.Delete: lambda ev, r: tp.count(0),
     tp.Version: lambda ev, r: tp.version(r.value),
+    tp.Auth: lambda ev, r: tp.count(1),
     tp.Shutdown: lambda ev, r: b"",
     tp.Quit: lambda ev, r: b"",
 }
@@ -70,6 +72,10 @@ class TextCodec(c.LineCodec):
         self.parser = tp.TextParser(max_line=limits.max_line,
                                     max_item_size=min(limits.max_item_size,
                                                       tp.DEFAULT_MAX_ITEM_SIZE))
+
+    def set_limits(self, limits: c.Limits) -> None:
+        self.parser.max_line = limits.max_line
+        self.parser.max_item_size = min(limits.max_item_size, tp.DEFAULT_MAX_ITEM_SIZE)
 
     def encode(self, request: c.Request, reply: c.Reply) -> bytes:
         ev = request.context

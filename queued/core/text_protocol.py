@@ -8,7 +8,7 @@ PURE: no sockets, files, clocks or trio; it never buffers past its caps.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
 from queued.core.errors import (
@@ -94,6 +94,14 @@ class Version:
 
 
 @dataclass(frozen=True, slots=True)
+class Auth:
+    """`auth <user> <password>`: the password is the rest of the line."""
+
+    user: str
+    password: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
@@ -104,7 +112,7 @@ class Quit:
 
 
 Command: TypeAlias = (
-    Put | Get | Peek | Monitor | Confirm | Flush | Delete | Version | Shutdown | Quit
+    Put | Get | Peek | Monitor | Confirm | Flush | Delete | Version | Shutdown | Quit | Auth
 )
 Event: TypeAlias = Command | ConnectionClosed
 
@@ -176,6 +184,9 @@ class TextParser(LineParser["Command"]):
         self._items: list[bytes] = []
         self._put_size = 0
 
+    def in_request(self) -> bool:
+        return self._state is not _State.LINE or len(self.buffer) > 0
+
     def statistics(self) -> ParserStatistics:
         return ParserStatistics(len(self.buffer) + self._put_size, 0, self.failure is not None)
 
@@ -233,6 +244,8 @@ class TextParser(LineParser["Command"]):
         if name in (b"put", b"put:"):
             self._put_header(line)
             return None
+        if name == b"auth":
+            return _auth(line)
         try:
             return self._simple(name, tokens[1:])
         except ArgumentError as e:
@@ -281,6 +294,19 @@ class TextParser(LineParser["Command"]):
         shown = name[:40].decode("latin-1")
         raise UnknownCommand(f"unknown command {shown!r}",
                              reply=error(f"Unknown command: {shown}"), close=False)
+
+
+def _auth(line: bytes) -> Auth:
+    """`auth <user> <password>`; the message of a refusal never quotes the line."""
+    parts = line.split(None, 2)
+    if len(parts) != 3:
+        msg = "Usage: auth <user> <password>"
+        raise BadCommand(msg, reply=error(msg), close=False)
+    try:
+        return Auth(parts[1].decode(), parts[2].decode())
+    except UnicodeDecodeError:
+        msg = "auth: user and password must be UTF-8"
+        raise BadCommand(msg, reply=error(msg), close=False) from None
 
 
 def _arity(args: list[bytes], lo: int, hi: int, usage: str) -> None:

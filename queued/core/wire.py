@@ -193,6 +193,10 @@ class LineParser(Generic[E]):
     def _accept(self, data: bytes | bytearray) -> None:
         self.buffer.append(data)
 
+    def in_request(self) -> bool:
+        """A request has begun to arrive and is not complete."""
+        return len(self.buffer) > 0
+
     def next_event(self) -> E | ConnectionClosed | NeedData:
         """The next command, ConnectionClosed, or NEED_DATA; raises ProtocolError."""
         if self.failure is not None:

@@ -6,18 +6,69 @@ operations port answers while recovery runs) and the signals that stop it.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
+import socket
 import time
 
 import trio
 
 from queued.broker.upkeep import open_broker
-from queued.config import ConfigError, ServerConfig
+from queued.config import ConfigError, ServerConfig, env_var
+from queued.config.users import UsersError
+from queued.server.auth import Authenticator
 from queued.server.http import Ops, serve_http
 from queued.server.listeners import Server
+from queued.server.tls import ServerTls, TlsError
 
 log = logging.getLogger("queued.server")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False  # it will fail to bind anyway, with its own message
+    return bool(infos) and all(
+        ipaddress.ip_address(str(info[4][0]).partition("%")[0]).is_loopback for info in infos)
+
+
+def check_exposure(config: ServerConfig) -> None:
+    """Refuse to listen beyond loopback with no users: anyone who can reach the ports
+    could read, change or delete every queue, or stop the server."""
+    if config.users_file is not None or config.allow_anonymous or is_loopback(config.host):
+        return
+    raise ConfigError(
+        f"host {config.host!r} listens beyond this machine, and no users_file is set: anyone "
+        "who reaches the ports could read, change or delete every queue. Either set "
+        f"users_file ({env_var('users_file')}, --users-file; see the README's Security "
+        f"section), or set allow_anonymous = true ({env_var('allow_anonymous')}=1, "
+        "--allow-anonymous) to accept the risk.")
+
+
+def open_security(config: ServerConfig) -> tuple[Authenticator | None, ServerTls | None]:
+    """The users and the TLS context the config names, loaded now (a bad file stops the
+    start with its name, before any port is opened)."""
+    check_exposure(config)
+    login = tls = None
+    try:
+        if config.users_file is not None:
+            login = Authenticator(config.users_file)
+            log.info("users file %s: %d users; every connection authenticates first",
+                     config.users_file, len(login.users))
+        if config.tls_cert is not None and config.tls_key is not None:
+            tls = ServerTls(config.tls_cert, config.tls_key, config.tls_client_ca)
+            log.info("TLS on every listener (certificate %s%s)", config.tls_cert,
+                     ", client certificates required" if config.tls_client_ca else "")
+    except (UsersError, TlsError) as exc:
+        raise ConfigError(str(exc)) from None
+    return login, tls
 
 async def open_listeners(config: ServerConfig) -> dict[str, list[trio.SocketListener]]:
     """Bind every listener (before recovery, so a busy port fails fast)."""
@@ -59,7 +110,8 @@ async def serve(
     during recovery stops the server as soon as recovery has finished (recovery
     itself is not interrupted: it may be rewriting a segment).
     """
-    ops = Ops(config)
+    login, tls = open_security(config)
+    ops = Ops(config, login=login, tls=tls)
     stop = _Stop(ops)
     listeners: dict[str, list[trio.SocketListener]] = {}
     failure: Exception | None = None
@@ -91,15 +143,30 @@ class _Stop:
         self.pending: str | None = None
 
     async def watch_signals(self, *, task_status: trio.TaskStatus[None]) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             task_status.started()
             async for signum in signals:
                 name = signal.Signals(signum).name
-                if self.ops.server is not None:
+                if signum == signal.SIGHUP:
+                    self.reload()
+                elif self.ops.server is not None:
                     self.ops.server.request_shutdown(name)
                 elif self.pending is None:
                     log.info("%s during recovery: stopping once recovery has finished", name)
                     self.pending = name
+
+    def reload(self) -> None:
+        """SIGHUP: what the `reload` command does (queue configs, users, certificates)."""
+        server = self.ops.server
+        if server is None:
+            log.warning("SIGHUP during recovery: ignored (send it again once ready)")
+            return
+        try:
+            server.reload()
+        except ConfigError as exc:
+            log.error("reload (SIGHUP) failed, keeping the old settings: %s", exc)
+        else:
+            log.info("reloaded (SIGHUP)")
 
 
 async def _recover_and_run(
@@ -125,7 +192,7 @@ async def _recover_and_run(
                    "truncated_bytes": report.truncated_bytes,
                    "seconds": round(time.monotonic() - started, 6)},
         )
-        server = Server(broker, config)
+        server = Server(broker, config, login=ops.login, tls=ops.tls)
         server.ports["http"] = http_port
         ops.server = server
         if stop.pending is not None:

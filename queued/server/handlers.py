@@ -18,6 +18,7 @@ from queued.core import commands as c
 
 if TYPE_CHECKING:
     from queued.broker.broker import Broker
+    from queued.core.access import Grant
     from queued.core.open_reads import OpenReads
     from queued.core.queue import Item
 
@@ -45,6 +46,8 @@ class Conn(Protocol):
     reads: OpenReads
     name: str
     done: bool
+    #: what the connection may do (None: everything, a server without users)
+    grant: Grant | None
     #: replies go out in request order (memcache, text); else matched by id (RPC)
     ordered: bool
 
@@ -55,6 +58,9 @@ class Conn(Protocol):
         """A get whose reply is matched by id: it may wait in a task of its own (None)."""
 
     async def monitor(self, cmd: c.Monitor, request: c.Request) -> c.Reply: ...
+
+    async def authenticate(self, auth: c.Auth) -> c.Reply:
+        """Log in (again) as auth.user; wrong credentials close the connection."""
 
 
 async def get(conn: Conn, cmd: c.Get, req: c.Request) -> c.Reply | None:
@@ -115,8 +121,17 @@ async def delete(conn: Conn, cmd: c.Delete, req: c.Request) -> c.Reply:
     return c.Deleted(await conn.broker.delete(cmd.queue, cmd.reader))
 
 
-async def stats(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
-    return c.Value(conn.hub.stats())
+async def stats(conn: Conn, cmd: c.Stats, req: c.Request) -> c.Reply:
+    figures = conn.hub.stats()
+    grant = conn.grant
+    if grant is not None and not grant.admin:  # only the queues this user may use
+        queues: dict[str, object] = figures["queues"]  # type: ignore[assignment]
+        figures = {**figures, "queues": {k: v for k, v in queues.items() if grant.may_see(k)}}
+    return c.Value(figures)
+
+
+async def auth(conn: Conn, cmd: c.Auth, req: c.Request) -> c.Reply:
+    return await conn.authenticate(cmd)
 
 
 async def version(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
@@ -167,4 +182,5 @@ HANDLERS: Final[dict[type, Handler]] = {
     c.Shutdown: shutdown,
     c.Quit: quit,
     c.Monitor: monitor,
+    c.Auth: auth,
 }

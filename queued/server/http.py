@@ -10,6 +10,8 @@ server through `OpsServer` and never imports the listeners (they import it).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import email.utils
 import json
 import logging
@@ -24,7 +26,11 @@ import trio
 
 from queued import __version__
 from queued.config import ServerConfig
+from queued.core.stats import ProtocolStats
+from queued.server.auth import Authenticator
 from queued.server.metrics import StatsSource, disk_usage, render, take_snapshot
+from queued.server.tls import ServerTls
+from queued.server.transport import peer_name
 
 log = logging.getLogger("queued.http")
 
@@ -46,6 +52,10 @@ TOO_MANY_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
 REQUEST_TIMEOUT_REPLY = (b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
                          b"Connection: close\r\n\r\n")
 ROUTES = ("/metrics", "/livez", "/readyz", "/stats.json")
+#: Open to anyone (probes); the others need HTTP Basic authentication when users are set.
+OPEN_ROUTES = frozenset({"/livez", "/readyz", "/"})
+UNAUTHORIZED = (("Content-Type", TEXT), ("WWW-Authenticate", 'Basic realm="queued", '
+                                                           'charset="UTF-8"'))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,16 +82,45 @@ class OpsServer(StatsSource, Protocol):
     def stats(self) -> Mapping[str, object]: ...
     # Not read here: the listeners' signal watcher reaches the server through `Ops.server`.
     def request_shutdown(self, why: str) -> None: ...
+    def reload(self) -> None: ...
 
 
 class Ops:
     """What the operations port answers from: the server once recovery is done."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, login: Authenticator | None = None,
+                 tls: ServerTls | None = None) -> None:
         self.config = config
+        self.login = login
+        self.tls = tls
         self.server: OpsServer | None = None  # set when recovery has finished
-        self.connections = 0
+        self.stats = ProtocolStats()  # this port's connections and refusals
         self._render_limiter = trio.CapacityLimiter(1)
+
+    @property
+    def connections(self) -> int:
+        return self.stats.connections
+
+    async def authorized(self, headers: list[tuple[bytes, bytes]], peer: str) -> bool:
+        """HTTP Basic credentials of a configured user (any user: the figures are the
+        operator's), or no users configured."""
+        if self.login is None:
+            return True
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, encoded = value.partition(b" ")
+                if scheme.lower() != b"basic":
+                    break
+                try:
+                    user, sep, password = base64.b64decode(encoded.strip(), validate=True
+                                                           ).decode().partition(":")
+                except (binascii.Error, UnicodeDecodeError):
+                    break
+                if sep and await self.login.login(user, password, peer) is not None:
+                    return True
+                break
+        self.stats.auth_failures += 1
+        return False
 
     def problems(self) -> list[str]:
         """Why the server is not ready; [] when it is."""
@@ -105,11 +144,14 @@ class Ops:
         return found
 
     async def respond(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
-                      ) -> Reply:
+                      peer: str = "?") -> Reply:
         if method not in (b"GET", b"HEAD"):
             return Reply(405, b"only GET and HEAD\n", (("Content-Type", TEXT),
                                                        ("Allow", "GET, HEAD")))
         path = target.partition(b"?")[0].decode("ascii", "replace")
+        if path not in OPEN_ROUTES and not await self.authorized(headers, peer):
+            return Reply(401, b"authentication required: HTTP Basic, a user of the users "
+                              b"file\n", UNAUTHORIZED)
         if path == "/livez":
             return _text(200, "ok\n")
         if path == "/readyz":
@@ -137,7 +179,8 @@ class Ops:
             elif name == b"accept-encoding":
                 encoding = value.decode("latin-1")
         snapshot = take_snapshot(self.server, ready=not self.problems(),
-                                 max_readers=self.config.metrics_max_queues)
+                                 max_readers=self.config.metrics_max_queues,
+                                 more=(("http", self.stats),))
         # Formatting thousands of series is pure Python: off the event loop.
         body, extra = await trio.to_thread.run_sync(
             render, snapshot, accept, encoding, limiter=self._render_limiter)
@@ -161,23 +204,38 @@ async def serve_http(
 
 def _handler(ops: Ops) -> Callable[[trio.SocketStream], Awaitable[None]]:
     async def handle(stream: trio.SocketStream) -> None:
-        if ops.connections >= MAX_CONNECTIONS:
-            log.warning("http: %d connections open, refusing a new one", ops.connections)
-            await _refuse(stream)
+        stats = ops.stats
+        if stats.connections >= MAX_CONNECTIONS:
+            log.warning("http: %d connections open, refusing a new one", stats.connections)
+            stats.refused_connections += 1
+            if ops.tls is None:
+                await _refuse(stream)
+            else:
+                await stream.aclose()
             return
-        ops.connections += 1
+        stats.connections += 1
+        stats.total_connections += 1
+        peer = peer_name(stream)
+        conn: trio.abc.Stream = stream
         try:
-            await _connection(ops, stream)
+            if ops.tls is not None:
+                tls = await ops.tls.accept(stream, peer, ops.config.auth_timeout / 1000)
+                if tls is None:
+                    stats.tls_handshake_failures += 1
+                    return
+                conn = tls
+            await _connection(ops, conn, peer)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception:
             log.exception("http: request failed; closing the connection")
         finally:
-            ops.connections -= 1
+            stats.connections -= 1
             with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await stream.aclose()
+                await conn.aclose()
 
     return handle
+
 
 
 async def _refuse(stream: trio.SocketStream) -> None:
@@ -193,7 +251,7 @@ async def _refuse(stream: trio.SocketStream) -> None:
     await stream.aclose()
 
 
-async def _connection(ops: Ops, stream: trio.SocketStream) -> None:
+async def _connection(ops: Ops, stream: trio.abc.Stream, peer: str) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
     while True:
         try:
@@ -211,7 +269,7 @@ async def _connection(ops: Ops, stream: trio.SocketStream) -> None:
             return
         if request is None:
             return  # the client closed the connection
-        reply = await ops.respond(request.method, request.target, list(request.headers))
+        reply = await ops.respond(request.method, request.target, list(request.headers), peer)
         log.debug("http: %s %s -> %d", request.method.decode(), request.target.decode(
             "ascii", "replace"), reply.status)
         await _send(conn, stream, reply, head=request.method == b"HEAD")
@@ -239,7 +297,7 @@ class _BadRequest(Exception):
 _HEAD = b"HEAD "
 
 
-async def _read_request(conn: h11.Connection, stream: trio.SocketStream) -> h11.Request | None:
+async def _read_request(conn: h11.Connection, stream: trio.abc.Stream) -> h11.Request | None:
     """The next request, its body (if any) read and dropped; None at a clean close.
 
     Raises _BadRequest for a request to refuse.
@@ -256,7 +314,7 @@ async def _read_request(conn: h11.Connection, stream: trio.SocketStream) -> h11.
             if event is h11.NEED_DATA:
                 data = await stream.receive_some(RECEIVE_SIZE)
                 start += data[:len(_HEAD) - len(start)]
-                conn.receive_data(data)  # b"" tells h11 the peer closed
+                conn.receive_data(bytes(data))  # b"" tells h11 the peer closed
             elif isinstance(event, h11.Request):
                 request = event
                 # h11 bounds only what it buffers of an incomplete request: a whole
@@ -286,7 +344,7 @@ def _is_head(request: h11.Request | None, start: bytes) -> bool:
     return start == _HEAD
 
 
-async def _send(conn: h11.Connection, stream: trio.SocketStream, reply: Reply, *,
+async def _send(conn: h11.Connection, stream: trio.abc.Stream, reply: Reply, *,
                 head: bool = False, close: bool = False) -> None:
     """`reply` through h11. A HEAD gets the headers GET would, without the body.
 

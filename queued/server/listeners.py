@@ -22,15 +22,18 @@ import trio
 
 from queued import __version__
 from queued.broker.broker import Broker
-from queued.config import ServerConfig, reload_queue_configs
+from queued.config import ConfigError, ServerConfig, reload_queue_configs
 from queued.core import commands as c
 from queued.core.memcache_commands import MemcacheCodec
 from queued.core.rpc_commands import RpcCodec
 from queued.core.stats import ProtocolStats
 from queued.core.text_commands import TextCodec
+from queued.server.auth import Authenticator
 from queued.server.memory import trim_when_drained
 from queued.server.metrics import disk_usage
-from queued.server.session import ServerCounters, Session
+from queued.server.session import Guard, ServerCounters, Session
+from queued.server.tls import ServerTls
+from queued.server.transport import peer_name
 
 log = logging.getLogger("queued.server")
 
@@ -48,9 +51,12 @@ PROTOCOLS: Final = tuple(CODECS)
 class Server:
     """Listeners and sessions over one Broker."""
 
-    def __init__(self, broker: Broker, config: ServerConfig) -> None:
+    def __init__(self, broker: Broker, config: ServerConfig, *,
+                 login: Authenticator | None = None, tls: ServerTls | None = None) -> None:
         self.broker = broker
         self.config = config
+        self.login = login
+        self.tls = tls
         self.counters = ServerCounters()
         self.protocols = {proto: ProtocolStats() for proto in PROTOCOLS}
         self.ports: dict[str, int] = {}
@@ -103,39 +109,55 @@ class Server:
         stats = self.protocols[proto]
         cfg = self.config
         limits = c.Limits(cfg.max_line, cfg.max_item_size, cfg.rpc_max_frame, cfg.rpc_max_batch)
+        guard = Guard(self.login, cfg.request_timeout / 1000, cfg.auth_timeout / 1000, limits)
 
         async def handle(stream: trio.SocketStream) -> None:
+            started = trio.current_time()
             codec = new_codec(limits)
             if self.connections() >= cfg.max_connections:
                 stats.refused_connections += 1
-                with trio.move_on_after(1), contextlib.suppress(trio.BrokenResourceError):
-                    await stream.send_all(codec.too_many)
+                if self.tls is None:  # (a TLS client could not read a plaintext refusal)
+                    with trio.move_on_after(1), contextlib.suppress(trio.BrokenResourceError):
+                        await stream.send_all(codec.too_many)
                 await stream.aclose()
                 return
-            session = Session(self, self.broker, stream, codec, name=_peer(stream),
-                              max_item_size=cfg.max_item_size, counters=self.counters,
-                              stats=stats)
-            await self._serve(session, stats)
+            await self._serve(stream, codec, stats, guard, started)
 
         return handle
 
-    async def _serve(self, session: Session, stats: ProtocolStats) -> None:
-        stats.connections += 1
+    async def _serve(self, stream: trio.SocketStream, codec: c.Codec, stats: ProtocolStats,
+                     guard: Guard, started: float) -> None:
+        stats.connections += 1  # from the handshake on: it holds a connection slot too
         stats.total_connections += 1
-        self._sessions.add(session)
-        self.broker.register(session.reads)
+        name = peer_name(stream)
+        session: Session | None = None
         try:
+            conn: trio.abc.Stream = stream
+            if self.tls is not None:
+                left = started + guard.auth_timeout - trio.current_time()
+                tls = await self.tls.accept(stream, name, left)
+                if tls is None:
+                    stats.tls_handshake_failures += 1
+                    return
+                conn = tls
+            session = Session(self, self.broker, conn, codec, name=name,
+                              max_item_size=self.config.max_item_size,
+                              counters=self.counters, stats=stats, guard=guard,
+                              started=started)
+            self._sessions.add(session)
+            self.broker.register(session.reads)
             await session.run()
         except Exception:  # one connection's failure must not take the server down
             # (a peer that goes away is not one: the session handles broken streams itself)
-            log.exception("%s: session failed; closing the connection", session.name)
+            log.exception("%s: session failed; closing the connection", name)
         finally:
-            self._sessions.discard(session)
             stats.connections -= 1
-            # Its open reads go back to their queues (not an error when we are stopping).
-            self.broker.release(session.reads, count_error=not self.closing)
-            with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await session.stream.aclose()
+            if session is not None:
+                self._sessions.discard(session)
+                # Its open reads go back to their queues (not an error when we are stopping).
+                self.broker.release(session.reads, count_error=not self.closing)
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    await session.stream.aclose()
 
     async def _deadline(self, scope: trio.CancelScope) -> None:
         grace = self.config.shutdown_grace / 1000
@@ -210,10 +232,24 @@ class Server:
         return sum(p.connections for p in self.protocols.values())
 
     def reload(self) -> None:
-        """Re-read the config file's queue sections (Kestrel's `reload`)."""
-        new = reload_queue_configs(self.config)
-        self.config = new
-        self.broker.reconfigure(new)
+        """Re-read the config file's queue sections (Kestrel's `reload`), the users file
+        and the TLS certificate files. Each that cannot be read keeps what it had; the
+        first failure is raised (as a ConfigError) after the others were tried."""
+        errors: list[str] = []
+        try:
+            new = reload_queue_configs(self.config)
+            self.config = new
+            self.broker.reconfigure(new)
+        except ConfigError as exc:
+            errors.append(str(exc))
+        for part in (self.login, self.tls):
+            if part is not None:
+                try:
+                    part.reload()
+                except Exception as exc:  # UsersError, TlsError: named in the message
+                    errors.append(str(exc))
+        if errors:
+            raise ConfigError("; ".join(errors))
 
 
 def human_bytes(n: int) -> str:
@@ -225,10 +261,3 @@ def human_bytes(n: int) -> str:
         size /= 1024
     raise AssertionError  # pragma: no cover
 
-
-def _peer(stream: trio.SocketStream) -> str:
-    try:
-        host, port = stream.socket.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "?"

@@ -15,6 +15,7 @@ says how many did not.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import os
 import platform
@@ -109,10 +110,14 @@ class Snapshot:
     disk: DiskUsage | None = None
 
 
-def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int) -> Snapshot:
-    """Copy the figures of `server` (None while the journals are being recovered)."""
+def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
+                  more: tuple[tuple[str, ProtocolStats], ...] = ()) -> Snapshot:
+    """Copy the figures of `server` (None while the journals are being recovered);
+    `more`: listeners the server does not own (the operations port's)."""
+    extra = tuple((proto, dataclasses.replace(p, commands=dict(p.commands)))
+                  for proto, p in more)
     if server is None:
-        return Snapshot(ready=ready, recovering=True)
+        return Snapshot(ready=ready, recovering=True, protocols=extra)
     broker = server.broker
     readers: list[ReaderSample] = []
     journals: list[JournalStats] = []
@@ -137,10 +142,9 @@ def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int) 
         omitted_readers=omitted,
         queues=len(broker.queues),
         protocols=tuple(
-            (proto, ProtocolStats(p.connections, p.total_connections, p.refused_connections,
-                                  p.protocol_errors, dict(p.commands)))
+            (proto, dataclasses.replace(p, commands=dict(p.commands)))
             for proto, p in server.protocols.items()
-        ),
+        ) + extra,
         bytes_read=server.counters.bytes_read,
         bytes_written=server.counters.bytes_written,
         fsync=dd.fsync,
@@ -260,6 +264,16 @@ class SnapshotCollector(Collector):
                                      "Malformed or refused requests.", labels=proto)
         commands = CounterMetricFamily("queued_commands", "Commands run.",
                                        labels=["protocol", "command"])
+        auth = CounterMetricFamily(
+            "queued_auth_failures", "Failed authentications: wrong credentials, a command "
+            "before authenticating, or none in time (auth_timeout).", labels=proto)
+        denied = CounterMetricFamily("queued_permission_denied",
+                                     "Commands refused for a missing permission.", labels=proto)
+        timeouts = CounterMetricFamily(
+            "queued_request_timeouts", "Connections closed because a request that had begun "
+            "to arrive was not complete within request_timeout.", labels=proto)
+        handshakes = CounterMetricFamily("queued_tls_handshake_failures",
+                                         "TLS handshakes that failed or stalled.", labels=proto)
         for name, p in s.protocols:
             conns.add_metric([name], p.connections)
             total.add_metric([name], p.total_connections)
@@ -267,7 +281,11 @@ class SnapshotCollector(Collector):
             errors.add_metric([name], p.protocol_errors)
             for command, n in sorted(p.commands.items()):
                 commands.add_metric([name, command], n)
-        yield from (conns, total, refused, errors, commands)
+            auth.add_metric([name], p.auth_failures)
+            denied.add_metric([name], p.permission_denied)
+            timeouts.add_metric([name], p.request_timeouts)
+            handshakes.add_metric([name], p.tls_handshake_failures)
+        yield from (conns, total, refused, errors, commands, auth, denied, timeouts, handshakes)
         yield CounterMetricFamily("queued_bytes_read", "Bytes received from clients.",
                                   value=s.bytes_read)
         yield CounterMetricFamily("queued_bytes_written", "Bytes sent to clients.",

@@ -12,6 +12,7 @@ broker.
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import suppress
 from dataclasses import dataclass
 
@@ -19,11 +20,13 @@ import trio
 
 from queued.broker.broker import Broker, PendingPut
 from queued.core import commands as c
+from queued.core.access import Grant
 from queued.core.errors import ItemTooLargeError, ProtocolError
 from queued.core.open_reads import OpenReads
 from queued.core.queue import Item
 from queued.core.stats import ProtocolStats
 from queued.core.wire import ConnectionClosed
+from queued.server.auth import Authenticator
 from queued.server.handlers import HANDLERS, Hub
 from queued.server.transport import transport_of
 
@@ -34,6 +37,20 @@ RECEIVE_SIZE = 256 * 1024
 MAX_BATCH = 1024
 #: Gets waiting at once in tasks of their own (RPC) on one connection; more are refused.
 MAX_WAITING = 1024
+#: The caps of a connection's parser until it has authenticated (credentials are short:
+#: a stranger cannot make the server buffer a large item or frame).
+LOGIN_LIMITS = c.Limits(max_line=1024, max_item_size=1024, max_frame=4096, max_batch=4)
+
+
+@dataclass(slots=True)
+class Guard:
+    """What every session of a listener is held to: who may log in (None: no users,
+    everyone may do everything) and the deadlines, in seconds."""
+
+    login: Authenticator | None
+    request_timeout: float
+    auth_timeout: float
+    limits: c.Limits  # the parser's caps once authenticated
 
 
 @dataclass(slots=True)
@@ -47,7 +64,8 @@ class Session:
 
     def __init__(self, hub: Hub, broker: Broker, stream: trio.abc.Stream, codec: c.Codec, *,
                  name: str, max_item_size: int, counters: ServerCounters,
-                 stats: ProtocolStats) -> None:
+                 stats: ProtocolStats, guard: Guard | None = None,
+                 started: float | None = None) -> None:
         self.hub = hub
         self.broker = broker
         self.max_item_size = max_item_size
@@ -71,6 +89,18 @@ class Session:
         self.batches = 0  # batches run; a get that answers after its batch sends itself
         self.waiting = 0
         self.waits: set[trio.CancelScope] = set()  # of the gets waiting in tasks (RPC)
+        self.guard = guard
+        self.login = guard.login if guard is not None else None
+        #: what this connection may do; None: everything (a server without users)
+        self.grant: Grant | None = None
+        #: when the login must be done by (trio time), while it is not
+        self.login_by: float | None = None
+        if self.login is not None:
+            codec.set_limits(LOGIN_LIMITS)
+            now = trio.current_time() if started is None else started
+            self.login_by = now + guard.auth_timeout  # type: ignore[union-attr]
+        self.requests = 0  # parsed so far: progress, for request_timeout
+        self.request_since = 0.0  # when the request now buffered in part began to arrive
 
     def stop_if_idle(self) -> None:
         """Shutdown: stop reading; a batch that runs finishes, waiting gets (woken empty
@@ -94,17 +124,49 @@ class Session:
 
     async def _receive_loop(self) -> None:
         # One scope for the whole loop (not one per receive: they cost a few us each); it
-        # is only ever cancelled while the loop waits for data (not `busy`).
-        with trio.CancelScope() as self.receive_scope:
+        # is only ever cancelled while the loop waits for data (not `busy`), by shutdown
+        # or by its deadline: the login's, or that of a request begun but not complete.
+        with trio.CancelScope() as scope:
+            self.receive_scope = scope
+            guard = self.guard
             while not (self.done or self.eof or self.hub.closing):
-                await self._receive()
+                fresh = False  # the bytes to come begin a request
+                if self.login_by is not None:
+                    deadline: float | None = self.login_by
+                elif guard is not None and self.codec.pending():
+                    deadline = self.request_since + guard.request_timeout
+                else:
+                    deadline, fresh = None, True
+                if deadline is not None:
+                    scope.deadline = deadline
+                    await self._receive()
+                    scope.deadline = math.inf
+                else:
+                    await self._receive()
                 self.busy = True  # no checkpoint between the receive and here
                 try:
+                    seen = self.requests
                     await self._run_batch()
                     await self._flush()
+                    if fresh or self.requests != seen:  # what is buffered began just now
+                        self.request_since = trio.current_time()
                 finally:
                     self.batches += 1
                     self.busy = False
+        if scope.cancelled_caught and not self.hub.closing and not self.done:
+            self._timed_out()
+
+    def _timed_out(self) -> None:
+        if self.login_by is not None:
+            self.stats.auth_failures += 1
+            log.info("%s: closed: no login within auth_timeout", self.name,
+                     extra={"event": "auth_timeout", "peer": self.name})
+        else:
+            self.stats.request_timeouts += 1
+            log.info("%s: closed: a request not complete within request_timeout (%d bytes "
+                     "of it buffered)", self.name, self.codec.buffered_bytes(),
+                     extra={"event": "request_timeout", "peer": self.name})
+        self.done = True
 
     async def _receive(self) -> bytes:
         data = await self.transport.receive(RECEIVE_SIZE)
@@ -156,9 +218,14 @@ class Session:
         while it waited are run before the session waits for the network again.
         """
         while not self.done:
+            if self.login_by is not None:
+                if not await self._log_in():
+                    return
+                continue
             requests = self._parse()
             if not requests:
                 return
+            self.requests += len(requests)
             await self._run(requests)
             if len(self.out) >= RECEIVE_SIZE:
                 await self._flush()
@@ -166,14 +233,72 @@ class Session:
     def _parse(self) -> list[c.Parsed]:
         return self.codec.next_requests(MAX_BATCH)
 
+    # -- authentication ------------------------------------------------------------------------
+
+    async def _log_in(self) -> bool:
+        """Run the next request of a connection that has not authenticated: its login,
+        or the refusal of anything else (which closes). False when none is buffered."""
+        parsed = self.codec.next_requests(1)
+        if not parsed:
+            return False
+        self.requests += 1
+        r = parsed[0]
+        if type(r) is not c.Request:
+            await self._run(parsed)  # a protocol error or the end: answered, then close
+            self.done = True
+            return True
+        auth = self.codec.auth_of(r)
+        if auth is None:
+            self.stats.auth_failures += 1
+            log.info("%s: %s before authenticating: closed", self.name, r.name,
+                     extra={"event": "unauthenticated", "peer": self.name})
+            self._answer(r, c.Failure(c.ErrorKind.UNAUTHENTICATED,
+                                      "unauthenticated: log in first (see the README's "
+                                      "Security section)"))
+            self.done = True
+            return True
+        self._answer(r, await self.authenticate(auth))
+        return True
+
+    async def authenticate(self, auth: c.Auth) -> c.Reply:
+        """Log this connection in as `auth.user` (again, for an Auth command later);
+        wrong credentials close it."""
+        login = self.login
+        if login is None:  # no users: everyone may do everything
+            return c.Value(True)
+        grant = await login.login(auth.user, auth.password, self.name)
+        if grant is None:
+            self.stats.auth_failures += 1
+            self.done = True
+            return c.Failure(c.ErrorKind.AUTH_FAILED, "authentication failure")
+        if self.login_by is not None:
+            self.login_by = None
+            assert self.guard is not None
+            self.codec.set_limits(self.guard.limits)
+        self.grant = grant
+        log.debug("%s: authenticated as %r", self.name, grant.user)
+        return c.Value(True)
+
+    def _deny(self, r: c.Request, why: str) -> None:
+        self.stats.permission_denied += r.count
+        log.debug("%s: %s: %s", self.name, r.name, why)
+        self._answer(r, c.Failure(c.ErrorKind.PERMISSION_DENIED, why))
+
     async def _run(self, requests: list[c.Parsed]) -> None:
         i, n = 0, len(requests)
+        grant = self.grant
         while i < n and not self.done:
             r = requests[i]
+            if grant is not None and type(r) is c.Request and (
+                    why := grant.denied(r.command)) is not None:
+                i += 1
+                self._deny(r, why)
+                continue
             if type(r) is c.Request and type(r.command) is c.Put:
                 run: list[tuple[c.Request, c.Put]] = []
                 while i < n and isinstance(ri := requests[i], c.Request) and isinstance(
-                        put := ri.command, c.Put):
+                        put := ri.command, c.Put) and (
+                            grant is None or grant.denied(put) is None):
                     run.append((ri, put))
                     i += 1
                 await self._puts(run)

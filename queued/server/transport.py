@@ -115,6 +115,15 @@ class SocketTransport:
                     raise trio.BrokenResourceError("socket closed") from exc
 
 
+def peer_name(stream: trio.SocketStream) -> str:
+    """"host:port" of the peer, for log lines ("?" once it is gone)."""
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"
+
+
 def transport_of(stream: trio.abc.Stream) -> Transport:
     """The fastest transport that serves `stream`."""
     if type(stream) is trio.SocketStream:
