@@ -1,6 +1,10 @@
-# queued in a container: `docker build -t queued .` then
+# queued in a container: `docker build -t queued .` then, with a users file made with
+# `queued passwd` (see the README's Security section):
 #   docker run -d --name queued -v queued-data:/var/lib/queued \
+#       -v ./users.toml:/etc/queued/users.toml:ro -e QUEUED_USERS_FILE=/etc/queued/users.toml \
 #       -p 22133:22133 -p 2222:2222 -p 2229:2229 -p 2223:2223 queued
+# The server listens on 0.0.0.0 here, so without a users file it refuses to start; for a
+# quick local try without users, accept that risk explicitly: -e QUEUED_ALLOW_ANONYMOUS=1.
 #
 # BASE_IMAGE is any Debian-like image with python3 (>= 3.11) and its venv module; both
 # stages use it, so the venv's interpreter is the runtime's. `make test-docker` passes a

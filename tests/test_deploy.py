@@ -35,6 +35,8 @@ from queued.config import (
     env_var,
     load_config,
 )
+from queued.config.users import UsersError, load_users
+from queued.server.app import check_exposure
 from queued.server.http import ROUTES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,6 +214,9 @@ def check_env_names(env: Mapping[str, str]) -> None:
 
 def check_listeners(config: ServerConfig) -> None:
     assert config.host == "0.0.0.0"
+    # Listening beyond loopback: a users file, or the server refuses to start.
+    assert config.users_file is not None and not config.allow_anonymous
+    check_exposure(config)
     assert {
         "memcache": config.memcache_port,
         "text": config.text_port,
@@ -306,7 +311,8 @@ def test_compose_queued_service(tmp_path: Path) -> None:
     assert (DEPLOY / queued["build"]).resolve() == ROOT  # the repository's Dockerfile
     published = {}
     for spec in queued["ports"]:
-        host, container = str(spec).split(":")
+        address, host, container = str(spec).split(":")
+        assert address == "127.0.0.1"  # a try-out stack: this machine only
         published[int(container)] = int(host)
     assert set(published) == set(PORTS.values())
     assert all(host == container for container, host in published.items())
@@ -355,7 +361,7 @@ def test_compose_prometheus_and_grafana_wiring() -> None:
     (source,) = load_one(GRAFANA_PROVISIONING / "datasources" / "prometheus.yml")["datasources"]
     assert source["type"] == "prometheus"
     assert source["url"] == "http://prometheus:9090"
-    assert "9090:9090" in services["prometheus"]["ports"]
+    assert "127.0.0.1:9090:9090" in services["prometheus"]["ports"]
 
 
 # -- Prometheus ----------------------------------------------------------------------------------
@@ -368,6 +374,19 @@ def test_prometheus_scrapes_the_http_port() -> None:
     targets = [t for static in queued["static_configs"] for t in static["targets"]]
     assert targets == [f"queued:{DEFAULTS.http_port}"]
     assert targets[0].split(":")[0] in compose()["services"]
+
+
+def test_compose_users_file_and_prometheus_credentials() -> None:
+    services = compose()["services"]
+    env = services["queued"]["environment"]
+    users_path = mounts(services["queued"])[env["QUEUED_USERS_FILE"]]
+    users = load_users(DEPLOY / users_path)
+    assert users["admin"].admin and not users["prometheus"].put and not users["prometheus"].get
+    auth = {job["job_name"]: job for job in load_one(PROMETHEUS)["scrape_configs"]}[
+        "queued"]["basic_auth"]
+    prom_mounts = {target: source for target, source in mounts(services["prometheus"]).items()}
+    password = (DEPLOY / prom_mounts[auth["password_file"]]).read_text()
+    assert users[auth["username"]].password.verify(password)  # the scrape can log in
 
 
 def alert_rules() -> list[dict[str, Any]]:
@@ -581,6 +600,23 @@ def test_k8s_storage_config_and_environment(tmp_path: Path) -> None:
     # SIGTERM: shutdown_grace for the sessions, then checkpoints and fsyncs.
     assert pod["terminationGracePeriodSeconds"] * 1000 >= config.shutdown_grace + 10_000
     assert {"requests", "limits"} <= set(main["resources"])
+
+
+def test_k8s_users_secret_is_mounted_and_fails_closed() -> None:
+    kustomization = load_one(K8S / "kustomization.yaml")
+    (generator,) = kustomization["secretGenerator"]
+    (users_file,) = generator["files"]
+    main = container()
+    env = {e["name"]: e["value"] for e in main["env"]}
+    users_path = Path(env["QUEUED_USERS_FILE"])
+    pod = k8s_one("StatefulSet")["spec"]["template"]["spec"]
+    secret_volumes = {v["name"] for v in pod["volumes"]
+                      if v.get("secret", {}).get("secretName") == generator["name"]}
+    mounted = {m["mountPath"] for m in main["volumeMounts"] if m["name"] in secret_volumes}
+    assert mounted == {str(users_path.parent)} and users_path.name == users_file
+    # The shipped placeholders are no passwords: the server refuses to start with them.
+    with pytest.raises(UsersError, match="not a plaintext password"):
+        load_users(K8S / users_file)
 
 
 def mounts_of_compose_queued() -> set[str]:
