@@ -641,6 +641,20 @@ async def test_max_queues(tmp_path: Path) -> None:
         await conn.aclose()
 
 
+async def test_max_queues_counts_every_reader(tmp_path: Path) -> None:
+    async with running(make_config(tmp_path / "data", max_queues=2)) as server:
+        rpc = Rpc(await trio.open_tcp_stream(HOST, server.ports["rpc"]))
+        assert await rpc.call("put", "q", [b"x"]) == (None, 1)
+        assert (await rpc.call("get", "q+r1", 1))[0] is None  # takes over: still one name
+        assert (await rpc.call("get", "q", 1))[0] is None  # the default reader again: two
+        assert (await rpc.call("get", "q+r2", 1))[0][0] == 16
+        assert (await rpc.call("put", "other", [b"x"]))[0][0] == 16
+        assert await rpc.call("delete", "q+r1") == (None, True)  # room for one again
+        assert await rpc.call("put", "other", [b"x"]) == (None, 1)
+        assert len(server.broker.queue_stats()) == 2
+        await rpc.stream.aclose()
+
+
 # -- listening beyond loopback -------------------------------------------------------------
 
 

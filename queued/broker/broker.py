@@ -364,6 +364,7 @@ class Broker:
             h = qs.readers.pop(reader, None)
             if h is None:
                 return False
+            self.registry.forget_names()
             h.close()
             self.reads.forget(queue, reader, h)
             await qs.journal.remove_reader(reader)
@@ -372,6 +373,7 @@ class Broker:
             return True
         qs.deleted = True
         del self.queues[queue]
+        self.registry.forget_names()
         for h in qs.readers.values():
             h.close()
         self.reads.forget(queue, None, None)

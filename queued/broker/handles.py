@@ -39,11 +39,19 @@ class Handle:
         self.reader = reader
         self.config = config
         self.waiters: deque[Waiter] = deque()
-        self.refill_lock = trio.Lock()
+        self._refill_lock: trio.Lock | None = None  # made on first use: most readers never
         self.refilling = False  # a background refill task runs for it
         self.closed = False
         #: earlier names of this reader (the default reader it took over)
         self.aliases: set[str] = set()
+
+    @property
+    def refill_lock(self) -> trio.Lock:
+        """Held while a refill reads this reader's items back from disk."""
+        lock = self._refill_lock
+        if lock is None:
+            lock = self._refill_lock = trio.Lock()
+        return lock
 
     def close(self) -> None:
         """Deleted: waiting gets answer empty; nothing more is read back for it."""

@@ -108,9 +108,17 @@ class QueueState:
         self.inflight_bytes = 0
         self.delivered = journal.last_id  # highest id handed to the readers
         self.create_time_ms = clock()
-        self.reader_lock = trio.Lock()
+        self._reader_lock: trio.Lock | None = None  # made on first use (~0.5 KiB a lock)
         self.deleted = False
         journal.before_drop = self.before_drop
+
+    @property
+    def reader_lock(self) -> trio.Lock:
+        """Held while a reader is created or removed (a takeover changes two files)."""
+        lock = self._reader_lock
+        if lock is None:
+            lock = self._reader_lock = trio.Lock()
+        return lock
 
     # -- puts --------------------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ class Registry:
         self.counters = counters
         self.queues: dict[str, QueueState] = {}
         self.closing = False
+        self._names: int | None = None  # queues and readers; None: count again
 
     async def load(self) -> None:
         """Build every recovered queue's readers from their durable checkpoints."""
@@ -92,15 +93,23 @@ class Registry:
         """Refuse a new queue or reader past max_queues (each holds files and memory:
         without a cap, clients could create them until either runs out)."""
         limit = self.config.max_queues
-        if len(self.queues) < limit and self.names() < limit:
+        if len(self.queues) < limit and self.names() + 1 <= limit:
+            if self._names is not None:
+                self._names += 1  # the one about to be made
             return
         raise TooManyQueuesError(f"cannot create {what}: the server holds max_queues "
                                  f"({limit}) queues and fanout readers")
 
     def names(self) -> int:
         """Queues and readers together: what max_queues counts (a queue's first reader
-        is the queue itself)."""
-        return sum(max(1, len(qs.readers)) for qs in self.queues.values())
+        is the queue itself). Counted again after a reader or a queue went away."""
+        if self._names is None:
+            self._names = sum(max(1, len(qs.readers)) for qs in self.queues.values())
+        return self._names
+
+    def forget_names(self) -> None:
+        """A reader or queue is gone: count again when next asked."""
+        self._names = None
 
     def reader_config(self, queue: str, reader: str) -> QueueConfig:
         if reader:
@@ -150,7 +159,9 @@ class Registry:
                 raise QueueClosedError(f"queue {qs.name!r} was deleted")
             if name and set(qs.readers) == {""}:
                 return await self._take_over(qs, name)
-            self._check_room(f"reader {qs.name}+{name}")
+            if qs.readers:  # (a queue's only reader is the queue: it counts already)
+                self._check_room(f"reader {qs.name}+{name}" if name
+                                 else f"the default reader of {qs.name}")
             cfg = self.reader_config(qs.name, name)
             start = qs.delivered
             reader = Reader(qs.name, name, cfg, head=start, tail=start,
@@ -164,6 +175,7 @@ class Registry:
                     await qs.journal.write_checkpoint(name, start)
             except BaseException:
                 qs.readers.pop(name, None)
+                self.forget_names()
                 raise
             if qs.deleted:
                 raise QueueClosedError(f"queue {qs.name!r} was deleted")

@@ -138,6 +138,8 @@ class Server:
                 tls = await self.tls.accept(stream, name, left)
                 if tls is None:
                     stats.tls_handshake_failures += 1
+                    with trio.CancelScope(shield=True), trio.move_on_after(1):
+                        await stream.aclose()
                     return
                 conn = tls
             session = Session(self, self.broker, conn, codec, name=name,

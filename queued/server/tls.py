@@ -53,8 +53,9 @@ class ServerTls:
 
     async def accept(self, stream: trio.SocketStream, peer: str, timeout: float,
                      ) -> trio.SSLStream[trio.SocketStream] | None:
-        """`stream` after a server handshake, or None (logged, closed) if the
-        handshake fails or does not finish within `timeout` seconds."""
+        """`stream` after a server handshake, or None (logged; the caller counts it and
+        closes `stream`) if the handshake fails or does not finish within `timeout`
+        seconds."""
         tls = trio.SSLStream(stream, self.context, server_side=True)
         why = ""
         with trio.move_on_after(timeout) as timer:
@@ -68,6 +69,4 @@ class ServerTls:
             why = f"not finished after {timeout:g} s"
         log.info("%s: TLS handshake failed: %s", peer, why,
                  extra={"event": "tls_handshake_failed", "peer": peer})
-        with trio.CancelScope(shield=True), trio.move_on_after(1):
-            await stream.aclose()
         return None

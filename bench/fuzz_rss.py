@@ -1,0 +1,192 @@
+"""Hostile input and memory: does RSS level off under a stream of fuzzed requests?
+
+Starts `queued serve` (fsync never, a temp data dir, 127.0.0.1 on free ports) and
+sends N fuzzed inputs (default 1,000,000) over many short connections to the memcache,
+text and RPC ports: valid commands with random queue names and options, mutated ones
+(wrong sizes, bad flags, binary garbage, over-long lines, huge declared items, half
+lines, truncated MessagePack frames), never `shutdown`. Prints the server's RSS after
+every 10% and the figure issue 16 asks for: RSS after all N against RSS after N/10
+(target: within 10%), with the queue count and data dir size.
+
+    python bench/fuzz_rss.py [--inputs 1000000] [--conns 8] [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import msgpack
+from benchlib import kib_field
+
+HOST = "127.0.0.1"
+VERBS = [b"get", b"set", b"delete", b"flush", b"stats", b"dump_stats", b"version",
+         b"monitor", b"confirm", b"flush_expired", b"add", b"cas", b"gets", b"incr",
+         b"", b"\x00\xff", b"GET", b"quit"]
+OPTIONS = [b"", b"/open", b"/close", b"/abort", b"/peek", b"/t=1", b"/t=abc", b"/close/open",
+           b"/t=-1", b"/open/open", b"/" * 40]
+
+
+def rand_name(r: random.Random) -> bytes:
+    """Mostly names from a large space (each may create a queue), sometimes bad ones."""
+    k = r.random()
+    if k < 0.7:
+        return b"fz%d" % r.randrange(1_000_000)
+    if k < 0.8:
+        return b"fz%d+r%d" % (r.randrange(1000), r.randrange(50))
+    if k < 0.9:
+        return bytes(r.randrange(256) for _ in range(r.randrange(1, 30)))
+    return b"x" * r.randrange(200, 400)
+
+
+def memcache_input(r: random.Random) -> bytes:
+    k = r.random()
+    if k < 0.35:
+        data = os.urandom(r.randrange(0, 200))
+        n = len(data) if r.random() < 0.8 else r.randrange(0, 300)
+        flags = r.choice([b"0", b"1", b"-1", b"99999999999", b"x"])
+        return b"set %s %s 0 %d\r\n%s\r\n" % (rand_name(r), flags, n, data)
+    if k < 0.65:
+        return b"get %s%s\r\n" % (rand_name(r), r.choice(OPTIONS))
+    if k < 0.75:
+        return b"set %s 0 0 %d\r\n" % (rand_name(r), r.choice([10**9, 2**31, 17 * 2**20]))
+    if k < 0.85:
+        return b" ".join([r.choice(VERBS), rand_name(r), b"%d" % r.randrange(-5, 5)]) + b"\r\n"
+    if k < 0.95:
+        return os.urandom(r.randrange(1, 64))
+    return b"g" * r.randrange(1000, 5000) + b"\r\n"  # over max_line
+
+
+def text_input(r: random.Random) -> bytes:
+    k = r.random()
+    if k < 0.4:
+        return b"put %s:\n%s\n\n" % (rand_name(r), os.urandom(8).hex().encode())
+    if k < 0.7:
+        return b"%s %s %d\n" % (r.choice([b"get", b"peek", b"confirm", b"flush", b"monitor"]),
+                                rand_name(r), r.randrange(-2, 3))
+    return os.urandom(r.randrange(1, 64)) + b"\n"
+
+
+def rpc_input(r: random.Random) -> bytes:
+    k = r.random()
+    name = rand_name(r).decode("latin-1")
+    if k < 0.4:
+        frame = msgpack.packb([0, r.randrange(2**32), "put", [name, [os.urandom(16)]]])
+    elif k < 0.7:
+        frame = msgpack.packb([0, r.randrange(2**32), r.choice(
+            ["get", "peek", "confirm", "abort", "stats", "nope"]), [name, r.randrange(5)]])
+    elif k < 0.85:
+        frame = msgpack.packb([0, 1, "put", [name, [b"x" * 100]]])[:r.randrange(1, 20)]
+    else:
+        frame = os.urandom(r.randrange(1, 64))
+    return frame
+
+
+GENERATORS = {"memcache": memcache_input, "text": text_input, "rpc": rpc_input}
+
+
+def send_batch(port: int, payload: bytes) -> None:
+    """One connection: send everything, read what comes back for a moment, close."""
+    s = socket.create_connection((HOST, port), timeout=5)
+    try:
+        s.settimeout(0.5)
+        try:
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(65536):
+                pass
+        except OSError:
+            pass  # closed on us: a refusal, fine
+    finally:
+        s.close()
+
+
+def queue_count(http_port: int) -> int:
+    """Queues and readers the server holds (from /stats.json)."""
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"http://{HOST}:{http_port}/stats.json", timeout=30) as reply:
+        return len(json.load(reply)["queues"])
+
+
+def start_server(data_dir: Path, log: Path, max_queues: int | None = None,
+                 ) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
+    queued = Path(sys.executable).with_name("queued")
+    cmd = [str(queued), "serve", "--data-dir", str(data_dir), "--host", HOST, "--fsync",
+           "never", "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
+           "--http-port", "0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUEUED_")}
+    if max_queues is not None:
+        env["QUEUED_MAX_QUEUES"] = str(max_queues)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=log.open("wb"), env=env)
+    deadline = time.monotonic() + 30
+    pattern = re.compile(rb"listening for (\w+) on [0-9.]+:(\d+)")
+    while time.monotonic() < deadline:
+        found = {k.decode(): int(v) for k, v in pattern.findall(log.read_bytes())}
+        if len(found) == 4:
+            return proc, found
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited: {log.read_text()}")
+        time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("server did not start")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--inputs", type=int, default=1_000_000)
+    ap.add_argument("--per-conn", type=int, default=200, help="inputs per connection")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-queues", type=int, default=None,
+                    help="the server's max_queues (default: its own, 10000)")
+    args = ap.parse_args()
+    r = random.Random(args.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="queued-fuzz-"))
+    proc, ports = start_server(tmp / "data", tmp / "server.log", args.max_queues)
+    try:
+        rss0 = kib_field(f"/proc/{proc.pid}/status", "VmRSS") or 0
+        print(f"server pid {proc.pid}, RSS at start {rss0 / 1024:.1f} MiB")
+        print(f"{'inputs':>9} {'RSS MiB':>8} {'queues':>7} {'data dir MiB':>12} {'s':>6}")
+        started = time.monotonic()
+        marks = {args.inputs * i // 10 for i in range(1, 11)}
+        at: dict[int, int] = {}
+        sent = 0
+        while sent < args.inputs:
+            proto = r.choices(["memcache", "text", "rpc"], [6, 2, 2])[0]
+            n = min(args.per_conn, args.inputs - sent)
+            gen = GENERATORS[proto]
+            send_batch(ports[proto], b"".join(gen(r) for _ in range(n)))
+            before = sent
+            sent += n
+            for m in sorted(marks):
+                if before < m <= sent:
+                    rss = kib_field(f"/proc/{proc.pid}/status", "VmRSS") or 0
+                    at[m] = rss
+                    queues = queue_count(ports["http"])
+                    size = sum(p.stat().st_size for p in (tmp / "data").iterdir())
+                    print(f"{m:>9} {rss / 1024:>8.1f} {queues:>7} {size / 2**20:>12.1f} "
+                          f"{time.monotonic() - started:>6.0f}", flush=True)
+        if proc.poll() is not None:
+            raise SystemExit(f"the server died: {(tmp / 'server.log').read_text()[-2000:]}")
+        first, last = at[min(at)], at[max(at)]
+        print(f"RSS after {max(at)} inputs / after {min(at)}: {last / first:.3f} "
+              f"({last / 1024:.1f} / {first / 1024:.1f} MiB); target <= 1.10")
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
