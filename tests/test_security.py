@@ -10,8 +10,11 @@ from __future__ import annotations
 import base64
 import http.client
 import logging
+import signal
+import socket
 import ssl
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -29,7 +32,7 @@ from queued.core import commands as c
 from queued.core.access import ANONYMOUS, Grant, Permission, needed
 from queued.server.app import check_exposure, is_loopback, open_security
 from queued.server.listeners import Server
-from tests.server_util import HOST, QUEUED, WAIT, Conn, make_config, running
+from tests.server_util import HOST, QUEUED, WAIT, Conn, ServerProcess, make_config, running
 
 REFUSED = b"CLIENT_ERROR authentication failure"
 #: Cheap hashes for tests (the default cost is ~50 ms a check).
@@ -708,3 +711,37 @@ def test_bad_certificate_or_users_files_stop_the_start(tmp_path: Path, pki: Pki)
         open_security(make_config(tmp_path / "data", **tls_settings(pki)))
     with pytest.raises(ConfigError, match="cannot read the users file"):
         open_security(make_config(tmp_path / "data", users_file=str(tmp_path / "none")))
+
+
+def test_sighup_reloads_certificates_and_users_in_a_running_server(
+        tmp_path: Path, pki: Pki, users_file: Path) -> None:
+    config = tmp_path / "queued.toml"
+    config.write_text(f'[server]\ntls_cert = "{pki.cert}"\ntls_key = "{pki.key}"\n'
+                      f'users_file = "{users_file}"\n')
+    server = ServerProcess(tmp_path / "data", tmp_path / "server.log", config)
+    server.start()
+    try:
+        def login(ctx: ssl.SSLContext, user: str, pw: str) -> bytes:
+            raw = socket.create_connection((HOST, server.memcache), timeout=WAIT)
+            with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+                data = f"{user} {pw}".encode()
+                s.sendall(b"set auth 0 0 %d\r\n%s\r\n" % (len(data), data))
+                return s.recv(100)
+
+        assert login(pki.client(), "alice", "alice pw") == b"STORED\r\n"
+        new_ca = trustme.CA()
+        pki.issue(new_ca)
+        users_file.write_text(users_toml(dave={"password": "d", "get": ["*"]}))
+        server.signal(signal.SIGHUP)
+        deadline = time.monotonic() + WAIT
+        while b"reloaded (SIGHUP)" not in server.log():
+            assert time.monotonic() < deadline, server.log().decode()
+            time.sleep(0.05)
+        with pytest.raises(ssl.SSLError):
+            login(pki.client(), "dave", "d")  # the old CA no longer vouches for it
+        assert login(pki.client(new_ca), "dave", "d") == b"STORED\r\n"
+        assert login(pki.client(new_ca), "alice", "alice pw") == (
+            b"CLIENT_ERROR authentication failure\r\n")
+        assert b"alice pw" not in server.log()
+    finally:
+        server.kill()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -1325,3 +1326,51 @@ async def test_memory_is_given_back_once_a_backlog_drains(
             while rss() - before > (peak - before) // 3:
                 await trio.sleep(0.2)
         await c.aclose()
+
+
+async def test_heap_is_trimmed_once_when_clients_go_quiet(monkeypatch: pytest.MonkeyPatch,
+                                                          ) -> None:
+    """Below TRIM_STEP of growth, a trim still comes once traffic stops (and only once)."""
+    if not memory.trim():
+        pytest.skip("no malloc_trim in this C library")
+    trims: list[float] = []  # one entry per trim
+    real_trim = memory.trim
+
+    def counted() -> bool:
+        trims.append(1.0)  # (in a worker thread)
+        return real_trim()
+
+    monkeypatch.setattr(memory, "trim", counted)
+    looks = [0]
+    busy = [True]
+
+    def activity() -> int:  # what the trimmer sees: new bytes at every look while busy
+        looks[0] += 1
+        return looks[0] if busy[0] else -1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(memory.trim_when_drained, lambda: 0, 0.02,
+                                   activity=activity))
+        with trio.fail_after(WAIT):
+            while looks[0] < 10:
+                await trio.sleep(0.01)
+        assert trims == []  # busy all along (and no growth of TRIM_STEP meanwhile)
+        busy[0] = False
+        with trio.fail_after(WAIT):
+            while not trims:
+                await trio.sleep(0.01)
+        seen = looks[0]
+        with trio.fail_after(WAIT):
+            while looks[0] < seen + 10:  # quiet on: no second trim
+                await trio.sleep(0.01)
+        assert len(trims) == 1
+        busy[0] = True  # busy again, then quiet: one more
+        seen = looks[0]
+        with trio.fail_after(WAIT):
+            while looks[0] < seen + 3:
+                await trio.sleep(0.01)
+        busy[0] = False
+        with trio.fail_after(WAIT):
+            while len(trims) < 2:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()

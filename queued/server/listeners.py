@@ -80,7 +80,8 @@ class Server:
             self.ports[proto] = ls[0].socket.getsockname()[1]
         async with trio.open_nursery() as outer:
             outer.start_soon(self._watch_disk)
-            outer.start_soon(trim_when_drained, self.broker.held_bytes)
+            outer.start_soon(partial(trim_when_drained, self.broker.held_bytes,
+                                     activity=lambda: self.counters.bytes_read))
             async with trio.open_nursery() as conns:
                 async with trio.open_nursery() as acceptors:
                     for proto, ls in listeners.items():

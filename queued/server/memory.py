@@ -6,8 +6,11 @@ so after a backlog of large items drains the process would keep its peak RSS for
 long as it runs (measured: 175 MiB held after draining 1 GiB of 64 KiB items, against
 34 MiB idle). `malloc_trim(0)` hands the free pages back; a task looks every
 `TRIM_CHECK_SECONDS` and calls it when RSS has grown by `TRIM_STEP` more than the item
-data held in memory since the last call. A no-op where the C library has no
-malloc_trim (or there is no /proc).
+data held in memory since the last call, and once whenever clients go quiet (no byte
+received since the last look) after sending something: an idle server gives back what
+the busy time left behind (a burst of hostile input, `stats` replies over thousands of
+queues) even when it is less than `TRIM_STEP`. A no-op where the C
+library has no malloc_trim (or there is no /proc).
 """
 
 from __future__ import annotations
@@ -62,16 +65,23 @@ def rss_bytes() -> int | None:
 
 
 async def trim_when_drained(held_bytes: Callable[[], int], seconds: float | None = None,
-                            ) -> None:
+                            activity: Callable[[], int] | None = None) -> None:
     """Forever, every `seconds`: trim if RSS grew by TRIM_STEP more than the item bytes
-    held in memory did since the last trim (memory used for items that are gone)."""
+    held in memory did since the last trim (memory used for items that are gone), and
+    once each time `activity` (a count that grows with client traffic) stops moving."""
     if _malloc_trim is None or rss_bytes() is None:
         return
     base = (rss_bytes() or 0) - held_bytes()
+    last = activity() if activity is not None else 0
+    busy = False  # traffic since the last trim
     while True:
         await trio.sleep(TRIM_CHECK_SECONDS if seconds is None else seconds)
         unexplained = (rss_bytes() or 0) - held_bytes()
-        if unexplained - base >= TRIM_STEP:
+        now = activity() if activity is not None else 0
+        went_quiet = busy and now == last
+        busy, last = busy or now != last, now
+        if unexplained - base >= TRIM_STEP or went_quiet:
+            busy = False
             # In a thread: on a large heap a trim takes milliseconds, and malloc_trim
             # takes the allocator's own locks, so the event loop goes on meanwhile.
             await trio.to_thread.run_sync(trim)
