@@ -15,6 +15,7 @@ import getpass
 import json
 import logging
 import os
+import ssl
 import sys
 import textwrap
 import time
@@ -29,11 +30,13 @@ from queued import __version__
 from queued import config as qconfig
 from queued.client import (
     DEFAULT_PORT,
+    AuthFailed,
     Client,
     ClientError,
     ConnectionFailed,
     Item,
     Timeout,
+    Unauthenticated,
     parse_servers,
 )
 from queued.config import ConfigError, add_serve_arguments, load_config
@@ -284,8 +287,15 @@ client commands (put, get, peek, stats, flush, delete) talk MessagePack-RPC to
 --server HOST:PORT (default 127.0.0.1:{DEFAULT_PORT}; repeat it or separate with commas
 for several servers: puts are spread over them, gets try each).
 
-exit codes: 0 ok; 1 the server answered with an error (bad queue name, queue full...);
-2 usage error; 3 cannot connect to any server, or no reply in time."""
+TLS: --tls verifies the servers' certificates with the system's CAs, --ca FILE with
+that CA bundle; --cert FILE (and --key FILE) is a client certificate for servers that
+want one. --user NAME logs in; the password comes from the environment variable
+QUEUED_PASSWORD, else it is asked at the terminal (never on the command line).
+
+exit codes: 0 ok; 1 the server answered with an error (bad queue name, queue full,
+authentication failed, permission denied...); 2 usage error (no password for --user at
+no terminal, unreadable certificate files...); 3 cannot connect to any server (refused,
+TLS handshake failed...), or no reply in time."""
 #: Items per put when reading stdin, and per get.
 BATCH = 1000
 #: An open read from `get --open` returns to the queue if not confirmed in this time.
@@ -298,6 +308,19 @@ def add_client_commands(sub: Any) -> None:
     common.add_argument("--server", action="append", metavar="HOST:PORT",
                         help=f"a server; repeat or comma-separate for several "
                              f"(default 127.0.0.1:{DEFAULT_PORT})")
+    common.add_argument("--tls", action="store_true",
+                        help="speak TLS, verifying the servers with the system's CAs")
+    common.add_argument("--ca", metavar="FILE",
+                        help="verify the servers' certificates with this PEM CA bundle "
+                             "(implies --tls)")
+    common.add_argument("--cert", metavar="FILE",
+                        help="a PEM client certificate, for servers that want one "
+                             "(implies --tls)")
+    common.add_argument("--key", metavar="FILE",
+                        help="the private key of --cert (if not in its file)")
+    common.add_argument("--user", metavar="NAME",
+                        help="log in as NAME; the password comes from $QUEUED_PASSWORD, "
+                             "else a prompt at the terminal")
     timeout = argparse.ArgumentParser(add_help=False)
     timeout.add_argument("--timeout", type=_non_negative, default=10_000, metavar="MS",
                          help="give up connecting or waiting for a reply after MS "
@@ -363,14 +386,29 @@ def client_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        tls = _tls_context(args)
+        password = _password(args)
+    except _Usage as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     seconds = 10.0 if args.command == "get" else args.timeout / 1000
     try:
         with Client([a for a, _, _ in servers], connect_timeout=seconds,
-                    read_timeout=seconds) as client:
+                    read_timeout=seconds, tls=tls, user=args.user,
+                    password=password) as client:
             return CLIENT_COMMANDS[args.command](client, args)
     except (ConnectionFailed, Timeout) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_CONNECT
+    except AuthFailed as exc:
+        print(f"{prog}: authentication failed: wrong password, or no user {args.user!r} "
+              f"({exc.server})", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    except Unauthenticated as exc:
+        print(f"{prog}: the server wants a login: give --user NAME (the password in "
+              f"QUEUED_PASSWORD) ({exc.server})", file=sys.stderr)
+        return EXIT_SERVER_ERROR
     except ClientError as exc:  # an error reply (RpcCallError), or a reply we cannot read
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_SERVER_ERROR
@@ -379,6 +417,47 @@ def client_command(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print(f"{prog}: stdout closed", file=sys.stderr)
         return EXIT_SERVER_ERROR
+
+
+class _Usage(Exception):
+    """A client command's TLS or login options cannot be used (exit 2)."""
+
+
+def _tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The client TLS context --tls, --ca, --cert and --key ask for; None for plaintext."""
+    if args.key and not args.cert:
+        raise _Usage("--key needs --cert (the client certificate it belongs to)")
+    if not (args.tls or args.ca or args.cert):
+        return None
+    try:
+        ctx = ssl.create_default_context()
+        if args.ca:
+            ctx.load_verify_locations(cafile=args.ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise _Usage(f"--ca {args.ca}: cannot load: {exc}") from None
+    if args.cert:
+        try:
+            ctx.load_cert_chain(args.cert, args.key)
+        except (OSError, ssl.SSLError) as exc:
+            what = f"--cert {args.cert}" + (f" / --key {args.key}" if args.key else "")
+            raise _Usage(f"{what}: cannot load: {exc}") from None
+    return ctx
+
+
+def _password(args: argparse.Namespace) -> str | None:
+    """--user's password: $QUEUED_PASSWORD, else asked at the terminal; never echoed."""
+    if args.user is None:
+        return None
+    password = os.environ.get("QUEUED_PASSWORD")
+    if password is not None:
+        return password
+    if not sys.stdin.isatty():
+        raise _Usage(f"--user {args.user} needs a password: set QUEUED_PASSWORD (stdin is "
+                     "not a terminal to ask at)")
+    try:
+        return getpass.getpass(f"password for {args.user}: ")
+    except EOFError:
+        raise _Usage("no password given") from None
 
 
 def _progress(total: int | None, unit: str, *, also_stdout: bool = False) -> Any:
