@@ -39,6 +39,7 @@ from queued.client import (
     Unauthenticated,
     parse_servers,
 )
+from queued.client.tls import tls_files_context
 from queued.config import ConfigError, add_serve_arguments, load_config
 from queued.config.users import hash_password
 from queued.core import journal_format as jf
@@ -430,18 +431,9 @@ def _tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     if not (args.tls or args.ca or args.cert):
         return None
     try:
-        ctx = ssl.create_default_context()
-        if args.ca:
-            ctx.load_verify_locations(cafile=args.ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise _Usage(f"--ca {args.ca}: cannot load: {exc}") from None
-    if args.cert:
-        try:
-            ctx.load_cert_chain(args.cert, args.key)
-        except (OSError, ssl.SSLError) as exc:
-            what = f"--cert {args.cert}" + (f" / --key {args.key}" if args.key else "")
-            raise _Usage(f"{what}: cannot load: {exc}") from None
-    return ctx
+        return tls_files_context(args.ca, args.cert, args.key)
+    except ValueError as exc:
+        raise _Usage(str(exc)) from None
 
 
 def _password(args: argparse.Namespace) -> str | None:

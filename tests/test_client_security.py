@@ -273,7 +273,7 @@ async def test_reconnect_after_a_restart_logs_in_again_over_tls(tmp_path: Path, 
 
 @pytest.fixture(scope="module")
 def secure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pki]]:
-    """A server subprocess with TLS, client certificates optional... required, and users."""
+    """A server subprocess with TLS (no client certificates) and users."""
     base = tmp_path_factory.mktemp("cli-security")
     pki = Pki(base)
     users = base / "users.toml"

@@ -27,6 +27,26 @@ def tls_context(tls: TlsOption) -> ssl.SSLContext | None:
     raise TypeError(f"tls must be None, a bool or an ssl.SSLContext, not {type(tls).__name__}")
 
 
+def tls_files_context(ca: str | None = None, cert: str | None = None,
+                      key: str | None = None) -> ssl.SSLContext:
+    """A client context trusting the system's CAs, or the PEM bundle `ca`; with `cert`
+    (and its `key`, unless in the same file) presenting a client certificate. ValueError
+    naming the file that cannot be loaded."""
+    if key and not cert:
+        raise ValueError("a client key needs its client certificate")
+    try:
+        ctx = ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"CA bundle {ca}: cannot load: {exc}") from None
+    if cert:
+        try:
+            ctx.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            files = f"{cert} / key {key}" if key else cert
+            raise ValueError(f"client certificate {files}: cannot load: {exc}") from None
+    return ctx
+
+
 def handshake_failure(address: str, exc: BaseException | None) -> str:
     """Why a TLS handshake with `address` failed, in words that say what to check."""
     if isinstance(exc, ssl.SSLCertVerificationError):
