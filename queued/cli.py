@@ -288,19 +288,22 @@ client commands (put, get, peek, stats, flush, delete) talk MessagePack-RPC to
 --server HOST:PORT (default 127.0.0.1:{DEFAULT_PORT}; repeat it or separate with commas
 for several servers: puts are spread over them, gets try each).
 
-TLS: --tls verifies the servers' certificates with the system's CAs, --ca FILE with
-that CA bundle; --cert FILE (and --key FILE) is a client certificate for servers that
-want one. --user NAME logs in; the password comes from the environment variable
-QUEUED_PASSWORD, else it is asked at the terminal (never on the command line).
-
-exit codes: 0 ok; 1 the server answered with an error (bad queue name, queue full,
-authentication failed, permission denied...); 2 usage error (no password for --user at
-no terminal, unreadable certificate files...); 3 cannot connect to any server (refused,
-TLS handshake failed...), or no reply in time."""
+exit codes: 0 ok; 1 the server answered with an error (bad queue name, queue full...);
+2 usage error; 3 cannot connect to any server, or no reply in time."""
 #: Items per put when reading stdin, and per get.
 BATCH = 1000
 #: An open read from `get --open` returns to the queue if not confirmed in this time.
 OPEN_READ_MS = 60_000
+#: The client commands' help on TLS and logins, after CLIENT_EPILOG.
+SECURITY_EPILOG = """
+
+TLS: --tls verifies the servers' certificates with the system's CAs, --ca FILE with
+that CA bundle; --cert FILE (and --key FILE) is a client certificate for servers that
+want one. --user NAME logs in; the password comes from the environment variable
+QUEUED_PASSWORD, else it is asked at the terminal (never on the command line). Wrong
+credentials or a missing permission exit 1; --user without a password and no terminal
+to ask at, or certificate files that cannot be loaded, exit 2; a failed TLS handshake
+exits 3."""
 
 
 def add_client_commands(sub: Any) -> None:
@@ -331,7 +334,7 @@ def add_client_commands(sub: Any) -> None:
             description: str | None = None) -> argparse.ArgumentParser:
         return sub.add_parser(  # type: ignore[no-any-return]
             name, help=helptext, description=textwrap.fill(description or helptext, 80),
-            parents=[common, *parents], epilog=CLIENT_EPILOG,
+            parents=[common, *parents], epilog=CLIENT_EPILOG + SECURITY_EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter)
 
     p = add("put", "put items (DATA arguments, or one item per line of stdin)", timeout,

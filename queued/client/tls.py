@@ -47,14 +47,24 @@ def tls_files_context(ca: str | None = None, cert: str | None = None,
     return ctx
 
 
+#: OpenSSL's reasons for a handshake failing because the port does not speak TLS.
+_NOT_TLS = frozenset({"WRONG_VERSION_NUMBER", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE"})
+
+
 def handshake_failure(address: str, exc: BaseException | None) -> str:
     """Why a TLS handshake with `address` failed, in words that say what to check."""
+    prefix = f"{address}: TLS handshake failed"
     if isinstance(exc, ssl.SSLCertVerificationError):
-        return (f"{address}: TLS handshake failed: the server's certificate is not trusted "
-                f"({exc.verify_message}; give the CA that signed it)")
-    reason = str(exc) if exc is not None and str(exc) else "the server closed the connection"
-    return (f"{address}: TLS handshake failed: {reason} (is the server's port TLS, and does "
-            "it want a client certificate?)")
+        return (f"{prefix}: the server's certificate is not trusted ({exc.verify_message}; "
+                "give the CA that signed it)")
+    reason = getattr(exc, "reason", None)
+    if reason in _NOT_TLS:
+        return f"{prefix}: {exc} (the server does not speak TLS on this port?)"
+    if isinstance(reason, str) and "CERTIFICATE_REQUIRED" in reason:
+        return f"{prefix}: {exc} (the server wants a client certificate)"
+    why = str(exc) if exc is not None and str(exc) else "the server closed the connection"
+    return (f"{prefix}: {why} (is the server's port TLS, and does it want a client "
+            "certificate?)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +83,8 @@ def login(user: str | None, password: str | None) -> Login | None:
         return None
     if user is None or password is None:
         raise ValueError("give both user= and password=, or neither")
-    if not isinstance(user, str) or not isinstance(password, str) or not user:
-        raise TypeError("user and password must be strings, user not empty")
+    if not isinstance(user, str) or not isinstance(password, str):
+        raise TypeError("user and password must be strings")
+    if not user:
+        raise ValueError("user must not be empty")
     return Login(user, password)
