@@ -1,8 +1,9 @@
-"""Measuring helpers shared by the benchmarks: latency histograms, /proc CPU readings.
+"""Measuring helpers shared by the benchmarks: latency histograms, /proc CPU readings, and
+throwaway TLS certificates for the runs over TLS.
 
-Owns nothing but these pure-ish readers (the /proc ones read files, nothing else);
-every benchmark script imports them from here (scripts run as `python bench/x.py`,
-so this folder is on sys.path, in spawned workers too).
+Owns nothing but these pure-ish readers (the /proc ones read files, nothing else) and the
+certificate files; every benchmark script imports them from here (scripts run as
+`python bench/x.py`, so this folder is on sys.path, in spawned workers too).
 """
 
 from __future__ import annotations
@@ -70,3 +71,25 @@ def kib_field(path: str, key: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+class BenchCerts:
+    """A throwaway CA and a server certificate for 127.0.0.1 / localhost, as PEM files in
+    `where`, for benchmarks over TLS (trustme, from the test extras; made once per run)."""
+
+    def __init__(self, where: str) -> None:
+        import trustme
+
+        ca = trustme.CA()
+        leaf = ca.issue_cert("127.0.0.1", "localhost")
+        self.ca = os.path.join(where, "bench-ca.pem")
+        self.cert = os.path.join(where, "bench-server.pem")
+        self.key = os.path.join(where, "bench-server.key")
+        ca.cert_pem.write_to_path(self.ca)
+        leaf.private_key_pem.write_to_path(self.key)
+        with open(self.cert, "wb") as f:
+            f.write(b"".join(p.bytes() for p in leaf.cert_chain_pems))
+
+    def server_args(self) -> list[str]:
+        """The `queued serve` flags that turn TLS on for every listener."""
+        return ["--tls-cert", self.cert, "--tls-key", self.key]

@@ -23,7 +23,11 @@ queued: ``set q 0 0 <n>`` / ``get q`` (``END`` = empty: a miss, retried after
 ``--rss`` adds the backlog test: queued with ``max_memory_size = "8MiB"`` gets a backlog
 of 10x that in 1 KiB items, then is drained, while its VmRSS is sampled every 0.2 s.
 
-Usage:  .venv/bin/python bench/load.py [--quick] [--rss] [--target both|queued|redis]
+``--tls`` adds a second queued server, ``queued-tls``, with TLS on (a throwaway trustme
+CA the clients verify; the handshake is done before the timed part), run interleaved
+with the plaintext one; the summary then has a TLS / plaintext table.
+
+Usage:  .venv/bin/python bench/load.py [--quick] [--rss] [--tls] [--target both|queued|redis]
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import select
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -53,7 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchlib import bucket, percentiles, proc_cpu_s, system_busy_s
+from benchlib import BenchCerts, bucket, percentiles, proc_cpu_s, system_busy_s
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -260,6 +265,7 @@ class WorkerSpec:
     stamp: bool = False  # puts carry their send time; gets count end-to-end latency
     fill: str = "x"  # payload bytes: "x" (all b"x", compressible) or "random" (a ring of
     # distinct random payloads per connection: incompressible, like real data)
+    tls_ca: str | None = None  # TLS, verifying the server with this CA file
 
 
 @dataclass
@@ -302,8 +308,10 @@ class Conn:
         "parse",
         "quota",
         "rbuf",
+        "recv",
         "request",
         "role",
+        "send",
         "sock",
         "wbuf",
     )
@@ -311,6 +319,10 @@ class Conn:
     def __init__(self, sock: socket.socket, role: str, quota: int, request: bytes,
                  parse: Any, make: Callable[[int, int], bytes] | None = None) -> None:
         self.sock = sock
+        # plain sockets: their own methods (no cost added); TLS: wrappers that turn "want
+        # read/write" into BlockingIOError, as a non-blocking socket says it
+        self.send, self.recv = ((sock.send, sock.recv) if not isinstance(sock, ssl.SSLSocket)
+                                else tls_io(sock))
         self.fd = sock.fileno()
         self.role = role
         self.quota = quota
@@ -326,6 +338,50 @@ class Conn:
         self.backoff_until = 0
         self.first_ns = self.last_ns = 0
         self.closed = False
+
+
+def tls_connect(sock: socket.socket, ca: str) -> ssl.SSLSocket:
+    """`sock` after a blocking client handshake, verifying the server with `ca`."""
+    return ssl.create_default_context(cafile=ca).wrap_socket(sock, server_hostname=HOST)
+
+
+def tls_io(sock: ssl.SSLSocket) -> tuple[Callable[[bytes], int], Callable[[int], bytes]]:
+    """send and recv for a non-blocking TLS socket under epoll.
+
+    recv reads every whole record there is (up to n bytes), so no decrypted data waits in
+    OpenSSL's buffer while epoll (which sees the kernel's only) says nothing is ready. A
+    send that would block raises BlockingIOError and must be retried with the same bytes
+    (more may follow them): OpenSSL remembers the records it already wrote.
+    """
+    want = (ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+    def send(data: bytes) -> int:
+        try:
+            return sock.send(data)
+        except want:
+            raise BlockingIOError from None
+
+    def recv(n: int) -> bytes:
+        parts: list[bytes] = []
+        got = 0
+        while got < n:
+            try:
+                chunk = sock.recv(n - got)  # one record at most
+            except want:
+                if not parts:
+                    raise BlockingIOError from None
+                break
+            except OSError:
+                if parts:
+                    break  # the error comes again on the next read
+                raise
+            if not chunk:  # the server closed the connection
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+
+    return send, recv
 
 
 def worker_main(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> None:
@@ -418,6 +474,8 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
     for cs in spec.conns:
         sock = socket.create_connection((HOST, spec.port), timeout=10)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if spec.tls_ca is not None:
+            sock = tls_connect(sock, spec.tls_ca)
         sock.setblocking(False)
         queues = cs.queues or [spec.queue]
         if cs.role == "put":
@@ -468,7 +526,7 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
             c.wbuf += out
             return
         try:
-            sent = c.sock.send(out)
+            sent = c.send(out)
         except BlockingIOError:
             sent = 0
         if sent < len(out):
@@ -497,7 +555,7 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
             c = conns[fd]
             if ev & eout and c.wbuf:
                 try:
-                    sent = c.sock.send(c.wbuf)
+                    sent = c.send(c.wbuf)
                 except BlockingIOError:
                     sent = 0
                 c.wbuf = c.wbuf[sent:]
@@ -505,7 +563,7 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
                     ep.modify(fd, ein)
             if ev & (ein | select.EPOLLHUP | select.EPOLLERR):
                 try:
-                    chunk = c.sock.recv(RECV_SIZE)
+                    chunk = c.recv(RECV_SIZE)
                 except BlockingIOError:
                     continue
                 except OSError:
@@ -624,6 +682,7 @@ class Server:
 
     name = "?"
     protocol = "?"
+    tls_ca: str | None = None  # the server speaks TLS; clients verify it with this CA
 
     def __init__(self, root: Path, fsync: str) -> None:
         self.fsync = fsync
@@ -690,7 +749,8 @@ class Server:
 
     def request(self, data: bytes, done: Any, seconds: float = 10) -> bytes:
         """One blocking request/reply on a fresh connection, read until done(reply)."""
-        with socket.create_connection((HOST, self.port), timeout=seconds) as s:
+        with socket.create_connection((HOST, self.port), timeout=seconds) as plain, \
+                (plain if self.tls_ca is None else tls_connect(plain, self.tls_ca)) as s:
             s.sendall(data)
             buf = b""
             while not done(buf):
@@ -727,9 +787,14 @@ class MemcacheServer(Server):
 class QueuedServer(MemcacheServer):
     name = "queued"
 
-    def __init__(self, root: Path, fsync: str, cmd: str, config: str | None = None) -> None:
+    def __init__(self, root: Path, fsync: str, cmd: str, config: str | None = None,
+                 certs: BenchCerts | None = None) -> None:
+        if certs is not None:
+            self.name = "queued-tls"
+            self.tls_ca = certs.ca
         super().__init__(root, fsync)
         self.cmd = cmd
+        self.certs = certs
         self.config_path: Path | None = None
         if config is not None:
             self.config_path = self.dir.with_suffix(".toml")
@@ -741,6 +806,8 @@ class QueuedServer(MemcacheServer):
                               **ports).split()
         if self.config_path is not None:
             cmd += ["--config", str(self.config_path)]
+        if self.certs is not None:
+            cmd += self.certs.server_args()
         return cmd
 
     def stop(self) -> None:
@@ -853,7 +920,7 @@ def run_conns(server: Server, queue: str, payload: int, conns: list[ConnSpec],
             spec = WorkerSpec(server.protocol, server.port, queue, payload, a.pipeline, cl,
                               seconds, a.grace, a.miss_backoff_ms,
                               a.pipeline_mode == "batch", get_options, final_get, stamp,
-                              fill)
+                              fill, server.tls_ca)
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, args=(spec, child), daemon=True)
             p.start()
@@ -978,6 +1045,7 @@ class Bench:
         self.server_rss: list[dict[str, Any]] = []
         self.caveats: list[str] = []
         self.seq = 0
+        self.certs = BenchCerts(str(self.root)) if a.tls else None
 
     def queue_name(self, workload: str, payload: int) -> str:
         self.seq += 1
@@ -1028,10 +1096,15 @@ class Bench:
             log(describe(m))
         self.results += ms
 
-    def servers(self, fsync: str, config: str | None = None) -> list[Server]:
+    def servers(self, fsync: str, config: str | None = None, *,
+                tls: bool = True) -> list[Server]:
+        """The servers of one round; `queued-tls` too with --tls, unless `tls` is False."""
         out: list[Server] = []
         if self.a.target in ("queued", "both") and self.a.queued_ok:
             out.append(QueuedServer(self.root, fsync, self.a.queued_cmd, config))
+            if self.certs is not None and tls:
+                out.append(QueuedServer(self.root, fsync, self.a.queued_cmd, config,
+                                        self.certs))
         if self.a.target in ("redis", "both") and self.a.redis_ok:
             out.append(RedisServer(self.root, fsync))
         return out
@@ -1075,7 +1148,7 @@ class Bench:
         log(f"## backlog / RSS: {n:,} x {size_name(payload)} items = "
             f"{n * payload / MiB:.0f} MiB, queued max_memory_size = {a.rss_max_memory}, "
             "fsync never")
-        for s in self.servers("never", config):
+        for s in self.servers("never", config, tls=False):
             try:
                 s.start()
             except Exception as exc:
@@ -1179,6 +1252,7 @@ class Bench:
                                  if q and r and r.items_per_s else "")
                         log(f"| {size_name(payload)} | {fsync} | {workload} | {op} | "
                             f"{cell(q)} | {cell(r)} | {ratio} |")
+        self.tls_table()
         for fsync in a.fsync:
             for workload in ("steady",):
                 for payload in a.payload:
@@ -1221,6 +1295,30 @@ class Bench:
             log("caveats:")
             for c in dict.fromkeys(self.caveats):
                 log(f"- {c}")
+
+    def tls_table(self) -> None:
+        """queued over TLS against plaintext queued, cell by cell (--tls)."""
+        if not any(m.target == "queued-tls" for m in self.results):
+            return
+        a = self.a
+        log()
+        log("TLS / plaintext (the issue wants >= 0.8 for memcache 1 KiB):")
+        log()
+        log("| payload | fsync | workload | op | queued items/s | p50 | p99 "
+            "| queued-tls items/s | p50 | p99 | tls/plain |")
+        log("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for payload in a.payload:
+            for fsync in a.fsync:
+                for workload in a.workloads:
+                    for op in ("put", "get"):
+                        q = self.find("queued", payload, fsync, workload, op)
+                        t = self.find("queued-tls", payload, fsync, workload, op)
+                        if q is None and t is None:
+                            continue
+                        ratio = (f"{t.items_per_s / q.items_per_s:.2f}"
+                                 if q and t and q.items_per_s else "")
+                        log(f"| {size_name(payload)} | {fsync} | {workload} | {op} | "
+                            f"{cell(q)} | {cell(t)} | {ratio} |")
 
     def targets(self) -> None:
         rows: list[tuple[str, str, str, str]] = []
@@ -1309,7 +1407,8 @@ def environment(a: argparse.Namespace, root: Path) -> float:
     log(f"payloads {', '.join(size_name(p) for p in a.payload)}; fsync {', '.join(a.fsync)}; "
         f"workloads {', '.join(a.workloads)}; {a.conns} connections per role x pipeline "
         f"{a.pipeline} ({a.pipeline_mode}) over {a.procs} client processes; {a.items:,} items "
-        f"per phase, steady <= {a.seconds:g} s" + (" (--quick)" if a.quick else ""))
+        f"per phase, steady <= {a.seconds:g} s" + (" (--quick)" if a.quick else "")
+        + ("; queued over TLS too (--tls)" if a.tls else ""))
     try:
         head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h %cI"],
                               capture_output=True, text=True, timeout=10).stdout.strip()
@@ -1360,6 +1459,9 @@ def main() -> None:
     ap.add_argument("--miss-backoff-ms", type=float, default=1.0,
                     help="a connection that got an empty reply waits this long (default 1)")
     ap.add_argument("--target", choices=("queued", "redis", "both"), default="both")
+    ap.add_argument("--tls", action="store_true",
+                    help="also run queued with TLS on (server queued-tls), interleaved with "
+                         "the plaintext one, and print their ratio")
     ap.add_argument("--quick", action="store_true", help="small counts, < 60 s in total")
     ap.add_argument("--rss", action="store_true",
                     help="also run the backlog/RSS test (backlog 10 x max_memory_size)")

@@ -21,7 +21,11 @@ trio tasks per worker on one `AsyncClient` connection. Every loop is bounded by 
 and by an item count; a worker that does not report in time ends the run for that
 server.
 
-Usage:  .venv/bin/python bench/rpc_bench.py [--quick] [--seconds S] [--json FILE]
+`--tls` runs the servers with TLS on (a throwaway trustme CA; the clients verify it);
+`--tls both` runs each fsync policy plaintext and then over TLS and prints the TLS /
+plaintext ratio of every cell.
+
+Usage:  .venv/bin/python bench/rpc_bench.py [--quick] [--seconds S] [--tls [both]] [--json FILE]
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import platform
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -46,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from benchlib import bucket, percentiles, proc_cpu_s, system_busy_s
+from benchlib import BenchCerts, bucket, percentiles, proc_cpu_s, system_busy_s
 
 from queued.client import AsyncClient, Client, Item
 
@@ -145,7 +150,13 @@ def run_blocking(c: Client, t: Task, p: Part) -> None:
         p.t1 = clock()
 
 
-async def run_async(address: str, t: Task, p: Part) -> None:
+def client_tls(ca: str | None) -> dict[str, Any]:
+    """The clients' TLS argument: verify the bench's CA (a context does not pickle, so each
+    process makes its own from the file)."""
+    return {"tls": ssl.create_default_context(cafile=ca)} if ca else {}
+
+
+async def run_async(address: str, ca: str | None, t: Task, p: Part) -> None:
     clock = time.monotonic_ns
     p.t0 = clock()
     deadline = p.t0 + int(t.seconds * NS)
@@ -172,7 +183,7 @@ async def run_async(address: str, t: Task, p: Part) -> None:
             p.items += n
 
     try:
-        async with AsyncClient(address, read_timeout=READ_TIMEOUT) as c, \
+        async with AsyncClient(address, read_timeout=READ_TIMEOUT, **client_tls(ca)) as c, \
                 trio.open_nursery() as nursery:
             for _ in range(t.tasks):
                 nursery.start_soon(one, c)
@@ -180,10 +191,11 @@ async def run_async(address: str, t: Task, p: Part) -> None:
         p.t1 = clock()
 
 
-def worker_main(address: str, pipe: multiprocessing.connection.Connection) -> None:
+def worker_main(address: str, ca: str | None,
+                pipe: multiprocessing.connection.Connection) -> None:
     client: Client | None = None
     try:
-        client = Client(address, read_timeout=READ_TIMEOUT)
+        client = Client(address, read_timeout=READ_TIMEOUT, **client_tls(ca))
         client.version()  # connect now, not inside the first timed call
         pipe.send({"ready": True})
         while pipe.poll(IDLE_LIMIT):
@@ -194,10 +206,10 @@ def worker_main(address: str, pipe: multiprocessing.connection.Connection) -> No
             cpu0 = time.process_time()
             try:
                 if task.tasks:
-                    trio.run(run_async, address, task, part)
+                    trio.run(run_async, address, ca, task, part)
                 else:
                     if client is None:
-                        client = Client(address, read_timeout=READ_TIMEOUT)
+                        client = Client(address, read_timeout=READ_TIMEOUT, **client_tls(ca))
                     run_blocking(client, task, part)
             except Exception as exc:  # report it; a fresh client for the next task
                 part.error = f"{exc!r}"
@@ -221,13 +233,13 @@ class WorkerStuck(Exception):
 class Workers:
     """`n` spawned worker processes, each with its own connection to the server."""
 
-    def __init__(self, address: str, n: int) -> None:
+    def __init__(self, address: str, ca: str | None, n: int) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.procs: list[tuple[Any, multiprocessing.connection.Connection]] = []
         try:
             for _ in range(n):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=worker_main, args=(address, child), daemon=True)
+                p = ctx.Process(target=worker_main, args=(address, ca, child), daemon=True)
                 p.start()
                 child.close()
                 self.procs.append((p, parent))
@@ -277,10 +289,12 @@ class Workers:
 
 
 class Server:
-    """One `queued serve` on a fresh temp dir, every port 0; stopped by PID."""
+    """One `queued serve` on a fresh temp dir, every port 0 (TLS on with `certs`); stopped
+    by PID."""
 
-    def __init__(self, root: Path, fsync: str) -> None:
+    def __init__(self, root: Path, fsync: str, certs: BenchCerts | None = None) -> None:
         self.fsync = fsync
+        self.certs = certs
         self.dir = Path(tempfile.mkdtemp(prefix=f"rpc-bench-{fsync}-", dir=root))
         self.log_path = self.dir.with_suffix(".log")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -299,6 +313,8 @@ class Server:
         cmd = [str(QUEUED), "serve", "--data-dir", str(self.dir), "--host", HOST,
                "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
                "--http-port", "0", "--fsync", self.fsync]
+        if self.certs is not None:
+            cmd += self.certs.server_args()
         with open(self.log_path, "wb") as logf:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf,
                                          stdin=subprocess.DEVNULL, cwd=self.dir)
@@ -373,6 +389,7 @@ class Row:
     other_cpu: float  # everything else on the machine meanwhile
     note: str = ""
     errors: list[str] = field(default_factory=list)
+    tls: bool = False
 
 
 def run_phase(server: Server, workers: Workers, fsync: str, op: str, label: str, size: int,
@@ -408,7 +425,8 @@ def run_phase(server: Server, workers: Workers, fsync: str, op: str, label: str,
         notes.append(f"{len(errors)} worker error(s)")
     return Row(fsync, size, batch, conns, label, items, secs, items / secs,
                items * size / secs / MB, p50, p99, sum(p.calls for p in parts),
-               srv / wall, client_cpu / wall, other / wall, "; ".join(notes), errors)
+               srv / wall, client_cpu / wall, other / wall, "; ".join(notes), errors,
+               server.certs is not None)
 
 
 def queue_name(size: int, batch: int, conns: int, tasks: int) -> str:
@@ -416,7 +434,8 @@ def queue_name(size: int, batch: int, conns: int, tasks: int) -> str:
 
 
 def print_row(r: Row) -> None:
-    log(f"  {r.fsync:6s} {size_name(r.size):>6s} batch {r.batch:4d} x{r.conns} "
+    tls = " tls" if r.tls else ""
+    log(f"  {r.fsync:6s}{tls} {size_name(r.size):>6s} batch {r.batch:4d} x{r.conns} "
         f"{r.op:26s} {r.items_per_s:11,.0f} items/s {r.mb_per_s:8.1f} MB/s "
         f"p50 {r.p50_ms:7.2f} ms p99 {r.p99_ms:7.2f} ms  srv {r.server_cpu:4.0%} "
         f"cli {r.client_cpu:4.0%} other {r.other_cpu:4.0%}  ({r.items:,} items, "
@@ -440,15 +459,18 @@ class Bench:
         print_row(r)
         self.rows.append(r)
 
-    def server_run(self, fsync: str) -> None:
+    def server_run(self, fsync: str, certs: BenchCerts | None) -> None:
         a = self.a
-        server = Server(Path(a.dir), fsync)
+        server = Server(Path(a.dir), fsync, certs)
+        ca = certs.ca if certs is not None else None
         workers: Workers | None = None
+        over = " over TLS" if certs is not None else ""
         try:
             server.start()
-            log(f"## fsync {fsync}: server pid {server.pid}, rpc port {server.port}")
-            workers = Workers(server.address, max(a.conns))
-            with Client(server.address, read_timeout=READ_TIMEOUT) as control:
+            log(f"## fsync {fsync}{over}: server pid {server.pid}, rpc port {server.port}")
+            workers = Workers(server.address, ca, max(a.conns))
+            with Client(server.address, read_timeout=READ_TIMEOUT,
+                        **client_tls(ca)) as control:
                 for size in a.sizes:
                     for batch in a.batches:
                         for conns in a.conns:
@@ -456,18 +478,18 @@ class Bench:
                 if 64 in a.sizes and a.tasks > 0:
                     self.cell(server, workers, control, fsync, 64, 100, max(a.conns),
                               tasks=a.tasks)
-            self.memory[fsync] = server.memory_kib()
-            mem = self.memory[fsync]
+            self.memory[fsync + over] = server.memory_kib()
+            mem = self.memory[fsync + over]
             log(f"  server memory: VmHWM {mem.get('VmHWM', 0) / KiB:.0f} MiB, "
                 f"VmRSS {mem.get('VmRSS', 0) / KiB:.0f} MiB")
         except Exception as exc:  # report, go on with the next policy
-            log(f"!! fsync {fsync} run failed: {exc!r}")
+            log(f"!! fsync {fsync}{over} run failed: {exc!r}")
             traceback.print_exc(file=sys.stdout)
-            self.failures.append(f"fsync {fsync}: {exc!r}")
+            self.failures.append(f"fsync {fsync}{over}: {exc!r}")
             if server.proc is not None and not server.alive():
                 log(f"server exited with {server.proc.poll()}; log tail:\n{server.log_tail()}")
             if server.proc is not None and server.alive():
-                self.memory.setdefault(fsync, server.memory_kib())
+                self.memory.setdefault(fsync + over, server.memory_kib())
         finally:
             if workers is not None:
                 workers.close()
@@ -500,11 +522,26 @@ class Bench:
 
     # -- the report ------------------------------------------------------------------------
 
-    def find(self, fsync: str, size: int, batch: int, conns: int, op: str) -> Row | None:
-        for r in self.rows:
-            if (r.fsync, r.size, r.batch, r.conns, r.op) == (fsync, size, batch, conns, op):
-                return r
+    def find(self, fsync: str, size: int, batch: int, conns: int, op: str,
+             tls: bool | None = None) -> Row | None:
+        """The row of that cell; plaintext first when `tls` is None (either will do)."""
+        for want in ((False, True) if tls is None else (tls,)):
+            for r in self.rows:
+                if (r.fsync, r.size, r.batch, r.conns, r.op, r.tls) == (
+                        fsync, size, batch, conns, op, want):
+                    return r
         return None
+
+    def tls_ratios(self) -> list[dict[str, Any]]:
+        """Each cell measured both ways: TLS items/s over plaintext items/s."""
+        out = []
+        for r in self.rows:
+            plain = self.find(r.fsync, r.size, r.batch, r.conns, r.op, tls=False)
+            if r.tls and plain is not None and plain.items_per_s > 0:
+                out.append({"fsync": r.fsync, "size": r.size, "batch": r.batch,
+                            "conns": r.conns, "op": r.op, "plain": plain.items_per_s,
+                            "tls": r.items_per_s, "ratio": r.items_per_s / plain.items_per_s})
+        return out
 
     def headline(self) -> list[dict[str, str]]:
         out = []
@@ -517,6 +554,8 @@ class Bench:
             for conns in sorted({max(self.a.conns), 1}, reverse=True):
                 figure = f"{op}, 64 B, batch 100, fsync always, {conns} conn(s)"
                 r = self.find("always", 64, 100, conns, op)
+                if r is not None and r.tls:
+                    figure += " over TLS"
                 if r is None:
                     out.append({"figure": figure, "measured": "not measured",
                                 "target": target, "met": "-"})
@@ -540,11 +579,12 @@ class Bench:
     def report(self, started: float) -> dict[str, Any]:
         log("## results (latency per batch: one put call; one get plus its confirm)")
         log()
-        log("| fsync | size | batch | conns | op | items/s | MB/s | p50 ms | p99 ms | "
+        log("| fsync | tls | size | batch | conns | op | items/s | MB/s | p50 ms | p99 ms | "
             "server CPU | clients CPU | other CPU | note |")
-        log("|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        log("|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in self.rows:
-            log(f"| {r.fsync} | {size_name(r.size)} | {r.batch} | {r.conns} | {r.op} | "
+            log(f"| {r.fsync} | {'yes' if r.tls else 'no'} | {size_name(r.size)} | {r.batch} | "
+                f"{r.conns} | {r.op} | "
                 f"{r.items_per_s:,.0f} | {r.mb_per_s:,.1f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | "
                 f"{r.server_cpu:.0%} | {r.client_cpu:.0%} | {r.other_cpu:.0%} | {r.note} |")
         log()
@@ -552,6 +592,17 @@ class Bench:
             log(f"server fsync {fsync}: VmHWM (peak RSS) {mem.get('VmHWM', 0) / KiB:.0f} MiB, "
                 f"VmRSS at the end {mem.get('VmRSS', 0) / KiB:.0f} MiB")
         log()
+        ratios = self.tls_ratios()
+        if ratios:
+            log("## TLS / plaintext (items/s of the same cell; the issue wants >= 0.8 for "
+                "batch 100)")
+            log()
+            log("| fsync | size | batch | conns | op | plaintext | TLS | ratio |")
+            log("|---|---|---:|---:|---|---:|---:|---:|")
+            for t in ratios:
+                log(f"| {t['fsync']} | {size_name(t['size'])} | {t['batch']} | {t['conns']} | "
+                    f"{t['op']} | {t['plain']:,.0f} | {t['tls']:,.0f} | {t['ratio']:.2f} |")
+            log()
         head = self.headline()
         log("## headline (the issue's target, on this machine)")
         log()
@@ -565,7 +616,8 @@ class Bench:
             "core over the phase's wall time")
         for f in self.failures:
             log(f"!! {f}")
-        return {"rows": [asdict(r) for r in self.rows], "server_memory_kib": self.memory,
+        return {"rows": [asdict(r) for r in self.rows], "tls_ratios": ratios,
+                "server_memory_kib": self.memory,
                 "headline": head, "failures": self.failures, "seconds": total,
                 "environment": environment()}
 
@@ -617,6 +669,9 @@ def main() -> None:
                     help="payload byte bound per phase (default 1 GiB)")
     ap.add_argument("--dir", default=tempfile.gettempdir(),
                     help="parent of the servers' temp data dirs (default the temp dir)")
+    ap.add_argument("--tls", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                    help="servers with TLS on (--tls), or each fsync policy plaintext then "
+                         "over TLS with their ratio (--tls both)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = ap.parse_args()
     if a.seconds is None:
@@ -635,12 +690,16 @@ def main() -> None:
     log(f"# rpc_bench: queued {env['commit']}, Python {env['python']}, kernel {env['kernel']}, "
         f"{env['cpus']} CPUs, load average {' '.join(env['loadavg'])}")
     log(f"# {a.seconds:g} s per phase; sizes {a.sizes}; batches {a.batches}; conns {a.conns}; "
-        f"fsync {policies}; pipelined x{a.tasks}")
+        f"fsync {policies}; pipelined x{a.tasks}; TLS {a.tls}")
     log()
     started = time.perf_counter()
     bench = Bench(a)
-    for fsync in policies:
-        bench.server_run(fsync)
+    with tempfile.TemporaryDirectory(prefix="rpc-bench-certs-") as where:
+        certs = BenchCerts(where) if a.tls != "off" else None
+        modes = {"off": [None], "on": [certs], "both": [None, certs]}[a.tls]
+        for fsync in policies:
+            for mode in modes:
+                bench.server_run(fsync, mode)
     result = bench.report(started)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -15,6 +15,7 @@ import getpass
 import json
 import logging
 import os
+import ssl
 import sys
 import textwrap
 import time
@@ -29,13 +30,16 @@ from queued import __version__
 from queued import config as qconfig
 from queued.client import (
     DEFAULT_PORT,
+    AuthFailed,
     Client,
     ClientError,
     ConnectionFailed,
     Item,
     Timeout,
+    Unauthenticated,
     parse_servers,
 )
+from queued.client.tls import tls_files_context
 from queued.config import ConfigError, add_serve_arguments, load_config
 from queued.config.users import hash_password
 from queued.core import journal_format as jf
@@ -290,6 +294,16 @@ exit codes: 0 ok; 1 the server answered with an error (bad queue name, queue ful
 BATCH = 1000
 #: An open read from `get --open` returns to the queue if not confirmed in this time.
 OPEN_READ_MS = 60_000
+#: The client commands' help on TLS and logins, after CLIENT_EPILOG.
+SECURITY_EPILOG = """
+
+TLS: --tls verifies the servers' certificates with the system's CAs, --ca FILE with
+that CA bundle; --cert FILE (and --key FILE) is a client certificate for servers that
+want one. --user NAME logs in; the password comes from the environment variable
+QUEUED_PASSWORD, else it is asked at the terminal (never on the command line). Wrong
+credentials or a missing permission exit 1; --user without a password and no terminal
+to ask at, or certificate files that cannot be loaded, exit 2; a failed TLS handshake
+exits 3."""
 
 
 def add_client_commands(sub: Any) -> None:
@@ -298,6 +312,19 @@ def add_client_commands(sub: Any) -> None:
     common.add_argument("--server", action="append", metavar="HOST:PORT",
                         help=f"a server; repeat or comma-separate for several "
                              f"(default 127.0.0.1:{DEFAULT_PORT})")
+    common.add_argument("--tls", action="store_true",
+                        help="speak TLS, verifying the servers with the system's CAs")
+    common.add_argument("--ca", metavar="FILE",
+                        help="verify the servers' certificates with this PEM CA bundle "
+                             "(implies --tls)")
+    common.add_argument("--cert", metavar="FILE",
+                        help="a PEM client certificate, for servers that want one "
+                             "(implies --tls)")
+    common.add_argument("--key", metavar="FILE",
+                        help="the private key of --cert (if not in its file)")
+    common.add_argument("--user", metavar="NAME",
+                        help="log in as NAME; the password comes from $QUEUED_PASSWORD, "
+                             "else a prompt at the terminal")
     timeout = argparse.ArgumentParser(add_help=False)
     timeout.add_argument("--timeout", type=_non_negative, default=10_000, metavar="MS",
                          help="give up connecting or waiting for a reply after MS "
@@ -307,7 +334,7 @@ def add_client_commands(sub: Any) -> None:
             description: str | None = None) -> argparse.ArgumentParser:
         return sub.add_parser(  # type: ignore[no-any-return]
             name, help=helptext, description=textwrap.fill(description or helptext, 80),
-            parents=[common, *parents], epilog=CLIENT_EPILOG,
+            parents=[common, *parents], epilog=CLIENT_EPILOG + SECURITY_EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter)
 
     p = add("put", "put items (DATA arguments, or one item per line of stdin)", timeout,
@@ -363,14 +390,29 @@ def client_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        tls = _tls_context(args)
+        password = _password(args)
+    except _Usage as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     seconds = 10.0 if args.command == "get" else args.timeout / 1000
     try:
         with Client([a for a, _, _ in servers], connect_timeout=seconds,
-                    read_timeout=seconds) as client:
+                    read_timeout=seconds, tls=tls, user=args.user,
+                    password=password) as client:
             return CLIENT_COMMANDS[args.command](client, args)
     except (ConnectionFailed, Timeout) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_CONNECT
+    except AuthFailed as exc:
+        print(f"{prog}: authentication failed: wrong password, or no user {args.user!r} "
+              f"({exc.server})", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    except Unauthenticated as exc:
+        print(f"{prog}: the server wants a login: give --user NAME (the password in "
+              f"QUEUED_PASSWORD) ({exc.server})", file=sys.stderr)
+        return EXIT_SERVER_ERROR
     except ClientError as exc:  # an error reply (RpcCallError), or a reply we cannot read
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_SERVER_ERROR
@@ -379,6 +421,38 @@ def client_command(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print(f"{prog}: stdout closed", file=sys.stderr)
         return EXIT_SERVER_ERROR
+
+
+class _Usage(Exception):
+    """A client command's TLS or login options cannot be used (exit 2)."""
+
+
+def _tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The client TLS context --tls, --ca, --cert and --key ask for; None for plaintext."""
+    if args.key and not args.cert:
+        raise _Usage("--key needs --cert (the client certificate it belongs to)")
+    if not (args.tls or args.ca or args.cert):
+        return None
+    try:
+        return tls_files_context(args.ca, args.cert, args.key)
+    except ValueError as exc:
+        raise _Usage(str(exc)) from None
+
+
+def _password(args: argparse.Namespace) -> str | None:
+    """--user's password: $QUEUED_PASSWORD, else asked at the terminal; never echoed."""
+    if args.user is None:
+        return None
+    password = os.environ.get("QUEUED_PASSWORD")
+    if password is not None:
+        return password
+    if not sys.stdin.isatty():
+        raise _Usage(f"--user {args.user} needs a password: set QUEUED_PASSWORD (stdin is "
+                     "not a terminal to ask at)")
+    try:
+        return getpass.getpass(f"password for {args.user}: ")
+    except EOFError:
+        raise _Usage("no password given") from None
 
 
 def _progress(total: int | None, unit: str, *, also_stdout: bool = False) -> Any:

@@ -1,8 +1,8 @@
 """The Spark sink (`queued.spark.writer`) against a real local SparkSession (local[2], the
 same session as tests/test_spark.py) and real `queued serve` subprocesses: each queue's
 rows come out in partition order, routing by the queue column, null data refused or
-skipped, an item over the server's max_item_size, an unreachable server, and failover to
-a second server when the first is killed between puts."""
+skipped, an item over the server's max_item_size, an unreachable server, failover to
+a second server when the first is killed between puts, and TLS with a login."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 from server_util import ServerProcess
 
 from queued.client import Client
+from tests.test_security import Pki, users_toml
 
 try:
     import pyarrow as pa
@@ -212,3 +213,44 @@ def test_puts_fail_over_to_the_next_server(tmp_path: Path) -> None:
     finally:
         a.kill()
         b.kill()
+
+
+def test_tls_and_login_options(spark: Any, tmp_path: Path) -> None:
+    """One Spark job against a server with TLS and users; the option checks and a wrong
+    password through the writer alone (no job: Spark tests are slow)."""
+    pki = Pki(tmp_path)
+    users = tmp_path / "users.toml"
+    users.write_text(users_toml(writer={"password": "w pw", "put": ["sec*"], "get": ["*"]}))
+    config = tmp_path / "queued.toml"
+    config.write_text(f'[server]\ntls_cert = "{pki.cert}"\ntls_key = "{pki.key}"\n'
+                      f'users_file = "{users}"\n')
+    proc = ServerProcess(tmp_path / "data", tmp_path / "server.log", config).start()
+    try:
+        addr = address(proc)
+        login = {"user": "writer", "password": "w pw"}
+        df = spark.createDataFrame([(b"s1",), (b"s2",)], "data binary").coalesce(1)
+        save(df, addr, queue="sec", tls_ca=str(pki.ca_file), **login)
+        with Client(addr, tls=pki.client(), **login) as c:
+            assert [i.data for i in c.get("sec", 10)] == [b"s1", b"s2"]
+
+        schema = StructType([StructField("data", BinaryType())])
+        rows = pa.RecordBatch.from_pydict({"data": [b"x"]})
+
+        def write(**options: str) -> WriteCommit:
+            return QueuedWriter({"server": addr, "queue": "sec", **options},
+                                schema).write(iter([rows]))
+
+        with pytest.raises(QueuedDataSourceError, match="check options user and password"):
+            write(tls="true", tls_ca=str(pki.ca_file), user="writer", password="nope")
+        with pytest.raises(QueuedDataSourceError, match="give options user and password"):
+            write(tls_ca=str(pki.ca_file))
+        with pytest.raises(QueuedDataSourceError, match=r"cannot reach.*not trusted"):
+            write(tls="true", **login)  # the system's CAs do not know trustme's
+        with pytest.raises(QueuedDataSourceError, match=r"missing\.pem: cannot load"):
+            write(tls_ca=str(tmp_path / "missing.pem"), **login)
+        with pytest.raises(QueuedDataSourceError, match="give both"):
+            QueuedWriter({"server": addr, "queue": "sec", "user": "writer"}, schema)
+        with pytest.raises(QueuedDataSourceError, match="tls_key needs option tls_cert"):
+            QueuedWriter({"server": addr, "queue": "sec", "tls_key": "k.pem"}, schema)
+    finally:
+        proc.kill()

@@ -39,6 +39,7 @@ from queued.client.core import (
     to_items,
 )
 from queued.client.io_trio import Connection, Lock, Network, call_gate, checkpoint, now, shielded
+from queued.client.tls import TlsOption, login, tls_context
 from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 
 __all__ = ["AsyncClient", "AsyncConsumer"]
@@ -71,13 +72,27 @@ class AsyncClient:
     peek/flush/delete/flush_all/stats ask every server and raise if any fails.
     max_frame and max_batch cap what the client accepts from a server (a get's reply,
     a stats map); keep them at least the servers' rpc_max_frame and rpc_max_batch.
+
+    TLS: `tls=True` verifies the servers' certificates with the system's CAs; an
+    `ssl.SSLContext` is used as given (`ssl.create_default_context(cafile=...)` for your
+    own CA, plus `load_cert_chain(...)` for a client certificate when the servers want
+    one); the name checked is the host of each server address. The handshake counts
+    towards connect_timeout; one that fails (an untrusted certificate, a plaintext
+    server) is a ConnectionFailed saying so. `user=` and `password=` log every new
+    connection in (the `auth` call, before any other) on servers with a users file:
+    wrong ones raise AuthFailed at once, never failed over or retried (the server
+    closes that connection); a call without them there raises Unauthenticated, and
+    one the user may not do PermissionDenied (the connection stays usable).
     """
 
     def __init__(self, servers: Servers = f"127.0.0.1:{DEFAULT_PORT}", *,
                  connect_timeout: float = 5.0, read_timeout: float = 10.0,
                  backoff: float = 1.0, max_backoff: float = 30.0, poll_slice: float = 0.5,
-                 max_frame: int = DEFAULT_MAX_FRAME, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+                 max_frame: int = DEFAULT_MAX_FRAME, max_batch: int = DEFAULT_MAX_BATCH,
+                 tls: TlsOption = None, user: str | None = None,
+                 password: str | None = None) -> None:
         check_timeouts(connect_timeout, read_timeout, poll_slice)
+        self._login = login(user, password)
         self._pool = Pool(servers, backoff, max_backoff)
         self.servers: tuple[str, ...] = tuple(s.address for s in self._pool.servers)
         self.connect_timeout = connect_timeout
@@ -86,7 +101,7 @@ class AsyncClient:
         self._max_frame = max_frame
         self._max_batch = max_batch
         self._conns: dict[str, Connection] = {}
-        self._net = Network()
+        self._net = Network(tls_context(tls))
         # Held by each public call: the blocking client's serializes threads, the trio
         # client's is always open (its calls are pipelined).
         self._gate = call_gate()
@@ -139,12 +154,27 @@ class AsyncClient:
                 return conn, False
             conn = await self._net.connect(server, self.connect_timeout, self._max_frame,
                                            self._max_batch)
+            self._connects += 1
+            if self._login is not None:
+                await self._log_in(conn)
             if self._closed:  # meanwhile
                 conn.close(ClientClosed("the client is closed"))
                 raise ClientClosed("the client is closed")
-            self._connects += 1
             self._conns[server.address] = conn
             return conn, True
+
+    async def _log_in(self, conn: Connection) -> None:
+        """The `auth` call, first on a new connection; closes it if that fails."""
+        assert self._login is not None
+        self._calls += 1
+        try:
+            result = await conn.call("auth", self._login.params(), self.read_timeout)
+            if result is not True:
+                raise BadResponse(f"{conn.address}: auth answered {result!r}, not true")
+        except BaseException as exc:
+            conn.close(exc if isinstance(exc, ClientError)
+                       else ClientClosed("the login was interrupted"))
+            raise
 
     async def _on(self, server: ServerState, method: str, params: list[Any],
                   wait: float) -> tuple[int, Any]:

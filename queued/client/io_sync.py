@@ -8,6 +8,7 @@ Client's calls; never chooses servers or fails over (that is the client's, in ai
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -18,9 +19,9 @@ from queued.client.core import (
     ClientError,
     ConnectionFailed,
     ServerState,
-    Timeout,
     call_error,
 )
+from queued.client.tls import handshake_failure
 from queued.client.wire import RECV, ClientConnection, closes
 from queued.core.rpc_protocol import Response
 
@@ -44,7 +45,11 @@ def shielded(timeout: float) -> Iterator[None]:
 
 
 class Network:
-    """Opens a Client's connections; there are no reader tasks: a call reads its own reply."""
+    """Opens a Client's connections (TLS ones with `tls`); there are no reader tasks: a call
+    reads its own reply."""
+
+    def __init__(self, tls: ssl.SSLContext | None) -> None:
+        self._tls = tls
 
     def open(self, closed: bool) -> None:
         """A blocking Client needs no `with`, and may enter one even after close()."""
@@ -54,21 +59,23 @@ class Network:
 
     def connect(self, server: ServerState, timeout: float, max_frame: int,
                 max_batch: int) -> Connection:
-        return Connection(server, timeout, max_frame, max_batch)
+        return Connection(server, timeout, max_frame, max_batch, self._tls)
 
 
 class Connection(ClientConnection):
-    """One socket: one request at a time, replies matched by msgid."""
+    """One socket (TCP, or TLS over it): one request at a time, replies matched by msgid."""
 
     def __init__(self, server: ServerState, connect_timeout: float, max_frame: int,
-                 max_batch: int) -> None:
-        super().__init__(server.address, max_frame, max_batch)
+                 max_batch: int, tls: ssl.SSLContext | None = None) -> None:
+        super().__init__(server.address, max_frame, max_batch, tls=tls is not None)
+        deadline = time.monotonic() + connect_timeout
         try:
-            self.sock = socket.create_connection((server.host, server.port), connect_timeout)
+            sock = socket.create_connection((server.host, server.port), connect_timeout)
         except OSError as exc:  # refused, unreachable, timed out, name not found
             raise ConnectionFailed(f"{server.address}: cannot connect: {exc}",
                                    server.address) from exc
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock if tls is None else _handshake(sock, tls, server, deadline)
 
     def close(self, error: ClientError) -> None:
         self.end(error)
@@ -88,13 +95,11 @@ class Connection(ClientConnection):
                     break
                 # Any other msgid belongs to a call nobody waits for any more.
         except TimeoutError:
-            error: ClientError = Timeout(f"{self.address}: no reply to {method} within "
-                                         f"{wait:.3g} s", self.address)
+            error: ClientError = self.no_reply(method, wait)
             self.close(error)
             raise error from None
         except OSError as exc:
-            error = ConnectionFailed(f"{self.address}: connection broke during {method}: {exc}",
-                                     self.address)
+            error = self.lost(f"{self.address}: connection broke during {method}: {exc}")
             self.close(error)
             raise error from exc
         except ClientError as exc:
@@ -115,3 +120,21 @@ class Connection(ClientConnection):
             self.sock.settimeout(remaining)
             self.receive_data(self.sock.recv(RECV))
         return response
+
+
+def _handshake(sock: socket.socket, context: ssl.SSLContext, server: ServerState,
+               deadline: float) -> ssl.SSLSocket:
+    """`sock` after a client handshake (the connect timeout covers both); closed if it fails."""
+    try:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        return context.wrap_socket(sock, server_hostname=server.host)
+    except TimeoutError as exc:
+        sock.close()
+        raise ConnectionFailed(f"{server.address}: TLS handshake timed out (is the server's "
+                               "port TLS?)", server.address) from exc
+    except OSError as exc:  # ssl.SSLError, a reset, EOF in violation of the protocol
+        sock.close()
+        raise ConnectionFailed(handshake_failure(server.address, exc), server.address) from exc
+    except BaseException:
+        sock.close()
+        raise

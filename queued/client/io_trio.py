@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, AsyncExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from ssl import SSLContext
 from typing import Any
 
 import trio
@@ -25,6 +26,7 @@ from queued.client.core import (
     Timeout,
     call_error,
 )
+from queued.client.tls import handshake_failure
 from queued.client.wire import RECV, ClientConnection, closes
 from queued.core.rpc_protocol import Response
 
@@ -46,10 +48,11 @@ def shielded(timeout: float) -> Iterator[None]:
 
 
 class Network:
-    """Opens an AsyncClient's connections; their reader tasks run in a nursery that is open
-    while the client is in `async with`."""
+    """Opens an AsyncClient's connections (TLS ones with `tls`); their reader tasks run in a
+    nursery that is open while the client is in `async with`."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: SSLContext | None) -> None:
+        self._tls = tls
         self._stack: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
         self._over = False
@@ -72,18 +75,44 @@ class Network:
                       max_batch: int) -> Connection:
         if self._nursery is None:
             raise ClientClosed("use the AsyncClient in `async with`")
+        deadline = trio.current_time() + timeout
         try:
-            with trio.fail_after(timeout):
-                stream = await trio.open_tcp_stream(server.host, server.port)
+            with trio.fail_at(deadline):
+                tcp = await trio.open_tcp_stream(server.host, server.port)
         except (OSError, trio.TooSlowError) as exc:
             raise ConnectionFailed(f"{server.address}: cannot connect: "
                                    f"{str(exc) or 'timed out'}", server.address) from exc
+        stream: trio.abc.Stream = tcp
+        if self._tls is not None:
+            stream = await _handshake(tcp, self._tls, server, deadline)
         if self._over:  # the client left `async with` meanwhile: no task may start now
-            stream.socket.close()
+            tcp.socket.close()
             raise ClientClosed("the client is closed")
-        conn = Connection(server.address, stream, max_frame, max_batch)
+        conn = Connection(server.address, stream, tcp.socket, max_frame, max_batch,
+                          tls=self._tls is not None)
         self._nursery.start_soon(conn.read_loop)
         return conn
+
+
+async def _handshake(tcp: trio.SocketStream, context: SSLContext, server: ServerState,
+                     deadline: float) -> trio.SSLStream[trio.SocketStream]:
+    """`tcp` after a client handshake (the connect timeout covers both); closed if it fails."""
+    tls = trio.SSLStream(tcp, context, server_hostname=server.host)
+    try:
+        with trio.fail_at(deadline):
+            await tls.do_handshake()
+    except trio.BrokenResourceError as exc:
+        tcp.socket.close()
+        raise ConnectionFailed(handshake_failure(server.address, exc.__cause__),
+                               server.address) from exc
+    except trio.TooSlowError as exc:
+        tcp.socket.close()
+        raise ConnectionFailed(f"{server.address}: TLS handshake timed out (is the server's "
+                               "port TLS?)", server.address) from exc
+    except BaseException:
+        tcp.socket.close()
+        raise
+    return tls
 
 
 @dataclass(slots=True, eq=False)
@@ -94,19 +123,21 @@ class _Slot:
 
 
 class Connection(ClientConnection):
-    """One trio stream: calls from any task, replies dispatched by msgid by one reader task."""
+    """One trio stream (TCP, or TLS over it): calls from any task, replies dispatched by
+    msgid by one reader task."""
 
-    def __init__(self, address: str, stream: trio.SocketStream, max_frame: int,
-                 max_batch: int) -> None:
-        super().__init__(address, max_frame, max_batch)
+    def __init__(self, address: str, stream: trio.abc.Stream, sock: trio.socket.SocketType,
+                 max_frame: int, max_batch: int, *, tls: bool) -> None:
+        super().__init__(address, max_frame, max_batch, tls=tls)
         self.stream = stream
+        self.sock = sock  # closing it ends the stream now, without a (TLS) goodbye
         self.pending: dict[int, _Slot] = {}
         self.send_lock = trio.Lock()
 
     def close(self, error: ClientError) -> None:
         """End the connection now (sync, so it works in finally blocks and cancellations)."""
         self.end(error)
-        self.stream.socket.close()  # wakes the reader with ClosedResourceError
+        self.sock.close()  # wakes the reader with ClosedResourceError
         self._fail_pending()
 
     def _fail_pending(self) -> None:
@@ -130,12 +161,13 @@ class Connection(ClientConnection):
                         raise ConnectionFailed(f"{self.address}: the server closed the "
                                                "connection after an error", self.address)
         except (trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
-            self.end(ConnectionFailed(f"{self.address}: connection broke: {exc}", self.address))
+            why = exc if str(exc) or exc.__cause__ is None else exc.__cause__
+            self.end(self.lost(f"{self.address}: connection broke: {why}"))
         except ClientError as exc:
             self.end(exc)
         finally:
             self.end(ConnectionFailed(f"{self.address}: connection closed", self.address))
-            self.stream.socket.close()
+            self.sock.close()
             self._fail_pending()
 
     def _fresh(self, error: ClientError) -> ClientError:
@@ -162,8 +194,9 @@ class Connection(ClientConnection):
                 try:
                     await self.stream.send_all(frame)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    self.close(ConnectionFailed(f"{self.address}: connection broke during "
-                                                f"{method}: {exc}", self.address))
+                    why = exc if str(exc) or exc.__cause__ is None else exc.__cause__
+                    self.close(self.lost(f"{self.address}: connection broke during {method}: "
+                                         f"{why}"))
                 except BaseException:  # cancelled mid-frame: the stream is out of step
                     self.close(ConnectionFailed(f"{self.address}: a send was interrupted",
                                                 self.address))
@@ -171,8 +204,7 @@ class Connection(ClientConnection):
             with trio.move_on_after(wait):
                 await slot.event.wait()
             if not slot.event.is_set():
-                self.close(Timeout(f"{self.address}: no reply to {method} within {wait:.3g} s",
-                                   self.address))
+                self.close(self.no_reply(method, wait))
             answered = True
         finally:
             gone = self.pending.pop(msgid, None) is not None

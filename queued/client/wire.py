@@ -10,7 +10,14 @@ from __future__ import annotations
 import itertools
 from typing import Any, Final
 
-from queued.client.core import CLOSING, BadResponse, ClientError, ConnectionFailed, call_error
+from queued.client.core import (
+    CLOSING,
+    BadResponse,
+    ClientError,
+    ConnectionFailed,
+    Timeout,
+    call_error,
+)
 from queued.core.rpc_protocol import (
     MAX_MSGID,
     NEED_DATA,
@@ -26,13 +33,16 @@ from queued.core.rpc_protocol import (
 RECV: Final = 256 * 1024
 #: Connection serials, unique in the process: Item.connection names the one holding a read.
 SERIALS: Final = itertools.count(1)
+_TLS_PORT_HINT: Final = " (before any reply: is the server's port TLS? then give tls=)"
 
 
 class ClientConnection:
     """One connection's requests and replies; the I/O subclass calls end() when it is over."""
 
-    def __init__(self, address: str, max_frame: int, max_batch: int) -> None:
+    def __init__(self, address: str, max_frame: int, max_batch: int, *, tls: bool) -> None:
         self.address = address
+        self.tls = tls
+        self.answered = False  # a reply came: the server speaks our protocol on this port
         self.serial = next(SERIALS)
         self.error: ClientError | None = None  # why the connection is over; None while open
         # Maps are stats tables (one entry per queue), so they get the batch cap, not 1024.
@@ -49,12 +59,28 @@ class ClientConnection:
         if self.error is None:
             self.error = error
 
+    def lost(self, message: str) -> ConnectionFailed:
+        """ConnectionFailed(message) for a connection that broke or was closed; when it
+        ends before any reply, the likely reason is said too (under TLS 1.3 a server
+        refuses a missing client certificate only after the handshake)."""
+        if not self.answered:
+            message += (" (before any reply: does the server want a client certificate?)"
+                        if self.tls else _TLS_PORT_HINT)
+        return ConnectionFailed(message, self.address)
+
+    def no_reply(self, method: str, wait: float) -> Timeout:
+        """The Timeout of a call not answered within `wait` seconds (a TLS port waits for
+        a handshake in silence, so a plaintext connection never answered says so)."""
+        hint = "" if self.tls or self.answered else _TLS_PORT_HINT
+        return Timeout(f"{self.address}: no reply to {method} within {wait:.3g} s{hint}",
+                       self.address)
+
     def request(self, method: str, params: list[Any]) -> tuple[int, bytes]:
         """A fresh msgid, and the frame calling `method` with it."""
         self._msgid = self._msgid % MAX_MSGID + 1
         return self._msgid, encode_request(self._msgid, method, params)
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray) -> None:
         """Bytes from the server; b"" when it closed the connection."""
         self._parser.receive_data(data)
 
@@ -73,9 +99,9 @@ class ClientConnection:
             if event is NEED_DATA:
                 return None
             if isinstance(event, ConnectionClosed):
-                raise ConnectionFailed(f"{self.address}: the server closed the connection",
-                                       self.address)
+                raise self.lost(f"{self.address}: the server closed the connection")
             if isinstance(event, Response):
+                self.answered = True
                 return event
             if not isinstance(event, Notification):
                 raise BadResponse(f"{self.address}: the server sent a request")

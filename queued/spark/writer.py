@@ -2,10 +2,10 @@
 `data` into running servers over MessagePack-RPC.
 
 Owns turning write partitions into batched puts through the blocking `queued.client.Client`
-(one per partition; its failover moves a put to the next server when one fails): rows
-grouped by queue with Arrow compute (a queue's rows keep their order within the
-partition), bad rows refused with a message that says what to do, at-least-once
-delivery. The data source class that hands it out lives in `queued.spark.source`.
+(one per partition, with the TLS and login options; its failover moves a put to the next
+server when one fails): rows grouped by queue with Arrow compute (a queue's rows keep
+their order within the partition), bad rows refused with a message that says what to
+do, at-least-once delivery. The data source class that hands it out lives in `queued.spark.source`.
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 from pyspark.sql.types import BinaryType, StringType, StructType
 
 from queued.client.core import (
+    AuthFailed,
     ClientError,
     ConnectionFailed,
     ItemTooLarge,
     JournalFull,
+    PermissionDenied,
     QueueFull,
     RpcCallError,
     TooLarge,
+    Unauthenticated,
     parse_servers,
 )
+from queued.client.tls import tls_files_context
 from queued.core import journal_format as jf
 from queued.spark.options import QueuedDataSourceError, bool_option, float_option, int_option
 
@@ -72,6 +76,12 @@ def _refused(queue: str, items: list[bytes], servers: str, exc: ClientError) -> 
         hint = "the queue is at its max_items or max_size; consume it or raise the limit"
     elif isinstance(exc, JournalFull):
         hint = "the server's max_journal_size is reached"
+    elif isinstance(exc, AuthFailed):
+        hint = "check options user and password"
+    elif isinstance(exc, Unauthenticated):
+        hint = "the server has users: give options user and password"
+    elif isinstance(exc, PermissionDenied):
+        hint = "grant the user put on the queue in the server's users file"
     elif isinstance(exc, RpcCallError):
         hint = "see the server's log"
     else:
@@ -143,12 +153,33 @@ class QueuedWriter(DataSourceArrowWriter):
         self.connect_timeout = float_option(options, "connect_timeout",
                                              DEFAULT_CONNECT_TIMEOUT)
         self.skip_null_data = bool_option(options, "skip_null_data")
+        # TLS files are read by each task (on the executors), where the context is made:
+        # an ssl.SSLContext does not pickle.
+        self.tls_ca = options.get("tls_ca") or None
+        self.tls_cert = options.get("tls_cert") or None
+        self.tls_key = options.get("tls_key") or None
+        self.tls = bool_option(options, "tls") or bool(self.tls_ca or self.tls_cert)
+        if self.tls_key and not self.tls_cert:
+            raise QueuedDataSourceError("option tls_key needs option tls_cert (the client "
+                                        "certificate it belongs to)")
+        self.user = options.get("user") or None
+        self.password = options.get("password")
+        if (self.user is None) != (self.password is None):
+            raise QueuedDataSourceError("options user and password: give both (a login on "
+                                        "servers with a users file) or neither")
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
         from queued.client import Client
 
+        tls = None
+        if self.tls:
+            try:
+                tls = tls_files_context(self.tls_ca, self.tls_cert, self.tls_key)
+            except ValueError as exc:
+                raise QueuedDataSourceError(f"the queued sink's TLS options: {exc}") from None
         with Client(self.servers, connect_timeout=self.connect_timeout,
-                    read_timeout=self.timeout) as client:
+                    read_timeout=self.timeout, tls=tls, user=self.user,
+                    password=self.password) as client:
             state = _PartitionWrite(self, client)
             for batch in iterator:
                 state.add_batch(batch)
