@@ -16,6 +16,7 @@ setup.sh makes), QUEUED_DOCKER_CONTEXT (build context, default the repository).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -40,6 +41,10 @@ pytestmark = pytest.mark.docker
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SETUP = HERE / "setup.sh"
+#: The compose stack's users file and its demo credentials (see the file).
+USERS_FILE = REPO / "deploy" / "users.example.toml"
+LOGIN = {"user": "app", "password": "app-change-me"}
+SCRAPER = ("prometheus", (REPO / "deploy" / "prometheus" / "queued.password").read_text())
 IMAGE = os.environ.get("QUEUED_DOCKER_IMAGE") or "queued:test"
 BASE_IMAGE = os.environ.get("QUEUED_DOCKER_BASE_IMAGE") or "queued-base:bookworm"
 CONTEXT = Path(os.environ.get("QUEUED_DOCKER_CONTEXT") or REPO)
@@ -172,15 +177,19 @@ class Docker:
         docker("volume", "create", "--label", f"{OWNER}={os.getpid()}", name)
         return name
 
-    def run(self, volume: str, ports: Ports) -> str:
+    def run(self, volume: str, ports: Ports, *, users: bool = True) -> str:
+        """A container on `volume`; with `users`, deploy/users.example.toml is its users
+        file (the image listens on 0.0.0.0: without one it refuses to start)."""
         name = f"{self.prefix}-{len(self.containers) + 1}"
         self.containers.append(name)
+        login = ["--volume", f"{USERS_FILE}:/etc/queued/users.toml:ro",
+                 "-e", "QUEUED_USERS_FILE=/etc/queued/users.toml"] if users else []
         docker("run", "--detach", "--name", name, "--label", f"{OWNER}={os.getpid()}",
                "--network=host",
                "--volume", f"{volume}:/var/lib/queued",
                # Checked every second rather than every 10 s, so the test need not wait.
                "--health-interval=1s", "--health-timeout=3s", "--health-start-period=30s",
-               *ports.env(), self.image)
+               *login, *ports.env(), self.image)
         log(f"started {name}")
         return name
 
@@ -226,11 +235,16 @@ def dock(image: str) -> Iterator[Docker]:
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def http_get(url: str) -> tuple[int, str]:
-    """(status, body) of a GET; (0, error) when nothing answered. No proxy for 127.0.0.1."""
+def http_get(url: str, *, auth: tuple[str, str] | None = None) -> tuple[int, str]:
+    """(status, body) of a GET (with HTTP Basic `auth`); (0, error) when nothing answered.
+    No proxy for 127.0.0.1."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url)
+    if auth is not None:
+        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
     try:
-        with opener.open(url, timeout=5) as reply:
+        with opener.open(request, timeout=5) as reply:
             return reply.status, reply.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
@@ -242,7 +256,9 @@ def scrape(ports: Ports) -> dict[str, list[tuple[dict[str, str], float]]]:
     """/metrics as {sample name: [(labels, value)]}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    status, body = http_get(ports.url("/metrics"))
+    status, _ = http_get(ports.url("/metrics"))
+    assert status == 401  # the scrape logs in (deploy/prometheus does the same)
+    status, body = http_get(ports.url("/metrics"), auth=SCRAPER)
     assert status == 200, body
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(body):
@@ -320,13 +336,14 @@ def test_container_serves_stops_cleanly_and_keeps_its_volume(dock: Docker) -> No
         cmdline = docker("exec", first, "cat", "/proc/1/cmdline").stdout.split("\0")
         assert cmdline[1:3] == ["/opt/queued/bin/queued", "serve"], cmdline
 
-        with Client([f"127.0.0.1:{ports.rpc}"]) as client:
+        with Client([f"127.0.0.1:{ports.rpc}"], **LOGIN) as client:
             assert client.put(QUEUE, items) == ITEMS
             taken = client.get(QUEUE, max_items=TAKEN, timeout_ms=1000)
             assert [i.data for i in taken] == items[:TAKEN]
         mc = MemcacheClient(("127.0.0.1", ports.memcache), default_noreply=False,
                             connect_timeout=5, timeout=5)
         try:
+            assert mc.set("login", f"{LOGIN['user']} {LOGIN['password']}")
             assert mc.set(MC_QUEUE, b"via-memcache")
         finally:
             mc.close()
@@ -351,7 +368,8 @@ def test_container_serves_stops_cleanly_and_keeps_its_volume(dock: Docker) -> No
         # Stop with a client connected and a get waiting: the get is answered (empty) or
         # its connection closes, and neither holds up the shutdown.
         waiting: list[object] = []
-        with Client([f"127.0.0.1:{ports.rpc}"], backoff=0.2, max_backoff=0.2) as other:
+        with Client([f"127.0.0.1:{ports.rpc}"], backoff=0.2, max_backoff=0.2,
+                    **LOGIN) as other:
             def wait_for_item() -> None:
                 try:
                     waiting.append(other.get("docker_nothing", timeout_ms=30_000))
@@ -375,12 +393,13 @@ def test_container_serves_stops_cleanly_and_keeps_its_volume(dock: Docker) -> No
         left = ITEMS - TAKEN + 1  # and the memcache one
         assert re.search(rf"recovered \d+ queues: {left} items waiting", logs), logs
         assert queue_items(scrape(ports), QUEUE) == ITEMS - TAKEN
-        with Client([f"127.0.0.1:{ports.rpc}"]) as client:
+        with Client([f"127.0.0.1:{ports.rpc}"], **LOGIN) as client:
             assert drain(client, QUEUE) == items[TAKEN:]
             assert client.get(QUEUE, timeout_ms=200) == []
         mc = MemcacheClient(("127.0.0.1", ports.memcache), default_noreply=False,
                             connect_timeout=5, timeout=5)
         try:
+            assert mc.set("login", f"{LOGIN['user']} {LOGIN['password']}")
             assert mc.get(MC_QUEUE) == b"via-memcache"
         finally:
             mc.close()
@@ -392,3 +411,18 @@ def test_container_serves_stops_cleanly_and_keeps_its_volume(dock: Docker) -> No
             if name:
                 print(f"---- docker logs {name} ----\n{dock.logs(name)}")
         raise
+
+
+def test_container_without_users_refuses_to_listen_on_every_interface(dock: Docker) -> None:
+    """The image binds 0.0.0.0: with no users file (and no QUEUED_ALLOW_ANONYMOUS) the
+    server exits at once, naming the two ways on, before opening any port."""
+    ports = Ports()
+    name = dock.run(dock.volume(), ports, users=False)
+    deadline = time.monotonic() + 60
+    while dock.state(name)["Running"]:
+        assert time.monotonic() < deadline, dock.logs(name)
+        time.sleep(0.2)
+    logs = dock.logs(name)
+    assert dock.state(name)["ExitCode"] == 2, logs
+    assert "QUEUED_USERS_FILE" in logs and "QUEUED_ALLOW_ANONYMOUS=1" in logs, logs
+    assert "listening for" not in logs, logs
