@@ -41,7 +41,7 @@ from queued.core.errors import CorruptRecordError, QueuedError
 from queued.logs import setup_logging
 from queued.server.app import serve
 from queued.storage.files import read_checkpoint
-from queued.storage.recovery import TailState, inspect_segment
+from queued.storage.recovery import Inspection, TailState, inspect_segment
 
 PREVIEW = 40
 
@@ -108,9 +108,49 @@ def dump(path: Path, out: TextIO) -> int:
             return 0
 
 
-def check(directory: Path, out: TextIO) -> int:
-    """Verify every journal file of a data directory; 0 when all are sound."""
-    problems = 0
+#: `check` looks again at a segment whose tail is unfinished: a running server's batch is
+#: written in milliseconds, so a tail that stays the same for CHECK_STABLE_LOOKS looks
+#: CHECK_PAUSE seconds apart is damage, and one still changing after CHECK_MAX_LOOKS is
+#: a segment being written.
+CHECK_PAUSE = 0.1
+CHECK_STABLE_LOOKS = 2
+CHECK_MAX_LOOKS = 20
+#: The verdicts that an append in progress can produce (a prefix of a valid batch).
+UNFINISHED = (TailState.TORN_TAIL, TailState.GARBAGE_TAIL, TailState.ZERO_TAIL,
+              TailState.SHORT_FILE)
+EXIT_HEALTHY, EXIT_DAMAGE, EXIT_CANNOT_CHECK = 0, 1, 2
+
+
+def _look(path: Path, number: int, pause: Callable[[float], object]) -> tuple[Inspection, bool]:
+    """inspect_segment, again while the tail is unfinished: (the last verdict, whether
+    the file kept changing between looks, i.e. a server is appending to it)."""
+    found = inspect_segment(path, number)
+    changed = False
+    stable = 0
+    for _ in range(CHECK_MAX_LOOKS):
+        if found.state not in UNFINISHED or stable >= CHECK_STABLE_LOOKS:
+            break
+        pause(CHECK_PAUSE)
+        again = inspect_segment(path, number)
+        if (again.file_size, again.segment.inode) == (found.file_size, found.segment.inode):
+            stable += 1
+        else:
+            changed, stable = True, 0
+        found = again
+    return found, changed and stable < CHECK_STABLE_LOOKS
+
+
+def check(directory: Path, out: TextIO, *,
+          pause: Callable[[float], object] = time.sleep) -> int:
+    """Verify every journal file of a data directory: 0 when all are sound, 1 when
+    something is damaged (OSError, e.g. an unreadable directory, is the caller's 2).
+
+    Safe next to a running server: each segment is judged on one consistent prefix
+    (inspect_segment reads no further than the file's size when opened); an unfinished
+    batch at the end of a segment that keeps growing is being written, not damage; a
+    file removed while we check (retired, compacted, its queue deleted) is skipped.
+    """
+    problems = busy = gone = 0
     names = sorted(os.listdir(directory))
     for name in names:
         parsed = jf.parse_file_name(name)
@@ -118,24 +158,36 @@ def check(directory: Path, out: TextIO) -> int:
         if parsed is None or not path.is_file():
             continue
         if parsed.role is jf.FileRole.TEMP:
-            print(f"WARN  {name}: leftover temporary file (recovery removes it)", file=out)
+            print(f"WARN  {name}: temporary file (a checkpoint or compaction being written, "
+                  f"or left by a crash: recovery removes it)", file=out)
             continue
-        if parsed.role is jf.FileRole.CHECKPOINT:
-            try:
-                cp = read_checkpoint(path)
-            except (CorruptRecordError, OSError) as exc:
-                problems += 1
-                print(f"BAD   {name}: unreadable checkpoint ({exc}); recovery replays this "
-                      f"reader from the oldest segment", file=out)
-            else:
-                print(f"ok    {name}: head={cp.head} done={len(cp.done)} ids", file=out)
+        try:
+            if parsed.role is jf.FileRole.CHECKPOINT:
+                try:
+                    cp = read_checkpoint(path)
+                except CorruptRecordError as exc:
+                    problems += 1
+                    print(f"BAD   {name}: unreadable checkpoint ({exc}); recovery replays this "
+                          f"reader from the oldest segment", file=out)
+                else:
+                    print(f"ok    {name}: head={cp.head} done={len(cp.done)} ids", file=out)
+                continue
+            found, growing = _look(path, parsed.number, pause)
+        except FileNotFoundError:
+            gone += 1
+            print(f"gone  {name}: removed while checking (retired, compacted or deleted by "
+                  f"the server)", file=out)
             continue
-        found = inspect_segment(path, parsed.number)
         seg = found.segment
         summary = f"{seg.count} items, ids {seg.first_id}..{seg.last_id}, {found.good_end} bytes"
         if found.state is TailState.CLEAN:
             sealed = "" if seg.sealed else " (seed format, no check records)"
             print(f"ok    {name}: {summary}{sealed}", file=out)
+            continue
+        if growing and found.state in UNFINISHED:
+            busy += 1
+            print(f"busy  {name}: a batch is being written at offset {found.good_end} (the "
+                  f"file grew while checked); verified so far: {summary}", file=out)
             continue
         problems += 1
         if found.state is TailState.MIDDLE_CORRUPTION:
@@ -145,7 +197,11 @@ def check(directory: Path, out: TextIO) -> int:
             print(f"BAD   {name}: {found.reason}; recovery cuts {found.problem_bytes} bytes "
                   f"at offset {found.good_end} ({summary})", file=out)
     print(f"{len(names)} entries checked, {problems} with problems", file=out)
-    return 1 if problems else 0
+    if busy or gone:
+        print(f"note: the directory changed while it was checked (a running server is using "
+              f"it): {busy} segments were being written, {gone} files were removed; each "
+              f"file was checked as far as it was complete", file=out)
+    return EXIT_DAMAGE if problems else EXIT_HEALTHY
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,7 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p_dump = sub.add_parser("dump", help="print every record of a journal file")
     p_dump.add_argument("file", type=Path)
-    p_check = sub.add_parser("check", help="verify every journal file of a data directory")
+    p_check = sub.add_parser(
+        "check", help="verify every journal file of a data directory",
+        description="Verify every journal file of a data directory, without changing any, "
+                    "and say what recovery would do. Safe next to a running server: a batch "
+                    "still being written is reported as `busy`, not as damage.",
+        epilog="exit codes: 0 healthy; 1 damage found; 2 usage error, or the directory "
+               "cannot be checked (missing, unreadable).")
     p_check.add_argument("dir", type=Path)
     p_serve = sub.add_parser("serve", help="run the server in the foreground")
     add_serve_arguments(p_serve)
@@ -243,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check":
             if not args.dir.is_dir():
                 print(f"queued check: {args.dir} is not a directory", file=sys.stderr)
-                return 2
+                return EXIT_CANNOT_CHECK
             return check(args.dir, sys.stdout)
     except OSError as exc:
         print(f"queued {args.command}: {exc}", file=sys.stderr)
