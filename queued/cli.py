@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime as _dt
+import difflib
 import gc
+import io
 import json
 import logging
 import os
+import re
 import sys
 import textwrap
 import time
@@ -223,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve = sub.add_parser("serve", help="run the server in the foreground")
     add_serve_arguments(p_serve)
     add_client_commands(sub)
+    for name in ("dump", "check", "serve", *CLIENT_COMMANDS):  # for parse_args's errors
+        command_parser = sub.choices[name]
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -294,7 +300,23 @@ def _single(exc: BaseException) -> BaseException:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
+    try:
+        code = run(args)
+        sys.stdout.flush()  # here, so that a reader that went away is seen below
+    except BrokenPipeError:
+        # The reader of our stdout went away (`queued peek q | head -3`): as for any Unix
+        # filter, that is the reader's choice, not an error. Silence the interpreter's
+        # flush at exit. (`get` reports items it took but could not write itself.)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if args.command == "check":  # its verdict must not depend on who reads the report
+            return check(args.dir, io.StringIO())
+        return EXIT_OK
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; its exit code."""
     if args.command in CLIENT_COMMANDS:
         return client_command(args)
     try:
@@ -308,9 +330,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return EXIT_CANNOT_CHECK
             return check(args.dir, sys.stdout)
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError):
+            raise
         print(f"queued {args.command}: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args, except that an argument the subcommand does not know is reported by
+    the subcommand's parser (its usage, not the top-level one), with a close match."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        before = argv[:argv.index(args.command)] if args.command in argv else []
+        owner: argparse.ArgumentParser = (
+            parser if set(unknown) & set(before) else args.command_parser)
+        known = re.findall(r"(?<![\w-])--?[A-Za-z][\w-]*", owner.format_usage())
+        hints = [f"{u} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(
+                    u.partition("=")[0], known, n=1, cutoff=0.8)) else u for u in unknown]
+        owner.error(f"unrecognized arguments: {' '.join(hints)}")
+    return args
 
 
 # -- client commands: put, get, peek, stats, flush, delete -------------------------------------
@@ -321,7 +361,9 @@ client commands (put, get, peek, stats, flush, delete) talk MessagePack-RPC to
 --server HOST:PORT (default 127.0.0.1:{DEFAULT_PORT}; repeat it or separate with commas
 for several servers: puts are spread over them, gets try each).
 
-exit codes: 0 ok; 1 the server answered with an error (bad queue name, queue full...);
+exit codes: 0 ok (also when the reader of stdout stops early, as `| head -3` does);
+1 the server answered with an error (bad queue name, queue full...), or `get` took items
+it could not write (stdout closed; with --open they go back to the queue instead);
 2 usage error; 3 cannot connect to any server, or no reply in time."""
 #: Items per put when reading stdin, and per get.
 BATCH = 1000
@@ -378,18 +420,24 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("queue", help="QUEUE, or QUEUE+READER for a fanout reader")
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
+def _whole(text: str, least: int) -> int:
+    """`text` as an int >= `least`; argparse prefixes the error with the argument's name."""
+    rule = "a whole number, 0 or more" if least == 0 else f"a whole number, {least} or more"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {rule}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text} is too small: it must be {rule}")
     return value
+
+
+def _non_negative(text: str) -> int:
+    return _whole(text, 0)
 
 
 def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not positive")
-    return value
+    return _whole(text, 1)
 
 
 def client_command(args: argparse.Namespace) -> int:
@@ -410,11 +458,6 @@ def client_command(args: argparse.Namespace) -> int:
         return EXIT_CONNECT
     except ClientError as exc:  # an error reply (RpcCallError), or a reply we cannot read
         print(f"{prog}: {exc}", file=sys.stderr)
-        return EXIT_SERVER_ERROR
-    except BrokenPipeError:
-        # The reader of our stdout went away; silence the interpreter's flush at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        print(f"{prog}: stdout closed", file=sys.stderr)
         return EXIT_SERVER_ERROR
 
 
@@ -466,8 +509,17 @@ def get_command(client: Client, args: argparse.Namespace) -> int:
                                            auto_abort)
             if not items:
                 break
-            out.write(b"".join(item.data + b"\n" for item in items))
-            out.flush()
+            try:
+                out.write(b"".join(item.data + b"\n" for item in items))
+                out.flush()
+            except BrokenPipeError:
+                if args.open:  # not confirmed: they go back when the connection closes
+                    raise
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                print(f"queued get: stdout closed: up to {len(items)} items taken from the "
+                      f"queue were not written and are lost (--open returns them)",
+                      file=sys.stderr)
+                return EXIT_SERVER_ERROR
             if args.open:
                 lost += len(items) - client.confirm(items)
             got += len(items)
