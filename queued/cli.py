@@ -40,7 +40,7 @@ from queued.client import (
 )
 from queued.config import ConfigError, add_serve_arguments, load_config
 from queued.core import journal_format as jf
-from queued.core.errors import CorruptRecordError, QueuedError
+from queued.core.errors import CorruptRecordError, NotSavedError, QueuedError
 from queued.logs import setup_logging
 from queued.server.app import serve
 from queued.storage.files import read_checkpoint
@@ -252,6 +252,12 @@ def serve_command(args: argparse.Namespace) -> int:
         if isinstance(root, ConfigError):
             log.error("%s", root)
             return 2
+        if isinstance(root, NotSavedError):
+            log.error("stopped, but could not save everything:\n%s\nA reader whose checkpoint "
+                      "was not written starts again from its last one: items it consumed "
+                      "since come again.", "\n".join(f"  - {u}" for u in root.unsaved),
+                      extra={"event": "stopped_unsaved", "unsaved": root.unsaved})
+            return 1
         if isinstance(root, QueuedError):
             log.error("cannot start: %s", root)
             return 1
