@@ -168,7 +168,9 @@ def check(directory: Path, out: TextIO, *,
             if parsed.role is jf.FileRole.CHECKPOINT:
                 try:
                     cp = read_checkpoint(path)
-                except CorruptRecordError as exc:
+                except FileNotFoundError:
+                    raise
+                except (CorruptRecordError, OSError) as exc:
                     problems += 1
                     print(f"BAD   {name}: unreadable checkpoint ({exc}); recovery replays this "
                           f"reader from the oldest segment", file=out)
@@ -253,9 +255,8 @@ def serve_command(args: argparse.Namespace) -> int:
             log.error("%s", root)
             return 2
         if isinstance(root, NotSavedError):
-            log.error("stopped, but could not save everything:\n%s\nA reader whose checkpoint "
-                      "was not written starts again from its last one: items it consumed "
-                      "since come again.", "\n".join(f"  - {u}" for u in root.unsaved),
+            log.error("stopped, but could not save everything:\n%s",
+                      "\n".join(f"  - {u}" for u in root.unsaved),
                       extra={"event": "stopped_unsaved", "unsaved": root.unsaved})
             return 1
         if isinstance(root, QueuedError):
@@ -428,7 +429,7 @@ def add_client_commands(sub: Any) -> None:
 
 def _whole(text: str, least: int) -> int:
     """`text` as an int >= `least`; argparse prefixes the error with the argument's name."""
-    rule = "a whole number, 0 or more" if least == 0 else f"a whole number, {least} or more"
+    rule = f"a whole number, {least} or more"
     try:
         value = int(text)
     except ValueError:

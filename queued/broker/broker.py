@@ -421,7 +421,8 @@ class Broker:
             self.release(client, count_error=False)
         await self.checkpoint_all(force=True)
         return [f"queue {qs.name}, {f'reader {reader}' if reader else 'default reader'}: "
-                f"checkpoint not written ({why})"
+                f"checkpoint not written ({why}); what it read since its last checkpoint "
+                f"will be delivered again"
                 for qs in self.queues.values()
                 for reader, why in sorted(qs.unsaved_checkpoints.items())]
 

@@ -376,7 +376,8 @@ class DataDir:
                         j.file.close()
                     except OSError as exc:  # close the others all the same
                         unsaved.append(f"queue {j.name}: journal not fsynced and closed "
-                                       f"({exc.strerror or exc})")
+                                       f"({exc.strerror or exc}); what it wrote since its "
+                                       f"last fsync may be lost")
                         log.error("closing queue %s: %s", j.name, exc)
                 if unsaved:
                     raise NotSavedError(unsaved)
