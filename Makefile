@@ -2,23 +2,32 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
-STAMP   = $(VENV)/.installed
+# Two stamps, one per install: `make run` installs what the server needs (RUN_STAMP);
+# `make test` adds the test and Spark extras on top (TEST_STAMP, which needs RUN_STAMP).
+# Each is redone only when pyproject.toml is newer, so `make run` after `make test`
+# installs nothing and `make test` after `make run` installs only the extras.
+RUN_STAMP  = $(VENV)/.installed-run
+TEST_STAMP = $(VENV)/.installed-test
 
 .PHONY: run test test-docker lint bench bench-load clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
+$(RUN_STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e '.[test,spark]'
-	touch $(STAMP)
+	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e .
+	touch $(RUN_STAMP)
 
-run: $(STAMP)
+$(TEST_STAMP): $(RUN_STAMP) pyproject.toml
+	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e '.[test,spark]'
+	touch $(TEST_STAMP)
+
+run: $(RUN_STAMP)
 	mkdir -p data
 	$(VENV)/bin/queued serve --data-dir ./data --host 127.0.0.1
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 	$(PY) -m ruff check queued tests bench deploy/spark pyspark_queued.py
 	$(PY) -m mypy
@@ -28,18 +37,18 @@ test: $(STAMP)
 # builds the local base image queued-base:bookworm (debootstrap) if missing; the test then
 # builds the image, runs it, puts/gets, scrapes /metrics, stops it and restarts it on the
 # same volume. Exit status 77 of setup.sh: this machine cannot run dockerd; the test skips.
-test-docker: $(STAMP)
+test-docker: $(TEST_STAMP)
 	tests/docker/setup.sh || [ $$? -eq 77 ]
 	timeout -s INT -k 60 1800 $(PY) -m pytest -m docker -s -v tests/docker
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(PY) -m ruff check queued tests bench deploy/spark pyspark_queued.py
 	$(PY) -m mypy
 
-bench: $(STAMP)
+bench: $(RUN_STAMP)
 	$(PY) bench/journal_bench.py
 
-bench-load: $(STAMP)
+bench-load: $(RUN_STAMP)
 	$(PY) bench/load.py
 
 clean:

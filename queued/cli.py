@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime as _dt
+import difflib
 import gc
 import getpass
+import io
 import json
 import logging
 import os
+import re
 import ssl
 import sys
 import textwrap
@@ -43,11 +46,11 @@ from queued.client.tls import tls_files_context
 from queued.config import ConfigError, add_serve_arguments, load_config
 from queued.config.users import hash_password
 from queued.core import journal_format as jf
-from queued.core.errors import CorruptRecordError, QueuedError
+from queued.core.errors import CorruptRecordError, NotSavedError, QueuedError
 from queued.logs import setup_logging
 from queued.server.app import serve
 from queued.storage.files import read_checkpoint
-from queued.storage.recovery import TailState, inspect_segment
+from queued.storage.recovery import Inspection, TailState, inspect_segment
 
 PREVIEW = 40
 
@@ -114,9 +117,49 @@ def dump(path: Path, out: TextIO) -> int:
             return 0
 
 
-def check(directory: Path, out: TextIO) -> int:
-    """Verify every journal file of a data directory; 0 when all are sound."""
-    problems = 0
+#: `check` looks again at a segment whose tail is unfinished: a running server's batch is
+#: written in milliseconds, so a tail that stays the same for CHECK_STABLE_LOOKS looks
+#: CHECK_PAUSE seconds apart is damage, and one still changing after CHECK_MAX_LOOKS is
+#: a segment being written.
+CHECK_PAUSE = 0.1
+CHECK_STABLE_LOOKS = 2
+CHECK_MAX_LOOKS = 20
+#: The verdicts that an append in progress can produce (a prefix of a valid batch).
+UNFINISHED = (TailState.TORN_TAIL, TailState.GARBAGE_TAIL, TailState.ZERO_TAIL,
+              TailState.SHORT_FILE)
+EXIT_HEALTHY, EXIT_DAMAGE, EXIT_CANNOT_CHECK = 0, 1, 2
+
+
+def _look(path: Path, number: int, pause: Callable[[float], object]) -> tuple[Inspection, bool]:
+    """inspect_segment, again while the tail is unfinished: (the last verdict, whether
+    the file kept changing between looks, i.e. a server is appending to it)."""
+    found = inspect_segment(path, number)
+    changed = False
+    stable = 0
+    for _ in range(CHECK_MAX_LOOKS):
+        if found.state not in UNFINISHED or stable >= CHECK_STABLE_LOOKS:
+            break
+        pause(CHECK_PAUSE)
+        again = inspect_segment(path, number)
+        if (again.file_size, again.segment.inode) == (found.file_size, found.segment.inode):
+            stable += 1
+        else:
+            changed, stable = True, 0
+        found = again
+    return found, changed and stable < CHECK_STABLE_LOOKS
+
+
+def check(directory: Path, out: TextIO, *,
+          pause: Callable[[float], object] = time.sleep) -> int:
+    """Verify every journal file of a data directory: 0 when all are sound, 1 when
+    something is damaged (OSError, e.g. an unreadable directory, is the caller's 2).
+
+    Safe next to a running server: each segment is judged on one consistent prefix
+    (inspect_segment reads no further than the file's size when opened); an unfinished
+    batch at the end of a segment that keeps growing is being written, not damage; a
+    file removed while we check (retired, compacted, its queue deleted) is skipped.
+    """
+    problems = busy = gone = 0
     names = sorted(os.listdir(directory))
     for name in names:
         parsed = jf.parse_file_name(name)
@@ -124,24 +167,38 @@ def check(directory: Path, out: TextIO) -> int:
         if parsed is None or not path.is_file():
             continue
         if parsed.role is jf.FileRole.TEMP:
-            print(f"WARN  {name}: leftover temporary file (recovery removes it)", file=out)
+            print(f"WARN  {name}: temporary file (a checkpoint or compaction being written, "
+                  f"or left by a crash: recovery removes it)", file=out)
             continue
-        if parsed.role is jf.FileRole.CHECKPOINT:
-            try:
-                cp = read_checkpoint(path)
-            except (CorruptRecordError, OSError) as exc:
-                problems += 1
-                print(f"BAD   {name}: unreadable checkpoint ({exc}); recovery replays this "
-                      f"reader from the oldest segment", file=out)
-            else:
-                print(f"ok    {name}: head={cp.head} done={len(cp.done)} ids", file=out)
+        try:
+            if parsed.role is jf.FileRole.CHECKPOINT:
+                try:
+                    cp = read_checkpoint(path)
+                except FileNotFoundError:
+                    raise
+                except (CorruptRecordError, OSError) as exc:
+                    problems += 1
+                    print(f"BAD   {name}: unreadable checkpoint ({exc}); recovery replays this "
+                          f"reader from the oldest segment", file=out)
+                else:
+                    print(f"ok    {name}: head={cp.head} done={len(cp.done)} ids", file=out)
+                continue
+            found, growing = _look(path, parsed.number, pause)
+        except FileNotFoundError:
+            gone += 1
+            print(f"gone  {name}: removed while checking (retired, compacted or deleted by "
+                  f"the server)", file=out)
             continue
-        found = inspect_segment(path, parsed.number)
         seg = found.segment
         summary = f"{seg.count} items, ids {seg.first_id}..{seg.last_id}, {found.good_end} bytes"
         if found.state is TailState.CLEAN:
             sealed = "" if seg.sealed else " (seed format, no check records)"
             print(f"ok    {name}: {summary}{sealed}", file=out)
+            continue
+        if growing and found.state in UNFINISHED:
+            busy += 1
+            print(f"busy  {name}: a batch is being written at offset {found.good_end} (the "
+                  f"file grew while checked); verified so far: {summary}", file=out)
             continue
         problems += 1
         if found.state is TailState.MIDDLE_CORRUPTION:
@@ -151,7 +208,11 @@ def check(directory: Path, out: TextIO) -> int:
             print(f"BAD   {name}: {found.reason}; recovery cuts {found.problem_bytes} bytes "
                   f"at offset {found.good_end} ({summary})", file=out)
     print(f"{len(names)} entries checked, {problems} with problems", file=out)
-    return 1 if problems else 0
+    if busy or gone:
+        print(f"note: the directory changed while it was checked (a running server is using "
+              f"it): {busy} segments were being written, {gone} files were removed; each "
+              f"file was checked as far as it was complete", file=out)
+    return EXIT_DAMAGE if problems else EXIT_HEALTHY
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,7 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p_dump = sub.add_parser("dump", help="print every record of a journal file")
     p_dump.add_argument("file", type=Path)
-    p_check = sub.add_parser("check", help="verify every journal file of a data directory")
+    p_check = sub.add_parser(
+        "check", help="verify every journal file of a data directory",
+        description="Verify every journal file of a data directory, without changing any, "
+                    "and say what recovery would do. Safe next to a running server: a batch "
+                    "still being written is reported as `busy`, not as damage.",
+        epilog="exit codes: 0 healthy; 1 damage found; 2 usage error, or the directory "
+               "cannot be checked (missing, unreadable).")
     p_check.add_argument("dir", type=Path)
     p_serve = sub.add_parser("serve", help="run the server in the foreground")
     add_serve_arguments(p_serve)
@@ -172,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "print its salted scrypt hash: the `password` of a [users.NAME] table "
                     "in the users file (see the README's Security section).")
     add_client_commands(sub)
+    for name in ("dump", "check", "serve", *CLIENT_COMMANDS):  # for parse_args's errors
+        command_parser = sub.choices[name]
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -211,6 +281,11 @@ def serve_command(args: argparse.Namespace) -> int:
         if isinstance(root, ConfigError):
             log.error("%s", root)
             return 2
+        if isinstance(root, NotSavedError):
+            log.error("stopped, but could not save everything:\n%s",
+                      "\n".join(f"  - {u}" for u in root.unsaved),
+                      extra={"event": "stopped_unsaved", "unsaved": root.unsaved})
+            return 1
         if isinstance(root, QueuedError):
             log.error("cannot start: %s", root)
             return 1
@@ -259,7 +334,23 @@ def _single(exc: BaseException) -> BaseException:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
+    try:
+        code = run(args)
+        sys.stdout.flush()  # here, so that a reader that went away is seen below
+    except BrokenPipeError:
+        # The reader of our stdout went away (`queued peek q | head -3`): as for any Unix
+        # filter, that is the reader's choice, not an error. Silence the interpreter's
+        # flush at exit. (`get` reports items it took but could not write itself.)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if args.command == "check":  # its verdict must not depend on who reads the report
+            return check(args.dir, io.StringIO())
+        return EXIT_OK
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; its exit code."""
     if args.command in CLIENT_COMMANDS:
         return client_command(args)
     try:
@@ -272,12 +363,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check":
             if not args.dir.is_dir():
                 print(f"queued check: {args.dir} is not a directory", file=sys.stderr)
-                return 2
+                return EXIT_CANNOT_CHECK
             return check(args.dir, sys.stdout)
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError):
+            raise
         print(f"queued {args.command}: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args, except that an argument the subcommand does not know is reported by
+    the subcommand's parser (its usage, not the top-level one), with a close match."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        before = argv[:argv.index(args.command)] if args.command in argv else []
+        owner: argparse.ArgumentParser = (
+            parser if set(unknown) & set(before) else args.command_parser)
+        known = re.findall(r"(?<![\w-])--?[A-Za-z][\w-]*", owner.format_usage())
+        hints = [f"{u} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(
+                    u.partition("=")[0], known, n=1, cutoff=0.8)) else u for u in unknown]
+        owner.error(f"unrecognized arguments: {' '.join(hints)}")
+    return args
 
 
 # -- client commands: put, get, peek, stats, flush, delete -------------------------------------
@@ -288,7 +397,9 @@ client commands (put, get, peek, stats, flush, delete) talk MessagePack-RPC to
 --server HOST:PORT (default 127.0.0.1:{DEFAULT_PORT}; repeat it or separate with commas
 for several servers: puts are spread over them, gets try each).
 
-exit codes: 0 ok; 1 the server answered with an error (bad queue name, queue full...);
+exit codes: 0 ok (also when the reader of stdout stops early, as `| head -3` does);
+1 the server answered with an error (bad queue name, queue full...), or `get` took items
+it could not write (stdout closed; with --open they go back to the queue instead);
 2 usage error; 3 cannot connect to any server, or no reply in time."""
 #: Items per put when reading stdin, and per get.
 BATCH = 1000
@@ -368,18 +479,24 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("queue", help="QUEUE, or QUEUE+READER for a fanout reader")
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
+def _whole(text: str, least: int) -> int:
+    """`text` as an int >= `least`; argparse prefixes the error with the argument's name."""
+    rule = f"a whole number, {least} or more"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {rule}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text} is too small: it must be {rule}")
     return value
+
+
+def _non_negative(text: str) -> int:
+    return _whole(text, 0)
 
 
 def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not positive")
-    return value
+    return _whole(text, 1)
 
 
 def client_command(args: argparse.Namespace) -> int:
@@ -415,11 +532,6 @@ def client_command(args: argparse.Namespace) -> int:
         return EXIT_SERVER_ERROR
     except ClientError as exc:  # an error reply (RpcCallError), or a reply we cannot read
         print(f"{prog}: {exc}", file=sys.stderr)
-        return EXIT_SERVER_ERROR
-    except BrokenPipeError:
-        # The reader of our stdout went away; silence the interpreter's flush at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        print(f"{prog}: stdout closed", file=sys.stderr)
         return EXIT_SERVER_ERROR
 
 
@@ -503,8 +615,17 @@ def get_command(client: Client, args: argparse.Namespace) -> int:
                                            auto_abort)
             if not items:
                 break
-            out.write(b"".join(item.data + b"\n" for item in items))
-            out.flush()
+            try:
+                out.write(b"".join(item.data + b"\n" for item in items))
+                out.flush()
+            except BrokenPipeError:
+                if args.open:  # not confirmed: they go back when the connection closes
+                    raise
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                print(f"queued get: stdout closed: up to {len(items)} items taken from the "
+                      f"queue were not written and are lost (--open returns them)",
+                      file=sys.stderr)
+                return EXIT_SERVER_ERROR
             if args.open:
                 lost += len(items) - client.confirm(items)
             got += len(items)

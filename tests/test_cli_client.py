@@ -14,6 +14,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from server_util import HOST, QUEUED, WAIT, ServerProcess
@@ -82,23 +83,75 @@ def test_get_open_confirms_after_writing(server: str) -> None:
         assert (info.items, info.open_transactions) == (0, 0)
 
 
-def test_get_open_returns_items_when_stdout_fails(server: str) -> None:
-    queued("put", "--server", server, "gone", "p", "q")
+def to_closed_pipe(*args: str) -> subprocess.CompletedProcess[bytes]:
+    """Run `queued ARGS` with a stdout whose reader is gone (as after `| head -3`)."""
     read_end, write_end = os.pipe()
-    os.close(read_end)  # nobody reads: the first write fails
+    os.close(read_end)  # nobody reads: the first write fails (EPIPE)
     try:
-        r = subprocess.run([str(QUEUED), "get", "--server", server, "gone", "-n", "2",
-                            "--open"], stdout=write_end, stderr=subprocess.PIPE,
-                           timeout=WAIT * 2, check=False)
+        return subprocess.run([str(QUEUED), *args], stdout=write_end, stderr=subprocess.PIPE,
+                              timeout=WAIT * 2, check=False)
     finally:
         os.close(write_end)
-    assert r.returncode == 1 and b"stdout closed" in r.stderr
+
+
+def test_get_open_returns_items_when_stdout_fails(server: str) -> None:
+    queued("put", "--server", server, "gone", "p", "q")
+    r = to_closed_pipe("get", "--server", server, "gone", "-n", "2", "--open")
+    assert (r.returncode, r.stderr) == (0, b"")  # nothing lost: a quiet exit, as `| head`
     with Client(server) as c:  # not confirmed: back in the queue once the client is gone
         deadline = time.monotonic() + WAIT
         while c.peek("gone").open_transactions and time.monotonic() < deadline:
             time.sleep(0.01)
         info = c.peek("gone")
         assert (info.items, info.open_transactions) == (2, 0)
+
+
+def test_plain_get_says_what_it_lost_when_stdout_fails(server: str) -> None:
+    queued("put", "--server", server, "lost", "p", "q")
+    r = to_closed_pipe("get", "--server", server, "lost", "-n", "2")
+    assert r.returncode == 1
+    assert r.stderr == (b"queued get: stdout closed: up to 2 items taken from the queue were "
+                        b"not written and are lost (--open returns them)\n")
+
+
+def test_closed_stdout_is_a_quiet_exit_0(server: str, tmp_path: Path) -> None:
+    # `queued peek q | head -3`: the reader has what it wanted; no "stdout closed", exit 0.
+    queued("put", "--server", server, "piped", "x")
+    for args in (["peek", "--server", server, "piped"], ["stats", "--server", server],
+                 ["check", str(tmp_path)]):
+        r = to_closed_pipe(*args)
+        assert (r.returncode, r.stderr) == (0, b""), (args, r)
+    # ... but check's exit code still says what it found
+    (tmp_path / "q.1").write_bytes(b"garbage!")
+    r = to_closed_pipe("check", str(tmp_path))
+    assert (r.returncode, r.stderr) == (1, b""), r
+
+
+def test_argument_errors_name_the_argument_and_the_rule() -> None:
+    for args, want in (
+        (["get", "q", "-n", "abc"], b"queued get: error: argument -n: 'abc' is not a whole "
+                                    b"number, 1 or more\n"),
+        (["get", "q", "-n", "0"], b"queued get: error: argument -n: 0 is too small: it must be "
+                                  b"a whole number, 1 or more\n"),
+        (["put", "q", "--expiration", "1.5"], b"queued put: error: argument --expiration: "
+                                              b"'1.5' is not a whole number, 0 or more\n"),
+    ):
+        r = queued(*args)
+        assert r.returncode == 2 and r.stderr.endswith(want), (args, r.stderr)
+        assert r.stderr.startswith(b"usage: queued %s " % args[0].encode()), r.stderr
+
+
+def test_a_subcommand_mistake_prints_the_subcommand_usage() -> None:
+    r = queued("serve", "--memcache-prot", "1")
+    assert r.returncode == 2
+    assert r.stderr.startswith(b"usage: queued serve [-h]"), r.stderr
+    assert r.stderr.endswith(b"queued serve: error: unrecognized arguments: --memcache-prot "
+                             b"(did you mean --memcache-port?) 1\n"), r.stderr
+    r = queued("peek", "q", "--bogus")
+    assert r.returncode == 2 and r.stderr.startswith(b"usage: queued peek "), r.stderr
+    assert r.stderr.endswith(b"queued peek: error: unrecognized arguments: --bogus\n")
+    r = queued("--bogus", "peek", "q")  # before the subcommand: the top level's mistake
+    assert r.returncode == 2 and r.stderr.startswith(b"usage: queued [-h]"), r.stderr
 
 
 def test_get_timeout_waits(server: str) -> None:

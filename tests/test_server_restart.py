@@ -217,4 +217,6 @@ def test_a_busy_port_is_a_clear_error_before_recovery(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert f"cannot listen for memcache on 127.0.0.1:{port}".encode() in proc.stderr
     assert b"Traceback" not in proc.stderr
-    assert not (tmp_path / "d").exists()  # it failed before touching the data directory
+    # It failed before recovery: the start-up probe made the directory (and proved it
+    # writable, leaving nothing), no journal was touched.
+    assert list((tmp_path / "d").iterdir()) == []

@@ -415,12 +415,18 @@ class Broker:
         """Apply reloaded queue configs to every existing queue and reader."""
         self.registry.reconfigure(config)
 
-    async def aclose(self) -> None:
-        """Refuse new work, return open reads (no error counted), write every checkpoint."""
+    async def aclose(self) -> list[str]:
+        """Refuse new work, return open reads (no error counted), write every checkpoint.
+        Returns what could not be saved, one line per reader ([] when all was)."""
         self.wake_waiters()
         for client in list(self.clients.values()):
             self.release(client, count_error=False)
         await self.checkpoint_all(force=True)
+        return [f"queue {qs.name}, {f'reader {reader}' if reader else 'default reader'}: "
+                f"checkpoint not written ({why}); what it read since its last checkpoint "
+                f"will be delivered again"
+                for qs in self.queues.values()
+                for reader, why in sorted(qs.unsaved_checkpoints.items())]
 
     # -- statistics ----------------------------------------------------------------------------
 

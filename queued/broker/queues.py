@@ -110,6 +110,8 @@ class QueueState:
         self.create_time_ms = clock()
         self._reader_lock: trio.Lock | None = None  # made on first use (~0.5 KiB a lock)
         self.deleted = False
+        #: reader -> why its last checkpoint write failed (until one succeeds)
+        self.unsaved_checkpoints: dict[str, str] = {}
         journal.before_drop = self.before_drop
 
     @property
@@ -366,9 +368,11 @@ class QueueState:
                     await self.journal.write_checkpoint(name, head, done)
                 except OSError as exc:
                     h.reader.dirty = True
+                    self.unsaved_checkpoints[name] = str(exc.strerror or exc)
                     log.error("queue %s: checkpoint of reader %r failed: %s",
                               self.name, name, exc)
                     continue
+                self.unsaved_checkpoints.pop(name, None)
                 written += 1
         if written and not self.deleted and len(self.journal.segments) > 1:
             try:

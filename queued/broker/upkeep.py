@@ -23,7 +23,13 @@ import trio
 from queued.broker.broker import Broker, wall_ms
 from queued.broker.handles import Handle
 from queued.broker.queues import QueueState
-from queued.core.errors import ItemTooLargeError, JournalError, QueueClosedError, QueueFullError
+from queued.core.errors import (
+    ItemTooLargeError,
+    JournalError,
+    NotSavedError,
+    QueueClosedError,
+    QueueFullError,
+)
 from queued.core.queue import Item
 from queued.storage.datadir import open_data_dir
 
@@ -169,19 +175,33 @@ class Upkeep:
 async def open_broker(
     config: ServerConfig, clock: Callable[[], int] = wall_ms
 ) -> AsyncIterator[Broker]:
-    """Recover the data directory, load the queues, run their upkeep; close cleanly."""
-    async with open_data_dir(
-        config.data_dir,
-        config.data_dir_config(),
-        lambda name: config.queue_config(name).journal_config(),
-    ) as dd:
-        broker = Broker(dd, config, clock)
-        await broker.load()
-        async with trio.open_nursery() as nursery:
-            await nursery.start(Upkeep(broker).run)
-            try:
-                yield broker
-            finally:
-                with trio.CancelScope(shield=True):
-                    await broker.aclose()
-                nursery.cancel_scope.cancel()
+    """Recover the data directory, load the queues, run their upkeep; close cleanly.
+
+    A stop that could not write every checkpoint, or fsync and close every journal,
+    raises NotSavedError listing each (once all the rest is closed).
+    """
+    unsaved: list[str] = []
+    finished = False  # the body ended without an exception
+    try:
+        async with open_data_dir(
+            config.data_dir,
+            config.data_dir_config(),
+            lambda name: config.queue_config(name).journal_config(),
+        ) as dd:
+            broker = Broker(dd, config, clock)
+            await broker.load()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(Upkeep(broker).run)
+                try:
+                    yield broker
+                    finished = True
+                finally:
+                    with trio.CancelScope(shield=True):
+                        unsaved = await broker.aclose()
+                    nursery.cancel_scope.cancel()
+    except NotSavedError as exc:  # the journals could not be closed either
+        if not finished:
+            raise  # after another failure, which stays its context
+        unsaved += exc.unsaved
+    if unsaved:
+        raise NotSavedError(unsaved)

@@ -48,6 +48,18 @@ class JournalClosedError(JournalError):
     """The journal was closed (you closed it)."""
 
 
+class DataDirError(JournalError):
+    """The data directory cannot be used: a probe file could not be written and fsynced."""
+
+
+class NotSavedError(JournalError):
+    """A stop that could not write everything: `unsaved` says what, one entry each."""
+
+    def __init__(self, unsaved: list[str]) -> None:
+        super().__init__("; ".join(unsaved))
+        self.unsaved = unsaved
+
+
 class QueueError(QueuedError):
     """A queue operation the server refuses; the protocols map each to a reply."""
 

@@ -1,7 +1,9 @@
-"""The server process: bind every port, recover the data dir, serve, stop cleanly.
+"""The server process: prove the data dir writable, bind every port, recover, serve, stop.
 
-Owns the order of start-up (listeners first, so a busy port fails fast; the
-operations port answers while recovery runs) and the signals that stop it.
+Owns the order of start-up (a real write and fsync in the data dir before anything
+else, so a server that could not store a put never opens a port; then the listeners,
+so a busy port fails fast; the operations port answers while recovery runs; `ready`
+only after a second probe once recovery is done) and the signals that stop it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from queued.server.auth import Authenticator
 from queued.server.http import Ops, serve_http
 from queued.server.listeners import Server
 from queued.server.tls import ServerTls, TlsError
+from queued.storage.files import probe_writable
 
 log = logging.getLogger("queued.server")
 
@@ -103,7 +106,11 @@ async def serve(
     handle_signals: bool = False,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Listen, recover, serve until shutdown, then close cleanly.
+    """Probe the data dir, listen, recover, serve until shutdown, then close cleanly.
+
+    A data dir that cannot be written raises DataDirError before any port is opened; a
+    stop that could not save everything raises NotSavedError (saying what) instead of
+    logging "stopped cleanly".
 
     The operations port answers from the start: /livez at once, /readyz once
     recovery has finished (see queued.server.http). A SIGTERM or SIGINT that arrives
@@ -120,6 +127,7 @@ async def serve(
             if handle_signals:  # before the listeners: a signal is never the default action
                 await nursery.start(stop.watch_signals)
             try:
+                await trio.to_thread.run_sync(probe_writable, config.data_dir)
                 listeners = await open_listeners(config)
                 http_port = await nursery.start(serve_http, ops, listeners["http"])
                 queues = {k: v for k, v in listeners.items() if k != "http"}
@@ -192,6 +200,8 @@ async def _recover_and_run(
                    "truncated_bytes": report.truncated_bytes,
                    "seconds": round(time.monotonic() - started, 6)},
         )
+        # Recovery can take long: the file system may have gone read-only meanwhile.
+        await trio.to_thread.run_sync(probe_writable, config.data_dir)
         server = Server(broker, config, login=ops.login, tls=ops.tls)
         server.ports["http"] = http_port
         ops.server = server

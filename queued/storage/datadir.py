@@ -22,7 +22,12 @@ import trio
 
 from queued.config.policies import DataDirConfig, FsyncMode, JournalConfig
 from queued.core import journal_format as jf
-from queued.core.errors import CorruptJournalError, CorruptRecordError, JournalClosedError
+from queued.core.errors import (
+    CorruptJournalError,
+    CorruptRecordError,
+    JournalClosedError,
+    NotSavedError,
+)
 from queued.core.stats import HistogramSnapshot
 from queued.storage.files import (
     Checkpoint,
@@ -353,7 +358,8 @@ class DataDir:
             self._writer_done.set()
 
     async def aclose(self) -> None:
-        """Finish pending appends, fsync and close every segment."""
+        """Finish pending appends, fsync and close every segment; NotSavedError lists the
+        queues whose segment could not be fsynced and closed."""
         self._closing = True
         for j in self.queues.values():
             j.close()  # appends from now on fail at once instead of waiting forever
@@ -364,15 +370,17 @@ class DataDir:
                 j.fail_pending(JournalClosedError(f"queue {j.name!r}: data dir closed"))
 
             def close_all() -> None:
-                errors: list[OSError] = []
+                unsaved: list[str] = []
                 for j in self.queues.values():
                     try:
                         j.file.close()
                     except OSError as exc:  # close the others all the same
-                        errors.append(exc)
+                        unsaved.append(f"queue {j.name}: journal not fsynced and closed "
+                                       f"({exc.strerror or exc}); what it wrote since its "
+                                       f"last fsync may be lost")
                         log.error("closing queue %s: %s", j.name, exc)
-                if errors:
-                    raise errors[0]
+                if unsaved:
+                    raise NotSavedError(unsaved)
 
             try:
                 await trio.to_thread.run_sync(close_all)
@@ -397,11 +405,18 @@ async def open_data_dir(
     config: DataDirConfig | None = None,
     queue_config: Callable[[str], JournalConfig] | None = None,
 ) -> AsyncIterator[DataDir]:
-    """Recover `path` (in a worker thread), run its writer, close it cleanly on exit."""
+    """Recover `path` (in a worker thread), run its writer, close it cleanly on exit
+    (NotSavedError, not wrapped in an exception group, when a journal could not be)."""
     dd = await trio.to_thread.run_sync(DataDir.open, path, config, queue_config)
+    unsaved: NotSavedError | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(dd.run)
         try:
             yield dd
         finally:
-            await dd.aclose()
+            try:
+                await dd.aclose()
+            except NotSavedError as exc:
+                unsaved = exc  # raised below (after another failure, that one goes up)
+    if unsaved is not None:
+        raise unsaved

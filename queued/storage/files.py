@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from queued.core import journal_format as jf
-from queued.core.errors import CorruptRecordError, JournalError
+from queued.core.errors import CorruptRecordError, DataDirError, JournalError
 
 #: Sparse index stride: one (first_id, offset) entry per this many bytes.
 INDEX_STRIDE = 1 << 20
@@ -108,6 +108,41 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+#: The file `probe_writable` writes and removes. No journal file has this name (a queue
+#: name comes before the first dot), so recovery, `check` and Spark never read it.
+PROBE_NAME = ".queued-write-probe"
+
+
+def probe_writable(directory: Path) -> None:
+    """Prove that `directory` takes writes: create it if missing, write, fsync and remove
+    a probe file, fsync the directory. Raises DataDirError naming the step that failed.
+
+    A mode bit proves nothing (root ignores modes), and a file system that went read-only,
+    is full or fails shows only on a real write and fsync.
+    """
+    probe = directory / PROBE_NAME
+    step = "create the directory"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        step = f"create {PROBE_NAME}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            step = f"write {PROBE_NAME}"
+            os.write(fd, b"queued: this directory takes writes\n")
+            step = f"fsync {PROBE_NAME}"
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        step = f"remove {PROBE_NAME}"
+        probe.unlink()
+        step = "fsync the directory"
+        fsync_dir(directory)
+    except OSError as exc:
+        raise DataDirError(
+            f"data dir {directory} is not writable: cannot {step}: {exc.strerror or exc}"
+        ) from exc
 
 
 def unlink_durably(path: Path) -> None:

@@ -48,7 +48,25 @@ class ScanResult:
 
 
 
-def _feed(f: BinaryIO, dec: jf.RecordDecoder) -> bool:
+class _Prefix:
+    """An open file read no further than `size`, its length when it was opened: a
+    consistent view of a segment that a running server may still be appending to."""
+
+    def __init__(self, f: BinaryIO, size: int) -> None:
+        self.f = f
+        self.size = size
+
+    def read(self, n: int = -1) -> bytes:
+        left = self.size - self.f.tell()
+        if left <= 0:
+            return b""
+        return self.f.read(left if n < 0 else min(n, left))
+
+    def seek(self, offset: int) -> None:
+        self.f.seek(offset)
+
+
+def _feed(f: _Prefix, dec: jf.RecordDecoder) -> bool:
     chunk = f.read(READ_CHUNK)
     dec.receive_data(chunk)
     return bool(chunk)
@@ -79,13 +97,22 @@ class Inspection:
 
 
 def inspect_segment(path: Path, number: int = 0) -> Inspection:
-    """Verify one writer segment without changing it."""
-    st = path.stat()
-    info = SegmentInfo(number, path, size=0, inode=st.st_ino)
-    file_size = st.st_size
+    """Verify one writer segment without changing it.
+
+    The file is opened once and read no further than its size at that moment, so the
+    verdict is about one consistent prefix even while a server appends to it (or
+    renames a compacted file over it): `good_end` never passes `file_size`.
+    """
+    with path.open("rb") as raw:
+        st = os.fstat(raw.fileno())
+        return _inspect(_Prefix(raw, st.st_size), number, path, st.st_ino)
+
+
+def _inspect(f: _Prefix, number: int, path: Path, inode: int) -> Inspection:
+    info = SegmentInfo(number, path, size=0, inode=inode)
+    file_size = f.size
     if file_size < jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE:
-        with path.open("rb") as f:
-            data = f.read()
+        data = f.read()
         if data and not jf.WRITER_MAGIC.startswith(data[:4]):
             return Inspection(info, file_size, TailState.MIDDLE_CORRUPTION, 0,
                               f"not a journal segment (bad magic {data[:4].hex()})")
@@ -95,25 +122,24 @@ def inspect_segment(path: Path, number: int = 0) -> Inspection:
             return Inspection(info, file_size, TailState.CLEAN, file_size)
         return Inspection(info, file_size, TailState.SHORT_FILE, 0, "segment header torn")
     dec = jf.RecordDecoder(jf.FileKind.WRITER)
-    with path.open("rb") as f:
-        head = f.read(64)
-        f.seek(0)
-        info.sealed = head[4:13] == jf.EMPTY_CHECK
-        if info.sealed and len(head) > 13 and head[13] == jf.COMPACTED_BYTE:
-            try:
-                rec = jf.decode_all(head[: 13 + 17 + jf.CHECK_RECORD_SIZE])[1].record
-            except CorruptRecordError:
-                rec = None  # the scan below reports the damage
-            if isinstance(rec, jf.Compacted):
-                info.compacted_from = rec.first_number
-        end_event: jf.EndOfData | jf.TornTail | CorruptRecordError
+    head = f.read(64)
+    f.seek(0)
+    info.sealed = head[4:13] == jf.EMPTY_CHECK
+    if info.sealed and len(head) > 13 and head[13] == jf.COMPACTED_BYTE:
         try:
-            end_event = _scan_sealed(f, dec, info) if info.sealed else _scan_plain(f, dec, info)
-        except BadMagicError as exc:
-            return Inspection(info, file_size, TailState.MIDDLE_CORRUPTION, 0,
-                              f"not a journal segment: {exc.reason}")
-        except CorruptRecordError as exc:
-            end_event = exc
+            rec = jf.decode_all(head[: 13 + 17 + jf.CHECK_RECORD_SIZE])[1].record
+        except CorruptRecordError:
+            rec = None  # the scan below reports the damage
+        if isinstance(rec, jf.Compacted):
+            info.compacted_from = rec.first_number
+    end_event: jf.EndOfData | jf.TornTail | CorruptRecordError
+    try:
+        end_event = _scan_sealed(f, dec, info) if info.sealed else _scan_plain(f, dec, info)
+    except BadMagicError as exc:
+        return Inspection(info, file_size, TailState.MIDDLE_CORRUPTION, 0,
+                          f"not a journal segment: {exc.reason}")
+    except CorruptRecordError as exc:
+        end_event = exc
     if isinstance(end_event, jf.EndOfData):
         if end_event.offset == file_size:
             info.size = end_event.offset
@@ -133,9 +159,8 @@ def inspect_segment(path: Path, number: int = 0) -> Inspection:
     info.size = good_end
     # Is anything verified after the damage? Then it is not a tail. (For an
     # unsealed file this also catches one of ours whose leading check is damaged.)
-    with path.open("rb") as f:
-        f.seek(good_end)
-        tail = f.read()
+    f.seek(good_end)
+    tail = f.read()
     later = jf.find_valid_check_after(tail, 0, good_end)
     if later is not None:
         why = "could not be ruled out" if later < 0 else "found"
@@ -184,7 +209,7 @@ def scan_segment(
 
 
 def _scan_sealed(
-    f: BinaryIO, dec: jf.RecordDecoder, info: SegmentInfo
+    f: _Prefix, dec: jf.RecordDecoder, info: SegmentInfo
 ) -> jf.EndOfData | jf.TornTail:
     eof = False
     prev_last = 0
@@ -207,7 +232,7 @@ def _scan_sealed(
 
 
 def _scan_plain(
-    f: BinaryIO, dec: jf.RecordDecoder, info: SegmentInfo
+    f: _Prefix, dec: jf.RecordDecoder, info: SegmentInfo
 ) -> jf.EndOfData | jf.TornTail | CorruptRecordError:
     """A file from another implementation of the seed: trust structurally valid records.
     `info.size` ends up at the end of the last good PUT, where a cut would go."""
