@@ -745,3 +745,45 @@ def test_sighup_reloads_certificates_and_users_in_a_running_server(
         assert b"alice pw" not in server.log()
     finally:
         server.kill()
+
+
+async def test_tls_transport_carries_big_items_and_many_records(tmp_path: Path,
+                                                                pki: Pki) -> None:
+    """Items spanning many TLS records (16 KiB each) both ways, pipelined requests in
+    one flight, an RPC batch; then a clean TLS close (close_notify) ends the session."""
+    async with running(make_config(tmp_path / "data", **tls_settings(pki))) as server:
+        ctx = pki.client()
+        mc = tls_conn(await tls_open(server.ports["memcache"], ctx))
+        big = bytes(range(256)) * 4096  # 1 MiB
+        await mc.send(b"".join(b"set big 0 0 %d\r\n%s\r\n" % (len(big), big) for _ in range(3)))
+        assert [await mc.line() for _ in range(3)] == [b"STORED"] * 3
+        await mc.send(b"get big\r\nget big\r\nget big\r\n")
+        for _ in range(3):
+            assert await mc.read_value("big") == big
+        rpc = Rpc(await tls_open(server.ports["rpc"], ctx))
+        items = [bytes([i]) * 1024 for i in range(100)]
+        assert await rpc.call("put", "r", items) == (None, 100)
+        _, got = await rpc.call("get", "r", 100)
+        assert [data for _, data in got] == items
+        await rpc.stream.aclose()  # sends close_notify
+        await mc.stream.aclose()
+        with trio.fail_after(WAIT):
+            while server.connections():
+                await trio.sleep(0.01)
+
+
+async def test_garbage_after_the_handshake_closes_only_that_connection(
+        tmp_path: Path, pki: Pki) -> None:
+    async with running(make_config(tmp_path / "data", **tls_settings(pki))) as server:
+        port = server.ports["memcache"]
+        good = tls_conn(await tls_open(port, pki.client()))
+        bad = await tls_open(port, pki.client())
+        forged = b"\x17\x03\x03\x00\x10" + b"\x00" * 16  # an application record, not theirs
+        await bad.transport_stream.send_all(forged)
+        with trio.fail_after(WAIT):
+            with pytest.raises(trio.BrokenResourceError):
+                while await bad.receive_some(100):
+                    pass
+                raise trio.BrokenResourceError("closed")
+        assert await good.set("q", b"still here") == b"STORED"
+        await good.stream.aclose()

@@ -32,8 +32,8 @@ from queued.server.auth import Authenticator
 from queued.server.memory import trim_when_drained
 from queued.server.metrics import disk_usage
 from queued.server.session import Guard, ServerCounters, Session
-from queued.server.tls import ServerTls
-from queued.server.transport import peer_name
+from queued.server.tls import ServerTls, accept_transport
+from queued.server.transport import Transport, peer_name
 
 log = logging.getLogger("queued.server")
 
@@ -133,20 +133,19 @@ class Server:
         name = peer_name(stream)
         session: Session | None = None
         try:
-            conn: trio.abc.Stream = stream
+            transport: Transport | None = None
             if self.tls is not None:
                 left = started + guard.auth_timeout - trio.current_time()
-                tls = await self.tls.accept(stream, name, left)
-                if tls is None:
+                transport = await accept_transport(self.tls, stream, name, left)
+                if transport is None:
                     stats.tls_handshake_failures += 1
                     with trio.CancelScope(shield=True), trio.move_on_after(1):
                         await stream.aclose()
                     return
-                conn = tls
-            session = Session(self, self.broker, conn, codec, name=name,
+            session = Session(self, self.broker, stream, codec, name=name,
                               max_item_size=self.config.max_item_size,
                               counters=self.counters, stats=stats, guard=guard,
-                              started=started)
+                              started=started, transport=transport)
             self._sessions.add(session)
             self.broker.register(session.reads)
             await session.run()

@@ -28,7 +28,7 @@ from queued.core.stats import ProtocolStats
 from queued.core.wire import ConnectionClosed
 from queued.server.auth import Authenticator
 from queued.server.handlers import HANDLERS, Hub
-from queued.server.transport import transport_of
+from queued.server.transport import Transport, transport_of
 
 log = logging.getLogger("queued.server")
 
@@ -65,13 +65,13 @@ class Session:
     def __init__(self, hub: Hub, broker: Broker, stream: trio.abc.Stream, codec: c.Codec, *,
                  name: str, max_item_size: int, counters: ServerCounters,
                  stats: ProtocolStats, guard: Guard | None = None,
-                 started: float | None = None) -> None:
+                 started: float | None = None, transport: Transport | None = None) -> None:
         self.hub = hub
         self.broker = broker
         self.max_item_size = max_item_size
         self.counters = counters
         self.stream = stream
-        self.transport = transport_of(stream)
+        self.transport = transport_of(stream) if transport is None else transport
         self.codec = codec
         self.ordered = codec.ordered
         self.name = name
