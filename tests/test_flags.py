@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 from collections import Counter
@@ -20,12 +21,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import memcache  # python-memcached
+import msgpack
 import pytest
 import trio
 from pymemcache import serde
 from pymemcache.client.base import Client as MemcacheClient
 from server_util import HOST, QUEUED, WAIT, Conn, ServerProcess, make_config, running
 
+from queued.client import Client, Item
 from queued.core import journal_format as jf
 
 T = TypeVar("T")
@@ -205,6 +208,56 @@ def test_node_memcached_buffer_round_trip(server_proc: ServerProcess) -> None:
     done = subprocess.run([node, "-e", NODE_SCRIPT, str(server_proc.memcache)],
                           capture_output=True, timeout=WAIT, check=False)
     assert done.stdout.strip() == b'{"err":"undefined","buffer":true,"same":true}', done
+
+
+# -- MessagePack-RPC and the Python client ----------------------------------------------------
+
+
+def rpc_call(port: int, method: str, params: list[Any]) -> Any:
+    """One call on a fresh socket, written from the msgpack-rpc spec: its [error, result]."""
+    with socket.create_connection((HOST, port), timeout=WAIT) as s:
+        s.sendall(msgpack.packb([0, 1, method, params]))
+        unpacker = msgpack.Unpacker()
+        while True:
+            chunk = s.recv(65536)
+            assert chunk, "connection closed before the reply"
+            unpacker.feed(chunk)
+            for msg in unpacker:
+                assert msg[:2] == [1, 1], msg
+                return msg[2:]
+
+
+async def test_rpc_and_the_python_client_put_and_read_flags(tmp_path: Path) -> None:
+    async with running(make_config(tmp_path / "data")) as server:
+        mc_port, rpc_port = server.ports["memcache"], server.ports["rpc"]
+        conn = await Conn.open(mc_port)
+        assert await conn.cmd(b"set q 16 0 5\r\nhello") == b"STORED"
+
+        def work() -> tuple[Any, list[Item], object]:
+            with Client(f"{HOST}:{rpc_port}", read_timeout=WAIT) as client:
+                assert client.put("q", [b"buf", b"buf2"], flags=NODE_FLAG_BINARY) == 2
+                assert client.put("q", ["x"]) == 1
+                with pytest.raises(ValueError):
+                    client.put("q", [b"no"], flags=2**32)
+                # A get that does not ask for flags answers [id, data] pairs, as always.
+                plain = rpc_call(rpc_port, "get", ["q", 1])
+                got = client.get("q", 10, with_flags=True)
+                # An RPC producer feeding a python-memcached consumer: str (flag 16).
+                assert client.put("r", "text", flags=16) == 1
+                mc = python_memcached(mc_port)
+                value = mc.get("r")
+                mc.disconnect_all()
+                return plain, got, value
+
+        plain, got, value = await in_thread(work)
+        bad = await in_thread(lambda: rpc_call(rpc_port, "put", ["q", [b"z"], 0, 2**32]))
+        assert await value_and_flags(conn, "q") is None  # the refused put stored nothing
+        await conn.aclose()
+    assert plain == [None, [[1, b"hello"]]]
+    assert [(i.id, i.data, i.flags) for i in got] == [
+        (2, b"buf", NODE_FLAG_BINARY), (3, b"buf2", NODE_FLAG_BINARY), (4, b"x", 0)]
+    assert value == "text"
+    assert bad[0][0] == 3 and bad[1] is None  # BAD_PARAMS
 
 
 # -- every path an item takes ---------------------------------------------------------------
