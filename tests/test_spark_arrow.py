@@ -14,7 +14,8 @@ from queued.core import journal_format as jf
 from queued.storage import journal_scan as js
 
 try:
-    from queued.spark.arrow import ARROW_SCHEMA, ARROW_SCHEMA_FLAGS, chunk_to_arrow
+    from queued.spark import arrow
+    from queued.spark.arrow import ARROW_SCHEMA, chunk_to_arrow
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"numpy/pyarrow not installed ({exc}); pip install -e '.[spark]'",
                 allow_module_level=True)
@@ -52,7 +53,7 @@ def arrow_rows(queue: str, path: Path, ids: js.IdFilter, live_at: int = 0,
     out: list[tuple[object, ...]] = []
     for chunk in js.scan_segment(path, ids, **kw):
         batch = chunk_to_arrow(queue, chunk, live_at, flags)
-        assert batch.schema == (ARROW_SCHEMA_FLAGS if flags else ARROW_SCHEMA)
+        assert batch.schema == (arrow.ARROW_SCHEMA_FLAGS if flags else ARROW_SCHEMA)
         out += [(r["queue"], r["id"], r["add_time"], r["expire_time"], r["error_count"],
                  r["data"], *([r["flags"]] if flags else [])) for r in batch.to_pylist()]
     return out
@@ -120,5 +121,6 @@ def test_a_torn_tail_and_an_empty_chunk(tmp_path: Path) -> None:
     chunk = next(js.scan_segment(path, js.IdFilter(after=0, upto=1)))
     assert chunk_to_arrow("q", chunk, T0 + 10).num_rows == 0
     assert chunk_to_arrow("q", js.PutChunk(b"", 0, []), 0).schema == ARROW_SCHEMA
-    assert chunk_to_arrow("q", js.PutChunk(b"", 0, []), 0, True).schema == ARROW_SCHEMA_FLAGS
+    assert chunk_to_arrow("q", js.PutChunk(b"", 0, []), 0, True).schema == (
+        arrow.ARROW_SCHEMA_FLAGS)
     assert chunk_to_arrow("q", chunk, T0 + 10, True).num_rows == 0
