@@ -405,3 +405,7 @@ async def test_seed_readers_read_journals_with_flags_and_flags_zero_costs_no_byt
     shown = [line for line in dump.stdout.splitlines() if " PUT " in line]
     assert [f" flags={f} " in line for line, f in zip(shown, flags, strict=True)] == [
         bool(f) for f in flags]
+    # `queued check` finds nothing wrong with FLAGS records (exit 0: healthy).
+    check = subprocess.run([str(QUEUED), "check", str(data)], capture_output=True, text=True,
+                           timeout=WAIT, check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
