@@ -71,9 +71,10 @@ def describe(rec: jf.Record) -> str:
     """One human-readable line for one record."""
     if isinstance(rec, jf.Put):
         exp = f" expires={_ms(rec.expire_time_ms)}" if rec.expire_time_ms is not None else ""
+        flags = f" flags={rec.flags}" if rec.flags else ""  # a FLAGS record led the PUT
         return (
             f"PUT id={rec.id} size={len(rec.data)} errors={rec.error_count} "
-            f"added={_ms(rec.add_time_ms)}{exp} data={_preview(rec.data)}"
+            f"added={_ms(rec.add_time_ms)}{exp}{flags} data={_preview(rec.data)}"
         )
     if isinstance(rec, jf.ReadHead):
         return f"READ_HEAD id={rec.id}"

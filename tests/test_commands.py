@@ -144,8 +144,34 @@ def test_memcache_joins_pipelined_sets_and_plain_gets() -> None:
     assert alone.command == c.Get("q", None, exclusive=True)  # the shared request is intact
 
 
+def test_memcache_sets_join_only_with_the_same_flags_and_values_carry_them() -> None:
+    codec = mcc.MemcacheCodec(LIMITS)
+    codec.receive_data(b"set q 5 0 1\r\na\r\nset q 5 0 1\r\nb\r\nset q 0 0 1\r\nc\r\n"
+                       b"set q 0 0 1\r\nd\r\nset q 4294967295 0 1\r\ne\r\n")
+    five, zero, top = codec.next_requests(100)
+    assert isinstance(five, c.Request) and five.count == 2
+    assert five.command == c.Put("q", [b"a", b"b"], flags=5)
+    assert [p.command for p in five.split()] == [c.Put("q", (d,), flags=5) for d in (b"a", b"b")]
+    assert isinstance(zero, c.Request) and zero.command == c.Put("q", [b"c", b"d"])
+    assert zero.command.flags == 0
+    assert isinstance(top, c.Request) and top.count == 1
+    assert top.command == c.Put("q", [b"e"], flags=2**32 - 1)
+    (get,) = decode_all(codec, b"get q\r\n")
+    assert isinstance(get, c.Request)
+    items = [Item(1, b"a", 0, flags=5), Item(2, b"c", 0), Item(3, b"e", 0, flags=2**32 - 1)]
+    assert codec.encode(get, c.Items(items[:1])) == b"VALUE q 5 1\r\na\r\nEND\r\n"
+    joined = c.Request(c.Get("q", max_items=3, exclusive=True), get.context, "get", count=3)
+    assert codec.encode(joined, c.Items(items)) == (
+        b"VALUE q 5 1\r\na\r\nEND\r\nVALUE q 0 1\r\nc\r\nEND\r\n"
+        b"VALUE q 4294967295 1\r\ne\r\nEND\r\n")
+    (mon,) = decode_all(codec, b"monitor q+r 1\r\n")
+    assert isinstance(mon, c.Request)
+    assert codec.encode_item(mon, items[2]) == b"VALUE q+r 4294967295 1\r\ne\r\n"
+
+
 _LINES = st.sampled_from([
     b"set a 0 0 1\r\nx\r\n", b"set a 0 0 2\r\nyy\r\n", b"set b 0 0 1\r\nz\r\n",
+    b"set a 7 0 1\r\nf\r\n", b"set a 4294967295 0 1\r\ng\r\n",
     b"set a 0 5 1\r\nt\r\n", b"set a 0 0 1 noreply\r\nn\r\n", b"get a\r\n", b"get b\r\n",
     b"get a/open\r\n", b"get a/peek\r\n", b"version\r\n", b"bogus\r\n",
     b"set a 0 0 1\r\nxBAD\r\n",
@@ -177,7 +203,8 @@ def _shape(r: object) -> object:
     if isinstance(r, c.Request):
         cmd = r.command
         if isinstance(cmd, c.Put):
-            return ("put", cmd.queue, tuple(cmd.items), cmd.ttl_ms, r.context.noreply)
+            return ("put", cmd.queue, tuple(cmd.items), cmd.ttl_ms, cmd.flags,
+                    r.context.noreply)
         if isinstance(cmd, c.Get):
             return ("get", cmd.queue, cmd.open, cmd.peek, cmd.max_items)
         return type(cmd).__name__
@@ -214,6 +241,21 @@ def test_rpc_notifications_get_no_reply_and_refused_ones_are_errors_without_one(
     assert codec.encode(put, c.Stored(1)) == b""
     assert isinstance(refused, ProtocolError) and refused.reply == b"" and not refused.close
     assert isinstance(bad, ProtocolError) and bad.reply == b"" and not bad.close
+
+
+def test_rpc_put_flags_and_get_items_with_their_flags_only_when_asked() -> None:
+    codec = rpcc.RpcCodec(LIMITS)
+    put, plain, flagged = decode_all(codec, rp.encode_request(1, "put", ["q", [b"a"], 0, 16])
+                                     + rp.encode_request(2, "get", ["q", 5])
+                                     + rp.encode_request(3, "get", ["q", 5, 0, 0, True]))
+    assert isinstance(put, c.Request) and put.command == c.Put("q", [b"a"], flags=16)
+    items = c.Items([Item(7, b"a", 0, flags=16), Item(8, b"b", 0)])
+    assert isinstance(plain, c.Request) and isinstance(flagged, c.Request)
+    assert plain.command == flagged.command  # the same get; only its reply differs
+    assert codec.encode(plain, items) == rp.encode_response(2, [[7, b"a"], [8, b"b"]])
+    assert codec.encode(flagged, items) == rp.encode_response(3, [[7, b"a", 16], [8, b"b", 0]])
+    assert codec.encode(flagged, c.Failure(c.ErrorKind.BUSY, "busy")) == rp.encode_error(
+        3, rp.ErrorCode.BUSY, "busy")
 
 
 def test_rpc_get_is_open_with_auto_abort_and_capped_to_half_a_frame() -> None:

@@ -189,6 +189,33 @@ async def test_compaction_deletes_dead_and_rewrites_stragglers(tmp_path: Path) -
     assert dd2.report.truncated_bytes == 0
 
 
+async def test_compaction_keeps_memcache_flags_of_stragglers(tmp_path: Path) -> None:
+    def flags_of(i: int) -> int:
+        return [0, 1, 16, 2**32 - 1][i % 4]
+
+    async with open_data_dir(tmp_path, queue_config=lambda _: cfg(journal_size=2000)) as dd:
+        q = dd.queue("q")
+        for i in range(1, 121):
+            await q.append([data_for(i)], T0, flags=flags_of(i))
+        stragglers = {30, 77, 78, 79}  # still needed; the rest through 100 is confirmed
+        await q.write_checkpoint("", 29, [i for i in range(31, 101) if i not in stragglers])
+        result = await q.compact()
+        assert result.rewritten >= 2
+        kept = [(p.id, p.flags, p.data) for p in q.iter_unconsumed("")]
+    expected = [(i, flags_of(i), data_for(i)) for i in [*sorted(stragglers), *range(101, 121)]]
+    assert kept == expected
+    dd2 = DataDir.open(tmp_path)
+    q2 = dd2.queues["q"]
+    assert any(s.compacted_from is not None for s in q2.segments)
+    assert [(p.id, p.flags, p.data) for p in q2.iter_unconsumed("")] == expected
+    # The rewritten segment holds FLAGS records for exactly the flagged stragglers.
+    out = next(s for s in q2.segments if s.compacted_from is not None)
+    flagged = [d.record.id for d in jf.decode_all(out.path.read_bytes())
+               if isinstance(d.record, jf.Put) and d.record.flags]
+    assert flagged
+    assert flagged == [i for i in sorted(stragglers) if flags_of(i) and i <= out.last_id]
+
+
 async def test_dead_segments_move_to_archive_dir(tmp_path: Path) -> None:
     data, archive = tmp_path / "data", tmp_path / "archive"
     conf = DataDirConfig(archive_dir=archive)

@@ -177,6 +177,15 @@ def test_readme_check_record_example_is_true() -> None:
     assert "72 1e000000 ed70c2c3" in readme and "72 00000000 93d168e1" in readme
 
 
+def test_readme_flags_record_example_is_true() -> None:
+    """The FLAGS record the README shows before the PUT of `hello` with flags 16."""
+    plain = jf.encode_put(jf.Put(1, b"hello", 1_700_000_000_000))
+    flagged = jf.encode_put(jf.Put(1, b"hello", 1_700_000_000_000, flags=16))
+    assert flagged.hex() == "41" "10000000" + plain.hex()
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "41 10000000" in readme and "| **FLAGS** (ours) | `0x41` |" in readme
+
+
 async def test_bad_item_in_a_batch_changes_nothing(tmp_path: Path) -> None:
     async with open_data_dir(tmp_path) as dd:
         q = dd.queue("q")

@@ -10,6 +10,7 @@ must give only our own errors.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
@@ -55,6 +56,7 @@ I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 PUT_HDR = 1 + 4 * 6
 PUT_EXPIRE_HDR = 1 + 4 * 8
 CHECK_LEN = 1 + 4 * 2
+FLAGS_LEN = 1 + 4 * 1  # ours (DESIGN.md / README): command 4, one word of u32 flags
 MAGIC_LEN = 4
 
 
@@ -87,7 +89,9 @@ EMPTY_CHECK_CRC = 0xE168D193
 
 
 def put_len(p: Put) -> int:
-    return (PUT_HDR if p.expire_time_ms is None else PUT_EXPIRE_HDR) + len(p.data)
+    """Bytes of a PUT (led by its FLAGS record when it has flags: one decoded record)."""
+    flags = FLAGS_LEN if p.flags else 0
+    return flags + (PUT_HDR if p.expire_time_ms is None else PUT_EXPIRE_HDR) + len(p.data)
 
 
 # -- walking a decoder ------------------------------------------------------------
@@ -143,16 +147,18 @@ def run_events(
 
 
 def run_batches(
-    chunks: Sequence[bytes], dec: RecordDecoder | None = None, puts: list[int] | None = None
+    chunks: Sequence[bytes], dec: RecordDecoder | None = None, puts: list[int] | None = None,
+    flags: dict[int, int] | None = None,
 ) -> tuple[list[Batch], Outcome, RecordDecoder]:
-    """Like run_events, through next_batch (which appends PUT offsets to `puts`)."""
+    """Like run_events, through next_batch (which appends PUT offsets to `puts` and sets
+    the flags of PUTs led by a FLAGS record in `flags`)."""
     dec = RecordDecoder() if dec is None else dec
     batches: list[Batch] = []
 
     def drain(at_eof: bool) -> Outcome | None:
         while True:
             try:
-                ev = dec.next_batch(puts)
+                ev = dec.next_batch(puts, flags)
             except CorruptRecordError as exc:
                 return exc
             if ev is NEED_DATA:
@@ -231,6 +237,7 @@ def test_magic_and_command_bytes() -> None:
     assert (jf.PUT_BYTE, jf.PUT_EXPIRE_BYTE) == (0x86, 0x88)
     assert (jf.READ_HEAD_BYTE, jf.READ_DONE_BYTE) == (0x02, 0x91)
     assert (jf.CHECK_BYTE, jf.COMPACTED_BYTE) == (0x72, 0x64)
+    assert jf.FLAGS_BYTE == 0x41 and jf.FLAGS_RECORD_SIZE == FLAGS_LEN
 
 
 GOLDEN_WRITER = [
@@ -288,9 +295,91 @@ GOLDEN_READER = [
 ]
 
 
-@pytest.mark.parametrize(("record", "hexbytes"), GOLDEN_WRITER + GOLDEN_READER)
+#: Items with memcache flags: a FLAGS record (command 4, one word) leads the PUT; both
+#: are one decoded Put. Flags 0 write nothing more (the plain goldens above).
+GOLDEN_FLAGGED = [
+    pytest.param(
+        Put(1, b"hello", 1700000000000, flags=0x10),
+        "41 10000000 86 05000000 00000000 0100000000000000 0068e5cf8b010000 68656c6c6f",
+        id="put-flags",
+    ),
+    pytest.param(
+        Put(2, b"", 1321401903634, expire_time_ms=1321401963634, error_count=2,
+            flags=0xFFFFFFFF),
+        "41 ffffffff 88 00000000 02000000 0200000000000000 12eab0a933010000 72d4b1a933010000",
+        id="put-expire-flags-max",
+    ),
+]
+
+
+@pytest.mark.parametrize(("record", "hexbytes"), GOLDEN_WRITER + GOLDEN_READER + GOLDEN_FLAGGED)
 def test_golden_encode(record: jf.Record, hexbytes: str) -> None:
     assert jf.encode_record(record) == h(hexbytes)
+
+
+@pytest.mark.parametrize(("record", "hexbytes"), GOLDEN_FLAGGED)
+def test_golden_decode_flagged_put(record: jf.Record, hexbytes: str) -> None:
+    raw = h(hexbytes)
+    assert jf.decode_all(h("27642603") + raw) == [Decoded(record, 4, 4 + len(raw))]
+    assert jf.record_length(raw, 0) == FLAGS_LEN  # the FLAGS record alone, as seed readers see
+    assert jf.record_length(raw, FLAGS_LEN) == len(raw) - FLAGS_LEN
+
+
+def test_flags_zero_costs_no_bytes_and_out_of_range_is_refused() -> None:
+    plain = Put(7, b"data", 1000, 2000, 1)
+    assert jf.encode_put(Put(7, b"data", 1000, 2000, 1, flags=0)) == jf.encode_put(plain)
+    assert jf.flags_record(0) == b""
+    for expire in (None, 5):
+        bare = jf.put_header_packer(1000, expire, 2)
+        assert jf.put_header_packer(1000, expire, 2, 0)(4, 9) == bare(4, 9)
+        assert jf.put_header_packer(1000, expire, 2, 3)(4, 9) == h("41 03000000") + bare(4, 9)
+    for bad in (-1, 2**32):
+        with pytest.raises(ValueError):
+            jf.encode_put(Put(7, b"", 0, flags=bad))
+        with pytest.raises(ValueError):
+            jf.put_header_packer(0, None, 0, bad)
+
+
+def test_flagged_puts_in_a_sealed_batch_fast_path() -> None:
+    body = (jf.encode_put(Put(1, b"a", 5)) + jf.encode_put(Put(2, b"bb", 5, flags=2))
+            + jf.encode_put(Put(3, b"c", 5, 9, flags=16)))
+    blob = WRITER_MAGIC + EMPTY_CHECK + body + check_rec(body, 13)
+    # Offsets by hand: PUT 1 at 13 (26 bytes), FLAGS at 39, PUT 2 at 44 (27), FLAGS at
+    # 71, PUT 3 at 76.
+    for cuts in ([], range(1, len(blob))):
+        offsets: list[int] = []
+        flags: dict[int, int] = {}
+        dec = RecordDecoder()
+        for chunk in [*split_at(blob, cuts), b""]:
+            dec.receive_data(chunk)
+            while isinstance(ev := dec.next_batch(offsets, flags), Batch):
+                pass
+        assert ev == EndOfData(len(blob), zero_byte=False)
+        assert offsets == [13, 44, 76]
+        assert {o: f for o, f in flags.items() if o in offsets} == {44: 2, 76: 16}
+    got = [d for d in jf.decode_all(blob) if isinstance(d.record, Put)]
+    assert [(d.offset, d.record.flags) for d in got] == [(13, 0), (39, 2), (71, 16)]
+
+
+@pytest.mark.parametrize("after", [
+    pytest.param("72 00000000 00000000", id="check"),
+    pytest.param("41 01000000", id="flags-again"),
+    pytest.param("02 0100000000000000", id="read-head"),
+    pytest.param("31 00000000", id="unknown"),
+])
+def test_flags_record_not_followed_by_a_put_is_corrupt(after: str) -> None:
+    body = h("41 07000000") + h(after) + jf.encode_put(Put(1, b"x", 5))
+    blob = WRITER_MAGIC + EMPTY_CHECK + body + check_rec(body, 13)
+    with pytest.raises(CorruptRecordError) as ev_err:
+        jf.decode_all(blob)
+    _, b_end, _ = run_batches([blob])
+    assert isinstance(b_end, CorruptRecordError)
+    assert ev_err.value.offset == b_end.offset == 13
+    # A FLAGS record with another word count is corrupt too; alone at the end, torn.
+    with pytest.raises(CorruptRecordError):
+        jf.decode_all(WRITER_MAGIC + h("42 07000000 00000000") + jf.encode_put(Put(1, b"", 5)))
+    _, end, _ = run_events([WRITER_MAGIC + h("41 07000000")])
+    assert end == TornTail(4, FLAGS_LEN)
 
 
 @pytest.mark.parametrize(("record", "hexbytes"), GOLDEN_WRITER + GOLDEN_READER)
@@ -407,6 +496,7 @@ put_specs = st.tuples(
     st.integers(I64_MIN, I64_MAX),  # add_time
     st.none() | st.integers(I64_MIN, I64_MAX),  # expire_time
     st.integers(I32_MIN, I32_MAX),  # error_count
+    st.just(0) | st.integers(0, jf.MAX_FLAGS),  # memcache flags (0 often: no FLAGS record)
 )
 
 
@@ -417,9 +507,9 @@ def put_batches(draw: st.DrawFn) -> list[list[Put]]:
     out: list[list[Put]] = []
     for batch in shape:
         puts = []
-        for gap, data, added, expire, errors in batch:
+        for gap, data, added, expire, errors, flags in batch:
             next_id += gap
-            puts.append(Put(next_id, data, added, expire, errors))
+            puts.append(Put(next_id, data, added, expire, errors, flags))
         out.append(puts)
     return out
 
@@ -566,6 +656,7 @@ fragments = st.one_of(
         lambda b: struct.pack("<Bi", 0x91, len(b)) + b  # READ_DONE size not 8*n
     ),
     st.binary(min_size=4, max_size=4).map(lambda b: b"\x31" + b),  # unknown, no data
+    st.binary(min_size=4, max_size=4).map(lambda b: b"\x41" + b),  # FLAGS (PUT or not after)
     st.binary(max_size=6).map(lambda b: struct.pack("<Bi", 0xA1, len(b)) + b),
     st.binary(min_size=1, max_size=6),  # raw noise
 )
@@ -606,14 +697,19 @@ def test_next_batch_agrees_with_next_event(blob: bytes) -> None:
         assert isinstance(b_end, CorruptRecordError)
         assert b_end.offset == ev_end.offset
         assert type(b_end) is type(ev_end)
-    # The PUT offsets handed out: exactly those of verified batches, in any chunking.
+    # The PUT offsets handed out: exactly those of verified batches, in any chunking (a
+    # Put decoded with its FLAGS record starts there; its PUT record is its last bytes).
     verified = batches[-1].end if batches else 0
-    expected = [d.offset for d in records if isinstance(d.record, Put) and d.end <= verified]
+    puts = [(d.end - put_len(dataclasses.replace(d.record, flags=0)), d.record)
+            for d in records if isinstance(d.record, Put) and d.end <= verified]
+    expected = [at for at, _ in puts]
     for cuts in ([], [len(blob) // 3, 2 * len(blob) // 3], list(range(1, len(blob), 5))):
         offsets: list[int] = []
-        again, _, _ = run_batches(split_at(blob, cuts), puts=offsets)
+        flags: dict[int, int] = {}
+        again, _, _ = run_batches(split_at(blob, cuts), puts=offsets, flags=flags)
         assert again == batches
         assert offsets == expected
+        assert [flags.get(at, 0) for at in offsets] == [p.flags for _, p in puts]
 
 
 # -- 4. torn tail --------------------------------------------------------------------

@@ -28,10 +28,12 @@ async def fill(path: Path, queue: str, n: int, per_append: int = 7) -> None:
         i = 1
         while i <= n:
             batch = [data_for(j) for j in range(i, min(n, i + per_append - 1) + 1)]
+            flags = i if i % 2 else 0  # memcache flags on every other append (FLAGS records)
             if i % 3 == 0:
-                await q.append(batch, T0 + i, expire_time_ms=T0 + 10 * i, error_count=i % 5)
+                await q.append(batch, T0 + i, expire_time_ms=T0 + 10 * i, error_count=i % 5,
+                               flags=flags)
             else:
-                await q.append(batch, T0 + i)
+                await q.append(batch, T0 + i, flags=flags)
             i += per_append
 
 
@@ -43,9 +45,9 @@ def scan_all(path: Path, queue: str, ids: js.IdFilter = ALL, **kw: int) -> list[
     for seg in js.list_segments(path, {queue}):
         for chunk in js.scan_segment(seg.path, ids, **kw):
             cols = chunk.columns()
-            out += [jf.Put(i, d, a, e, c) for i, a, e, c, d in zip(
+            out += [jf.Put(i, d, a, e, c, f) for i, a, e, c, d, f in zip(
                 cols.ids, cols.add_times, cols.expire_times, cols.error_counts, cols.data,
-                strict=True)]
+                cols.flags, strict=True)]
     return out
 
 
@@ -68,6 +70,7 @@ def test_scan_matches_the_journal_in_any_chunking(journal: Path) -> None:
     assert len(js.list_segments(journal, {"q"})) > 5  # several segments
     assert scan_all(journal, "q") == expected
     assert scan_all(journal, "q", chunk_size=7, rows_per_chunk=3) == expected
+    assert {p.flags for p in expected} >= {0, 1, 15, 295}  # flags survive the scans too
 
 
 def test_filters(journal: Path) -> None:

@@ -746,8 +746,8 @@ def test_a_pipelined_request_over_max_batch_is_answered_by_msgid(follow: Any) ->
 
 #: Every method with a full set of valid params (all optional ones given).
 FULL: dict[str, list[Any]] = {
-    "put": ["q", [b"a"], 0],
-    "get": ["q", 1, 0, 0],
+    "put": ["q", [b"a"], 0, 0],
+    "get": ["q", 1, 0, 0, False],
     "confirm": ["q", [1]],
     "abort": ["q", [1]],
     "peek": ["q"],
@@ -759,7 +759,7 @@ FULL: dict[str, list[Any]] = {
     "version": [],
 }
 ARITY: dict[str, tuple[int, int]] = {
-    "put": (2, 3), "get": (2, 4), "confirm": (2, 2), "abort": (2, 2), "peek": (1, 1),
+    "put": (2, 4), "get": (2, 5), "confirm": (2, 2), "abort": (2, 2), "peek": (1, 1),
     "flush": (1, 1), "delete": (1, 1), "flush_all": (0, 0), "stats": (0, 0), "version": (0, 0),
     "auth": (2, 2),
 }
@@ -787,6 +787,8 @@ VALID = [
     ("put", ["q", [b"a", b""]], Put(7, "q", [b"a", b""], 0)),
     ("put", ["q", [], 1000], Put(7, "q", [], 1000)),
     ("put", ["q", [b"a"], 2**53], Put(7, "q", [b"a"], 2**53)),
+    ("put", ["q", [b"a"], 0, 2**32 - 1], Put(7, "q", [b"a"], 0, 2**32 - 1)),
+    ("put", ["q", [b"a"], 5, 16], Put(7, "q", [b"a"], 5, 16)),
     ("put", [b"q", ["h\u00e9", "", "\U0001f600"]],
      Put(7, "q", [b"h\xc3\xa9", b"", b"\xf0\x9f\x98\x80"], 0)),
     ("get", ["q", 1], Get(7, "q", None, 1, 0, 0)),
@@ -794,6 +796,8 @@ VALID = [
     ("get", ["q", 5, 0, 30_000], Get(7, "q", None, 5, 0, 30_000)),
     ("get", [b"q+r", DEFAULT_MAX_BATCH, MAX_MS, MAX_MS],
      Get(7, "q", "r", DEFAULT_MAX_BATCH, MAX_MS, MAX_MS)),
+    ("get", ["q", 2, 0, 0, True], Get(7, "q", None, 2, 0, 0, with_flags=True)),
+    ("get", ["q", 2, 0, 0, False], Get(7, "q", None, 2, 0, 0)),
     ("confirm", ["q+r", [1, 2, 2**64 - 1]], Confirm(7, "q", "r", [1, 2, 2**64 - 1])),
     ("confirm", ["q", []], Confirm(7, "q", None, [])),
     ("abort", ["q", [5]], Abort(7, "q", None, [5])),
@@ -822,7 +826,9 @@ def test_valid_table_covers_every_method() -> None:
 
 def test_optional_params_get_their_defaults() -> None:
     put = parse_call(Request(1, "put", ["q", [b"a"]]))
-    assert isinstance(put, Put) and put.expiration_ms == 0
+    assert isinstance(put, Put) and (put.expiration_ms, put.flags) == (0, 0)
+    get = parse_call(Request(1, "get", ["q", 3, 0, 10]))
+    assert isinstance(get, Get) and get.with_flags is False
     get = parse_call(Request(1, "get", ["q", 3]))
     assert isinstance(get, Get) and (get.timeout_ms, get.auto_abort_ms) == (0, 0)
     get = parse_call(Request(1, "get", ["q", 3, 250]))
@@ -867,6 +873,12 @@ BAD_PARAMS = [
     ("put", ["q", [b"a"], 1.0]),
     ("put", ["q", [b"a"], True]),
     ("put", ["q", [b"a"], None]),
+    ("put", ["q", [b"a"], 0, -1]),
+    ("put", ["q", [b"a"], 0, 2**32]),
+    ("put", ["q", [b"a"], 0, "1"]),
+    ("put", ["q", [b"a"], 0, True]),
+    ("put", ["q", [b"a"], 0, None]),
+    ("put", ["q", [b"a"], 0, 1.0]),
     ("get", [5, 1]),
     ("get", ["q", 0]),
     ("get", ["q", -1]),
@@ -883,6 +895,9 @@ BAD_PARAMS = [
     ("get", ["q", 1, 0, MAX_MS + 1]),
     ("get", ["q", 1, 0, 1.5]),
     ("get", ["q", 1, 0, None]),
+    ("get", ["q", 1, 0, 0, 1]),
+    ("get", ["q", 1, 0, 0, "true"]),
+    ("get", ["q", 1, 0, 0, None]),
     *[(m, params) for m in ("confirm", "abort") for params in (
         ["q", 1], ["q", None], ["q", b"\x01"], ["q", {"1": 1}], ["q", [0]], ["q", [-1]],
         ["q", [True]], ["q", ["1"]], ["q", [1.0]], ["q", [None]], ["q", [1, 0]],

@@ -110,6 +110,37 @@ def test_batch_read_matches_the_journal(spark: Any, tmp_path: Path) -> None:
     assert [r[1] for r in rows(pending)] == [i for i in live if i > 10 and i != 17]
 
 
+
+def test_include_flags_adds_each_items_memcache_flags(spark: Any, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+
+    async def write() -> None:
+        async with open_data_dir(data, queue_config=lambda _: SMALL) as dd:
+            q = dd.queue("f")
+            for i in range(1, 301):
+                await q.append([item("f", i)], T0 + i, flags=(0, 16, 2**32 - 1)[i % 3])
+
+    trio.run(write)
+    puts = list(DataDir.open(data).queues["f"].iter_puts(1))
+    assert len(js.list_segments(data)) > 2 and {p.flags for p in puts} == {0, 16, 2**32 - 1}
+    plain = spark.read.format("queued").load(str(data))
+    assert plain.columns == ["queue", "id", "add_time", "expire_time", "error_count", "data"]
+    df = spark.read.format("queued").option("include_flags", "true").load(str(data))
+    assert df.columns[-1] == "flags" and df.schema["flags"].dataType.simpleString() == "bigint"
+    got = sorted((r[0], r[1], bytes(r[2])) for r in df.select("id", "flags", "data").collect())
+    assert got == [(p.id, p.flags, p.data) for p in puts]
+    stream = (spark.readStream.format("queued").option("include_flags", "true")
+              .option("max_items_per_trigger", "120").load(str(data)))
+    q = (stream.writeStream.format("memory").queryName("flags_stream")
+         .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True)
+         .start())
+    try:
+        assert q.awaitTermination(120)
+    finally:
+        q.stop()
+    streamed = spark.table("flags_stream").select("id", "flags", "data").collect()
+    assert sorted((r[0], r[1], bytes(r[2])) for r in streamed) == got
+
 def _pack_sizes(sizes: list[int], budget: int) -> list[list[int]]:
     """The packing the reader should do: consecutive segments up to `budget` bytes."""
     groups: list[list[int]] = []

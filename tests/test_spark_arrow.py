@@ -14,6 +14,7 @@ from queued.core import journal_format as jf
 from queued.storage import journal_scan as js
 
 try:
+    from queued.spark import arrow
     from queued.spark.arrow import ARROW_SCHEMA, chunk_to_arrow
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"numpy/pyarrow not installed ({exc}); pip install -e '.[spark]'",
@@ -23,7 +24,8 @@ T0 = 1_700_000_000_000
 
 puts_strategy = st.lists(
     st.tuples(st.binary(max_size=300), st.integers(0, 10**6),
-              st.one_of(st.none(), st.integers(0, 10**6)), st.integers(0, 2**31 - 1)),
+              st.one_of(st.none(), st.integers(0, 10**6)), st.integers(0, 2**31 - 1),
+              st.just(0) | st.integers(0, jf.MAX_FLAGS)),  # memcache flags: 0 most often
     max_size=60)
 
 
@@ -47,13 +49,13 @@ def write_segment(path: Path, puts: list[jf.Put], batch_sizes: list[int],
 
 
 def arrow_rows(queue: str, path: Path, ids: js.IdFilter, live_at: int = 0,
-               **kw: int) -> list[tuple[object, ...]]:
+               flags: bool = False, **kw: int) -> list[tuple[object, ...]]:
     out: list[tuple[object, ...]] = []
     for chunk in js.scan_segment(path, ids, **kw):
-        batch = chunk_to_arrow(queue, chunk, live_at)
-        assert batch.schema == ARROW_SCHEMA
+        batch = chunk_to_arrow(queue, chunk, live_at, flags)
+        assert batch.schema == (arrow.ARROW_SCHEMA_FLAGS if flags else ARROW_SCHEMA)
         out += [(r["queue"], r["id"], r["add_time"], r["expire_time"], r["error_count"],
-                 r["data"]) for r in batch.to_pylist()]
+                 r["data"], *([r["flags"]] if flags else [])) for r in batch.to_pylist()]
     return out
 
 
@@ -61,12 +63,12 @@ def python_rows(queue: str, path: Path, ids: js.IdFilter, **kw: int) -> list[jf.
     out: list[jf.Put] = []
     for chunk in js.scan_segment(path, ids, **kw):
         c = chunk.columns()
-        out += [jf.Put(i, bytes(d), a, e, n) for i, a, e, n, d in zip(
-            c.ids, c.add_times, c.expire_times, c.error_counts, c.data, strict=True)]
+        out += [jf.Put(i, bytes(d), a, e, n, f) for i, a, e, n, d, f in zip(
+            c.ids, c.add_times, c.expire_times, c.error_counts, c.data, c.flags, strict=True)]
     return out
 
 
-def as_row(queue: str, p: jf.Put) -> tuple[object, ...]:
+def as_row(queue: str, p: jf.Put, flags: bool = False) -> tuple[object, ...]:
     import datetime as dt
 
     def ts(ms: int | None) -> dt.datetime | None:
@@ -74,7 +76,8 @@ def as_row(queue: str, p: jf.Put) -> tuple[object, ...]:
             return None
         return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=ms)
 
-    return (queue, p.id, ts(p.add_time_ms), ts(p.expire_time_ms), p.error_count, p.data)
+    return (queue, p.id, ts(p.add_time_ms), ts(p.expire_time_ms), p.error_count, p.data,
+            *([p.flags] if flags else []))
 
 
 @settings(max_examples=60, deadline=None,
@@ -84,11 +87,12 @@ def as_row(queue: str, p: jf.Put) -> tuple[object, ...]:
        rows=st.sampled_from([1, 3, 1000]), after=st.integers(0, 70), upto=st.integers(0, 70),
        skip=st.frozensets(st.integers(1, 70), max_size=8), live_at=st.integers(0, 10**6))
 def test_arrow_equals_python_and_the_records(
-        tmp_path: Path, raw: list[tuple[bytes, int, int | None, int]], batch_sizes: list[int],
+        tmp_path: Path, raw: list[tuple[bytes, int, int | None, int, int]],
+        batch_sizes: list[int],
         sealed: bool, chunk_size: int, rows: int, after: int, upto: int,
         skip: frozenset[int], live_at: int) -> None:
-    puts = [jf.Put(i + 1, data, T0 + added, None if exp is None else T0 + exp, errors)
-            for i, (data, added, exp, errors) in enumerate(raw)]
+    puts = [jf.Put(i + 1, data, T0 + added, None if exp is None else T0 + exp, errors, flags)
+            for i, (data, added, exp, errors, flags) in enumerate(raw)]
     path = tmp_path / "q.1"
     write_segment(path, puts, batch_sizes, sealed)
     ids = js.IdFilter(after, upto, skip)
@@ -100,6 +104,10 @@ def test_arrow_equals_python_and_the_records(
     cut = T0 + live_at
     assert arrow_rows("q", path, ids, cut, **kw) == [
         as_row("q", p) for p in wanted if p.expire_time_ms is None or p.expire_time_ms > cut]
+    # With the flags column (include_flags): each item's flags, expired ones left out alike.
+    assert arrow_rows("q", path, ids, cut, True, **kw) == [
+        as_row("q", p, True) for p in wanted
+        if p.expire_time_ms is None or p.expire_time_ms > cut]
 
 
 def test_a_torn_tail_and_an_empty_chunk(tmp_path: Path) -> None:
@@ -113,3 +121,6 @@ def test_a_torn_tail_and_an_empty_chunk(tmp_path: Path) -> None:
     chunk = next(js.scan_segment(path, js.IdFilter(after=0, upto=1)))
     assert chunk_to_arrow("q", chunk, T0 + 10).num_rows == 0
     assert chunk_to_arrow("q", js.PutChunk(b"", 0, []), 0).schema == ARROW_SCHEMA
+    assert chunk_to_arrow("q", js.PutChunk(b"", 0, []), 0, True).schema == (
+        arrow.ARROW_SCHEMA_FLAGS)
+    assert chunk_to_arrow("q", chunk, T0 + 10, True).num_rows == 0

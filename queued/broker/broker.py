@@ -110,14 +110,17 @@ class Broker:
         *,
         expire_ms: int | None = None,
         error_count: int = 0,
+        flags: int = 0,
     ) -> int:
         """Journal `datas`; returns once durable under the queue's fsync policy.
 
-        `expire_ms` is absolute unix milliseconds. Raises QueueFullError,
-        ItemTooLargeError, JournalError (write failures, journal full), ValueError.
+        `expire_ms` is absolute unix milliseconds; `flags` are the items' memcache
+        flags (u32). Raises QueueFullError, ItemTooLargeError, JournalError (write
+        failures, journal full), ValueError.
         """
         self.counters.cmd_set += 1
-        entry = await self.begin_put(queue, datas, expire_ms=expire_ms, error_count=error_count)
+        entry = await self.begin_put(queue, datas, expire_ms=expire_ms, error_count=error_count,
+                                     flags=flags)
         # Shielded: the readers must hear about every durable put, in id order,
         # even if the caller is cancelled. The wait is one writer round.
         with trio.CancelScope(shield=True):
@@ -131,6 +134,7 @@ class Broker:
         *,
         expire_ms: int | None = None,
         error_count: int = 0,
+        flags: int = 0,
     ) -> PendingPut:
         """First half of `put`: checks, limits, ids; hands the items to the writer.
 
@@ -141,7 +145,7 @@ class Broker:
         """
         started = time.perf_counter()
         pending = await self.registry.queue(queue).begin_put(
-            datas, expire_ms=expire_ms, error_count=error_count)
+            datas, expire_ms=expire_ms, error_count=error_count, flags=flags)
         pending.started = started
         return pending
 

@@ -24,7 +24,7 @@ from queued.broker.readback import read_range, segment_sizes
 from queued.core import journal_format as jf
 from queued.core.errors import ItemTooLargeError, JournalError, QueueClosedError, QueueFullError
 from queued.core.queue import Item
-from queued.storage.journal import QueueJournal, Ticket, wait_durable
+from queued.storage.journal import QueueJournal, Ticket, put_overhead, wait_durable
 from queued.storage.recovery import SegmentInfo
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class QueueState:
     # -- puts --------------------------------------------------------------------------------
 
     async def begin_put(
-        self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int
+        self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0
     ) -> PendingPut:
         """Checks, limits, ids; hands the items to the writer (see Broker.begin_put)."""
         cfg = self.config
@@ -143,10 +143,10 @@ class QueueState:
         if cfg.max_items or cfg.max_size or self.limited():
             await self.make_room(n, nbytes)
         if self.journal.config.max_journal_size:
-            await self.journal.make_room(nbytes + jf.PUT_EXPIRE_HEADER_SIZE * n)
+            await self.journal.make_room(nbytes + put_overhead(flags) * n)
         if self.deleted:
             raise QueueClosedError(f"queue {self.name!r} was deleted")
-        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count)
+        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags)
         entry = Inflight(puts, nbytes)
         self.inflight.append(entry)
         self.inflight_items += n

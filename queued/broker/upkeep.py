@@ -11,11 +11,13 @@ round from taking the server down.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import trio
@@ -143,15 +145,19 @@ class Upkeep:
         self, qs: QueueState, h: Handle, items: list[Item], target: str, keep_errors: bool
     ) -> None:
         """Error-queue moves keep each item's error count (one put each); expiry moves
-        are one put. Then the items are consumed here, or go back / are dropped."""
+        are one put per run of items with the same flags (one in all, usually). Every
+        item keeps its memcache flags. Then the items are consumed here, or go back /
+        are dropped."""
         self._moves += 1
         moved = False
         try:
             if keep_errors:
                 for it in items:
-                    await self.broker.put(target, [it.data], error_count=it.error_count)
+                    await self.broker.put(target, [it.data], error_count=it.error_count,
+                                          flags=it.flags)
             else:
-                await self.broker.put(target, [it.data for it in items])
+                for flags, run in itertools.groupby(items, key=attrgetter("flags")):
+                    await self.broker.put(target, [it.data for it in run], flags=flags)
             moved = True
         except MOVE_ERRORS as exc:
             log.error("queue %s: could not move %d items to %s: %s",

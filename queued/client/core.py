@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
 from queued.core.errors import QueuedError
-from queued.core.rpc_protocol import ErrorCode
+from queued.core.rpc_protocol import MAX_FLAGS, ErrorCode
 
 DEFAULT_PORT: Final = 2229
 
@@ -177,6 +177,9 @@ class Item:
     server: str  #: "host:port" of the server it came from
     #: Client-local serial of the connection holding its open read; 0 for a plain get.
     connection: int = 0
+    #: Its memcache flags (u32): from a memcache `set`, or a put with flags. Only a get
+    #: with `with_flags=True` reads them; 0 otherwise.
+    flags: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,16 +364,24 @@ def int_result(result: Any, method: str) -> int:
 
 
 def to_items(result: Any, queue: str, server: str, serial: int) -> list[Item]:
+    """A get's items: [id, data] each, or [id, data, flags] when it asked for flags."""
     if not isinstance(result, list):
         raise BadResponse(f"get answered {type(result).__name__}, not an array")
     out = []
     for pair in result:
-        if (not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int
-                or not isinstance(pair[1], bytes | str)):
-            raise BadResponse(f"get answered an item {pair!r:.80}, not [id, data]")
+        if (not isinstance(pair, list) or not 2 <= len(pair) <= 3 or type(pair[0]) is not int
+                or not isinstance(pair[1], bytes | str)
+                or (len(pair) == 3 and (type(pair[2]) is not int
+                                        or not 0 <= pair[2] <= MAX_FLAGS))):
+            raise BadResponse(f"get answered an item {pair!r:.80}, not [id, data(, flags)]")
         data = pair[1].encode() if isinstance(pair[1], str) else pair[1]
-        out.append(Item(pair[0], data, queue, server, serial))
+        out.append(Item(pair[0], data, queue, server, serial, pair[2] if len(pair) == 3 else 0))
     return out
+
+
+def check_flags(flags: int) -> None:
+    if type(flags) is not int or not 0 <= flags <= MAX_FLAGS:
+        raise ValueError(f"flags must be an integer in [0, {MAX_FLAGS}], not {flags!r}")
 
 
 def _sum(a: int, b: int) -> int:

@@ -27,6 +27,7 @@ from queued.client.core import (
     Servers,
     ServerState,
     all_failed,
+    check_flags,
     check_get,
     check_timeouts,
     encode_items,
@@ -236,25 +237,31 @@ class Client:
             _, _, result = self._failover(order, method, list(params), self.read_timeout)
         return result
 
-    def put(self, queue: str, items: Data | Iterable[Data], expiration_ms: int = 0) -> int:
+    def put(self, queue: str, items: Data | Iterable[Data], expiration_ms: int = 0,
+            flags: int = 0) -> int:
         """Store items (bytes, or str as UTF-8; a single one or an iterable) on one server.
 
-        Returns how many were stored. expiration_ms is relative; 0 = never.
+        Returns how many were stored. expiration_ms is relative; 0 = never. flags: every
+        item's memcache flags (u32), what a memcache get answers with them.
         """
         batch = encode_items(items)
+        check_flags(flags)
+        params: list[Any] = [queue, batch, expiration_ms]
+        if flags:  # (servers before flags take three params)
+            params.append(flags)
         with self._gate:
             order = self._pool.order("put", now())
-            _, _, result = self._failover(order, "put", [queue, batch, expiration_ms],
-                                          self.read_timeout)
+            _, _, result = self._failover(order, "put", params, self.read_timeout)
         return int_result(result, "put")
 
     def get(self, queue: str, max_items: int = 1, timeout_ms: int = 0,
-            auto_abort_ms: int = 0) -> list[Item]:
+            auto_abort_ms: int = 0, *, with_flags: bool = False) -> list[Item]:
         """Up to max_items items, waiting up to timeout_ms for the first; [] if none came.
 
         auto_abort_ms > 0 makes each item an open read held by this client's connection
         to its server: confirm() it, or it returns to the queue after auto_abort_ms or
         when the connection closes. 0 removes the items at once (at most once).
+        with_flags: fill each Item's flags (memcache flags) too.
         """
         check_get(max_items, timeout_ms, auto_abort_ms)
         with self._gate:
@@ -262,28 +269,30 @@ class Client:
             order = self._pool.order("get", now())
             if len(order) == 1:
                 return self._get_from(order, queue, max_items, timeout_ms,
-                                      auto_abort_ms, first_answer=True)
+                                      auto_abort_ms, with_flags, first_answer=True)
             while True:
                 items = self._get_from(order, queue, max_items, 0, auto_abort_ms,
-                                       first_answer=False)
+                                       with_flags, first_answer=False)
                 left_ms = int((deadline - now()) * 1000)
                 if items or left_ms <= 0:
                     return items
                 wait_ms = min(left_ms, int(self.poll_slice * 1000))
                 order = self._pool.order("get", now())  # skips any just failed
                 items = self._get_from(order, queue, max_items, wait_ms, auto_abort_ms,
-                                       first_answer=True)
+                                       with_flags, first_answer=True)
                 if items:
                     return items
                 order = self._pool.order("get", now())
 
     def _get_from(self, order: list[ServerState], queue: str, max_items: int,
-                  timeout_ms: int, auto_abort_ms: int, *,
+                  timeout_ms: int, auto_abort_ms: int, with_flags: bool, *,
                   first_answer: bool) -> list[Item]:
         """Ask the servers in order until one has items (or, first_answer, until one answers)."""
         errors: list[ClientError] = []
         wait = timeout_ms / 1000 + self.read_timeout
-        params = [queue, max_items, timeout_ms, auto_abort_ms]
+        params: list[Any] = [queue, max_items, timeout_ms, auto_abort_ms]
+        if with_flags:  # (servers before flags take four params)
+            params.append(True)
         for server in order:
             try:
                 serial, result = self._on(server, "get", params, wait)
@@ -352,8 +361,8 @@ class Client:
     # -- reliable processing
 
     @contextmanager
-    def reserve(self, queue: str, timeout_ms: int = 0,
-                auto_abort_ms: int = 60_000) -> Generator[Item | None, None, None]:
+    def reserve(self, queue: str, timeout_ms: int = 0, auto_abort_ms: int = 60_000, *,
+                with_flags: bool = False) -> Generator[Item | None, None, None]:
         """Get one item as an open read; confirm it if the body ends normally, abort if it raises.
 
         `with client.reserve(queue) as item:` yields None when no item came within
@@ -363,7 +372,7 @@ class Client:
         """
         if auto_abort_ms <= 0:
             raise ValueError("reserve needs auto_abort_ms > 0")
-        got = self.get(queue, 1, timeout_ms, auto_abort_ms)
+        got = self.get(queue, 1, timeout_ms, auto_abort_ms, with_flags=with_flags)
         item = got[0] if got else None
         try:
             yield item
@@ -376,7 +385,7 @@ class Client:
 
     def consume(self, queue: str, *, batch: int = 100, timeout_ms: int = 1000,
                 auto_abort_ms: int = 0, max_items: int | None = None,
-                stop_when_empty: bool = False) -> Consumer:
+                stop_when_empty: bool = False, with_flags: bool = False) -> Consumer:
         """Items, fetched `batch` at a time, until max_items or (stop_when_empty) an empty
         get; otherwise forever. `with client.consume(queue) as items:`, then
         `for item in items:`; a bare `for` works too.
@@ -392,15 +401,16 @@ class Client:
         if batch < 1 or (max_items is not None and max_items < 0):
             raise ValueError("want batch >= 1 and max_items >= 0")
         return Consumer(self._consume(queue, batch, timeout_ms, auto_abort_ms, max_items,
-                                      stop_when_empty))
+                                      stop_when_empty, with_flags))
 
     def _consume(self, queue: str, batch: int, timeout_ms: int, auto_abort_ms: int,
-                 max_items: int | None,
-                 stop_when_empty: bool) -> Generator[Item, None, None]:
+                 max_items: int | None, stop_when_empty: bool,
+                 with_flags: bool) -> Generator[Item, None, None]:
         got = 0
         while max_items is None or got < max_items:
             want = batch if max_items is None else min(batch, max_items - got)
-            items = self.get(queue, want, timeout_ms, auto_abort_ms)
+            items = self.get(queue, want, timeout_ms, auto_abort_ms,
+                             with_flags=with_flags)
             if not items:
                 if stop_when_empty:
                     return

@@ -40,12 +40,14 @@ from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData
 
 @dataclass(slots=True)
 class Put:
-    """Journal `items`; expiry relative (`ttl_ms`) or absolute (`expire_at_ms`, unix ms)."""
+    """Journal `items`; expiry relative (`ttl_ms`) or absolute (`expire_at_ms`, unix ms);
+    `flags`: every item's memcache flags (u32, kept with the item, 0 for most)."""
 
     queue: str
     items: Sequence[bytes]
     ttl_ms: int | None = None
     expire_at_ms: int | None = None
+    flags: int = 0
 
     def expire_ms(self, now_ms: int) -> int | None:
         if self.expire_at_ms is not None:
@@ -303,9 +305,9 @@ class Request:
     event with its key and noreply, an RPC msgid), and its name for the metrics.
 
     `count` > 1: pipelined wire requests a codec joined into one command (memcache sets
-    to one queue: a Put of `count` items; plain gets of one key: a Get of `count`
-    items), each still answered on its own. A joined put that fails is retried one
-    request at a time (`split`), so each gets its own answer.
+    to one queue with one exptime and the same flags: a Put of `count` items; plain gets
+    of one key: a Get of `count` items), each still answered on its own. A joined put that
+    fails is retried one request at a time (`split`), so each gets its own answer.
     """
 
     command: Command
@@ -318,8 +320,8 @@ class Request:
         cmd = self.command
         if self.count == 1 or type(cmd) is not Put:
             return [self]
-        return [Request(Put(cmd.queue, (d,), cmd.ttl_ms, cmd.expire_at_ms), self.context,
-                        self.name) for d in cmd.items]
+        return [Request(Put(cmd.queue, (d,), cmd.ttl_ms, cmd.expire_at_ms, cmd.flags),
+                        self.context, self.name) for d in cmd.items]
 
 
 #: What a codec's next_requests gives: requests, refusals (their reply is ready), the end.

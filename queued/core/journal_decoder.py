@@ -18,10 +18,14 @@ from queued.core.journal_records import (
     CHECK_STRUCT,
     CMD_CHECK,
     CMD_COMPACTED,
+    CMD_FLAGS,
     CMD_PUT,
     CMD_READ_DONE,
     CMD_READ_HEAD,
     COMPACTED_STRUCT,
+    FLAGS_BYTE,
+    FLAGS_RECORD_SIZE,
+    FLAGS_STRUCT,
     I32_STRUCT,
     I64_STRUCT,
     MAGIC_SIZE,
@@ -77,6 +81,8 @@ def _need(cmd: int) -> tuple[int, str | None]:
         return 0, f"CHECK with {words} header words (must be 2)"
     if command == CMD_COMPACTED and words != 4:
         return 0, f"COMPACTED with {words} header words (must be 4)"
+    if command == CMD_FLAGS and words != 1:
+        return 0, f"FLAGS with {words} header words (must be 1)"
     if command >= 8 and words == 0:
         return 0, f"command {command} carries data but has no header"
     return 1 + 4 * words, None
@@ -93,6 +99,9 @@ class RecordDecoder:
     Checksums: bytes are summed from the end of the previous check record; a
     check record that disagrees raises `ChecksumMismatchError`. `last_check_end`
     is the offset after the last verified check record (the last good batch).
+
+    A FLAGS record and the PUT it leads are one `Put` (with `flags`), decoded from
+    the FLAGS record's offset; a FLAGS record followed by anything else is corrupt.
     """
 
     def __init__(
@@ -180,6 +189,8 @@ class RecordDecoder:
         if avail < hdr:
             return self._short(avail)
         command = cmd >> 4
+        if command == CMD_FLAGS:
+            return self._flagged_put(avail)
         size = 0
         if command >= 8:
             size = I32_STRUCT.unpack_from(buf, pos + 1)[0]
@@ -235,6 +246,40 @@ class RecordDecoder:
         self._pos = pos + total
         return Decoded(record, start, start + total)
 
+    def _flagged_put(self, avail: int) -> Event:
+        """A FLAGS record and the PUT after it, as one Put carrying the flags."""
+        buf, pos, start = self._buf, self._pos, self.offset
+        at = pos + FLAGS_RECORD_SIZE
+        if avail <= FLAGS_RECORD_SIZE:
+            return self._short(avail)
+        cmd = buf[at]
+        if cmd == PUT_BYTE:
+            hdr = PUT_HEADER_SIZE
+        elif cmd == PUT_EXPIRE_BYTE:
+            hdr = PUT_EXPIRE_HEADER_SIZE
+        else:
+            raise CorruptRecordError(start, f"FLAGS record followed by command byte {cmd:#04x}, "
+                                            "not a PUT")
+        if avail < FLAGS_RECORD_SIZE + hdr:
+            return self._short(avail)
+        if hdr == PUT_HEADER_SIZE:
+            _, size, errs, xid, added = PUT_STRUCT.unpack_from(buf, at)
+            expire = None
+        else:
+            _, size, errs, xid, added, expire = PUT_EXPIRE_STRUCT.unpack_from(buf, at)
+        if not 0 <= size <= self.max_data_size:
+            raise CorruptRecordError(start + FLAGS_RECORD_SIZE, f"bad data size {size}")
+        total = FLAGS_RECORD_SIZE + hdr + size
+        if avail < total:
+            return self._short(avail)
+        if xid <= 0:
+            raise CorruptRecordError(start + FLAGS_RECORD_SIZE, f"PUT with non-positive id {xid}")
+        flags = FLAGS_STRUCT.unpack_from(buf, pos)[1]
+        record = Put(xid, bytes(buf[at + hdr : pos + total]), added, expire, errs, flags)
+        self._crc = zlib.crc32(memoryview(buf)[pos : pos + total], self._crc)
+        self._pos = pos + total
+        return Decoded(record, start, start + total)
+
     def _take_magic(self) -> bool:
         buf, pos = self._buf, self._pos
         avail = len(buf) - pos
@@ -261,7 +306,9 @@ class RecordDecoder:
         self.last_check_end = self.offset
         return True
 
-    def next_batch(self, puts: list[int] | None = None) -> Batch | EndOfData | TornTail | Sentinel:
+    def next_batch(
+        self, puts: list[int] | None = None, flags: dict[int, int] | None = None
+    ) -> Batch | EndOfData | TornTail | Sentinel:
         """Fast path for sealed files: skip to the end of the next checked batch.
 
         Walks record headers without building records and verifies the batch's
@@ -271,7 +318,9 @@ class RecordDecoder:
 
         With `puts`, the file offset of each PUT record of a returned `Batch` is
         appended to it (bulk readers take the records' fields from there); nothing
-        is appended when anything else is returned.
+        is appended when anything else is returned. With `flags`, the flags of each
+        PUT led by a FLAGS record are set there under the PUT's offset (it may also
+        get offsets of a batch not yet returned: look up only offsets in `puts`).
         """
         if self._error is not None:
             raise self._error
@@ -279,7 +328,7 @@ class RecordDecoder:
             return self._done
         mark = len(puts) if puts is not None else 0
         try:
-            ev = self._batch(puts)
+            ev = self._batch(puts, flags)
         except CorruptRecordError as exc:
             self._error = exc
             if puts is not None:
@@ -289,7 +338,9 @@ class RecordDecoder:
             del puts[mark:]
         return ev
 
-    def _batch(self, puts: list[int] | None) -> Batch | EndOfData | TornTail | Sentinel:
+    def _batch(
+        self, puts: list[int] | None, flags: dict[int, int] | None
+    ) -> Batch | EndOfData | TornTail | Sentinel:
         if self._magic_pending and not self._take_magic():
             return NEED_DATA
         if self.offset != self.batch_start:
@@ -356,6 +407,17 @@ class RecordDecoder:
                     return self._done
                 self._done = TornTail(base + start, pos - start)
                 return self._done
+            elif cmd == FLAGS_BYTE:  # an item's flags: its PUT follows (the fast loop's)
+                at = pos + FLAGS_RECORD_SIZE
+                if at >= n:
+                    return self._short_batch(start, n)
+                if buf[at] != put_byte and buf[at] != put_expire_byte:
+                    raise CorruptRecordError(base + pos, f"FLAGS record followed by command "
+                                                         f"byte {buf[at]:#04x}, not a PUT")
+                if flags is not None:
+                    flags[base + at] = FLAGS_STRUCT.unpack_from(buf, pos)[1]
+                pos = at
+                continue
             else:
                 hdr, problem = _need(cmd)
                 if problem is not None:

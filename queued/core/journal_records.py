@@ -1,7 +1,7 @@
 """Journal records and their bytes: magic, command bytes, layouts, encoding, decoder events.
 
-Owns the byte layout of seed 002 (Kestrel's journal) plus our check and COMPACTED
-records, and the values decoding yields. PURE: no file, clock, socket or trio
+Owns the byte layout of seed 002 (Kestrel's journal) plus our check, COMPACTED and
+FLAGS records, and the values decoding yields. PURE: no file, clock, socket or trio
 access; queued.core.journal_format is the one import for users.
 """
 
@@ -23,6 +23,7 @@ READER_MAGIC: Final = b"\x26\x3c\x26\x03"
 MAGIC_SIZE: Final = 4
 
 CMD_READ_HEAD: Final = 0
+CMD_FLAGS: Final = 4  # ours: an item's memcache flags, right before its PUT; no data block
 CMD_COMPACTED: Final = 6  # ours: marks a segment rewritten by compaction
 CMD_CHECK: Final = 7  # ours: unused by the seed, no data block, so seed readers skip it
 CMD_PUT: Final = 8
@@ -34,6 +35,7 @@ READ_HEAD_BYTE: Final = 0x02  # command 0, 2 header words
 READ_DONE_BYTE: Final = 0x91  # command 9, 1 header word (the data byte count)
 CHECK_BYTE: Final = 0x72  # command 7, 2 header words: covered length, crc32
 COMPACTED_BYTE: Final = 0x64  # command 6, 4 header words: i64 first, i64 last segment number
+FLAGS_BYTE: Final = 0x41  # command 4, 1 header word: u32 flags of the PUT that follows
 
 #: Record layouts, shared with the decoder. The PUT ones also serve bulk readers
 #: that walk batches `RecordDecoder.next_batch` has verified (journal_scan).
@@ -43,6 +45,7 @@ READ_HEAD_STRUCT = struct.Struct("<Bq")
 READ_DONE_STRUCT = struct.Struct("<Bi")
 CHECK_STRUCT = struct.Struct("<BII")
 COMPACTED_STRUCT = struct.Struct("<Bqq")
+FLAGS_STRUCT = struct.Struct("<BI")
 I64_STRUCT = struct.Struct("<q")
 SIZE_ID_STRUCT = struct.Struct("<xi4xq")  # a PUT's data size and id
 PUT_ID_AT: Final = 9  # a PUT's id (i64): after the command byte, size and error count
@@ -51,9 +54,11 @@ I32_STRUCT = struct.Struct("<i")
 PUT_HEADER_SIZE: Final = PUT_STRUCT.size  # 25
 PUT_EXPIRE_HEADER_SIZE: Final = PUT_EXPIRE_STRUCT.size  # 33
 CHECK_RECORD_SIZE: Final = CHECK_STRUCT.size  # 9
+FLAGS_RECORD_SIZE: Final = FLAGS_STRUCT.size  # 5
 
 MAX_ID: Final = (1 << 63) - 1
 MAX_DATA_SIZE: Final = (1 << 31) - 1
+MAX_FLAGS: Final = (1 << 32) - 1  # memcache flags are 32-bit unsigned
 _U64 = struct.Struct("<Q")
 
 
@@ -83,6 +88,11 @@ class Put:
     Treat it as frozen. It is not declared frozen because one is made per item on
     every hot path (put, recovery, read-behind), and a frozen dataclass's __init__
     costs about 4x more (object.__setattr__ per field).
+
+    `flags`: the item's memcache flags (u32). Non-zero flags are journaled as a FLAGS
+    record right before the PUT (seed readers skip it as an unknown command); flags 0
+    write nothing. The field costs no memory: an object of five slots already takes
+    the allocator's 80-byte size class, which holds a sixth.
     """
 
     id: int
@@ -90,6 +100,7 @@ class Put:
     add_time_ms: int
     expire_time_ms: int | None = None
     error_count: int = 0
+    flags: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +149,13 @@ class Unknown:
 Record = Put | ReadHead | ReadDone | Check | Compacted | Unknown
 
 
+def flags_record(flags: int) -> bytes:
+    """What goes before a PUT for its flags: nothing for 0, else a FLAGS record."""
+    if not 0 <= flags <= MAX_FLAGS:
+        raise ValueError(f"flags out of range (0..{MAX_FLAGS}): {flags}")
+    return FLAGS_STRUCT.pack(FLAGS_BYTE, flags) if flags else b""
+
+
 def encode_put(put: Put) -> bytes:
     data = put.data
     if not 0 < put.id <= MAX_ID:
@@ -154,15 +172,22 @@ def encode_put(put: Put) -> bytes:
             )
     except struct.error as exc:
         raise ValueError(f"PUT field out of range: {exc}") from None
+    if put.flags:
+        return flags_record(put.flags) + head + data
     return head + data
 
 
 def put_header_packer(
-    add_time_ms: int, expire_time_ms: int | None = None, error_count: int = 0
+    add_time_ms: int, expire_time_ms: int | None = None, error_count: int = 0, flags: int = 0
 ) -> Callable[[int, int], bytes]:
-    """A function (data size, id) -> PUT header bytes, for many items sharing the
-    other fields. Raises ValueError at once when a shared field is out of range."""
+    """A function (data size, id) -> PUT header bytes (led by the FLAGS record when
+    `flags` is not 0), for many items sharing the other fields. Raises ValueError at
+    once when a shared field is out of range."""
     try:
+        if flags:
+            lead = flags_record(flags)
+            plain = put_header_packer(add_time_ms, expire_time_ms, error_count)
+            return lambda size, xid: lead + plain(size, xid)
         if expire_time_ms is None:
             PUT_STRUCT.pack(PUT_BYTE, 0, error_count, 1, add_time_ms)
             pack, cmd = PUT_STRUCT.pack, PUT_BYTE

@@ -27,16 +27,20 @@ GET_CACHE: Final = 256
 def put_of(ev: mc.Set, items: Sequence[bytes] | None = None) -> c.Put:
     """exptime: 0 never, negative already expired (as memcached), < 1,000,000 relative
     seconds, else unix seconds. `items`: the Put's (a list others may join), else the
-    event's data alone."""
+    event's data alone. The flags are kept with the items (the parser checked the range)."""
     e = ev.exptime
     items = (ev.data,) if items is None else items
     if e == 0:
-        return c.Put(ev.queue, items)
-    if e < 0:
-        return c.Put(ev.queue, items, ttl_ms=0)
-    if e < RELATIVE_EXPTIME_LIMIT:
-        return c.Put(ev.queue, items, ttl_ms=e * 1000)
-    return c.Put(ev.queue, items, expire_at_ms=e * 1000)
+        put = c.Put(ev.queue, items)
+    elif e < 0:
+        put = c.Put(ev.queue, items, ttl_ms=0)
+    elif e < RELATIVE_EXPTIME_LIMIT:
+        put = c.Put(ev.queue, items, ttl_ms=e * 1000)
+    else:
+        put = c.Put(ev.queue, items, expire_at_ms=e * 1000)
+    if ev.flags:
+        put.flags = ev.flags
+    return put
 
 
 def get_of(ev: mc.Get) -> c.Get:
@@ -71,9 +75,10 @@ def _values(ev: mc.Get, reply: c.Items | c.Done, gets: int = 1) -> bytes:
         return END * gets
     items = reply.items
     if len(items) == 1:
-        return mc.value(ev.key, 0, items[0].data) + END * gets
+        it = items[0]
+        return mc.value(ev.key, it.flags, it.data) + END * gets
     key = ev.key
-    return b"".join([mc.value(key, 0, it.data) + END for it in items]) + END * (
+    return b"".join([mc.value(key, it.flags, it.data) + END for it in items]) + END * (
         gets - len(items))
 
 
@@ -131,9 +136,10 @@ FAILURES: Final[dict[c.ErrorKind, Callable[[str], bytes]]] = {
 
 
 def _joins_set(a: object, b: mc.Set) -> bool:
-    """May set `b` join the request whose context is `a` (one Put, one append)?"""
+    """May set `b` join the request whose context is `a` (one Put, one append)? Only
+    with the same flags: a Put's items share them."""
     return (type(a) is mc.Set and a.queue == b.queue and a.exptime == b.exptime
-            and not a.noreply and not b.noreply)
+            and a.flags == b.flags and not a.noreply and not b.noreply)
 
 
 def _plain(ev: mc.Get) -> bool:
@@ -166,9 +172,9 @@ class MemcacheCodec(c.LineCodec):
 
     def next_requests(self, limit: int) -> list[c.Parsed]:
         """As `commands.next_requests`, joining pipelined requests (`Request.count`):
-        consecutive sets to one queue with one exptime become one Put, consecutive plain
-        gets (no options) of one key one Get of as many items. One pass: this is the
-        hot loop of a memcache connection."""
+        consecutive sets to one queue with one exptime and the same flags become one Put,
+        consecutive plain gets (no options) of one key one Get of as many items. One pass:
+        this is the hot loop of a memcache connection."""
         out: list[c.Parsed] = []
         append = out.append
         next_event = self.parser.next_event
@@ -248,4 +254,4 @@ class MemcacheCodec(c.LineCodec):
     def encode_item(self, request: c.Request, item: Item) -> bytes:
         ev = request.context
         key = f"{ev.queue}+{ev.reader}" if ev.reader else ev.queue
-        return mc.value(key, 0, item.data)
+        return mc.value(key, item.flags, item.data)

@@ -8,6 +8,7 @@ are matched by msgid, so a waiting get does not hold up later calls. PURE.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 from queued.core import commands as c
@@ -27,8 +28,16 @@ def _get(call: rp.Get, max_bytes: int) -> c.Get:
                  open_timeout_ms=auto_abort, max_bytes=max_bytes)
 
 
+@dataclass(frozen=True, slots=True)
+class WithFlags:
+    """The context of a get that asked for its items' flags: [id, data, flags] each."""
+
+    msgid: int
+
+
 COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
-    rp.Put: lambda call: c.Put(call.queue, call.items, ttl_ms=call.expiration_ms or None),
+    rp.Put: lambda call: c.Put(call.queue, call.items, ttl_ms=call.expiration_ms or None,
+                               flags=call.flags),
     rp.Confirm: lambda call: c.Confirm(call.queue, call.reader, ids=call.ids),
     rp.Abort: lambda call: c.Abort(call.queue, call.reader, ids=call.ids),
     rp.Peek: lambda call: c.Peek(call.queue, call.reader),
@@ -41,8 +50,10 @@ COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
 }
 
 
-def _result(reply: c.Reply) -> Any:
+def _result(reply: c.Reply, with_flags: bool = False) -> Any:
     if isinstance(reply, c.Items):
+        if with_flags:
+            return [[it.id, it.data, it.flags] for it in reply.items]
         return [[it.id, it.data] for it in reply.items]
     if isinstance(reply, c.Peeked):
         head = None if reply.item is None else [reply.item.id, reply.item.data]
@@ -82,7 +93,8 @@ CODES: Final[dict[c.ErrorKind, rp.ErrorCode]] = {
 class RpcCodec:
     """One RPC connection's parser and tables (see `queued.core.commands.Codec`).
 
-    A request's context is its msgid, or None for a notification (no reply is sent).
+    A request's context is its msgid, or None for a notification (no reply is sent), or
+    a `WithFlags` holding the msgid of a get that asked for its items' flags.
     """
 
     ordered = False
@@ -123,11 +135,14 @@ class RpcCodec:
             if msgid is None and not exc.close:  # a notification's error has nobody to go to
                 raise ProtocolError(str(exc), reply=b"", close=False) from None
             raise
+        context: int | WithFlags | None = msgid
         if isinstance(call, rp.Get):
             command: c.Command = _get(call, self.max_frame // 2)
+            if call.with_flags and msgid is not None:
+                context = WithFlags(msgid)
         else:
             command = COMMANDS[type(call)](call)
-        return c.Request(command, msgid, ev.method)
+        return c.Request(command, context, ev.method)
 
     def next_requests(self, limit: int) -> list[c.Parsed]:
         return c.next_requests(self, limit)
@@ -144,9 +159,12 @@ class RpcCodec:
         msgid = request.context
         if msgid is None:
             return b""
+        with_flags = type(msgid) is WithFlags
+        if with_flags:
+            msgid = msgid.msgid
         if isinstance(reply, c.Failure):
             return rp.encode_error(msgid, CODES[reply.kind], reply.message)
-        return rp.encode_response(msgid, _result(reply))
+        return rp.encode_response(msgid, _result(reply, with_flags))
 
     def encode_item(self, request: c.Request, item: Item) -> bytes:
         raise NotImplementedError("RPC has no monitor")

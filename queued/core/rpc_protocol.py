@@ -61,6 +61,7 @@ DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024
 DEFAULT_MAX_BATCH: Final = 100_000
 #: Timeouts and auto-abort delays are capped (about 24.8 days), as Kestrel's are i32.
 MAX_MS: Final = 2**31 - 1
+MAX_FLAGS: Final = 2**32 - 1  # memcache flags: 32-bit unsigned
 #: Maps are only small option/stat tables; a request never needs a big one.
 MAX_MAP_LEN: Final = 1024
 #: msgid is a 32-bit unsigned integer in the spec.
@@ -316,6 +317,7 @@ class Put:
     queue: str
     items: list[bytes]
     expiration_ms: int  # relative; 0 = never
+    flags: int = 0  # memcache flags of every item (u32), as a memcache `set` gives them
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +328,7 @@ class Get:
     max_items: int
     timeout_ms: int
     auto_abort_ms: int  # 0 = items are removed; > 0 = open reads, aborted if not confirmed
+    with_flags: bool = False  # items as [id, data, flags] rather than [id, data]
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,7 +442,7 @@ def _arity(msgid: int, method: str, params: list[Any], lo: int, hi: int) -> None
 
 def _put(r: Request, max_batch: int) -> Put:
     p = r.params
-    _arity(r.msgid, "put", p, 2, 3)
+    _arity(r.msgid, "put", p, 2, 4)
     queue, reader = _address(r.msgid, p[0])
     if reader is not None:
         raise RpcError(ErrorCode.BAD_QUEUE_NAME,
@@ -455,12 +458,13 @@ def _put(r: Request, max_batch: int) -> Put:
             raise _bad(r.msgid, "items must be binary or string values")
         items = [it.encode() if isinstance(it, str) else it for it in items]
     expiration = _int(r.msgid, p[2], "expiration_ms", 0, 2**53) if len(p) > 2 else 0
-    return Put(r.msgid, queue, items, expiration)
+    flags = _int(r.msgid, p[3], "flags", 0, MAX_FLAGS) if len(p) > 3 else 0
+    return Put(r.msgid, queue, items, expiration, flags)
 
 
 def _get(r: Request, max_batch: int) -> Get:
     p = r.params
-    _arity(r.msgid, "get", p, 2, 4)
+    _arity(r.msgid, "get", p, 2, 5)
     queue, reader = _address(r.msgid, p[0])
     max_items = _int(r.msgid, p[1], "max_items", 1, 2**63)
     if max_items > max_batch:
@@ -468,7 +472,10 @@ def _get(r: Request, max_batch: int) -> Get:
                        f"{max_batch}", r.msgid, close=True)
     timeout = _int(r.msgid, p[2], "timeout_ms", 0, MAX_MS) if len(p) > 2 else 0
     auto_abort = _int(r.msgid, p[3], "auto_abort_ms", 0, MAX_MS) if len(p) > 3 else 0
-    return Get(r.msgid, queue, reader, max_items, timeout, auto_abort)
+    with_flags = p[4] if len(p) > 4 else False
+    if type(with_flags) is not bool:
+        raise _bad(r.msgid, "with_flags must be true or false")
+    return Get(r.msgid, queue, reader, max_items, timeout, auto_abort, with_flags)
 
 
 def _ids_call(cls: type[Confirm] | type[Abort]) -> Callable[[Request, int], Confirm | Abort]:

@@ -350,9 +350,9 @@ class Session:
     async def _puts(self, requests: list[tuple[c.Request, c.Put]]) -> None:
         """Begin every put of the run, then wait for all: one write, one fsync.
 
-        Consecutive puts to the same queue with the same expiry become one journal append
-        (one id range, one wake-up); if that append is refused, they are retried one by
-        one (a joined request as the requests it stands for) so each gets its own
+        Consecutive puts to the same queue with the same expiry and flags become one journal
+        append (one id range, one wake-up); if that append is refused, they are retried one
+        by one (a joined request as the requests it stands for) so each gets its own
         answer. Shielded: every begun put must be ended.
         """
         with trio.CancelScope(shield=True):
@@ -399,7 +399,8 @@ class Session:
         if items and max(map(len, items)) > limit:
             raise ItemTooLargeError(f"item over the server's max_item_size ({limit} bytes)")
         b = self.broker
-        return await b.begin_put(first.queue, items, expire_ms=first.expire_ms(b.clock()))
+        return await b.begin_put(first.queue, items, expire_ms=first.expire_ms(b.clock()),
+                                 flags=first.flags)
 
     # -- gets (see handlers.Conn) --------------------------------------------------------------
 
@@ -511,5 +512,6 @@ def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c
 
 
 def _same_append(a: c.Put, b: c.Put) -> bool:
-    """Puts that may share one journal append: same queue, same expiry."""
-    return a.queue == b.queue and a.ttl_ms == b.ttl_ms and a.expire_at_ms == b.expire_at_ms
+    """Puts that may share one journal append: same queue, same expiry, same flags."""
+    return (a.queue == b.queue and a.ttl_ms == b.ttl_ms and a.expire_at_ms == b.expire_at_ms
+            and a.flags == b.flags)

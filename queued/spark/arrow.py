@@ -4,8 +4,9 @@ Owns the Arrow schema of the source's rows and the vectorised decoding of a
 `journal_scan.PutChunk`: numpy gathers each header field of every record from the
 chunk's bytes in one indexing step, and Arrow copies the item data out of the same bytes
 (`take` over an array whose elements alternate between data and the bytes in
-between). No per-record Python: a scan's cost is the decoder's walk that verifies
-the batches and finds the records.
+between); the optional flags column places the flags the scan found by offset. No
+per-record Python: a scan's cost is the decoder's walk that verifies the batches and
+finds the records.
 """
 
 from __future__ import annotations
@@ -21,27 +22,35 @@ ARROW_SCHEMA = pa.schema([
     ("expire_time", pa.timestamp("us", tz="UTC")), ("error_count", pa.int32()),
     ("data", pa.binary()),
 ])
+#: With the `include_flags` option: each item's memcache flags (u32) as one more column.
+ARROW_SCHEMA_FLAGS = ARROW_SCHEMA.append(pa.field("flags", pa.int64()))
 
 #: A PUT_EXPIRE header (a PUT's is the same without `expire`), little-endian, packed.
 _HEADER = np.dtype([("cmd", "u1"), ("size", "<i4"), ("errors", "<i4"), ("id", "<i8"),
                     ("added", "<i8"), ("expire", "<i8")])
 assert _HEADER.itemsize == jf.PUT_EXPIRE_HEADER_SIZE == jf.PUT_EXPIRE_STRUCT.size
 _EMPTY = pa.RecordBatch.from_pylist([], schema=ARROW_SCHEMA)
+_EMPTY_FLAGS = pa.RecordBatch.from_pylist([], schema=ARROW_SCHEMA_FLAGS)
 _MS = pa.timestamp("ms", tz="UTC")
 _US = pa.timestamp("us", tz="UTC")
+_ZERO = pa.scalar(0, pa.int64())
 
 
-def chunk_to_arrow(queue: str, chunk: PutChunk, live_at_ms: int = 0) -> pa.RecordBatch:
-    """The chunk's records as rows of ARROW_SCHEMA; with `live_at_ms`, only the items
-    not expired at that time (an item expires when its expire time is <= now)."""
+def chunk_to_arrow(queue: str, chunk: PutChunk, live_at_ms: int = 0,
+                   flags: bool = False) -> pa.RecordBatch:
+    """The chunk's records as rows of ARROW_SCHEMA (ARROW_SCHEMA_FLAGS with `flags`); with
+    `live_at_ms`, only the items not expired at that time (an item expires when its
+    expire time is <= now)."""
     n = len(chunk)
+    empty = _EMPTY_FLAGS if flags else _EMPTY
     if n == 0:
-        return _EMPTY
+        return empty
     # Element i of `headers` is the header-sized bytes from chunk.buf[i] on: indexing it
     # with the record offsets gathers every field of every record, one field at a time.
     headers = np.ndarray(shape=(len(chunk.buf) - _HEADER.itemsize + 1,), dtype=_HEADER,
                          buffer=chunk.buf, strides=(1,))
     at = np.fromiter(chunk.offsets, dtype=np.int64, count=n)
+    flag_values = _flags(chunk, at) if flags else None
     at -= chunk.base
     has_expire = headers["cmd"][at] == jf.PUT_EXPIRE_BYTE
     if live_at_ms and has_expire.any():
@@ -49,9 +58,10 @@ def chunk_to_arrow(queue: str, chunk: PutChunk, live_at_ms: int = 0) -> pa.Recor
         if expired.any():
             live = ~expired
             at, has_expire = at[live], has_expire[live]
+            flag_values = None if flag_values is None else flag_values[live]
             n = len(at)
             if n == 0:
-                return _EMPTY
+                return empty
     sizes = headers["size"][at]
     starts = at + np.where(has_expire, jf.PUT_EXPIRE_HEADER_SIZE, jf.PUT_HEADER_SIZE)
 
@@ -63,11 +73,29 @@ def chunk_to_arrow(queue: str, chunk: PutChunk, live_at_ms: int = 0) -> pa.Recor
                                   [None, pa.py_buffer(bounds), pa.py_buffer(chunk.buf)])
     data = spans.take(pa.array(np.arange(0, 2 * n - 1, 2))).cast(pa.binary())
 
-    return pa.RecordBatch.from_arrays([
+    columns = [
         pa.repeat(pa.scalar(queue, pa.string()), n),
         pa.array(headers["id"][at]),
         pa.array(headers["added"][at], _MS).cast(_US),  # the cast refuses to overflow
         pa.array(headers["expire"][at], _MS, mask=~has_expire).cast(_US),
         pa.array(headers["errors"][at], pa.int32()),
         data,
-    ], schema=ARROW_SCHEMA)
+    ]
+    if not flags:
+        return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA)
+    columns.append(pa.repeat(_ZERO, n) if flag_values is None else pa.array(flag_values))
+    return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA_FLAGS)
+
+
+def _flags(chunk: PutChunk, offsets: np.ndarray) -> np.ndarray | None:
+    """Each record's flags, by its (ascending) file offset; None when all are 0."""
+    if not chunk.flags:
+        return None
+    keys = np.fromiter(chunk.flags.keys(), dtype=np.int64, count=len(chunk.flags))
+    values = np.fromiter(chunk.flags.values(), dtype=np.int64, count=len(chunk.flags))
+    where = np.searchsorted(offsets, keys)
+    hit = where < len(offsets)
+    hit[hit] = offsets[where[hit]] == keys[hit]  # (flags of records not asked for: left out)
+    out = np.zeros(len(offsets), dtype=np.int64)
+    out[where[hit]] = values[hit]
+    return out

@@ -35,6 +35,7 @@ from queued.spark.arrow import chunk_to_arrow
 from queued.spark.options import (
     QueuedDataSourceError,
     archive_option,
+    bool_option,
     int_option,
     path_option,
     pending_reader_option,
@@ -46,6 +47,8 @@ from queued.storage import journal_scan as js
 #: The rows of every read. Timestamps come from the journal's milliseconds.
 SCHEMA = ("queue string, id bigint, add_time timestamp, expire_time timestamp, "
           "error_count int, data binary")
+#: The same with the `include_flags` option: each item's memcache flags (u32) too.
+SCHEMA_FLAGS = SCHEMA + ", flags bigint"
 
 def register(spark: Any) -> None:
     """`spark.dataSource.register(QueuedDataSource)`, for sessions without auto-registration."""
@@ -80,6 +83,7 @@ class SegmentPartition(InputPartition):
 
     segments: tuple[SegmentRead, ...]
     live_at_ms: int = 0
+    flags: bool = False  # a flags column too (include_flags)
 
 
 def _segment_read(seg: js.SegmentRef, archive: str | None,
@@ -89,7 +93,7 @@ def _segment_read(seg: js.SegmentRef, archive: str | None,
 
 
 def _pack(reads: list[tuple[SegmentRead, int]], max_bytes: int,
-          live_at_ms: int = 0) -> list[InputPartition]:
+          live_at_ms: int = 0, flags: bool = False) -> list[InputPartition]:
     """(segment, size) pairs, in order, as partitions of up to `max_bytes` (at least one
     segment each)."""
     parts: list[InputPartition] = []
@@ -97,21 +101,22 @@ def _pack(reads: list[tuple[SegmentRead, int]], max_bytes: int,
     size = 0
     for read, nbytes in reads:
         if group and size + nbytes > max_bytes:
-            parts.append(SegmentPartition(tuple(group), live_at_ms))
+            parts.append(SegmentPartition(tuple(group), live_at_ms, flags))
             group, size = [], 0
         group.append(read)
         size += nbytes
     if group:
-        parts.append(SegmentPartition(tuple(group), live_at_ms))
+        parts.append(SegmentPartition(tuple(group), live_at_ms, flags))
     return parts
 
 
 def _read_partition(partition: SegmentPartition) -> Iterator[pa.RecordBatch]:
     for seg in partition.segments:
-        yield from _read_segment(seg, partition.live_at_ms)
+        yield from _read_segment(seg, partition.live_at_ms, partition.flags)
 
 
-def _read_segment(seg: SegmentRead, live_at_ms: int) -> Iterator[pa.RecordBatch]:
+def _read_segment(seg: SegmentRead, live_at_ms: int,
+                  flags: bool = False) -> Iterator[pa.RecordBatch]:
     for path in (seg.path, seg.archived_path):
         if not path:
             continue
@@ -121,7 +126,7 @@ def _read_segment(seg: SegmentRead, live_at_ms: int) -> Iterator[pa.RecordBatch]
         except FileNotFoundError:
             continue
         for chunk in itertools.chain([first] if first else [], chunks):
-            batch = chunk_to_arrow(seg.queue, chunk, live_at_ms)
+            batch = chunk_to_arrow(seg.queue, chunk, live_at_ms, flags)
             if batch.num_rows:
                 yield batch
         return
@@ -167,7 +172,7 @@ class QueuedDataSource(DataSource):
         return "queued"
 
     def schema(self) -> str:
-        return SCHEMA
+        return SCHEMA_FLAGS if bool_option(self.options, "include_flags") else SCHEMA
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return QueuedBatchReader(self.options)
@@ -202,6 +207,7 @@ class QueuedBatchReader(DataSourceReader):
         self.id_upto = int_option(options, "max_id", 0)  # 0: no bound
         self.partition_bytes = int_option(options, "max_partition_bytes",
                                           DEFAULT_PARTITION_BYTES)
+        self.flags = bool_option(options, "include_flags")
 
     def partitions(self) -> Sequence[InputPartition]:
         if 0 < self.id_upto <= self.id_after:
@@ -224,7 +230,7 @@ class QueuedBatchReader(DataSourceReader):
             ids = js.IdFilter(after, upto, skip)
             reads += [(_segment_read(seg, self.archive, ids), seg.size)
                       for seg in _prune(segments, ids)]
-        return _pack(reads, self.partition_bytes, live_at)
+        return _pack(reads, self.partition_bytes, live_at, self.flags)
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if not isinstance(partition, SegmentPartition):
             # No segment at all: PySpark still reads one partition (None). No rows.
@@ -239,7 +245,7 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Offsets are `{queue: last id read}`; a micro-batch reads ids in (start, end].
 
     Options: `queues`, `max_items_per_trigger`, `starting` ("earliest" or "latest"),
-    `archive_dir` (also read retired segments from there).
+    `archive_dir` (also read retired segments from there), `include_flags`.
     """
 
     def __init__(self, options: Any) -> None:
@@ -250,6 +256,7 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             "max_items_per_trigger") else 0
         self.partition_bytes = int_option(options, "max_partition_bytes",
                                           DEFAULT_PARTITION_BYTES)
+        self.flags = bool_option(options, "include_flags")
         self.starting = str(options.get("starting", "earliest")).lower()
         if self.starting not in ("earliest", "latest"):
             raise QueuedDataSourceError('option starting must be "earliest" or "latest"')
@@ -370,7 +377,7 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             reads += [(_segment_read(seg, self.archive, js.IdFilter(after, upto)), seg.size)
                       for seg, summary in segs
                       if summary.last_id > after and summary.first_id <= upto]
-        return _pack(reads, self.partition_bytes)
+        return _pack(reads, self.partition_bytes, flags=self.flags)
 
     def _check_continuity(self, queue: str, after: int, upto: int,
                           segs: list[tuple[js.SegmentRef, js.SegmentSummary]]) -> None:

@@ -61,6 +61,11 @@ class JournalStats:
     readers: int
 
 
+def put_overhead(flags: int) -> int:
+    """Most journal bytes one item takes beyond its data (for room checks)."""
+    return jf.PUT_EXPIRE_HEADER_SIZE + (jf.FLAGS_RECORD_SIZE if flags else 0)
+
+
 class Ticket:
     __slots__ = ("error", "event")
 
@@ -157,15 +162,18 @@ class QueueJournal:
         add_time_ms: int,
         expire_time_ms: int | None = None,
         error_count: int = 0,
+        flags: int = 0,
     ) -> tuple[list[jf.Put], Ticket]:
-        """Queue `datas` for the writer; ids are assigned here, in order."""
+        """Queue `datas` for the writer; ids are assigned here, in order. Non-zero
+        `flags` (memcache flags, the same for every item) lead each PUT with a FLAGS
+        record; flags 0 write nothing more."""
         if self._closed:
             raise JournalClosedError(f"journal of queue {self.name!r} is closed")
         if self.file.failed is not None:
             raise JournalWriteError(f"queue {self.name!r} refuses writes: {self.file.failed}")
         ticket = Ticket()
         # Check everything before touching any state, so a bad item changes nothing.
-        pack_head = jf.put_header_packer(add_time_ms, expire_time_ms, error_count)
+        pack_head = jf.put_header_packer(add_time_ms, expire_time_ms, error_count, flags)
         if set(map(type, datas)) - {bytes}:
             datas = [d if isinstance(d, bytes) else bytes(d) for d in datas]
         largest = max(map(len, datas), default=0)
@@ -181,7 +189,7 @@ class QueueJournal:
             self._proj_size += jf.CHECK_RECORD_SIZE
         if datas and largest < ZERO_COPY_BYTES and self._proj_size is not None:
             puts = self._append_small(datas, pack_head, ticket, add_time_ms, expire_time_ms,
-                                      error_count)
+                                      error_count, flags)
             if puts:
                 datas = ()  # done in bulk
                 next_id = puts[-1].id
@@ -212,7 +220,7 @@ class QueueJournal:
             self._proj_size += size
             self._proj_count += 1
             self._pending_bytes += size
-            puts.append(jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count))
+            puts.append(jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count, flags))
         self.last_id = next_id
         self._appends += 1
         self._items += len(puts)
@@ -230,6 +238,7 @@ class QueueJournal:
         add_time_ms: int,
         expire_time_ms: int | None,
         error_count: int,
+        flags: int = 0,
     ) -> list[jf.Put]:
         """append_nowait's fast path: small items that fit the current segment and
         batch, encoded in bulk. [] if they don't (the general loop handles it)."""
@@ -260,7 +269,7 @@ class QueueJournal:
         self._proj_count += n
         self._pending_bytes += total
         put = jf.Put
-        return [put(i, d, add_time_ms, expire_time_ms, error_count)
+        return [put(i, d, add_time_ms, expire_time_ms, error_count, flags)
                 for i, d in zip(ids, datas, strict=True)]
 
     async def append(
@@ -269,13 +278,15 @@ class QueueJournal:
         add_time_ms: int,
         expire_time_ms: int | None = None,
         error_count: int = 0,
+        flags: int = 0,
     ) -> list[jf.Put]:
         """Journal `datas`; returns the records once durable under the fsync policy."""
         if self.config.max_journal_size:
             await self.make_room(
-                sum(len(d) for d in datas) + jf.PUT_EXPIRE_HEADER_SIZE * len(datas)
+                sum(len(d) for d in datas) + put_overhead(flags) * len(datas)
             )
-        puts, ticket = self.append_nowait(datas, add_time_ms, expire_time_ms, error_count)
+        puts, ticket = self.append_nowait(datas, add_time_ms, expire_time_ms, error_count,
+                                          flags)
         await wait_durable(ticket)
         return puts
 

@@ -51,6 +51,7 @@ class PutColumns:
     expire_times: list[int | None] = field(default_factory=list)  # None = never
     error_counts: list[int] = field(default_factory=list)
     data: list[bytes] = field(default_factory=list)
+    flags: list[int] = field(default_factory=list)  # memcache flags (0 for most items)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -68,7 +69,9 @@ class PutChunk:
     """Some PUT records of one segment, in id order, as the raw bytes they sit in.
 
     `buf` holds the file's bytes from offset `base` on; `offsets` are the file
-    offsets of the records (each a PUT or PUT_EXPIRE of a verified batch). Every
+    offsets of the records (each a PUT or PUT_EXPIRE of a verified batch); `flags`
+    maps the offset of each record led by a FLAGS record to its flags (the others
+    have flags 0; it may hold offsets that are not in `offsets`). Every
     record is followed in `buf` by at least 8 bytes, so a bulk reader may read
     `PUT_EXPIRE_HEADER_SIZE` bytes at any record offset (then look at the command
     byte). `columns()` decodes the records in Python; the Spark source decodes all
@@ -78,6 +81,7 @@ class PutChunk:
     buf: bytes
     base: int
     offsets: list[int]
+    flags: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -85,6 +89,8 @@ class PutChunk:
     def columns(self) -> PutColumns:
         out = PutColumns()
         buf, base = self.buf, self.base
+        flags = self.flags
+        out.flags = [flags.get(off, 0) for off in self.offsets] if flags else [0] * len(self)
         unpack, unpack_exp = jf.PUT_STRUCT.unpack_from, jf.PUT_EXPIRE_STRUCT.unpack_from
         for off in self.offsets:
             pos = off - base
@@ -188,7 +194,7 @@ def first_id(path: str | os.PathLike[str]) -> int | None:
         cmd = head[pos]
         if cmd in (jf.PUT_BYTE, jf.PUT_EXPIRE_BYTE):
             return int(_ID.unpack_from(head, pos + jf.PUT_ID_AT)[0])
-        if cmd not in (jf.CHECK_BYTE, jf.COMPACTED_BYTE, jf.READ_HEAD_BYTE):
+        if cmd not in (jf.CHECK_BYTE, jf.COMPACTED_BYTE, jf.READ_HEAD_BYTE, jf.FLAGS_BYTE):
             return None  # a zero byte, READ_DONE data, or not a record: no guess
         pos += jf.record_length(head, pos)
     return None
@@ -319,8 +325,8 @@ def nth_id_after(path: str | os.PathLike[str], summary: SegmentSummary, after: i
 
 class _Scanner:
     """The state of one segment scan: the decoder verifies each batch and gives its PUT
-    offsets; the wanted ones wait in `offsets` until their chunk is handed out, which
-    happens before the decoder is given more bytes (so it still holds theirs)."""
+    offsets (and flags); the wanted ones wait in `offsets` until their chunk is handed out,
+    which happens before the decoder is given more bytes (so it still holds theirs)."""
 
     def __init__(self, ids: IdFilter, rows: int) -> None:
         self.ids = ids
@@ -328,12 +334,14 @@ class _Scanner:
         self.rows = rows
         self.dec = jf.RecordDecoder(jf.FileKind.WRITER)
         self.offsets: list[int] = []  # wanted PUT records not yet handed out
+        self.flags: dict[int, int] = {}  # their flags, where not 0
 
     def _chunk(self, end: int) -> PutChunk:
         """The wanted records so far (all of them end before file offset `end`)."""
         offsets, self.offsets = self.offsets, []
+        flags, self.flags = self.flags, {}
         return PutChunk(self.dec.copy_received(offsets[0], end, len(_PAD)), offsets[0],
-                        offsets)
+                        offsets, flags)
 
     def run(self, f: BinaryIO, chunk_size: int) -> Iterator[PutChunk]:
         read = f.read
@@ -353,7 +361,7 @@ class _Scanner:
         filtered = not ids.is_all
         while True:
             mark = len(offsets)
-            ev = dec.next_batch(offsets)
+            ev = dec.next_batch(offsets, self.flags)
             if ev is jf.NEED_DATA:
                 if offsets:
                     yield self._chunk(dec.batch_start)
@@ -408,6 +416,10 @@ class _Scanner:
                 continue
             if rec.id <= lo or (hi > 0 and rec.id > hi) or rec.id in skip:
                 continue
-            self.offsets.append(ev.offset)
+            at = ev.offset
+            if rec.flags:  # decoded together with the FLAGS record before the PUT
+                at += jf.FLAGS_RECORD_SIZE
+                self.flags[at] = rec.flags
+            self.offsets.append(at)
             if len(self.offsets) >= self.rows:
                 yield self._chunk(ev.end)
