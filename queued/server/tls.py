@@ -117,35 +117,40 @@ class TlsTransport:
 
     async def receive(self, max_bytes: int) -> bytes:
         """Every byte decrypted so far, up to `max_bytes`; b"" once the peer is gone."""
+        tls, incoming = self.tls, self.incoming
         while True:
             chunks: list[bytes] = []
             n = 0
-            try:
-                while n < max_bytes:
-                    chunk = self.tls.read(max_bytes - n)
-                    if not chunk:  # close_notify
-                        self.closed = True
-                        break
-                    chunks.append(chunk)
-                    n += len(chunk)
-            except ssl.SSLWantReadError:
-                pass
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                self.closed = True
-            except ssl.SSLError as exc:  # bytes that are not TLS: the peer is done for
-                log.debug("TLS error from the peer: %s", exc)
-                self.closed = True
+            # Read while ciphertext or plaintext is buffered (not until SSLWantReadError:
+            # raising it costs more than asking).
+            while n < max_bytes and (incoming.pending or tls.pending()):
+                try:
+                    chunk = tls.read(max_bytes - n)
+                except ssl.SSLWantReadError:  # the rest of a record is still on its way
+                    break
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                    self.closed = True
+                    break
+                except ssl.SSLError as exc:  # bytes that are not TLS: the peer is done for
+                    log.debug("TLS error from the peer: %s", exc)
+                    self.closed = True
+                    break
+                if not chunk:  # close_notify
+                    self.closed = True
+                    break
+                chunks.append(chunk)
+                n += len(chunk)
             if self.outgoing.pending:
                 await self._write_out()
             if chunks:
-                return b"".join(chunks)
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
             if self.closed:
                 return b""
             data = await self.raw.receive(RECEIVE_SIZE)
             if not data:
                 self.closed = True
                 return b""
-            self.incoming.write(data)
+            incoming.write(data)
 
     async def send(self, data: bytes) -> None:
         """All of `data`, encrypted; raises trio.BrokenResourceError if the peer is gone."""
