@@ -787,3 +787,64 @@ async def test_garbage_after_the_handshake_closes_only_that_connection(
                 raise trio.BrokenResourceError("closed")
         assert await good.set("q", b"still here") == b"STORED"
         await good.stream.aclose()
+
+
+@pytest.mark.parametrize(("proto", "hello"), [
+    ("memcache", b"get q\r\n"),
+    ("text", b"get q\n"),
+    ("rpc", msgpack.packb([0, 1, "get", ["q", 1]])),
+    ("http", b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n"),
+])
+async def test_every_tls_port_refuses_plaintext_and_a_missing_client_certificate(
+        tmp_path: Path, pki: Pki, proto: str, hello: bytes) -> None:
+    # (msgpack's first byte has the high bit set: OpenSSL reads an SSLv2 hello header
+    # announcing 5 KiB and waits for it, so that handshake ends at auth_timeout)
+    config = make_config(tmp_path / "data", auth_timeout=1000,
+                         **tls_settings(pki, tls_client_ca=str(pki.ca_file)))
+    async with running(config) as server:
+        port = server.ports[proto]
+        plain = await Conn.open(port)
+        await plain.send(hello)
+        rest = await plain.expect_closed()
+        assert not rest.startswith((b"END", b"*", b"HTTP")), rest  # no plaintext answer
+        with pytest.raises(trio.BrokenResourceError):
+            stream = await tls_open(port, pki.client())  # no client certificate
+            await stream.send_all(hello)
+            with trio.fail_after(WAIT):
+                while await stream.receive_some(100):
+                    pass
+        ok = await tls_open(port, pki.client(cert=True))
+        await ok.send_all(hello)
+        with trio.fail_after(WAIT):
+            assert await ok.receive_some(100)  # answered
+        await ok.aclose()
+        stats = (server.protocols[proto] if proto != "http" else None)
+        if stats is not None:
+            assert stats.tls_handshake_failures == 2
+
+
+async def test_text_and_rpc_permissions_each_way(tmp_path: Path, users_file: Path) -> None:
+    async with secured(tmp_path, users_file) as server:
+        bob = await Conn.open(server.ports["text"], b"\n")  # get jobs-*, nothing else
+        assert await bob.cmd(b"auth bob bob-pw") == b"+1"
+        await bob.send(b"put jobs-1:\nx\n\n")
+        assert await bob.line() == b"-permission denied: user 'bob' lacks 'put' on queue 'jobs-1'"
+        assert await bob.cmd(b"get jobs-1") == b"*"  # allowed, empty
+        assert await bob.cmd(b"peek orders") == (
+            b"-permission denied: user 'bob' lacks 'get' on queue 'orders'")
+        assert await bob.cmd(b"confirm jobs-1 1") == b"+0"
+        assert await bob.cmd(b"delete jobs-1") == (
+            b"-permission denied: user 'bob' lacks 'admin' on queue 'jobs-1'")
+        await bob.aclose()
+        rpc = Rpc(await trio.open_tcp_stream(HOST, server.ports["rpc"]))
+        assert await rpc.call("auth", "bob", "bob-pw") == (None, True)
+        assert (await rpc.call("put", "jobs-1", [b"x"]))[0][0] == 15
+        assert await rpc.call("get", "jobs-1", 1) == (None, [])
+        assert (await rpc.call("peek", "orders"))[0][0] == 15
+        assert (await rpc.call("abort", "orders", [1]))[0][0] == 15
+        assert await rpc.call("confirm", "jobs-1", []) == (None, 0)
+        assert (await rpc.call("delete", "jobs-1"))[0][0] == 15
+        assert (await rpc.call("flush", "jobs-1"))[0][0] == 15
+        stats = (await rpc.call("stats"))[1]
+        assert set(stats["queues"]) <= {"jobs-1"}
+        await rpc.stream.aclose()
