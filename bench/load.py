@@ -1237,21 +1237,7 @@ class Bench:
             f"{a.procs} client "
             f"processes; items/s; latency in ms (send to reply parsed)")
         log()
-        log("| payload | fsync | workload | op | queued items/s | p50 | p99 "
-            "| redis items/s | p50 | p99 | queued/redis |")
-        log("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
-        for payload in a.payload:
-            for fsync in a.fsync:
-                for workload in a.workloads:
-                    for op in ("put", "get"):
-                        q = self.find("queued", payload, fsync, workload, op)
-                        r = self.find("redis", payload, fsync, workload, op)
-                        if q is None and r is None:
-                            continue
-                        ratio = (f"{q.items_per_s / r.items_per_s:.2f}"
-                                 if q and r and r.items_per_s else "")
-                        log(f"| {size_name(payload)} | {fsync} | {workload} | {op} | "
-                            f"{cell(q)} | {cell(r)} | {ratio} |")
+        self.ratio_table("queued", "redis", "queued/redis")
         self.tls_table()
         for fsync in a.fsync:
             for workload in ("steady",):
@@ -1300,25 +1286,32 @@ class Bench:
         """queued over TLS against plaintext queued, cell by cell (--tls)."""
         if not any(m.target == "queued-tls" for m in self.results):
             return
-        a = self.a
         log()
         log("TLS / plaintext (the issue wants >= 0.8 for memcache 1 KiB):")
         log()
-        log("| payload | fsync | workload | op | queued items/s | p50 | p99 "
-            "| queued-tls items/s | p50 | p99 | tls/plain |")
+        self.ratio_table("queued", "queued-tls", "tls/plain", invert=True)
+
+    def ratio_table(self, left: str, right: str, label: str, *, invert: bool = False,
+                    ) -> None:
+        """Every cell of targets `left` and `right` side by side, with left/right (or
+        right/left with `invert`)."""
+        a = self.a
+        log(f"| payload | fsync | workload | op | {left} items/s | p50 | p99 "
+            f"| {right} items/s | p50 | p99 | {label} |")
         log("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for payload in a.payload:
             for fsync in a.fsync:
                 for workload in a.workloads:
                     for op in ("put", "get"):
-                        q = self.find("queued", payload, fsync, workload, op)
-                        t = self.find("queued-tls", payload, fsync, workload, op)
-                        if q is None and t is None:
+                        x = self.find(left, payload, fsync, workload, op)
+                        y = self.find(right, payload, fsync, workload, op)
+                        if x is None and y is None:
                             continue
-                        ratio = (f"{t.items_per_s / q.items_per_s:.2f}"
-                                 if q and t and q.items_per_s else "")
+                        num, den = (y, x) if invert else (x, y)
+                        ratio = (f"{num.items_per_s / den.items_per_s:.2f}"
+                                 if num and den and den.items_per_s else "")
                         log(f"| {size_name(payload)} | {fsync} | {workload} | {op} | "
-                            f"{cell(q)} | {cell(t)} | {ratio} |")
+                            f"{cell(x)} | {cell(y)} | {ratio} |")
 
     def targets(self) -> None:
         rows: list[tuple[str, str, str, str]] = []
