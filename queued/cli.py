@@ -86,6 +86,10 @@ def describe(rec: jf.Record) -> str:
         return f"CHECK covers={rec.length} crc32={rec.crc:08x}"
     if isinstance(rec, jf.Compacted):
         return f"COMPACTED replaces segments {rec.first_number}..{rec.last_number}"
+    if isinstance(rec, jf.ReadErrors):
+        shown = ",".join(f"{i}:{n}" for i, n in rec.entries[:20])
+        more = f",... ({len(rec.entries)} ids)" if len(rec.entries) > 20 else ""
+        return f"READ_ERRORS id:count=[{shown}{more}]"
     return f"UNKNOWN command={rec.command} header_words={rec.header_words} data={rec.data_size}"
 
 

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import crash_driver as drv
@@ -27,7 +27,7 @@ import pytest
 
 from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
 from queued.core import journal_format as jf
-from queued.storage import writer as writer_module
+from queued.storage import fileio
 from queued.storage.datadir import DataDir, open_data_dir
 from queued.storage.journal import QueueJournal, wait_durable
 
@@ -395,8 +395,9 @@ async def test_compacting_twice_keeps_what_a_rewritten_segment_still_holds(
     assert [p.id for p in dd2.queues[Q].iter_unconsumed("")] == expected
 
 
-class FsyncTracker:
-    """Stands in for `os` inside queued.storage.writer: which files hold unfsynced writes.
+class FsyncTracker(fileio.FileIO):
+    """The storage layer's file calls (queued.storage.fileio): which files hold unfsynced
+    writes.
 
     SIGKILL keeps the page cache, so the subprocess tests cannot see a missing
     fsync; a power cut would. This records, per path, whether bytes were written
@@ -408,32 +409,33 @@ class FsyncTracker:
         self.dirty: dict[str, bool] = {}
         self.closed_dirty: list[str] = []
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(os, name)
-
-    def open(self, path: object, flags: int, mode: int = 0o777) -> int:
-        fd = os.open(path, flags, mode)  # type: ignore[arg-type]
-        self._paths[fd] = Path(path).name  # type: ignore[arg-type]
+    def open(self, path: fileio.StrPath, flags: int, mode: int = 0o644) -> int:
+        fd = super().open(path, flags, mode)
+        self._paths[fd] = Path(path).name
         return fd
 
-    def write(self, fd: int, data: object) -> int:
-        n = os.write(fd, data)  # type: ignore[arg-type]
+    def _wrote(self, fd: int, n: int) -> int:
         if fd in self._paths and n:
             self.dirty[self._paths[fd]] = True
         return n
 
+    def write(self, fd: int, data: bytes | bytearray | memoryview) -> int:
+        return self._wrote(fd, super().write(fd, data))
+
+    def writev(self, fd: int, buffers: Sequence[bytes | bytearray | memoryview]) -> int:
+        return self._wrote(fd, super().writev(fd, buffers))
+
     def ftruncate(self, fd: int, length: int) -> None:
-        os.ftruncate(fd, length)
-        if fd in self._paths:
-            self.dirty[self._paths[fd]] = True
+        super().ftruncate(fd, length)
+        self._wrote(fd, 1)
 
     def fsync(self, fd: int) -> None:
-        os.fsync(fd)
+        super().fsync(fd)
         if fd in self._paths:
             self.dirty[self._paths[fd]] = False
 
     def close(self, fd: int) -> None:
-        os.close(fd)
+        super().close(fd)
         name = self._paths.pop(fd, None)
         if name is not None and self.dirty.get(name):
             self.closed_dirty.append(name)
@@ -453,7 +455,7 @@ async def test_acknowledged_appends_are_fsynced_when_a_round_rotates(
     (a power cut right after the acks would otherwise lose the first one).
     """
     tracker = FsyncTracker()
-    monkeypatch.setattr(writer_module, "os", tracker)
+    monkeypatch.setattr(fileio, "_current", tracker)
     datadir = tmp_path / "data"
     cfg = JournalConfig(journal_size=2048, fsync=FsyncPolicy.parse("always"))
     async with open_data_dir(datadir, DataDirConfig(), lambda _n: cfg) as dd:

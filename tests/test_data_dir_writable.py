@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from server_util import HOST, QUEUED, WAIT, ServerProcess
 from queued.client import Client
 from queued.config import FsyncPolicy, JournalConfig
 from queued.core.errors import NotSavedError
-from queued.storage import writer as writer_module
+from queued.storage import fileio
 from queued.storage.datadir import open_data_dir
 from queued.storage.files import PROBE_NAME, probe_writable
 
@@ -143,12 +142,9 @@ def test_shutdown_says_which_checkpoints_it_could_not_write(tmp_path: Path) -> N
             f"  - queue beta, reader audit: {failed}\n") in log, log
 
 
-class FsyncFails:
-    """Stands in for `os` inside queued.storage.writer: every fsync of a segment fails
-    (as on a disk that went bad; the checkpoint tests above use real unwritable dirs)."""
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(os, name)
+class FsyncFails(fileio.FileIO):
+    """The storage layer's file calls (queued.storage.fileio), but every fsync fails (as
+    on a disk that went bad; the checkpoint tests above use real unwritable dirs)."""
 
     def fsync(self, fd: int) -> None:
         raise OSError(errno.EIO, "Input/output error")
@@ -163,7 +159,7 @@ async def test_journals_that_cannot_be_closed_are_each_named(
         async with open_data_dir(tmp_path, queue_config=lambda _: never) as dd:
             for name in ("q1", "q2"):
                 await dd.queue(name).append([b"x"], T0)
-            monkeypatch.setattr(writer_module, "os", FsyncFails())
+            monkeypatch.setattr(fileio, "_current", FsyncFails())
     then = "; what it wrote since its last fsync may be lost"
     assert caught.value.unsaved == [
         f"queue q1: journal not fsynced and closed (Input/output error){then}",

@@ -20,8 +20,8 @@ from disk_util import fill, fill_completely
 from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
 from queued.core import journal_format as jf
 from queued.core.errors import JournalWriteError
+from queued.storage import fileio
 from queued.storage import journal as journal_module
-from queued.storage import writer as writer_module
 from queued.storage.datadir import DataDir, open_data_dir
 from queued.storage.journal import QueueJournal, wait_durable
 
@@ -286,8 +286,9 @@ async def test_batch_acked_before_a_split_batch_hit_enospc_was_fsynced(
     check_recovered(datadir, expected)
 
 
-class FailingFsync:
-    """Stands in for `os` inside queued.storage.writer; `fail` makes the next fsync raise it.
+class FailingFsync(fileio.FileIO):
+    """The storage layer's file calls (queued.storage.fileio); `fail` makes the next
+    fsync of a file raise it.
 
     On a delayed-allocation filesystem (ext4, XFS, NFS) a full disk can surface
     at fsync time as ENOSPC, after write() succeeded.
@@ -295,9 +296,6 @@ class FailingFsync:
 
     def __init__(self) -> None:
         self.fail: int | None = None
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(os, name)
 
     def fsync(self, fd: int) -> None:
         if self.fail is not None:
@@ -317,7 +315,7 @@ async def test_enospc_from_fsync_at_rotation_is_not_an_ack(
     per the durability contract a failed fsync is fatal to writes.
     """
     fake = FailingFsync()
-    monkeypatch.setattr(writer_module, "os", fake)
+    monkeypatch.setattr(fileio, "_current", fake)
     datadir = tmp_path / "data"
     async with open_data_dir(datadir, DataDirConfig(), config(2048)) as dd:
         q = dd.queue(Q)

@@ -20,10 +20,10 @@ import trio
 import trio.testing
 from server_util import WAIT, Conn, make_config, running
 
-import queued.storage.journal
 from queued.broker.upkeep import open_broker
 from queued.config import ServerConfig
 from queued.core.open_reads import OpenReads
+from queued.storage import fileio
 
 MiB = 1 << 20
 HOUR = 3_600_000
@@ -220,17 +220,23 @@ async def test_peek_flood_of_big_item_streams_replies_with_bounded_memory(
 # -- (6) an OSError from a checkpoint write ------------------------------------------------
 
 
+class NoSpaceForCheckpoints(fileio.FileIO):
+    """The storage layer's file calls: a checkpoint's temp file cannot be created."""
+
+    def open(self, path: fileio.StrPath, flags: int, mode: int = 0o644) -> int:
+        if ".read." in str(path) and str(path).endswith("~~"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().open(path, flags, mode)
+
+
 async def test_checkpoint_write_oserror_is_a_server_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def enospc(*args: object, **kwargs: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
     async with running(make_config(tmp_path / "data")) as server:
         port = server.ports["memcache"]
         conn = await Conn.open(port)
         assert await conn.set("q", b"a") == b"STORED"
-        monkeypatch.setattr(queued.storage.journal, "write_checkpoint", enospc)  # the disk fills up
+        monkeypatch.setattr(fileio, "_current", NoSpaceForCheckpoints())  # the disk fills up
         await conn.send(b"get q+r\r\nget q+s/t=50\r\n")
         for _ in range(2):
             reply = await conn.line()

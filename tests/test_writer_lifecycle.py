@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from journal_util import queue_files
 from queued.config import DataDirConfig, FsyncPolicy, FullPolicy, JournalConfig
 from queued.core import journal_format as jf
 from queued.core.errors import JournalClosedError, JournalFullError
+from queued.storage import fileio
 from queued.storage import writer as writer_module
 from queued.storage.datadir import DataDir, open_data_dir
 
@@ -67,11 +67,8 @@ async def test_append_after_aclose_fails_instead_of_hanging(tmp_path: Path) -> N
     assert not scope.cancelled_caught, "append after aclose hung forever"
 
 
-class FsyncFails:
-    """Stands in for `os` inside queued.storage.writer: every fsync of a segment fails."""
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(os, name)
+class FsyncFails(fileio.FileIO):
+    """The storage layer's file calls (queued.storage.fileio): every fsync of a file fails."""
 
     def fsync(self, fd: int) -> None:
         raise OSError(errno.EIO, "Input/output error")
@@ -86,7 +83,7 @@ async def test_failed_periodic_fsync_does_not_spin_the_writer(
     conf = JournalConfig(fsync=FsyncPolicy.parse("20"))
     async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
         q = dd.queue("q")
-        monkeypatch.setattr(writer_module, "os", FsyncFails())
+        monkeypatch.setattr(fileio, "_current", FsyncFails())
         # the spin logs one error per iteration; keep the test output readable
         monkeypatch.setattr(logging.getLogger("queued.journal"), "disabled", True)
         await q.append([b"a"], T0)  # acknowledged after the write (periodic policy)

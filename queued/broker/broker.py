@@ -31,7 +31,7 @@ import trio
 from queued.broker.handles import Handle
 from queued.broker.queues import Background, PendingPut, QueueState
 from queued.broker.registry import BrokerCounters, Registry
-from queued.broker.reliable import ReliableReads
+from queued.broker.reliable import Owe, ReliableReads
 from queued.core.open_reads import OpenReads, TimeoutHeapStatistics
 from queued.core.queue import Item
 from queued.core.stats import LATENCY_BUCKETS, Histogram
@@ -40,7 +40,7 @@ from queued.storage.datadir import DataDir
 if TYPE_CHECKING:
     from queued.config import ServerConfig
 
-__all__ = ["Broker", "BrokerCounters", "BrokerStatistics", "PendingPut", "wall_ms"]
+__all__ = ["Broker", "BrokerCounters", "BrokerStatistics", "Owe", "PendingPut", "wall_ms"]
 
 log = logging.getLogger("queued.broker")
 
@@ -314,9 +314,20 @@ class Broker:
         reader: str | None = None,
         count: int | None = None,
         ids: Sequence[int] | None = None,
+        *,
+        owe: Owe | None = None,
+        journal: bool = True,
     ) -> int:
-        """Confirm the client's open reads on queue/reader: `ids`, the `count` oldest, or all."""
-        return self.reads.confirm(client, queue, reader or "", count, ids)
+        """Confirm the client's open reads on queue/reader: `ids`, the `count` oldest, or all.
+
+        The confirms are appended to the reader's file in the next writer round (one
+        append and, under fsync "always", one fsync per reader per round, shared with
+        every confirm of that round); `owe` gets the ticket that is set once they are
+        durable: acknowledge the confirm only then. `journal=False` for an open read that
+        stands for a plain get (a plain get is consumed at the next checkpoint).
+        """
+        return self.reads.confirm(client, queue, reader or "", count, ids, owe,
+                                  journal=journal)
 
     def abort(
         self,
@@ -327,9 +338,12 @@ class Broker:
         ids: Sequence[int] | None = None,
         *,
         count_error: bool = True,
+        owe: Owe | None = None,
     ) -> int:
-        """Return the client's open reads on queue/reader to the head of the queue."""
-        return self.reads.abort(client, queue, reader or "", count, ids, count_error=count_error)
+        """Return the client's open reads on queue/reader to the head of the queue; the
+        error counts they get are journaled like confirms (`owe`: the ticket)."""
+        return self.reads.abort(client, queue, reader or "", count, ids,
+                                count_error=count_error, owe=owe)
 
     def expire_open_reads(self, now: float) -> int:
         """Return every open read whose deadline (trio time) is <= now; how many."""

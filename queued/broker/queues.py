@@ -22,7 +22,13 @@ import trio
 from queued.broker.handles import Handle, Waiter
 from queued.broker.readback import read_range, segment_sizes
 from queued.core import journal_format as jf
-from queued.core.errors import ItemTooLargeError, JournalError, QueueClosedError, QueueFullError
+from queued.core.errors import (
+    ItemTooLargeError,
+    JournalClosedError,
+    JournalError,
+    QueueClosedError,
+    QueueFullError,
+)
 from queued.core.queue import Item
 from queued.storage.journal import QueueJournal, Ticket, put_overhead, wait_durable
 from queued.storage.recovery import SegmentInfo
@@ -305,17 +311,31 @@ class QueueState:
                 return other
         return None
 
-    def return_read(self, h: Handle, item_id: int, *, count_error: bool) -> None:
-        """An open read goes back to the head, or to the error queue past max_errors."""
+    def return_read(self, h: Handle, item_id: int, *, count_error: bool) -> Item | None:
+        """An open read goes back to the head, or to the error queue past max_errors;
+        the item as returned (None if it was not open)."""
         it = h.reader.abort(item_id, count_error=count_error)
         if it is None:
-            return
+            return None
         cfg = h.config
         if cfg.error_queue and cfg.max_errors and it.error_count >= cfg.max_errors:
             h.reader.start_move(it)
             self.background.start_move(self, h, [it], cfg.error_queue, True)
         else:
             h.reader.put_back(it)
+        return it
+
+    def note_read(
+        self, h: Handle, done: Sequence[int] = (), errors: Sequence[tuple[int, int]] = ()
+    ) -> Ticket | None:
+        """Journal what reader `h` consumed (`done`) or the error counts aborts gave
+        (`errors`): the ticket is set once durable (None: queue or reader deleted)."""
+        if self.deleted or h.closed:
+            return None
+        try:
+            return self.journal.note_read(h.reader.name, done=done, errors=errors)
+        except JournalClosedError:
+            return None
 
     def dispose_expired(self, h: Handle, items: list[Item]) -> None:
         """Expired items leave: moved to expire_to_queue if set, else consumed."""
@@ -343,7 +363,9 @@ class QueueState:
         as Kestrel drops it."""
         for it in items:
             h.reader.end_move(it.id, moved=moved or not keep_errors)
-        if not moved:
+        if moved:  # durable in the other queue: gone from here for good
+            self.note_read(h, done=[it.id for it in items])
+        else:
             self.serve(h)
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -365,10 +387,14 @@ class QueueState:
                     continue
                 head, done = h.reader.checkpoint()
                 try:
-                    await self.journal.write_checkpoint(name, head, done)
-                except OSError as exc:
+                    await self.journal.write_checkpoint(name, head, done,
+                                                        h.reader.error_counts())
+                except (OSError, JournalError) as exc:
                     h.reader.dirty = True
-                    self.unsaved_checkpoints[name] = str(exc.strerror or exc)
+                    cause = exc if isinstance(exc, OSError) else exc.__cause__
+                    self.unsaved_checkpoints[name] = str(
+                        cause.strerror if isinstance(cause, OSError) and cause.strerror
+                        else exc)
                     log.error("queue %s: checkpoint of reader %r failed: %s",
                               self.name, name, exc)
                     continue

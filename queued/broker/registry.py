@@ -71,7 +71,8 @@ class Registry:
             for rname, cp in sorted(journal.readers.items()):
                 cfg = self.reader_config(name, rname)
                 reader = Reader(name, rname, cfg, head=cp.head, done=cp.done,
-                                tail=journal.last_id, create_time_ms=qs.create_time_ms)
+                                tail=journal.last_id, create_time_ms=qs.create_time_ms,
+                                errors=cp.errors)
                 count, nbytes = await trio.to_thread.run_sync(
                     count_unconsumed, journal, cp.head, frozenset(cp.done)
                 )
@@ -189,10 +190,18 @@ class Registry:
         with trio.CancelScope(shield=True):
             taken = qs.readers[""]
             head, done = taken.reader.checkpoint()
-            await qs.journal.write_checkpoint(name, head, done)
-            await qs.journal.remove_reader("")
-            del qs.readers[""]
+            # From here on its confirms are journaled under its new name, after this
+            # checkpoint (which holds everything consumed so far), not in q.read..
             taken.reader.name = name
+            try:
+                await qs.journal.write_checkpoint(name, head, done,
+                                                  taken.reader.error_counts())
+                await qs.journal.remove_reader("")
+            except BaseException:
+                taken.reader.name = ""
+                taken.reader.dirty = True
+                raise
+            del qs.readers[""]
             taken.config = self.reader_config(qs.name, name)
             taken.reader.limits = taken.config
             taken.aliases.add("")  # open reads taken as `q` are still confirmed as `q`

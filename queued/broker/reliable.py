@@ -3,14 +3,16 @@ what a confirm, an abort, a timeout, a hang-up or a delete does to them.
 
 The ledgers and the deadline heap are pure (`queued.core.open_reads`); this module
 applies them to the queues: an open read ends in its ledger first, then in the
-reader holding it (found under the name it was taken by, aliases included). It
-never waits: the upkeep sleeps until the next deadline and calls `expire`.
+reader holding it (found under the name it was taken by, aliases included). A
+confirm, and the error count of an abort, is journaled in the reader's file (one
+append per reader per round): whoever acknowledges it waits for the ticket handed to
+`owe`. It never waits: the upkeep sleeps until the next deadline and calls `expire`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -19,8 +21,12 @@ from queued.broker.queues import Background, QueueState
 from queued.core.errors import ReadStateError
 from queued.core.open_reads import OpenReads, TimeoutHeap
 from queued.core.queue import Item
+from queued.storage.journal import Ticket
 
 log = logging.getLogger("queued.broker")
+
+#: Takes the ticket of a journal write that an acknowledgement must wait for.
+Owe = Callable[[Ticket], None]
 
 
 class ReliableReads:
@@ -77,39 +83,58 @@ class ReliableReads:
 
     def confirm(
         self, client: OpenReads, queue: str, rname: str, count: int | None,
-        ids: Sequence[int] | None,
+        ids: Sequence[int] | None, owe: Owe | None = None, *, journal: bool = True,
     ) -> int:
+        """Confirm open reads; with `journal` (not for a read that stands for a plain
+        get) the confirms are appended to the reader's file and `owe` gets the ticket."""
         chosen = client.choose(queue, rname, count, ids)
         qs = self.queues.get(queue)
+        confirmed: dict[int, tuple[Handle, list[int]]] = {}
         for i in chosen:
             client.remove(queue, rname, i)
             h = qs.owner(rname, i) if qs is not None else None
-            if h is not None:
-                h.reader.confirm(i)
+            if h is not None and h.reader.confirm(i) and journal:
+                if id(h) in confirmed:
+                    confirmed[id(h)][1].append(i)
+                else:
+                    confirmed[id(h)] = (h, [i])
+        if qs is not None:
+            for h, done in confirmed.values():
+                ticket = qs.note_read(h, done=done)
+                if ticket is not None and owe is not None:
+                    owe(ticket)
         return len(chosen)
 
     def abort(
         self, client: OpenReads, queue: str, rname: str, count: int | None = None,
-        ids: Sequence[int] | None = None, *, count_error: bool = True,
+        ids: Sequence[int] | None = None, *, count_error: bool = True, owe: Owe | None = None,
     ) -> int:
         chosen = client.choose(queue, rname, count, ids)
         for i in chosen:
             client.remove(queue, rname, i)
         qs = self.queues.get(queue)
         if qs is not None:
-            self._return(qs, rname, chosen, count_error=count_error)
+            self._return(qs, rname, chosen, count_error=count_error, owe=owe)
         return len(chosen)
 
-    def _return(self, qs: QueueState, rname: str, ids: list[int], *, count_error: bool) -> None:
+    def _return(self, qs: QueueState, rname: str, ids: list[int], *, count_error: bool,
+                owe: Owe | None = None) -> None:
         """Open reads (closed in their ledgers already) go back to the head of their
-        readers, the lowest id first; then waiting gets are served."""
-        served: dict[int, Handle] = {}
+        readers, the lowest id first; then waiting gets are served. The error counts
+        they got are journaled (`owe` gets the ticket)."""
+        served: dict[int, tuple[Handle, list[tuple[int, int]]]] = {}
         for i in sorted(ids, reverse=True):
             h = qs.owner(rname, i)
             if h is not None:
-                qs.return_read(h, i, count_error=count_error)
-                served[id(h)] = h
-        for h in served.values():
+                it = qs.return_read(h, i, count_error=count_error)
+                errors = served.setdefault(id(h), (h, []))[1]
+                if it is not None and count_error:
+                    errors.append((i, it.error_count))
+        for h, errors in served.values():
+            if errors:
+                ticket = qs.note_read(h, errors=errors)
+                if ticket is not None and owe is not None:
+                    owe(ticket)
             qs.serve(h)
 
     def expire(self, now: float) -> int:

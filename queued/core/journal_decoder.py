@@ -21,8 +21,10 @@ from queued.core.journal_records import (
     CMD_FLAGS,
     CMD_PUT,
     CMD_READ_DONE,
+    CMD_READ_ERRORS,
     CMD_READ_HEAD,
     COMPACTED_STRUCT,
+    ERROR_ENTRY_STRUCT,
     FLAGS_BYTE,
     FLAGS_RECORD_SIZE,
     FLAGS_STRUCT,
@@ -37,6 +39,7 @@ from queued.core.journal_records import (
     PUT_HEADER_SIZE,
     PUT_ID_AT,
     PUT_STRUCT,
+    READ_ERRORS_BYTE,
     READ_HEAD_STRUCT,
     READER_MAGIC,
     SIZE_ID_STRUCT,
@@ -50,6 +53,7 @@ from queued.core.journal_records import (
     FileKind,
     Put,
     ReadDone,
+    ReadErrors,
     ReadHead,
     Record,
     Sentinel,
@@ -221,6 +225,18 @@ class RecordDecoder:
                 raise CorruptRecordError(start, f"READ_DONE data size {size} not a multiple of 8")
             ids = struct.unpack_from(f"<{size // 8}q", buf, pos + hdr)
             record = ReadDone(ids)
+        elif command == CMD_READ_ERRORS and self.detected_kind is FileKind.READER:
+            # Ours, in reader files only: elsewhere command 11 is another's, skipped.
+            width = ERROR_ENTRY_STRUCT.size
+            if hdr != 5:
+                raise CorruptRecordError(start, f"READ_ERRORS with {hdr // 4} header words "
+                                         "(must be 1)")
+            if size % width:
+                raise CorruptRecordError(
+                    start, f"READ_ERRORS data size {size} not a multiple of {width}")
+            record = ReadErrors(tuple(
+                ERROR_ENTRY_STRUCT.unpack_from(buf, pos + hdr + k)
+                for k in range(0, size, width)))
         elif command == CMD_CHECK:
             _, length, crc = CHECK_STRUCT.unpack_from(buf, pos)
             covered = start - self.batch_start
@@ -434,6 +450,10 @@ class RecordDecoder:
                     raise CorruptRecordError(
                         base + pos, f"READ_DONE data size {size} not a multiple of 8"
                     )
+                if (cmd >> 4 == CMD_READ_ERRORS and self.detected_kind is FileKind.READER
+                        and (cmd != READ_ERRORS_BYTE or size % ERROR_ENTRY_STRUCT.size)):
+                    raise CorruptRecordError(base + pos, f"bad READ_ERRORS record ({cmd:#x}, "
+                                             f"{size} data bytes)")
             pos += hdr + size
 
     def _short_batch(self, start: int, n: int) -> EndOfData | TornTail | Sentinel:

@@ -1,8 +1,8 @@
 """Journal records and their bytes: magic, command bytes, layouts, encoding, decoder events.
 
-Owns the byte layout of seed 002 (Kestrel's journal) plus our check, COMPACTED and
-FLAGS records, and the values decoding yields. PURE: no file, clock, socket or trio
-access; queued.core.journal_format is the one import for users.
+Owns the byte layout of seed 002 (Kestrel's journal) plus our check, COMPACTED, FLAGS
+and READ_ERRORS (reader files) records, and the values decoding yields. PURE: no file,
+clock, socket or trio access; queued.core.journal_format is the one import for users.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ CMD_COMPACTED: Final = 6  # ours: marks a segment rewritten by compaction
 CMD_CHECK: Final = 7  # ours: unused by the seed, no data block, so seed readers skip it
 CMD_PUT: Final = 8
 CMD_READ_DONE: Final = 9
+CMD_READ_ERRORS: Final = 11  # ours, reader files only: abort error counts (a data block)
 
 PUT_BYTE: Final = 0x86  # command 8, 6 header words
 PUT_EXPIRE_BYTE: Final = 0x88  # command 8, 8 header words
@@ -36,6 +37,7 @@ READ_DONE_BYTE: Final = 0x91  # command 9, 1 header word (the data byte count)
 CHECK_BYTE: Final = 0x72  # command 7, 2 header words: covered length, crc32
 COMPACTED_BYTE: Final = 0x64  # command 6, 4 header words: i64 first, i64 last segment number
 FLAGS_BYTE: Final = 0x41  # command 4, 1 header word: u32 flags of the PUT that follows
+READ_ERRORS_BYTE: Final = 0xB1  # command 11, 1 header word (the data byte count)
 
 #: Record layouts, shared with the decoder. The PUT ones also serve bulk readers
 #: that walk batches `RecordDecoder.next_batch` has verified (journal_scan).
@@ -46,6 +48,8 @@ READ_DONE_STRUCT = struct.Struct("<Bi")
 CHECK_STRUCT = struct.Struct("<BII")
 COMPACTED_STRUCT = struct.Struct("<Bqq")
 FLAGS_STRUCT = struct.Struct("<BI")
+READ_ERRORS_STRUCT = struct.Struct("<Bi")
+ERROR_ENTRY_STRUCT = struct.Struct("<qi")  # a READ_ERRORS entry: item id, error count
 I64_STRUCT = struct.Struct("<q")
 SIZE_ID_STRUCT = struct.Struct("<xi4xq")  # a PUT's data size and id
 PUT_ID_AT: Final = 9  # a PUT's id (i64): after the command byte, size and error count
@@ -118,6 +122,15 @@ class ReadDone:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadErrors:
+    """Ours (reader files): the error counts of items this reader returned with an abort,
+    (id, count) pairs; a later record for an id replaces an earlier one. PUT records are
+    shared by every reader and never rewritten, so an abort's count lives here."""
+
+    entries: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Check:
     """Our checksum record: crc32 of the `length` bytes before it."""
 
@@ -146,7 +159,7 @@ class Unknown:
     data_size: int
 
 
-Record = Put | ReadHead | ReadDone | Check | Compacted | Unknown
+Record = Put | ReadHead | ReadDone | ReadErrors | Check | Compacted | Unknown
 
 
 def flags_record(flags: int) -> bytes:
@@ -210,6 +223,29 @@ def encode_read_done(done: ReadDone) -> bytes:
     return READ_DONE_STRUCT.pack(READ_DONE_BYTE, 8 * len(ids)) + struct.pack(f"<{len(ids)}q", *ids)
 
 
+def encode_read_errors(errors: ReadErrors) -> bytes:
+    entries = errors.entries
+    try:
+        return READ_ERRORS_STRUCT.pack(READ_ERRORS_BYTE, ERROR_ENTRY_STRUCT.size * len(entries)) + (
+            b"".join(ERROR_ENTRY_STRUCT.pack(i, n) for i, n in entries))
+    except struct.error as exc:
+        raise ValueError(f"READ_ERRORS entry out of range: {exc}") from None
+
+
+def encode_reader_records(
+    head: int | None, done: list[int] | tuple[int, ...], errors: dict[int, int]
+) -> bytes:
+    """Records appended to a reader file (unsealed): a READ_HEAD if `head` is given, a
+    READ_DONE of `done` (sorted here) and a READ_ERRORS of `errors`, each only if
+    non-empty."""
+    out = b"" if head is None else encode_read_head(ReadHead(head))
+    if done:
+        out += encode_read_done(ReadDone(tuple(sorted(done))))
+    if errors:
+        out += encode_read_errors(ReadErrors(tuple(sorted(errors.items()))))
+    return out
+
+
 def encode_check(covered: bytes | bytearray | memoryview, offset: int) -> bytes:
     """The check record sealing `covered`: the bytes since the previous check,
     which start at file offset `offset`."""
@@ -223,6 +259,8 @@ def encode_record(record: Record) -> bytes:
         return encode_read_head(record)
     if isinstance(record, ReadDone):
         return encode_read_done(record)
+    if isinstance(record, ReadErrors):
+        return encode_read_errors(record)
     if isinstance(record, Check):
         return CHECK_STRUCT.pack(CHECK_BYTE, record.length, record.crc)
     if isinstance(record, Compacted):
@@ -240,9 +278,14 @@ def seal(batch: bytes | bytearray, offset: int) -> bytes:
     return bytes(batch) + encode_check(batch, offset)
 
 
-def encode_checkpoint(head: int, done_ids: tuple[int, ...] | list[int]) -> bytes:
-    """A whole reader file: magic, seal, READ_HEAD, READ_DONE, seal."""
+def encode_checkpoint(
+    head: int, done_ids: tuple[int, ...] | list[int],
+    errors: tuple[tuple[int, int], ...] | list[tuple[int, int]] = (),
+) -> bytes:
+    """A whole reader file: magic, seal, READ_HEAD, READ_DONE[, READ_ERRORS], seal."""
     body = encode_read_head(ReadHead(head)) + encode_read_done(ReadDone(tuple(sorted(done_ids))))
+    if errors:
+        body += encode_read_errors(ReadErrors(tuple(sorted(errors))))
     return READER_MAGIC + EMPTY_CHECK + seal(body, MAGIC_SIZE + CHECK_RECORD_SIZE)
 
 

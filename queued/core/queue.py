@@ -14,7 +14,9 @@ disk only (read-behind) and come back through `load`. Every id in `front` or in
 Checkpoint. Every id <= head is consumed; ids in `done` above head are consumed
 too. head is one below the lowest outstanding id (available, open, or being moved
 to another queue), or `tail` when nothing is outstanding; `done` only has to hold
-ids consumed while a lower id was still outstanding.
+ids consumed while a lower id was still outstanding. `errors` holds the error count of
+every outstanding item an abort raised above its PUT record's (the journal keeps
+those in the reader's file); items read back from the journal get theirs from it.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class Reader:
         done: Iterable[int] = (),
         tail: int = 0,
         create_time_ms: int = 0,
+        errors: Iterable[tuple[int, int]] = (),
     ) -> None:
         self.queue = queue
         self.name = name
@@ -87,6 +90,9 @@ class Reader:
         self.moving: dict[int, Item] = {}  # on their way to expire_to_queue / error_queue
         self.done: set[int] = {i for i in done if i > head}
         self.head = head
+        #: id -> error count, for outstanding items whose count an abort raised
+        self.errors: dict[int, int] = {i: n for i, n in errors
+                                       if i > head and i not in self.done}
         self.dirty = False  # consumed something since the last checkpoint
         self.flush_overflow = 0  # flushed ids a crash could bring back (see flush)
         self.create_time_ms = create_time_ms
@@ -98,6 +104,8 @@ class Reader:
         """After recovery: `items` unconsumed items (`nbytes` of data); the first ones
         are `mem`, the rest wait on disk from id `behind`."""
         for it in mem:
+            if self.errors and it.id in self.errors:
+                it = dataclasses.replace(it, error_count=self.errors[it.id])
             self.mem.append(it)
             self.mem_bytes += len(it.data)
         self.behind = behind
@@ -126,6 +134,9 @@ class Reader:
             self.bytes -= on_disk_bytes
             self.counters.discarded += on_disk
             self.behind = last_id + 1 if last_id < self.tail else None
+        if self.errors:
+            self.errors = {i: n for i, n in self.errors.items()
+                           if i > last_id or i in self.open or i in self.moving}
         self.dirty = True
 
     def add(self, items: Iterable[Item]) -> None:
@@ -162,11 +173,14 @@ class Reader:
         """
         if self.behind != from_id:
             return
+        errors = self.errors
         for it in items:
             if it.id >= next_id or it.id > self.tail:
                 break
             if it.id in self.done:
                 continue
+            if errors and it.id in errors:
+                it = dataclasses.replace(it, error_count=errors[it.id])
             self.mem.append(it)
             self.mem_bytes += len(it.data)
         self.behind = next_id if next_id <= self.tail else None
@@ -242,6 +256,8 @@ class Reader:
     def consume(self, item_id: int) -> None:
         """`item_id` is gone for good (taken, confirmed, expired, discarded, moved)."""
         self.dirty = True
+        if self.errors:
+            self.errors.pop(item_id, None)
         if self.open or self.front or self.moving:
             # A lower id may still be outstanding: remember this one explicitly.
             self.done.add(item_id)
@@ -276,6 +292,7 @@ class Reader:
         self.counters.canceled_transactions += 1
         if count_error:
             it = dataclasses.replace(it, error_count=it.error_count + 1)
+            self.errors[item_id] = it.error_count
         return it
 
     def unhold(self, item_id: int) -> bool:
@@ -339,6 +356,9 @@ class Reader:
         self.bytes = 0
         self.counters.flushes += 1
         self.dirty = True
+        if self.errors:
+            self.errors = {i: n for i, n in self.errors.items()
+                           if i in self.open or i in self.moving}
         if self.open or self.moving:
             # A lower id is still open: the flushed ids must be listed one by one
             # (READ_DONE). Past FLUSH_DONE_CAP ids that list would cost more memory
@@ -372,6 +392,14 @@ class Reader:
         self.done = {i for i in self.done if i > head}
         self.dirty = False
         return head, sorted(self.done)
+
+    def error_counts(self) -> list[tuple[int, int]]:
+        """(id, count) of outstanding items whose error count an abort raised, for the
+        checkpoint; drops ids at or below the head (call after `checkpoint`)."""
+        if self.errors:
+            self.errors = {i: n for i, n in self.errors.items()
+                           if i > self.head and i not in self.done}
+        return sorted(self.errors.items())
 
     @property
     def open_count(self) -> int:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from queued.core.access import Grant
     from queued.core.open_reads import OpenReads
     from queued.core.queue import Item
+    from queued.storage.journal import Ticket
 
 log = logging.getLogger("queued.server")
 
@@ -62,14 +63,18 @@ class Conn(Protocol):
     async def authenticate(self, auth: c.Auth) -> c.Reply:
         """Log in (again) as auth.user; wrong credentials close the connection."""
 
+    def owe(self, ticket: Ticket) -> None:
+        """The replies from here on go out only once `ticket` is set (a confirm or an
+        abort's error count durable); if it fails, they never do."""
+
 
 async def get(conn: Conn, cmd: c.Get, req: c.Request) -> c.Reply | None:
     b, reads, reader = conn.broker, conn.reads, cmd.reader or ""
     if cmd.abort:
-        b.abort(reads, cmd.queue, reader)
+        b.abort(reads, cmd.queue, reader, owe=conn.owe)
         return c.Done()
     if cmd.close:
-        b.confirm(reads, cmd.queue, reader)
+        b.confirm(reads, cmd.queue, reader, owe=conn.owe)
         if not cmd.open:
             return c.Done()
     if cmd.exclusive and not cmd.peek and reads.open_ids(cmd.queue, reader):
@@ -84,7 +89,7 @@ async def get(conn: Conn, cmd: c.Get, req: c.Request) -> c.Reply | None:
         if b"\n" in it.data:
             b.abort(reads, cmd.queue, cmd.reader, ids=[it.id], count_error=False)
             return c.Failure(c.ErrorKind.NOT_ENCODABLE, "item contains a newline")
-        b.confirm(reads, cmd.queue, cmd.reader, ids=[it.id])
+        b.confirm(reads, cmd.queue, cmd.reader, ids=[it.id], journal=False)  # a plain get
     return c.Items(items)
 
 
@@ -94,11 +99,13 @@ async def peek(conn: Conn, cmd: c.Peek, req: c.Request) -> c.Reply:
 
 
 async def confirm(conn: Conn, cmd: c.Confirm, req: c.Request) -> c.Reply:
-    return c.Count(conn.broker.confirm(conn.reads, cmd.queue, cmd.reader, cmd.count, cmd.ids))
+    return c.Count(conn.broker.confirm(conn.reads, cmd.queue, cmd.reader, cmd.count, cmd.ids,
+                                       owe=conn.owe))
 
 
 async def abort(conn: Conn, cmd: c.Abort, req: c.Request) -> c.Reply:
-    return c.Count(conn.broker.abort(conn.reads, cmd.queue, cmd.reader, ids=cmd.ids))
+    return c.Count(conn.broker.abort(conn.reads, cmd.queue, cmd.reader, ids=cmd.ids,
+                                     owe=conn.owe))
 
 
 async def flush(conn: Conn, cmd: c.Flush, req: c.Request) -> c.Reply:

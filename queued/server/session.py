@@ -5,8 +5,9 @@ batching (every complete request in a chunk is run before one send; consecutive 
 share one journal append and one fsync), long-poll gets with hang-up detection, the
 connection's open-read ledger and monitor. A codec (`queued.core.*_commands`) turns
 bytes into protocol-neutral requests and replies into bytes; `handlers` says what each
-command does. Never parses bytes itself and never touches the journal but through the
-broker.
+command does. Replies go out only once the confirms and aborts they acknowledge are
+durable (one wait per batch, the writer's round shared by all). Never parses bytes
+itself and never touches the journal but through the broker.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from queued.core.wire import ConnectionClosed
 from queued.server.auth import Authenticator
 from queued.server.handlers import HANDLERS, Hub
 from queued.server.transport import Transport, transport_of
+from queued.storage.journal import Ticket
 
 log = logging.getLogger("queued.server")
 
@@ -101,6 +103,8 @@ class Session:
             self.login_by = now + guard.auth_timeout  # type: ignore[union-attr]
         self.requests = 0  # parsed so far: progress, for request_timeout
         self.request_since = 0.0  # when the request now buffered in part began to arrive
+        #: (length of `out` when owed, ticket): replies from there on wait for the ticket
+        self.owed: list[tuple[int, Ticket]] = []
 
     def stop_if_idle(self) -> None:
         """Shutdown: stop reading; a batch that runs finishes, waiting gets (woken empty
@@ -188,15 +192,19 @@ class Session:
             if self.sent is None:
                 self.sent = trio.Event()
             await self.sent.wait()
-        if not self.out:
+        if not (self.out or self.owed):
             return
-        data = bytes(self.out)
-        self.out.clear()  # in place: a waiting get's task may hold a reference
-        if self.lost:
-            return  # nobody to answer
-        self.counters.bytes_written += len(data)
-        self.sending = True
+        self.sending = True  # while the owed writes settle too: one sender at a time
         try:
+            while self.owed:  # more may be owed while it waits
+                await self._settle()
+            if not self.out:
+                return
+            data = bytes(self.out)
+            self.out.clear()  # in place: a waiting get's task may hold a reference
+            if self.lost:
+                return  # nobody to answer
+            self.counters.bytes_written += len(data)
             await self.transport.send(data)
         except trio.BrokenResourceError as exc:
             log.debug("%s: connection lost: %s", self.name, exc)
@@ -208,6 +216,28 @@ class Session:
             if self.sent is not None:
                 self.sent.set()
                 self.sent = None
+
+    def owe(self, ticket: Ticket) -> None:
+        """See handlers.Conn.owe."""
+        if not ticket.event.is_set() or ticket.error is not None:
+            self.owed.append((len(self.out), ticket))
+
+    async def _settle(self) -> None:
+        """Wait until every owed write is durable (the caller is the one sender). If one
+        failed, the replies from the one it acknowledges on are dropped and the
+        connection ends: the client gets no acknowledgement of it (its open reads go
+        back to the queue)."""
+        owed, self.owed = self.owed, []
+        for _, ticket in owed:
+            if not ticket.event.is_set():
+                await ticket.event.wait()
+        failed = next(((at, t.error) for at, t in owed if t.error is not None), None)
+        if failed is not None:
+            at, error = failed
+            log.error("%s: a confirm or abort could not be made durable, closing without "
+                      "acknowledging it: %s", self.name, error)
+            del self.out[at:]
+            self.done = True
 
     # -- one batch ---------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import trio
 from queued.config.policies import DataDirConfig
 from queued.core import journal_format as jf
 from queued.core.errors import JournalError
+from queued.storage import fileio
 from queued.storage.files import Checkpoint, SegmentInfo, fsync_dir
 
 #: Records per batch in a rewritten segment.
@@ -126,7 +127,7 @@ def rewrite_run(
     try:
         return _rewrite_run(run, readers, read, store, tmp)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)  # do not hold disk space when space is what we lack
+        fileio.unlink(tmp, missing_ok=True)  # do not hold disk space when space is what we lack
         raise JournalError(f"compaction of {run[0].path.name}..{run[-1].path.name} "
                            f"failed: {exc}") from exc
 
@@ -143,8 +144,9 @@ def _rewrite_run(
     out = SegmentInfo(last.number, last.path, size=0, compacted_from=run[0].number)
     marker = jf.encode_record(jf.Compacted(run[0].number, last.number))
     head = jf.WRITER_MAGIC + jf.EMPTY_CHECK + jf.seal(marker, jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE)
-    with tmp.open("wb") as f:
-        f.write(head)
+    fd = fileio.open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fileio.write_all(fd, head)
         offset = len(head)
         batch = bytearray()
         count = first = last_id = 0
@@ -154,7 +156,7 @@ def _rewrite_run(
             if not batch:
                 return
             sealed = jf.seal(batch, offset)
-            f.write(sealed)
+            fileio.write_all(fd, sealed)
             out.note_batch(offset, offset + len(sealed), count, first, last_id)
             offset += len(sealed)
             batch = bytearray()
@@ -172,17 +174,18 @@ def _rewrite_run(
                 if len(batch) >= REWRITE_BATCH_BYTES:
                     flush()
         flush()
-        f.flush()
-        os.fsync(f.fileno())
+        fileio.fsync(fd)
+    finally:
+        fileio.close(fd)
     out.size = offset
     if not out.count:
-        tmp.unlink()
+        fileio.unlink(tmp)
         store.retire_segments(list(run))
         return None
     if store.config.archive_dir is not None and last.compacted_from is None:
         # The rename below replaces the original: keep its records in the archive first.
         store.copy_to_archive(last.path)
-    os.replace(tmp, last.path)
+    fileio.replace(tmp, last.path)
     fsync_dir(last.path.parent)
     out.inode = last.path.stat().st_ino
     return out

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import trio
 
-from queued.config.policies import DataDirConfig, FsyncMode, JournalConfig
+from queued.config.policies import DataDirConfig, FsyncMode, FsyncPolicy, JournalConfig
 from queued.core import journal_format as jf
 from queued.core.errors import (
     CorruptJournalError,
@@ -29,16 +28,17 @@ from queued.core.errors import (
     NotSavedError,
 )
 from queued.core.stats import HistogramSnapshot
+from queued.storage import fileio
 from queued.storage.files import (
     Checkpoint,
     SegmentInfo,
+    decode_checkpoint,
     fsync_dir,
-    read_checkpoint,
     write_checkpoint,
 )
 from queued.storage.journal import QueueJournal
 from queued.storage.recovery import Damage, scan_segment
-from queued.storage.writer import Writer
+from queued.storage.writer import ReaderFile, Writer
 
 log = logging.getLogger("queued.datadir")
 
@@ -124,7 +124,7 @@ class DataDir:
         """Recover every queue in `path` (synchronous: run it in a thread from trio)."""
         started = time.monotonic()
         dd = cls(Path(path), config or DataDirConfig(), queue_config or (lambda _: JournalConfig()))
-        dd.path.mkdir(parents=True, exist_ok=True)
+        fileio.mkdir(dd.path)
         by_queue: dict[str, list[tuple[str, jf.JournalFileName]]] = {}
         for entry in sorted(os.listdir(dd.path)):
             parsed = jf.parse_file_name(entry)
@@ -149,7 +149,7 @@ class DataDir:
         readers: dict[str, Checkpoint] = {}
         for entry, parsed in entries:
             if parsed.role is jf.FileRole.TEMP:
-                (self.path / entry).unlink()
+                fileio.unlink(self.path / entry)
                 rep.temps_removed += 1
                 log.info("recovery: removed leftover temp file %s", entry,
                          extra={"event": "recovery_temp_removed", "file_name": entry})
@@ -183,7 +183,18 @@ class DataDir:
                 continue
             path = self.path / jf.checkpoint_name(name, f.reader)
             try:
-                readers[f.reader] = read_checkpoint(path)
+                data = path.read_bytes()
+                readers[f.reader], end = decode_checkpoint(data)
+                if end < len(data):
+                    # A crash while a confirm was being appended: it was never acknowledged.
+                    # Written anew, so the next append follows a verified batch.
+                    log.warning("recovery: checkpoint %s: cut a torn tail of %d bytes at "
+                                "offset %d", path.name, len(data) - end, end,
+                                extra={"event": "recovery_checkpoint_tail",
+                                       "checkpoint": path.name, "offset": end,
+                                       "cut_bytes": len(data) - end})
+                    rep.truncated_bytes += len(data) - end
+                    write_checkpoint(path, readers[f.reader])
             except (CorruptRecordError, OSError) as exc:
                 log.error(
                     "recovery: checkpoint %s unreadable (%s): replaying reader %r from the "
@@ -254,12 +265,12 @@ class DataDir:
         j.fail_pending(JournalClosedError(f"queue {name!r} was deleted"))
 
         def remove() -> None:
-            j.file.close()
+            j.close_files()
             # List the directory now: a round or compaction may have made files since.
             for entry in os.listdir(self.path):
                 parsed = jf.parse_file_name(entry)
                 if parsed is not None and parsed.queue == name:
-                    (self.path / entry).unlink(missing_ok=True)
+                    fileio.unlink(self.path / entry, missing_ok=True)
             fsync_dir(self.path)
 
         # No round, compaction or checkpoint of this queue may run while its files go.
@@ -273,14 +284,14 @@ class DataDir:
         archive = self.config.archive_dir
         for seg in segs:
             if archive is None or seg.compacted_from is not None:
-                seg.path.unlink(missing_ok=True)
+                fileio.unlink(seg.path, missing_ok=True)
                 continue
-            archive.mkdir(parents=True, exist_ok=True)
+            fileio.mkdir(archive)
             try:
-                os.replace(seg.path, archive / seg.path.name)
+                fileio.replace(seg.path, archive / seg.path.name)
             except OSError:  # another filesystem: a durable copy first, then remove
                 self.copy_to_archive(seg.path)
-                seg.path.unlink()
+                fileio.unlink(seg.path)
         if archive is not None and archive.exists():
             fsync_dir(archive)
         fsync_dir(self.path)
@@ -289,26 +300,30 @@ class DataDir:
         """A durable copy of `path` in archive_dir (the original stays)."""
         archive = self.config.archive_dir
         assert archive is not None
-        archive.mkdir(parents=True, exist_ok=True)
-        dest = archive / path.name
-        shutil.copyfile(path, dest)
-        with dest.open("rb") as f:
-            os.fsync(f.fileno())
+        fileio.mkdir(archive)
+        fileio.copy_file(path, archive / path.name)
         fsync_dir(archive)
 
     # -- the writer loop --------------------------------------------------------------
 
+    def reader_file(self, queue: str, reader: str, fsync: FsyncPolicy) -> ReaderFile:
+        return self._writer.reader_file(queue, reader, fsync)
+
     def note_pending(self, journal: QueueJournal) -> None:
-        """`journal` has planned appends: written here and now when no fsync is due
-        (`Writer.write_now`: fsync never, or periodic between its fsyncs) and the writer
-        is idle, so the put is durable without a hand-off to the writer's task; else
-        the next round takes them (group commit: one fsync for every queued append)."""
+        """`journal` has planned appends (or reader file changes): written here and now
+        when no fsync is due (`Writer.write_now`: fsync never, or periodic between its
+        fsyncs) and the writer is idle, so the put is durable without a hand-off to the
+        writer's task; else the next round takes them (group commit: one fsync for every
+        queued append, one per reader file for its confirms)."""
         if not (self._in_round or self._closing):
-            result = self._writer.write_now(journal.file, journal.planned)
+            readers = journal.planned_readers
+            result = self._writer.write_now(journal.file, journal.planned, readers)
             if result is not None:
                 self._dirty.pop(journal, None)
                 journal.finish_round(journal.take_pending(), result)
-                owed = journal.file.fsync_deadline()  # periodic: this write owes an fsync
+                journal.take_reader_ops()
+                journal.finish_reader_ops(readers)
+                owed = journal.fsync_deadline()  # periodic: this write owes an fsync
                 if owed is not None and owed < self._asleep_until:
                     self._wake.set()  # the writer sleeps past it: it must look again
                 return
@@ -316,15 +331,22 @@ class DataDir:
         self._wake.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The writer loop: one round = one writer call for every queue with planned appends."""
+        """The writer loop: one round = one writer call for every queue with planned appends.
+
+        Shielded from cancellation: it ends with `aclose` (as `open_data_dir` always
+        calls it), since a shutdown still writes (checkpoints are rounds too)."""
         task_status.started()
+        with trio.CancelScope(shield=True):
+            await self._run()
+
+    async def _run(self) -> None:
         try:
             while True:
                 if not self._dirty:
                     if self._closing:
                         return
                     deadline = min(
-                        (d for j in self.queues.values() if (d := j.file.fsync_deadline())),
+                        (d for j in self.queues.values() if (d := j.fsync_deadline())),
                         default=None,
                     )
                     # The fsync deadlines are on the monotonic clock of the worker thread.
@@ -336,24 +358,29 @@ class DataDir:
                 # Appends from here on set a fresh event and are taken next round.
                 self._wake = trio.Event()
                 work = [(j, j.take_pending()) for j in self._dirty]
+                readers = [(j, ops) for j in self._dirty if (ops := j.take_reader_ops())]
+                work = [(j, chunks) for j, chunks in work if chunks]
                 self._dirty.clear()
                 now = time.monotonic()
                 periodic = [
-                    j.file for j in self.queues.values()
-                    if (d := j.file.fsync_deadline()) is not None and d <= now
+                    f for j in self.queues.values() if j.fsync_deadline() is not None
+                    for f in j.files() if (d := f.fsync_deadline()) is not None and d <= now
                 ]
-                if not (work or periodic):
+                if not (work or readers or periodic):
                     continue  # woken to look at a new fsync deadline: sleep until it
                 # No write here and now until these are written: they come first.
                 self._in_round = True
                 try:
                     results = await self._writer.write_round(
-                        [(j.file, chunks) for j, chunks in work], periodic
+                        [(j.file, chunks) for j, chunks in work], periodic,
+                        [pair for _, ops in readers for pair in ops],
                     )
                 finally:
                     self._in_round = False
                 for (j, chunks), result in zip(work, results, strict=True):
                     j.finish_round(chunks, result)
+                for j, ops in readers:
+                    j.finish_reader_ops(ops)
         finally:
             self._writer_done.set()
 
@@ -373,7 +400,7 @@ class DataDir:
                 unsaved: list[str] = []
                 for j in self.queues.values():
                     try:
-                        j.file.close()
+                        j.close_files()
                     except OSError as exc:  # close the others all the same
                         unsaved.append(f"queue {j.name}: journal not fsynced and closed "
                                        f"({exc.strerror or exc}); what it wrote since its "

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from queued.core import journal_format as jf
 from queued.core.errors import CorruptRecordError, DataDirError, JournalError
+from queued.storage import fileio
 
 #: Sparse index stride: one (first_id, offset) entry per this many bytes.
 INDEX_STRIDE = 1 << 20
@@ -103,11 +104,7 @@ def read_segment(seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fileio.fsync_dir(path)
 
 
 #: The file `probe_writable` writes and removes. No journal file has this name (a queue
@@ -148,25 +145,27 @@ def probe_writable(directory: Path) -> None:
 def unlink_durably(path: Path) -> None:
     """Remove `path` (if there) and make the removal durable."""
     try:
-        path.unlink()
+        fileio.unlink(path)
     except FileNotFoundError:
         return
     fsync_dir(path.parent)
 
 
+def write_temp(path: Path, data: bytes) -> Path:
+    """`path`'s temp file (`~~`) holding `data`, fsynced; the caller renames it."""
+    tmp = path.with_name(jf.temp_name(path.name))
+    fd = fileio.open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fileio.write_all(fd, data)
+        fileio.fsync(fd)
+    finally:
+        fileio.close(fd)
+    return tmp
+
+
 def write_file_atomic(path: Path, data: bytes) -> None:
     """temp + fsync + rename + directory fsync: the file is old or new, never half."""
-    tmp = path.with_name(jf.temp_name(path.name))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    fileio.replace(write_temp(path, data), path)
     fsync_dir(path.parent)
 
 
@@ -175,37 +174,103 @@ def write_file_atomic(path: Path, data: bytes) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """A reader's durable position: ids <= head and ids in done are consumed."""
+    """A reader's durable position: ids <= head and ids in done are consumed; `errors`
+    holds the error counts aborts gave to items not consumed yet, (id, count) sorted."""
 
     head: int = 0
     done: tuple[int, ...] = ()
+    errors: tuple[tuple[int, int], ...] = ()
 
 
-def read_checkpoint(path: Path) -> Checkpoint:
-    """Decode a reader file; raises CorruptRecordError when it cannot be trusted."""
-    data = path.read_bytes()
+def decode_checkpoint(data: bytes) -> tuple[Checkpoint, int]:
+    """A reader file's state, and where its trusted bytes end.
+
+    Ours (sealed: a check record right after the magic) counts only records a verified
+    check covers. The file is written whole (magic, check, the checkpoint's batch), then
+    confirms and error counts are appended as batches of their own until the next
+    checkpoint, so a crash can leave a torn append after the last verified batch: with
+    no verified batch after it, that tail is ignored (it was never acknowledged) and the
+    returned end is before it. Damage to the checkpoint's own batch (written whole,
+    fsynced before its rename: no crash tears it), damage followed by a verified batch,
+    a torn seed file (no check records: every record is trusted, as Kestrel does) or a
+    negative head raise CorruptRecordError.
+    """
     dec = jf.RecordDecoder(jf.FileKind.READER)
     dec.receive_data(data)
     dec.receive_data(b"")
     head = 0
     done: set[int] = set()
+    errors: dict[int, int] = {}
+    batch: list[jf.Record] = []  # of a sealed file: records since the last check
+    checks = 0
+    sealed: bool | None = None
+    damage: str | None = None
+
+    def apply(rec: jf.Record) -> None:
+        nonlocal head
+        if isinstance(rec, jf.ReadHead):
+            head = rec.id
+        elif isinstance(rec, jf.ReadDone):
+            done.update(rec.ids)
+        elif isinstance(rec, jf.ReadErrors):
+            errors.update(rec.entries)
+
     while True:
-        ev = dec.next_event()
+        try:
+            ev = dec.next_event()
+        except CorruptRecordError as exc:
+            if not sealed:
+                raise
+            damage = str(exc)
+            break
         if isinstance(ev, jf.Decoded):
-            if isinstance(ev.record, jf.ReadHead):
-                head = ev.record.id
-            elif isinstance(ev.record, jf.ReadDone):
-                done.update(ev.record.ids)
+            rec = ev.record
+            if sealed is None:
+                sealed = isinstance(rec, jf.Check)
+            if isinstance(rec, jf.Check):
+                checks += 1
+                for pending in batch:
+                    apply(pending)
+                batch.clear()
+            elif sealed:
+                batch.append(rec)
+            else:
+                apply(rec)
             continue
         if isinstance(ev, jf.TornTail):
-            raise CorruptRecordError(ev.offset, "torn checkpoint")
+            if not sealed:
+                raise CorruptRecordError(ev.offset, "torn checkpoint")
+            damage = "torn tail"
         break
-    if dec.sealed and dec.last_check_end != dec.offset:
-        raise CorruptRecordError(dec.offset, "checkpoint records after the last check record")
+    end = len(data)
+    if sealed:
+        assert dec.last_check_end is not None
+        end = dec.last_check_end
+        if end < len(data) and checks < 2:
+            raise CorruptRecordError(end, damage or "checkpoint records after the last check "
+                                     "record")
+        if end < len(data) and jf.find_valid_check_after(data, end) is not None:
+            raise CorruptRecordError(
+                end, f"{damage or 'records without a check'}, with a verified batch after it")
     if head < 0:
         raise CorruptRecordError(0, f"negative head {head}")
-    return Checkpoint(head, tuple(sorted(i for i in done if i > head)))
+    return Checkpoint(
+        head,
+        tuple(sorted(i for i in done if i > head)),
+        tuple(sorted((i, n) for i, n in errors.items() if i > head and i not in done)),
+    ), end
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Decode a reader file (a torn appended tail is left out, see decode_checkpoint);
+    raises CorruptRecordError when it cannot be trusted."""
+    return decode_checkpoint(path.read_bytes())[0]
 
 
 def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
-    write_file_atomic(path, jf.encode_checkpoint(checkpoint.head, checkpoint.done))
+    write_file_atomic(path, encode_checkpoint(checkpoint))
+
+
+def encode_checkpoint(checkpoint: Checkpoint) -> bytes:
+    """The whole reader file for `checkpoint`."""
+    return jf.encode_checkpoint(checkpoint.head, checkpoint.done, checkpoint.errors)

@@ -4,9 +4,12 @@ checkpoints, compaction and size limits.
 Owns the queue's segment list and reader checkpoint files. Appends are planned
 here on the trio side (ids, chunks that become checked batches, tickets) and
 written by the writer (queued.storage.writer) in the data directory's rounds:
-one write + one fsync per queue per round. Never acknowledges an append before
-its bytes are written and, under fsync "always", fsynced. Knows nothing of
-sockets or protocols, and of its data directory only what `JournalHost` says.
+one write + one fsync per queue per round. So are the readers' files: confirms and
+abort error counts appended between checkpoints, and the checkpoints themselves,
+each reader's changes in the order they were planned. Never acknowledges an append
+(or a confirm) before its bytes are written and, under fsync "always", fsynced.
+Knows nothing of sockets or protocols, and of its data directory only what
+`JournalHost` says.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Protocol
 
 import trio
 
-from queued.config.policies import FullPolicy, JournalConfig, MiB
+from queued.config.policies import FsyncPolicy, FullPolicy, JournalConfig, MiB
 from queued.core import journal_format as jf
 from queued.core.errors import (
     JournalClosedError,
@@ -33,11 +36,18 @@ from queued.storage.compaction import CompactionResult, SegmentStore
 from queued.storage.files import (
     Checkpoint,
     SegmentInfo,
+    encode_checkpoint,
     read_segment,
-    unlink_durably,
-    write_checkpoint,
 )
-from queued.storage.writer import ZERO_COPY_BYTES, Chunk, SegmentFile, WriteResult
+from queued.storage.writer import (
+    ZERO_COPY_BYTES,
+    Chunk,
+    ReaderFile,
+    ReaderOp,
+    SegmentFile,
+    SyncedFile,
+    WriteResult,
+)
 
 log = logging.getLogger("queued.journal")
 
@@ -81,6 +91,20 @@ class Planned(Chunk):
     tickets: list[Ticket] = field(default_factory=list)
 
 
+@dataclass(eq=False, slots=True)
+class PlannedOp(ReaderOp):
+    """A reader file change waiting for the writer; appends planned before the next
+    round are merged into one (one batch, one ticket). `checkpoint`: the durable
+    position a rewrite makes."""
+
+    ticket: Ticket = field(default_factory=Ticket)
+    checkpoint: Checkpoint | None = None
+
+
+#: A reader's file and the changes a round is to make to it, in plan order.
+ReaderWork = list[tuple[ReaderFile, list[PlannedOp]]]
+
+
 class JournalHost(SegmentStore, Protocol):
     """What a journal needs from its data directory (queued.storage.datadir.DataDir).
 
@@ -92,7 +116,12 @@ class JournalHost(SegmentStore, Protocol):
     def path(self) -> Path: ...
 
     def note_pending(self, journal: QueueJournal, /) -> None:
-        """`journal` has planned chunks: write them now or in the next writer round."""
+        """`journal` has planned chunks or reader ops: write them now or in the next
+        writer round."""
+        ...
+
+    def reader_file(self, queue: str, reader: str, fsync: FsyncPolicy, /) -> ReaderFile:
+        """The writer side of a reader's checkpoint file."""
         ...
 
 
@@ -118,6 +147,7 @@ class QueueJournal:
         self.name = name
         #: the writer side of this queue's active segment (queued.storage.writer)
         self.file = file
+        self._reader_files: dict[str, ReaderFile] = {}
         self.config = config
         self.segments = segments
         self.readers = readers
@@ -127,12 +157,12 @@ class QueueJournal:
         self.before_drop: Callable[[SegmentInfo], Awaitable[None]] | None = None
         self._pending: list[Planned] = []
         self._pending_bytes = 0
+        self._reader_ops: dict[str, list[PlannedOp]] = {}
         # Projection of the active segment including pending chunks, to split
         # batches where segments rotate. None = the next append opens a segment.
         self._proj_size: int | None = None
         self._proj_count = 0
         self._closed = False
-        self._checkpoint_lock = trio.Lock()
         self._maintenance_lock = trio.Lock()
         self._appends = self._items = self._batches = 0
 
@@ -145,6 +175,8 @@ class QueueJournal:
         """Settings may change (a reload); the writer follows the new fsync policy."""
         self._config = config
         self.file.fsync = config.fsync
+        for rfile in self._reader_files.values():
+            rfile.fsync = config.fsync
 
     # -- appends ----------------------------------------------------------------
 
@@ -323,6 +355,59 @@ class QueueJournal:
         chunks, self._pending = self._pending, []
         return chunks
 
+    @property
+    def planned_readers(self) -> ReaderWork:
+        """The reader file changes planned since the last round (not taken)."""
+        return [(self._reader_file(r), ops) for r, ops in self._reader_ops.items()]
+
+    def take_reader_ops(self) -> ReaderWork:
+        """The reader file changes planned since the last round, for the next round."""
+        if not self._reader_ops:
+            return []
+        work = self.planned_readers
+        self._reader_ops = {}
+        return work
+
+    def finish_reader_ops(self, work: ReaderWork) -> None:
+        """Back on the event loop: the durable checkpoints moved, tickets resolved."""
+        for rfile, ops in work:
+            for op in ops:
+                if op.failed is None:
+                    if op.checkpoint is not None:
+                        self.readers[rfile.reader] = op.checkpoint
+                    elif op.head is not None and rfile.reader in self.readers:
+                        cp = self.readers[rfile.reader]
+                        if op.head > cp.head:
+                            self.readers[rfile.reader] = Checkpoint(
+                                op.head, tuple(i for i in cp.done if i > op.head),
+                                tuple(e for e in cp.errors if e[0] > op.head))
+                else:
+                    log.error("queue %s: %s", self.name, op.failed)
+                op.ticket.error = op.failed
+                op.ticket.event.set()
+
+    def files(self) -> list[SyncedFile]:
+        """The writer side of every file of this queue: its segment and its readers'."""
+        return [self.file, *self._reader_files.values()]
+
+    def fsync_deadline(self) -> float | None:
+        """When the next periodic fsync of any of this queue's files falls due."""
+        if not self._reader_files:
+            return self.file.fsync_deadline()
+        return min((d for f in self.files() if (d := f.fsync_deadline()) is not None),
+                   default=None)
+
+    def close_files(self) -> None:
+        """fsync what is unsynced and close every file (synchronous)."""
+        errors: list[OSError] = []
+        for f in self.files():
+            try:
+                f.close()
+            except OSError as exc:  # close the others all the same
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
     def finish_round(self, chunks: list[Planned], result: WriteResult) -> None:
         """Back on the event loop: note what the writer wrote, resolve the tickets."""
         for w in result.written:
@@ -388,21 +473,68 @@ class QueueJournal:
             if put.id not in done:
                 yield put
 
-    # -- checkpoints --------------------------------------------------------------
+    # -- reader files: confirms, error counts, checkpoints ------------------------------
 
-    async def write_checkpoint(self, reader: str, head: int, done: Sequence[int] = ()) -> None:
-        """Make reader `reader`'s position durable (temp + fsync + rename + dir fsync)."""
-        cp = Checkpoint(head, tuple(sorted(i for i in done if i > head)))
-        path = self.host.path / jf.checkpoint_name(self.name, reader)
-        async with self._checkpoint_lock:
-            await trio.to_thread.run_sync(write_checkpoint, path, cp)
-            self.readers[reader] = cp
+    def note_read(
+        self, reader: str, *, done: Sequence[int] = (),
+        errors: Sequence[tuple[int, int]] = (), head: int | None = None,
+    ) -> Ticket:
+        """Append to reader `reader`'s file, in the next round: ids it consumed (`done`,
+        confirms), error counts aborts gave (`errors`), a new `head`. The ticket is set
+        once that is durable under the fsync policy (planned appends share one)."""
+        op = self._plan(reader, None)
+        op.done.extend(done)
+        op.errors.update(errors)
+        if head is not None:
+            op.head = head if op.head is None else max(op.head, head)
+        self.host.note_pending(self)
+        return op.ticket
+
+    async def write_checkpoint(
+        self, reader: str, head: int, done: Sequence[int] = (),
+        errors: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        """Make reader `reader`'s position durable: its file is written anew (temp +
+        fsync + rename + dir fsync) in the next round, after every append planned
+        before this call and before any planned after it, so `head`, `done` and `errors`
+        must be the reader's position now (nothing consumed since they were taken)."""
+        cp = Checkpoint(head, tuple(sorted(i for i in done if i > head)),
+                        tuple(sorted(e for e in errors if e[0] > head)))
+        op = self._plan(reader, PlannedOp(rewrite=encode_checkpoint(cp), checkpoint=cp))
+        self.host.note_pending(self)
+        await wait_durable(op.ticket)
 
     async def remove_reader(self, reader: str) -> None:
-        path = self.host.path / jf.checkpoint_name(self.name, reader)
-        async with self._checkpoint_lock:
-            self.readers.pop(reader, None)
-            await trio.to_thread.run_sync(unlink_durably, path)
+        """Remove reader `reader`'s file (durably, after its planned changes)."""
+        self.readers.pop(reader, None)
+        op = self._plan(reader, PlannedOp(remove=True))
+        self.host.note_pending(self)
+        await wait_durable(op.ticket)
+
+    def _plan(self, reader: str, op: PlannedOp | None) -> PlannedOp:
+        """Queue `op` for reader `reader`'s file; None: the append planned last, or a new
+        one. Raises JournalClosedError once the journal is closed."""
+        if self._closed:
+            raise JournalClosedError(f"journal of queue {self.name!r} is closed")
+        ops = self._reader_ops.get(reader)
+        if ops is None:
+            ops = self._reader_ops[reader] = []
+        if op is None:
+            if ops and ops[-1].appends:
+                return ops[-1]
+            op = PlannedOp()
+        ops.append(op)
+        return op
+
+    def _reader_file(self, reader: str) -> ReaderFile:
+        rfile = self._reader_files.get(reader)
+        if rfile is None:
+            rfile = self.host.reader_file(self.name, reader, self.config.fsync)
+            # A reader the journal knows but whose file is missing is at head 0: a new
+            # queue's default reader, or one recovered without a checkpoint.
+            rfile.create_missing = reader in self.readers
+            self._reader_files[reader] = rfile
+        return rfile
 
     # -- compaction and size limits -------------------------------------------------
 
@@ -421,8 +553,8 @@ class QueueJournal:
             while self.total_bytes > target_bytes and len(self.segments) > 1:
                 seg = self.segments[0]
                 for reader, cp in list(self.readers.items()):
-                    if cp.head < seg.last_id:
-                        await self.write_checkpoint(reader, seg.last_id, cp.done)
+                    if cp.head < seg.last_id:  # appended: the confirms appended stay
+                        await wait_durable(self.note_read(reader, head=seg.last_id))
                 if not self.readers:
                     await self.write_checkpoint("", seg.last_id)
                 if self.before_drop is not None:
@@ -442,17 +574,22 @@ class QueueJournal:
         self._closed = True
 
     def fail_pending(self, error: BaseException) -> None:
-        """Fail every planned append that no round has taken."""
+        """Fail every planned append (and reader file change) that no round has taken."""
         for chunk in self.take_pending():
             self._pending_bytes -= chunk.nbytes
             for ticket in chunk.tickets:
                 ticket.error = error
                 ticket.event.set()
+        for _, ops in self.take_reader_ops():
+            for op in ops:
+                op.ticket.error = error
+                op.ticket.event.set()
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
-        """No compaction, drop or checkpoint of this queue runs inside this block."""
-        async with self._maintenance_lock, self._checkpoint_lock:
+        """No compaction or drop of this queue runs inside this block (checkpoints are
+        round work: pause the writer for those)."""
+        async with self._maintenance_lock:
             yield
 
     def statistics(self) -> JournalStats:
@@ -465,8 +602,8 @@ class QueueJournal:
             appends=self._appends,
             items_appended=self._items,
             batches_written=self._batches,
-            fsyncs=self.file.fsyncs,
-            write_errors=self.file.write_errors,
+            fsyncs=sum(f.fsyncs for f in self.files()),
+            write_errors=sum(f.write_errors for f in self.files()),
             failed=self.file.failed is not None,
             readers=len(self.readers),
         )

@@ -19,6 +19,7 @@ from typing import BinaryIO
 from queued.config.policies import CorruptionPolicy
 from queued.core import journal_format as jf
 from queued.core.errors import BadMagicError, CorruptJournalError, CorruptRecordError
+from queued.storage import fileio
 from queued.storage.files import SegmentInfo, fsync_dir, write_file_atomic
 
 # The broker imports SegmentInfo from here (kept working for it).
@@ -264,9 +265,12 @@ def _truncate(path: Path, good_end: int, file_size: int, result: ScanResult, why
     log.warning("recovery: %s: cut %d bytes at offset %d (%s)", path.name, cut, good_end, why,
                 extra={"event": "recovery_truncate", "segment": path.name, "offset": good_end,
                        "cut_bytes": cut, "reason": why})
-    with path.open("r+b") as f:
-        f.truncate(good_end)
-        os.fsync(f.fileno())
+    fd = fileio.open_fd(path, os.O_WRONLY)
+    try:
+        fileio.ftruncate(fd, good_end)
+        fileio.fsync(fd)
+    finally:
+        fileio.close(fd)
     result.truncated_bytes += cut
     result.damage.append(Damage(path.name, good_end, cut, why))
 
@@ -347,9 +351,9 @@ def _middle_corruption(
     salvaged = bytearray(head)
     for records in runs:
         salvaged += jf.seal(records, len(salvaged))
-    quarantine_dir.mkdir(parents=True, exist_ok=True)
+    fileio.mkdir(quarantine_dir)
     kept = quarantine_dir / f"{path.name}.{int(time.time() * 1000)}"
-    os.link(path, kept)  # the original stays in place until the salvage is renamed over it
+    fileio.link(path, kept)  # the original stays in place until the salvage is renamed over it
     fsync_dir(quarantine_dir)
     write_file_atomic(path, bytes(salvaged))
     for d in damage:

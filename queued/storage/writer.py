@@ -11,7 +11,9 @@ Knows nothing of tickets, readers or ids beyond what a chunk carries.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import logging
 import os
 import queue
@@ -31,7 +33,8 @@ from queued.config.policies import FsyncMode, FsyncPolicy
 from queued.core import journal_format as jf
 from queued.core.errors import JournalWriteError
 from queued.core.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
-from queued.storage.files import fsync_dir
+from queued.storage import fileio
+from queued.storage.files import fsync_dir, write_file_atomic, write_temp
 
 # Failures are the queue's journal failing, as operators know it: log under its name.
 log = logging.getLogger("queued.journal")
@@ -107,8 +110,9 @@ class WriteResult:
     error: BaseException | None = None
 
 
-class SegmentFile:
-    """One queue's active segment, writer side.
+class SyncedFile:
+    """What a queue's files share on the writer side: the fd, the fsync policy and its
+    bookkeeping (unsynced bytes, last fsync), the failure that ends writes.
 
     Touched only by a round: in the worker thread, or inline on the loop while
     no thread runs one. `fsync` is the queue's current policy (its journal keeps
@@ -120,7 +124,6 @@ class SegmentFile:
         directory: Path,
         queue: str,
         fsync: FsyncPolicy,
-        last_number: int,
         observe_fsync: Callable[[float], None],
     ) -> None:
         self.directory = directory
@@ -128,11 +131,9 @@ class SegmentFile:
         self.fsync = fsync
         self.fsyncs = 0
         self.write_errors = 0
-        self._observe_fsync = observe_fsync
+        self.observe_fsync = observe_fsync
         self._fd: int | None = None
-        self._number = 0
         self._size = 0
-        self._last_number = last_number
         self._unsynced = False
         self._last_fsync = time.monotonic()
         self._failed: JournalWriteError | None = None
@@ -141,6 +142,84 @@ class SegmentFile:
     def failed(self) -> JournalWriteError | None:
         """Set once writes can no longer be trusted; reads of the past still work."""
         return self._failed
+
+    def describe(self) -> str:
+        return f"queue {self.queue!r}"
+
+    def set_failed(self, why: str) -> JournalWriteError:
+        """Refuse writes from now on (logged); what the writer does after a failed fsync."""
+        self._failed = JournalWriteError(f"{self.describe()} refuses writes: {why}")
+        log.error("%s", self._failed)
+        return self._failed
+
+    def fsync_if_due(self) -> None:
+        """Under a periodic policy: fsync when the interval since the last one is over."""
+        due = self._last_fsync + self.fsync.interval_ms / 1000
+        if self._unsynced and time.monotonic() >= due:
+            self._fsync()
+
+    def periodic_fsync(self) -> None:
+        """fsync_if_due for a file with nothing to write: a failure, having no append
+        to report to, makes the file refuse writes (and is logged)."""
+        try:
+            self.fsync_if_due()
+        except OSError as exc:
+            self.set_failed(f"fsync failed: {exc}")
+
+    def fsync_deadline(self) -> float | None:
+        """When a periodic fsync falls due (time.monotonic()), if one is owed."""
+        if self.fsync.mode is FsyncMode.PERIODIC and self._unsynced and not self._failed:
+            return self._last_fsync + self.fsync.interval_ms / 1000
+        return None
+
+    def close(self) -> None:
+        """fsync what is unsynced and close the file (a later write opens it again)."""
+        if self._fd is not None:
+            try:
+                if self._unsynced:
+                    fileio.fsync(self._fd)
+                    self._unsynced = False
+            finally:
+                fileio.close(self._fd)
+                self._fd = None
+
+    def _sync_by_policy(self) -> None:
+        if self.fsync.mode is FsyncMode.ALWAYS:
+            self._fsync()
+        elif self.fsync.mode is FsyncMode.PERIODIC:
+            self.fsync_if_due()
+
+    def _inline_ok(self) -> bool:
+        """True when a write now needs no fsync (the file being open is the caller's)."""
+        if self.fsync.mode is FsyncMode.ALWAYS or self._failed is not None:
+            return False
+        deadline = self.fsync_deadline()  # periodic: no fsync may fall due in this round
+        return deadline is None or deadline > time.monotonic()
+
+    def _fsync(self) -> None:
+        if self._fd is not None and self._unsynced:
+            started = time.monotonic()
+            fileio.fsync(self._fd)
+            self.fsyncs += 1
+            self.observe_fsync(time.monotonic() - started)
+        self._unsynced = False
+        self._last_fsync = time.monotonic()
+
+
+class SegmentFile(SyncedFile):
+    """One queue's active segment, writer side (see SyncedFile)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        queue: str,
+        fsync: FsyncPolicy,
+        last_number: int,
+        observe_fsync: Callable[[float], None],
+    ) -> None:
+        super().__init__(directory, queue, fsync, observe_fsync)
+        self._number = 0
+        self._last_number = last_number
 
     def write(self, chunks: Sequence[Chunk]) -> WriteResult:
         """Write the chunks, then sync as the policy says. Nothing is returned as
@@ -157,7 +236,7 @@ class SegmentFile:
                         self._fsync()
                 except OSError as exc:
                     return WriteResult([], self.set_failed(f"fsync failed: {exc}"))
-                os.close(self._fd)
+                fileio.close(self._fd)
                 self._fd = None
             created = False
             try:
@@ -185,10 +264,7 @@ class SegmentFile:
                         os.fstat(self._fd).st_ino if created else 0)
             )
         try:
-            if self.fsync.mode is FsyncMode.ALWAYS:
-                self._fsync()
-            elif self.fsync.mode is FsyncMode.PERIODIC:
-                self.fsync_if_due()
+            self._sync_by_policy()
             if created_any and not never:
                 fsync_dir(self.directory)
         except OSError as exc:
@@ -197,68 +273,20 @@ class SegmentFile:
             return WriteResult([], self.set_failed(f"fsync failed: {exc}"))
         return WriteResult(done, error)
 
-    def set_failed(self, why: str) -> JournalWriteError:
-        """Refuse writes from now on (logged); what the writer does after a failed fsync."""
-        self._failed = JournalWriteError(f"queue {self.queue!r} refuses writes: {why}")
-        log.error("%s", self._failed)
-        return self._failed
-
-    def fsync_if_due(self) -> None:
-        """Under a periodic policy: fsync when the interval since the last one is over."""
-        due = self._last_fsync + self.fsync.interval_ms / 1000
-        if self._unsynced and time.monotonic() >= due:
-            self._fsync()
-
-    def periodic_fsync(self) -> None:
-        """fsync_if_due for a queue with nothing to write: a failure, having no append
-        to report to, makes the file refuse writes (and is logged)."""
-        try:
-            self.fsync_if_due()
-        except OSError as exc:
-            self.set_failed(f"fsync failed: {exc}")
-
-    def fsync_deadline(self) -> float | None:
-        """When a periodic fsync falls due (time.monotonic()), if one is owed."""
-        if self.fsync.mode is FsyncMode.PERIODIC and self._unsynced and not self._failed:
-            return self._last_fsync + self.fsync.interval_ms / 1000
-        return None
-
     def can_write_inline(self, chunks: Sequence[Chunk]) -> bool:
         """True when writing `chunks` needs no fsync and opens no file."""
-        if self.fsync.mode is FsyncMode.ALWAYS or self._fd is None:
+        if self._fd is None or any(c.rotate for c in chunks):
             return False
-        if any(c.rotate for c in chunks):
-            return False
-        deadline = self.fsync_deadline()  # periodic: no fsync may fall due in this round
-        return deadline is None or deadline > time.monotonic()
-
-    def close(self) -> None:
-        """fsync what is unsynced and close the file (a later write opens a new segment)."""
-        if self._fd is not None:
-            try:
-                if self._unsynced:
-                    os.fsync(self._fd)
-            finally:
-                os.close(self._fd)
-                self._fd = None
+        return self._inline_ok()
 
     def _open_segment(self) -> bytes:
         """Create the next segment file; returns the bytes it must start with."""
         number = max(int(time.time() * 1000), self._last_number + 1)
         path = self.directory / jf.segment_name(self.queue, number)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        fd = fileio.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         self._fd, self._number, self._size = fd, number, 0
         self._last_number = number
         return jf.WRITER_MAGIC + jf.EMPTY_CHECK
-
-    def _fsync(self) -> None:
-        if self._fd is not None and self._unsynced:
-            started = time.monotonic()
-            os.fsync(self._fd)
-            self.fsyncs += 1
-            self._observe_fsync(time.monotonic() - started)
-        self._unsynced = False
-        self._last_fsync = time.monotonic()
 
     def _write_failed(self, exc: OSError, created: bool) -> BaseException:
         """Trim a partial write so the file ends on a batch again, or give up writing."""
@@ -267,11 +295,11 @@ class SegmentFile:
         try:
             if fd is not None:
                 if created:
-                    os.close(fd)
+                    fileio.close(fd)
                     self._fd = None
-                    os.unlink(self.directory / jf.segment_name(self.queue, self._number))
+                    fileio.unlink(self.directory / jf.segment_name(self.queue, self._number))
                 else:
-                    os.ftruncate(fd, self._size)
+                    fileio.ftruncate(fd, self._size)
         except OSError as trim_exc:
             return self.set_failed(
                 f"write failed ({exc}) and the partial batch could not be trimmed ({trim_exc})"
@@ -283,16 +311,180 @@ class SegmentFile:
         return self.set_failed(f"write failed: {exc}")
 
 
+@dataclass(eq=False, slots=True)
+class ReaderOp:
+    """One change to a reader's checkpoint file, planned by the journal and carried out
+    by a round in plan order: records appended as one checked batch (`head`: a
+    READ_HEAD, `done`: a READ_DONE, `errors`: a READ_ERRORS), or the whole file written
+    anew (`rewrite`: temp, fsync, rename, directory fsync, whatever the fsync policy), or
+    the file removed durably (`remove`). The round sets `failed` if it did not become
+    durable under the queue's fsync policy."""
+
+    rewrite: bytes | None = None
+    remove: bool = False
+    head: int | None = None
+    done: list[int] = field(default_factory=list)
+    errors: dict[int, int] = field(default_factory=dict)
+    failed: BaseException | None = None
+
+    @property
+    def appends(self) -> bool:
+        return self.rewrite is None and not self.remove
+
+
+class ReaderFile(SyncedFile):
+    """One reader's checkpoint file `q.read.<name>`, writer side (see SyncedFile).
+
+    Between checkpoints (rewrites) confirms and error counts are appended as checked
+    batches, synced by the queue's fsync policy in the same round as its puts. A rewrite
+    replaces the file and covers every append planned before it: the appends that went
+    to the old file need no sync of their own. A file that is missing when an append
+    comes is created empty first if `create_missing` (a reader that has no file yet reads
+    as head 0, as recovery reads a missing one), else the append fails.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        queue: str,
+        reader: str,
+        fsync: FsyncPolicy,
+        observe_fsync: Callable[[float], None],
+    ) -> None:
+        super().__init__(directory, queue, fsync, observe_fsync)
+        self.reader = reader
+        self.path = directory / jf.checkpoint_name(queue, reader)
+        self.create_missing = False
+
+    def describe(self) -> str:
+        return f"queue {self.queue!r} reader {self.reader!r}"
+
+    def write(self, ops: Sequence[ReaderOp]) -> None:
+        """Carry out `ops` in order, then sync the appends as the policy says; sets
+        `failed` on every op that is not durable. One that fails stops the rest."""
+        covered = 0  # ops before this index are durable whatever the last sync does
+        for i, op in enumerate(ops):
+            try:
+                if op.remove:
+                    self._remove()
+                    covered = i + 1
+                elif op.rewrite is not None:
+                    self._rewrite(op.rewrite)
+                    covered = i + 1
+                elif self._failed is not None:
+                    raise self._failed
+                else:
+                    self._append(op)
+            except (OSError, JournalWriteError) as exc:
+                error = exc if isinstance(exc, JournalWriteError) else self._op_failed(exc, op)
+                for rest in ops[i:]:
+                    rest.failed = error
+                ops = ops[:i]
+                break
+        try:
+            self._sync_by_policy()
+        except OSError as exc:
+            error = self.set_failed(f"fsync failed: {exc}")
+            for op in ops[covered:]:
+                op.failed = error
+
+    def can_write_inline(self, ops: Sequence[ReaderOp]) -> bool:
+        """True when `ops` are appends to the open file that need no fsync now."""
+        return self._fd is not None and all(op.appends for op in ops) and self._inline_ok()
+
+    def _append(self, op: ReaderOp) -> None:
+        if self._fd is None:
+            self._open()
+            assert self._fd is not None
+        records = jf.encode_reader_records(op.head, op.done, op.errors)
+        _writev_all(self._fd, [records, jf.encode_check(records, self._size)])
+        self._size += len(records) + jf.CHECK_RECORD_SIZE
+        self._unsynced = True
+
+    def _open(self) -> None:
+        try:
+            fd = fileio.open_fd(self.path, os.O_WRONLY | os.O_APPEND)
+        except FileNotFoundError:
+            if not self.create_missing:  # not durable yet (its first checkpoint failed)
+                raise JournalWriteError(
+                    f"{self.describe()}: {self.path.name} is missing") from None
+            write_file_atomic(self.path, jf.encode_checkpoint(0, ()))
+            fd = fileio.open_fd(self.path, os.O_WRONLY | os.O_APPEND)
+        self._fd = fd
+        self._size = os.fstat(fd).st_size
+        self._unsynced = False
+
+    def _drop_fd(self) -> None:
+        """Forget the open file: it was replaced or removed, so what it holds unsynced
+        is covered or moot."""
+        fd, self._fd = self._fd, None
+        self._unsynced = False
+        if fd is not None:
+            fileio.close(fd)
+
+    def _rewrite(self, content: bytes) -> None:
+        tmp = self.path.with_name(jf.temp_name(self.path.name))
+        try:
+            write_temp(self.path, content)
+            fileio.replace(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                fileio.unlink(tmp, missing_ok=True)
+            raise
+        self._drop_fd()
+        try:
+            fsync_dir(self.directory)
+        except OSError as exc:
+            raise self.set_failed(f"directory fsync failed: {exc}") from exc
+
+    def _remove(self) -> None:
+        self._drop_fd()
+        fileio.unlink(self.path, missing_ok=True)
+        fsync_dir(self.directory)
+
+    def _op_failed(self, exc: OSError, op: ReaderOp) -> BaseException:
+        """An append's partial batch is trimmed off (else writes end); a failed rewrite or
+        removal leaves the file as it was and is reported, not fatal."""
+        self.write_errors += 1
+        if not op.appends:
+            what = "removing" if op.remove else "writing"
+            error = JournalWriteError(f"{self.describe()}: {what} {self.path.name} failed: {exc}")
+            error.__cause__ = exc  # (callers name the OS error alone: see write_checkpoints)
+            return error
+        try:
+            if self._fd is not None:
+                fileio.ftruncate(self._fd, self._size)
+        except OSError as trim_exc:
+            return self.set_failed(
+                f"write failed ({exc}) and the partial batch could not be trimmed ({trim_exc})"
+            )
+        if exc.errno in RECOVERABLE_WRITE_ERRNOS:
+            return JournalWriteError(
+                f"{self.describe()}: write refused, nothing stored: {os.strerror(exc.errno)}"
+            )
+        return self.set_failed(f"write failed: {exc}")
+
+
 def run_round(
-    work: Sequence[tuple[SegmentFile, Sequence[Chunk]]], periodic: Sequence[SegmentFile],
+    work: Sequence[tuple[SegmentFile, Sequence[Chunk]]], periodic: Sequence[SyncedFile],
     pool: ThreadPoolExecutor | None = None,
+    readers: Sequence[tuple[ReaderFile, Sequence[ReaderOp]]] = (),
 ) -> list[WriteResult]:
-    """The round itself (synchronous): write every queue's chunks, then the periodic
-    fsyncs that fell due in queues with nothing to write. With a `pool`, several queues'
-    files are written and synced at once (their fsyncs share the file system's journal
-    commits: 100 files' fsyncs took 4 ms instead of 11 ms, measured); a file is only
-    ever touched by one thread."""
-    if pool is not None and len(work) > 1:
+    """The round itself (synchronous): write every queue's chunks and every reader's
+    ops, then the periodic fsyncs that fell due in files with nothing to write. With a
+    `pool`, several files are written and synced at once (their fsyncs share the file
+    system's journal commits: 100 files' fsyncs took 4 ms instead of 11 ms, measured);
+    a file is only ever touched by one thread. Reader ops report on themselves."""
+    if readers:
+        jobs: list[Callable[[], WriteResult | None]] = [
+            *(functools.partial(file.write, chunks) for file, chunks in work),
+            *(functools.partial(rfile.write, ops) for rfile, ops in readers)]
+        if pool is not None and len(jobs) > 1:
+            outs = list(pool.map(_call, jobs))
+        else:
+            outs = [job() for job in jobs]
+        results = cast(list[WriteResult], outs[: len(work)])
+    elif pool is not None and len(work) > 1:
         results = list(pool.map(_write_one, work))
     else:
         results = [file.write(chunks) for file, chunks in work]
@@ -303,6 +495,10 @@ def run_round(
 
 def _write_one(entry: tuple[SegmentFile, Sequence[Chunk]]) -> WriteResult:
     return entry[0].write(entry[1])
+
+
+def _call(job: Callable[[], T]) -> T:
+    return job()
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,39 +588,52 @@ class Writer:
         """The writer side of queue `queue`, whose newest segment number is `last_number`."""
         return SegmentFile(self.directory, queue, fsync, last_number, self._observe_fsync)
 
+    def reader_file(self, queue: str, reader: str, fsync: FsyncPolicy) -> ReaderFile:
+        """The writer side of reader `reader`'s checkpoint file of queue `queue`."""
+        return ReaderFile(self.directory, queue, reader, fsync, self._observe_fsync)
+
     def _observe_fsync(self, seconds: float) -> None:
         with self._fsync_lock:
             self._fsync.observe(seconds)
 
     async def write_round(
         self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
-        periodic: Sequence[SegmentFile] = (),
+        periodic: Sequence[SyncedFile] = (),
+        readers: Sequence[tuple[ReaderFile, Sequence[ReaderOp]]] = (),
     ) -> list[WriteResult]:
-        """One round: each file's chunks written with one writev and one fsync, then
-        the due periodic fsyncs of `periodic`. Returns one result per `work` entry."""
+        """One round: each file's chunks written with one writev and one fsync, each
+        reader file's ops carried out (appends: one writev and one fsync), then the due
+        periodic fsyncs of `periodic`. Returns one result per `work` entry."""
         async with self._lock:
             if not periodic and all(f.can_write_inline(chunks) for f, chunks in work) and (
                 sum(c.nbytes for _, chunks in work for c in chunks) <= INLINE_ROUND_BYTES
-            ):
+            ) and all(rf.can_write_inline(ops) for rf, ops in readers):
                 # A small round that needs no fsync and opens no file: a write()
                 # into the page cache is cheaper than a hand-off to a thread.
-                results = run_round(work, periodic)
+                results = run_round(work, periodic, None, readers)
             else:
-                if len(work) > 1 and self._pool is None:
+                if len(work) + len(readers) > 1 and self._pool is None:
                     self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
-                results = await self._thread.run(run_round, work, periodic, self._pool)
+                results = await self._thread.run(run_round, work, periodic, self._pool, readers)
         self._rounds += 1
         return results
 
-    def write_now(self, file: SegmentFile, chunks: Sequence[Chunk]) -> WriteResult | None:
-        """Write `chunks` here and now if that needs no fsync, opens no file, is small and
-        no round or pause is under way; None (nothing done) otherwise. The caller
-        makes sure no earlier chunk of `file` waits for a round."""
+    def write_now(
+        self, file: SegmentFile, chunks: Sequence[Chunk],
+        readers: Sequence[tuple[ReaderFile, Sequence[ReaderOp]]] = (),
+    ) -> WriteResult | None:
+        """Write `chunks` (and the reader files' `readers` appends) here and now if that
+        needs no fsync, opens no file, is small and no round or pause is under way; None
+        (nothing done) otherwise. The caller makes sure no earlier chunk of `file` or op
+        of those readers waits for a round."""
         if (self._lock.locked() or sum(c.nbytes for c in chunks) > INLINE_ROUND_BYTES
-                or not file.can_write_inline(chunks)):
+                or (chunks and not file.can_write_inline(chunks))
+                or not all(rf.can_write_inline(ops) for rf, ops in readers)):
             return None
         self._rounds += 1
-        return file.write(chunks)
+        for rfile, ops in readers:
+            rfile.write(ops)
+        return file.write(chunks) if chunks else WriteResult([])
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -441,7 +650,7 @@ def _writev_all(fd: int, pieces: list[bytes | bytearray]) -> None:
     i = 0
     while i < len(pieces):
         batch = pieces[i : i + IOV_MAX]
-        n = os.writev(fd, batch)
+        n = fileio.writev(fd, batch)
         want = sum(len(p) for p in batch)
         if n == want:
             i += len(batch)
@@ -454,6 +663,6 @@ def _writev_all(fd: int, pieces: list[bytes | bytearray]) -> None:
                 continue
             view = memoryview(p)[n:]
             while view:
-                view = view[os.write(fd, view):]
+                view = view[fileio.write(fd, view):]
             i += 1
             break

@@ -1,0 +1,145 @@
+"""The one seam between the storage layer and the file system: every call that changes
+something on disk (create, write, sync, truncate, rename, link, remove, make a directory).
+
+Storage modules call the functions here, never `os` directly, for anything that writes;
+reads (opening a file for reading, listing, stat) go straight to the OS. `FileIO` is the
+real thing, thin wrappers of `os`; a test installs another (`use`) that, say, fails an
+fsync, or keeps every byte not yet fsynced and drops it on a simulated power cut. Never
+buffers, retries or interprets anything: the callers own the durability logic.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+StrPath = str | os.PathLike[str]
+
+
+class FileIO:
+    """The file system calls the storage layer makes; see the module docstring."""
+
+    def open(self, path: StrPath, flags: int, mode: int = 0o644) -> int:
+        """os.open for writing (any O_CREAT, O_EXCL, O_TRUNC, O_APPEND)."""
+        return os.open(path, flags, mode)
+
+    def write(self, fd: int, data: bytes | bytearray | memoryview) -> int:
+        return os.write(fd, data)
+
+    def writev(self, fd: int, buffers: Sequence[bytes | bytearray | memoryview]) -> int:
+        return os.writev(fd, buffers)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def fsync_dir(self, path: StrPath) -> None:
+        """Make the directory's entries (files created, renamed, removed) durable."""
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def replace(self, src: StrPath, dst: StrPath) -> None:
+        os.replace(src, dst)
+
+    def link(self, src: StrPath, dst: StrPath) -> None:
+        os.link(src, dst)
+
+    def unlink(self, path: StrPath) -> None:
+        os.unlink(path)
+
+    def mkdir(self, path: StrPath) -> None:
+        """The directory and its parents, if missing."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    def copy_file(self, src: StrPath, dst: StrPath) -> None:
+        """A copy of src at dst with its data fsynced (its entry is the caller's business)."""
+        shutil.copyfile(src, dst)
+        fd = os.open(dst, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+_current = FileIO()
+
+
+def use(io: FileIO) -> FileIO:
+    """Route the storage layer's file calls through `io` from now on; returns the one it
+    replaces (put it back when done)."""
+    global _current
+    previous, _current = _current, io
+    return previous
+
+
+def current() -> FileIO:
+    return _current
+
+
+def open_fd(path: StrPath, flags: int, mode: int = 0o644) -> int:
+    return _current.open(path, flags, mode)
+
+
+def write(fd: int, data: bytes | bytearray | memoryview) -> int:
+    return _current.write(fd, data)
+
+
+def writev(fd: int, buffers: Sequence[bytes | bytearray | memoryview]) -> int:
+    return _current.writev(fd, buffers)
+
+
+def fsync(fd: int) -> None:
+    _current.fsync(fd)
+
+
+def ftruncate(fd: int, length: int) -> None:
+    _current.ftruncate(fd, length)
+
+
+def close(fd: int) -> None:
+    _current.close(fd)
+
+
+def fsync_dir(path: StrPath) -> None:
+    _current.fsync_dir(path)
+
+
+def replace(src: StrPath, dst: StrPath) -> None:
+    _current.replace(src, dst)
+
+
+def link(src: StrPath, dst: StrPath) -> None:
+    _current.link(src, dst)
+
+
+def unlink(path: StrPath, *, missing_ok: bool = False) -> None:
+    try:
+        _current.unlink(path)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+
+
+def mkdir(path: StrPath) -> None:
+    _current.mkdir(path)
+
+
+def copy_file(src: StrPath, dst: StrPath) -> None:
+    _current.copy_file(src, dst)
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """Write every byte of `data` (os.write may write less than asked)."""
+    view = memoryview(data)
+    while view:
+        view = view[write(fd, view):]
