@@ -210,3 +210,22 @@ async def test_periodic_fsync_covers_reader_files(
             while "q.read." in tracker.unsynced:
                 await trio.sleep(0.01)
         assert tracker.fsynced.count("q.read.") >= 1
+
+
+async def test_ids_named_by_error_counts_are_never_reused(tmp_path: Path) -> None:
+    """Found by the power-loss test (fsync "<ms>"): an abort's error count was fsynced
+    in the reader's file but the PUT records were not, and the power went out. Recovery
+    must resume ids above every id the reader file names, or a new item would get the
+    old one's id and its error count."""
+    async with open_data_dir(tmp_path) as dd:
+        q = dd.queue("q")
+        await q.append([data_for(1), data_for(2)], T0)
+        await q.write_checkpoint("", 0)
+        await wait_durable(q.note_read("", errors=[(2, 1)]))
+    for seg in tmp_path.glob("q.1*"):
+        seg.unlink()  # the segment's bytes never reached the disk
+    async with open_data_dir(tmp_path) as dd:
+        q = dd.queues["q"]
+        assert q.last_id == 2
+        [put] = await q.append([b"new"], T0)
+        assert put.id == 3

@@ -206,10 +206,13 @@ class DataDir:
                 write_checkpoint(path, readers[f.reader])
         if not readers:
             readers[""] = Checkpoint()
+        # Above every id a file names: after a power cut a reader's file may name ids
+        # whose PUT records were not synced yet (fsync "<ms>" or "never").
         last_id = max(
             [s.last_id for s in segments]
             + [cp.head for cp in readers.values()]
             + [cp.done[-1] for cp in readers.values() if cp.done]
+            + [cp.errors[-1][0] for cp in readers.values() if cp.errors]
         )
         rep.segments = len(segments)
         rep.records = sum(s.count for s in segments)

@@ -1,0 +1,393 @@
+"""Simulated power cuts under the real storage code (issue 18, point 8).
+
+SIGKILL keeps the page cache, so the crash tests cannot see a missing fsync. Here
+`power_util.PowerLossFS` sits at the storage layer's one seam (queued.storage.fileio)
+and drops every byte and directory entry not yet fsynced when a rule cuts the power; the
+broker (queued.broker, over a real data directory, in a trio loop of its own thread) is
+then stopped, the directory turned into what the disk would hold, and a new broker
+recovers it. A hypothesis state machine puts, gets, opens, confirms, aborts, drops
+connections, checkpoints, compacts and cuts the power at random points, against a model
+of what was acknowledged:
+
+- fsync "always": every acknowledged put is there after the cut (unless consumed),
+  no acknowledged confirm comes back, an acknowledged abort's error count is kept;
+- fsync "<ms>": what was acknowledged before the last fsync (the `sync` rule waits for
+  the writer's periodic fsync) is kept as above; what came after may be lost, but lost
+  puts are always the newest (no item is kept after one that was lost).
+
+A cut drops everything unsynced, or (`tear`) keeps a random part of each file's unsynced
+appends, as pages written back before the power went out would: torn batches.
+
+Both: an item consumed without a confirm (a plain get) may come back; nothing that was
+never put appears; error counts lie between the acknowledged and the attempted ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import trio
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from power_util import PowerLossFS
+
+from queued.broker.broker import Broker
+from queued.broker.upkeep import open_broker
+from queued.config import ServerConfig, load_config
+from queued.core.open_reads import OpenReads
+from queued.storage import fileio
+from queued.storage.files import Checkpoint
+from queued.storage.journal import Ticket, wait_durable
+
+T = TypeVar("T")
+#: Every call into the broker's thread, and every wait for a periodic fsync, is bounded.
+BOUND_S = 30.0
+#: The periodic fsync (every 30 ms here) comes well within this, even on a busy machine.
+SYNC_BOUND_S = 5.0
+HOUR_MS = 3_600_000
+N_CLIENTS = 2
+
+
+class Host:
+    """A trio loop in a thread of its own, holding one broker at a time."""
+
+    def __init__(self) -> None:
+        ready = threading.Event()
+        self._failure: BaseException | None = None
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                self.token = trio.lowlevel.current_trio_token()
+                ready.set()
+                await trio.sleep_forever()
+
+        def thread() -> None:
+            try:
+                trio.run(main)
+            except BaseException as exc:  # reported by close()
+                self._failure = exc
+                ready.set()
+
+        self.thread = threading.Thread(target=thread, name="power-loss-trio", daemon=True)
+        self.thread.start()
+        assert ready.wait(BOUND_S) and self._failure is None, self._failure
+
+    def run(self, fn: Callable[[], Awaitable[T]]) -> T:
+        async def bounded() -> T:
+            with trio.fail_after(BOUND_S):
+                return await fn()
+
+        return trio.from_thread.run(bounded, trio_token=self.token)
+
+    def sync(self, fn: Callable[[], T]) -> T:
+        return trio.from_thread.run_sync(fn, trio_token=self.token)
+
+    def start_broker(self, config: ServerConfig) -> tuple[Broker, Callable[[], None]]:
+        """A broker on `config`, and what stops it (cleanly: it is the power cut's
+        `restore` that throws away what it writes after the cut)."""
+        stop, done = trio.Event(), trio.Event()
+
+        async def hold(task_status: trio.TaskStatus[Broker]) -> None:
+            try:
+                async with open_broker(config) as broker:
+                    task_status.started(broker)
+                    await stop.wait()
+            finally:
+                done.set()
+
+        async def stopped() -> None:
+            stop.set()
+            await done.wait()
+
+        broker: Broker = self.run(lambda: self.nursery.start(hold))
+        return broker, lambda: self.run(stopped)
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            trio.from_thread.run_sync(self.nursery.cancel_scope.cancel, trio_token=self.token)
+        self.thread.join(BOUND_S)
+        assert not self.thread.is_alive(), "the broker's trio thread did not end"
+        if self._failure is not None:
+            raise self._failure
+
+
+class _Given:
+    """Stands in for st.data() when a rule calls another with its choice made."""
+
+    def __init__(self, value: list[Item]) -> None:
+        self.value = value
+
+    def draw(self, strategy: object) -> list[Item]:
+        return self.value
+
+
+@dataclass
+class Item:
+    """One put item as the model knows it."""
+
+    seq: int  # put order
+    id: int = 0  # known once delivered
+    state: str = "avail"  # avail | open | taken (plain get) | confirmed
+    client: int = -1  # of an open read
+    put_durable: bool = False  # acknowledged before the last fsync
+    confirm_durable: bool = False
+    errors: int = 0  # error count now (in memory)
+    errors_durable: int = 0  # at least this many survive a power cut
+    errors_max: int = 0  # at most this many (aborts nobody waited for may survive)
+
+
+class PowerCuts(RuleBasedStateMachine):
+    """See the module docstring. FSYNC: the queue's fsync policy."""
+
+    FSYNC = "always"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = Path(tempfile.mkdtemp(prefix="queued-power-"))
+        data = self.tmp / "data"
+        data.mkdir()
+        self.fs = PowerLossFS(data)
+        self.previous = fileio.use(self.fs)
+        config = load_config({
+            "data_dir": str(data), "memcache_port": 0, "text_port": 0, "rpc_port": 0,
+            "http_port": 0, "fsync": self.FSYNC, "checkpoint_interval": HOUR_MS,
+            "expiration_timer": HOUR_MS,
+        }, env={})
+        # Small segments (rotation, compaction) and little memory (read-behind).
+        self.config = dataclasses.replace(config, default=dataclasses.replace(
+            config.default, journal_size=700, max_memory_size=600))
+        self.host = Host()
+        self.broker, self.stop = self.host.start_broker(self.config)
+        self.clients = [self._client() for _ in range(N_CLIENTS)]
+        self.items: dict[bytes, Item] = {}
+        self.seq = 0
+        self.cuts = 0
+
+    def teardown(self) -> None:
+        try:
+            self.stop()
+            self.host.close()
+        finally:
+            fileio.use(self.previous)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        assert self.fs.bypasses == [], f"files changed behind the seam: {self.fs.bypasses}"
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _client(self) -> OpenReads:
+        return self.host.sync(lambda: self.broker.register(OpenReads()))
+
+    def _durable_now(self) -> bool:
+        return self.FSYNC == "always"
+
+    def _settle(self, tickets: list[Ticket]) -> None:
+        async def wait() -> None:
+            for t in tickets:
+                await wait_durable(t)
+
+        self.host.run(wait)
+
+    def _in(self, state: str, client: int | None = None) -> list[Item]:
+        return sorted((it for it in self.items.values() if it.state == state
+                       and (client is None or it.client == client)), key=lambda it: it.seq)
+
+    def _delivered(self, got: Any, state: str, client: int = -1) -> None:
+        """The broker handed out `got`: it must be an available item, with its count."""
+        if got is None:
+            assert not self._in("avail"), "get found nothing while items are available"
+            return
+        it = self.items.get(got.data)
+        assert it is not None, f"an item that was never put: {got.data!r}"
+        assert it.state == "avail", f"item {got.data!r} handed out while {it.state}"
+        assert got.error_count == it.errors
+        it.id, it.state, it.client = got.id, state, client
+
+    # -- rules -------------------------------------------------------------------------
+
+    @rule(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=4))
+    def put(self, sizes: list[int]) -> None:
+        datas = []
+        for size in sizes:
+            data = b"%06d:" % self.seq + b"x" * size
+            datas.append(data)
+            self.items[data] = Item(self.seq)
+            self.seq += 1
+        assert self.host.run(lambda: self.broker.put("q", datas)) == len(datas)
+        for data in datas:
+            self.items[data].put_durable = self._durable_now()
+
+    @rule()
+    def get(self) -> None:
+        self._delivered(self.host.run(lambda: self.broker.get("q")), "taken")
+
+    @rule(k=st.integers(0, N_CLIENTS - 1))
+    def open(self, k: int) -> None:
+        got = self.host.run(lambda: self.broker.get("q", client=self.clients[k], open=True))
+        self._delivered(got, "open", k)
+
+    @rule(k=st.integers(0, N_CLIENTS - 1), data=st.data())
+    def confirm(self, k: int, data: st.DataObject | _Given) -> None:
+        held = self._in("open", k)
+        if not held:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(held), min_size=1, unique_by=id))
+        tickets: list[Ticket] = []
+        n = self.host.sync(lambda: self.broker.confirm(
+            self.clients[k], "q", ids=[it.id for it in chosen], owe=tickets.append))
+        assert n == len(chosen)
+        self._settle(tickets)  # acknowledged from here on
+        for it in chosen:
+            it.state = "confirmed"
+            it.confirm_durable = self._durable_now()
+
+    @rule(k=st.integers(0, N_CLIENTS - 1), data=st.data())
+    def abort(self, k: int, data: st.DataObject | _Given) -> None:
+        held = self._in("open", k)
+        if not held:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(held), min_size=1, unique_by=id))
+        tickets: list[Ticket] = []
+        n = self.host.sync(lambda: self.broker.abort(
+            self.clients[k], "q", ids=[it.id for it in chosen], owe=tickets.append))
+        assert n == len(chosen)
+        self._settle(tickets)
+        for it in chosen:
+            it.state = "avail"
+            it.errors += 1
+            it.errors_max = max(it.errors_max, it.errors)
+            if self._durable_now():
+                it.errors_durable = it.errors
+
+    @rule(k=st.integers(0, N_CLIENTS - 1), n=st.integers(1, 4), data=st.data())
+    def consume_batch(self, k: int, n: int, data: st.DataObject) -> None:
+        """A consumer's round: open up to n items, confirm some, abort the others."""
+        for _ in range(n):
+            self.open(k)
+        held = self._in("open", k)
+        if held:
+            keep = data.draw(st.lists(st.sampled_from(held), unique_by=id))
+            done = [it for it in held if all(it is not x for x in keep)]
+            for rule_, chosen in ((self.confirm, done), (self.abort, keep)):
+                if chosen:
+                    rule_(k, _Given(chosen))
+
+    @rule(k=st.integers(0, N_CLIENTS - 1))
+    def disconnect(self, k: int) -> None:
+        """The connection goes: its open reads come back with an error each, journaled
+        but not waited for by anyone."""
+        self.host.sync(lambda: self.broker.release(self.clients[k]))
+        self.clients[k] = self._client()
+        for it in self._in("open", k):
+            it.state = "avail"
+            it.errors += 1
+            it.errors_max = max(it.errors_max, it.errors)
+
+    @rule()
+    def checkpoint(self) -> None:
+        self.host.run(self.broker.checkpoint_all)
+
+    @rule()
+    def compact(self) -> None:
+        qs = self.broker.queues.get("q")
+        if qs is not None:
+            self.host.run(qs.journal.compact)
+
+    @precondition(lambda self: self.FSYNC != "always")
+    @rule()
+    def sync(self) -> None:
+        """Wait for the writer's periodic fsync: what was acknowledged is durable now."""
+        deadline = time.monotonic() + SYNC_BOUND_S
+        while self.fs.dirty():
+            assert time.monotonic() < deadline, "the periodic fsync never came"
+            time.sleep(0.005)
+        for it in self.items.values():
+            it.put_durable = True
+            it.confirm_durable = it.confirm_durable or it.state == "confirmed"
+            it.errors_durable = max(it.errors_durable, it.errors)
+
+    @rule(tear=st.none() | st.integers(0, 2**32 - 1))
+    def power_cut(self, tear: int | None) -> None:
+        """The power goes out; with `tear`, unsynced appends are partly on disk."""
+        cut = self.fs.cut(None if tear is None else random.Random(tear))
+        self.stop()  # its last writes land in files the restore throws away
+        self.fs.restore(cut)
+        self.cuts += 1
+        self.broker, self.stop = self.host.start_broker(self.config)
+        self.clients = [self._client() for _ in range(N_CLIENTS)]
+        recovered = self.host.sync(self._recovered)
+        self._check_recovered(recovered)
+
+    def _recovered(self) -> dict[bytes, tuple[int, int]]:
+        """data -> (id, error count) of what the recovered journal holds unconsumed."""
+        journal = self.broker.datadir.queues.get("q")
+        if journal is None:
+            return {}
+        errors = dict(journal.readers.get("", Checkpoint()).errors)
+        return {p.data: (p.id, errors.get(p.id, p.error_count))
+                for p in journal.iter_unconsumed("")}
+
+    def _check_recovered(self, recovered: dict[bytes, tuple[int, int]]) -> None:
+        unknown = set(recovered) - set(self.items)
+        assert not unknown, f"items that were never put: {sorted(unknown)[:3]}"
+        lost: list[Item] = []
+        for data, it in self.items.items():
+            if data in recovered:
+                assert not (it.state == "confirmed" and it.confirm_durable), (
+                    f"item {data!r}: its confirm was acknowledged (durable), it came back")
+                count = recovered[data][1]
+                assert it.errors_durable <= count <= it.errors_max, (
+                    f"item {data!r}: error count {count}, acknowledged {it.errors_durable}, "
+                    f"at most {it.errors_max}")
+            elif it.state in ("avail", "open"):
+                assert not it.put_durable, (
+                    f"item {data!r}: its put was acknowledged (durable), it is gone")
+                lost.append(it)
+        if lost:
+            first = min(it.seq for it in lost)
+            kept_after = [d for d, it in self.items.items() if d in recovered and it.seq > first]
+            assert not kept_after, (
+                f"put {first} was lost but later puts were kept: {sorted(kept_after)[:3]}")
+        # The model starts again from what the disk holds.
+        for data in list(self.items):
+            if data not in recovered:
+                del self.items[data]
+        for data, (item_id, count) in recovered.items():
+            it = self.items[data]
+            it.id, it.state, it.client = item_id, "avail", -1
+            it.put_durable = True  # recovery made it durable (its segment was scanned)
+            it.confirm_durable = False
+            it.errors = it.errors_durable = it.errors_max = count
+
+    @invariant()
+    def counts_match(self) -> None:
+        stats = dict(self.host.sync(self.broker.queue_stats)).get("q")
+        if stats is not None:
+            assert stats["items"] == len(self._in("avail"))
+            assert stats["open_transactions"] == len(self._in("open"))
+
+
+class PowerCutsPeriodic(PowerCuts):
+    FSYNC = "30"
+
+
+power_settings = settings(
+    max_examples=250, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+TestPowerCutsAlways = pytest.mark.slow(PowerCuts.TestCase)
+TestPowerCutsAlways.settings = power_settings
+TestPowerCutsPeriodic = pytest.mark.slow(PowerCutsPeriodic.TestCase)
+TestPowerCutsPeriodic.settings = power_settings
