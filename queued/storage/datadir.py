@@ -312,8 +312,11 @@ class DataDir:
         when no fsync is due (`Writer.write_now`: fsync never, or periodic between its
         fsyncs) and the writer is idle, so the put is durable without a hand-off to the
         writer's task; else the next round takes them (group commit: one fsync for every
-        queued append, one per reader file for its confirms)."""
-        if not (self._in_round or self._closing):
+        queued append, one per reader file for its confirms). Reader file changes alone
+        wait for the writer's task, which runs once their connection has run its batch
+        and waits for them: the confirms of a batch (of every batch ready then) share one
+        append instead of one write each."""
+        if not (self._in_round or self._closing) and journal.planned:
             readers = journal.planned_readers
             result = self._writer.write_now(journal.file, journal.planned, readers)
             if result is not None:
