@@ -292,9 +292,11 @@ class Server:
     """One `queued serve` on a fresh temp dir, every port 0 (TLS on with `certs`); stopped
     by PID."""
 
-    def __init__(self, root: Path, fsync: str, certs: BenchCerts | None = None) -> None:
+    def __init__(self, root: Path, fsync: str, certs: BenchCerts | None = None,
+                 tree: Path | None = None) -> None:
         self.fsync = fsync
         self.certs = certs
+        self.tree = tree  # the queued source tree to run (None: this venv's)
         self.dir = Path(tempfile.mkdtemp(prefix=f"rpc-bench-{fsync}-", dir=root))
         self.log_path = self.dir.with_suffix(".log")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -315,9 +317,12 @@ class Server:
                "--http-port", "0", "--fsync", self.fsync]
         if self.certs is not None:
             cmd += self.certs.server_args()
+        env = dict(os.environ)
+        if self.tree is not None:  # the venv's `queued` script imports it from there
+            env["PYTHONPATH"] = str(self.tree)
         with open(self.log_path, "wb") as logf:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf,
-                                         stdin=subprocess.DEVNULL, cwd=self.dir)
+                                         stdin=subprocess.DEVNULL, cwd=self.dir, env=env)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and self.proc.poll() is None:
             m = RPC_LINE.search(self.log_path.read_text(errors="replace"))
@@ -461,7 +466,7 @@ class Bench:
 
     def server_run(self, fsync: str, certs: BenchCerts | None) -> None:
         a = self.a
-        server = Server(Path(a.dir), fsync, certs)
+        server = Server(Path(a.dir), fsync, certs, a.queued_tree)
         ca = certs.ca if certs is not None else None
         workers: Workers | None = None
         over = " over TLS" if certs is not None else ""
@@ -673,7 +678,14 @@ def main() -> None:
                     help="servers with TLS on (--tls), or each fsync policy plaintext then "
                          "over TLS with their ratio (--tls both)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    ap.add_argument("--queued-tree", type=Path, default=None,
+                    help="run the server from this queued source tree (PYTHONPATH) with this "
+                         "venv, e.g. another checkout for a before/after comparison")
     a = ap.parse_args()
+    if a.queued_tree is not None:
+        a.queued_tree = a.queued_tree.resolve()
+        if not (a.queued_tree / "queued" / "__init__.py").is_file():
+            ap.error(f"--queued-tree {a.queued_tree}: no queued package there")
     if a.seconds is None:
         a.seconds = 1.0 if a.quick else 3.0
     a.sizes = ints(a.sizes if a.sizes is not None else ("64" if a.quick else "64,1k"))
@@ -691,6 +703,8 @@ def main() -> None:
         f"{env['cpus']} CPUs, load average {' '.join(env['loadavg'])}")
     log(f"# {a.seconds:g} s per phase; sizes {a.sizes}; batches {a.batches}; conns {a.conns}; "
         f"fsync {policies}; pipelined x{a.tasks}; TLS {a.tls}")
+    if a.queued_tree is not None:
+        log(f"# server from the tree {a.queued_tree}")
     log()
     started = time.perf_counter()
     bench = Bench(a)

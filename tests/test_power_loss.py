@@ -57,6 +57,8 @@ BOUND_S = 30.0
 SYNC_BOUND_S = 5.0
 HOUR_MS = 3_600_000
 N_CLIENTS = 2
+#: which open reads a confirm or abort takes: indexes into them, modulo their number
+PICKS = st.lists(st.integers(0, 7), min_size=1, max_size=4)
 
 
 class Host:
@@ -121,16 +123,6 @@ class Host:
         assert not self.thread.is_alive(), "the broker's trio thread did not end"
         if self._failure is not None:
             raise self._failure
-
-
-class _Given:
-    """Stands in for st.data() when a rule calls another with its choice made."""
-
-    def __init__(self, value: list[Item]) -> None:
-        self.value = value
-
-    def draw(self, strategy: object) -> list[Item]:
-        return self.value
 
 
 @dataclass
@@ -237,12 +229,24 @@ class PowerCuts(RuleBasedStateMachine):
         got = self.host.run(lambda: self.broker.get("q", client=self.clients[k], open=True))
         self._delivered(got, "open", k)
 
-    @rule(k=st.integers(0, N_CLIENTS - 1), data=st.data())
-    def confirm(self, k: int, data: st.DataObject | _Given) -> None:
+    @staticmethod
+    def _pick(held: list[Item], picks: list[int]) -> list[Item]:
+        """Items of `held` chosen by index (modulo its length): the draws do not depend on
+        the state, which after a power cut under fsync "<ms>" depends on timing."""
+        chosen: list[Item] = []
+        for i in picks:
+            it = held[i % len(held)]
+            if all(it is not c for c in chosen):
+                chosen.append(it)
+        return chosen
+
+    @rule(k=st.integers(0, N_CLIENTS - 1), picks=PICKS)
+    def confirm(self, k: int, picks: list[int]) -> None:
         held = self._in("open", k)
-        if not held:
-            return
-        chosen = data.draw(st.lists(st.sampled_from(held), min_size=1, unique_by=id))
+        if held:
+            self._confirm(k, self._pick(held, picks))
+
+    def _confirm(self, k: int, chosen: list[Item]) -> None:
         tickets: list[Ticket] = []
         n = self.host.sync(lambda: self.broker.confirm(
             self.clients[k], "q", ids=[it.id for it in chosen], owe=tickets.append))
@@ -252,12 +256,13 @@ class PowerCuts(RuleBasedStateMachine):
             it.state = "confirmed"
             it.confirm_durable = self._durable_now()
 
-    @rule(k=st.integers(0, N_CLIENTS - 1), data=st.data())
-    def abort(self, k: int, data: st.DataObject | _Given) -> None:
+    @rule(k=st.integers(0, N_CLIENTS - 1), picks=PICKS)
+    def abort(self, k: int, picks: list[int]) -> None:
         held = self._in("open", k)
-        if not held:
-            return
-        chosen = data.draw(st.lists(st.sampled_from(held), min_size=1, unique_by=id))
+        if held:
+            self._abort(k, self._pick(held, picks))
+
+    def _abort(self, k: int, chosen: list[Item]) -> None:
         tickets: list[Ticket] = []
         n = self.host.sync(lambda: self.broker.abort(
             self.clients[k], "q", ids=[it.id for it in chosen], owe=tickets.append))
@@ -270,18 +275,20 @@ class PowerCuts(RuleBasedStateMachine):
             if self._durable_now():
                 it.errors_durable = it.errors
 
-    @rule(k=st.integers(0, N_CLIENTS - 1), n=st.integers(1, 4), data=st.data())
-    def consume_batch(self, k: int, n: int, data: st.DataObject) -> None:
-        """A consumer's round: open up to n items, confirm some, abort the others."""
-        for _ in range(n):
+    @rule(k=st.integers(0, N_CLIENTS - 1),
+          aborts=st.lists(st.booleans(), min_size=1, max_size=4))
+    def consume_batch(self, k: int, aborts: list[bool]) -> None:
+        """A consumer's round: open len(aborts) items, then confirm its open reads but
+        those `aborts` picks (by position), which it aborts."""
+        for _ in aborts:
             self.open(k)
         held = self._in("open", k)
-        if held:
-            keep = data.draw(st.lists(st.sampled_from(held), unique_by=id))
-            done = [it for it in held if all(it is not x for x in keep)]
-            for rule_, chosen in ((self.confirm, done), (self.abort, keep)):
-                if chosen:
-                    rule_(k, _Given(chosen))
+        aborted = [it for it, abort in zip(held, aborts, strict=False) if abort]
+        confirmed = [it for it in held if all(it is not a for a in aborted)]
+        if confirmed:
+            self._confirm(k, confirmed)
+        if aborted:
+            self._abort(k, aborted)
 
     @rule(k=st.integers(0, N_CLIENTS - 1))
     def disconnect(self, k: int) -> None:

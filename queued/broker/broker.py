@@ -329,6 +329,11 @@ class Broker:
         return self.reads.confirm(client, queue, reader or "", count, ids, owe,
                                   journal=journal)
 
+    def write_ready(self) -> None:
+        """Write now the journal changes that need no fsync (confirms under fsync never or
+        <ms>): a connection calls it before it waits for what its batch owes."""
+        self.datadir.write_ready()
+
     def abort(
         self,
         client: OpenReads,

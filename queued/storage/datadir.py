@@ -317,21 +317,37 @@ class DataDir:
         when no fsync is due (`Writer.write_now`: fsync never, or periodic between its
         fsyncs) and the writer is idle, so the put is durable without a hand-off to the
         writer's task; else the next round takes them (group commit: one fsync for every
-        queued append, one per reader file for its confirms)."""
-        if not (self._in_round or self._closing):
-            readers = journal.planned_readers
-            result = self._writer.write_now(journal.file, journal.planned, readers)
-            if result is not None:
-                self._dirty.pop(journal, None)
-                journal.finish_round(journal.take_pending(), result)
-                journal.take_reader_ops()
-                journal.finish_reader_ops(readers)
-                owed = journal.fsync_deadline()  # periodic: this write owes an fsync
-                if owed is not None and owed < self._asleep_until:
-                    self._wake.set()  # the writer sleeps past it: it must look again
-                return
-        self._dirty[journal] = None
-        self._wake.set()
+        queued append, one per reader file for its confirms). Reader file changes alone
+        wait: for `write_ready`, which the connection calls once it has run its batch and
+        waits for them, or for the writer's task; the confirms of a batch share one
+        append instead of one write each."""
+        if not (journal.planned and self._write_now(journal)):
+            self._dirty[journal] = None
+            self._wake.set()
+
+    def write_ready(self) -> None:
+        """Write here and now every planned change that needs no fsync and opens no file
+        (reader appends of confirms under fsync never or <ms>, say), rather than wait for
+        the writer's task; the rest stays for its next round."""
+        for journal in list(self._dirty):
+            self._write_now(journal)
+
+    def _write_now(self, journal: QueueJournal) -> bool:
+        """Write `journal`'s planned changes at once if the writer allows; True if done."""
+        if self._in_round or self._closing:
+            return False
+        readers = journal.planned_readers
+        result = self._writer.write_now(journal.file, journal.planned, readers)
+        if result is None:
+            return False
+        self._dirty.pop(journal, None)
+        journal.finish_round(journal.take_pending(), result)
+        journal.take_reader_ops()
+        journal.finish_reader_ops(readers)
+        owed = journal.fsync_deadline()  # periodic: this write owes an fsync
+        if owed is not None and owed < self._asleep_until:
+            self._wake.set()  # the writer sleeps past it: it must look again
+        return True
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The writer loop: one round = one writer call for every queue with planned appends.
