@@ -336,14 +336,15 @@ class DataDir:
         """Write `journal`'s planned changes at once if the writer allows; True if done."""
         if self._in_round or self._closing:
             return False
-        readers = journal.planned_readers
+        readers = journal.planned_readers if journal.has_reader_ops else []
         result = self._writer.write_now(journal.file, journal.planned, readers)
         if result is None:
             return False
         self._dirty.pop(journal, None)
         journal.finish_round(journal.take_pending(), result)
-        journal.take_reader_ops()
-        journal.finish_reader_ops(readers)
+        if readers:
+            journal.take_reader_ops()
+            journal.finish_reader_ops(readers)
         owed = journal.fsync_deadline()  # periodic: this write owes an fsync
         if owed is not None and owed < self._asleep_until:
             self._wake.set()  # the writer sleeps past it: it must look again

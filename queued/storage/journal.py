@@ -356,6 +356,11 @@ class QueueJournal:
         return chunks
 
     @property
+    def has_reader_ops(self) -> bool:
+        """Reader file changes were planned since the last round."""
+        return bool(self._reader_ops)
+
+    @property
     def planned_readers(self) -> ReaderWork:
         """The reader file changes planned since the last round (not taken)."""
         return [(self._reader_file(r), ops) for r, ops in self._reader_ops.items()]

@@ -628,7 +628,7 @@ class Writer:
         of those readers waits for a round."""
         if (self._lock.locked() or sum(c.nbytes for c in chunks) > INLINE_ROUND_BYTES
                 or (chunks and not file.can_write_inline(chunks))
-                or not all(rf.can_write_inline(ops) for rf, ops in readers)):
+                or (readers and not all(rf.can_write_inline(ops) for rf, ops in readers))):
             return None
         self._rounds += 1
         for rfile, ops in readers:
