@@ -25,6 +25,7 @@ from pymemcache.client.base import Client as MemcacheClient
 from queued.config import ServerConfig, load_config
 from queued.server.app import serve
 from queued.server.listeners import Server
+from queued.storage.files import PROBE_NAME
 
 HOST = "127.0.0.1"
 #: Every single network wait of a test is bounded by this.
@@ -57,7 +58,10 @@ async def running(config: ServerConfig) -> AsyncIterator[Server]:
 
 
 def data_files(data_dir: Path) -> list[str]:
-    return sorted(os.listdir(data_dir)) if data_dir.exists() else []
+    """The files in `data_dir`, but the write probe a running server makes now and then."""
+    if not data_dir.exists():
+        return []
+    return sorted(name for name in os.listdir(data_dir) if name != PROBE_NAME)
 
 
 # -- raw trio sockets --------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_util import HOST, QUEUED, WAIT, ServerProcess
+from ops_util import get, put
+from server_util import HOST, QUEUED, WAIT, ServerProcess, make_config, running
 
 from queued.client import Client
 from queued.config import FsyncPolicy, JournalConfig
@@ -165,3 +166,32 @@ async def test_journals_that_cannot_be_closed_are_each_named(
         f"queue q1: journal not fsynced and closed (Input/output error){then}",
         f"queue q2: journal not fsynced and closed (Input/output error){then}",
     ]
+
+
+async def test_readyz_probes_with_a_real_write_not_a_mode_bit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A data dir that stops taking writes while the server runs (made immutable: root's
+    mode bits would still say writable) makes /readyz say so after the next probe, and
+    ready again once it takes writes."""
+    data = tmp_path / "data"
+    async with running(make_config(data)) as server:
+        await put(server, "jobs", b"a")
+        port = server.ports["http"]
+        assert (await get(port, "/readyz"))[0] == 200
+        make_immutable(data)
+        try:
+            with caplog.at_level(logging.INFO, logger="queued.server"):
+                await server.probe_data_dir()
+                status, _, body = await get(port, "/readyz")
+                assert status == 503
+                assert f"data dir {data} is not writable: cannot create {PROBE_NAME}".encode() \
+                    in body and b"Operation not permitted" in body
+                assert not (data / PROBE_NAME).exists()
+        finally:
+            make_mutable(data)
+        with caplog.at_level(logging.INFO, logger="queued.server"):
+            await server.probe_data_dir()
+        assert (await get(port, "/readyz"))[0] == 200
+        events = [getattr(r, "event", None) for r in caplog.records]
+        assert events.count("data_dir_unwritable") == 1 and "data_dir_writable" in events

@@ -336,9 +336,12 @@ async def test_a_periodic_fsync_is_owed_after_a_write_done_at_once(tmp_path: Pat
     conf = cfg(fsync=FsyncPolicy.parse("100"))
     async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
         q = dd.queue("q")
+        rounds = dd.statistics().rounds
         await q.append([data_for(1)], T0)  # opens the segment: a round
         with trio.fail_after(5):
-            while q.statistics().fsyncs < 1:  # the periodic fsync of that round's write
+            # The periodic fsync of that round's write, in a round of its own that has
+            # ended (the count moves in the round's thread, before the round ends).
+            while q.statistics().fsyncs < 1 or dd.statistics().rounds < rounds + 2:
                 await trio.sleep(0.02)
         await trio.testing.wait_all_tasks_blocked()  # the writer sleeps, nothing owed
         rounds = dd.statistics().rounds

@@ -15,7 +15,6 @@ import binascii
 import email.utils
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -133,9 +132,9 @@ class Ops:
         for name, qs in sorted(server.broker.queues.items()):
             if qs.journal.failed is not None:
                 found.append(f"queue {name}: {qs.journal.failed}")
+        if server.unwritable is not None:  # the last write probe (every DISK_CHECK_SECONDS)
+            found.append(server.unwritable)
         path = server.broker.datadir.path
-        if not os.access(path, os.W_OK):
-            found.append(f"data dir {path} is not writable")
         disk = disk_usage(path)
         if disk is None:
             found.append(f"data dir {path}: cannot read its file system")

@@ -24,6 +24,7 @@ from queued import __version__
 from queued.broker.broker import Broker
 from queued.config import ConfigError, ServerConfig, reload_queue_configs
 from queued.core import commands as c
+from queued.core.errors import DataDirError
 from queued.core.memcache_commands import MemcacheCodec
 from queued.core.rpc_commands import RpcCodec
 from queued.core.stats import ProtocolStats
@@ -34,6 +35,7 @@ from queued.server.metrics import disk_usage
 from queued.server.session import Guard, ServerCounters, Session
 from queued.server.tls import ServerTls, accept_transport
 from queued.server.transport import Transport, peer_name
+from queued.storage.files import probe_writable
 
 log = logging.getLogger("queued.server")
 
@@ -64,6 +66,8 @@ class Server:
         self.shutdown_requested = trio.Event()
         self._sessions: set[Session] = set()
         self._disk_warned_at: float | None = None
+        #: why the data dir failed its last write probe (None: it took the probe's write)
+        self.unwritable: str | None = None
 
     def request_shutdown(self, why: str) -> None:
         if not self.shutdown_requested.is_set():
@@ -168,9 +172,27 @@ class Server:
         scope.cancel()
 
     async def _watch_disk(self) -> None:
-        while True:
+        while True:  # (start-up has just proved the data dir writable)
             self.check_disk()
             await trio.sleep(DISK_CHECK_SECONDS)
+            await self.probe_data_dir()
+
+    async def probe_data_dir(self) -> None:
+        """Write, fsync and remove a probe file in the data dir (as start-up does; a mode
+        bit proves nothing to root), off the event loop; `unwritable` says why it failed,
+        logged once when it starts failing and once when it works again."""
+        path = self.broker.datadir.path
+        try:
+            await trio.to_thread.run_sync(probe_writable, path)
+        except DataDirError as exc:
+            if self.unwritable is None:
+                log.error("%s", exc, extra={"event": "data_dir_unwritable"})
+            self.unwritable = str(exc)
+        else:
+            if self.unwritable is not None:
+                log.info("data dir %s takes writes again", path,
+                         extra={"event": "data_dir_writable"})
+            self.unwritable = None
 
     def check_disk(self) -> None:
         """Warn when the data dir's file system has less than `min_free_disk` free
