@@ -71,13 +71,15 @@ def _text(status: int, text: str) -> Reply:
 @runtime_checkable
 class OpsServer(StatsSource, Protocol):
     """What the operations port reads from the server: a scrape's `StatsSource`, plus
-    /readyz's shutdown flags and /stats.json's figures. `queued.server.listeners.Server`
+    /readyz's shutdown flags and write probe, and /stats.json's figures. `queued.server.listeners.Server`
     satisfies it structurally; this module never imports the listeners."""
 
     @property
     def closing(self) -> bool: ...
     @property
     def shutdown_requested(self) -> trio.Event: ...
+    @property
+    def unwritable(self) -> str | None: ...
     def stats(self) -> Mapping[str, object]: ...
     # Not read here: the listeners' signal watcher reaches the server through `Ops.server`.
     def request_shutdown(self, why: str) -> None: ...
