@@ -71,8 +71,9 @@ def _text(status: int, text: str) -> Reply:
 @runtime_checkable
 class OpsServer(StatsSource, Protocol):
     """What the operations port reads from the server: a scrape's `StatsSource`, plus
-    /readyz's shutdown flags and write probe, and /stats.json's figures. `queued.server.listeners.Server`
-    satisfies it structurally; this module never imports the listeners."""
+    /readyz's shutdown flags and write probe, and /stats.json's figures.
+    `queued.server.listeners.Server` satisfies it structurally; this module never
+    imports the listeners."""
 
     @property
     def closing(self) -> bool: ...
