@@ -246,7 +246,8 @@ def test_preview_shows_bytes_safely() -> None:
     assert not p["binary"] and p["truncated"] and p["size"] == 2 * PREVIEW_BYTES
     assert p["text"] == "é" * (PREVIEW_BYTES // 2)
     p = preview(b"line\nnext\ttab\rcr")
-    assert p["text"] == "line\nnext\ttab\\x0dcr" and p["binary"]
+    assert p["text"] == "line\\x0anext\\x09tab\\x0dcr" and p["binary"]
+    assert preview(b"line\nnext\ttab")["text"] == "line\nnext\ttab"  # text keeps its layout
     assert len(preview(bytes(range(256)) * 40)["hex"]) == 3 * PREVIEW_BYTES - 1  # type: ignore
 
 

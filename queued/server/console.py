@@ -81,14 +81,19 @@ def preview(data: bytes, limit: int = PREVIEW_BYTES) -> dict[str, object]:
     these strings in the page as text, never as HTML."""
     head = data[:limit]
     decoded, binary = _decode(head, cut=len(data) > limit)
-    shown = "".join(ch if ch in _SHOWN or ord(ch) > 0x9f else f"\\x{ord(ch):02x}"
-                    for ch in decoded)
-    binary = binary or shown != decoded
+    shown = _escape(decoded, _SHOWN)
+    if binary or shown != decoded:  # binary: on one line, its layout means nothing
+        binary, shown = True, _escape(decoded, _SHOWN - frozenset("\n\t"))
     out: dict[str, object] = {"text": shown, "binary": binary, "size": len(data),
                               "truncated": len(data) > limit}
     if binary:
         out["hex"] = head.hex(" ")
     return out
+
+
+def _escape(text: str, shown: frozenset[str]) -> str:
+    return "".join(ch if ch in shown or ord(ch) > 0x9f else f"\\x{ord(ch):02x}"
+                   for ch in text)
 
 
 def _decode(head: bytes, *, cut: bool) -> tuple[str, bool]:

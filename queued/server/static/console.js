@@ -224,6 +224,9 @@ async function pollHead() {
   $("peek-denied").hidden = true;
   tbody.replaceChildren();
   for (const item of body.items) drawItem(tbody, item);
+  $("peek-empty").textContent = body.reader
+    ? "No items waiting in memory."
+    : `${name} has no default reader (a fanout reader took it over): pick one of its readers above.`;
   $("peek-empty").hidden = body.items.length > 0;
   $("peek-note").textContent =
     `(the first ${body.limit} in delivery order, ${body.preview_bytes} bytes each; ` +
