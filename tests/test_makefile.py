@@ -94,6 +94,6 @@ def test_test_browser_adds_the_browser_extra_and_runs_only_the_browser_tests(
     assert installs(lines) == ["-e '.[test,browser]'"], lines
     assert any("tests/browser/setup.sh" in line for line in lines)
     assert any("pytest -m browser" in line and "tests/browser" in line for line in lines)
-    done(project, ".installed-browser")
+    done(project, ".installed-run", ".installed-test", ".installed-browser")
     assert installs(dry_run(project, "test-browser")) == []
     assert "make test-browser" in (ROOT / ".ci" / "run").read_text()
