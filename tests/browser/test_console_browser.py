@@ -152,6 +152,22 @@ def test_admin_buttons_only_for_admins_and_a_flush_through_the_confirmation(
     no_csp_violations(browser)
 
 
+def test_a_login_typed_into_the_url_reaches_every_request(
+        secured: Served, browser: Any) -> None:
+    """HTTP Basic as a person uses it (no header set by the test): without credentials
+    the page is refused; credentials in the URL log the page in, and its fetches (made
+    against location.origin, which holds no credentials) reuse the browser's login."""
+    secured.client.put("work", [b"a"])
+    browser.open(secured.url + "/")
+    assert "queued" not in browser.driver.title  # the 401 page, not the console
+    host = secured.url.removeprefix("http://")
+    browser.open(f"http://viewer:viewer%20pw@{host}/queues/work")
+    browser.wait("the head items", lambda: len(browser.all("#peek tbody tr")) == 1)
+    browser.wait("the readers", lambda: browser.cell("readers", "work", "items") == "1")
+    assert not browser.find("#admin").is_displayed()
+    assert browser.csp_violations() == []
+
+
 def test_read_only_without_users(server: Served, browser: Any) -> None:
     server.client.put("ro", [b"a"])
     browser.open(server.url + "/queues/ro")
