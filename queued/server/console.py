@@ -131,8 +131,8 @@ class Console:
                       grant: Grant | None, broker: Broker | None, *, scheme: str
                       ) -> Reply | None:
         """The console's answer to `method path` from a logged-in `grant` (None: no
-        users); None when `path` is not the console's. `/` is the caller's to route
-        (a browser's, see `wants_html`)."""
+        users); None when `path` is not the console's. The caller sends `/` here only
+        for a browser (`wants_html`); curl and probes keep the port's text index."""
         if path == "/":
             return _method_not_allowed() if method == b"POST" else self._page("index")
         if path in _STATIC:
