@@ -85,3 +85,15 @@ def test_a_changed_pyproject_installs_again(project: Path) -> None:
     os.utime(project / "pyproject.toml", (later, later))
     assert installs(dry_run(project, "run")) == [SERVER_ONLY]
     assert installs(dry_run(project, "test")) == [SERVER_ONLY, WITH_EXTRAS]
+
+
+def test_test_browser_adds_the_browser_extra_and_runs_only_the_browser_tests(
+        project: Path) -> None:
+    done(project, ".installed-run", ".installed-test")
+    lines = dry_run(project, "test-browser")
+    assert installs(lines) == ["-e '.[test,browser]'"], lines
+    assert any("tests/browser/setup.sh" in line for line in lines)
+    assert any("pytest -m browser" in line and "tests/browser" in line for line in lines)
+    done(project, ".installed-run", ".installed-test", ".installed-browser")
+    assert installs(dry_run(project, "test-browser")) == []
+    assert "make test-browser" in (ROOT / ".ci" / "run").read_text()

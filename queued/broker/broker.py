@@ -461,6 +461,13 @@ class Broker:
         found = self.registry.find(queue, reader, aliases=True)
         return {} if found is None else found[0].reader_stats(found[1])
 
+    def head_items(self, queue: str, reader: str | None, limit: int) -> list[Item] | None:
+        """Up to `limit` items at the head of an existing reader, in delivery order, from
+        memory (None if the queue or reader does not exist). Read-only: creates nothing,
+        opens nothing, reads nothing back from disk, counts no peek."""
+        found = self.registry.find(queue, reader)
+        return None if found is None else found[1].reader.first_items(self.clock(), limit)
+
     def queue_stats(self) -> list[tuple[str, dict[str, int]]]:
         """(`q` or `q+reader`, fields) for every reader, sorted by name."""
         return [(f"{qs.name}+{rname}" if rname else qs.name, qs.reader_stats(h))

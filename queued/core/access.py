@@ -10,7 +10,7 @@ PURE: the users file is read by `queued.config.users`, passwords are checked by
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Final
@@ -98,3 +98,12 @@ class Grant:
 
 #: What a server without users grants every connection.
 ANONYMOUS: Final = Grant("anonymous", ("*",), ("*",), admin=True)
+
+
+def visible(figures: Mapping[str, object], grant: Grant | None) -> dict[str, object]:
+    """The `stats` figures ({"server": ..., "queues": {name: ...}}) as `grant` may see them:
+    only the queues it may put to or get from, unless admin (None: no users, all)."""
+    if grant is None or grant.admin:
+        return dict(figures)
+    queues: Mapping[str, object] = figures["queues"]  # type: ignore[assignment]
+    return {**figures, "queues": {k: v for k, v in queues.items() if grant.may_see(k)}}

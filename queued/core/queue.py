@@ -243,6 +243,19 @@ class Reader:
             self.counters.expired += 1
             expired.append(it)
 
+    def first_items(self, now_ms: int, limit: int) -> list[Item]:
+        """Up to `limit` live items in the order gets would take them, from memory only
+        (items read behind on disk are not read for it). Changes nothing: an expired
+        item is skipped, not removed (for the console's look at a queue's head)."""
+        found: list[Item] = []
+        for dq in (self.front, self.mem):
+            for it in dq:
+                if len(found) >= limit:
+                    return found
+                if not self._expired(it, now_ms):
+                    found.append(it)
+        return found
+
     def expire_head(self, now_ms: int, limit: int, expired: list[Item]) -> None:
         """Remove expired items from the head (Kestrel's sweep), at most `limit` (0 = all)."""
         while not limit or len(expired) < limit:

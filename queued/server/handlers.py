@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from queued import __version__
 from queued.config import ConfigError
 from queued.core import commands as c
+from queued.core.access import visible
 
 if TYPE_CHECKING:
     from queued.broker.broker import Broker
@@ -129,12 +130,7 @@ async def delete(conn: Conn, cmd: c.Delete, req: c.Request) -> c.Reply:
 
 
 async def stats(conn: Conn, cmd: c.Stats, req: c.Request) -> c.Reply:
-    figures = conn.hub.stats()
-    grant = conn.grant
-    if grant is not None and not grant.admin:  # only the queues this user may use
-        queues: dict[str, object] = figures["queues"]  # type: ignore[assignment]
-        figures = {**figures, "queues": {k: v for k, v in queues.items() if grant.may_see(k)}}
-    return c.Value(figures)
+    return c.Value(visible(conn.hub.stats(), conn.grant))  # only the queues it may use
 
 
 async def auth(conn: Conn, cmd: c.Auth, req: c.Request) -> c.Reply:

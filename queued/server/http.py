@@ -1,11 +1,13 @@
-"""The operations port (2223): /metrics, /livez, /readyz, /stats.json over HTTP/1.1.
+"""The operations port (2223): /metrics, /livez, /readyz, /stats.json and the web
+console (`queued.server.console`) over HTTP/1.1.
 
-h11 parses and frames the HTTP; this module only routes. It starts before
-recovery, so a probe can tell "alive but still recovering" (/livez 200, /readyz
-503) from "dead". Only GET and HEAD; keep-alive; every read is bounded in bytes
-and time, and a bad request gets a 4xx and a closed connection, never a crash. A
-HEAD gets what a GET would without the body, error replies included. It reads the
-server through `OpsServer` and never imports the listeners (they import it).
+h11 parses and frames the HTTP; this module only routes and logs users in. It starts
+before recovery, so a probe can tell "alive but still recovering" (/livez 200, /readyz
+503) from "dead". GET and HEAD, and POST for the console's actions only; keep-alive;
+every read is bounded in bytes and time, and a bad request gets a 4xx and a closed
+connection, never a crash. A HEAD gets what a GET would without the body, error replies
+included. It reads the server through `OpsServer` and never imports the listeners (they
+import it).
 """
 
 from __future__ import annotations
@@ -13,10 +15,8 @@ from __future__ import annotations
 import base64
 import binascii
 import email.utils
-import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Protocol, runtime_checkable
 
@@ -25,9 +25,13 @@ import trio
 
 from queued import __version__
 from queued.config import ServerConfig
+from queued.core.access import Grant, visible
 from queued.core.stats import ProtocolStats
 from queued.server.auth import Authenticator
+from queued.server.console import SECURITY_HEADERS, Console, is_console_path, wants_html
 from queued.server.metrics import StatsSource, disk_usage, render, take_snapshot
+from queued.server.replies import JSON, TEXT, Reply, json_reply
+from queued.server.replies import text as _text
 from queued.server.tls import ServerTls
 from queued.server.transport import peer_name
 
@@ -36,7 +40,8 @@ log = logging.getLogger("queued.http")
 RECEIVE_SIZE = 64 * 1024
 #: Request line plus headers, bytes.
 MAX_HEADER_BYTES = 16 * 1024
-#: A GET has no business sending a body; a small one is read and ignored.
+#: GETs and the console's POSTs have no business sending a body; a small one is read and
+#: ignored.
 MAX_BODY_BYTES = 64 * 1024
 #: Time allowed for one whole request to arrive (also the keep-alive idle time).
 REQUEST_TIMEOUT = 30.0
@@ -45,27 +50,16 @@ MAX_CONNECTIONS = 64
 #: Below this many free bytes the data dir counts as full (/readyz fails).
 DISK_FULL_BYTES = 1 << 20
 
-TEXT = "text/plain; charset=utf-8"
 TOO_MANY_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
                   b"Connection: close\r\n\r\n")
 REQUEST_TIMEOUT_REPLY = (b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
                          b"Connection: close\r\n\r\n")
 ROUTES = ("/metrics", "/livez", "/readyz", "/stats.json")
-#: Open to anyone (probes); the others need HTTP Basic authentication when users are set.
+#: Open to anyone (probes; `/` as text, not the console page); the others need HTTP Basic
+#: authentication when users are set.
 OPEN_ROUTES = frozenset({"/livez", "/readyz", "/"})
 UNAUTHORIZED = (("Content-Type", TEXT), ("WWW-Authenticate", 'Basic realm="queued", '
                                                            'charset="UTF-8"'))
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    status: int
-    body: bytes
-    headers: tuple[tuple[str, str], ...] = (("Content-Type", TEXT),)
-
-
-def _text(status: int, text: str) -> Reply:
-    return Reply(status, text.encode())
 
 
 @runtime_checkable
@@ -97,17 +91,20 @@ class Ops:
         self.tls = tls
         self.server: OpsServer | None = None  # set when recovery has finished
         self.stats = ProtocolStats()  # this port's connections and refusals
+        self.console = Console(users=login is not None)
         self._render_limiter = trio.CapacityLimiter(1)
 
     @property
     def connections(self) -> int:
         return self.stats.connections
 
-    async def authorized(self, headers: list[tuple[bytes, bytes]], peer: str) -> bool:
-        """HTTP Basic credentials of a configured user (any user: the figures are the
-        operator's), or no users configured."""
+    async def authorized(self, headers: list[tuple[bytes, bytes]], peer: str
+                         ) -> tuple[bool, Grant | None]:
+        """(logged in, the user's grant): HTTP Basic credentials of a configured user
+        (any user may read /metrics; /stats.json and the console show it only the queues
+        it may use), or (True, None) with no users configured."""
         if self.login is None:
-            return True
+            return True, None
         for name, value in headers:
             if name == b"authorization":
                 scheme, _, encoded = value.partition(b" ")
@@ -118,11 +115,12 @@ class Ops:
                                                            ).decode().partition(":")
                 except (binascii.Error, UnicodeDecodeError):
                     break
-                if sep and await self.login.login(user, password, peer) is not None:
-                    return True
+                grant = await self.login.login(user, password, peer) if sep else None
+                if grant is not None:
+                    return True, grant
                 break
         self.stats.auth_failures += 1
-        return False
+        return False, None
 
     def problems(self) -> list[str]:
         """Why the server is not ready; [] when it is."""
@@ -147,13 +145,24 @@ class Ops:
 
     async def respond(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
                       peer: str = "?") -> Reply:
-        if method not in (b"GET", b"HEAD"):
+        path = target.partition(b"?")[0].decode("ascii", "replace")
+        console = is_console_path(path) or (path == "/" and wants_html(headers))
+        if method not in (b"GET", b"HEAD") and not (method == b"POST" and console):
             return Reply(405, b"only GET and HEAD\n", (("Content-Type", TEXT),
                                                        ("Allow", "GET, HEAD")))
-        path = target.partition(b"?")[0].decode("ascii", "replace")
-        if path not in OPEN_ROUTES and not await self.authorized(headers, peer):
-            return Reply(401, b"authentication required: HTTP Basic, a user of the users "
-                              b"file\n", UNAUTHORIZED)
+        grant = None
+        if console or path not in OPEN_ROUTES:
+            ok, grant = await self.authorized(headers, peer)
+            if not ok:
+                return Reply(401, b"authentication required: HTTP Basic, a user of the "
+                                  b"users file\n", UNAUTHORIZED)
+        if console:
+            server = self.server
+            reply = await self.console.respond(
+                method, path, headers, grant, None if server is None else server.broker,
+                scheme="http" if self.tls is None else "https")
+            assert reply is not None
+            return reply
         if path == "/livez":
             return _text(200, "ok\n")
         if path == "/readyz":
@@ -166,11 +175,11 @@ class Ops:
         if path == "/stats.json":
             if self.server is None:
                 return Reply(503, b'{"error": "recovering the journals"}\n',
-                             (("Content-Type", "application/json"),))
-            body = json.dumps(self.server.stats(), indent=1).encode() + b"\n"
-            return Reply(200, body, (("Content-Type", "application/json"),))
+                             (("Content-Type", JSON),))
+            return json_reply(200, visible(self.server.stats(), grant))
         if path == "/":
-            return _text(200, f"queued {__version__}: " + " ".join(ROUTES) + "\n")
+            return _text(200, f"queued {__version__}: " + " ".join(ROUTES)
+                         + " (a browser gets the web console here)\n")
         return _text(404, f"not found; try {', '.join(ROUTES)}\n")
 
     async def _metrics(self, headers: list[tuple[bytes, bytes]]) -> Reply:
@@ -360,6 +369,7 @@ async def _send(conn: h11.Connection, stream: trio.abc.Stream, reply: Reply, *,
         ("Cache-Control", "no-store"),
         ("Content-Length", str(len(reply.body))),
         *reply.headers,
+        *SECURITY_HEADERS,
     ]
     if close:
         headers.append(("Connection", "close"))
