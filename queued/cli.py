@@ -72,6 +72,8 @@ def describe(rec: jf.Record) -> str:
     if isinstance(rec, jf.Put):
         exp = f" expires={_ms(rec.expire_time_ms)}" if rec.expire_time_ms is not None else ""
         flags = f" flags={rec.flags}" if rec.flags else ""  # a FLAGS record led the PUT
+        if isinstance(rec, jf.DelayedPut):  # a DELAY record led the PUT
+            flags += f" due={_ms(rec.due_ms)}"
         return (
             f"PUT id={rec.id} size={len(rec.data)} errors={rec.error_count} "
             f"added={_ms(rec.add_time_ms)}{exp}{flags} data={_preview(rec.data)}"
@@ -90,6 +92,10 @@ def describe(rec: jf.Record) -> str:
         shown = ",".join(f"{i}:{n}" for i, n in rec.entries[:20])
         more = f",... ({len(rec.entries)} ids)" if len(rec.entries) > 20 else ""
         return f"READ_ERRORS id:count=[{shown}{more}]"
+    if isinstance(rec, jf.ReadDelays):
+        shown = ",".join(f"{i}:{_ms(d)}" for i, d in rec.entries[:20])
+        more = f",... ({len(rec.entries)} ids)" if len(rec.entries) > 20 else ""
+        return f"READ_DELAYS id:due=[{shown}{more}]"
     return f"UNKNOWN command={rec.command} header_words={rec.header_words} data={rec.data_size}"
 
 

@@ -78,6 +78,7 @@ class Handle:
     def stats(self, now_ms: int, logsize: int) -> dict[str, int]:
         """The `stats` fields of this reader (`logsize`: its queue's journal bytes)."""
         r, c = self.reader, self.reader.counters
+        r.promote(now_ms)
         oldest = r.oldest_add_time_ms()
         return {
             "items": r.items,
@@ -98,4 +99,5 @@ class Handle:
             "create_time": r.create_time_ms,
             "gets": c.taken,
             "oldest_item_age_msec": 0 if oldest is None else max(0, now_ms - oldest),
+            "delayed": r.delayed_count,
         }
