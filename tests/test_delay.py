@@ -20,9 +20,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import trio
 from server_util import HOST, QUEUED, WAIT, Conn, ServerProcess, http_get, make_config, running
-from test_flags import in_thread, rpc_call, seed_reader, server_proc  # noqa: F401 (a fixture)
+from test_flags import (
+    in_thread,
+    rpc_call,
+    seed_reader,
+    server_proc,  # noqa: F401 (a fixture pytest finds here)
+)
 
 from queued.client import Client
 from queued.core import journal_format as jf
@@ -86,7 +90,7 @@ async def test_memcache_get_abort_with_delay_and_bad_delays(tmp_path: Path) -> N
         assert await conn.cmd(b"set q 0 0 3\r\njob") == b"STORED"
         assert await get_value(conn, "q/open") == b"job"
         before = now_ms()
-        assert await get_value(conn, "q/abort/delay=%d" % DELAY) is None
+        assert await get_value(conn, f"q/abort/delay={DELAY}") is None
         assert await get_value(conn, "q") is None  # back off: hidden for the delay
         assert await get_value(conn, "q/t=5000") == b"job"
         assert now_ms() >= before + DELAY
@@ -210,7 +214,7 @@ async def test_fanout_readers_and_read_behind_and_metrics(tmp_path: Path) -> Non
     assert audit == expected
     assert f'queued_delayed_items{{queue="q",reader="main"}} {float(n)}' in metrics
     assert f'queued_delayed_items{{queue="q",reader="audit"}} {float(n)}' in metrics
-    assert '"delayed": %d' % n in stats or '"delayed":%d' % n in stats
+    assert f'"delayed": {n}' in stats or f'"delayed":{n}' in stats
 
 
 def _drain(client: Client, queue: str, n: int) -> list:  # type: ignore[type-arg]
@@ -251,7 +255,7 @@ async def test_delays_survive_a_clean_restart(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_delays_survive_sigkill_each_due_item_once_none_early(
-    server_proc: ServerProcess,
+    server_proc: ServerProcess,  # noqa: F811 (the fixture)
 ) -> None:
     server_proc.start()
     before = now_ms()
@@ -408,3 +412,13 @@ def test_read_delays_record_round_trips() -> None:
     assert blob[0] == 0xA1
     (got,) = jf.decode_all(jf.READER_MAGIC + blob, jf.FileKind.READER)
     assert got.record == rec
+
+
+def test_readme_delay_record_example_is_true() -> None:
+    """The FLAGS, DELAY and PUT records the README shows for `hi`, due at 2000 ms."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("### The delay record")[1].split("```")[1]
+    shown = "".join(line.split("  ")[0].replace(" ", "") for line in section.splitlines())
+    record = jf.DelayedPut(5, b"hi", 1000, flags=16, due_ms=2000)
+    assert jf.encode_put(record).hex() == shown
+    assert "| **DELAY** (ours) | `0x52` |" in readme

@@ -78,7 +78,6 @@ class Handle:
     def stats(self, now_ms: int, logsize: int) -> dict[str, int]:
         """The `stats` fields of this reader (`logsize`: its queue's journal bytes)."""
         r, c = self.reader, self.reader.counters
-        r.promote(now_ms)
         oldest = r.oldest_add_time_ms()
         return {
             "items": r.items,

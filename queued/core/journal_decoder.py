@@ -100,6 +100,18 @@ def _need(cmd: int) -> tuple[int, str | None]:
     return 1 + 4 * words, None
 
 
+def _entries(name: str, entry: struct.Struct, buf: bytearray, pos: int, hdr: int, size: int,
+             start: int) -> tuple[tuple[int, int], ...]:
+    """The (id, value) entries of a READ_ERRORS or READ_DELAYS record at buf[pos]."""
+    if hdr != 5:
+        raise CorruptRecordError(start, f"{name} with {hdr // 4} header words (must be 1)")
+    if size % entry.size:
+        raise CorruptRecordError(start, f"{name} data size {size} not a multiple of "
+                                        f"{entry.size}")
+    return tuple(entry.unpack_from(buf, pos + hdr + k)
+                 for k in range(0, size, entry.size))
+
+
 class RecordDecoder:
     """Incremental decoder for one journal file, h11-style.
 
@@ -237,28 +249,12 @@ class RecordDecoder:
             record = ReadDone(ids)
         elif command == CMD_READ_ERRORS and self.detected_kind is FileKind.READER:
             # Ours, in reader files only: elsewhere command 11 is another's, skipped.
-            width = ERROR_ENTRY_STRUCT.size
-            if hdr != 5:
-                raise CorruptRecordError(start, f"READ_ERRORS with {hdr // 4} header words "
-                                         "(must be 1)")
-            if size % width:
-                raise CorruptRecordError(
-                    start, f"READ_ERRORS data size {size} not a multiple of {width}")
-            record = ReadErrors(tuple(
-                ERROR_ENTRY_STRUCT.unpack_from(buf, pos + hdr + k)
-                for k in range(0, size, width)))
+            record = ReadErrors(_entries("READ_ERRORS", ERROR_ENTRY_STRUCT, buf, pos, hdr,
+                                         size, start))
         elif command == CMD_READ_DELAYS and self.detected_kind is FileKind.READER:
             # Ours, in reader files only, like READ_ERRORS.
-            width = DELAY_ENTRY_STRUCT.size
-            if hdr != 5:
-                raise CorruptRecordError(start, f"READ_DELAYS with {hdr // 4} header words "
-                                         "(must be 1)")
-            if size % width:
-                raise CorruptRecordError(
-                    start, f"READ_DELAYS data size {size} not a multiple of {width}")
-            record = ReadDelays(tuple(
-                DELAY_ENTRY_STRUCT.unpack_from(buf, pos + hdr + k)
-                for k in range(0, size, width)))
+            record = ReadDelays(_entries("READ_DELAYS", DELAY_ENTRY_STRUCT, buf, pos, hdr,
+                                         size, start))
         elif command == CMD_CHECK:
             _, length, crc = CHECK_STRUCT.unpack_from(buf, pos)
             covered = start - self.batch_start

@@ -59,6 +59,7 @@ READ_ERRORS_STRUCT = struct.Struct("<Bi")
 ERROR_ENTRY_STRUCT = struct.Struct("<qi")  # a READ_ERRORS entry: item id, error count
 DELAY_STRUCT = struct.Struct("<Bq")
 READ_DELAYS_STRUCT = struct.Struct("<Bi")
+I32_HEAD_STRUCT = struct.Struct("<Bi")  # a command byte and one i32 header word
 DELAY_ENTRY_STRUCT = struct.Struct("<qq")  # a READ_DELAYS entry: item id, due time (unix ms)
 I64_STRUCT = struct.Struct("<q")
 SIZE_ID_STRUCT = struct.Struct("<xi4xq")  # a PUT's data size and id
@@ -267,22 +268,22 @@ def encode_read_done(done: ReadDone) -> bytes:
     return READ_DONE_STRUCT.pack(READ_DONE_BYTE, 8 * len(ids)) + struct.pack(f"<{len(ids)}q", *ids)
 
 
-def encode_read_errors(errors: ReadErrors) -> bytes:
-    entries = errors.entries
+def _encode_entries(name: str, cmd: int, entry: struct.Struct,
+                    entries: tuple[tuple[int, int], ...]) -> bytes:
+    """A reader-file record of (id, value) entries: READ_ERRORS or READ_DELAYS."""
     try:
-        return READ_ERRORS_STRUCT.pack(READ_ERRORS_BYTE, ERROR_ENTRY_STRUCT.size * len(entries)) + (
-            b"".join(ERROR_ENTRY_STRUCT.pack(i, n) for i, n in entries))
+        return I32_HEAD_STRUCT.pack(cmd, entry.size * len(entries)) + (
+            b"".join(entry.pack(i, v) for i, v in entries))
     except struct.error as exc:
-        raise ValueError(f"READ_ERRORS entry out of range: {exc}") from None
+        raise ValueError(f"{name} entry out of range: {exc}") from None
+
+
+def encode_read_errors(errors: ReadErrors) -> bytes:
+    return _encode_entries("READ_ERRORS", READ_ERRORS_BYTE, ERROR_ENTRY_STRUCT, errors.entries)
 
 
 def encode_read_delays(delays: ReadDelays) -> bytes:
-    entries = delays.entries
-    try:
-        return READ_DELAYS_STRUCT.pack(READ_DELAYS_BYTE, DELAY_ENTRY_STRUCT.size * len(entries)) + (
-            b"".join(DELAY_ENTRY_STRUCT.pack(i, due) for i, due in entries))
-    except struct.error as exc:
-        raise ValueError(f"READ_DELAYS entry out of range: {exc}") from None
+    return _encode_entries("READ_DELAYS", READ_DELAYS_BYTE, DELAY_ENTRY_STRUCT, delays.entries)
 
 
 def encode_reader_records(
