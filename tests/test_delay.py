@@ -422,3 +422,34 @@ def test_readme_delay_record_example_is_true() -> None:
     record = jf.DelayedPut(5, b"hi", 1000, flags=16, due_ms=2000)
     assert jf.encode_put(record).hex() == shown
     assert "| **DELAY** (ours) | `0x52` |" in readme
+
+
+async def test_spark_writer_option_delay_ms(tmp_path: Path) -> None:
+    """The writer's write() called directly, as a Spark task does, on an Arrow batch."""
+    pa = pytest.importorskip("pyarrow")
+    types = pytest.importorskip("pyspark.sql.types")
+    from queued.spark import QueuedDataSourceError
+    from queued.spark.writer import QueuedWriter
+
+    schema = types.StructType([types.StructField("data", types.BinaryType())])
+    async with running(make_config(tmp_path / "data")) as server:
+        addr = f"{HOST}:{server.ports['rpc']}"
+        for bad in ("-1", "soon", str(jf.MAX_DELAY_MS + 1)):
+            with pytest.raises(QueuedDataSourceError, match="option delay_ms must be"):
+                QueuedWriter({"server": addr, "queue": "s", "delay_ms": bad}, schema)
+        writer = QueuedWriter({"server": addr, "queue": "s", "delay_ms": str(DELAY)}, schema)
+
+        def work() -> tuple[list[bytes], list[bytes], int]:
+            before = now_ms()
+            writer.write(iter([pa.RecordBatch.from_pydict({"data": [b"r1", b"r2"]})]))
+            with Client(addr, read_timeout=WAIT) as client:
+                hidden = [it.data for it in client.get("s", 10)]
+                first = client.get("s", 10, 5000)
+                late = now_ms() - before
+                rest = client.get("s", 10, 1000) if len(first) < 2 else []
+            return hidden, [it.data for it in first + rest], late
+
+        hidden, got, late = await in_thread(work)
+    assert hidden == []
+    assert got == [b"r1", b"r2"]
+    assert late >= DELAY

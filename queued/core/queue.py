@@ -13,8 +13,8 @@ disk only (read-behind) and come back through `load`. Every id in `front` or in
 
 Delays. A delayed item (a `DelayedPut`, or an item an abort gave a delay) waits in
 `delayed`, a heap of int keys (due ms, id, data size) -- about 56 bytes per item --
-with its data in `parked` while memory allows (`max_memory_size`, shared with `mem`);
-the rest of the data stays on disk. Once due (`promote`), it joins `due`, delivered
+with its data in `parked` while memory is under half full (`max_memory_size`, shared
+with `mem`); the rest of the data stays on disk. Once due (`promote`), it joins `due`, delivered
 after `front` and before `mem`, in due-time order (ties in id order); a due item whose
 data is on disk waits there as its key until the broker reads it back (`fetch_ids`,
 `fetched`). Read-behind (`load`) skips delayed items: the heap owns them.
@@ -240,10 +240,12 @@ class Reader:
 
     def delay(self, it: Item, due_ms: int, *, keep: bool = True) -> None:
         """`it` (counted in items/bytes already) waits until `due_ms`; its data stays in
-        memory if `keep` and there is room, else on disk (read back once due)."""
+        memory if `keep` and memory is under half full with it, else on disk (read back
+        once due): the other half stays for read-behind of the items that flow."""
         n = len(it.data)
         heapq.heappush(self.delayed, delay_key(due_ms, it.id, n))
-        if keep and (self.mem_bytes + n <= self.limits.max_memory_size or not self.mem_bytes):
+        if keep and (self.mem_bytes + n <= self.limits.max_memory_size // 2
+                     or not self.mem_bytes):
             self.parked[it.id] = it
             self.mem_bytes += n
         low = self.delay_low
