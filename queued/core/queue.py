@@ -434,8 +434,8 @@ class Reader:
         self.dirty = True
         if self.errors:
             self.errors.pop(item_id, None)
-        if self.delays:
-            self.delays.pop(item_id, None)
+        # (`delays` keeps consumed ids until the next checkpoint prunes them: not popped
+        # here, so a put without a delay pays nothing for it)
         if self.open or self.front or self.moving or self.delay_low is not None:
             # A lower id may still be outstanding: remember this one explicitly.
             self.done.add(item_id)
