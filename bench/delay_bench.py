@@ -5,8 +5,8 @@ Starts `queued serve` (fsync never, a temp data dir, 127.0.0.1 on free ports) wi
 delay of an hour over MessagePack-RPC, and prints the server's RSS before and after, per
 item. Then it restarts the server on the same directory (after a restart no delayed
 item's data is in memory: only its key in the due-time heap) and prints RSS again. Last,
-on a second queue, it puts --late-items items due in 200 ms (several puts, due times a few
-ms apart), long-polls them and prints how late each came (ms past its due time).
+on a second queue, it puts --late-items items due 200 ms from now and then 20 ms apart,
+long-polls them one by one and prints how late each came (ms past its due time).
 
     python bench/delay_bench.py [--items 1000000] [--mem 128MiB]
 """
@@ -35,7 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--items", type=int, default=1_000_000)
     ap.add_argument("--mem", default="128MiB", help="queue d's max_memory_size")
-    ap.add_argument("--late-items", type=int, default=200)
+    ap.add_argument("--late-items", type=int, default=100)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="delay-bench-"))
     config = tmp / "queued.toml"
@@ -80,16 +80,19 @@ def main() -> None:
             lateness = []
             due = {}
             for k in range(args.late_items):
-                before = time.time()
-                client.put("late", [b"%d" % k], delay_ms=200)
-                due[b"%d" % k] = before + 0.2
+                # The server's due time is its clock in whole ms at the put + the delay:
+                # at least this (the client's clock in whole ms before the put + 200).
+                delay = 200 + 20 * k  # 20 ms apart: each get waits for its own item
+                due[b"%d" % k] = time.time_ns() // 1_000_000 + delay
+                client.put("late", [b"%d" % k], delay_ms=delay)
             for _ in range(args.late_items):
                 (it,) = client.get("late", 1, 5000)
-                lateness.append((time.time() - due[it.data]) * 1000)
+                lateness.append(time.time_ns() / 1e6 - due[it.data])
         lateness.sort()
         n = len(lateness)
-        print(f"lateness of {n} items due in 200 ms (ms past due, from the client's clock "
-              f"before each put): min {lateness[0]:.1f} p50 {lateness[n // 2]:.1f} "
+        print(f"lateness of {n} items due 200 ms + 20 ms apart (ms past due, from the "
+              f"client's clock before each put, a get's round trip included): "
+              f"min {lateness[0]:.1f} p50 {lateness[n // 2]:.1f} "
               f"p99 {lateness[int(n * 0.99) - 1]:.1f} max {lateness[-1]:.1f}")
     finally:
         if proc.poll() is None:
