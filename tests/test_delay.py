@@ -453,3 +453,29 @@ async def test_spark_writer_option_delay_ms(tmp_path: Path) -> None:
     assert hidden == []
     assert got == [b"r1", b"r2"]
     assert late >= DELAY
+
+
+async def test_cli_put_delay(tmp_path: Path) -> None:
+    async with running(make_config(tmp_path / "data")) as server:
+        addr = f"{HOST}:{server.ports['rpc']}"
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([str(QUEUED), *args], capture_output=True, text=True,
+                                  timeout=WAIT, check=False)
+
+        def work() -> tuple[list[subprocess.CompletedProcess[str]], list[bytes], int]:
+            bad = [cli("put", "--server", addr, "--delay", d, "q", "x")
+                   for d in ("-1", "soon", str(jf.MAX_DELAY_MS + 1))]
+            before = now_ms()
+            ok = cli("put", "--server", addr, "--delay", str(DELAY), "q", "later")
+            with Client(addr, read_timeout=WAIT) as client:
+                hidden = client.get("q", 10)
+                (it,) = client.get("q", 1, 5000)
+            return [*bad, ok], [i.data for i in hidden] + [it.data], now_ms() - before
+
+        runs, got, late = await in_thread(work)
+    *bad, ok = runs
+    assert all(r.returncode == 2 and "--delay" in r.stderr for r in bad), bad
+    assert ok.returncode == 0, ok.stderr
+    assert got == [b"later"]
+    assert late >= DELAY
