@@ -20,6 +20,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from server_util import HOST, QUEUED, WAIT, Conn, ServerProcess, http_get, make_config, running
 from test_flags import (
     in_thread,
@@ -479,3 +481,93 @@ async def test_cli_put_delay(tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stderr
     assert got == [b"later"]
     assert late >= DELAY
+
+
+def _read_back(r: Reader, store: dict[int, jf.Put]) -> None:
+    """What the broker does in a worker thread: due items' data by id, then read-behind."""
+    ids = r.fetch_ids(100)
+    if ids:
+        r.fetched([store[i] for i in ids], ids)
+    if r.behind is not None and not (r.front or r.mem):
+        start = r.behind
+        r.load(start, [store[i] for i in range(start, r.tail + 1)], r.tail + 1)
+
+
+def _take(r: Reader, store: dict[int, jf.Put], now: int) -> jf.Put | None:
+    """A get: take; when nothing is in memory, read back (as take_now does) and retry."""
+    for _ in range(3):
+        it = r.take(now, [])
+        if it is not None or not (r.wants_fetch() or r.behind is not None):
+            return it
+        _read_back(r, store)
+    return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "put", "take", "tick", "checkpoint",
+                                            "abort"]),
+                          st.integers(0, 50), st.integers(0, 30)), max_size=60))
+def test_reader_never_early_each_once_and_checkpoints_stay_true(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """The pure reader against a model: an item is never taken before it is due, every
+    item is taken once (aborted ones again), and every checkpoint names exactly the
+    consumed ids (<= head or in done); data is read back by id when not kept."""
+    r = Reader("q", "", Limits())
+    now = next_id = 0
+    store: dict[int, jf.Put] = {}  # the journal
+    due: dict[int, int] = {}
+    consumed: set[int] = set()
+    opened: list[jf.Put] = []
+    for op, a, b in ops:
+        if op == "put":
+            next_id += 1
+            data = b"x" * (b % 7)
+            it = (jf.DelayedPut(next_id, data, now, due_ms=now + a) if a % 3 else
+                  jf.Put(next_id, data, now))
+            store[it.id] = it
+            due[it.id] = now + a if a % 3 else now
+            r.add([it])
+        elif op == "tick":
+            now += a
+        elif op == "abort" and opened:
+            it = opened.pop()
+            back = r.abort(it.id, count_error=True)
+            assert back is not None
+            if b % 2:
+                r.delay_back(back, now + b)
+                due[it.id] = now + b
+            else:
+                r.put_back(back)
+        elif op == "checkpoint":
+            head, done = r.checkpoint()
+            outstanding = set(store) - consumed
+            assert all(i <= head or i in done for i in consumed)
+            assert not any(i <= head or i in done for i in outstanding)
+        else:
+            it = _take(r, store, now)
+            if it is None:
+                continue
+            assert due[it.id] <= now, (it.id, due[it.id], now)
+            r.open_read(it)
+            if a % 2:
+                opened.append(it)
+            else:
+                assert r.confirm(it.id)
+                consumed.add(it.id)
+    # drain: everything left comes, once, when due
+    for it in opened:
+        r.confirm(it.id)
+        consumed.add(it.id)
+    now += 10_000
+    for _ in range(len(store) + 1):
+        it = _take(r, store, now)
+        if it is None:
+            break
+        assert it.id not in consumed
+        r.consume(it.id)
+        consumed.add(it.id)
+    assert consumed == set(store)
+    assert (r.items, r.bytes, r.mem_bytes, r.delayed_count) == (0, 0, 0, 0)
+    head, done = r.checkpoint()
+    assert head == next_id and done == []

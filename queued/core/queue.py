@@ -132,8 +132,10 @@ class Reader:
         self.delayed: list[int] = []  # heap of delay_key(due, id, size), not due yet
         self.parked: dict[int, Item] = {}  # data of delayed items held in memory
         self.due: deque[Item | int] = deque()  # due: items, or keys whose data is on disk
-        #: lowest id delayed or due, or lower (exact after `checkpoint`); None: none since
+        #: lowest id delayed or due, or lower (exact while `low_exact`); None: none since
+        #: the last checkpoint (then consume may move the head itself)
         self.delay_low: int | None = None
+        self.low_exact = True
         self.dirty = False  # consumed something since the last checkpoint
         self.flush_overflow = 0  # flushed ids a crash could bring back (see flush)
         self.create_time_ms = create_time_ms
@@ -210,6 +212,8 @@ class Reader:
         return gone
 
     def _forget(self, item_id: int, size: int, held: Item | None) -> None:
+        if item_id == self.delay_low:
+            self.low_exact = False
         self.items -= 1
         self.bytes -= size
         self.counters.discarded += 1
@@ -251,6 +255,8 @@ class Reader:
         low = self.delay_low
         if low is None or it.id < low:
             self.delay_low = it.id
+            if low is None:
+                self.low_exact = True
 
     def restore_delayed(self, entries: Iterable[tuple[int, int, int]]) -> None:
         """After recovery: (due ms, id, size) of delayed items on disk (already counted
@@ -258,6 +264,8 @@ class Reader:
         for due_ms, item_id, size in entries:
             self.delayed.append(delay_key(due_ms, item_id, size))
             if self.delay_low is None or item_id < self.delay_low:
+                if self.delay_low is None:
+                    self.low_exact = True
                 self.delay_low = item_id
         heapq.heapify(self.delayed)
 
@@ -355,6 +363,8 @@ class Reader:
             it = self.front.popleft()
         elif self.due and type(self.due[0]) is not int:
             it = self.due.popleft()  # type: ignore[assignment]
+            if it.id == self.delay_low:
+                self.low_exact = False
         elif self.mem:
             it = self.mem.popleft()
         else:
@@ -539,6 +549,7 @@ class Reader:
         self.parked.clear()
         self.due.clear()
         self.delays.clear()
+        self.delay_low = None
         if self.behind is not None:
             ids.extend(range(self.behind, self.tail + 1))
         self.front.clear()
@@ -581,7 +592,7 @@ class Reader:
         if self.behind is not None:
             lows.append(self.behind)
         if self.delay_low is not None:
-            low = self.delayed_low_id()
+            low = self.delay_low if self.low_exact else self.delayed_low_id()
             if low is not None:
                 lows.append(low)
         head = min(lows) - 1 if lows else max(self.tail, self.head)
@@ -592,13 +603,15 @@ class Reader:
 
     def delayed_low_id(self) -> int | None:
         """The lowest id delayed or due (exact; O(delayed items)); also resets
-        `delay_low` to it, or to None when nothing is delayed."""
-        low = min((key_id(k) for k in self.delayed), default=None)
+        `delay_low` to it, or to None when nothing is delayed. The checkpoint calls it
+        only once the lowest one has left since it last did."""
+        low = min(((k >> SIZE_BITS) & _ID_MASK for k in self.delayed), default=None)
         for e in self.due:
             i = key_id(e) if isinstance(e, int) else e.id
             if low is None or i < low:
                 low = i
         self.delay_low = low
+        self.low_exact = True
         return low
 
     def delay_entries(self) -> list[tuple[int, int]]:
