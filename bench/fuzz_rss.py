@@ -136,11 +136,12 @@ def queue_count(http_port: int) -> int:
 
 
 def start_server(data_dir: Path, log: Path, max_queues: int | None = None,
+                 extra_args: tuple[str, ...] = (),
                  ) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
     queued = Path(sys.executable).with_name("queued")
     cmd = [str(queued), "serve", "--data-dir", str(data_dir), "--host", HOST, "--fsync",
            "never", "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
-           "--http-port", "0"]
+           "--http-port", "0", *extra_args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUEUED_")}
     if max_queues is not None:
         env["QUEUED_MAX_QUEUES"] = str(max_queues)

@@ -72,6 +72,8 @@ def describe(rec: jf.Record) -> str:
     if isinstance(rec, jf.Put):
         exp = f" expires={_ms(rec.expire_time_ms)}" if rec.expire_time_ms is not None else ""
         flags = f" flags={rec.flags}" if rec.flags else ""  # a FLAGS record led the PUT
+        if isinstance(rec, jf.DelayedPut):  # a DELAY record led the PUT
+            flags += f" due={_ms(rec.due_ms)}"
         return (
             f"PUT id={rec.id} size={len(rec.data)} errors={rec.error_count} "
             f"added={_ms(rec.add_time_ms)}{exp}{flags} data={_preview(rec.data)}"
@@ -90,6 +92,10 @@ def describe(rec: jf.Record) -> str:
         shown = ",".join(f"{i}:{n}" for i, n in rec.entries[:20])
         more = f",... ({len(rec.entries)} ids)" if len(rec.entries) > 20 else ""
         return f"READ_ERRORS id:count=[{shown}{more}]"
+    if isinstance(rec, jf.ReadDelays):
+        shown = ",".join(f"{i}:{_ms(d)}" for i, d in rec.entries[:20])
+        more = f",... ({len(rec.entries)} ids)" if len(rec.entries) > 20 else ""
+        return f"READ_DELAYS id:due=[{shown}{more}]"
     return f"UNKNOWN command={rec.command} header_words={rec.header_words} data={rec.data_size}"
 
 
@@ -460,6 +466,8 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("data", nargs="*", help="items (as bytes from the command line)")
     p.add_argument("--expiration", type=_non_negative, default=0, metavar="MS",
                    help="items expire MS milliseconds from now (default 0: never)")
+    p.add_argument("--delay", type=_delay, default=0, metavar="MS",
+                   help="items stay invisible for MS milliseconds (default 0: none)")
     p = add("get", "get items and print each on its own line",
             description="Print up to N items, each followed by a newline (raw bytes; an item "
                         "containing a newline is ambiguous). Stops early when the queue "
@@ -498,6 +506,14 @@ def _whole(text: str, least: int) -> int:
 
 def _non_negative(text: str) -> int:
     return _whole(text, 0)
+
+
+def _delay(text: str) -> int:
+    value = _whole(text, 0)
+    if value > jf.MAX_DELAY_MS:
+        raise argparse.ArgumentTypeError(f"{text} is too large: at most {jf.MAX_DELAY_MS} ms "
+                                         "(10 years)")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -602,7 +618,7 @@ def put_command(client: Client, args: argparse.Namespace) -> int:
     stored = 0
     with _progress(None, "item") as bar:
         for batch in batches:
-            stored += client.put(args.queue, batch, args.expiration)
+            stored += client.put(args.queue, batch, args.expiration, delay_ms=args.delay)
             bar.update(len(batch))
     print(f"stored {stored} item{'s' if stored != 1 else ''}", file=sys.stderr)
     return EXIT_OK

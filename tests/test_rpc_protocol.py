@@ -746,10 +746,10 @@ def test_a_pipelined_request_over_max_batch_is_answered_by_msgid(follow: Any) ->
 
 #: Every method with a full set of valid params (all optional ones given).
 FULL: dict[str, list[Any]] = {
-    "put": ["q", [b"a"], 0, 0],
+    "put": ["q", [b"a"], 0, 0, 0],
     "get": ["q", 1, 0, 0, False],
     "confirm": ["q", [1]],
-    "abort": ["q", [1]],
+    "abort": ["q", [1], 0],
     "peek": ["q"],
     "flush": ["q"],
     "delete": ["q"],
@@ -759,7 +759,7 @@ FULL: dict[str, list[Any]] = {
     "version": [],
 }
 ARITY: dict[str, tuple[int, int]] = {
-    "put": (2, 4), "get": (2, 5), "confirm": (2, 2), "abort": (2, 2), "peek": (1, 1),
+    "put": (2, 5), "get": (2, 5), "confirm": (2, 2), "abort": (2, 3), "peek": (1, 1),
     "flush": (1, 1), "delete": (1, 1), "flush_all": (0, 0), "stats": (0, 0), "version": (0, 0),
     "auth": (2, 2),
 }

@@ -96,7 +96,7 @@ TABLE: list[tuple[bytes, list[object]]] = [
     (b"\xff\x01\n", [Err("UnknownCommand", b"-Unknown command: ??\n", False)]),
     (b"put q\nget q\n",
      [bad("A put needs a trailing ':' and its items on the next lines."), Get("q")]),
-    (b"put:\nx\n\nget q\n", [bad("Usage: put <queue> [expiry_ms]:"), Get("q")]),
+    (b"put:\nx\n\nget q\n", [bad("Usage: put <queue> [expiry_ms] [delay=<ms>]:"), Get("q")]),
     (b"put q+r:\nx\n\n", [bad("cannot write to a fanout reader; write to its queue")]),
     (b"put q abc:\nx\ny\n\nversion\n", [bad("bad expiry"), Version()]),
     (b"put q.x:\nx\n\n", [bad("bad queue name")]),

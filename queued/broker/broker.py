@@ -111,16 +111,18 @@ class Broker:
         expire_ms: int | None = None,
         error_count: int = 0,
         flags: int = 0,
+        delay_ms: int = 0,
     ) -> int:
         """Journal `datas`; returns once durable under the queue's fsync policy.
 
         `expire_ms` is absolute unix milliseconds; `flags` are the items' memcache
-        flags (u32). Raises QueueFullError, ItemTooLargeError, JournalError (write
-        failures, journal full), ValueError.
+        flags (u32); `delay_ms` > 0 keeps the items invisible that long. Raises
+        QueueFullError, ItemTooLargeError, JournalError (write failures, journal full),
+        ValueError.
         """
         self.counters.cmd_set += 1
         entry = await self.begin_put(queue, datas, expire_ms=expire_ms, error_count=error_count,
-                                     flags=flags)
+                                     flags=flags, delay_ms=delay_ms)
         # Shielded: the readers must hear about every durable put, in id order,
         # even if the caller is cancelled. The wait is one writer round.
         with trio.CancelScope(shield=True):
@@ -135,6 +137,7 @@ class Broker:
         expire_ms: int | None = None,
         error_count: int = 0,
         flags: int = 0,
+        delay_ms: int = 0,
     ) -> PendingPut:
         """First half of `put`: checks, limits, ids; hands the items to the writer.
 
@@ -145,7 +148,7 @@ class Broker:
         """
         started = time.perf_counter()
         pending = await self.registry.queue(queue).begin_put(
-            datas, expire_ms=expire_ms, error_count=error_count, flags=flags)
+            datas, expire_ms=expire_ms, error_count=error_count, flags=flags, delay_ms=delay_ms)
         pending.started = started
         return pending
 
@@ -344,11 +347,30 @@ class Broker:
         *,
         count_error: bool = True,
         owe: Owe | None = None,
+        delay_ms: int = 0,
     ) -> int:
-        """Return the client's open reads on queue/reader to the head of the queue; the
-        error counts they get are journaled like confirms (`owe`: the ticket)."""
+        """Return the client's open reads on queue/reader to the head of the queue (or,
+        with `delay_ms` > 0, make them wait that long first); the error counts and due
+        times they get are journaled like confirms (`owe`: the ticket)."""
         return self.reads.abort(client, queue, reader or "", count, ids,
-                                count_error=count_error, owe=owe)
+                                count_error=count_error, owe=owe, delay_ms=delay_ms)
+
+    def next_due_ms(self) -> int | None:
+        """When the next delayed item of any reader falls due (unix ms), if any."""
+        return min((d for qs in self.queues.values() for h in qs.readers.values()
+                    if (d := h.reader.next_due_ms()) is not None), default=None)
+
+    def promote_due(self) -> int:
+        """Delayed items now due join their readers' due items; waiting gets are served."""
+        now = self.clock()
+        n = 0
+        for qs in list(self.queues.values()):
+            for h in list(qs.readers.values()):
+                due = h.reader.next_due_ms()
+                if due is not None and due <= now:
+                    n += h.reader.promote(now)
+                    qs.serve(h)
+        return n
 
     def expire_open_reads(self, now: float) -> int:
         """Return every open read whose deadline (trio time) is <= now; how many."""

@@ -98,4 +98,5 @@ class Handle:
             "create_time": r.create_time_ms,
             "gets": c.taken,
             "oldest_item_age_msec": 0 if oldest is None else max(0, now_ms - oldest),
+            "delayed": r.delayed_count,
         }

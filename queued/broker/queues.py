@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from queued.broker.handles import Handle, Waiter
-from queued.broker.readback import read_range, segment_sizes
+from queued.broker.readback import FETCH_MAX_ITEMS, read_ids, read_range, segment_sizes
 from queued.core import journal_format as jf
 from queued.core.errors import (
     ItemTooLargeError,
@@ -43,6 +43,7 @@ log = logging.getLogger("queued.broker")
 class Inflight:
     puts: list[jf.Put]
     nbytes: int = 0  # item data bytes of `puts`
+    due_ms: int | None = None  # delayed puts: when they fall due
     done: bool = False
     error: BaseException | None = None
 
@@ -68,6 +69,8 @@ class Runner(Protocol):
 
     def timeouts_changed(self) -> None: ...
 
+    def delays_changed(self, due_ms: int) -> None: ...
+
 
 class Background:
     """Where queues send work that runs on its own. Until a runner attaches (upkeep does,
@@ -90,6 +93,11 @@ class Background:
     def timeouts_changed(self) -> None:
         if self.runner is not None:
             self.runner.timeouts_changed()
+
+    def delays_changed(self, due_ms: int) -> None:
+        """An item now waits until `due_ms` (unix ms): wake its gets then."""
+        if self.runner is not None:
+            self.runner.delays_changed(due_ms)
 
 
 class QueueState:
@@ -131,7 +139,8 @@ class QueueState:
     # -- puts --------------------------------------------------------------------------------
 
     async def begin_put(
-        self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0
+        self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
+        delay_ms: int = 0,
     ) -> PendingPut:
         """Checks, limits, ids; hands the items to the writer (see Broker.begin_put)."""
         cfg = self.config
@@ -149,11 +158,13 @@ class QueueState:
         if cfg.max_items or cfg.max_size or self.limited():
             await self.make_room(n, nbytes)
         if self.journal.config.max_journal_size:
-            await self.journal.make_room(nbytes + put_overhead(flags) * n)
+            await self.journal.make_room(nbytes + put_overhead(flags, delay_ms > 0) * n)
         if self.deleted:
             raise QueueClosedError(f"queue {self.name!r} was deleted")
-        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags)
-        entry = Inflight(puts, nbytes)
+        due_ms = now + delay_ms if delay_ms > 0 else None
+        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
+                                                  due_ms)
+        entry = Inflight(puts, nbytes, due_ms)
         self.inflight.append(entry)
         self.inflight_items += n
         self.inflight_bytes += nbytes
@@ -203,6 +214,8 @@ class QueueState:
             for h in list(self.readers.values()):
                 h.reader.add(entry.puts)
                 self.serve(h)
+            if entry.due_ms is not None:
+                self.background.delays_changed(entry.due_ms)
 
     # -- gets --------------------------------------------------------------------------------
 
@@ -222,7 +235,7 @@ class QueueState:
                 w.item = it
                 w.event.set()
             self.dispose_expired(h, expired)
-        if h.reader.wants_refill():
+        if h.reader.wants_refill() or h.reader.wants_fetch():
             self.background.start_refill(self, h)
 
     async def wait(self, h: Handle, *, peek: bool, deadline: float) -> Item | None:
@@ -257,10 +270,11 @@ class QueueState:
                 if it is None:
                     self.dispose_expired(h, expired)
                     expired = []
-                    if r.behind is None or h.closed:
+                    fetch = r.wants_fetch()
+                    if (r.behind is None and not fetch) or h.closed:
                         break
                     try:
-                        await self.refill_once(h)
+                        await (self.fetch_once(h) if fetch else self.refill_once(h))
                     except JournalError:
                         if out:
                             break  # serve what we have; the next get reports it
@@ -275,7 +289,7 @@ class QueueState:
                 r.unhold(it.id)
             raise
         self.dispose_expired(h, expired)
-        if r.wants_refill():
+        if r.wants_refill() or r.wants_fetch():
             self.background.start_refill(self, h)
         return out
 
@@ -299,6 +313,27 @@ class QueueState:
             r.load(start, items, next_id)
             self.serve(h)
 
+    async def fetch_once(self, h: Handle) -> None:
+        """Read the data of the next due items that wait on disk (in a worker thread)."""
+        async with h.refill_lock:
+            r = h.reader
+            ids = r.fetch_ids(FETCH_MAX_ITEMS)
+            if not ids or h.closed:
+                return
+            try:
+                items = await trio.to_thread.run_sync(read_ids, self.journal, ids)
+            except (OSError, JournalError) as exc:
+                if h.closed or self.deleted:
+                    return
+                log.error("queue %s: reading due items back failed: %s", self.name, exc)
+                raise JournalError(
+                    f"queue {self.name!r}: reading items back failed: {exc}") from exc
+            lost = r.fetched(items, ids)
+            if lost:
+                log.error("queue %s reader %r: %d due items were no longer in the journal",
+                          self.name, r.name, lost)
+            self.serve(h)
+
     # -- open reads, expiry, moves ---------------------------------------------------------
 
     def owner(self, rname: str, item_id: int) -> Handle | None:
@@ -311,9 +346,10 @@ class QueueState:
                 return other
         return None
 
-    def return_read(self, h: Handle, item_id: int, *, count_error: bool) -> Item | None:
-        """An open read goes back to the head, or to the error queue past max_errors;
-        the item as returned (None if it was not open)."""
+    def return_read(self, h: Handle, item_id: int, *, count_error: bool,
+                    due_ms: int | None = None) -> Item | None:
+        """An open read goes back to the head (or waits until `due_ms`), or to the error
+        queue past max_errors; the item as returned (None if it was not open)."""
         it = h.reader.abort(item_id, count_error=count_error)
         if it is None:
             return None
@@ -321,19 +357,25 @@ class QueueState:
         if cfg.error_queue and cfg.max_errors and it.error_count >= cfg.max_errors:
             h.reader.start_move(it)
             self.background.start_move(self, h, [it], cfg.error_queue, True)
+        elif due_ms is not None:
+            h.reader.delay_back(it, due_ms)
+            self.background.delays_changed(due_ms)
         else:
             h.reader.put_back(it)
         return it
 
     def note_read(
-        self, h: Handle, done: Sequence[int] = (), errors: Sequence[tuple[int, int]] = ()
+        self, h: Handle, done: Sequence[int] = (), errors: Sequence[tuple[int, int]] = (),
+        delays: Sequence[tuple[int, int]] = (),
     ) -> Ticket | None:
-        """Journal what reader `h` consumed (`done`) or the error counts aborts gave
-        (`errors`): the ticket is set once durable (None: queue or reader deleted)."""
+        """Journal what reader `h` consumed (`done`), the error counts aborts gave
+        (`errors`) or the due times aborts with a delay gave (`delays`): the ticket is set
+        once durable (None: queue or reader deleted)."""
         if self.deleted or h.closed:
             return None
         try:
-            return self.journal.note_read(h.reader.name, done=done, errors=errors)
+            return self.journal.note_read(h.reader.name, done=done, errors=errors,
+                                          delays=delays)
         except JournalClosedError:
             return None
 
@@ -388,7 +430,8 @@ class QueueState:
                 head, done = h.reader.checkpoint()
                 try:
                     await self.journal.write_checkpoint(name, head, done,
-                                                        h.reader.error_counts())
+                                                        h.reader.error_counts(),
+                                                        h.reader.delay_entries())
                 except (OSError, JournalError) as exc:
                     h.reader.dirty = True
                     cause = exc if isinstance(exc, OSError) else exc.__cause__
@@ -413,7 +456,7 @@ class QueueState:
         The segment is read (in a thread) so items that were only on disk are
         subtracted exactly; ids in a reader's `done` were never counted.
         """
-        sizes: list[tuple[int, int]] = []
+        sizes: list[tuple[int, int, bool]] = []
         if any(h.reader.behind is not None and h.reader.behind <= seg.last_id
                for h in self.readers.values()):
             sizes = await trio.to_thread.run_sync(segment_sizes, self.journal, seg)
@@ -421,7 +464,9 @@ class QueueState:
             r = h.reader
             count = nbytes = 0
             if r.behind is not None:
-                for item_id, size in sizes:
+                for item_id, size, delayed in sizes:
+                    if delayed or item_id in r.delays:
+                        continue  # the delay heap counts it (drop_through)
                     if item_id >= r.behind and item_id <= r.tail and item_id not in r.done:
                         count += 1
                         nbytes += size

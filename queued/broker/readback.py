@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 
+from queued.core.journal_format import DelayedPut
 from queued.core.queue import Item
 from queued.storage.journal import QueueJournal
 from queued.storage.recovery import SegmentInfo
@@ -41,9 +42,57 @@ def count_unconsumed(journal: QueueJournal, head: int, done: frozenset[int]) -> 
     return count, nbytes
 
 
-def segment_sizes(journal: QueueJournal, seg: SegmentInfo) -> list[tuple[int, int]]:
-    """(id, data size) of every item in one segment."""
-    return [(p.id, len(p.data)) for p in journal.iter_segment(seg, 1, None)]
+def segment_sizes(journal: QueueJournal, seg: SegmentInfo) -> list[tuple[int, int, bool]]:
+    """(id, data size, delayed) of every item in one segment."""
+    return [(p.id, len(p.data), type(p) is DelayedPut)
+            for p in journal.iter_segment(seg, 1, None)]
+
+
+#: Due items read back from the journal per worker-thread call, at most.
+FETCH_MAX_ITEMS = 10_000
+
+
+def read_ids(journal: QueueJournal, ids: list[int]) -> list[Item]:
+    """The items with these ids (any order) that the journal still holds.
+
+    Each segment holding some is read from its index entry before the lowest wanted id
+    up to the highest (delayed items put together sit together; scattered ones cost
+    the reading of what lies between them in a segment)."""
+    wanted = set(ids)
+    out: list[Item] = []
+    ordered = sorted(wanted)
+    k = 0
+    for seg in list(journal.segments):
+        if k >= len(ordered):
+            break
+        if not seg.count or seg.last_id < ordered[k]:
+            continue
+        hi = bisect.bisect_right(ordered, seg.last_id)
+        if hi > k:
+            for put in journal.iter_segment(seg, ordered[k], ordered[hi - 1]):
+                if put.id in wanted:
+                    out.append(put)
+        k = hi
+    return out
+
+
+def find_delayed(
+    journal: QueueJournal, head: int, done: frozenset[int], delays: dict[int, int],
+) -> list[tuple[int, int, int]]:
+    """(due ms, id, size) of every delayed item a reader has not consumed: PUTs led by a
+    DELAY record (only segments recovery saw one in are read) and the ids its
+    checkpoint lists with an abort's due time (the later of the two wins)."""
+    out: dict[int, tuple[int, int, int]] = {}
+    for seg in list(journal.segments):
+        if not seg.count or seg.last_id <= head or not seg.delayed:
+            continue
+        for put in journal.iter_segment(seg, head + 1, None):
+            if type(put) is DelayedPut and put.id not in done:
+                out[put.id] = (max(put.due_ms, delays.get(put.id, 0)), put.id, len(put.data))
+    rest = sorted(i for i in delays if i not in out and i > head and i not in done)
+    for put in read_ids(journal, rest) if rest else ():
+        out[put.id] = (delays[put.id], put.id, len(put.data))
+    return list(out.values())
 
 
 def read_range(

@@ -18,7 +18,7 @@ import trio
 
 from queued.broker.handles import Handle
 from queued.broker.queues import Background, QueueState
-from queued.broker.readback import count_unconsumed
+from queued.broker.readback import count_unconsumed, find_delayed
 from queued.core import journal_format as jf
 from queued.core.errors import BadNameError, QueueClosedError, TooManyQueuesError
 from queued.core.queue import Reader
@@ -72,12 +72,15 @@ class Registry:
                 cfg = self.reader_config(name, rname)
                 reader = Reader(name, rname, cfg, head=cp.head, done=cp.done,
                                 tail=journal.last_id, create_time_ms=qs.create_time_ms,
-                                errors=cp.errors)
+                                errors=cp.errors, delays=cp.delays)
                 count, nbytes = await trio.to_thread.run_sync(
                     count_unconsumed, journal, cp.head, frozenset(cp.done)
                 )
                 # Everything starts on disk; read-behind fills memory once running.
                 reader.restore([], cp.head + 1 if count else None, count, nbytes)
+                if any(seg.delayed for seg in journal.segments) or cp.delays:
+                    reader.restore_delayed(await trio.to_thread.run_sync(
+                        find_delayed, journal, cp.head, frozenset(cp.done), dict(cp.delays)))
                 qs.readers[rname] = Handle(reader, cfg)
                 log.info("queue %s%s: %d items (%d bytes) recovered", name,
                          f"+{rname}" if rname else "", count, nbytes)

@@ -108,31 +108,37 @@ class ReliableReads:
     def abort(
         self, client: OpenReads, queue: str, rname: str, count: int | None = None,
         ids: Sequence[int] | None = None, *, count_error: bool = True, owe: Owe | None = None,
+        delay_ms: int = 0,
     ) -> int:
         chosen = client.choose(queue, rname, count, ids)
         for i in chosen:
             client.remove(queue, rname, i)
         qs = self.queues.get(queue)
         if qs is not None:
-            self._return(qs, rname, chosen, count_error=count_error, owe=owe)
+            self._return(qs, rname, chosen, count_error=count_error, owe=owe,
+                         delay_ms=delay_ms)
         return len(chosen)
 
     def _return(self, qs: QueueState, rname: str, ids: list[int], *, count_error: bool,
-                owe: Owe | None = None) -> None:
+                owe: Owe | None = None, delay_ms: int = 0) -> None:
         """Open reads (closed in their ledgers already) go back to the head of their
-        readers, the lowest id first; then waiting gets are served. The error counts
-        they got are journaled (`owe` gets the ticket)."""
-        served: dict[int, tuple[Handle, list[tuple[int, int]]]] = {}
+        readers, the lowest id first (or wait `delay_ms` first); then waiting gets are
+        served. The error counts and due times they got are journaled (`owe` gets the
+        ticket)."""
+        due_ms = qs.clock() + delay_ms if delay_ms > 0 else None
+        served: dict[int, tuple[Handle, list[tuple[int, int]], list[tuple[int, int]]]] = {}
         for i in sorted(ids, reverse=True):
             h = qs.owner(rname, i)
             if h is not None:
-                it = qs.return_read(h, i, count_error=count_error)
-                errors = served.setdefault(id(h), (h, []))[1]
+                it = qs.return_read(h, i, count_error=count_error, due_ms=due_ms)
+                _, errors, delays = served.setdefault(id(h), (h, [], []))
                 if it is not None and count_error:
                     errors.append((i, it.error_count))
-        for h, errors in served.values():
-            if errors:
-                ticket = qs.note_read(h, errors=errors)
+                if it is not None and due_ms is not None and i in h.reader.delays:
+                    delays.append((i, due_ms))
+        for h, errors, delays in served.values():
+            if errors or delays:
+                ticket = qs.note_read(h, errors=errors, delays=delays)
                 if ticket is not None and owe is not None:
                     owe(ticket)
             qs.serve(h)

@@ -62,6 +62,8 @@ class Upkeep:
         self.broker = broker
         self._nursery: trio.Nursery | None = None
         self._timeout_wake = trio.Event()
+        self._delay_scope: trio.CancelScope | None = None
+        self._delay_due_ms: float = math.inf  # when the delay loop wakes next (unix ms)
         self._refills = 0
         self._moves = 0
         self._rounds = {"checkpoint round": 0, "expiry sweep": 0, "failed": 0}
@@ -82,6 +84,7 @@ class Upkeep:
                 nursery.start_soon(self._every, "expiry sweep",
                                    lambda: b.config.expiration_timer, b.sweep)
                 nursery.start_soon(self._timeout_loop)
+                nursery.start_soon(self._delay_loop)
                 task_status.started()
         finally:
             b.background.runner = None
@@ -109,7 +112,38 @@ class Upkeep:
                 await self._timeout_wake.wait()
             self.broker.expire_open_reads(trio.current_time())
 
+    async def _delay_loop(self) -> None:
+        """Sleep until the next delayed item of any reader falls due (a trio deadline:
+        no polling), promote what is due, serve its waiting gets; an earlier due time
+        pushed meanwhile (`delays_changed`) moves the deadline forward."""
+        b = self.broker
+        while True:
+            due_ms = b.next_due_ms()
+            if due_ms is None:
+                self._delay_due_ms = math.inf
+                deadline = math.inf
+            else:
+                self._delay_due_ms = due_ms
+                deadline = trio.current_time() + max(0, due_ms - b.clock()) / 1000
+            with trio.CancelScope(deadline=deadline) as scope:
+                self._delay_scope = scope
+                await trio.sleep_forever()
+            self._delay_scope = None
+            try:
+                b.promote_due()
+            except Exception:  # the loop must outlive one bad round
+                self._rounds["failed"] += 1
+                log.exception("delayed items round failed")
+
     # -- what queues hand over (queued.broker.queues.Runner) ----------------------
+
+    def delays_changed(self, due_ms: int) -> None:
+        """An item waits until `due_ms` (unix ms): if that is before the delay loop's
+        deadline, bring the deadline forward."""
+        scope = self._delay_scope
+        if scope is not None and due_ms < self._delay_due_ms:
+            self._delay_due_ms = due_ms
+            scope.deadline = trio.current_time() + max(0, due_ms - self.broker.clock()) / 1000
 
     def timeouts_changed(self) -> None:
         """An earlier deadline was pushed: the timeout loop sleeps until it instead."""
@@ -125,8 +159,13 @@ class Upkeep:
     async def _refill(self, qs: QueueState, h: Handle) -> None:
         self._refills += 1
         try:
-            while h.reader.wants_refill() and not h.closed:
-                await qs.refill_once(h)
+            while not h.closed:
+                if h.reader.wants_fetch():
+                    await qs.fetch_once(h)
+                elif h.reader.wants_refill():
+                    await qs.refill_once(h)
+                else:
+                    break
         except JournalError:
             pass  # logged; the next get tries again (and reports it to its client)
         finally:

@@ -13,6 +13,7 @@ from typing import Any, Final, TypeAlias
 
 from queued.core.errors import QueuedError
 from queued.core.rpc_protocol import MAX_FLAGS, ErrorCode
+from queued.core.wire import MAX_DELAY_MS
 
 DEFAULT_PORT: Final = 2229
 
@@ -377,6 +378,11 @@ def to_items(result: Any, queue: str, server: str, serial: int) -> list[Item]:
         data = pair[1].encode() if isinstance(pair[1], str) else pair[1]
         out.append(Item(pair[0], data, queue, server, serial, pair[2] if len(pair) == 3 else 0))
     return out
+
+
+def check_delay(delay_ms: int) -> None:
+    if type(delay_ms) is not int or not 0 <= delay_ms <= MAX_DELAY_MS:
+        raise ValueError(f"delay_ms must be an integer in [0, {MAX_DELAY_MS}], not {delay_ms!r}")
 
 
 def check_flags(flags: int) -> None:

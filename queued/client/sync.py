@@ -27,6 +27,7 @@ from queued.client.core import (
     Servers,
     ServerState,
     all_failed,
+    check_delay,
     check_flags,
     check_get,
     check_timeouts,
@@ -238,17 +239,21 @@ class Client:
         return result
 
     def put(self, queue: str, items: Data | Iterable[Data], expiration_ms: int = 0,
-            flags: int = 0) -> int:
+            flags: int = 0, *, delay_ms: int = 0) -> int:
         """Store items (bytes, or str as UTF-8; a single one or an iterable) on one server.
 
         Returns how many were stored. expiration_ms is relative; 0 = never. flags: every
-        item's memcache flags (u32), what a memcache get answers with them.
+        item's memcache flags (u32), what a memcache get answers with them. delay_ms: the
+        items stay invisible that long (delayed delivery; 0 = none).
         """
         batch = encode_items(items)
         check_flags(flags)
+        check_delay(delay_ms)
         params: list[Any] = [queue, batch, expiration_ms]
-        if flags:  # (servers before flags take three params)
+        if flags or delay_ms:  # (servers before flags take three params)
             params.append(flags)
+        if delay_ms:  # (servers before delays take four)
+            params.append(delay_ms)
         with self._gate:
             order = self._pool.order("put", now())
             _, _, result = self._failover(order, "put", params, self.read_timeout)
@@ -316,11 +321,14 @@ class Client:
         """
         return self._settle("confirm", items)
 
-    def abort(self, items: Item | Iterable[Item]) -> int:
-        """Return open reads to their queues; returns how many counted (see confirm)."""
-        return self._settle("abort", items)
+    def abort(self, items: Item | Iterable[Item], *, delay_ms: int = 0) -> int:
+        """Return open reads to their queues; returns how many counted (see confirm).
+        delay_ms: they stay invisible that long first (retry with back-off)."""
+        check_delay(delay_ms)
+        return self._settle("abort", items, [delay_ms] if delay_ms else [])
 
-    def _settle(self, method: str, items: Item | Iterable[Item]) -> int:
+    def _settle(self, method: str, items: Item | Iterable[Item],
+                extra: list[Any] | None = None) -> int:
         total = 0
         with self._gate:
             for (address, queue, serial), ids in settle_groups(items).items():
@@ -328,7 +336,8 @@ class Client:
                 if serial == 0 or conn is None or conn.serial != serial or conn.closed:
                     continue
                 self._calls += 1
-                result = conn.call(method, [queue, ids], self.read_timeout)
+                result = conn.call(method, [queue, ids, *(extra or ())],
+                                   self.read_timeout)
                 total += int_result(result, method)
         return total
 

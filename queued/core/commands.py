@@ -48,6 +48,7 @@ class Put:
     ttl_ms: int | None = None
     expire_at_ms: int | None = None
     flags: int = 0
+    delay_ms: int = 0  # > 0: the items stay invisible that long (delayed delivery)
 
     def expire_ms(self, now_ms: int) -> int | None:
         if self.expire_at_ms is not None:
@@ -79,6 +80,7 @@ class Get:
     exclusive: bool = False
     line_safe: bool = False
     max_bytes: int = 0  # stop adding items past this much data (0: no cap; one at least)
+    delay_ms: int = 0  # with `abort`: the returned items wait that long (retry back-off)
 
 
 @dataclass(slots=True)
@@ -106,6 +108,7 @@ class Abort:
     queue: str
     reader: str | None = None
     ids: Sequence[int] | None = None
+    delay_ms: int = 0  # > 0: the returned items wait that long first (retry back-off)
 
 
 @dataclass(slots=True)
@@ -320,7 +323,8 @@ class Request:
         cmd = self.command
         if self.count == 1 or type(cmd) is not Put:
             return [self]
-        return [Request(Put(cmd.queue, (d,), cmd.ttl_ms, cmd.expire_at_ms, cmd.flags),
+        return [Request(Put(cmd.queue, (d,), cmd.ttl_ms, cmd.expire_at_ms, cmd.flags,
+                            cmd.delay_ms),
                         self.context, self.name) for d in cmd.items]
 
 

@@ -20,10 +20,15 @@ from queued.core.journal_records import (
     CMD_COMPACTED,
     CMD_FLAGS,
     CMD_PUT,
+    CMD_READ_DELAYS,
     CMD_READ_DONE,
     CMD_READ_ERRORS,
     CMD_READ_HEAD,
     COMPACTED_STRUCT,
+    DELAY_BYTE,
+    DELAY_ENTRY_STRUCT,
+    DELAY_RECORD_SIZE,
+    DELAY_STRUCT,
     ERROR_ENTRY_STRUCT,
     FLAGS_BYTE,
     FLAGS_RECORD_SIZE,
@@ -39,6 +44,7 @@ from queued.core.journal_records import (
     PUT_HEADER_SIZE,
     PUT_ID_AT,
     PUT_STRUCT,
+    READ_DELAYS_BYTE,
     READ_ERRORS_BYTE,
     READ_HEAD_STRUCT,
     READER_MAGIC,
@@ -48,10 +54,12 @@ from queued.core.journal_records import (
     Check,
     Compacted,
     Decoded,
+    DelayedPut,
     EndOfData,
     Event,
     FileKind,
     Put,
+    ReadDelays,
     ReadDone,
     ReadErrors,
     ReadHead,
@@ -92,6 +100,18 @@ def _need(cmd: int) -> tuple[int, str | None]:
     return 1 + 4 * words, None
 
 
+def _entries(name: str, entry: struct.Struct, buf: bytearray, pos: int, hdr: int, size: int,
+             start: int) -> tuple[tuple[int, int], ...]:
+    """The (id, value) entries of a READ_ERRORS or READ_DELAYS record at buf[pos]."""
+    if hdr != 5:
+        raise CorruptRecordError(start, f"{name} with {hdr // 4} header words (must be 1)")
+    if size % entry.size:
+        raise CorruptRecordError(start, f"{name} data size {size} not a multiple of "
+                                        f"{entry.size}")
+    return tuple(entry.unpack_from(buf, pos + hdr + k)
+                 for k in range(0, size, entry.size))
+
+
 class RecordDecoder:
     """Incremental decoder for one journal file, h11-style.
 
@@ -106,6 +126,8 @@ class RecordDecoder:
 
     A FLAGS record and the PUT it leads are one `Put` (with `flags`), decoded from
     the FLAGS record's offset; a FLAGS record followed by anything else is corrupt.
+    Likewise a DELAY record (after the FLAGS record, if any) and its PUT are one
+    `DelayedPut`; a DELAY record followed by anything but a PUT is corrupt.
     """
 
     def __init__(
@@ -193,7 +215,7 @@ class RecordDecoder:
         if avail < hdr:
             return self._short(avail)
         command = cmd >> 4
-        if command == CMD_FLAGS:
+        if cmd in (FLAGS_BYTE, DELAY_BYTE):  # another command 5 shape is someone else's
             return self._flagged_put(avail)
         size = 0
         if command >= 8:
@@ -227,16 +249,12 @@ class RecordDecoder:
             record = ReadDone(ids)
         elif command == CMD_READ_ERRORS and self.detected_kind is FileKind.READER:
             # Ours, in reader files only: elsewhere command 11 is another's, skipped.
-            width = ERROR_ENTRY_STRUCT.size
-            if hdr != 5:
-                raise CorruptRecordError(start, f"READ_ERRORS with {hdr // 4} header words "
-                                         "(must be 1)")
-            if size % width:
-                raise CorruptRecordError(
-                    start, f"READ_ERRORS data size {size} not a multiple of {width}")
-            record = ReadErrors(tuple(
-                ERROR_ENTRY_STRUCT.unpack_from(buf, pos + hdr + k)
-                for k in range(0, size, width)))
+            record = ReadErrors(_entries("READ_ERRORS", ERROR_ENTRY_STRUCT, buf, pos, hdr,
+                                         size, start))
+        elif command == CMD_READ_DELAYS and self.detected_kind is FileKind.READER:
+            # Ours, in reader files only, like READ_ERRORS.
+            record = ReadDelays(_entries("READ_DELAYS", DELAY_ENTRY_STRUCT, buf, pos, hdr,
+                                         size, start))
         elif command == CMD_CHECK:
             _, length, crc = CHECK_STRUCT.unpack_from(buf, pos)
             covered = start - self.batch_start
@@ -263,20 +281,33 @@ class RecordDecoder:
         return Decoded(record, start, start + total)
 
     def _flagged_put(self, avail: int) -> Event:
-        """A FLAGS record and the PUT after it, as one Put carrying the flags."""
+        """A FLAGS and/or DELAY record and the PUT after them, as one Put carrying the
+        flags (a DelayedPut carrying the due time too)."""
         buf, pos, start = self._buf, self._pos, self.offset
-        at = pos + FLAGS_RECORD_SIZE
-        if avail <= FLAGS_RECORD_SIZE:
-            return self._short(avail)
+        at = pos
+        flags = 0
+        due: int | None = None
+        if buf[at] == FLAGS_BYTE:
+            flags = FLAGS_STRUCT.unpack_from(buf, at)[1]
+            at += FLAGS_RECORD_SIZE
+            if avail <= at - pos:
+                return self._short(avail)
+        if buf[at] == DELAY_BYTE:
+            if avail < at - pos + DELAY_RECORD_SIZE + 1:
+                return self._short(avail)
+            due = DELAY_STRUCT.unpack_from(buf, at)[1]
+            at += DELAY_RECORD_SIZE
+        lead = "DELAY" if due is not None else "FLAGS"
         cmd = buf[at]
         if cmd == PUT_BYTE:
             hdr = PUT_HEADER_SIZE
         elif cmd == PUT_EXPIRE_BYTE:
             hdr = PUT_EXPIRE_HEADER_SIZE
         else:
-            raise CorruptRecordError(start, f"FLAGS record followed by command byte {cmd:#04x}, "
+            raise CorruptRecordError(start, f"{lead} record followed by command byte {cmd:#04x}, "
                                             "not a PUT")
-        if avail < FLAGS_RECORD_SIZE + hdr:
+        leads = at - pos
+        if avail < leads + hdr:
             return self._short(avail)
         if hdr == PUT_HEADER_SIZE:
             _, size, errs, xid, added = PUT_STRUCT.unpack_from(buf, at)
@@ -284,14 +315,15 @@ class RecordDecoder:
         else:
             _, size, errs, xid, added, expire = PUT_EXPIRE_STRUCT.unpack_from(buf, at)
         if not 0 <= size <= self.max_data_size:
-            raise CorruptRecordError(start + FLAGS_RECORD_SIZE, f"bad data size {size}")
-        total = FLAGS_RECORD_SIZE + hdr + size
+            raise CorruptRecordError(start + leads, f"bad data size {size}")
+        total = leads + hdr + size
         if avail < total:
             return self._short(avail)
         if xid <= 0:
-            raise CorruptRecordError(start + FLAGS_RECORD_SIZE, f"PUT with non-positive id {xid}")
-        flags = FLAGS_STRUCT.unpack_from(buf, pos)[1]
-        record = Put(xid, bytes(buf[at + hdr : pos + total]), added, expire, errs, flags)
+            raise CorruptRecordError(start + leads, f"PUT with non-positive id {xid}")
+        data = bytes(buf[at + hdr : pos + total])
+        record = (Put(xid, data, added, expire, errs, flags) if due is None
+                  else DelayedPut(xid, data, added, expire, errs, flags, due))
         self._crc = zlib.crc32(memoryview(buf)[pos : pos + total], self._crc)
         self._pos = pos + total
         return Decoded(record, start, start + total)
@@ -323,7 +355,8 @@ class RecordDecoder:
         return True
 
     def next_batch(
-        self, puts: list[int] | None = None, flags: dict[int, int] | None = None
+        self, puts: list[int] | None = None, flags: dict[int, int] | None = None,
+        delays: dict[int, int] | None = None,
     ) -> Batch | EndOfData | TornTail | Sentinel:
         """Fast path for sealed files: skip to the end of the next checked batch.
 
@@ -337,6 +370,7 @@ class RecordDecoder:
         is appended when anything else is returned. With `flags`, the flags of each
         PUT led by a FLAGS record are set there under the PUT's offset (it may also
         get offsets of a batch not yet returned: look up only offsets in `puts`).
+        With `delays`, likewise the due time of each PUT led by a DELAY record.
         """
         if self._error is not None:
             raise self._error
@@ -344,7 +378,7 @@ class RecordDecoder:
             return self._done
         mark = len(puts) if puts is not None else 0
         try:
-            ev = self._batch(puts, flags)
+            ev = self._batch(puts, flags, delays)
         except CorruptRecordError as exc:
             self._error = exc
             if puts is not None:
@@ -355,7 +389,8 @@ class RecordDecoder:
         return ev
 
     def _batch(
-        self, puts: list[int] | None, flags: dict[int, int] | None
+        self, puts: list[int] | None, flags: dict[int, int] | None,
+        delays: dict[int, int] | None = None,
     ) -> Batch | EndOfData | TornTail | Sentinel:
         if self._magic_pending and not self._take_magic():
             return NEED_DATA
@@ -369,6 +404,7 @@ class RecordDecoder:
         mark = len(offsets)
         note = offsets.append
         data_bytes = 0
+        delayed = 0
         cap = self.max_data_size
         unpack_i32 = I32_STRUCT.unpack_from
         unpack_size_id = SIZE_ID_STRUCT.unpack_from
@@ -416,7 +452,7 @@ class RecordDecoder:
                     return Batch(base + start, base + end, 0, 0, 0, 0)
                 first = I64_STRUCT.unpack_from(buf, offsets[mark] - base + PUT_ID_AT)[0]
                 last = I64_STRUCT.unpack_from(buf, offsets[-1] - base + PUT_ID_AT)[0]
-                return Batch(base + start, base + end, count, first, last, data_bytes)
+                return Batch(base + start, base + end, count, first, last, data_bytes, delayed)
             elif cmd == 0:
                 if pos == start:
                     self._done = EndOfData(base + pos, zero_byte=True)
@@ -427,11 +463,28 @@ class RecordDecoder:
                 at = pos + FLAGS_RECORD_SIZE
                 if at >= n:
                     return self._short_batch(start, n)
+                if buf[at] == DELAY_BYTE:  # flags, then a due time: the DELAY branch checks
+                    if flags is not None:
+                        flags[base + at + DELAY_RECORD_SIZE] = FLAGS_STRUCT.unpack_from(buf, pos)[1]
+                    pos = at
+                    continue
                 if buf[at] != put_byte and buf[at] != put_expire_byte:
                     raise CorruptRecordError(base + pos, f"FLAGS record followed by command "
                                                          f"byte {buf[at]:#04x}, not a PUT")
                 if flags is not None:
                     flags[base + at] = FLAGS_STRUCT.unpack_from(buf, pos)[1]
+                pos = at
+                continue
+            elif cmd == DELAY_BYTE:  # an item's due time: its PUT follows (the fast loop's)
+                at = pos + DELAY_RECORD_SIZE
+                if at >= n:
+                    return self._short_batch(start, n)
+                if buf[at] != put_byte and buf[at] != put_expire_byte:
+                    raise CorruptRecordError(base + pos, f"DELAY record followed by command "
+                                                         f"byte {buf[at]:#04x}, not a PUT")
+                if delays is not None:
+                    delays[base + at] = DELAY_STRUCT.unpack_from(buf, pos)[1]
+                delayed += 1
                 pos = at
                 continue
             else:
@@ -453,6 +506,10 @@ class RecordDecoder:
                 if (cmd >> 4 == CMD_READ_ERRORS and self.detected_kind is FileKind.READER
                         and (cmd != READ_ERRORS_BYTE or size % ERROR_ENTRY_STRUCT.size)):
                     raise CorruptRecordError(base + pos, f"bad READ_ERRORS record ({cmd:#x}, "
+                                             f"{size} data bytes)")
+                if (cmd >> 4 == CMD_READ_DELAYS and self.detected_kind is FileKind.READER
+                        and (cmd != READ_DELAYS_BYTE or size % DELAY_ENTRY_STRUCT.size)):
+                    raise CorruptRecordError(base + pos, f"bad READ_DELAYS record ({cmd:#x}, "
                                              f"{size} data bytes)")
             pos += hdr + size
 

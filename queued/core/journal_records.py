@@ -1,8 +1,9 @@
 """Journal records and their bytes: magic, command bytes, layouts, encoding, decoder events.
 
-Owns the byte layout of seed 002 (Kestrel's journal) plus our check, COMPACTED, FLAGS
-and READ_ERRORS (reader files) records, and the values decoding yields. PURE: no file,
-clock, socket or trio access; queued.core.journal_format is the one import for users.
+Owns the byte layout of seed 002 (Kestrel's journal) plus our check, COMPACTED, FLAGS,
+DELAY, READ_ERRORS and READ_DELAYS (reader files) records, and the values decoding
+yields. PURE: no file, clock, socket or trio access; queued.core.journal_format is the
+one import for users.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
-from queued.core.wire import NeedData
+from queued.core.wire import MAX_DELAY_MS, NeedData
+
+__all__ = ["MAX_DELAY_MS"]  # (re-exported: journal_format lists every name)
 
 # -- magic bytes and command numbers (seed 002) ---------------------------------
 
@@ -24,10 +27,12 @@ MAGIC_SIZE: Final = 4
 
 CMD_READ_HEAD: Final = 0
 CMD_FLAGS: Final = 4  # ours: an item's memcache flags, right before its PUT; no data block
+CMD_DELAY: Final = 5  # ours: an item's due time, right before its PUT (after FLAGS); no data
 CMD_COMPACTED: Final = 6  # ours: marks a segment rewritten by compaction
 CMD_CHECK: Final = 7  # ours: unused by the seed, no data block, so seed readers skip it
 CMD_PUT: Final = 8
 CMD_READ_DONE: Final = 9
+CMD_READ_DELAYS: Final = 10  # ours, reader files only: due times aborts gave (a data block)
 CMD_READ_ERRORS: Final = 11  # ours, reader files only: abort error counts (a data block)
 
 PUT_BYTE: Final = 0x86  # command 8, 6 header words
@@ -38,6 +43,8 @@ CHECK_BYTE: Final = 0x72  # command 7, 2 header words: covered length, crc32
 COMPACTED_BYTE: Final = 0x64  # command 6, 4 header words: i64 first, i64 last segment number
 FLAGS_BYTE: Final = 0x41  # command 4, 1 header word: u32 flags of the PUT that follows
 READ_ERRORS_BYTE: Final = 0xB1  # command 11, 1 header word (the data byte count)
+DELAY_BYTE: Final = 0x52  # command 5, 2 header words: i64 due time (unix ms) of the next PUT
+READ_DELAYS_BYTE: Final = 0xA1  # command 10, 1 header word (the data byte count)
 
 #: Record layouts, shared with the decoder. The PUT ones also serve bulk readers
 #: that walk batches `RecordDecoder.next_batch` has verified (journal_scan).
@@ -50,6 +57,10 @@ COMPACTED_STRUCT = struct.Struct("<Bqq")
 FLAGS_STRUCT = struct.Struct("<BI")
 READ_ERRORS_STRUCT = struct.Struct("<Bi")
 ERROR_ENTRY_STRUCT = struct.Struct("<qi")  # a READ_ERRORS entry: item id, error count
+DELAY_STRUCT = struct.Struct("<Bq")
+READ_DELAYS_STRUCT = struct.Struct("<Bi")
+I32_HEAD_STRUCT = struct.Struct("<Bi")  # a command byte and one i32 header word
+DELAY_ENTRY_STRUCT = struct.Struct("<qq")  # a READ_DELAYS entry: item id, due time (unix ms)
 I64_STRUCT = struct.Struct("<q")
 SIZE_ID_STRUCT = struct.Struct("<xi4xq")  # a PUT's data size and id
 PUT_ID_AT: Final = 9  # a PUT's id (i64): after the command byte, size and error count
@@ -59,6 +70,7 @@ PUT_HEADER_SIZE: Final = PUT_STRUCT.size  # 25
 PUT_EXPIRE_HEADER_SIZE: Final = PUT_EXPIRE_STRUCT.size  # 33
 CHECK_RECORD_SIZE: Final = CHECK_STRUCT.size  # 9
 FLAGS_RECORD_SIZE: Final = FLAGS_STRUCT.size  # 5
+DELAY_RECORD_SIZE: Final = DELAY_STRUCT.size  # 9
 
 MAX_ID: Final = (1 << 63) - 1
 MAX_DATA_SIZE: Final = (1 << 31) - 1
@@ -107,6 +119,19 @@ class Put:
     flags: int = 0
 
 
+@dataclass(slots=True)
+class DelayedPut(Put):
+    """A Put with a delay: invisible to readers until `due_ms` (unix ms).
+
+    Journaled as a DELAY record right before the PUT (after its FLAGS record, if any);
+    seed readers skip it as an unknown command and see a plain PUT. A subclass rather
+    than a seventh slot on Put: a seventh slot moves every Put to the next allocator
+    size class (+8 bytes per item held), and puts without a delay must pay nothing.
+    """
+
+    due_ms: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class ReadHead:
     """A reader's head: every id <= head has been consumed (0 = nothing yet)."""
@@ -126,6 +151,14 @@ class ReadErrors:
     """Ours (reader files): the error counts of items this reader returned with an abort,
     (id, count) pairs; a later record for an id replaces an earlier one. PUT records are
     shared by every reader and never rewritten, so an abort's count lives here."""
+
+    entries: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDelays:
+    """Ours (reader files): the due times of items this reader returned with an abort that
+    carried a delay, (id, due ms) pairs; a later record for an id replaces an earlier one."""
 
     entries: tuple[tuple[int, int], ...]
 
@@ -159,7 +192,7 @@ class Unknown:
     data_size: int
 
 
-Record = Put | ReadHead | ReadDone | ReadErrors | Check | Compacted | Unknown
+Record = Put | ReadHead | ReadDone | ReadErrors | ReadDelays | Check | Compacted | Unknown
 
 
 def flags_record(flags: int) -> bytes:
@@ -167,6 +200,14 @@ def flags_record(flags: int) -> bytes:
     if not 0 <= flags <= MAX_FLAGS:
         raise ValueError(f"flags out of range (0..{MAX_FLAGS}): {flags}")
     return FLAGS_STRUCT.pack(FLAGS_BYTE, flags) if flags else b""
+
+
+def delay_record(due_ms: int) -> bytes:
+    """The DELAY record that goes right before a PUT (after its FLAGS record)."""
+    try:
+        return DELAY_STRUCT.pack(DELAY_BYTE, due_ms)
+    except struct.error:
+        raise ValueError(f"due time out of range: {due_ms}") from None
 
 
 def encode_put(put: Put) -> bytes:
@@ -185,20 +226,24 @@ def encode_put(put: Put) -> bytes:
             )
     except struct.error as exc:
         raise ValueError(f"PUT field out of range: {exc}") from None
+    if type(put) is DelayedPut:
+        head = delay_record(put.due_ms) + head
     if put.flags:
         return flags_record(put.flags) + head + data
     return head + data
 
 
 def put_header_packer(
-    add_time_ms: int, expire_time_ms: int | None = None, error_count: int = 0, flags: int = 0
+    add_time_ms: int, expire_time_ms: int | None = None, error_count: int = 0, flags: int = 0,
+    due_ms: int | None = None,
 ) -> Callable[[int, int], bytes]:
     """A function (data size, id) -> PUT header bytes (led by the FLAGS record when
-    `flags` is not 0), for many items sharing the other fields. Raises ValueError at
-    once when a shared field is out of range."""
+    `flags` is not 0, then the DELAY record when `due_ms` is given), for many items
+    sharing the other fields. Raises ValueError at once when a shared field is out of
+    range."""
     try:
-        if flags:
-            lead = flags_record(flags)
+        if flags or due_ms is not None:
+            lead = flags_record(flags) + (b"" if due_ms is None else delay_record(due_ms))
             plain = put_header_packer(add_time_ms, expire_time_ms, error_count)
             return lambda size, xid: lead + plain(size, xid)
         if expire_time_ms is None:
@@ -223,26 +268,38 @@ def encode_read_done(done: ReadDone) -> bytes:
     return READ_DONE_STRUCT.pack(READ_DONE_BYTE, 8 * len(ids)) + struct.pack(f"<{len(ids)}q", *ids)
 
 
-def encode_read_errors(errors: ReadErrors) -> bytes:
-    entries = errors.entries
+def _encode_entries(name: str, cmd: int, entry: struct.Struct,
+                    entries: tuple[tuple[int, int], ...]) -> bytes:
+    """A reader-file record of (id, value) entries: READ_ERRORS or READ_DELAYS."""
     try:
-        return READ_ERRORS_STRUCT.pack(READ_ERRORS_BYTE, ERROR_ENTRY_STRUCT.size * len(entries)) + (
-            b"".join(ERROR_ENTRY_STRUCT.pack(i, n) for i, n in entries))
+        return I32_HEAD_STRUCT.pack(cmd, entry.size * len(entries)) + (
+            b"".join(entry.pack(i, v) for i, v in entries))
     except struct.error as exc:
-        raise ValueError(f"READ_ERRORS entry out of range: {exc}") from None
+        raise ValueError(f"{name} entry out of range: {exc}") from None
+
+
+def encode_read_errors(errors: ReadErrors) -> bytes:
+    return _encode_entries("READ_ERRORS", READ_ERRORS_BYTE, ERROR_ENTRY_STRUCT, errors.entries)
+
+
+def encode_read_delays(delays: ReadDelays) -> bytes:
+    return _encode_entries("READ_DELAYS", READ_DELAYS_BYTE, DELAY_ENTRY_STRUCT, delays.entries)
 
 
 def encode_reader_records(
-    head: int | None, done: list[int] | tuple[int, ...], errors: dict[int, int]
+    head: int | None, done: list[int] | tuple[int, ...], errors: dict[int, int],
+    delays: dict[int, int] | None = None,
 ) -> bytes:
     """Records appended to a reader file (unsealed): a READ_HEAD if `head` is given, a
-    READ_DONE of `done` (sorted here) and a READ_ERRORS of `errors`, each only if
-    non-empty."""
+    READ_DONE of `done` (sorted here), a READ_ERRORS of `errors` and a READ_DELAYS of
+    `delays`, each only if non-empty."""
     out = b"" if head is None else encode_read_head(ReadHead(head))
     if done:
         out += encode_read_done(ReadDone(tuple(sorted(done))))
     if errors:
         out += encode_read_errors(ReadErrors(tuple(sorted(errors.items()))))
+    if delays:
+        out += encode_read_delays(ReadDelays(tuple(sorted(delays.items()))))
     return out
 
 
@@ -261,6 +318,8 @@ def encode_record(record: Record) -> bytes:
         return encode_read_done(record)
     if isinstance(record, ReadErrors):
         return encode_read_errors(record)
+    if isinstance(record, ReadDelays):
+        return encode_read_delays(record)
     if isinstance(record, Check):
         return CHECK_STRUCT.pack(CHECK_BYTE, record.length, record.crc)
     if isinstance(record, Compacted):
@@ -281,11 +340,15 @@ def seal(batch: bytes | bytearray, offset: int) -> bytes:
 def encode_checkpoint(
     head: int, done_ids: tuple[int, ...] | list[int],
     errors: tuple[tuple[int, int], ...] | list[tuple[int, int]] = (),
+    delays: tuple[tuple[int, int], ...] | list[tuple[int, int]] = (),
 ) -> bytes:
-    """A whole reader file: magic, seal, READ_HEAD, READ_DONE[, READ_ERRORS], seal."""
+    """A whole reader file: magic, seal, READ_HEAD, READ_DONE[, READ_ERRORS][, READ_DELAYS],
+    seal."""
     body = encode_read_head(ReadHead(head)) + encode_read_done(ReadDone(tuple(sorted(done_ids))))
     if errors:
         body += encode_read_errors(ReadErrors(tuple(sorted(errors))))
+    if delays:
+        body += encode_read_delays(ReadDelays(tuple(sorted(delays))))
     return READER_MAGIC + EMPTY_CHECK + seal(body, MAGIC_SIZE + CHECK_RECORD_SIZE)
 
 
@@ -327,6 +390,7 @@ class Batch:
     first_id: int  # 0 when count == 0
     last_id: int
     data_bytes: int = field(default=0, compare=False)  # item data in its PUT records
+    delayed: int = field(default=0, compare=False)  # PUT records led by a DELAY record
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,12 +40,14 @@ def put_of(ev: mc.Set, items: Sequence[bytes] | None = None) -> c.Put:
         put = c.Put(ev.queue, items, expire_at_ms=e * 1000)
     if ev.flags:
         put.flags = ev.flags
+    if ev.delay_ms:
+        put.delay_ms = ev.delay_ms
     return put
 
 
 def get_of(ev: mc.Get) -> c.Get:
     return c.Get(ev.queue, ev.reader, timeout_ms=ev.timeout_ms, open=ev.open, close=ev.close,
-                 abort=ev.abort, peek=ev.peek, exclusive=True)
+                 abort=ev.abort, peek=ev.peek, exclusive=True, delay_ms=ev.delay_ms)
 
 
 COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
@@ -139,7 +141,8 @@ def _joins_set(a: object, b: mc.Set) -> bool:
     """May set `b` join the request whose context is `a` (one Put, one append)? Only
     with the same flags: a Put's items share them."""
     return (type(a) is mc.Set and a.queue == b.queue and a.exptime == b.exptime
-            and a.flags == b.flags and not a.noreply and not b.noreply)
+            and a.flags == b.flags and a.delay_ms == b.delay_ms and not a.noreply
+            and not b.noreply)
 
 
 def _plain(ev: mc.Get) -> bool:

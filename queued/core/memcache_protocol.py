@@ -23,6 +23,7 @@ from queued.core.errors import (
     UnknownCommand,
 )
 from queued.core.wire import (
+    MAX_DELAY_MS,
     MAX_TIMEOUT_MS,
     NEED_DATA,
     ArgumentError,
@@ -53,6 +54,7 @@ class Set:
     exptime: int  # as sent: 0 never, < 1,000,000 relative seconds, else unix seconds
     data: bytes
     noreply: bool = False
+    delay_ms: int = 0  # `set <queue>/delay=<ms>`: invisible that long (a sixth slot: free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,7 @@ class Get:
     close: bool = False
     abort: bool = False
     peek: bool = False
+    delay_ms: int = 0  # `get <queue>/abort/delay=<ms>`: the aborted items wait that long
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +306,7 @@ class MemcacheParser(LineParser["Command"]):
         self._state = _State.LINE
         self._skip = 0
         self._pending: tuple[str, int, int, bool, int] | None = None
+        self._pending_delay = 0  # the delay of the set whose data block is pending
         #: line -> its Get, or (queue, flags, exptime, size) of a plain set
         self._lines: dict[bytes, Get | tuple[str, int, int, int]] = {}
 
@@ -355,6 +359,9 @@ class MemcacheParser(LineParser["Command"]):
                 assert data is not None
                 self._pending = None
                 self._state = _State.LINE
+                if self._pending_delay:
+                    delay, self._pending_delay = self._pending_delay, 0
+                    return Set(queue, flags, exptime, data, noreply, delay)
                 return Set(queue, flags, exptime, data, noreply)
             elif self._state is _State.SKIP:
                 self._skip -= self.buffer.skip(self._skip)
@@ -453,10 +460,16 @@ class MemcacheParser(LineParser["Command"]):
             raise BadCommand(msg, reply=quiet if quiet is not None else client_error(msg),
                              close=False)
         try:
-            queue = parse_queue(core[0])
+            address, *options = core[0].split(b"/")
+            queue = parse_queue(address)
+            if options:
+                if len(options) != 1 or not options[0].startswith(b"delay="):
+                    raise ArgumentError("unknown set option (only delay=<ms>)")
+                self._pending_delay = parse_int(options[0][6:], "delay", 0, MAX_DELAY_MS)
             flags = parse_int(core[1], "flags", 0, MAX_FLAGS)
             exptime = parse_int(core[2], "exptime", I64_MIN, I64_MAX)
         except ArgumentError as e:
+            self._pending_delay = 0
             self._begin_skip(size)
             raise BadCommand(str(e), reply=quiet if quiet is not None else client_error(str(e)),
                              close=False) from None
@@ -475,11 +488,13 @@ class MemcacheParser(LineParser["Command"]):
         key = args[0]
         address, *options = key.split(b"/")
         queue, reader = parse_address(address)
-        timeout_ms = 0
+        timeout_ms = delay_ms = 0
         flags = {b"open": False, b"close": False, b"abort": False, b"peek": False}
         for opt in options:
             if opt.startswith(b"t="):
                 timeout_ms = parse_int(opt[2:], "timeout", 0, MAX_TIMEOUT_MS)
+            elif opt.startswith(b"delay="):
+                delay_ms = parse_int(opt[6:], "delay", 0, MAX_DELAY_MS)
             elif opt in flags:
                 flags[opt] = True
             else:
@@ -489,8 +504,10 @@ class MemcacheParser(LineParser["Command"]):
         # Kestrel's rule: peek and abort exclude each other and exclude open/close.
         if ((peeking or aborting) and (opening or closing)) or (peeking and aborting):
             raise ArgumentError("invalid combination of get options")
+        if delay_ms and not aborting:
+            raise ArgumentError("delay=<ms> goes only with abort")
         return Get(key.decode("ascii"), queue, reader, timeout_ms,
-                   opening, closing, aborting, peeking)
+                   opening, closing, aborting, peeking, delay_ms)
 
     def _delete(self, args: list[bytes]) -> Delete:
         noreply = _noreply(args)

@@ -11,6 +11,14 @@ disk only (read-behind) and come back through `load`. Every id in `front` or in
 `open` is lower than every id in `mem`, and every id in `mem` is lower than
 `behind`: that is what makes the checkpoint cheap to compute.
 
+Delays. A delayed item (a `DelayedPut`, or an item an abort gave a delay) waits in
+`delayed`, a heap of int keys (due ms, id, data size) -- about 56 bytes per item --
+with its data in `parked` while memory is under half full (`max_memory_size`, shared
+with `mem`); the rest of the data stays on disk. Once due (`promote`), it joins `due`, delivered
+after `front` and before `mem`, in due-time order (ties in id order); a due item whose
+data is on disk waits there as its key until the broker reads it back (`fetch_ids`,
+`fetched`). Read-behind (`load`) skips delayed items: the heap owns them.
+
 Checkpoint. Every id <= head is consumed; ids in `done` above head are consumed
 too. head is one below the lowest outstanding id (available, open, or being moved
 to another queue), or `tail` when nothing is outstanding; `done` only has to hold
@@ -22,14 +30,37 @@ those in the reader's file); items read back from the journal get theirs from it
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from queued.core.journal_format import Put
+from queued.core.journal_format import DelayedPut, Put
 
 Item = Put
+
+#: Delay heap keys: due ms << DUE_SHIFT | id << SIZE_BITS | data size.
+SIZE_BITS = 32
+DUE_SHIFT = 96
+_ID_MASK = (1 << 64) - 1
+_SIZE_MASK = (1 << SIZE_BITS) - 1
+
+
+def delay_key(due_ms: int, item_id: int, size: int) -> int:
+    return (due_ms << DUE_SHIFT) | (item_id << SIZE_BITS) | size
+
+
+def key_id(key: int) -> int:
+    return (key >> SIZE_BITS) & _ID_MASK
+
+
+def key_size(key: int) -> int:
+    return key & _SIZE_MASK
+
+
+def key_due(key: int) -> int:
+    return key >> DUE_SHIFT
 
 #: Most ids a flush lists in `done` while a lower id is still open (see Reader.flush).
 FLUSH_DONE_CAP = 100_000
@@ -75,6 +106,7 @@ class Reader:
         tail: int = 0,
         create_time_ms: int = 0,
         errors: Iterable[tuple[int, int]] = (),
+        delays: Iterable[tuple[int, int]] = (),
     ) -> None:
         self.queue = queue
         self.name = name
@@ -93,6 +125,17 @@ class Reader:
         #: id -> error count, for outstanding items whose count an abort raised
         self.errors: dict[int, int] = {i: n for i, n in errors
                                        if i > head and i not in self.done}
+        #: id -> due ms, for outstanding items an abort gave a delay (journaled in the
+        #: reader's file: the PUT record does not know it)
+        self.delays: dict[int, int] = {i: d for i, d in delays
+                                       if i > head and i not in self.done}
+        self.delayed: list[int] = []  # heap of delay_key(due, id, size), not due yet
+        self.parked: dict[int, Item] = {}  # data of delayed items held in memory
+        self.due: deque[Item | int] = deque()  # due: items, or keys whose data is on disk
+        #: lowest id delayed or due, or lower (exact while `low_exact`); None: none since
+        #: the last checkpoint (then consume may move the head itself)
+        self.delay_low: int | None = None
+        self.low_exact = True
         self.dirty = False  # consumed something since the last checkpoint
         self.flush_overflow = 0  # flushed ids a crash could bring back (see flush)
         self.create_time_ms = create_time_ms
@@ -129,6 +172,8 @@ class Reader:
                     self.counters.discarded += 1
             dq.clear()
             dq.extend(keep)
+        if self.delayed or self.due:
+            self._drop_delayed(lambda i: i <= last_id)
         if self.behind is not None and self.behind <= last_id:
             self.items -= on_disk
             self.bytes -= on_disk_bytes
@@ -138,6 +183,43 @@ class Reader:
             self.errors = {i: n for i, n in self.errors.items()
                            if i > last_id or i in self.open or i in self.moving}
         self.dirty = True
+
+    def _drop_delayed(self, drop: Callable[[int], bool]) -> list[int]:
+        """Delayed and due items whose id `drop` picks leave (counted discarded); their ids."""
+        gone: list[int] = []
+        keep: list[int] = []
+        for key in self.delayed:
+            if drop(key_id(key)):
+                gone.append(key_id(key))
+                self._forget(key_id(key), key_size(key), self.parked.pop(key_id(key), None))
+            else:
+                keep.append(key)
+        if len(keep) != len(self.delayed):
+            heapq.heapify(keep)
+            self.delayed = keep
+        kept: deque[Item | int] = deque()
+        for entry in self.due:
+            if isinstance(entry, int):
+                i, size, held = key_id(entry), key_size(entry), None
+            else:
+                i, size, held = entry.id, len(entry.data), entry
+            if drop(i):
+                gone.append(i)
+                self._forget(i, size, held)
+            else:
+                kept.append(entry)
+        self.due = kept
+        return gone
+
+    def _forget(self, item_id: int, size: int, held: Item | None) -> None:
+        if item_id == self.delay_low:
+            self.low_exact = False
+        self.items -= 1
+        self.bytes -= size
+        self.counters.discarded += 1
+        if held is not None:
+            self.mem_bytes -= size
+        self.delays.pop(item_id, None)
 
     def add(self, items: Iterable[Item]) -> None:
         """Durable items, in id order; ids at or below `tail` are ignored."""
@@ -150,11 +232,100 @@ class Reader:
             self.items += 1
             self.bytes += n
             self.counters.total_items += 1
-            if self.behind is None and (self.mem_bytes + n <= cap or not self.mem_bytes):
+            if type(it) is DelayedPut:
+                self.delay(it, it.due_ms)
+            elif self.behind is None and (self.mem_bytes + n <= cap or not self.mem_bytes):
                 self.mem.append(it)
                 self.mem_bytes += n
             elif self.behind is None:
                 self.behind = it.id
+
+    # -- delays ------------------------------------------------------------------------
+
+    def delay(self, it: Item, due_ms: int, *, keep: bool = True) -> None:
+        """`it` (counted in items/bytes already) waits until `due_ms`; its data stays in
+        memory if `keep` and memory is under half full with it, else on disk (read back
+        once due): the other half stays for read-behind of the items that flow."""
+        n = len(it.data)
+        heapq.heappush(self.delayed, delay_key(due_ms, it.id, n))
+        if keep and (self.mem_bytes + n <= self.limits.max_memory_size // 2
+                     or not self.mem_bytes):
+            self.parked[it.id] = it
+            self.mem_bytes += n
+        low = self.delay_low
+        if low is None or it.id < low:
+            self.delay_low = it.id
+            if low is None:
+                self.low_exact = True
+
+    def restore_delayed(self, entries: Iterable[tuple[int, int, int]]) -> None:
+        """After recovery: (due ms, id, size) of delayed items on disk (already counted
+        by `restore`)."""
+        for due_ms, item_id, size in entries:
+            self.delayed.append(delay_key(due_ms, item_id, size))
+            if self.delay_low is None or item_id < self.delay_low:
+                if self.delay_low is None:
+                    self.low_exact = True
+                self.delay_low = item_id
+        heapq.heapify(self.delayed)
+
+    def next_due_ms(self) -> int | None:
+        return self.delayed[0] >> DUE_SHIFT if self.delayed else None
+
+    def promote(self, now_ms: int) -> int:
+        """Delayed items due at `now_ms` join `due`, in due order; how many."""
+        heap, parked, due = self.delayed, self.parked, self.due
+        n = 0
+        while heap and heap[0] >> DUE_SHIFT <= now_ms:
+            key = heapq.heappop(heap)
+            it = parked.pop(key_id(key), None)
+            due.append(key if it is None else it)
+            n += 1
+        return n
+
+    def fetch_ids(self, limit: int) -> list[int]:
+        """Ids of the due items at the head of `due` whose data is on disk (at most
+        `limit`): the broker reads them back and hands them to `fetched`."""
+        out: list[int] = []
+        for entry in self.due:
+            if type(entry) is not int or len(out) >= limit:
+                break
+            out.append(key_id(entry))
+        return out
+
+    def wants_fetch(self) -> bool:
+        return bool(self.due) and type(self.due[0]) is int
+
+    def fetched(self, items: Iterable[Item], asked: Iterable[int]) -> int:
+        """Due items read back from disk for the ids `asked` (from `fetch_ids`); an asked
+        id the journal no longer held leaves (counted discarded). How many left so."""
+        got = {it.id: it for it in items}
+        asked_ids = set(asked)
+        due = self.due
+        lost = 0
+        for k, entry in enumerate(due):
+            if not isinstance(entry, int) or key_id(entry) not in asked_ids:
+                continue
+            it = got.get(key_id(entry))
+            if it is None:
+                lost += 1
+                continue
+            if self.errors and it.id in self.errors:
+                it = dataclasses.replace(it, error_count=self.errors[it.id])
+            due[k] = it
+            self.mem_bytes += len(it.data)
+        if lost:
+            gone = asked_ids - got.keys()
+            self._drop_delayed(lambda i: i in gone)
+        return lost
+
+    def skips(self, it: Item) -> bool:
+        """Read-behind leaves this item alone: the delay heap owns it."""
+        return type(it) is DelayedPut or it.id in self.delays
+
+    @property
+    def delayed_count(self) -> int:
+        return len(self.delayed)
 
     def wants_refill(self) -> bool:
         """On-disk items wait and memory is at most half full (or empty)."""
@@ -177,7 +348,7 @@ class Reader:
         for it in items:
             if it.id >= next_id or it.id > self.tail:
                 break
-            if it.id in self.done:
+            if it.id in self.done or (type(it) is DelayedPut or it.id in self.delays):
                 continue
             if errors and it.id in errors:
                 it = dataclasses.replace(it, error_count=errors[it.id])
@@ -190,6 +361,10 @@ class Reader:
     def _pop(self) -> Item | None:
         if self.front:
             it = self.front.popleft()
+        elif self.due and type(self.due[0]) is not int:
+            it = self.due.popleft()  # type: ignore[assignment]
+            if it.id == self.delay_low:
+                self.low_exact = False
         elif self.mem:
             it = self.mem.popleft()
         else:
@@ -209,6 +384,8 @@ class Reader:
         The caller must `consume` or `start_move` each expired item. Returns None
         when memory holds nothing (check `behind`: items may wait on disk).
         """
+        if self.delayed and self.delayed[0] >> DUE_SHIFT <= now_ms:
+            self.promote(now_ms)
         while True:
             it = self._pop()
             if it is None:
@@ -235,8 +412,10 @@ class Reader:
 
     def peek(self, now_ms: int, expired: list[Item]) -> Item | None:
         """The next live item, left in place (expired ones are removed as in take)."""
+        if self.delayed and self.delayed[0] >> DUE_SHIFT <= now_ms:
+            self.promote(now_ms)
         while True:
-            it = self.front[0] if self.front else self.mem[0] if self.mem else None
+            it = self._head()
             if it is None or not self._expired(it, now_ms):
                 return it
             self._pop()
@@ -259,19 +438,28 @@ class Reader:
     def expire_head(self, now_ms: int, limit: int, expired: list[Item]) -> None:
         """Remove expired items from the head (Kestrel's sweep), at most `limit` (0 = all)."""
         while not limit or len(expired) < limit:
-            it = self.front[0] if self.front else self.mem[0] if self.mem else None
+            it = self._head()
             if it is None or not self._expired(it, now_ms):
                 return
             self._pop()
             self.counters.expired += 1
             expired.append(it)
 
+    def _head(self) -> Item | None:
+        if self.front:
+            return self.front[0]
+        if self.due and type(self.due[0]) is not int:
+            return self.due[0]  # type: ignore[return-value]
+        return self.mem[0] if self.mem else None
+
     def consume(self, item_id: int) -> None:
         """`item_id` is gone for good (taken, confirmed, expired, discarded, moved)."""
         self.dirty = True
         if self.errors:
             self.errors.pop(item_id, None)
-        if self.open or self.front or self.moving:
+        # (`delays` keeps consumed ids until the next checkpoint prunes them: not popped
+        # here, so a put without a delay pays nothing for it)
+        if self.open or self.front or self.moving or self.delay_low is not None:
             # A lower id may still be outstanding: remember this one explicitly.
             self.done.add(item_id)
         elif item_id > self.head:
@@ -317,6 +505,15 @@ class Reader:
         self.put_back(it)
         return True
 
+    def delay_back(self, it: Item, due_ms: int) -> None:
+        """An item this reader had handed out waits again, until `due_ms` (an abort with
+        a delay); `delays` keeps the due time for the checkpoint."""
+        n = len(it.data)
+        self.items += 1
+        self.bytes += n
+        self.delays[it.id] = due_ms
+        self.delay(it, due_ms)
+
     def put_back(self, it: Item) -> None:
         """An item this reader had handed out goes back to the head."""
         self.front.appendleft(it)
@@ -359,6 +556,13 @@ class Reader:
         """Discard every available item (open reads stay open). Returns how many."""
         n = self.items
         ids = [it.id for it in self.front] + [it.id for it in self.mem]
+        ids += [key_id(k) for k in self.delayed]
+        ids += [key_id(e) if isinstance(e, int) else e.id for e in self.due]
+        self.delayed = []
+        self.parked.clear()
+        self.due.clear()
+        self.delays.clear()
+        self.delay_low = None
         if self.behind is not None:
             ids.extend(range(self.behind, self.tail + 1))
         self.front.clear()
@@ -400,11 +604,36 @@ class Reader:
             lows.append(self.mem[0].id)
         if self.behind is not None:
             lows.append(self.behind)
+        if self.delay_low is not None:
+            low = self.delay_low if self.low_exact else self.delayed_low_id()
+            if low is not None:
+                lows.append(low)
         head = min(lows) - 1 if lows else max(self.tail, self.head)
         self.head = head
         self.done = {i for i in self.done if i > head}
         self.dirty = False
         return head, sorted(self.done)
+
+    def delayed_low_id(self) -> int | None:
+        """The lowest id delayed or due (exact; O(delayed items)); also resets
+        `delay_low` to it, or to None when nothing is delayed. The checkpoint calls it
+        only once the lowest one has left since it last did."""
+        low = min(((k >> SIZE_BITS) & _ID_MASK for k in self.delayed), default=None)
+        for e in self.due:
+            i = key_id(e) if isinstance(e, int) else e.id
+            if low is None or i < low:
+                low = i
+        self.delay_low = low
+        self.low_exact = True
+        return low
+
+    def delay_entries(self) -> list[tuple[int, int]]:
+        """(id, due ms) of outstanding items an abort delayed, for the checkpoint; drops
+        ids at or below the head (call after `checkpoint`)."""
+        if self.delays:
+            self.delays = {i: d for i, d in self.delays.items()
+                           if i > self.head and i not in self.done}
+        return sorted(self.delays.items())
 
     def error_counts(self) -> list[tuple[int, int]]:
         """(id, count) of outstanding items whose error count an abort raised, for the

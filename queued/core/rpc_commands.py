@@ -37,9 +37,10 @@ class WithFlags:
 
 COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
     rp.Put: lambda call: c.Put(call.queue, call.items, ttl_ms=call.expiration_ms or None,
-                               flags=call.flags),
+                               flags=call.flags, delay_ms=call.delay_ms),
     rp.Confirm: lambda call: c.Confirm(call.queue, call.reader, ids=call.ids),
-    rp.Abort: lambda call: c.Abort(call.queue, call.reader, ids=call.ids),
+    rp.Abort: lambda call: c.Abort(call.queue, call.reader, ids=call.ids,
+                                   delay_ms=call.delay_ms),
     rp.Peek: lambda call: c.Peek(call.queue, call.reader),
     rp.Flush: lambda call: c.Flush(call.queue, call.reader),
     rp.Delete: lambda call: c.Delete(call.queue, call.reader),

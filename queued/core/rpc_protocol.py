@@ -20,7 +20,13 @@ from typing import Any, Final, TypeAlias
 import msgpack
 
 from queued.core.errors import ProtocolError
-from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData, is_valid_name
+from queued.core.wire import (
+    MAX_DELAY_MS,
+    NEED_DATA,
+    ConnectionClosed,
+    NeedData,
+    is_valid_name,
+)
 
 __all__ = [
     "METHODS",
@@ -318,6 +324,7 @@ class Put:
     items: list[bytes]
     expiration_ms: int  # relative; 0 = never
     flags: int = 0  # memcache flags of every item (u32), as a memcache `set` gives them
+    delay_ms: int = 0  # > 0: the items stay invisible that long (delayed delivery)
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +352,7 @@ class Abort:
     queue: str
     reader: str | None
     ids: list[int]
+    delay_ms: int = 0  # abort only: the returned items wait that long first
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,7 +450,7 @@ def _arity(msgid: int, method: str, params: list[Any], lo: int, hi: int) -> None
 
 def _put(r: Request, max_batch: int) -> Put:
     p = r.params
-    _arity(r.msgid, "put", p, 2, 4)
+    _arity(r.msgid, "put", p, 2, 5)
     queue, reader = _address(r.msgid, p[0])
     if reader is not None:
         raise RpcError(ErrorCode.BAD_QUEUE_NAME,
@@ -459,7 +467,8 @@ def _put(r: Request, max_batch: int) -> Put:
         items = [it.encode() if isinstance(it, str) else it for it in items]
     expiration = _int(r.msgid, p[2], "expiration_ms", 0, 2**53) if len(p) > 2 else 0
     flags = _int(r.msgid, p[3], "flags", 0, MAX_FLAGS) if len(p) > 3 else 0
-    return Put(r.msgid, queue, items, expiration, flags)
+    delay = _int(r.msgid, p[4], "delay_ms", 0, MAX_DELAY_MS) if len(p) > 4 else 0
+    return Put(r.msgid, queue, items, expiration, flags, delay)
 
 
 def _get(r: Request, max_batch: int) -> Get:
@@ -480,9 +489,14 @@ def _get(r: Request, max_batch: int) -> Get:
 
 def _ids_call(cls: type[Confirm] | type[Abort]) -> Callable[[Request, int], Confirm | Abort]:
     def parse(r: Request, max_batch: int) -> Confirm | Abort:
-        _arity(r.msgid, r.method, r.params, 2, 2)
-        queue, reader = _address(r.msgid, r.params[0])
-        return cls(r.msgid, queue, reader, _ids(r.msgid, r.params[1], max_batch))
+        p = r.params
+        _arity(r.msgid, r.method, p, 2, 3 if cls is Abort else 2)
+        queue, reader = _address(r.msgid, p[0])
+        ids = _ids(r.msgid, p[1], max_batch)
+        if len(p) > 2:
+            return Abort(r.msgid, queue, reader, ids, _int(r.msgid, p[2], "delay_ms", 0,
+                                                           MAX_DELAY_MS))
+        return cls(r.msgid, queue, reader, ids)
     return parse
 
 

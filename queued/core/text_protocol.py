@@ -19,6 +19,7 @@ from queued.core.errors import (
     UnknownCommand,
 )
 from queued.core.wire import (
+    MAX_DELAY_MS,
     MAX_TIMEOUT_MS,
     NEED_DATA,
     ArgumentError,
@@ -45,6 +46,7 @@ class Put:
     queue: str
     items: tuple[bytes, ...]
     expiry_ms: int | None = None  # relative milliseconds, as Kestrel's `put <queue> [expiry]:`
+    delay_ms: int = 0  # ours: `put <queue> [expiry_ms] delay=<ms>:`
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +182,7 @@ class TextParser(LineParser["Command"]):
         self.max_put_bytes = max_put_bytes
         super().__init__()
         self._state = _State.LINE
-        self._put: tuple[str, int | None] | None = None
+        self._put: tuple[str, int | None, int] | None = None
         self._items: list[bytes] = []
         self._put_size = 0
 
@@ -212,7 +214,7 @@ class TextParser(LineParser["Command"]):
                 self._add_item(line)
             else:
                 assert self._put is not None
-                put = Put(self._put[0], tuple(self._items), self._put[1])
+                put = Put(self._put[0], tuple(self._items), self._put[1], self._put[2])
                 self._end_put(_State.LINE)
                 return put
 
@@ -257,13 +259,16 @@ class TextParser(LineParser["Command"]):
             raise BadCommand(msg, reply=error(msg), close=False)
         args = line[:-1].split()[1:]
         try:
-            _arity(args, 1, 2, "put <queue> [expiry_ms]:")
+            delay = 0
+            if len(args) > 1 and args[-1].startswith(b"delay="):
+                delay = parse_int(args.pop()[6:], "delay", 0, MAX_DELAY_MS)
+            _arity(args, 1, 2, "put <queue> [expiry_ms] [delay=<ms>]:")
             queue = parse_queue(args[0])
             expiry = parse_int(args[1], "expiry", 0, MAX_TIMEOUT_MS) if len(args) > 1 else None
         except ArgumentError as e:
             self._end_put(_State.DISCARD)  # its items follow anyway: keep in step
             raise BadCommand(str(e), reply=error(str(e)), close=False) from None
-        self._put = (queue, expiry)
+        self._put = (queue, expiry, delay)
         self._state = _State.PUT
 
     def _simple(self, name: bytes, args: list[bytes]) -> Command:

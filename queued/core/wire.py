@@ -20,6 +20,9 @@ _NAME_RE: Final = re.compile(NAME_PATTERN)
 _INT_RE: Final = re.compile(rb"-?[0-9]+")
 #: Timeouts are capped as Kestrel's are: it parses them as a Java Int.
 MAX_TIMEOUT_MS: Final = (1 << 31) - 1
+#: Longest delay a put or an abort may ask for (memcache, text, RPC): 10 years, in ms;
+#: due times stay far inside the journal's i64 and inside what a client can mean.
+MAX_DELAY_MS: Final = 10 * 366 * 24 * 3600 * 1000
 
 
 class Signal(enum.Enum):

@@ -72,7 +72,7 @@ class Conn(Protocol):
 async def get(conn: Conn, cmd: c.Get, req: c.Request) -> c.Reply | None:
     b, reads, reader = conn.broker, conn.reads, cmd.reader or ""
     if cmd.abort:
-        b.abort(reads, cmd.queue, reader, owe=conn.owe)
+        b.abort(reads, cmd.queue, reader, owe=conn.owe, delay_ms=cmd.delay_ms)
         return c.Done()
     if cmd.close:
         b.confirm(reads, cmd.queue, reader, owe=conn.owe)
@@ -106,7 +106,7 @@ async def confirm(conn: Conn, cmd: c.Confirm, req: c.Request) -> c.Reply:
 
 async def abort(conn: Conn, cmd: c.Abort, req: c.Request) -> c.Reply:
     return c.Count(conn.broker.abort(conn.reads, cmd.queue, cmd.reader, ids=cmd.ids,
-                                     owe=conn.owe))
+                                     owe=conn.owe, delay_ms=cmd.delay_ms))
 
 
 async def flush(conn: Conn, cmd: c.Flush, req: c.Request) -> c.Reply:

@@ -160,7 +160,10 @@ def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
 
 #: (metric, help, reader_stats field, scale) of the per-reader gauges and counters.
 _READER_GAUGES = (
-    ("queued_queue_items", "Items waiting (not open, not yet taken).", "items", 1),
+    ("queued_queue_items", "Items waiting (not open, not yet taken; delayed ones too).",
+     "items", 1),
+    ("queued_delayed_items", "Items put or aborted with a delay that are not due yet.",
+     "delayed", 1),
     ("queued_queue_bytes", "Bytes of item data waiting.", "bytes", 1),
     ("queued_queue_memory_bytes", "Bytes of waiting item data held in memory.", "mem_bytes", 1),
     ("queued_queue_open_reads", "Reliable reads open (taken, not confirmed or aborted).",

@@ -432,7 +432,7 @@ class Session:
             raise ItemTooLargeError(f"item over the server's max_item_size ({limit} bytes)")
         b = self.broker
         return await b.begin_put(first.queue, items, expire_ms=first.expire_ms(b.clock()),
-                                 flags=first.flags)
+                                 flags=first.flags, delay_ms=first.delay_ms)
 
     # -- gets (see handlers.Conn) --------------------------------------------------------------
 
@@ -544,6 +544,6 @@ def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c
 
 
 def _same_append(a: c.Put, b: c.Put) -> bool:
-    """Puts that may share one journal append: same queue, same expiry, same flags."""
+    """Puts that may share one journal append: same queue, expiry, flags and delay."""
     return (a.queue == b.queue and a.ttl_ms == b.ttl_ms and a.expire_at_ms == b.expire_at_ms
-            and a.flags == b.flags)
+            and a.flags == b.flags and a.delay_ms == b.delay_ms)

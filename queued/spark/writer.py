@@ -149,6 +149,15 @@ class QueuedWriter(DataSourceArrowWriter):
             raise QueuedDataSourceError(
                 f"option expiration_ms must be a whole number of ms >= 0 (0 = never), not "
                 f"{raw_expiration!r}")
+        raw_delay = options.get("delay_ms") or "0"
+        try:
+            self.delay_ms = int(raw_delay)
+        except ValueError:
+            self.delay_ms = -1
+        if not 0 <= self.delay_ms <= jf.MAX_DELAY_MS:
+            raise QueuedDataSourceError(
+                f"option delay_ms must be a whole number of ms in [0, {jf.MAX_DELAY_MS}] "
+                f"(0 = none; the rows' items stay invisible that long), not {raw_delay!r}")
         self.timeout = float_option(options, "timeout", 30.0)
         self.connect_timeout = float_option(options, "connect_timeout",
                                              DEFAULT_CONNECT_TIMEOUT)
@@ -294,7 +303,8 @@ class _PartitionWrite:
     def _send(self, queue: str, items: list[bytes]) -> None:
         if items:
             try:
-                self.stored += self.client.put(queue, items, self.w.expiration_ms)
+                self.stored += self.client.put(queue, items, self.w.expiration_ms,
+                                               delay_ms=self.w.delay_ms)
             except ClientError as exc:
                 raise _refused(queue, items, self.w.servers, exc) from exc
             self.puts += 1

@@ -213,6 +213,7 @@ class DataDir:
             + [cp.head for cp in readers.values()]
             + [cp.done[-1] for cp in readers.values() if cp.done]
             + [cp.errors[-1][0] for cp in readers.values() if cp.errors]
+            + [cp.delays[-1][0] for cp in readers.values() if cp.delays]
         )
         rep.segments = len(segments)
         rep.records = sum(s.count for s in segments)

@@ -41,11 +41,15 @@ class SegmentInfo:
     index: list[tuple[int, int]] = field(default_factory=list)
     #: bytes of item data in the segment; None once a batch was noted without it
     data_bytes: int | None = 0
+    #: PUT records led by a DELAY record, as recovery counted them (startup looks for
+    #: delayed items only where > 0; appends made since start are not counted)
+    delayed: int = 0
 
     def note_batch(
         self, offset: int, end: int, count: int, first_id: int, last_id: int,
-        data_bytes: int | None = None,
+        data_bytes: int | None = None, delayed: int = 0,
     ) -> None:
+        self.delayed += delayed
         if count:
             if data_bytes is None or self.data_bytes is None:
                 self.data_bytes = None
@@ -180,6 +184,8 @@ class Checkpoint:
     head: int = 0
     done: tuple[int, ...] = ()
     errors: tuple[tuple[int, int], ...] = ()
+    #: due times aborts with a delay gave to items not consumed yet, (id, due ms) sorted
+    delays: tuple[tuple[int, int], ...] = ()
 
 
 def decode_checkpoint(data: bytes) -> tuple[Checkpoint, int]:
@@ -201,6 +207,7 @@ def decode_checkpoint(data: bytes) -> tuple[Checkpoint, int]:
     head = 0
     done: set[int] = set()
     errors: dict[int, int] = {}
+    delays: dict[int, int] = {}
     batch: list[jf.Record] = []  # of a sealed file: records since the last check
     checks = 0
     sealed: bool | None = None
@@ -214,6 +221,8 @@ def decode_checkpoint(data: bytes) -> tuple[Checkpoint, int]:
             done.update(rec.ids)
         elif isinstance(rec, jf.ReadErrors):
             errors.update(rec.entries)
+        elif isinstance(rec, jf.ReadDelays):
+            delays.update(rec.entries)
 
     while True:
         try:
@@ -258,6 +267,7 @@ def decode_checkpoint(data: bytes) -> tuple[Checkpoint, int]:
         head,
         tuple(sorted(i for i in done if i > head)),
         tuple(sorted((i, n) for i, n in errors.items() if i > head and i not in done)),
+        tuple(sorted((i, d) for i, d in delays.items() if i > head and i not in done)),
     ), end
 
 
@@ -273,4 +283,5 @@ def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
 
 def encode_checkpoint(checkpoint: Checkpoint) -> bytes:
     """The whole reader file for `checkpoint`."""
-    return jf.encode_checkpoint(checkpoint.head, checkpoint.done, checkpoint.errors)
+    return jf.encode_checkpoint(checkpoint.head, checkpoint.done, checkpoint.errors,
+                                checkpoint.delays)

@@ -71,9 +71,10 @@ class JournalStats:
     readers: int
 
 
-def put_overhead(flags: int) -> int:
+def put_overhead(flags: int, delayed: bool = False) -> int:
     """Most journal bytes one item takes beyond its data (for room checks)."""
-    return jf.PUT_EXPIRE_HEADER_SIZE + (jf.FLAGS_RECORD_SIZE if flags else 0)
+    return (jf.PUT_EXPIRE_HEADER_SIZE + (jf.FLAGS_RECORD_SIZE if flags else 0)
+            + (jf.DELAY_RECORD_SIZE if delayed else 0))
 
 
 class Ticket:
@@ -195,17 +196,20 @@ class QueueJournal:
         expire_time_ms: int | None = None,
         error_count: int = 0,
         flags: int = 0,
+        due_ms: int | None = None,
     ) -> tuple[list[jf.Put], Ticket]:
         """Queue `datas` for the writer; ids are assigned here, in order. Non-zero
         `flags` (memcache flags, the same for every item) lead each PUT with a FLAGS
-        record; flags 0 write nothing more."""
+        record; flags 0 write nothing more. `due_ms` (unix ms) leads each PUT with a
+        DELAY record and makes the records DelayedPuts; None writes nothing more."""
         if self._closed:
             raise JournalClosedError(f"journal of queue {self.name!r} is closed")
         if self.file.failed is not None:
             raise JournalWriteError(f"queue {self.name!r} refuses writes: {self.file.failed}")
         ticket = Ticket()
         # Check everything before touching any state, so a bad item changes nothing.
-        pack_head = jf.put_header_packer(add_time_ms, expire_time_ms, error_count, flags)
+        pack_head = jf.put_header_packer(add_time_ms, expire_time_ms, error_count, flags,
+                                         due_ms)
         if set(map(type, datas)) - {bytes}:
             datas = [d if isinstance(d, bytes) else bytes(d) for d in datas]
         largest = max(map(len, datas), default=0)
@@ -221,7 +225,7 @@ class QueueJournal:
             self._proj_size += jf.CHECK_RECORD_SIZE
         if datas and largest < ZERO_COPY_BYTES and self._proj_size is not None:
             puts = self._append_small(datas, pack_head, ticket, add_time_ms, expire_time_ms,
-                                      error_count, flags)
+                                      error_count, flags, due_ms)
             if puts:
                 datas = ()  # done in bulk
                 next_id = puts[-1].id
@@ -252,7 +256,10 @@ class QueueJournal:
             self._proj_size += size
             self._proj_count += 1
             self._pending_bytes += size
-            puts.append(jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count, flags))
+            puts.append(jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count, flags)
+                        if due_ms is None else
+                        jf.DelayedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
+                                      flags, due_ms))
         self.last_id = next_id
         self._appends += 1
         self._items += len(puts)
@@ -271,6 +278,7 @@ class QueueJournal:
         expire_time_ms: int | None,
         error_count: int,
         flags: int = 0,
+        due_ms: int | None = None,
     ) -> list[jf.Put]:
         """append_nowait's fast path: small items that fit the current segment and
         batch, encoded in bulk. [] if they don't (the general loop handles it)."""
@@ -300,6 +308,9 @@ class QueueJournal:
         self._proj_size += total
         self._proj_count += n
         self._pending_bytes += total
+        if due_ms is not None:
+            return [jf.DelayedPut(i, d, add_time_ms, expire_time_ms, error_count, flags, due_ms)
+                    for i, d in zip(ids, datas, strict=True)]
         put = jf.Put
         return [put(i, d, add_time_ms, expire_time_ms, error_count, flags)
                 for i, d in zip(ids, datas, strict=True)]
@@ -385,7 +396,8 @@ class QueueJournal:
                         if op.head > cp.head:
                             self.readers[rfile.reader] = Checkpoint(
                                 op.head, tuple(i for i in cp.done if i > op.head),
-                                tuple(e for e in cp.errors if e[0] > op.head))
+                                tuple(e for e in cp.errors if e[0] > op.head),
+                                tuple(e for e in cp.delays if e[0] > op.head))
                 else:
                     log.error("queue %s: %s", self.name, op.failed)
                 op.ticket.error = op.failed
@@ -483,13 +495,17 @@ class QueueJournal:
     def note_read(
         self, reader: str, *, done: Sequence[int] = (),
         errors: Sequence[tuple[int, int]] = (), head: int | None = None,
+        delays: Sequence[tuple[int, int]] = (),
     ) -> Ticket:
         """Append to reader `reader`'s file, in the next round: ids it consumed (`done`,
-        confirms), error counts aborts gave (`errors`), a new `head`. The ticket is set
-        once that is durable under the fsync policy (planned appends share one)."""
+        confirms), error counts aborts gave (`errors`), due times aborts with a delay gave
+        (`delays`), a new `head`. The ticket is set once that is durable under the fsync
+        policy (planned appends share one)."""
         op = self._plan(reader, None)
         op.done.extend(done)
         op.errors.update(errors)
+        if delays:
+            op.delays.update(delays)
         if head is not None:
             op.head = head if op.head is None else max(op.head, head)
         self.host.note_pending(self)
@@ -497,14 +513,15 @@ class QueueJournal:
 
     async def write_checkpoint(
         self, reader: str, head: int, done: Sequence[int] = (),
-        errors: Sequence[tuple[int, int]] = (),
+        errors: Sequence[tuple[int, int]] = (), delays: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Make reader `reader`'s position durable: its file is written anew (temp +
         fsync + rename + dir fsync) in the next round, after every append planned
         before this call and before any planned after it, so `head`, `done` and `errors`
         must be the reader's position now (nothing consumed since they were taken)."""
         cp = Checkpoint(head, tuple(sorted(i for i in done if i > head)),
-                        tuple(sorted(e for e in errors if e[0] > head)))
+                        tuple(sorted(e for e in errors if e[0] > head)),
+                        tuple(sorted(e for e in delays if e[0] > head)))
         op = self._plan(reader, PlannedOp(rewrite=encode_checkpoint(cp), checkpoint=cp))
         self.host.note_pending(self)
         await wait_durable(op.ticket)

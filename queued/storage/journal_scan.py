@@ -419,6 +419,9 @@ class _Scanner:
             at = ev.offset
             if rec.flags:  # decoded together with the FLAGS record before the PUT
                 at += jf.FLAGS_RECORD_SIZE
+            if type(rec) is jf.DelayedPut:  # and the DELAY record (after FLAGS)
+                at += jf.DELAY_RECORD_SIZE
+            if rec.flags:
                 self.flags[at] = rec.flags
             self.offsets.append(at)
             if len(self.offsets) >= self.rows:

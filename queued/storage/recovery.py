@@ -226,7 +226,8 @@ def _scan_sealed(
                 raise CorruptRecordError(ev.offset, f"id {ev.first_id} after id {prev_last}")
             if ev.count:
                 prev_last = ev.last_id
-            info.note_batch(ev.offset, ev.end, ev.count, ev.first_id, ev.last_id, ev.data_bytes)
+            info.note_batch(ev.offset, ev.end, ev.count, ev.first_id, ev.last_id, ev.data_bytes,
+                            ev.delayed)
             continue
         assert isinstance(ev, jf.EndOfData | jf.TornTail)
         return ev

@@ -325,6 +325,7 @@ class ReaderOp:
     head: int | None = None
     done: list[int] = field(default_factory=list)
     errors: dict[int, int] = field(default_factory=dict)
+    delays: dict[int, int] = field(default_factory=dict)  # a READ_DELAYS
     failed: BaseException | None = None
 
     @property
@@ -396,7 +397,7 @@ class ReaderFile(SyncedFile):
         if self._fd is None:
             self._open()
             assert self._fd is not None
-        records = jf.encode_reader_records(op.head, op.done, op.errors)
+        records = jf.encode_reader_records(op.head, op.done, op.errors, op.delays)
         _writev_all(self._fd, [records, jf.encode_check(records, self._size)])
         self._size += len(records) + jf.CHECK_RECORD_SIZE
         self._unsynced = True
