@@ -328,3 +328,19 @@ async def test_console_requests_keep_the_port_limits(tmp_path: Path) -> None:
 
         assert await trio.to_thread.run_sync(big_post) == 413
         assert server.broker.reader_info("jobs")["items"] == 1
+
+
+async def test_head_items_leave_out_delayed_items_until_due(tmp_path: Path) -> None:
+    """The head view lists items in delivery order: an item delayed and not yet due is
+    not there; once due it is, before items put without a delay after it."""
+    async with running(cfg(tmp_path)) as server:
+        port, b = server.ports["http"], server.broker
+        await b.put("jobs", [b"later"], delay_ms=300)
+        await b.put("jobs", [b"now"])
+        status, d = await doc(port, "/api/queues/jobs")
+        assert status == 200 and [i["text"] for i in d["items"]] == ["now"]  # type: ignore
+        assert await b.get("jobs", peek=True, timeout_ms=2000) is not None  # "now"
+        await trio.sleep(0.35)
+        assert (await b.get("jobs", peek=True)).data == b"later"  # type: ignore[union-attr]
+        status, d = await doc(port, "/api/queues/jobs")
+        assert [i["text"] for i in d["items"]] == ["later", "now"]  # type: ignore

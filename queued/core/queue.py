@@ -424,14 +424,16 @@ class Reader:
 
     def first_items(self, now_ms: int, limit: int) -> list[Item]:
         """Up to `limit` live items in the order gets would take them, from memory only
-        (items read behind on disk are not read for it). Changes nothing: an expired
-        item is skipped, not removed (for the console's look at a queue's head)."""
+        (items read behind on disk are not read for it, nor are due items whose data
+        waits on disk; delayed items not yet due are not live). Changes nothing: an
+        expired item is skipped, not removed (for the console's look at a queue's head)."""
         found: list[Item] = []
-        for dq in (self.front, self.mem):
+        queues: tuple[Iterable[Item | int], ...] = (self.front, self.due, self.mem)
+        for dq in queues:
             for it in dq:
                 if len(found) >= limit:
                     return found
-                if not self._expired(it, now_ms):
+                if not isinstance(it, int) and not self._expired(it, now_ms):  # int: on disk
                     found.append(it)
         return found
 
