@@ -571,3 +571,62 @@ def test_reader_never_early_each_once_and_checkpoints_stay_true(
     assert (r.items, r.bytes, r.mem_bytes, r.delayed_count) == (0, 0, 0, 0)
     head, done = r.checkpoint()
     assert head == next_id and done == []
+
+
+# -- found in review: takeover, unsealed segments, read-back budget ---------------------------
+
+
+def test_a_named_reader_taking_over_keeps_abort_delays_across_sigkill(tmp_path: Path) -> None:
+    """The first named reader takes over the default reader's file: the due time an abort
+    gave must move with it (it was dropped: after a crash the item came 59 s early)."""
+    p = ServerProcess(tmp_path / "data", tmp_path / "log")
+    try:
+        p.start()
+        with Client(f"{HOST}:{p.rpc}", read_timeout=WAIT) as c:
+            c.put("q", [b"job"])
+            (it,) = c.get("q", 1, 0, 60_000)
+            c.abort([it], delay_ms=60_000)
+            assert c.get("q+named", 1) == []  # takes over the default reader; not due
+        p.signal(signal.SIGKILL)
+        p.wait()
+        p.start()
+        with Client(f"{HOST}:{p.rpc}", read_timeout=WAIT) as c:
+            assert c.get("q+named", 1, 500) == []  # still a minute to wait
+            assert c.peek("q+named").stats["delayed"] == 1
+    finally:
+        p.kill()
+
+
+def test_a_delayed_item_in_an_unsealed_segment_is_delivered_when_due(tmp_path: Path) -> None:
+    """A segment without check records (the seed writer's, or a tool's) holding a delayed
+    put: recovery must hand the item to the delay heap (it was never delivered)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    now = now_ms()
+    (data / "q.1").write_bytes(
+        jf.WRITER_MAGIC + jf.encode_put(jf.DelayedPut(1, b"delayed", now, None, 0, 0, now + 800))
+        + jf.encode_put(jf.Put(2, b"plain", now, None, 0, 0)))
+    p = ServerProcess(data, tmp_path / "log")
+    try:
+        p.start()
+        with Client(f"{HOST}:{p.rpc}", read_timeout=WAIT) as c:
+            assert [i.data for i in c.get("q", 1, 1000)] == [b"plain"]
+            assert [i.data for i in c.get("q", 1, 5000)] == [b"delayed"]
+    finally:
+        p.kill()
+
+
+def test_due_items_read_back_from_disk_keep_to_the_memory_budget() -> None:
+    from dataclasses import replace
+
+    from queued.config.settings import QueueConfig
+    cfg = replace(QueueConfig(), max_memory_size=4096)
+    r = Reader("q", "", cfg, tail=200)
+    store = {i: jf.DelayedPut(i, b"x" * 1000, 0, None, 0, 0, 100) for i in range(1, 201)}
+    r.restore([], 1, 200, 200_000)  # after a restart: everything on disk
+    r.restore_delayed([(100, i, 1000) for i in store])
+    r.promote(100)
+    ids = r.fetch_ids(10_000)
+    assert 1 <= len(ids) <= 5
+    r.fetched([store[i] for i in ids], ids)
+    assert r.mem_bytes <= 5000

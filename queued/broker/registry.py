@@ -198,7 +198,8 @@ class Registry:
             taken.reader.name = name
             try:
                 await qs.journal.write_checkpoint(name, head, done,
-                                                  taken.reader.error_counts())
+                                                  taken.reader.error_counts(),
+                                                  taken.reader.delay_entries())
                 await qs.journal.remove_reader("")
             except BaseException:
                 taken.reader.name = ""

@@ -285,10 +285,15 @@ class Reader:
 
     def fetch_ids(self, limit: int) -> list[int]:
         """Ids of the due items at the head of `due` whose data is on disk (at most
-        `limit`): the broker reads them back and hands them to `fetched`."""
+        `limit`, and no more bytes than read-behind's memory budget allows, one at
+        least): the broker reads them back and hands them to `fetched`."""
         out: list[int] = []
+        budget = self.refill_budget()
         for entry in self.due:
             if type(entry) is not int or len(out) >= limit:
+                break
+            budget -= key_size(entry)
+            if budget < 0 and out:
                 break
             out.append(key_id(entry))
         return out

@@ -249,7 +249,8 @@ def _scan_plain(
                 if isinstance(rec, jf.Put):
                     if rec.id <= info.last_id:
                         raise CorruptRecordError(ev.offset, f"id {rec.id} after {info.last_id}")
-                    info.note_batch(ev.offset, ev.end, 1, rec.id, rec.id, len(rec.data))
+                    info.note_batch(ev.offset, ev.end, 1, rec.id, rec.id, len(rec.data),
+                                    1 if type(rec) is jf.DelayedPut else 0)
                 continue
             assert isinstance(ev, jf.EndOfData | jf.TornTail)
             return ev
