@@ -41,6 +41,8 @@ class SegmentInfo:
     index: list[tuple[int, int]] = field(default_factory=list)
     #: bytes of item data in the segment; None once a batch was noted without it
     data_bytes: int | None = 0
+    #: the queue's life this segment belongs to (its head's INCARNATION record; 0 = none)
+    incarnation: int = 0
 
     def note_batch(
         self, offset: int, end: int, count: int, first_id: int, last_id: int,
