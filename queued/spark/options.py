@@ -271,6 +271,11 @@ def int_option(options: Any, key: str, default: int) -> int:
     return value
 
 
+def optional_int(options: Any, key: str) -> int:
+    """A positive integer option, 0 when not given."""
+    return int_option(options, key, 0) if options.get(key) not in (None, "") else 0
+
+
 def pending_reader_option(options: Any) -> str | None:
     """The reader whose unconsumed items alone are read, or None (read everything)."""
     reader = options.get("reader")

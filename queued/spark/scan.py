@@ -21,7 +21,21 @@ import pyarrow.compute as pc
 from pyspark.sql.datasource import InputPartition
 
 from queued.spark.arrow import chunk_to_arrow
-from queued.spark.options import DataLossError, QueuedDataSourceError
+from queued.spark.options import (
+    DataLossError,
+    Options,
+    QueuedDataSourceError,
+    archive_option,
+    bool_option,
+    int_option,
+    offsets_option,
+    optional_int,
+    path_option,
+    pattern_option,
+    queues_option,
+    timestamp_option,
+    timestamps_option,
+)
 from queued.storage import journal_scan as js
 
 log = logging.getLogger("queued.spark")
@@ -183,6 +197,28 @@ def first_id_at(segments: list[js.SegmentRef], ms: int) -> int | None:
         except js.ScanError as exc:
             raise QueuedDataSourceError(str(exc)) from exc
     return None
+
+
+class ReadOptions:
+    """The options batch and stream reads share, parsed once (see the README's table)."""
+
+    def __init__(self, options: Options) -> None:
+        self.path = path_option(options)
+        self.archive = archive_option(options)
+        self.selection = Selection(queues_option(options), pattern_option(options))
+        self.starting = offsets_option(options, "startingOffsets", "earliest")
+        self.start_ms = timestamp_option(options, "startingTimestamp")
+        self.start_ms_by = timestamps_option(options, "startingOffsetsByTimestamp")
+        self.min_partitions = optional_int(options, "minPartitions")
+        self.partition_bytes = int_option(options, "max_partition_bytes",
+                                          DEFAULT_PARTITION_BYTES)
+        self.flags = bool_option(options, "include_flags")
+        self.loss = LossReporter(
+            bool_option(options, "failOnDataLoss") if "failOnDataLoss" in options else True)
+
+    def start_time(self, queue: str) -> int | None:
+        """The startingOffsetsByTimestamp of `queue`, else startingTimestamp (or None)."""
+        return self.start_ms_by.get(queue) if self.start_ms_by is not None else self.start_ms
 
 
 LOSS_HINT = (

@@ -33,14 +33,10 @@ from queued.spark.options import (
     WRITE_STREAM_OPTIONS,
     Options,
     QueuedDataSourceError,
-    archive_option,
     bool_option,
     int_option,
     offsets_option,
-    path_option,
-    pattern_option,
     pending_reader_option,
-    queues_option,
     timestamp_option,
     timestamps_option,
 )
@@ -146,49 +142,37 @@ class QueuedBatchReader(DataSourceReader):
     def __init__(self, options: Any) -> None:
         if not isinstance(options, Options):
             options = Options(options, READ_OPTIONS, "spark.read")
-        self.path = path_option(options)
-        self.archive = archive_option(options)
-        self.selection = scan.Selection(queues_option(options), pattern_option(options))
+        self.o = o = scan.ReadOptions(options)
+        self.path, self.archive, self.selection = o.path, o.archive, o.selection
         self.reader = pending_reader_option(options)
         self.id_after = int_option(options, "min_id", 1) - 1  # ids wanted: (after, upto]
         self.id_upto = int_option(options, "max_id", 0)  # 0: no bound
-        self.starting = offsets_option(options, "startingOffsets", "earliest")
         self.ending = offsets_option(options, "endingOffsets", "latest")
-        if self.starting == "latest" or (
-                isinstance(self.starting, dict) and LATEST in self.starting.values()):
+        if o.starting == "latest" or (
+                isinstance(o.starting, dict) and LATEST in o.starting.values()):
             raise QueuedDataSourceError(
                 "startingOffsets latest (-1) is for streams: a batch query would read nothing")
         if self.ending == "earliest" or (
                 isinstance(self.ending, dict) and EARLIEST in self.ending.values()):
             raise QueuedDataSourceError(
                 "endingOffsets earliest (-2) is for nothing: a batch query would read nothing")
-        self.start_ms = timestamp_option(options, "startingTimestamp")
         self.end_ms = timestamp_option(options, "endingTimestamp")
-        self.start_ms_by = timestamps_option(options, "startingOffsetsByTimestamp")
         self.end_ms_by = timestamps_option(options, "endingOffsetsByTimestamp")
-        self.min_partitions = int_option(options, "minPartitions", 0) if options.get(
-            "minPartitions") else 0
-        self.loss = scan.LossReporter(
-            bool_option(options, "failOnDataLoss") if "failOnDataLoss" in options else True)
-        self.partition_bytes = int_option(options, "max_partition_bytes",
-                                          DEFAULT_PARTITION_BYTES)
-        self.flags = bool_option(options, "include_flags")
 
     def _bounds(self, queue: str, segments: list[js.SegmentRef]) -> tuple[int, int] | None:
         """The ids (after, upto] to read from a queue (upto 0: no bound), or None."""
         after, upto = self.id_after, self.id_upto or None
-        start_ms = (self.start_ms_by.get(queue) if self.start_ms_by is not None
-                    else self.start_ms)
+        start_ms = self.o.start_time(queue)
         if start_ms is not None:
             first = scan.first_id_at(segments, start_ms)
             if first is None:
                 return None  # nothing added at or after that time
             after = max(after, first - 1)
-        elif isinstance(self.starting, dict) and self.starting.get(queue, EARLIEST) > 0:
-            wanted = self.starting[queue]
+        elif isinstance(self.o.starting, dict) and self.o.starting.get(queue, EARLIEST) > 0:
+            wanted = self.o.starting[queue]
             oldest = js.first_id(segments[0].path) if segments else None
             if oldest is not None and oldest > wanted:
-                self.loss(f"startingOffsets asks for queue {queue!r} from id {wanted}, but "
+                self.o.loss(f"startingOffsets asks for queue {queue!r} from id {wanted}, but "
                           f"ids {wanted}..{oldest - 1} are gone (the oldest segment starts "
                           f"at {oldest})")
             after = max(after, wanted - 1)
@@ -226,13 +210,14 @@ class QueuedBatchReader(DataSourceReader):
             ids = js.IdFilter(after, upto, skip)
             reads += [(scan.segment_read(seg, self.archive, ids), seg.size)
                       for seg in _prune(segments, ids)]
-        parts = scan.pack(reads, self.partition_bytes, live_at, self.flags)
-        if len(parts) < self.min_partitions:
+        o = self.o
+        parts = scan.pack(reads, o.partition_bytes, live_at, o.flags)
+        if len(parts) < o.min_partitions:
             try:
                 summaries = [(r, js.summarize_segment(r.path)) for r, _ in reads]
             except (FileNotFoundError, js.ScanError):
                 return parts  # retired meanwhile: the packed plan reads the archive
-            return scan.split(summaries, self.min_partitions, live_at, self.flags)
+            return scan.split(summaries, o.min_partitions, live_at, o.flags)
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

@@ -30,18 +30,10 @@ from queued.spark.options import (
     STREAM_OPTIONS,
     Options,
     QueuedDataSourceError,
-    archive_option,
-    bool_option,
     duration_option,
-    int_option,
-    offsets_option,
-    path_option,
-    pattern_option,
-    queues_option,
-    timestamp_option,
-    timestamps_option,
+    optional_int,
 )
-from queued.spark.scan import DEFAULT_PARTITION_BYTES, SegmentRead
+from queued.spark.scan import SegmentRead
 from queued.storage import journal_scan as js
 
 Summarized = tuple[js.SegmentRef, js.SegmentSummary]
@@ -108,24 +100,11 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, options: Any) -> None:
         if not isinstance(options, Options):
             options = Options(options, STREAM_OPTIONS, "spark.readStream")
-        self.path = path_option(options)
-        self.archive = archive_option(options)
-        self.selection = scan.Selection(queues_option(options), pattern_option(options))
-        self.max_items = int_option(options, "maxOffsetsPerTrigger", 0) if options.get(
-            "maxOffsetsPerTrigger") else 0
-        self.min_items = int_option(options, "minOffsetsPerTrigger", 0) if options.get(
-            "minOffsetsPerTrigger") else 0
+        self.o = o = scan.ReadOptions(options)
+        self.selection, self.loss = o.selection, o.loss
+        self.max_items = optional_int(options, "maxOffsetsPerTrigger")
+        self.min_items = optional_int(options, "minOffsetsPerTrigger")
         self.max_delay = duration_option(options, "maxTriggerDelay", 15 * 60.0)
-        self.min_partitions = int_option(options, "minPartitions", 0) if options.get(
-            "minPartitions") else 0
-        self.partition_bytes = int_option(options, "max_partition_bytes",
-                                          DEFAULT_PARTITION_BYTES)
-        self.flags = bool_option(options, "include_flags")
-        self.starting = offsets_option(options, "startingOffsets", "earliest")
-        self.start_ms = timestamp_option(options, "startingTimestamp")
-        self.start_ms_by = timestamps_option(options, "startingOffsetsByTimestamp")
-        self.loss = scan.LossReporter(
-            bool_option(options, "failOnDataLoss") if "failOnDataLoss" in options else True)
         self._summaries: dict[str, tuple[tuple[int, int, int], js.SegmentSummary]] = {}
         self._available_now: dict[str, Position] | None = None
         self._last_trigger = time.monotonic()
@@ -155,7 +134,7 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Per wanted queue with items, its current incarnation's segments (the newest
         segment's); older incarnations' segments (an archive's, say) are left out."""
         found: dict[str, QueueNow] = {}
-        for queue, segments in self.selection.segments(self.path, self.archive).items():
+        for queue, segments in self.selection.segments(self.o.path, self.o.archive).items():
             pairs = [(seg, s) for seg in segments if (s := self._summary(seg)) is not None]
             if not pairs:
                 continue
@@ -195,13 +174,12 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def initialOffset(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for queue, now in self._queues().items():
-            start_ms = (self.start_ms_by.get(queue) if self.start_ms_by is not None
-                        else self.start_ms)
+            start_ms = self.o.start_time(queue)
             if start_ms is not None:
                 first = scan.first_id_at([seg for seg, _ in now.segs], start_ms)
                 xid = now.last if first is None else first - 1
             else:
-                spec = self.starting
+                spec = self.o.starting
                 choice = spec.get(queue, EARLIEST) if isinstance(spec, dict) else (
                     LATEST if spec == "latest" else EARLIEST)
                 xid = {EARLIEST: now.first - 1, LATEST: now.last}.get(choice, choice - 1)
@@ -315,12 +293,13 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ids = js.IdFilter(after, stop.id)
             for seg, summary in now.segs:
                 if summary.last_id > after and summary.first_id <= stop.id:
-                    reads.append((scan.segment_read(seg, self.archive, ids), summary))
+                    reads.append((scan.segment_read(seg, self.o.archive, ids), summary))
                     sizes.append(seg.size)
+        o = self.o
         parts = scan.pack([(r, n) for (r, _), n in zip(reads, sizes, strict=True)],
-                          self.partition_bytes, flags=self.flags)
-        if len(parts) < self.min_partitions:
-            return scan.split(reads, self.min_partitions, flags=self.flags)
+                          o.partition_bytes, flags=o.flags)
+        if len(parts) < o.min_partitions:
+            return scan.split(reads, o.min_partitions, flags=o.flags)
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
