@@ -130,6 +130,13 @@ def test_json_offsets_and_timestamps(spark: Any, tmp_path: Path) -> None:
         read(startingOffsets='{"a": 0}')
     with pytest.raises(Exception, match="subscribe or subscribePattern, not both"):
         read(subscribe="a", subscribePattern="a")
+    # Where a stream starts, by time: the offset is the last id before the first item
+    # added at or after it ("b" has none: it starts at its latest).
+    by_time = QueuedStreamReader({"path": str(data), "startingTimestamp": str(T0 + 150)})
+    assert {q: p["id"] for q, p in by_time.initialOffset().items()} == {"a": 150, "b": 30}
+    by_queue = QueuedStreamReader({"path": str(data), "startingOffsetsByTimestamp": json.dumps(
+        {"a": T0 + 10}), "startingOffsets": "latest"})
+    assert {q: p["id"] for q, p in by_queue.initialOffset().items()} == {"a": 10, "b": 30}
     # A stream from per-queue offsets: "a" from id 250, "b" (not named) from its earliest.
     q = stream(spark, data, tmp_path / "ck", "from_json", {"availableNow": True},
                startingOffsets='{"a": 250}')
