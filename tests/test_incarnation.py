@@ -98,3 +98,20 @@ async def test_segments_without_a_record_stay_incarnation_zero(tmp_path: Path) -
     damaged = bytearray(jf.segment_head(5))
     damaged[20] ^= 1
     assert jf.head_incarnation(bytes(damaged)) == 0
+
+
+async def test_a_header_recovery_rewrote_does_not_start_a_new_life(tmp_path: Path) -> None:
+    # A crash right after a segment was created leaves a torn header; recovery rewrites it
+    # as magic + empty check, naming no incarnation. The queue keeps its life.
+    data = tmp_path / "data"
+    async with open_data_dir(data, queue_config=lambda _: SMALL) as dd:
+        q = dd.queue("q")
+        await q.append([b"one"], T0)
+        inc = q.file.incarnation
+        newest = q.segments[-1].number
+    (data / jf.segment_name("q", newest + 1)).write_bytes(jf.WRITER_MAGIC[:3])  # torn
+    async with open_data_dir(data, queue_config=lambda _: SMALL) as dd:
+        q = dd.queue("q")
+        assert q.segments[-1].incarnation == 0 and q.file.incarnation == inc
+        await q.append([b"two"], T0)
+    assert incarnations(data, "q")[-1] == inc

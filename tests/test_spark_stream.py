@@ -267,3 +267,24 @@ def test_write_stream_into_a_server_stopped_midway_and_restarted(
     again = [row for row, k in counts.items() if k > 1]
     # At-least-once: only rows of the micro-batch the stop interrupted come twice.
     assert len(again) <= per_batch and all(k <= 2 for k in counts.values())
+
+
+def test_segments_naming_no_incarnation_belong_to_the_life_before_them(tmp_path: Path) -> None:
+    # q.1000: written before incarnations (ids 1-3); q.2000: the queue created again
+    # (incarnation 777, ids 1-2); q.3000: a header recovery rewrote (names none).
+    from queued.core import journal_format as jf
+
+    def segment(number: int, head: bytes, ids: range) -> None:
+        body = b"".join(jf.encode_put(jf.Put(i, b"d%d" % i, T0)) for i in ids)
+        (tmp_path / jf.segment_name("q", number)).write_bytes(head + jf.seal(body, len(head)))
+
+    segment(1000, jf.segment_head(0), range(1, 4))
+    segment(2000, jf.segment_head(777), range(1, 3))
+    (tmp_path / jf.segment_name("q", 3000)).write_bytes(jf.segment_head(0))
+    reader = QueuedStreamReader({"path": str(tmp_path)})
+    start = reader.initialOffset()
+    assert start == {"q": {"id": 0, "incarnation": 777, "segment": 0}}
+    assert reader.latestOffset(start, None)["q"] == {"id": 2, "incarnation": 777,
+                                                     "segment": 2000}
+    with pytest.raises(Exception, match=r"incarnation 0 -> 777"):
+        reader.latestOffset({"q": 3}, None)  # an offset from before incarnations

@@ -135,11 +135,18 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         segment's); older incarnations' segments (an archive's, say) are left out."""
         found: dict[str, QueueNow] = {}
         for queue, segments in self.selection.segments(self.o.path, self.o.archive).items():
-            pairs = [(seg, s) for seg in segments if (s := self._summary(seg)) is not None]
-            if not pairs:
+            # A segment naming no incarnation (one from before incarnations, or whose header
+            # recovery rewrote) belongs to the life of the one before it, if any.
+            life, lives = 0, []
+            for seg in segments:  # by number: oldest first
+                summary = self._summary(seg)
+                if summary is not None:
+                    life = summary.incarnation or life
+                    lives.append((seg, summary, life))
+            if not lives:
                 continue
-            now = QueueNow(max(pairs, key=lambda p: p[0].number)[1].incarnation)
-            now.segs = [p for p in pairs if p[1].count and p[1].incarnation == now.incarnation]
+            now = QueueNow(lives[-1][2])
+            now.segs = [(seg, s) for seg, s, k in lives if s.count and k == now.incarnation]
             if now.segs:
                 found[queue] = now
         return found
