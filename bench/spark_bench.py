@@ -2,7 +2,7 @@
 `spark.read.parquet` of the same rows in the same run, and the writer into a server.
 
     .venv/bin/python bench/spark_bench.py [--mb 1024] [--item 200] [--payload json]
-                                          [--write-rows 200000]
+                                          [--write-rows 200000] [--ceiling]
 
 Prints rows/s and MB/s of each scan (every column is used, so Parquet cannot prune),
 their ratio, and rows/s written into a `queued serve` subprocess by df.write (default
@@ -70,6 +70,51 @@ async def make_journal(path: Path, mb: int, item: int, kind: str) -> int:
     return per_queue * 4
 
 
+def ceiling_source(data: Path, partitions: int, rows: int) -> type:
+    """A Python data source with the journal source's schema that decodes nothing: each
+    task builds its Arrow batches once (from the journal's first segment, before the
+    timing matters little: one 8 MiB chunk) and yields them again and again, `rows` in all
+    over `partitions` tasks. What is left is PySpark's cost of a Python data source."""
+    from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+    from queued.spark.arrow import chunk_to_arrow
+    from queued.spark.source import SCHEMA
+    from queued.storage import journal_scan as js
+
+    first = str(min(js.list_segments(data), key=lambda s: s.number).path)
+
+    class Part(InputPartition):
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+    class Reader(DataSourceReader):
+        def partitions(self) -> list[Part]:
+            each = rows // partitions
+            return [Part(each + (rows % partitions if k == 0 else 0))
+                    for k in range(partitions)]
+
+        def read(self, partition: Part):  # type: ignore[no-untyped-def]
+            batch = chunk_to_arrow("q", next(js.scan_segment(first)))
+            left = partition.n
+            while left > 0:
+                out = batch.slice(0, min(left, batch.num_rows))
+                left -= out.num_rows
+                yield out
+
+    class Ceiling(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "queued_ceiling"
+
+        def schema(self) -> str:
+            return SCHEMA
+
+        def reader(self, schema: object) -> Reader:
+            return Reader()
+
+    return Ceiling
+
+
 def timed(spark: object, df: object) -> tuple[float, list[object]]:
     t = time.perf_counter()
     out = df.selectExpr(*AGG).collect()  # type: ignore[attr-defined]
@@ -82,6 +127,8 @@ def main() -> None:
     ap.add_argument("--item", type=int, default=200)
     ap.add_argument("--payload", choices=["json", "random", "repeat"], default="json")
     ap.add_argument("--write-rows", type=int, default=200_000)
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also time a Python data source that decodes nothing (PySpark's share)")
     args = ap.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
@@ -114,6 +161,16 @@ def main() -> None:
             print(f"{name:8} scan: {best:6.2f} s  {rows / best:12,.0f} rows/s  "
                   f"{mb / best:8.1f} MB/s (of {mb:.0f} MiB on disk)")
         print(f"journal/parquet rows/s ratio: {results['journal'] / results['parquet']:.2f}")
+        if args.ceiling:
+            nparts = journal_df.rdd.getNumPartitions()
+            spark.dataSource.register(ceiling_source(data, nparts, rows))
+            ceiling_df = spark.read.format("queued_ceiling").load()
+            timed(spark, ceiling_df)
+            best = min(timed(spark, ceiling_df)[0] for _ in range(2))
+            print(f"ceiling  scan: {best:6.2f} s  {rows / best:12,.0f} rows/s  (a Python data "
+                  f"source that decodes nothing, {nparts} tasks)")
+            print(f"ceiling/parquet: {rows / best / results['parquet']:.2f}, journal/ceiling: "
+                  f"{results['journal'] / (rows / best):.2f}")
 
         if args.write_rows <= 0:
             spark.stop()

@@ -30,7 +30,7 @@ async def _three_batches(tmp_path: Path) -> tuple[Path, list[int]]:
             await q.append([bytes([65 + i]) * 100], T0)
         seg = q.segments[0]
     starts = []
-    off = jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE
+    off = len(jf.segment_head(seg.incarnation))  # magic, seal, the incarnation's batch
     for _ in range(3):
         starts.append(off)
         off += jf.PUT_HEADER_SIZE + 100 + jf.CHECK_RECORD_SIZE

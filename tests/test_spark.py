@@ -325,16 +325,25 @@ def test_stream_refuses_to_skip_compacted_segments(tmp_path: Path) -> None:
             assert result.removed > 0
 
     trio.run(consume_and_compact)
-    start, end = {"q": 100}, {"q": 300}
+    inc = js.summarize_segment(js.list_segments(data)[-1].path).incarnation
+    start, end = {"q": {"id": 100, "incarnation": inc}}, {"q": {"id": 300, "incarnation": inc}}
     reader = QueuedStreamReader({"path": str(data)})
+    with pytest.raises(QueuedDataSourceError, match=r"ids 101\.\.[0-9]+ of queue 'q' are gone"):
+        reader.latestOffset(start, None)
     with pytest.raises(QueuedDataSourceError, match="archive_dir"):
         reader.partitions(start, end)
+    # failOnDataLoss=false: a warning, and the stream goes on from the earliest item.
+    lenient = QueuedStreamReader({"path": str(data), "failOnDataLoss": "false"})
+    assert lenient.latestOffset(start, None)["q"]["id"] == 300
+    kept = [i for part in lenient.partitions(start, end)
+            for batch in lenient.read(part) for i in batch.column("id").to_pylist()]
+    assert kept and kept == sorted(kept) and kept[-1] == 300 and 101 not in kept
     # With the archive, the stream reads the retired segments from there.
     reader = QueuedStreamReader({"path": str(data), "archive_dir": str(archive)})
     ids = [i for part in reader.partitions(start, end)
            for batch in reader.read(part) for i in batch.column("id").to_pylist()]
     assert ids == list(range(101, 301))
-    assert reader.latestOffset({"q": 100}, None) == {"q": 300}
+    assert reader.latestOffset(start, None)["q"]["id"] == 300
 
 
 def test_batch_read_with_the_archive_sees_every_record(spark: Any, tmp_path: Path) -> None:

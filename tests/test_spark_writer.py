@@ -6,6 +6,7 @@ a second server when the first is killed between puts, and TLS with a login."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 from collections.abc import Iterator
@@ -13,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from server_util import ServerProcess
 
 from queued.client import Client
+from queued.storage.datadir import open_data_dir
 from tests.test_security import Pki, users_toml
 
 try:
@@ -215,6 +218,11 @@ def test_puts_fail_over_to_the_next_server(tmp_path: Path) -> None:
         b.kill()
 
 
+async def _journal(path: Path, items: list[bytes]) -> None:
+    async with open_data_dir(path) as dd:
+        await dd.queue("in").append(items, 1_700_000_000_000)
+
+
 def test_tls_and_login_options(spark: Any, tmp_path: Path) -> None:
     """One Spark job against a server with TLS and users; the option checks and a wrong
     password through the writer alone (no job: Spark tests are slow)."""
@@ -232,6 +240,30 @@ def test_tls_and_login_options(spark: Any, tmp_path: Path) -> None:
         save(df, addr, queue="sec", tls_ca=str(pki.ca_file), **login)
         with Client(addr, tls=pki.client(), **login) as c:
             assert [i.data for i in c.get("sec", 10)] == [b"s1", b"s2"]
+
+        # The streaming sink takes the same options; the password shows nowhere.
+        journal = tmp_path / "journal"
+        trio.run(_journal, journal, [b"t1", b"t2", b"t3"])
+
+        def stream(password: str, ckpt: str) -> Any:
+            return (spark.readStream.format("queued").load(str(journal)).select("data")
+                    .writeStream.format("queued").option("server", addr)
+                    .option("queue", "sec").option("tls_ca", str(pki.ca_file))
+                    .option("user", "writer").option("password", password)
+                    .option("checkpointLocation", str(tmp_path / ckpt))
+                    .trigger(availableNow=True).start())
+
+        q = stream("w pw", "ck1")
+        assert q.awaitTermination(120)
+        shown = json.dumps(q.recentProgress, default=str) + q._jsq.explainInternal(True)
+        assert "w pw" not in shown and "numInputRows" in shown
+        with Client(addr, tls=pki.client(), **login) as c:
+            assert [i.data for i in c.get("sec", 10)] == [b"t1", b"t2", b"t3"]
+        bad = stream("secret wrong pw", "ck2")
+        with pytest.raises(Exception, match="check options user and password") as failed:
+            bad.awaitTermination(120)
+        assert "secret wrong pw" not in str(failed.value)
+        assert "w pw" not in (tmp_path / "server.log").read_text()
 
         schema = StructType([StructField("data", BinaryType())])
         rows = pa.RecordBatch.from_pydict({"data": [b"x"]})

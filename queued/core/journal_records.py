@@ -34,6 +34,7 @@ CMD_PUT: Final = 8
 CMD_READ_DONE: Final = 9
 CMD_READ_DELAYS: Final = 10  # ours, reader files only: due times aborts gave (a data block)
 CMD_READ_ERRORS: Final = 11  # ours, reader files only: abort error counts (a data block)
+CMD_INCARNATION: Final = 12  # ours, segment heads: which life of the queue (an empty data block)
 
 PUT_BYTE: Final = 0x86  # command 8, 6 header words
 PUT_EXPIRE_BYTE: Final = 0x88  # command 8, 8 header words
@@ -45,6 +46,7 @@ FLAGS_BYTE: Final = 0x41  # command 4, 1 header word: u32 flags of the PUT that 
 READ_ERRORS_BYTE: Final = 0xB1  # command 11, 1 header word (the data byte count)
 DELAY_BYTE: Final = 0x52  # command 5, 2 header words: i64 due time (unix ms) of the next PUT
 READ_DELAYS_BYTE: Final = 0xA1  # command 10, 1 header word (the data byte count)
+INCARNATION_BYTE: Final = 0xC3  # command 12, 3 header words: i32 data size (0), i64 incarnation
 
 #: Record layouts, shared with the decoder. The PUT ones also serve bulk readers
 #: that walk batches `RecordDecoder.next_batch` has verified (journal_scan).
@@ -56,6 +58,7 @@ CHECK_STRUCT = struct.Struct("<BII")
 COMPACTED_STRUCT = struct.Struct("<Bqq")
 FLAGS_STRUCT = struct.Struct("<BI")
 READ_ERRORS_STRUCT = struct.Struct("<Bi")
+INCARNATION_STRUCT = struct.Struct("<Biq")
 ERROR_ENTRY_STRUCT = struct.Struct("<qi")  # a READ_ERRORS entry: item id, error count
 DELAY_STRUCT = struct.Struct("<Bq")
 READ_DELAYS_STRUCT = struct.Struct("<Bi")
@@ -335,6 +338,56 @@ def encode_check_crc(length: int, crc: int) -> bytes:
 def seal(batch: bytes | bytearray, offset: int) -> bytes:
     """`batch` followed by the check record covering it, for file offset `offset`."""
     return bytes(batch) + encode_check(batch, offset)
+
+
+def incarnation_record(incarnation: int) -> bytes:
+    """The INCARNATION record: which life of its queue a segment belongs to (the ms at
+    which the queue was created; a queue deleted and created again gets a new one).
+    Command 12 carries an empty data block, so seed readers skip it as they skip any
+    command with the high bit set that they do not know."""
+    return INCARNATION_STRUCT.pack(INCARNATION_BYTE, 0, incarnation)
+
+
+def segment_head(incarnation: int, compacted: Compacted | None = None) -> bytes:
+    """The bytes a writer segment starts with: magic, the empty seal, then (when there
+    is anything to say) one sealed batch of a COMPACTED marker and the INCARNATION
+    record. Incarnation 0 (queues from before incarnations, or other implementations)
+    writes no record, as flags 0 write none."""
+    head = WRITER_MAGIC + EMPTY_CHECK
+    body = b"" if compacted is None else encode_record(compacted)
+    if incarnation:
+        body += incarnation_record(incarnation)
+    return head + seal(body, len(head)) if body else head
+
+
+def head_incarnation(head: bytes | bytearray | memoryview) -> int:
+    """The incarnation a segment's first bytes name (see `segment_head`), 0 if none: a
+    first batch of only COMPACTED and INCARNATION records, checked by its check record."""
+    start = MAGIC_SIZE + CHECK_RECORD_SIZE
+    if bytes(head[MAGIC_SIZE:start]) != EMPTY_CHECK:
+        return 0
+    pos, found = start, 0
+    while pos < len(head):
+        cmd = head[pos]
+        if cmd == COMPACTED_BYTE:
+            pos += COMPACTED_STRUCT.size
+        elif cmd == INCARNATION_BYTE and pos + INCARNATION_STRUCT.size <= len(head):
+            _, size, found = INCARNATION_STRUCT.unpack_from(head, pos)
+            if size:
+                return 0
+            pos += INCARNATION_STRUCT.size
+        elif cmd == CHECK_BYTE and pos + CHECK_RECORD_SIZE <= len(head):
+            ok = CHECK_STRUCT.pack(CHECK_BYTE, *CHECK_STRUCT.unpack_from(head, pos)[1:]) == \
+                encode_check(bytes(head[start:pos]), start)
+            return found if ok else 0
+        else:
+            return 0
+    return 0
+
+
+#: Bytes enough to hold any `segment_head`.
+SEGMENT_HEAD_MAX: Final = (MAGIC_SIZE + CHECK_RECORD_SIZE + COMPACTED_STRUCT.size
+                           + INCARNATION_STRUCT.size + CHECK_RECORD_SIZE)
 
 
 def encode_checkpoint(

@@ -17,7 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
 from pyspark.sql.types import BinaryType, StringType, StructType
 
 from queued.client.core import (
@@ -35,7 +39,14 @@ from queued.client.core import (
 )
 from queued.client.tls import tls_files_context
 from queued.core import journal_format as jf
-from queued.spark.options import QueuedDataSourceError, bool_option, float_option, int_option
+from queued.spark.options import (
+    WRITE_OPTIONS,
+    Options,
+    QueuedDataSourceError,
+    bool_option,
+    float_option,
+    int_option,
+)
 
 if TYPE_CHECKING:  # imported by the task itself: planning does not need the client
     from queued.client import Client
@@ -110,7 +121,9 @@ class QueuedWriter(DataSourceArrowWriter):
     retried task puts its rows again)."""
 
     def __init__(self, options: Any, schema: StructType) -> None:
-        self.servers = options.get("server") or options.get("servers")
+        if not isinstance(options, Options):
+            options = Options(options, WRITE_OPTIONS, "df.write")
+        self.servers = options.get("server")
         if not self.servers:
             raise QueuedDataSourceError(
                 'the queued sink needs .option("server", "host:2229") (a comma list for several)')
@@ -203,6 +216,30 @@ class QueuedWriter(DataSourceArrowWriter):
         if skipped:
             log.warning("queued sink: %d rows with a null data were skipped (skip_null_data)",
                         skipped)
+
+
+class QueuedStreamWriter(DataSourceStreamArrowWriter):
+    """`df.writeStream.format("queued")`: each micro-batch's partitions are put as the batch
+    writer puts them (same options). Delivery is at-least-once: a micro-batch that did not
+    finish (a killed query, a failed task) is run again whole after a restart, and puts
+    again the rows its first run had put. A micro-batch Spark committed is not run again."""
+
+    def __init__(self, options: Any, schema: StructType) -> None:
+        self.sink = QueuedWriter(options, schema)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
+        return self.sink.write(iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        done = [m for m in messages if isinstance(m, WriteCommit)]
+        log.info("queued sink: micro-batch %d: %d rows put in %d puts by %d tasks", batchId,
+                 sum(m.rows for m in done), sum(m.puts for m in done), len(done))
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        done = [m for m in messages if isinstance(m, WriteCommit)]
+        log.warning("queued sink: micro-batch %d failed after %d rows were put; a restart "
+                    "puts the whole micro-batch again (at-least-once)", batchId,
+                    sum(m.rows for m in done))
 
 
 class _PartitionWrite:

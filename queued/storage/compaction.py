@@ -142,8 +142,8 @@ def _rewrite_run(
     snapshot = [(cp.head, frozenset(cp.done)) for cp in readers.values()]
     last = run[-1]
     out = SegmentInfo(last.number, last.path, size=0, compacted_from=run[0].number)
-    marker = jf.encode_record(jf.Compacted(run[0].number, last.number))
-    head = jf.WRITER_MAGIC + jf.EMPTY_CHECK + jf.seal(marker, jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE)
+    out.incarnation = last.incarnation
+    head = jf.segment_head(last.incarnation, jf.Compacted(run[0].number, last.number))
     fd = fileio.open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         fileio.write_all(fd, head)

@@ -257,6 +257,11 @@ class DataDir:
     ) -> QueueJournal:
         last_number = max((s.number for s in segments), default=0)
         file = self._writer.segment_file(name, config.fsync, last_number)
+        # A queue with no segment starts a new life (deleted and created again, Spark's
+        # streams must tell); one with segments keeps the newest incarnation they name (a
+        # header recovery rewrote names none).
+        file.incarnation = next((s.incarnation for s in reversed(segments) if s.incarnation),
+                                0) if segments else max(int(time.time() * 1000), 1)
         return QueueJournal(self, name, config, segments, readers, last_id, file)
 
     async def delete_queue(self, name: str) -> None:

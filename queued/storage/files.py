@@ -44,6 +44,8 @@ class SegmentInfo:
     #: PUT records led by a DELAY record, as recovery counted them (startup looks for
     #: delayed items only where > 0; appends made since start are not counted)
     delayed: int = 0
+    #: the queue's life this segment belongs to (its head's INCARNATION record; 0 = none)
+    incarnation: int = 0
 
     def note_batch(
         self, offset: int, end: int, count: int, first_id: int, last_id: int,

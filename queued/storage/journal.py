@@ -239,7 +239,7 @@ class QueueJournal:
             ):
                 chunk = Planned(rotate=True)
                 self._pending.append(chunk)
-                self._proj_size = jf.MAGIC_SIZE + 2 * jf.CHECK_RECORD_SIZE
+                self._proj_size = len(jf.segment_head(self.file.incarnation)) + jf.CHECK_RECORD_SIZE
                 self._proj_count = 0
             elif chunk is None or chunk.nbytes + size > MAX_BATCH_BYTES:
                 if chunk is not None:  # a split batch gets a check record of its own
@@ -430,7 +430,8 @@ class QueueJournal:
         for w in result.written:
             if w.created:  # the writer only ever appends to the newest segment
                 path = self.host.path / jf.segment_name(self.name, w.number)
-                self.segments.append(SegmentInfo(w.number, path, size=w.offset, inode=w.inode))
+                self.segments.append(SegmentInfo(w.number, path, size=w.offset, inode=w.inode,
+                                                 incarnation=self.file.incarnation))
             self.segments[-1].note_batch(w.offset, w.end, w.count, w.first_id, w.last_id)
             self._batches += 1
         # One append's chunks are always taken in the same round, so every ticket

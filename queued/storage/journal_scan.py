@@ -194,7 +194,8 @@ def first_id(path: str | os.PathLike[str]) -> int | None:
         cmd = head[pos]
         if cmd in (jf.PUT_BYTE, jf.PUT_EXPIRE_BYTE):
             return int(_ID.unpack_from(head, pos + jf.PUT_ID_AT)[0])
-        if cmd not in (jf.CHECK_BYTE, jf.COMPACTED_BYTE, jf.READ_HEAD_BYTE, jf.FLAGS_BYTE):
+        if cmd not in (jf.CHECK_BYTE, jf.COMPACTED_BYTE, jf.READ_HEAD_BYTE, jf.FLAGS_BYTE,
+                       jf.INCARNATION_BYTE):
             return None  # a zero byte, READ_DONE data, or not a record: no guess
         pos += jf.record_length(head, pos)
     return None
@@ -246,6 +247,7 @@ class SegmentSummary:
     last_id: int = 0
     data_bytes: int = 0
     compacted: bool = False  # a compaction output: holds only the stragglers of its range
+    incarnation: int = 0  # the queue's life it belongs to (its INCARNATION record; 0 = none)
     #: (first_id, last_id, count) of each batch with items, ascending
     batches: list[tuple[int, int, int]] = field(default_factory=list)
 
@@ -255,9 +257,11 @@ def summarize_segment(path: str | os.PathLike[str], *,
     """Count a segment's items without building them (the decoder's batch fast path)."""
     out = SegmentSummary()
     with open(path, "rb") as f:
-        head = f.read(jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE + 1)
-        out.compacted = head[jf.MAGIC_SIZE:-1] == jf.EMPTY_CHECK and head[-1:] == bytes(
+        head = f.read(jf.SEGMENT_HEAD_MAX)
+        at = jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE
+        out.compacted = head[jf.MAGIC_SIZE:at] == jf.EMPTY_CHECK and head[at:at + 1] == bytes(
             [jf.COMPACTED_BYTE])
+        out.incarnation = jf.head_incarnation(head)
         f.seek(0)
         if head[jf.MAGIC_SIZE:jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE] != jf.EMPTY_CHECK:
             for chunk in scan_segment(path, chunk_size=chunk_size):  # another implementation's

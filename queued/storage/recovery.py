@@ -126,9 +126,12 @@ def _inspect(f: _Prefix, number: int, path: Path, inode: int) -> Inspection:
     head = f.read(64)
     f.seek(0)
     info.sealed = head[4:13] == jf.EMPTY_CHECK
+    info.incarnation = jf.head_incarnation(head)
     if info.sealed and len(head) > 13 and head[13] == jf.COMPACTED_BYTE:
         try:
-            rec = jf.decode_all(head[: 13 + 17 + jf.CHECK_RECORD_SIZE])[1].record
+            end = 13 + 17 + (jf.INCARNATION_STRUCT.size if head[30:31] == bytes(
+                [jf.INCARNATION_BYTE]) else 0)  # the marker's batch may name the incarnation
+            rec = jf.decode_all(head[: end + jf.CHECK_RECORD_SIZE])[1].record
         except CorruptRecordError:
             rec = None  # the scan below reports the damage
         if isinstance(rec, jf.Compacted):

@@ -220,6 +220,8 @@ class SegmentFile(SyncedFile):
         super().__init__(directory, queue, fsync, observe_fsync)
         self._number = 0
         self._last_number = last_number
+        #: the queue's incarnation, named in the head of every segment it opens (0: none)
+        self.incarnation = 0
 
     def write(self, chunks: Sequence[Chunk]) -> WriteResult:
         """Write the chunks, then sync as the policy says. Nothing is returned as
@@ -286,7 +288,7 @@ class SegmentFile(SyncedFile):
         fd = fileio.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         self._fd, self._number, self._size = fd, number, 0
         self._last_number = number
-        return jf.WRITER_MAGIC + jf.EMPTY_CHECK
+        return jf.segment_head(self.incarnation)
 
     def _write_failed(self, exc: OSError, created: bool) -> BaseException:
         """Trim a partial write so the file ends on a batch again, or give up writing."""
