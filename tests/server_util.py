@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -298,3 +298,15 @@ def send_lines(port: int, data: bytes, *, until: bytes, timeout: float = WAIT) -
                 break
             out += chunk
         return out
+
+
+def killed_at_end(tmp_path: Path, config_text: str) -> Iterator[ServerProcess]:
+    """For a fixture: a ServerProcess (not yet started) with `config_text` as its config
+    file, always SIGKILLed by PID at the end."""
+    config = tmp_path / "queued.toml"
+    config.write_text(config_text)
+    proc = ServerProcess(tmp_path / "data", tmp_path / "server.log", config)
+    try:
+        yield proc
+    finally:
+        proc.kill()

@@ -16,7 +16,17 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from server_util import HOST, WAIT, Conn, ServerProcess, make_config, pymc, running, send_lines
+from server_util import (
+    HOST,
+    WAIT,
+    Conn,
+    ServerProcess,
+    killed_at_end,
+    make_config,
+    pymc,
+    running,
+    send_lines,
+)
 
 from queued.client import Client
 from queued.storage import fileio
@@ -39,13 +49,7 @@ error_queue = "dead"
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[ServerProcess]:
     """A ServerProcess (not yet started) that is always SIGKILLed by PID at the end."""
-    config = tmp_path / "queued.toml"
-    config.write_text(CONFIG)
-    proc = ServerProcess(tmp_path / "data", tmp_path / "server.log", config)
-    try:
-        yield proc
-    finally:
-        proc.kill()
+    yield from killed_at_end(tmp_path, CONFIG)
 
 
 def put_all(server: ServerProcess, queue: str, values: list[bytes]) -> None:

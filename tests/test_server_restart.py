@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from pymemcache.client.base import Client as MemcacheClient
-from server_util import ServerProcess, data_files, pymc, send_lines
+from server_util import ServerProcess, data_files, killed_at_end, pymc, send_lines
 
 pytestmark = pytest.mark.slow
 
@@ -39,13 +39,7 @@ max_memory_size = "1KiB"  # the restarted backlog is mostly read back from disk
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[ServerProcess]:
     """A ServerProcess (not yet started) that is always SIGKILLed by PID at the end."""
-    config = tmp_path / "queued.toml"
-    config.write_text(CONFIG)
-    proc = ServerProcess(tmp_path / "data", tmp_path / "server.log", config)
-    try:
-        yield proc
-    finally:
-        proc.kill()
+    yield from killed_at_end(tmp_path, CONFIG)
 
 
 def wait_past_checkpoints() -> None:

@@ -183,6 +183,22 @@ class SyncedFile:
                 fileio.close(self._fd)
                 self._fd = None
 
+    def _trimmed(self, exc: OSError, trim: Callable[[], None]) -> BaseException:
+        """After a failed write: `trim` takes the partial batch off (the file ends on a
+        batch again); a full disk is then refused but not fatal, anything else (or a
+        failed trim) makes the file refuse writes."""
+        try:
+            trim()
+        except OSError as trim_exc:
+            return self.set_failed(
+                f"write failed ({exc}) and the partial batch could not be trimmed ({trim_exc})"
+            )
+        if exc.errno in RECOVERABLE_WRITE_ERRNOS:
+            return JournalWriteError(
+                f"{self.describe()}: write refused, nothing stored: {os.strerror(exc.errno)}"
+            )
+        return self.set_failed(f"write failed: {exc}")
+
     def _sync_by_policy(self) -> None:
         if self.fsync.mode is FsyncMode.ALWAYS:
             self._fsync()
@@ -293,8 +309,9 @@ class SegmentFile(SyncedFile):
     def _write_failed(self, exc: OSError, created: bool) -> BaseException:
         """Trim a partial write so the file ends on a batch again, or give up writing."""
         self.write_errors += 1
-        fd = self._fd
-        try:
+
+        def trim() -> None:
+            fd = self._fd
             if fd is not None:
                 if created:
                     fileio.close(fd)
@@ -302,15 +319,8 @@ class SegmentFile(SyncedFile):
                     fileio.unlink(self.directory / jf.segment_name(self.queue, self._number))
                 else:
                     fileio.ftruncate(fd, self._size)
-        except OSError as trim_exc:
-            return self.set_failed(
-                f"write failed ({exc}) and the partial batch could not be trimmed ({trim_exc})"
-            )
-        if exc.errno in RECOVERABLE_WRITE_ERRNOS:
-            return JournalWriteError(
-                f"queue {self.queue!r}: write refused, nothing stored: {os.strerror(exc.errno)}"
-            )
-        return self.set_failed(f"write failed: {exc}")
+
+        return self._trimmed(exc, trim)
 
 
 @dataclass(eq=False, slots=True)
@@ -454,18 +464,11 @@ class ReaderFile(SyncedFile):
             error = JournalWriteError(f"{self.describe()}: {what} {self.path.name} failed: {exc}")
             error.__cause__ = exc  # (callers name the OS error alone: see write_checkpoints)
             return error
-        try:
+        def trim() -> None:
             if self._fd is not None:
                 fileio.ftruncate(self._fd, self._size)
-        except OSError as trim_exc:
-            return self.set_failed(
-                f"write failed ({exc}) and the partial batch could not be trimmed ({trim_exc})"
-            )
-        if exc.errno in RECOVERABLE_WRITE_ERRNOS:
-            return JournalWriteError(
-                f"{self.describe()}: write refused, nothing stored: {os.strerror(exc.errno)}"
-            )
-        return self.set_failed(f"write failed: {exc}")
+
+        return self._trimmed(exc, trim)
 
 
 def run_round(
