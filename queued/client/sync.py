@@ -38,7 +38,16 @@ from queued.client.core import (
     settle_groups,
     to_items,
 )
-from queued.client.io_sync import Connection, Lock, Network, call_gate, checkpoint, now, shielded
+from queued.client.io_sync import (
+    Connection,
+    Lock,
+    Network,
+    call_gate,
+    checkpoint,
+    now,
+    resolve,
+    shielded,
+)
 from queued.client.tls import TlsOption, login, tls_context
 from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 
@@ -60,15 +69,30 @@ class Client:
     client runs one call at a time: threads may share one, but use one per thread for
     concurrency (a long-polling get holds the others up).
 
-    Several servers (no cluster: the client chooses): each put goes to the next server in
-    round robin; a get asks each server with timeout 0 starting at its own rotating
-    cursor, then long-polls one in turn for at most `poll_slice` seconds until its timeout
-    runs out. A server whose connection fails (refused, reset, timed out) or that answers
-    SHUTTING_DOWN or BUSY is skipped for `backoff` seconds, doubling per failure up to
-    `max_backoff`, and the call is retried on the next server; when every server fails,
-    the call raises (ConnectionFailed, or the one server's own error). A call on a reused
-    connection that turns out broken is first re-sent once on a fresh connection, so
-    delivery is at-least-once: such a put may be stored twice.
+    Several servers (no cluster: the client chooses): each client takes its servers in its
+    own random order, so many short-lived clients spread their puts as one long-lived
+    client does; each put goes to the next server in that round robin; a get asks each
+    server with timeout 0 starting at its own rotating cursor, then long-polls one in
+    turn for at most `poll_slice` seconds until its timeout runs out. A server whose
+    connection fails (refused, reset, timed out) or that answers SHUTTING_DOWN or BUSY is
+    skipped for `backoff` seconds, doubling per failure up to `max_backoff`, and the call
+    goes on to the next server (failover; the caller sees nothing); when every server
+    fails, the call raises (ConnectionFailed, or the one server's own error). A put that
+    a server acknowledged is never sent again; one whose reply never came (the
+    connection broke, or read_timeout passed, after it was sent) is ambiguous: it is
+    re-sent once on a fresh connection if the broken one was reused, then to the next
+    server, so delivery is at-least-once: such a put may be stored twice. Open reads
+    stay with the connection that got them: confirm and abort go there.
+
+    Discovery: a server `dns://NAME:PORT` stands for every address NAME resolves to (A
+    and AAAA: a Kubernetes headless Service), `dns+srv://_service._proto.NAME` for its SRV
+    records; `?refresh=SECONDS` (default 30) and `?nameserver=HOST:PORT` (default: the
+    system's resolver). Names are resolved on first use, again every refresh seconds
+    and soon after a connection to one of their servers fails; servers that appear join
+    the rotation, servers that disappear leave it, their connection closed once its open
+    reads can no longer be pending (their auto-abort time has passed). A name that fails
+    to resolve keeps the servers it gave last. Over TLS, a discovered server's
+    certificate must carry the name (the SRV target's name for dns+srv).
     peek/flush/delete/flush_all/stats ask every server and raise if any fails.
     max_frame and max_batch cap what the client accepts from a server (a get's reply,
     a stats map); keep them at least the servers' rpc_max_frame and rpc_max_batch.
@@ -94,7 +118,6 @@ class Client:
         check_timeouts(connect_timeout, read_timeout, poll_slice)
         self._login = login(user, password)
         self._pool = Pool(servers, backoff, max_backoff)
-        self.servers: tuple[str, ...] = tuple(s.address for s in self._pool.servers)
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.poll_slice = poll_slice
@@ -105,9 +128,20 @@ class Client:
         # Held by each public call: the blocking client's serializes threads, the trio
         # client's is always open (its calls are pipelined).
         self._gate = call_gate()
-        self._connect_locks = {s.address: Lock() for s in self._pool.servers}
+        self._connect_locks: dict[str, Lock] = {}
+        self._resolving = Lock()
+        # Servers DNS no longer gives, by address: when their connection may close (the
+        # latest auto-abort time of the open reads it got).
+        self._leaving: dict[str, float] = {}
+        self._reads_until: dict[str, float] = {}
         self._closed = False
         self._calls = self._connects = self._retries = self._unconfirmed = 0
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The servers now, "host:port" each, in this client's (random) order; dns://
+        names add theirs once resolved (on the first call)."""
+        return tuple(s.address for s in self._pool.servers)
 
     # -- lifetime
 
@@ -148,7 +182,7 @@ class Client:
         """The server's connection and whether it is fresh (opened now)."""
         if self._closed:
             raise ClientClosed("the client is closed")
-        with self._connect_locks[server.address]:
+        with self._connect_locks.setdefault(server.address, Lock()):
             conn = self._conns.get(server.address)
             if conn is not None and not conn.closed:
                 return conn, False
@@ -191,6 +225,39 @@ class Client:
         self._calls += 1
         return conn.serial, conn.call(method, params, wait)
 
+    def _order(self, kind: str) -> list[ServerState]:
+        """The servers to try for a call of `kind` ("put" or "get"), names resolved first."""
+        if self._pool.names:
+            self._discover()
+        return self._pool.order(kind, now())
+
+    def _discover(self) -> None:
+        """Resolve the DNS names that are due; one task does it while the others go on
+        with the servers they have (or wait, when there are none yet)."""
+        if self._pool.due(now()) and not (self._resolving.locked() and self._pool.servers):
+            with self._resolving:
+                for name in self._pool.due(now()):
+                    try:
+                        found = resolve(name, self.connect_timeout)
+                    except ConnectionFailed as exc:
+                        self._pool.resolve_failed(name, str(exc), now())
+                        continue
+                    names = {f"[{h}]:{p}" if ":" in h else f"{h}:{p}": n for h, p, n in found}
+                    for address in self._pool.resolved(name, [(h, p) for h, p, _ in found],
+                                                       now(), names):
+                        self._leaving[address] = self._reads_until.get(address, 0.0)
+        for address, until in list(self._leaving.items()):
+            conn = self._conns.get(address)
+            if address in self._pool.by_address:  # it came back
+                del self._leaving[address]
+            elif conn is None or conn.closed or (until <= now() and not conn.busy):
+                if conn is not None:
+                    conn.close(ClientClosed(f"{address} left its DNS name"))
+                    del self._conns[address]
+                del self._leaving[address]
+                self._connect_locks.pop(address, None)
+                self._reads_until.pop(address, None)
+
     def _failover(self, order: list[ServerState], method: str, params: list[Any],
                   wait: float) -> tuple[ServerState, int, Any]:
         errors: list[ClientError] = []
@@ -211,7 +278,9 @@ class Client:
         answers: list[tuple[str, Any]] = []
         errors: list[ClientError] = []
         with self._gate:
-            for server in self._pool.servers:
+            if self._pool.names:
+                self._discover()
+            for server in list(self._pool.servers):
                 try:
                     _, result = self._on(server, method, params, self.read_timeout)
                 except FAILOVER as exc:
@@ -234,7 +303,7 @@ class Client:
         """
         with self._gate:
             order = ([lookup(self._pool, server)] if server is not None
-                     else self._pool.order("put", now()))
+                     else self._order("put"))
             _, _, result = self._failover(order, method, list(params), self.read_timeout)
         return result
 
@@ -255,7 +324,7 @@ class Client:
         if delay_ms:  # (servers before delays take four)
             params.append(delay_ms)
         with self._gate:
-            order = self._pool.order("put", now())
+            order = self._order("put")
             _, _, result = self._failover(order, "put", params, self.read_timeout)
         return int_result(result, "put")
 
@@ -271,7 +340,7 @@ class Client:
         check_get(max_items, timeout_ms, auto_abort_ms)
         with self._gate:
             deadline = now() + timeout_ms / 1000
-            order = self._pool.order("get", now())
+            order = self._order("get")
             if len(order) == 1:
                 return self._get_from(order, queue, max_items, timeout_ms,
                                       auto_abort_ms, with_flags, first_answer=True)
@@ -282,12 +351,12 @@ class Client:
                 if items or left_ms <= 0:
                     return items
                 wait_ms = min(left_ms, int(self.poll_slice * 1000))
-                order = self._pool.order("get", now())  # skips any just failed
+                order = self._order("get")  # skips any just failed
                 items = self._get_from(order, queue, max_items, wait_ms, auto_abort_ms,
                                        with_flags, first_answer=True)
                 if items:
                     return items
-                order = self._pool.order("get", now())
+                order = self._order("get")
 
     def _get_from(self, order: list[ServerState], queue: str, max_items: int,
                   timeout_ms: int, auto_abort_ms: int, with_flags: bool, *,
@@ -307,6 +376,9 @@ class Client:
                 continue
             self._pool.ok(server)
             items = to_items(result, queue, server.address, serial if auto_abort_ms else 0)
+            if items and auto_abort_ms:
+                self._reads_until[server.address] = max(
+                    self._reads_until.get(server.address, 0.0), now() + auto_abort_ms / 1000)
             if items or first_answer:
                 return items
         if len(errors) == len(order):
