@@ -302,3 +302,27 @@ async def test_cli_takes_a_dns_name(tmp_path: Path) -> None:
                                         "q", "a"], capture_output=True, timeout=WAIT,
                                        check=False))
             assert bad.returncode == 2 and b"unknown option 'bogus'" in bad.stderr
+
+
+# -- Spark's writer -------------------------------------------------------------------------------
+
+
+async def test_spark_writer_takes_a_dns_name(tmp_path: Path) -> None:
+    """The sink's `server` option takes a dns:// name: a partition's write() (called
+    directly, as a Spark task does) spreads its puts over every server of the name."""
+    pa = pytest.importorskip("pyarrow")
+    types = pytest.importorskip("pyspark.sql.types")
+    from queued.spark.writer import QueuedWriter
+
+    with fake_dns() as dns_server:
+        async with fleet(tmp_path) as servers:
+            port = int(servers[0].rsplit(":", 1)[1])
+            dns_server.a = {NAME: list(FLEET_HOSTS)}
+            url = f"dns://{NAME}:{port}?nameserver={dns_server.nameserver}"
+            schema = types.StructType([types.StructField("data", types.BinaryType())])
+            writer = QueuedWriter({"server": url, "queue": "spark", "batch_size": "10"},
+                                  schema)
+            batch = pa.RecordBatch.from_pydict({"data": [b"%d" % i for i in range(60)]})
+            commit = await trio.to_thread.run_sync(writer.write, iter([batch]))
+            assert (commit.rows, commit.puts) == (60, 6)
+            assert await counts(servers, "spark") == [20, 20, 20]

@@ -126,7 +126,8 @@ class QueuedWriter(DataSourceArrowWriter):
         self.servers = options.get("server")
         if not self.servers:
             raise QueuedDataSourceError(
-                'the queued sink needs .option("server", "host:2229") (a comma list for several)')
+                'the queued sink needs .option("server", "host:2229") (a comma list for several, '
+                'or dns://NAME:2229 for every address of a DNS name)')
         try:
             parse_servers(self.servers)
         except ValueError as exc:
