@@ -8,7 +8,7 @@ the CLI runs as subprocesses. The SIGKILL-under-load test is test_fleet_nemesis.
 from __future__ import annotations
 
 import random
-import socket
+import ssl
 import subprocess
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -63,7 +63,7 @@ def test_pool_follows_its_dns_names() -> None:
                 rng=random.Random(1))
     (name,) = pool.names
     assert [s.address for s in pool.servers] == ["fixed:2"] and pool.due(0.0) == [name]
-    assert pool.resolved(name, [("10.0.0.1", 1), ("10.0.0.2", 1)], 0.0) == []
+    assert pool.resolved(name, [("10.0.0.1", 1, "n"), ("10.0.0.2", 1, "n")], 0.0) == []
     assert {s.address for s in pool.servers} == {"fixed:2", "10.0.0.1:1", "10.0.0.2:1"}
     assert pool.by_address["10.0.0.1:1"].tls_name == "n"
     assert pool.due(9.9) == [] and pool.due(10.0) == [name]
@@ -72,7 +72,7 @@ def test_pool_follows_its_dns_names() -> None:
     pool.failed(pool.by_address["10.0.0.2:1"], 0.5)
     assert pool.due(0.9) == [] and pool.due(1.0) == [name]
     pool.failed(pool.by_address["fixed:2"], 0.5)  # a fixed one changes nothing
-    gone = pool.resolved(name, [("10.0.0.2", 1), ("::1", 1)], 2.0)
+    gone = pool.resolved(name, [("10.0.0.2", 1, "n"), ("::1", 1, "n")], 2.0)
     assert gone == ["10.0.0.1:1"]
     assert {s.address for s in pool.servers} == {"fixed:2", "10.0.0.2:1", "[::1]:1"}
     # A failed look-up keeps what the name gave, and is tried again after a back-off.
@@ -219,13 +219,34 @@ async def test_the_system_resolver_by_default(tmp_path: Path) -> None:
             assert await counts(servers, "sys") == [4]
 
 
+async def test_tls_checks_the_dns_name_not_the_address(tmp_path: Path) -> None:
+    """A discovered server's certificate is checked against the name the client
+    resolved: one issued for the name (no IP entry) passes, the bare address fails."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    leaf = ca.issue_cert(NAME)
+    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
+    leaf.private_key_pem.write_to_path(str(key))
+    cert.write_bytes(b"".join(pem.bytes() for pem in leaf.cert_chain_pems))
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    with fake_dns() as dns_server:
+        host = FLEET_HOSTS[0]
+        (tmp_path / host).mkdir()
+        config = make_config(tmp_path / host / "data", host=host, tls_cert=str(cert),
+                             tls_key=str(key))
+        async with running(config) as server:
+            port = server.ports["rpc"]
+            dns_server.a = {NAME: [host]}
+            url = f"dns://{NAME}:{port}?nameserver={dns_server.nameserver}"
+            async with AsyncClient(url, tls=ctx) as client:
+                assert await client.put("tls", b"x") == 1
+            async with AsyncClient(f"{host}:{port}", tls=ctx) as by_address:
+                with pytest.raises(ConnectionFailed, match="certificate"):
+                    await by_address.put("tls", b"x")
+
+
 # -- failover -----------------------------------------------------------------------------------
-
-
-def _refusing_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 async def test_failover_puts_never_fail_and_never_double(tmp_path: Path) -> None:

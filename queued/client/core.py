@@ -424,21 +424,21 @@ class Pool:
         """The DNS names to resolve now."""
         return [d for d in self.names if self._due[d.spec] <= now]
 
-    def resolved(self, name: Discovery, found: Iterable[tuple[str, int]], now: float,
-                 tls_name: Mapping[str, str] | None = None) -> list[str]:
-        """What resolving `name` gave, (host, port) each; returns the addresses that left
-        the rotation (the client closes their connections once idle)."""
+    def resolved(self, name: Discovery, found: Iterable[tuple[str, int, str]],
+                 now: float) -> list[str]:
+        """What resolving `name` gave, (host, port, name its certificate must carry) each;
+        returns the addresses that left the rotation (the client closes their connections
+        once idle)."""
         self._resolved_at[name.spec] = now
         self._due[name.spec] = now + name.refresh
         self._why.pop(name.spec, None)
-        addresses: dict[str, tuple[str, int]] = {}
-        for host, port in found:
-            addresses.setdefault(_address(host, port), (host, port))
+        addresses: dict[str, tuple[str, int, str]] = {}
+        for host, port, tls_name in found:
+            addresses.setdefault(_address(host, port), (host, port, tls_name))
         self._found[name.spec] = frozenset(addresses)
-        for address, (host, port) in addresses.items():
+        for address, (host, port, tls_name) in addresses.items():
             if address not in self.by_address:
-                state = ServerState(address, host, port,
-                                    tls_name=(tls_name or {}).get(address, name.name))
+                state = ServerState(address, host, port, tls_name=tls_name)
                 self.servers.insert(self._rng.randrange(len(self.servers) + 1), state)
                 self.by_address[address] = state
         wanted = self.fixed.union(*self._found.values())

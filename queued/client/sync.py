@@ -242,9 +242,7 @@ class Client:
                     except ConnectionFailed as exc:
                         self._pool.resolve_failed(name, str(exc), now())
                         continue
-                    names = {f"[{h}]:{p}" if ":" in h else f"{h}:{p}": n for h, p, n in found}
-                    for address in self._pool.resolved(name, [(h, p) for h, p, _ in found],
-                                                       now(), names):
+                    for address in self._pool.resolved(name, found, now()):
                         self._leaving[address] = self._reads_until.get(address, 0.0)
         for address, until in list(self._leaving.items()):
             conn = self._conns.get(address)
