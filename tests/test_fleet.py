@@ -190,6 +190,8 @@ async def test_a_name_that_cannot_be_resolved(tmp_path: Path) -> None:
                                    max_backoff=0.2) as client:
                 with pytest.raises(ConnectionFailed, match="resolved to no address"):
                     await client.put("q", b"x")  # NXDOMAIN: no servers
+                with pytest.raises(ConnectionFailed, match="resolved to no address"):
+                    await client.stats()  # (asks every server: there is none)
                 dns_server.silent = True
                 await trio.sleep(0.15)
                 with pytest.raises(ConnectionFailed, match="cannot resolve"):

@@ -280,7 +280,7 @@ class AsyncClient:
         with self._gate:
             if self._pool.names:
                 await self._discover()
-            for server in list(self._pool.servers):
+            for server in list(self._pool.require()):
                 try:
                     _, result = await self._on(server, method, params, self.read_timeout)
                 except FAILOVER as exc:

@@ -389,11 +389,7 @@ class Pool:
         asking anyone helps no one, and a single server is then simply always tried.
         With no server at all (DNS names that gave none) it raises ConnectionFailed.
         """
-        n = len(self.servers)
-        if not n:
-            why = "; ".join(self._why.get(d.spec, f"{d.spec} resolved to no address")
-                            for d in self.names)
-            raise ConnectionFailed(f"no server: {why}")
+        n = len(self.require())
         start = self._next[kind] % n
         self._next[kind] = (start + 1) % n
         rotated = self.servers[start:] + self.servers[:start]
@@ -404,6 +400,15 @@ class Pool:
             if s.down_until > now:
                 s.skips += 1
         return up
+
+    def require(self) -> list[ServerState]:
+        """The servers; ConnectionFailed saying why when there are none (DNS names that
+        gave no address, or could not be resolved)."""
+        if not self.servers:
+            why = "; ".join(self._why.get(d.spec, f"{d.spec} resolved to no address")
+                            for d in self.names)
+            raise ConnectionFailed(f"no server: {why}")
+        return self.servers
 
     def failed(self, server: ServerState, now: float) -> None:
         server.failures += 1

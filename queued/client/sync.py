@@ -278,7 +278,7 @@ class Client:
         with self._gate:
             if self._pool.names:
                 self._discover()
-            for server in list(self._pool.servers):
+            for server in list(self._pool.require()):
                 try:
                     _, result = self._on(server, method, params, self.read_timeout)
                 except FAILOVER as exc:
