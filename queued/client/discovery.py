@@ -9,14 +9,12 @@ worker thread. A/AAAA with no nameserver given go through getaddrinfo (which hon
 from __future__ import annotations
 
 import socket
-from typing import Any
-
-import dns.exception
-import dns.nameserver
-import dns.rdatatype
-import dns.resolver
+from typing import TYPE_CHECKING, Any
 
 from queued.client.core import ConnectionFailed, Discovery
+
+if TYPE_CHECKING:  # imported when used: plain dns:// (and every CLI run) needs none of it
+    import dns.resolver
 
 #: Each answer's (host, port, name a TLS certificate must carry).
 Found = list[tuple[str, int, str]]
@@ -29,15 +27,11 @@ def resolve(name: Discovery, timeout: float) -> Found:
     server failure): the caller keeps the addresses it had.
     """
     try:
-        if name.srv:
-            return _srv(name, timeout)
-        if not name.nameservers:
-            return _getaddrinfo(name.name, name.port)
-        return [(host, name.port, name.name) for host in _a_aaaa(_resolver(name, timeout),
-                                                                  name.name)]
-    except (dns.exception.DNSException, OSError) as exc:
-        raise ConnectionFailed(f"{name.spec}: cannot resolve: {exc or type(exc).__name__}",
-                               name.spec) from exc
+        if name.srv or name.nameservers:
+            return _with_dnspython(name, timeout)
+        return _getaddrinfo(name.name, name.port)
+    except OSError as exc:
+        raise ConnectionFailed(f"{name.spec}: cannot resolve: {exc}", name.spec) from exc
 
 
 def _getaddrinfo(host: str, port: int) -> Found:
@@ -54,17 +48,38 @@ def _getaddrinfo(host: str, port: int) -> Found:
     return [(address, port, host) for address in found]
 
 
-def _resolver(name: Discovery, timeout: float) -> dns.resolver.Resolver:
+def _with_dnspython(name: Discovery, timeout: float) -> Found:
+    import dns.exception
+    import dns.nameserver
+    import dns.rdatatype
+    import dns.resolver
+
     resolver = dns.resolver.Resolver(configure=not name.nameservers)
     if name.nameservers:
         resolver.nameservers = [dns.nameserver.Do53Nameserver(host, port)
                                 for host, port in name.nameservers]
     resolver.lifetime = timeout
     resolver.cache = None
-    return resolver
+    try:
+        if not name.srv:
+            return [(host, name.port, name.name) for host in _a_aaaa(resolver, name.name)]
+        found: Found = []
+        for record in _records(resolver, name.name, dns.rdatatype.SRV):
+            target = str(record.target).rstrip(".")
+            if not target:  # "." : the service is decidedly not available
+                continue
+            hosts = (_a_aaaa(resolver, target) if name.nameservers
+                     else [h for h, _, _ in _getaddrinfo(target, record.port)])
+            found.extend((host, int(record.port), target) for host in hosts)
+        return found
+    except dns.exception.DNSException as exc:
+        raise ConnectionFailed(f"{name.spec}: cannot resolve: {exc or type(exc).__name__}",
+                               name.spec) from exc
 
 
 def _a_aaaa(resolver: dns.resolver.Resolver, host: str) -> list[str]:
+    import dns.rdatatype
+
     found: list[str] = []
     for rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
         found.extend(str(r.address) for r in _records(resolver, host, rdtype))
@@ -72,20 +87,9 @@ def _a_aaaa(resolver: dns.resolver.Resolver, host: str) -> list[str]:
 
 
 def _records(resolver: dns.resolver.Resolver, qname: str, rdtype: Any) -> list[Any]:
+    import dns.resolver
+
     try:
         return list(resolver.resolve(qname, rdtype, search=False, raise_on_no_answer=False))
     except dns.resolver.NXDOMAIN:
         return []
-
-
-def _srv(name: Discovery, timeout: float) -> Found:
-    resolver = _resolver(name, timeout)
-    found: Found = []
-    for record in _records(resolver, name.name, dns.rdatatype.SRV):
-        target = str(record.target).rstrip(".")
-        if not target:  # "." : the service is decidedly not available
-            continue
-        hosts = (_a_aaaa(resolver, target) if name.nameservers
-                 else [h for h, _, _ in _getaddrinfo(target, record.port)])
-        found.extend((host, int(record.port), target) for host in hosts)
-    return found
