@@ -98,7 +98,7 @@ async def fleet(tmp_path: Path, hosts: Sequence[str] = FLEET_HOSTS,
     port = port or common_free_port(hosts)
     async with AsyncExitStack() as stack:
         for host in hosts:
-            (tmp_path / host).mkdir()
+            (tmp_path / host).mkdir(parents=True)
             config = make_config(tmp_path / host / "data", host=host, rpc_port=port)
             await stack.enter_async_context(running(config))
         yield [f"{host}:{port}" for host in hosts]
@@ -207,6 +207,27 @@ async def test_a_name_that_cannot_be_resolved(tmp_path: Path) -> None:
                     assert await client.put("q", b"y") == 1  # the old answer holds
                 assert dns_server.queries > asked  # (it did ask)
                 assert client.servers == tuple(servers)
+
+
+async def test_a_fleet_that_moved_is_found_within_the_failing_call(tmp_path: Path) -> None:
+    """Every server the client knows fails, and the name now gives new addresses (pods
+    rescheduled): the same put re-resolves and lands there, the caller sees no error."""
+    hosts = FLEET_HOSTS
+    port = common_free_port(hosts)
+    with fake_dns() as dns_server:
+        dns_server.a = {NAME: [hosts[0]]}
+        url = f"dns://{NAME}:{port}?refresh=600&nameserver={dns_server.nameserver}"
+        async with AsyncClient(url, backoff=0.1, max_backoff=0.2) as client:
+            async with fleet(tmp_path / "old", hosts[:1], port):
+                assert await client.put("moved", b"before") == 1
+            # The old server is gone; the new ones are up and in DNS (long before the
+            # next refresh is due).
+            dns_server.a = {NAME: list(hosts[1:])}
+            async with fleet(tmp_path / "new", hosts[1:], port) as new:
+                await trio.sleep(0.15)  # one back-off after the last look-up
+                assert await client.put("moved", b"after") == 1
+                assert sum(await counts(new, "moved")) == 1
+                assert sorted(client.servers) == new
 
 
 async def test_the_system_resolver_by_default(tmp_path: Path) -> None:

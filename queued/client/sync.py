@@ -88,7 +88,8 @@ class Client:
     and AAAA: a Kubernetes headless Service), `dns+srv://_service._proto.NAME` for its SRV
     records; `?refresh=SECONDS` (default 30) and `?nameserver=HOST:PORT` (default: the
     system's resolver). Names are resolved on first use, again every refresh seconds
-    and soon after a connection to one of their servers fails; servers that appear join
+    and soon after a connection to one of their servers fails (a put whose servers all
+    failed looks again at once and tries any new ones); servers that appear join
     the rotation, servers that disappear leave it, their connection closed once its open
     reads can no longer be pending (their auto-abort time has passed). A name that fails
     to resolve keeps the servers it gave last. Over TLS, a discovered server's
@@ -300,9 +301,12 @@ class Client:
         rotation, with failover.
         """
         with self._gate:
-            order = ([lookup(self._pool, server)] if server is not None
-                     else self._order("put"))
-            _, _, result = self._failover(order, method, list(params), self.read_timeout)
+            if server is not None:
+                order = [lookup(self._pool, server)]
+                _, _, result = self._failover(order, method, list(params),
+                                              self.read_timeout)
+            else:
+                result = self._put_rotation(method, list(params))
         return result
 
     def put(self, queue: str, items: Data | Iterable[Data], expiration_ms: int = 0,
@@ -322,9 +326,25 @@ class Client:
         if delay_ms:  # (servers before delays take four)
             params.append(delay_ms)
         with self._gate:
-            order = self._order("put")
-            _, _, result = self._failover(order, "put", params, self.read_timeout)
+            result = self._put_rotation("put", params)
         return int_result(result, "put")
+
+    def _put_rotation(self, method: str, params: list[Any]) -> Any:
+        """The call on the next server of the put rotation, with failover. When every
+        server failed and a DNS name then gives servers not tried yet (the fleet moved:
+        pods rescheduled to new addresses), those are tried too."""
+        order = self._order("put")
+        try:
+            return (self._failover(order, method, params, self.read_timeout))[2]
+        except FAILOVER:
+            if not self._pool.names:
+                raise
+            tried = {s.address for s in order}
+            self._discover()
+            fresh = [s for s in self._pool.servers if s.address not in tried]
+            if not fresh:
+                raise
+        return (self._failover(fresh, method, params, self.read_timeout))[2]
 
     def get(self, queue: str, max_items: int = 1, timeout_ms: int = 0,
             auto_abort_ms: int = 0, *, with_flags: bool = False) -> list[Item]:
