@@ -47,7 +47,8 @@ from queued.client import (
     UnknownMethod,
     parse_servers,
 )
-from queued.client.core import ERRORS, Pool, call_error
+from queued.client.core import ERRORS, call_error
+from queued.client.servers import Pool
 from queued.core.rpc_protocol import (
     NEED_DATA,
     ErrorCode,

@@ -21,7 +21,7 @@ from fleet_util import FLEET_HOSTS, common_free_port, fake_dns
 from server_util import QUEUED, WAIT, make_config, running
 
 from queued.client import AsyncClient, Client, ConnectionFailed, parse_servers
-from queued.client.core import Pool
+from queued.client.servers import Pool
 
 NAME = "queued.fleet.test"
 

@@ -24,10 +24,8 @@ from queued.client.core import (
     ConnectionFailed,
     Data,
     Item,
-    Pool,
     QueueInfo,
     Servers,
-    ServerState,
     all_failed,
     check_delay,
     check_flags,
@@ -35,7 +33,6 @@ from queued.client.core import (
     check_timeouts,
     encode_items,
     int_result,
-    lookup,
     queue_info,
     settle_groups,
     to_items,
@@ -50,6 +47,7 @@ from queued.client.io_trio import (
     resolve,
     shielded,
 )
+from queued.client.servers import Pool, ServerState, lookup
 from queued.client.tls import TlsOption, login, tls_context
 from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING, Any
 
-from queued.client.core import ConnectionFailed, Discovery
+from queued.client.core import ConnectionFailed
+from queued.client.servers import Discovery
 
 if TYPE_CHECKING:  # imported when used: plain dns:// (and every CLI run) needs none of it
     import dns.resolver

@@ -19,9 +19,9 @@ from queued.client import discovery
 from queued.client.core import (
     ClientError,
     ConnectionFailed,
-    ServerState,
     call_error,
 )
+from queued.client.servers import ServerState
 from queued.client.tls import handshake_failure
 from queued.client.wire import RECV, ClientConnection, closes
 from queued.core.rpc_protocol import Response

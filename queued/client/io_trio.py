@@ -22,12 +22,11 @@ from queued.client.core import (
     ClientClosed,
     ClientError,
     ConnectionFailed,
-    Discovery,
     RpcCallError,
-    ServerState,
     Timeout,
     call_error,
 )
+from queued.client.servers import Discovery, ServerState
 from queued.client.tls import handshake_failure
 from queued.client.wire import RECV, ClientConnection, closes
 from queued.core.rpc_protocol import Response

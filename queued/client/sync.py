@@ -22,10 +22,8 @@ from queued.client.core import (
     ConnectionFailed,
     Data,
     Item,
-    Pool,
     QueueInfo,
     Servers,
-    ServerState,
     all_failed,
     check_delay,
     check_flags,
@@ -33,7 +31,6 @@ from queued.client.core import (
     check_timeouts,
     encode_items,
     int_result,
-    lookup,
     queue_info,
     settle_groups,
     to_items,
@@ -48,6 +45,7 @@ from queued.client.io_sync import (
     resolve,
     shielded,
 )
+from queued.client.servers import Pool, ServerState, lookup
 from queued.client.tls import TlsOption, login, tls_context
 from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 

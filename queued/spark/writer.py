@@ -35,8 +35,8 @@ from queued.client.core import (
     RpcCallError,
     TooLarge,
     Unauthenticated,
-    parse_servers,
 )
+from queued.client.servers import parse_servers
 from queued.client.tls import tls_files_context
 from queued.core import journal_format as jf
 from queued.spark.options import (
