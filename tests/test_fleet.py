@@ -133,13 +133,28 @@ async def test_a_dns_name_with_three_loopback_servers(tmp_path: Path) -> None:
                 assert await client.confirm(got) == len(got)  # each to its own server
 
                 await client.flush("spread")
+                await client.call("put", "spread", [b"open"], 0, server=servers[2])
+                got = await client.get("spread", 1, auto_abort_ms=30_000)  # open, on .13
+                assert [(i.data, i.server) for i in got] == [(b"open", servers[2])]
                 dns_server.a = {NAME: list(FLEET_HOSTS[:2])}  # .13 goes away
                 await trio.sleep(0.3)
                 for n in range(20):
                     await client.put("spread", b"%d" % n)
                 assert sorted(client.servers) == servers[:2]
-                assert await counts(servers, "spread") == [10, 10, 0]
                 assert servers[2] not in {s.server for s in client.statistics().servers}
+                # Its connection stays while it holds an open read, so the confirm still
+                # reaches it; then the next call closes it.
+                assert await client.confirm(got) == 1
+                await client.put("spread", b"later")
+                async with AsyncClient(servers[2]) as only_13:
+                    with trio.fail_after(WAIT):  # (the server sees the close soon after)
+                        while (await only_13.stats())[servers[2]]["server"][
+                                "curr_connections"] != 1:  # only_13's own
+                            await trio.sleep(0.01)
+                await client.flush("spread")
+                for n in range(20):
+                    await client.put("spread", b"%d" % n)
+                assert await counts(servers, "spread") == [10, 10, 0]
 
                 dns_server.a = {NAME: list(FLEET_HOSTS)}  # and comes back
                 await trio.sleep(0.3)

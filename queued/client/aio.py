@@ -91,7 +91,7 @@ class AsyncClient:
     and soon after a connection to one of their servers fails (a put whose servers all
     failed looks again at once and tries any new ones); servers that appear join
     the rotation, servers that disappear leave it, their connection closed once its open
-    reads can no longer be pending (their auto-abort time has passed). A name that fails
+    reads are settled (or their auto-abort time has passed). A name that fails
     to resolve keeps the servers it gave last. Over TLS, a discovered server's
     certificate must carry the name (the SRV target's name for dns+srv).
     peek/flush/delete/flush_all/stats ask every server and raise if any fails.
@@ -131,10 +131,11 @@ class AsyncClient:
         self._gate = call_gate()
         self._connect_locks: dict[str, Lock] = {}
         self._resolving = Lock()
-        # Servers DNS no longer gives, by address: when their connection may close (the
-        # latest auto-abort time of the open reads it got).
-        self._leaving: dict[str, float] = {}
-        self._reads_until: dict[str, float] = {}
+        # Servers DNS no longer gives, by address: their connections close once idle.
+        self._leaving: set[str] = set()
+        # Per server: open reads got and not yet settled, and when the last of them
+        # auto-aborts (a count the server changed on its own is over by then).
+        self._held: dict[str, tuple[int, float]] = {}
         self._closed = False
         self._calls = self._connects = self._retries = self._unconfirmed = 0
 
@@ -243,19 +244,23 @@ class AsyncClient:
                     except ConnectionFailed as exc:
                         self._pool.resolve_failed(name, str(exc), now())
                         continue
-                    for address in self._pool.resolved(name, found, now()):
-                        self._leaving[address] = self._reads_until.get(address, 0.0)
-        for address, until in list(self._leaving.items()):
+                    self._pool.resolved(name, found, now())
+        # Connections to servers no name gives any more (a task that chose its server
+        # before a look-up may have opened one since) close once idle.
+        self._leaving |= self._conns.keys() - self._pool.by_address.keys()
+        for address in list(self._leaving):
             conn = self._conns.get(address)
+            held, until = self._held.get(address, (0, 0.0))
             if address in self._pool.by_address:  # it came back
-                del self._leaving[address]
-            elif conn is None or conn.closed or (until <= now() and not conn.busy):
+                self._leaving.discard(address)
+            elif (conn is None or conn.closed
+                  or (not conn.busy and (held <= 0 or until <= now()))):
                 if conn is not None:
                     conn.close(ClientClosed(f"{address} left its DNS name"))
                     del self._conns[address]
-                del self._leaving[address]
+                self._leaving.discard(address)
                 self._connect_locks.pop(address, None)
-                self._reads_until.pop(address, None)
+                self._held.pop(address, None)
 
     async def _failover(self, order: list[ServerState], method: str, params: list[Any],
                         wait: float) -> tuple[ServerState, int, Any]:
@@ -395,8 +400,9 @@ class AsyncClient:
             self._pool.ok(server)
             items = to_items(result, queue, server.address, serial if auto_abort_ms else 0)
             if items and auto_abort_ms:
-                self._reads_until[server.address] = max(
-                    self._reads_until.get(server.address, 0.0), now() + auto_abort_ms / 1000)
+                held, until = self._held.get(server.address, (0, 0.0))
+                self._held[server.address] = (held + len(items),
+                                              max(until, now() + auto_abort_ms / 1000))
             if items or first_answer:
                 return items
         if len(errors) == len(order):
@@ -422,6 +428,9 @@ class AsyncClient:
         total = 0
         with self._gate:
             for (address, queue, serial), ids in settle_groups(items).items():
+                if address in self._held:
+                    held, until = self._held[address]
+                    self._held[address] = (max(0, held - len(ids)), until)
                 conn = self._conns.get(address)
                 if serial == 0 or conn is None or conn.serial != serial or conn.closed:
                     continue
