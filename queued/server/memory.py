@@ -27,6 +27,7 @@ import ctypes.util
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -42,34 +43,27 @@ MMAP_THRESHOLD = 4 << 20
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
-def _load_malloc_trim() -> Callable[[int], int] | None:
+def _libc(function: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    """The C library's `function` (int result), None where there is none (not glibc)."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None
     try:
-        fn = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc
+        fn = getattr(ctypes.CDLL(name), function)
+    except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_size_t]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
-    return fn
+    return fn  # type: ignore[no-any-return]
 
 
-_malloc_trim = _load_malloc_trim()
+_malloc_trim = _libc("malloc_trim", [ctypes.c_size_t])
+_mallopt = _libc("mallopt", [ctypes.c_int, ctypes.c_int])
 
 
 def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
     """Fix glibc's mmap threshold at `threshold` (see the module docstring); True if set."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+    return _mallopt is not None and bool(_mallopt(_M_MMAP_THRESHOLD, threshold))
 
 
 def trim() -> bool:
