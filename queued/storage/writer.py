@@ -588,15 +588,17 @@ def _call(job: Callable[[], T]) -> T:
 class PipelinedRound:
     """A round that may overlap the rounds before it (`Writer.start_round`).
 
-    Its writes wait for the previous round's writes (`written`), so batches reach each
-    file in plan order; its fsyncs run at once, while the previous round's may still
-    be running, and cover every write made before them. Its results wait for the
+    Its writes come after the previous round's (`written`), so batches reach each file
+    in plan order: a small round writes on the event loop as it starts (a write into
+    the page cache costs less than waking a thread for it; `write_here`), a large one
+    in its thread. Its fsyncs run at once, while the previous round's may still be
+    running, and cover every write made before them. Its results wait for the
     previous round's (`done`): it is acknowledged only after every earlier round, and
     a file whose fsync failed in an earlier round fails this round's chunks too (after
     a failed fsync nothing later in that file can be trusted).
     """
 
-    __slots__ = ("work", "slot", "prev", "written", "done", "results", "finish")
+    __slots__ = ("appended", "done", "finish", "prev", "results", "slot", "work", "written")
 
     def __init__(self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]], slot: int,
                  prev: PipelinedRound | None,
@@ -606,19 +608,32 @@ class PipelinedRound:
         self.prev = prev
         self.written = threading.Event()
         self.done = threading.Event()
+        self.appended: list[WriteResult] | None = None
         self.results: list[WriteResult] = []
         self.finish = finish  # called (from the round's thread) once `done`
+
+    def write_here(self) -> None:
+        """Write the round now, in the caller's thread (the previous round has written);
+        a failure that is not the file's own becomes every entry's."""
+        try:
+            self.appended = [file.append(chunks) for file, chunks in self.work]
+        except BaseException as exc:  # a bug: nothing of this round is acknowledged
+            log.exception("writer: writing a pipelined round failed")
+            self.appended = [WriteResult([], exc) for _ in self.work]
+        self.written.set()
 
     def run(self, pool: ThreadPoolExecutor | None) -> None:
         """The round, in a worker thread; never raises (a failure is every result's)."""
         prev = self.prev
         try:
-            try:
-                if prev is not None:
-                    prev.written.wait()
-                appended = [file.append(chunks) for file, chunks in self.work]
-            finally:
-                self.written.set()
+            appended = self.appended
+            if appended is None:
+                try:
+                    if prev is not None:
+                        prev.written.wait()
+                    appended = [file.append(chunks) for file, chunks in self.work]
+                finally:
+                    self.written.set()
             synced = [file for (file, _), r in zip(self.work, appended, strict=True)
                       if r.written]
             slot = self.slot
@@ -647,7 +662,7 @@ class Workers:
     """Threads that run pipelined rounds, taken in order from one queue; started on
     first use. Closing lets them finish what was queued."""
 
-    def __init__(self, count: int, pool: Callable[[], ThreadPoolExecutor]) -> None:
+    def __init__(self, count: int, pool: Callable[[], ThreadPoolExecutor | None]) -> None:
         self._count = count
         self._pool = pool
         self._jobs: queue.SimpleQueue[PipelinedRound | None] = queue.SimpleQueue()
@@ -787,40 +802,51 @@ class Writer:
         their own: `write_round`)."""
         return bool(work) and all(f.can_pipeline(chunks) for f, chunks in work)
 
+    def can_start(self) -> bool:
+        """True when `start_round_nowait` may be called now: a pipeline slot is free and
+        no round of its own runs or waits (nor a pause)."""
+        return self._inflight < PIPELINE_DEPTH and not self._lock.locked()
+
     async def start_round(
         self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
         finish: Callable[[list[WriteResult]], None],
     ) -> None:
-        """Start a pipelined round (see PipelinedRound and can_pipeline) and return once it
-        is under way: waits while PIPELINE_DEPTH rounds are, and while paused. `finish`
-        gets one result per `work` entry, on the event loop, after every earlier round's."""
-        while True:
-            while self._inflight >= PIPELINE_DEPTH:
+        """Start a pipelined round (see start_round_nowait) once fewer than PIPELINE_DEPTH
+        are under way and no pause or round of its own holds the writer."""
+        while not self.can_start():
+            if self._inflight >= PIPELINE_DEPTH:
                 await self._wait_freed()
-            try:
-                self._lock.acquire_nowait()  # no checkpoint when nothing holds it
-            except trio.WouldBlock:
-                await self._lock.acquire()
-            if self._inflight < PIPELINE_DEPTH:
-                break
-            self._lock.release()
-        try:
-            if self._token is None:
-                self._token = trio.lowlevel.current_trio_token()
-            if len(work) > 1 and self._pool is None:
-                self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
-            token = self._token
+            else:
+                async with self._lock:
+                    pass
+        self.start_round_nowait(work, finish)
 
-            def finished(rnd: PipelinedRound) -> None:  # in the round's thread
-                token.run_sync_soon(self._finished, rnd, finish)
+    def start_round_nowait(
+        self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
+        finish: Callable[[list[WriteResult]], None],
+    ) -> None:
+        """Start a pipelined round (see PipelinedRound and can_pipeline) when `can_start`
+        says so: `finish` gets one result per `work` entry, on the event loop, after
+        every earlier round's."""
+        assert self.can_start()
+        if self._token is None:
+            self._token = trio.lowlevel.current_trio_token()
+        if len(work) > 1 and self._pool is None:
+            self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
+        token = self._token
 
-            rnd = PipelinedRound(work, self._started % PIPELINE_DEPTH, self._last, finished)
-            self._started += 1
-            self._inflight += 1
-            self._last = rnd
-            self._workers.submit(rnd)
-        finally:
-            self._lock.release()
+        def finished(rnd: PipelinedRound) -> None:  # in the round's thread
+            token.run_sync_soon(self._finished, rnd, finish)
+
+        prev = self._last
+        rnd = PipelinedRound(work, self._started % PIPELINE_DEPTH, prev, finished)
+        if (prev is None or prev.written.is_set()) and sum(
+                c.nbytes for _, chunks in work for c in chunks) <= INLINE_ROUND_BYTES:
+            rnd.write_here()
+        self._started += 1
+        self._inflight += 1
+        self._last = rnd
+        self._workers.submit(rnd)
 
     def _finished(self, rnd: PipelinedRound,
                   finish: Callable[[list[WriteResult]], None]) -> None:
