@@ -402,12 +402,12 @@ class DataDir:
                 if not (work or readers or periodic):
                     continue  # woken to look at a new fsync deadline: sleep until it
                 if not (readers or periodic) and self._writer.can_pipeline(
-                        [(j.file, chunks) for j, chunks in work]):
+                        [(j.file, chunks) for j, chunks in work]) and (
+                        await self._writer.start_round(
+                            [(j.file, chunks) for j, chunks in work],
+                            functools.partial(self._finish_round, work))):
                     # Written and fsynced while earlier rounds' fsyncs still run; the
                     # tickets are set from the round's thread, through the trio token.
-                    await self._writer.start_round(
-                        [(j.file, chunks) for j, chunks in work],
-                        functools.partial(self._finish_round, work))
                     continue
                 # No write here and now until these are written: they come first.
                 self._in_round = True

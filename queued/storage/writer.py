@@ -655,7 +655,10 @@ class PipelinedRound:
         finally:
             self.prev = None  # no chain of finished rounds
             self.done.set()
-            self.finish(self)
+            try:
+                self.finish(self)
+            except BaseException:  # the loop is gone (a bug): keep the thread serving
+                log.exception("writer: handing a pipelined round back failed")
 
 
 class Workers:
@@ -810,16 +813,21 @@ class Writer:
     async def start_round(
         self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
         finish: Callable[[list[WriteResult]], None],
-    ) -> None:
+    ) -> bool:
         """Start a pipelined round (see start_round_nowait) once fewer than PIPELINE_DEPTH
-        are under way and no pause or round of its own holds the writer."""
+        are under way and no pause or round of its own holds the writer; False (nothing
+        started) if by then `work` can no longer be pipelined (a pause closed a file, say):
+        it needs a round of its own."""
         while not self.can_start():
             if self._inflight >= PIPELINE_DEPTH:
                 await self._wait_freed()
             else:
                 async with self._lock:
                     pass
+        if not self.can_pipeline(work):
+            return False
         self.start_round_nowait(work, finish)
+        return True
 
     def start_round_nowait(
         self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
