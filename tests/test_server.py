@@ -1400,17 +1400,13 @@ print(rss() - before)
 """
 
 
-@pytest.mark.parametrize("mode", ["pinned", "glibc default"])
-def test_password_checks_give_their_memory_back(mode: str) -> None:
+def test_password_checks_give_their_memory_back() -> None:
     """scrypt's 16 MiB per check goes back to the system once the check is done when the
-    mmap threshold is pinned (as the server does at start); with glibc's sliding
-    threshold the threads' heaps keep it (the control: shows the test can fail)."""
+    mmap threshold is pinned (as the server does at start). (With glibc's sliding
+    threshold the threads' heaps kept it in 5 of 8 runs here, 0 in the others: too
+    uneven to serve as a control.)"""
     if not memory.trim():
         pytest.skip("no malloc_trim in this C library")
-    out = subprocess.run([sys.executable, "-c", SCRYPT_IN_THREADS, mode.split()[0]],
+    out = subprocess.run([sys.executable, "-c", SCRYPT_IN_THREADS, "pinned"],
                          capture_output=True, text=True, timeout=60, check=True)
-    grown = int(out.stdout)
-    if mode == "pinned":
-        assert grown < 8 << 20
-    else:
-        assert grown > 16 << 20
+    assert int(out.stdout) < 4 << 20
