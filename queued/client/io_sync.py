@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, cast
 
 from queued.client.core import (
     ClientError,
@@ -123,11 +123,13 @@ class Connection(ClientConnection):
 
 
 def _handshake(sock: socket.socket, context: ssl.SSLContext, server: ServerState,
-               deadline: float) -> ssl.SSLSocket:
+               deadline: float) -> TlsSocket:
     """`sock` after a client handshake (the connect timeout covers both); closed if it fails."""
     try:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        return context.wrap_socket(sock, server_hostname=server.host)
+        tls = TlsSocket(sock, context, server.host)
+        tls.handshake()
+        return tls
     except TimeoutError as exc:
         sock.close()
         raise ConnectionFailed(f"{server.address}: TLS handshake timed out (is the server's "
@@ -138,3 +140,85 @@ def _handshake(sock: socket.socket, context: ssl.SSLContext, server: ServerState
     except BaseException:
         sock.close()
         raise
+
+
+class TlsSocket:
+    """A client TLS connection: `ssl.SSLObject` over memory BIOs on a blocking socket, with
+    the few socket calls `Connection` makes.
+
+    Not `ssl.SSLSocket`: that one writes each TLS record (16 KiB at most) with a syscall of
+    its own and returns one record per recv, so a 100 KiB batch cost seven of each. Here a
+    request's records go out in one sendall, and recv returns all that has been decrypted.
+    """
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
+        self.sock = sock
+        self.incoming = ssl.MemoryBIO()
+        self.outgoing = ssl.MemoryBIO()
+        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_hostname=host)
+        self.raw = bytearray(RECV)  # ciphertext, as the socket gives it
+        self.plain = bytearray(RECV)  # decrypted, before it is copied out
+
+    def handshake(self) -> None:
+        """The client handshake; raises ssl.SSLError, TimeoutError or another OSError."""
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                if self.incoming.eof:
+                    raise ConnectionResetError("the server closed the connection") from None
+            self._write_out()
+            self._fill()
+        self._write_out()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def sendall(self, data: bytes) -> None:
+        self.tls.write(data)
+        self._write_out()
+
+    def recv(self, max_bytes: int) -> bytes:
+        """Everything decrypted so far, up to `max_bytes` (at least 1 byte unless the peer
+        is gone: b"")."""
+        tls, incoming = self.tls, self.incoming
+        with memoryview(self.plain) as view:
+            limit = min(max_bytes, len(view))
+            n = 0
+            while True:
+                # Ask before reading: raising SSLWantReadError costs more than asking.
+                while n < limit and (incoming.pending or tls.pending()):
+                    try:
+                        # With a buffer, read returns a count (typeshed says bytes).
+                        got = cast(int, tls.read(limit - n, view[n:]))
+                    except ssl.SSLWantReadError:  # the rest of a record is on its way
+                        break
+                    except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                        return bytes(view[:n])  # the end: the caller sees b"" next time
+                    if not got:
+                        break
+                    n += got
+                if self.outgoing.pending:  # a reply the receive side owes (key update)
+                    self._write_out()
+                if n:
+                    return bytes(view[:n])
+                if not self._fill():
+                    return b""
+
+    def _fill(self) -> bool:
+        """Ciphertext from the socket into the TLS object; False at the end of the stream."""
+        with memoryview(self.raw) as view:
+            got = self.sock.recv_into(view)
+            if not got:
+                self.incoming.write_eof()
+                return False
+            self.incoming.write(view[:got])
+            return True
+
+    def _write_out(self) -> None:
+        if self.outgoing.pending:
+            self.sock.sendall(self.outgoing.read())

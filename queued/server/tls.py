@@ -83,6 +83,13 @@ class ServerTls:
 #: Bytes of ciphertext read from the socket at once.
 RECEIVE_SIZE = 256 * 1024
 
+#: The most plaintext one TLS record carries.
+RECORD_SIZE = 16 * 1024
+
+#: Where every connection of an event loop reads ciphertext into (one buffer per loop,
+#: not per connection: each copies its bytes out before it next awaits anything).
+_SCRATCH: trio.lowlevel.RunVar[memoryview] = trio.lowlevel.RunVar("tls_scratch")
+
 
 class TlsTransport:
     """A server-side TLS connection as a session's transport (see the module doc).
@@ -109,10 +116,8 @@ class TlsTransport:
             except ssl.SSLWantReadError:
                 pass
             await self._write_out()
-            data = await self.raw.receive(RECEIVE_SIZE)
-            if not data:
+            if not await self._read_in():
                 raise trio.BrokenResourceError("connection closed during the handshake")
-            self.incoming.write(data)
         await self._write_out()  # the last flight (TLS 1.3: and the session tickets)
 
     async def receive(self, max_bytes: int) -> bytes:
@@ -122,10 +127,11 @@ class TlsTransport:
             chunks: list[bytes] = []
             n = 0
             # Read while ciphertext or plaintext is buffered (not until SSLWantReadError:
-            # raising it costs more than asking).
+            # raising it costs more than asking), a record at a time: asking for more
+            # allocates all of it and then shrinks it.
             while n < max_bytes and (incoming.pending or tls.pending()):
                 try:
-                    chunk = tls.read(max_bytes - n)
+                    chunk = tls.read(min(max_bytes - n, RECORD_SIZE))
                 except ssl.SSLWantReadError:  # the rest of a record is still on its way
                     break
                 except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
@@ -144,13 +150,9 @@ class TlsTransport:
                 await self._write_out()
             if chunks:
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            if self.closed:
-                return b""
-            data = await self.raw.receive(RECEIVE_SIZE)
-            if not data:
+            if self.closed or not await self._read_in():
                 self.closed = True
                 return b""
-            incoming.write(data)
 
     async def send(self, data: bytes) -> None:
         """All of `data`, encrypted; raises trio.BrokenResourceError if the peer is gone."""
@@ -161,6 +163,19 @@ class TlsTransport:
         except ssl.SSLError as exc:
             raise trio.BrokenResourceError(f"TLS: {exc}") from exc
         await self._write_out()
+
+    async def _read_in(self) -> bool:
+        """Ciphertext from the socket into the TLS object; False once the peer is gone."""
+        try:
+            scratch = _SCRATCH.get()
+        except LookupError:
+            scratch = memoryview(bytearray(RECEIVE_SIZE))
+            _SCRATCH.set(scratch)
+        got = await self.raw.receive_into(scratch)
+        # No checkpoint from the read to here: the scratch buffer is the event loop's.
+        if got:
+            self.incoming.write(scratch[:got])
+        return got > 0
 
     async def _write_out(self) -> None:
         if self.writing:
