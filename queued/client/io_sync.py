@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, cast
+from typing import Any
 
 from queued.client.core import (
     ClientError,
@@ -21,7 +21,7 @@ from queued.client.core import (
     ServerState,
     call_error,
 )
-from queued.client.tls import handshake_failure
+from queued.client.tls import TlsChannel, handshake_failure
 from queued.client.wire import RECV, ClientConnection, closes
 from queued.core.rpc_protocol import Response
 
@@ -143,34 +143,19 @@ def _handshake(sock: socket.socket, context: ssl.SSLContext, server: ServerState
 
 
 class TlsSocket:
-    """A client TLS connection: `ssl.SSLObject` over memory BIOs on a blocking socket, with
-    the few socket calls `Connection` makes.
-
-    Not `ssl.SSLSocket`: that one writes each TLS record (16 KiB at most) with a syscall of
-    its own and returns one record per recv, so a 100 KiB batch cost seven of each. Here a
-    request's records go out in one sendall, and recv returns all that has been decrypted.
-    """
+    """A TlsChannel on a blocking socket, with the few socket calls `Connection` makes."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
         self.sock = sock
-        self.incoming = ssl.MemoryBIO()
-        self.outgoing = ssl.MemoryBIO()
-        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_hostname=host)
+        self.channel = TlsChannel(context, host)
         self.raw = bytearray(RECV)  # ciphertext, as the socket gives it
-        self.plain = bytearray(RECV)  # decrypted, before it is copied out
 
     def handshake(self) -> None:
         """The client handshake; raises ssl.SSLError, TimeoutError or another OSError."""
-        while True:
-            try:
-                self.tls.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                if self.incoming.eof:
-                    raise ConnectionResetError("the server closed the connection") from None
-            self._write_out()
+        while not self.channel.handshake():
+            self._send_owed()
             self._fill()
-        self._write_out()
+        self._send_owed()
 
     def settimeout(self, timeout: float | None) -> None:
         self.sock.settimeout(timeout)
@@ -179,46 +164,23 @@ class TlsSocket:
         self.sock.close()
 
     def sendall(self, data: bytes) -> None:
-        self.tls.write(data)
-        self._write_out()
+        self.sock.sendall(self.channel.encrypt(data))
 
     def recv(self, max_bytes: int) -> bytes:
-        """Everything decrypted so far, up to `max_bytes` (at least 1 byte unless the peer
-        is gone: b"")."""
-        tls, incoming = self.tls, self.incoming
-        with memoryview(self.plain) as view:
-            limit = min(max_bytes, len(view))
-            n = 0
-            while True:
-                # Ask before reading: raising SSLWantReadError costs more than asking.
-                while n < limit and (incoming.pending or tls.pending()):
-                    try:
-                        # With a buffer, read returns a count (typeshed says bytes).
-                        got = cast(int, tls.read(limit - n, view[n:]))
-                    except ssl.SSLWantReadError:  # the rest of a record is on its way
-                        break
-                    except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                        return bytes(view[:n])  # the end: the caller sees b"" next time
-                    if not got:
-                        break
-                    n += got
-                if self.outgoing.pending:  # a reply the receive side owes (key update)
-                    self._write_out()
-                if n:
-                    return bytes(view[:n])
-                if not self._fill():
-                    return b""
+        """Everything decrypted so far (`max_bytes` is the channel's own); b"" at the end."""
+        while True:
+            data = self.channel.decrypt()
+            self._send_owed()
+            if data is not None:
+                return data
+            self._fill()
 
-    def _fill(self) -> bool:
-        """Ciphertext from the socket into the TLS object; False at the end of the stream."""
+    def _fill(self) -> None:
         with memoryview(self.raw) as view:
             got = self.sock.recv_into(view)
-            if not got:
-                self.incoming.write_eof()
-                return False
-            self.incoming.write(view[:got])
-            return True
+            self.channel.feed(view[:got])
 
-    def _write_out(self) -> None:
-        if self.outgoing.pending:
-            self.sock.sendall(self.outgoing.read())
+    def _send_owed(self) -> None:
+        owed = self.channel.to_send()
+        if owed:
+            self.sock.sendall(owed)
