@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Before/after of rpc_bench: runs it alternately on another source tree (server and clients,
 `--queued-tree DIR --tree-clients`) and on this one, `--runs` times each, and prints the
-median of every cell with its TLS / plaintext ratio and CPU per item.
+median of every cell with its TLS / plaintext ratio and CPU per item (give rpc_bench
+`--pairs N` for ratios of cells measured seconds apart).
 
 The machine may be shared: the two sides alternate (before, after, after, before, ...) so that
 a load that comes and goes falls on both, and medians leave out a run that caught a burst.
@@ -65,12 +66,13 @@ def cells(results: list[dict[str, Any]]) -> dict[tuple[Key, bool], dict[str, flo
 
 
 def run_ratios(results: list[dict[str, Any]]) -> dict[Key, list[float]]:
-    """Each run's own TLS / plaintext ratio per cell (both measured minutes apart)."""
+    """The TLS / plaintext ratios per cell: each pair's with rpc_bench's `--pairs`, else
+    each run's."""
     out: dict[Key, list[float]] = {}
     for res in results:
         for t in res.get("tls_ratios", []):
             key = (t["fsync"], t["size"], t["batch"], t["conns"], t["op"])
-            out.setdefault(key, []).append(t["ratio"])
+            out.setdefault(key, []).extend(t.get("pair_ratios", [t["ratio"]]))
     return out
 
 
@@ -102,7 +104,7 @@ def main() -> None:
     log(f"## medians of {a.runs} runs: items/s, server and clients CPU per item (us)")
     log()
     log("| fsync | size | batch | conns | op | side | plain items/s | TLS items/s | "
-        "TLS / plain | per-run ratios | server us/item plain / TLS | "
+        "median ratio | ratios (pairs, or runs) | server us/item plain / TLS | "
         "clients us/item plain / TLS |")
     log("|---|---|---:|---:|---|---|---:|---:|---:|---|---:|---:|")
     table = []
@@ -112,11 +114,11 @@ def main() -> None:
             plain, tls = med[side].get((key, False)), med[side].get((key, True))
             if plain is None or tls is None:
                 continue
-            ratio = tls["items_per_s"] / plain["items_per_s"] if plain["items_per_s"] else 0.0
             runs = per_run[side].get(key, [])
+            ratio = statistics.median(runs) if runs else 0.0
             table.append({"fsync": fsync, "size": size, "batch": batch, "conns": conns,
                           "op": op, "side": side, "plain": plain, "tls": tls,
-                          "ratio_of_medians": ratio, "run_ratios": runs})
+                          "median_ratio": ratio, "ratios": runs})
             log(f"| {fsync} | {SIZE_NAMES.get(size, f'{size} B')} | {batch} | {conns} | {op} | "
                 f"{side} | {plain['items_per_s']:,.0f} | {tls['items_per_s']:,.0f} | "
                 f"{ratio:.2f} | {' '.join(f'{r:.2f}' for r in runs)} | "

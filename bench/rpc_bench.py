@@ -41,6 +41,7 @@ import re
 import shutil
 import signal
 import ssl
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -506,6 +507,47 @@ class Bench:
             server.stop()
         log()
 
+    def paired_run(self, fsync: str, certs: BenchCerts) -> None:
+        """`--pairs N`: a plaintext and a TLS server side by side, each cell measured N times
+        on each, alternately (plaintext first, then TLS first, ...): the two sides of a
+        ratio are seconds apart, not minutes, on a machine whose load comes and goes."""
+        a = self.a
+        sides = [Server(Path(a.dir), fsync, None, a.queued_tree),
+                 Server(Path(a.dir), fsync, certs, a.queued_tree)]
+        pools: list[Workers] = []
+        try:
+            with contextlib.ExitStack() as stack:
+                controls = []
+                for server in sides:
+                    server.start()
+                    ca = certs.ca if server.certs is not None else None
+                    log(f"## fsync {fsync}{' over TLS' if ca else ''}: server pid "
+                        f"{server.pid}, rpc port {server.port}")
+                    pools.append(Workers(server.address, ca, max(a.conns)))
+                    controls.append(stack.enter_context(
+                        Client(server.address, read_timeout=READ_TIMEOUT, **client_tls(ca))))
+                for size in a.sizes:
+                    for batch in a.batches:
+                        for conns in a.conns:
+                            for i in range(a.pairs):
+                                order = (0, 1) if i % 2 == 0 else (1, 0)
+                                for k in order:
+                                    self.cell(sides[k], pools[k], controls[k], fsync, size,
+                                              batch, conns)
+            for server in sides:
+                over = " over TLS" if server.certs is not None else ""
+                self.memory[fsync + over] = server.memory_kib()
+        except Exception as exc:  # report, go on with the next policy
+            log(f"!! fsync {fsync} paired run failed: {exc!r}")
+            traceback.print_exc(file=sys.stdout)
+            self.failures.append(f"fsync {fsync} paired: {exc!r}")
+        finally:
+            for pool in pools:
+                pool.close()
+            for server in sides:
+                server.stop()
+        log()
+
     def cell(self, server: Server, workers: Workers, control: Client, fsync: str, size: int,
              batch: int, conns: int, tasks: int = 0) -> None:
         a = self.a
@@ -543,16 +585,29 @@ class Bench:
         return None
 
     def tls_ratios(self) -> list[dict[str, Any]]:
-        """Each cell measured both ways: TLS items/s over plaintext items/s."""
-        out = []
+        """Each cell measured both ways: TLS items/s over plaintext items/s. A cell measured
+        several times (`--pairs`) gives medians, and the median of its pairs' ratios."""
+        groups: dict[tuple[Any, ...], dict[bool, list[Row]]] = {}
         for r in self.rows:
-            plain = self.find(r.fsync, r.size, r.batch, r.conns, r.op, tls=False)
-            if r.tls and plain is not None and plain.items_per_s > 0:
-                out.append({"fsync": r.fsync, "size": r.size, "batch": r.batch,
-                            "conns": r.conns, "op": r.op, "plain": plain.items_per_s,
-                            "tls": r.items_per_s, "ratio": r.items_per_s / plain.items_per_s,
-                            "plain_server_us": plain.server_us, "tls_server_us": r.server_us,
-                            "plain_client_us": plain.client_us, "tls_client_us": r.client_us})
+            key = (r.fsync, r.size, r.batch, r.conns, r.op)
+            groups.setdefault(key, {False: [], True: []})[r.tls].append(r)
+        out = []
+        for (fsync, size, batch, conns, op), by in groups.items():
+            pairs = [(p, t) for p, t in zip(by[False], by[True], strict=False)
+                     if p.items_per_s > 0]
+            if not pairs:
+                continue
+            med = statistics.median
+            out.append({"fsync": fsync, "size": size, "batch": batch, "conns": conns,
+                        "op": op, "pairs": len(pairs),
+                        "plain": med(p.items_per_s for p, _ in pairs),
+                        "tls": med(t.items_per_s for _, t in pairs),
+                        "ratio": med(t.items_per_s / p.items_per_s for p, t in pairs),
+                        "pair_ratios": [t.items_per_s / p.items_per_s for p, t in pairs],
+                        "plain_server_us": med(p.server_us for p, _ in pairs),
+                        "tls_server_us": med(t.server_us for _, t in pairs),
+                        "plain_client_us": med(p.client_us for p, _ in pairs),
+                        "tls_client_us": med(t.client_us for _, t in pairs)})
         return out
 
     def headline(self) -> list[dict[str, str]]:
@@ -610,12 +665,15 @@ class Bench:
             log("## TLS / plaintext (items/s of the same cell; the issue wants >= 0.8 for "
                 "batch 100)")
             log()
-            log("| fsync | size | batch | conns | op | plaintext | TLS | ratio | server us/item "
-                "plain / TLS | clients us/item plain / TLS |")
-            log("|---|---|---:|---:|---|---:|---:|---:|---:|---:|")
+            log("(with --pairs: medians over the pairs; ratio = the median pair's)")
+            log()
+            log("| fsync | size | batch | conns | op | plaintext | TLS | ratio | pairs' ratios | "
+                "server us/item plain / TLS | clients us/item plain / TLS |")
+            log("|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|")
             for t in ratios:
                 log(f"| {t['fsync']} | {size_name(t['size'])} | {t['batch']} | {t['conns']} | "
                     f"{t['op']} | {t['plain']:,.0f} | {t['tls']:,.0f} | {t['ratio']:.2f} | "
+                    f"{' '.join(f'{x:.2f}' for x in t['pair_ratios'])} | "
                     f"{t['plain_server_us']:.2f} / {t['tls_server_us']:.2f} | "
                     f"{t['plain_client_us']:.2f} / {t['tls_client_us']:.2f} |")
             log()
@@ -696,6 +754,10 @@ def main() -> None:
     ap.add_argument("--tls", nargs="?", const="on", default="off", choices=("off", "on", "both"),
                     help="servers with TLS on (--tls), or each fsync policy plaintext then "
                          "over TLS with their ratio (--tls both)")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="with --tls both: a plaintext and a TLS server side by side, each "
+                         "cell measured this many times on each, alternately (default 0: "
+                         "one server after the other); the pipelined cell is skipped")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--queued-tree", type=Path, default=None,
                     help="run the server from this queued source tree (PYTHONPATH) with this "
@@ -740,6 +802,9 @@ def main() -> None:
         certs = BenchCerts(where) if a.tls != "off" else None
         modes = {"off": [None], "on": [certs], "both": [None, certs]}[a.tls]
         for fsync in policies:
+            if a.pairs and certs is not None and a.tls == "both":
+                bench.paired_run(fsync, certs)
+                continue
             for mode in modes:
                 bench.server_run(fsync, mode)
     result = bench.report(started)
