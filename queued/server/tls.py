@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import ssl
 from pathlib import Path
+from typing import cast
 
 import trio
 
@@ -83,9 +84,6 @@ class ServerTls:
 #: Bytes of ciphertext read from the socket at once.
 RECEIVE_SIZE = 256 * 1024
 
-#: The most plaintext one TLS record carries.
-RECORD_SIZE = 16 * 1024
-
 #: Where every connection of an event loop reads ciphertext into (one buffer per loop,
 #: not per connection: each copies its bytes out before it next awaits anything).
 _SCRATCH: trio.lowlevel.RunVar[memoryview] = trio.lowlevel.RunVar("tls_scratch")
@@ -121,35 +119,43 @@ class TlsTransport:
         await self._write_out()  # the last flight (TLS 1.3: and the session tickets)
 
     async def receive(self, max_bytes: int) -> bytes:
-        """Every byte decrypted so far, up to `max_bytes`; b"" once the peer is gone."""
+        """Every byte decrypted so far, up to `max_bytes`; b"" once the peer is gone.
+
+        A fresh bytearray (the session's codecs take bytes or bytearray), decrypted into
+        in place: no chunk per record to join (~6 of ~39 us per 100 KiB here).
+        """
         tls, incoming = self.tls, self.incoming
         while True:
-            chunks: list[bytes] = []
             n = 0
-            # Read while ciphertext or plaintext is buffered (not until SSLWantReadError:
-            # raising it costs more than asking), a record at a time: asking for more
-            # allocates all of it and then shrinks it.
-            while n < max_bytes and (incoming.pending or tls.pending()):
-                try:
-                    chunk = tls.read(min(max_bytes - n, RECORD_SIZE))
-                except ssl.SSLWantReadError:  # the rest of a record is still on its way
-                    break
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                    self.closed = True
-                    break
-                except ssl.SSLError as exc:  # bytes that are not TLS: the peer is done for
-                    log.debug("TLS error from the peer: %s", exc)
-                    self.closed = True
-                    break
-                if not chunk:  # close_notify
-                    self.closed = True
-                    break
-                chunks.append(chunk)
-                n += len(chunk)
+            # Ciphertext is never shorter than its plaintext: this much room holds it all.
+            room = min(max_bytes, incoming.pending + tls.pending())
+            buf = bytearray(room if not self.closed else 0)
+            if buf:
+                with memoryview(buf) as view:
+                    # Read while ciphertext or plaintext is buffered (not until
+                    # SSLWantReadError: raising it costs more than asking).
+                    while n < room and (incoming.pending or tls.pending()):
+                        try:
+                            # With a buffer, read returns a count (typeshed says bytes).
+                            got = cast(int, tls.read(room - n, view[n:]))
+                        except ssl.SSLWantReadError:  # the rest of a record is on its way
+                            break
+                        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                            self.closed = True
+                            break
+                        except ssl.SSLError as exc:  # not TLS: the peer is done for
+                            log.debug("TLS error from the peer: %s", exc)
+                            self.closed = True
+                            break
+                        if not got:  # close_notify
+                            self.closed = True
+                            break
+                        n += got
             if self.outgoing.pending:
                 await self._write_out()
-            if chunks:
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if n:
+                del buf[n:]
+                return buf  # type: ignore[return-value]  # a bytearray serves as bytes
             if self.closed or not await self._read_in():
                 self.closed = True
                 return b""
