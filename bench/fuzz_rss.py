@@ -8,12 +8,17 @@ lines, truncated MessagePack frames), never `shutdown`. Prints the server's RSS 
 every 10% and the figure issue 16 asks for: RSS after all N against RSS after N/10
 (target: within 10%), with the queue count and data dir size.
 
-    python bench/fuzz_rss.py [--inputs 1000000] [--conns 8] [--seed 1]
+    python bench/fuzz_rss.py [--inputs 1000000] [--per-conn 200] [--seed 1] [--users]
+
+With --users the server has a users file and the fuzzer never logs in: the exposed
+server's case (a hostile network that holds no password). Refused logins are answered
+after a delay, so the batches then go over 32 connections at a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
@@ -26,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgpack
@@ -128,15 +134,18 @@ def idle_rss(pid: int, seconds: float) -> int:
     return kib_field(f"/proc/{pid}/status", "VmRSS") or 0
 
 
-def queue_count(http_port: int) -> int:
-    """Queues and readers the server holds (from /stats.json)."""
+def queue_count(http_port: int, login: str | None) -> int:
+    """Queues and readers the server holds (from /stats.json; `login`: "user:password")."""
+    request = urllib.request.Request(f"http://{HOST}:{http_port}/stats.json")
+    if login:
+        request.add_header("Authorization", "Basic " + base64.b64encode(login.encode()).decode())
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
-            f"http://{HOST}:{http_port}/stats.json", timeout=30) as reply:
+            request, timeout=30) as reply:
         return len(json.load(reply)["queues"])
 
 
 def start_server(data_dir: Path, log: Path, max_queues: int | None = None,
-                 extra_args: tuple[str, ...] = (),
+                 extra_args: tuple[str, ...] = (), users_file: Path | None = None,
                  ) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
     queued = Path(sys.executable).with_name("queued")
     cmd = [str(queued), "serve", "--data-dir", str(data_dir), "--host", HOST, "--fsync",
@@ -145,6 +154,8 @@ def start_server(data_dir: Path, log: Path, max_queues: int | None = None,
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUEUED_")}
     if max_queues is not None:
         env["QUEUED_MAX_QUEUES"] = str(max_queues)
+    if users_file is not None:
+        env["QUEUED_USERS_FILE"] = str(users_file)
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=log.open("wb"), env=env)
     deadline = time.monotonic() + 30
@@ -171,10 +182,22 @@ def main() -> None:
                     help="seconds to wait after the last input before the last reading")
     ap.add_argument("--max-queues", type=int, default=None,
                     help="the server's max_queues (default: its own, 10000)")
+    ap.add_argument("--users", action="store_true",
+                    help="the server has a users file; the fuzzer never logs in")
     args = ap.parse_args()
     r = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="queued-fuzz-"))
-    proc, ports = start_server(tmp / "data", tmp / "server.log", args.max_queues)
+    login, users_file = None, None
+    if args.users:
+        from queued.config.users import hash_password
+        password = os.urandom(12).hex()
+        login, users_file = f"admin:{password}", tmp / "users.toml"
+        users_file.write_text(f'[users.admin]\npassword = "{hash_password(password)}"\n'
+                              'put = ["*"]\nget = ["*"]\nadmin = true\n')
+    parallel = 32 if args.users else 1
+    pool = ThreadPoolExecutor(parallel)
+    proc, ports = start_server(tmp / "data", tmp / "server.log", args.max_queues,
+                               users_file=users_file)
     try:
         rss0 = kib_field(f"/proc/{proc.pid}/status", "VmRSS") or 0
         print(f"server pid {proc.pid}, RSS at start {rss0 / 1024:.1f} MiB")
@@ -187,17 +210,20 @@ def main() -> None:
         idle_first = 0
         sent = 0
         while sent < args.inputs:
-            proto = r.choices(["memcache", "text", "rpc"], [6, 2, 2])[0]
-            n = min(args.per_conn, args.inputs - sent)
-            gen = GENERATORS[proto]
-            send_batch(ports[proto], b"".join(gen(r) for _ in range(n)))
             before = sent
-            sent += n
+            batches = []
+            while sent < args.inputs and len(batches) < parallel:
+                proto = r.choices(["memcache", "text", "rpc"], [6, 2, 2])[0]
+                n = min(args.per_conn, args.inputs - sent)
+                gen = GENERATORS[proto]
+                batches.append((ports[proto], b"".join(gen(r) for _ in range(n))))
+                sent += n
+            list(pool.map(lambda b: send_batch(*b), batches))
             for m in sorted(marks):
                 if before < m <= sent:
                     rss = kib_field(f"/proc/{proc.pid}/status", "VmRSS") or 0
                     at[m] = rss
-                    queues = queue_count(ports["http"])
+                    queues = queue_count(ports["http"], login)
                     size = dir_size(tmp / "data")
                     print(f"{m:>9} {rss / 1024:>8.1f} {queues:>7} {size / 2**20:>12.1f} "
                           f"{time.monotonic() - started:>6.0f}", flush=True)
@@ -214,6 +240,7 @@ def main() -> None:
               f"{baseline} inputs, {idle_last / 1024:.1f} MiB after {max(at)}: "
               f"{idle_last / idle_first:.3f} (target <= 1.10)")
     finally:
+        pool.shutdown()
         proc.kill()
         proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)

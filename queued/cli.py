@@ -406,7 +406,10 @@ EXIT_OK, EXIT_SERVER_ERROR, EXIT_USAGE, EXIT_CONNECT = 0, 1, 2, 3
 CLIENT_EPILOG = f"""\
 client commands (put, get, peek, stats, flush, delete) talk MessagePack-RPC to
 --server HOST:PORT (default 127.0.0.1:{DEFAULT_PORT}; repeat it or separate with commas
-for several servers: puts are spread over them, gets try each).
+for several servers: puts are spread over them, starting at a random one, and fail over
+to the next when one is down; gets try each). --server dns://NAME:PORT means every
+address NAME resolves to (a Kubernetes headless Service); dns+srv://_svc._tcp.NAME reads
+SRV records; add ?nameserver=HOST:PORT to ask that DNS server instead of the system's.
 
 exit codes: 0 ok (also when the reader of stdout stops early, as `| head -3` does);
 1 the server answered with an error (bad queue name, queue full...), or `get` took items
@@ -432,7 +435,8 @@ def add_client_commands(sub: Any) -> None:
     """Add the client subcommands to `sub` (argparse's subparsers action)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--server", action="append", metavar="HOST:PORT",
-                        help=f"a server; repeat or comma-separate for several "
+                        help=f"a server, or dns://NAME:PORT for every address of NAME; "
+                             f"repeat or comma-separate for several "
                              f"(default 127.0.0.1:{DEFAULT_PORT})")
     common.add_argument("--tls", action="store_true",
                         help="speak TLS, verifying the servers with the system's CAs")

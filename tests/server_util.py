@@ -207,7 +207,9 @@ _LISTEN_RE = re.compile(rb"listening for (\w+) on [0-9.]+:(\d+)")
 class ServerProcess:
     """`queued serve` in a child process on free ports; stderr (the log) goes to a file."""
 
-    def __init__(self, data_dir: Path, log_path: Path, config: Path | None = None) -> None:
+    def __init__(self, data_dir: Path, log_path: Path, config: Path | None = None, *,
+                 host: str = HOST) -> None:
+        self.host = host  # another loopback address (127.0.0.11) for fleet tests
         self.data_dir = data_dir
         self.log_path = log_path
         self.config = config
@@ -217,7 +219,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 30.0, *, rpc_port: int = 0) -> ServerProcess:
         """Start it; `rpc_port` (else any free port) lets a restart keep its address."""
-        cmd = [str(QUEUED), "serve", "--data-dir", str(self.data_dir), "--host", HOST,
+        cmd = [str(QUEUED), "serve", "--data-dir", str(self.data_dir), "--host", self.host,
                "--memcache-port", "0", "--text-port", "0", "--rpc-port", str(rpc_port),
                "--http-port", "0"]
         if self.config is not None:

@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 
 import pytest
 import trio
+import trustme
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-import trustme
 from server_util import HOST, QUEUED, WAIT, ServerProcess, make_config, running
 
 from queued.client import (

@@ -698,3 +698,75 @@ async def test_real_server_exposes_what_dashboard_and_alerts_use(tmp_path: Path)
     for name, labels in METRIC_LABELS.items():
         if name in exposed:
             assert labels <= exposed[name], f"{name}: labels {sorted(exposed[name])}"
+
+
+# -- a fleet (issue 20) --------------------------------------------------------------------------
+
+
+def test_k8s_runs_a_fleet_clients_find_through_dns() -> None:
+    statefulset = k8s_one("StatefulSet")
+    spec = statefulset["spec"]
+    pod_labels = spec["template"]["metadata"]["labels"]
+    assert spec["replicas"] >= 3 and spec["podManagementPolicy"] == "Parallel"
+    # The headless Service is what clients resolve: its name in a dns:// address, and
+    # the manifests say so.
+    headless = spec["serviceName"]
+    (service,) = [o for o in k8s_objects() if o["kind"] == "Service"
+                  and o["metadata"]["name"] == headless]
+    assert service["spec"]["clusterIP"] == "None"
+    rpc = {p["name"]: p["port"] for p in service["spec"]["ports"]}["rpc"]
+    address = f"dns://{headless}.<namespace>.svc.cluster.local:{rpc}"
+    assert address in (K8S / "statefulset.yaml").read_text()
+    assert address in (K8S / "service.yaml").read_text()
+    # One pod per node where possible.
+    pod = spec["template"]["spec"]
+    (term,) = pod["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+    # Drains take one server at a time.
+    pdb = k8s_one("PodDisruptionBudget")["spec"]
+    assert pdb["maxUnavailable"] == 1
+    assert pdb["selector"]["matchLabels"].items() <= pod_labels.items()
+    # preStop lets the pod leave the DNS answer before SIGTERM; the grace period covers
+    # it, shutdown_grace for the sessions' batch, and checkpoints and fsyncs.
+    command = container()["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "/opt/queued/bin/python"  # the image's Python (no shell sleep)
+    match = re.fullmatch(r"import time; time\.sleep\((\d+)\)", command[-1])
+    assert match is not None, command
+    assert (pod["terminationGracePeriodSeconds"] * 1000
+            >= int(match[1]) * 1000 + DEFAULTS.shutdown_grace + 10_000)
+
+
+def test_k8s_replicated_storage_class_example() -> None:
+    path = K8S / "storage" / "longhorn.yaml"
+    (storage_class,) = load_docs(path)
+    assert storage_class["kind"] == "StorageClass"
+    assert storage_class["provisioner"] == "driver.longhorn.io"
+    assert storage_class["parameters"]["numberOfReplicas"] == "3"
+    assert storage_class["reclaimPolicy"] == "Retain"
+    text = path.read_text()
+    assert "fsync waits" in text  # its cost is said where it is chosen
+    name = storage_class["metadata"]["name"]
+    assert f"storageClassName: {name}" in (K8S / "statefulset.yaml").read_text()
+    # Cluster-wide and needing Longhorn: applied on its own, not by the kustomization.
+    assert "storage/longhorn.yaml" not in load_one(K8S / "kustomization.yaml")["resources"]
+
+
+def test_compose_fleet_profile() -> None:
+    services = compose()["services"]
+    queued = services["queued"]
+    fleet = {name: s for name, s in services.items() if name.startswith("queued")}
+    assert len(fleet) == 3
+    assert all(s.get("profiles") == ["fleet"] for n, s in fleet.items() if n != "queued")
+    assert "profiles" not in queued  # `docker compose up` alone still starts one server
+    data = {mounts(s)[DATA_DIR] for s in fleet.values()}
+    assert len(data) == 3 and data <= set(compose()["volumes"])  # a journal volume each
+    published = [str(p).split(":")[1] for s in fleet.values() for p in s["ports"]]
+    assert len(published) == len(set(published))
+    for name, server in fleet.items():
+        assert server["image"] == queued["image"], name
+        assert server["environment"] == queued["environment"], name
+        assert server["networks"]["default"]["aliases"] == ["queued-fleet"], name
+        assert mounts(server).keys() == mounts(queued).keys(), name
+    assert "dns://queued-fleet:2229" in COMPOSE.read_text()

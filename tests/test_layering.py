@@ -22,7 +22,7 @@ import queued
 ROOT = Path(queued.__file__).resolve().parent
 #: Modules of the pure layer and what they may never import (directly or through another
 #: queued module).
-PURE = ("queued.core.", "queued.client.core", "queued.client.wire")
+PURE = ("queued.core.", "queued.client.core", "queued.client.servers", "queued.client.wire")
 FORBIDDEN = {"trio", "socket", "os", "time", "prometheus_client", "select", "selectors",
              "threading", "asyncio", "subprocess", "importlib"}
 #: Layer of each module (by prefix, longest first) and the layers it may import.

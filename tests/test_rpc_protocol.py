@@ -289,7 +289,8 @@ def assert_sticky(parser: RpcParser, err: RpcError) -> None:
         parser.receive_data(more)
         with pytest.raises(RpcError) as again:
             parser.next_event()
-        assert again.value is err
+        # the same failure (a new exception each time: see RpcParser._failed)
+        assert (str(again.value), again.value.reply) == (str(err), err.reply)
         assert again.value.close
 
 
@@ -1077,3 +1078,17 @@ def test_error_codes_are_stable() -> None:
 
 
 
+
+
+def test_a_new_parser_starts_small_and_its_buffer_grows_with_the_frames() -> None:
+    """msgpack's Unpacker starts with min(max_buffer_size, 1 MiB) unless told: that was
+    1 MiB of heap per RPC connection, whatever it sent."""
+    parsers: list[RpcParser] = []
+    assert peak_of(lambda: parsers.append(RpcParser())) < 256 * 1024  # the default 64 MiB cap
+    parser = parsers[0]
+    data = bytes(range(256)) * (3 * 4096)  # 3 MiB: past the first buffer many times
+    frame = msgpack.packb([0, 7, "put", ["q", [data]]], use_bin_type=True)
+    for k in range(0, len(frame), 100_000):
+        parser.receive_data(frame[k:k + 100_000])
+    ev = parser.next_event()
+    assert isinstance(ev, rp.Request) and ev.msgid == 7 and ev.params == ["q", [data]]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from queued.core.queue import Item, Reader
+from queued.core.queue import NO_ITEMS, Item, Reader
 
 if TYPE_CHECKING:
     from queued.config import QueueConfig
@@ -32,18 +32,22 @@ class Waiter:
 
 
 
+#: A reader's earlier names, for the many that have none (one object for all).
+NO_ALIASES: frozenset[str] = frozenset()
+
+
 class Handle:
     """A reader plus what only the async side needs: waiters, refill lock."""
 
     def __init__(self, reader: Reader, config: QueueConfig) -> None:
         self.reader = reader
         self.config = config
-        self.waiters: deque[Waiter] = deque()
+        self.waiters: deque[Waiter] = NO_ITEMS  # a deque from the first wait on
         self._refill_lock: trio.Lock | None = None  # made on first use: most readers never
         self.refilling = False  # a background refill task runs for it
         self.closed = False
         #: earlier names of this reader (the default reader it took over)
-        self.aliases: set[str] = set()
+        self.aliases: frozenset[str] = NO_ALIASES
 
     @property
     def refill_lock(self) -> trio.Lock:

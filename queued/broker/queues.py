@@ -29,7 +29,7 @@ from queued.core.errors import (
     QueueClosedError,
     QueueFullError,
 )
-from queued.core.queue import Item
+from queued.core.queue import NO_ITEMS, Item
 from queued.storage.journal import QueueJournal, Ticket, put_overhead, wait_durable
 from queued.storage.recovery import SegmentInfo
 
@@ -117,7 +117,7 @@ class QueueState:
         self.clock = clock
         self.background = background
         self.readers: dict[str, Handle] = {}
-        self.inflight: deque[Inflight] = deque()
+        self.inflight: deque[Inflight] = NO_ITEMS  # a deque from the first put on
         self.inflight_items = 0
         self.inflight_bytes = 0
         self.delivered = journal.last_id  # highest id handed to the readers
@@ -165,6 +165,8 @@ class QueueState:
         puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
                                                   due_ms)
         entry = Inflight(puts, nbytes, due_ms)
+        if self.inflight is NO_ITEMS:
+            self.inflight = deque()
         self.inflight.append(entry)
         self.inflight_items += n
         self.inflight_bytes += nbytes
@@ -216,6 +218,8 @@ class QueueState:
                 self.serve(h)
             if entry.due_ms is not None:
                 self.background.delays_changed(entry.due_ms)
+        if not self.inflight:
+            self.inflight = NO_ITEMS  # (most queues are idle most of the time)
 
     # -- gets --------------------------------------------------------------------------------
 
@@ -243,6 +247,8 @@ class QueueState:
         caller unless `peek`, None if none came. If the wait is cancelled after an
         item was handed over, the item goes back unharmed."""
         w = Waiter(peek)
+        if h.waiters is NO_ITEMS:
+            h.waiters = deque()
         h.waiters.append(w)
         try:
             with trio.move_on_at(deadline):

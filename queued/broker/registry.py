@@ -208,7 +208,7 @@ class Registry:
             del qs.readers[""]
             taken.config = self.reader_config(qs.name, name)
             taken.reader.limits = taken.config
-            taken.aliases.add("")  # open reads taken as `q` are still confirmed as `q`
+            taken.aliases |= {""}  # open reads taken as `q` are still confirmed as `q`
             qs.readers[name] = taken
         log.info("queue %s: reader %r took over the default reader", qs.name, name)
         return taken

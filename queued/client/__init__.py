@@ -34,8 +34,8 @@ from queued.client.core import (
     TooManyQueues,
     Unauthenticated,
     UnknownMethod,
-    parse_servers,
 )
+from queued.client.servers import parse_servers
 from queued.client.sync import Client, Consumer
 
 __all__ = [

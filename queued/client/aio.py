@@ -24,10 +24,8 @@ from queued.client.core import (
     ConnectionFailed,
     Data,
     Item,
-    Pool,
     QueueInfo,
     Servers,
-    ServerState,
     all_failed,
     check_delay,
     check_flags,
@@ -35,12 +33,21 @@ from queued.client.core import (
     check_timeouts,
     encode_items,
     int_result,
-    lookup,
     queue_info,
     settle_groups,
     to_items,
 )
-from queued.client.io_trio import Connection, Lock, Network, call_gate, checkpoint, now, shielded
+from queued.client.io_trio import (
+    Connection,
+    Lock,
+    Network,
+    call_gate,
+    checkpoint,
+    now,
+    resolve,
+    shielded,
+)
+from queued.client.servers import Pool, ServerState, lookup
 from queued.client.tls import TlsOption, login, tls_context
 from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 
@@ -62,15 +69,31 @@ class AsyncClient:
     client runs one call at a time: threads may share one, but use one per thread for
     concurrency (a long-polling get holds the others up).
 
-    Several servers (no cluster: the client chooses): each put goes to the next server in
-    round robin; a get asks each server with timeout 0 starting at its own rotating
-    cursor, then long-polls one in turn for at most `poll_slice` seconds until its timeout
-    runs out. A server whose connection fails (refused, reset, timed out) or that answers
-    SHUTTING_DOWN or BUSY is skipped for `backoff` seconds, doubling per failure up to
-    `max_backoff`, and the call is retried on the next server; when every server fails,
-    the call raises (ConnectionFailed, or the one server's own error). A call on a reused
-    connection that turns out broken is first re-sent once on a fresh connection, so
-    delivery is at-least-once: such a put may be stored twice.
+    Several servers (no cluster: the client chooses): each client takes its servers in its
+    own random order, so many short-lived clients spread their puts as one long-lived
+    client does; each put goes to the next server in that round robin; a get asks each
+    server with timeout 0 starting at its own rotating cursor, then long-polls one in
+    turn for at most `poll_slice` seconds until its timeout runs out. A server whose
+    connection fails (refused, reset, timed out) or that answers SHUTTING_DOWN or BUSY is
+    skipped for `backoff` seconds, doubling per failure up to `max_backoff`, and the call
+    goes on to the next server (failover; the caller sees nothing); when every server
+    fails, the call raises (ConnectionFailed, or the one server's own error). A put that
+    a server acknowledged is never sent again; one whose reply never came (the
+    connection broke, or read_timeout passed, after it was sent) is ambiguous: it is
+    re-sent once on a fresh connection if the broken one was reused, then to the next
+    server, so delivery is at-least-once: such a put may be stored twice. Open reads
+    stay with the connection that got them: confirm and abort go there.
+
+    Discovery: a server `dns://NAME:PORT` stands for every address NAME resolves to (A
+    and AAAA: a Kubernetes headless Service), `dns+srv://_service._proto.NAME` for its SRV
+    records; `?refresh=SECONDS` (default 30) and `?nameserver=HOST:PORT` (default: the
+    system's resolver). Names are resolved on first use, again every refresh seconds
+    and soon after a connection to one of their servers fails (a put whose servers all
+    failed looks again at once and tries any new ones); servers that appear join
+    the rotation, servers that disappear leave it, their connection closed once its open
+    reads are settled (or their auto-abort time has passed). A name that fails
+    to resolve keeps the servers it gave last. Over TLS, a discovered server's
+    certificate must carry the name (the SRV target's name for dns+srv).
     peek/flush/delete/flush_all/stats ask every server and raise if any fails.
     max_frame and max_batch cap what the client accepts from a server (a get's reply,
     a stats map); keep them at least the servers' rpc_max_frame and rpc_max_batch.
@@ -96,7 +119,6 @@ class AsyncClient:
         check_timeouts(connect_timeout, read_timeout, poll_slice)
         self._login = login(user, password)
         self._pool = Pool(servers, backoff, max_backoff)
-        self.servers: tuple[str, ...] = tuple(s.address for s in self._pool.servers)
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.poll_slice = poll_slice
@@ -107,9 +129,21 @@ class AsyncClient:
         # Held by each public call: the blocking client's serializes threads, the trio
         # client's is always open (its calls are pipelined).
         self._gate = call_gate()
-        self._connect_locks = {s.address: Lock() for s in self._pool.servers}
+        self._connect_locks: dict[str, Lock] = {}
+        self._resolving = Lock()
+        # Servers DNS no longer gives, by address: their connections close once idle.
+        self._leaving: set[str] = set()
+        # Per server: open reads got and not yet settled, and when the last of them
+        # auto-aborts (a count the server changed on its own is over by then).
+        self._held: dict[str, tuple[int, float]] = {}
         self._closed = False
         self._calls = self._connects = self._retries = self._unconfirmed = 0
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The servers now, "host:port" each, in this client's (random) order; dns://
+        names add theirs once resolved (on the first call)."""
+        return tuple(s.address for s in self._pool.servers)
 
     # -- lifetime
 
@@ -150,7 +184,7 @@ class AsyncClient:
         """The server's connection and whether it is fresh (opened now)."""
         if self._closed:
             raise ClientClosed("the client is closed")
-        async with self._connect_locks[server.address]:
+        async with self._connect_locks.setdefault(server.address, Lock()):
             conn = self._conns.get(server.address)
             if conn is not None and not conn.closed:
                 return conn, False
@@ -193,6 +227,41 @@ class AsyncClient:
         self._calls += 1
         return conn.serial, await conn.call(method, params, wait)
 
+    async def _order(self, kind: str) -> list[ServerState]:
+        """The servers to try for a call of `kind` ("put" or "get"), names resolved first."""
+        if self._pool.names:
+            await self._discover()
+        return self._pool.order(kind, now())
+
+    async def _discover(self) -> None:
+        """Resolve the DNS names that are due; one task does it while the others go on
+        with the servers they have (or wait, when there are none yet)."""
+        if self._pool.due(now()) and not (self._resolving.locked() and self._pool.servers):
+            async with self._resolving:
+                for name in self._pool.due(now()):
+                    try:
+                        found = await resolve(name, self.connect_timeout)
+                    except ConnectionFailed as exc:
+                        self._pool.resolve_failed(name, str(exc), now())
+                        continue
+                    self._pool.resolved(name, found, now())
+        # Connections to servers no name gives any more (a task that chose its server
+        # before a look-up may have opened one since) close once idle.
+        self._leaving |= self._conns.keys() - self._pool.by_address.keys()
+        for address in list(self._leaving):
+            conn = self._conns.get(address)
+            held, until = self._held.get(address, (0, 0.0))
+            if address in self._pool.by_address:  # it came back
+                self._leaving.discard(address)
+            elif (conn is None or conn.closed
+                  or (not conn.busy and (held <= 0 or until <= now()))):
+                if conn is not None:
+                    conn.close(ClientClosed(f"{address} left its DNS name"))
+                    del self._conns[address]
+                self._leaving.discard(address)
+                self._connect_locks.pop(address, None)
+                self._held.pop(address, None)
+
     async def _failover(self, order: list[ServerState], method: str, params: list[Any],
                         wait: float) -> tuple[ServerState, int, Any]:
         errors: list[ClientError] = []
@@ -213,7 +282,9 @@ class AsyncClient:
         answers: list[tuple[str, Any]] = []
         errors: list[ClientError] = []
         with self._gate:
-            for server in self._pool.servers:
+            if self._pool.names:
+                await self._discover()
+            for server in list(self._pool.require()):
                 try:
                     _, result = await self._on(server, method, params, self.read_timeout)
                 except FAILOVER as exc:
@@ -235,9 +306,12 @@ class AsyncClient:
         rotation, with failover.
         """
         with self._gate:
-            order = ([lookup(self._pool, server)] if server is not None
-                     else self._pool.order("put", now()))
-            _, _, result = await self._failover(order, method, list(params), self.read_timeout)
+            if server is not None:
+                order = [lookup(self._pool, server)]
+                _, _, result = await self._failover(order, method, list(params),
+                                                    self.read_timeout)
+            else:
+                result = await self._put_rotation(method, list(params))
         return result
 
     async def put(self, queue: str, items: Data | Iterable[Data], expiration_ms: int = 0,
@@ -257,9 +331,25 @@ class AsyncClient:
         if delay_ms:  # (servers before delays take four)
             params.append(delay_ms)
         with self._gate:
-            order = self._pool.order("put", now())
-            _, _, result = await self._failover(order, "put", params, self.read_timeout)
+            result = await self._put_rotation("put", params)
         return int_result(result, "put")
+
+    async def _put_rotation(self, method: str, params: list[Any]) -> Any:
+        """The call on the next server of the put rotation, with failover. When every
+        server failed and a DNS name then gives servers not tried yet (the fleet moved:
+        pods rescheduled to new addresses), those are tried too."""
+        order = await self._order("put")
+        try:
+            return (await self._failover(order, method, params, self.read_timeout))[2]
+        except FAILOVER:
+            if not self._pool.names:
+                raise
+            tried = {s.address for s in order}
+            await self._discover()
+            fresh = [s for s in self._pool.servers if s.address not in tried]
+            if not fresh:
+                raise
+        return (await self._failover(fresh, method, params, self.read_timeout))[2]
 
     async def get(self, queue: str, max_items: int = 1, timeout_ms: int = 0,
                   auto_abort_ms: int = 0, *, with_flags: bool = False) -> list[Item]:
@@ -273,7 +363,7 @@ class AsyncClient:
         check_get(max_items, timeout_ms, auto_abort_ms)
         with self._gate:
             deadline = now() + timeout_ms / 1000
-            order = self._pool.order("get", now())
+            order = await self._order("get")
             if len(order) == 1:
                 return await self._get_from(order, queue, max_items, timeout_ms,
                                             auto_abort_ms, with_flags, first_answer=True)
@@ -284,12 +374,12 @@ class AsyncClient:
                 if items or left_ms <= 0:
                     return items
                 wait_ms = min(left_ms, int(self.poll_slice * 1000))
-                order = self._pool.order("get", now())  # skips any just failed
+                order = await self._order("get")  # skips any just failed
                 items = await self._get_from(order, queue, max_items, wait_ms, auto_abort_ms,
                                              with_flags, first_answer=True)
                 if items:
                     return items
-                order = self._pool.order("get", now())
+                order = await self._order("get")
 
     async def _get_from(self, order: list[ServerState], queue: str, max_items: int,
                         timeout_ms: int, auto_abort_ms: int, with_flags: bool, *,
@@ -309,6 +399,10 @@ class AsyncClient:
                 continue
             self._pool.ok(server)
             items = to_items(result, queue, server.address, serial if auto_abort_ms else 0)
+            if items and auto_abort_ms:
+                held, until = self._held.get(server.address, (0, 0.0))
+                self._held[server.address] = (held + len(items),
+                                              max(until, now() + auto_abort_ms / 1000))
             if items or first_answer:
                 return items
         if len(errors) == len(order):
@@ -334,6 +428,9 @@ class AsyncClient:
         total = 0
         with self._gate:
             for (address, queue, serial), ids in settle_groups(items).items():
+                if address in self._held:
+                    held, until = self._held[address]
+                    self._held[address] = (max(0, held - len(ids)), until)
                 conn = self._conns.get(address)
                 if serial == 0 or conn is None or conn.serial != serial or conn.closed:
                     continue

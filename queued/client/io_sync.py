@@ -15,12 +15,13 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+from queued.client import discovery
 from queued.client.core import (
     ClientError,
     ConnectionFailed,
-    ServerState,
     call_error,
 )
+from queued.client.servers import ServerState
 from queued.client.tls import TlsChannel, handshake_failure
 from queued.client.wire import RECV, ClientConnection, closes
 from queued.core.rpc_protocol import Response
@@ -36,6 +37,10 @@ def call_gate() -> AbstractContextManager[Any]:
 
 def checkpoint() -> None:
     """Blocking code has no other task to let run."""
+
+
+#: What a `dns://` name gives now (blocking code looks it up in place).
+resolve = discovery.resolve
 
 
 @contextmanager
@@ -76,6 +81,9 @@ class Connection(ClientConnection):
                                    server.address) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock if tls is None else _handshake(sock, tls, server, deadline)
+
+    #: A blocking connection holds no call between calls (the client's gate serializes them).
+    busy = False
 
     def close(self, error: ClientError) -> None:
         self.end(error)
@@ -127,7 +135,7 @@ def _handshake(sock: socket.socket, context: ssl.SSLContext, server: ServerState
     """`sock` after a client handshake (the connect timeout covers both); closed if it fails."""
     try:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        tls = TlsSocket(sock, context, server.host)
+        tls = TlsSocket(sock, context, server.tls_name or server.host)
         tls.handshake()
         return tls
     except TimeoutError as exc:

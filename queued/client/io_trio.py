@@ -16,16 +16,17 @@ from typing import Any
 
 import trio
 
+from queued.client import discovery
 from queued.client.core import (
     BadResponse,
     ClientClosed,
     ClientError,
     ConnectionFailed,
     RpcCallError,
-    ServerState,
     Timeout,
     call_error,
 )
+from queued.client.servers import Discovery, ServerState
 from queued.client.tls import TlsChannel, handshake_failure
 from queued.client.wire import RECV, ClientConnection, closes
 from queued.core.rpc_protocol import Response
@@ -38,6 +39,13 @@ checkpoint = trio.lowlevel.checkpoint
 def call_gate() -> AbstractContextManager[Any]:
     """An AsyncClient's calls run concurrently (pipelined), so they pass an open gate."""
     return nullcontext()
+
+
+async def resolve(name: Discovery, timeout: float) -> discovery.Found:
+    """What a `dns://` name gives now, looked up in a worker thread (as trio's own
+    getaddrinfo is); a cancelled look-up is left to finish on its own."""
+    return await trio.to_thread.run_sync(discovery.resolve, name, timeout,
+                                         abandon_on_cancel=True)
 
 
 @contextmanager
@@ -97,7 +105,7 @@ class Network:
 async def _handshake(tcp: trio.SocketStream, context: ssl.SSLContext, server: ServerState,
                      deadline: float) -> TlsStream:
     """`tcp` after a client handshake (the connect timeout covers both); closed if it fails."""
-    tls = TlsStream(tcp, context, server.host)
+    tls = TlsStream(tcp, context, server.tls_name or server.host)
     try:
         with trio.fail_at(deadline):
             await tls.handshake()
@@ -179,6 +187,11 @@ class Connection(ClientConnection):
         self.sock = sock  # closing it ends the stream now, without a (TLS) goodbye
         self.pending: dict[int, _Slot] = {}
         self.send_lock = trio.Lock()
+
+    @property
+    def busy(self) -> bool:
+        """Calls wait for replies on it (closing it now would fail them)."""
+        return bool(self.pending)
 
     def close(self, error: ClientError) -> None:
         """End the connection now (sync, so it works in finally blocks and cancellations)."""

@@ -59,6 +59,8 @@ _T = TypeVar("_T")
 
 def override(obj: _T, changes: Mapping[str, object]) -> _T:
     """dataclasses.replace with changes whose types the key tables already checked."""
+    if not changes:
+        return obj  # frozen: shared (a server may hold 10,000 queues of the default)
     typed: dict[str, Any] = dict(changes)
     return dataclasses.replace(obj, **typed)  # type: ignore[type-var]
 

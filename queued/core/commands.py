@@ -332,6 +332,14 @@ class Request:
 Parsed: TypeAlias = "Request | ProtocolError | ConnectionClosed"
 
 
+def detached(e: ProtocolError) -> ProtocolError:
+    """`e` without its traceback and the exception it was raised from, to be kept in a
+    list of parsed requests: their frames hold that list (and the parser), and such a
+    cycle kept every refused connection's buffers until a full garbage collection."""
+    e.__context__ = e.__cause__ = None
+    return e.with_traceback(None)
+
+
 def next_requests(codec: Codec, limit: int) -> list[Parsed]:
     """Up to `limit` requests parsed from what `codec` has buffered, in order, with each
     ProtocolError in its place (a closing one ends the list) and ConnectionClosed last
@@ -342,7 +350,7 @@ def next_requests(codec: Codec, limit: int) -> list[Parsed]:
         try:
             r = next_request()
         except ProtocolError as e:
-            append(e)
+            append(detached(e))
             if e.close:
                 break
             continue

@@ -6,7 +6,7 @@ Owns the tables: parser event -> command, (command, reply) -> reply bytes, error
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from queued.core import commands as c
@@ -85,13 +85,11 @@ def _values(ev: mc.Get, reply: c.Items | c.Done, gets: int = 1) -> bytes:
 
 
 def _stats(ev: mc.Stats | mc.DumpStats, reply: c.Value) -> bytes:
-    queues: dict[str, dict[str, object]] = reply.value["queues"]
+    queues: Mapping[str, Mapping[str, object]] = reply.value["queues"]
     if isinstance(ev, mc.DumpStats):
         return mc.dump_stats((name, fields.items()) for name, fields in queues.items())
-    pairs = list(reply.value["server"].items())
-    for name, fields in queues.items():
-        pairs.extend((f"queue_{name}_{k}", v) for k, v in fields.items())
-    return mc.stats(pairs)
+    return mc.queue_stats(reply.value["server"].items(),
+                          ((name, fields.items()) for name, fields in queues.items()))
 
 
 #: parser event type -> the bytes of its successful reply
@@ -189,7 +187,7 @@ class MemcacheCodec(c.LineCodec):
             try:
                 ev = next_event()
             except ProtocolError as e:
-                append(e)
+                append(c.detached(e))
                 last = None
                 if e.close:
                     break

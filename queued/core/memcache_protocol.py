@@ -234,19 +234,38 @@ def stat(name: str, val: object) -> bytes:
 
 
 def stats(pairs: Iterable[tuple[str, object]]) -> bytes:
-    """`STAT name value` lines then END; per-queue names are `queue_<name>_<field>`."""
+    """`STAT name value` lines then END."""
     return b"".join(stat(k, v) for k, v in pairs) + end()
 
 
-def dump_stats(queues: Iterable[tuple[str, Iterable[tuple[str, object]]]]) -> bytes:
-    """Kestrel's readable grouping: `queue 'q' {`, `  field=value` lines, `}`, then END."""
-    out = []
+def queue_stats(server: Iterable[tuple[str, object]],
+                queues: Iterable[tuple[str, Iterable[tuple[str, object]]]]) -> bytes:
+    """`stats`: the server's lines, then `queue_<name>_<field>` lines, then END.
+
+    One chunk per queue, so a reply for thousands of queues never holds a small object
+    per line at once: a burst of millions of them would leave the allocator's arenas
+    pinned by whatever long-lived objects were made meanwhile (RSS that does not come
+    back)."""
+    chunks = [b"".join(stat(k, v) for k, v in server)]
     for name, fields in queues:
-        out.append(b"queue '" + _token(name, "queue name") + b"' {\r\n")
-        out.extend(b"  " + _token(k, "stat name") + b"=" + _text(str(v)) + b"\r\n"
-                   for k, v in fields)
-        out.append(b"}\r\n")
-    return b"".join(out) + end()
+        prefix = "queue_" + name + "_"
+        chunks.append(b"".join(stat(prefix + k, v) for k, v in fields))
+    chunks.append(end())
+    return b"".join(chunks)
+
+
+def dump_stats(queues: Iterable[tuple[str, Iterable[tuple[str, object]]]]) -> bytes:
+    """Kestrel's readable grouping: `queue 'q' {`, `  field=value` lines, `}`, then END.
+    One chunk per queue, as in `queue_stats`."""
+    chunks = []
+    for name, fields in queues:
+        chunks.append(b"".join([
+            b"queue '" + _token(name, "queue name") + b"' {\r\n",
+            *(b"  " + _token(k, "stat name") + b"=" + _text(str(v)) + b"\r\n"
+              for k, v in fields),
+            b"}\r\n"]))
+    chunks.append(end())
+    return b"".join(chunks)
 
 
 # -- parser ---------------------------------------------------------------------------------

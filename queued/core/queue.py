@@ -34,7 +34,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Final, Protocol
 
 from queued.core.journal_format import DelayedPut, Put
 
@@ -64,6 +64,12 @@ def key_due(key: int) -> int:
 
 #: Most ids a flush lists in `done` while a lower id is still open (see Reader.flush).
 FLUSH_DONE_CAP = 100_000
+
+#: What a reader's front, mem and due hold until their first item: an empty deque costs
+#: ~760 B (its first block is made with it), a server may hold 10,000 mostly empty queues,
+#: and the empty tuple reads as an empty deque (len, truth, iteration). It is immutable, so
+#: a write that forgot to make a deque first fails at once instead of sharing state.
+NO_ITEMS: Final[Any] = ()
 
 
 class ReaderLimits(Protocol):
@@ -111,8 +117,9 @@ class Reader:
         self.queue = queue
         self.name = name
         self.limits = limits
-        self.front: deque[Item] = deque()
-        self.mem: deque[Item] = deque()
+        # Unused, these three hold NO_ITEMS (see there); a deque is made on first use.
+        self.front: deque[Item] = NO_ITEMS
+        self.mem: deque[Item] = NO_ITEMS
         self.mem_bytes = 0
         self.behind: int | None = None
         self.tail = tail
@@ -131,7 +138,7 @@ class Reader:
                                        if i > head and i not in self.done}
         self.delayed: list[int] = []  # heap of delay_key(due, id, size), not due yet
         self.parked: dict[int, Item] = {}  # data of delayed items held in memory
-        self.due: deque[Item | int] = deque()  # due: items, or keys whose data is on disk
+        self.due: deque[Item | int] = NO_ITEMS  # due: items, or keys whose data is on disk
         #: lowest id delayed or due, or lower (exact while `low_exact`); None: none since
         #: the last checkpoint (then consume may move the head itself)
         self.delay_low: int | None = None
@@ -141,6 +148,13 @@ class Reader:
         self.create_time_ms = create_time_ms
         self.counters = ReaderCounters()
 
+    def _mem(self) -> deque[Item]:
+        """`mem`, made a deque on first use."""
+        mem = self.mem
+        if mem is NO_ITEMS:
+            mem = self.mem = deque()
+        return mem
+
     # -- filling ---------------------------------------------------------------------
 
     def restore(self, mem: Iterable[Item], behind: int | None, items: int, nbytes: int) -> None:
@@ -149,7 +163,7 @@ class Reader:
         for it in mem:
             if self.errors and it.id in self.errors:
                 it = dataclasses.replace(it, error_count=self.errors[it.id])
-            self.mem.append(it)
+            self._mem().append(it)
             self.mem_bytes += len(it.data)
         self.behind = behind
         self.items += items
@@ -163,6 +177,8 @@ class Reader:
         data is in memory).
         """
         for dq in (self.front, self.mem):
+            if not dq:
+                continue  # (NO_ITEMS, perhaps)
             keep = [it for it in dq if it.id > last_id]
             for it in dq:
                 if it.id <= last_id:
@@ -208,7 +224,7 @@ class Reader:
                 self._forget(i, size, held)
             else:
                 kept.append(entry)
-        self.due = kept
+        self.due = kept or NO_ITEMS
         return gone
 
     def _forget(self, item_id: int, size: int, held: Item | None) -> None:
@@ -235,7 +251,7 @@ class Reader:
             if type(it) is DelayedPut:
                 self.delay(it, it.due_ms)
             elif self.behind is None and (self.mem_bytes + n <= cap or not self.mem_bytes):
-                self.mem.append(it)
+                self._mem().append(it)
                 self.mem_bytes += n
             elif self.behind is None:
                 self.behind = it.id
@@ -274,7 +290,12 @@ class Reader:
 
     def promote(self, now_ms: int) -> int:
         """Delayed items due at `now_ms` join `due`, in due order; how many."""
-        heap, parked, due = self.delayed, self.parked, self.due
+        heap, parked = self.delayed, self.parked
+        if not heap or heap[0] >> DUE_SHIFT > now_ms:
+            return 0
+        due = self.due
+        if due is NO_ITEMS:
+            due = self.due = deque()
         n = 0
         while heap and heap[0] >> DUE_SHIFT <= now_ms:
             key = heapq.heappop(heap)
@@ -357,7 +378,7 @@ class Reader:
                 continue
             if errors and it.id in errors:
                 it = dataclasses.replace(it, error_count=errors[it.id])
-            self.mem.append(it)
+            self._mem().append(it)
             self.mem_bytes += len(it.data)
         self.behind = next_id if next_id <= self.tail else None
 
@@ -523,6 +544,8 @@ class Reader:
 
     def put_back(self, it: Item) -> None:
         """An item this reader had handed out goes back to the head."""
+        if self.front is NO_ITEMS:
+            self.front = deque()
         self.front.appendleft(it)
         n = len(it.data)
         self.mem_bytes += n
@@ -567,13 +590,13 @@ class Reader:
         ids += [key_id(e) if isinstance(e, int) else e.id for e in self.due]
         self.delayed = []
         self.parked.clear()
-        self.due.clear()
+        self.due = NO_ITEMS
         self.delays.clear()
         self.delay_low = None
         if self.behind is not None:
             ids.extend(range(self.behind, self.tail + 1))
-        self.front.clear()
-        self.mem.clear()
+        self.front = NO_ITEMS
+        self.mem = NO_ITEMS
         self.mem_bytes = 0
         self.behind = None
         self.items = 0

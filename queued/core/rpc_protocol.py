@@ -72,6 +72,8 @@ MAX_FLAGS: Final = 2**32 - 1  # memcache flags: 32-bit unsigned
 MAX_MAP_LEN: Final = 1024
 #: msgid is a 32-bit unsigned integer in the spec.
 MAX_MSGID: Final = 2**32 - 1
+#: The frame scanner's first buffer (see RpcParser); it grows with the frames.
+SCANNER_START: Final = 64 * 1024
 _PREFIX: Final = 16  # bytes of a frame kept to name its msgid in a too-large reply
 
 
@@ -179,7 +181,12 @@ class RpcParser:
             max_str_len=max_frame, max_bin_len=max_frame, max_array_len=max(max_batch, 4),
             max_map_len=max_map_len, max_ext_len=0,
         )
-        self._scanner = msgpack.Unpacker(max_buffer_size=max_frame + 1, **self._limits)
+        # read_size: the buffer it starts with (it grows to max_buffer_size as frames
+        # need). Left out, msgpack starts at min(max_buffer_size, 1 MiB): 1 MiB of heap
+        # for every RPC connection, even one that sends ten bytes.
+        self._scanner = msgpack.Unpacker(max_buffer_size=max_frame + 1,
+                                         read_size=min(max_frame + 1, SCANNER_START),
+                                         **self._limits)
         self._scanner_frame = max_frame
         self._pending = bytearray()  # received, not yet fed to the scanner
         self._buf = bytearray()  # fed to the scanner; the current frame starts at _pos
@@ -187,7 +194,11 @@ class RpcParser:
         self._fed = 0  # stream offset fed to the scanner
         self._frame_start = 0  # stream offset where the current frame begins
         self._eof = False
-        self._failed: RpcError | None = None
+        #: (code, message, msgid) of the failure every later call raises again, as a new
+        #: exception each time: one kept here would gather the frames of each raise in its
+        #: traceback, and those frames hold this parser: a cycle that kept every failed
+        #: connection's buffers until the garbage collector's next full pass.
+        self._failed: tuple[ErrorCode, str, int | None] | None = None
         self.frames = 0
 
     def set_limits(self, max_frame: int, max_batch: int) -> None:
@@ -210,7 +221,7 @@ class RpcParser:
 
     def next_event(self) -> Message | NeedData | ConnectionClosed:
         if self._failed is not None:
-            raise self._failed
+            raise RpcError(*self._failed, close=True)
         while True:
             try:
                 self._scanner.skip()
@@ -259,13 +270,13 @@ class RpcParser:
     def _fail(self, code: ErrorCode, message: str, *, msgid_known: bool = True) -> RpcError:
         msgid = _peek_msgid(bytes(self._buf[self._pos : self._pos + _PREFIX])) if (
             msgid_known) else None
-        self._failed = RpcError(code, message, msgid, close=True)
-        return self._failed
+        self._failed = (code, message, msgid)
+        return RpcError(code, message, msgid, close=True)
 
     def _shape(self, message: str) -> RpcError:
         """A whole frame that is MessagePack but not a MessagePack-RPC message."""
-        self._failed = RpcError(ErrorCode.MALFORMED, message, None, close=True)
-        return self._failed
+        self._failed = (ErrorCode.MALFORMED, message, None)
+        return RpcError(ErrorCode.MALFORMED, message, None, close=True)
 
     def _message(self, obj: Any) -> Message:
         if not isinstance(obj, list) or not obj or type(obj[0]) is not int:

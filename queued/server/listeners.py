@@ -30,7 +30,7 @@ from queued.core.rpc_commands import RpcCodec
 from queued.core.stats import ProtocolStats
 from queued.core.text_commands import TextCodec
 from queued.server.auth import Authenticator
-from queued.server.memory import trim_when_drained
+from queued.server.memory import pin_mmap_threshold, trim_when_drained
 from queued.server.metrics import disk_usage
 from queued.server.session import Guard, ServerCounters, Session
 from queued.server.tls import ServerTls, accept_transport
@@ -82,6 +82,7 @@ class Server:
     ) -> None:
         for proto, ls in listeners.items():
             self.ports[proto] = ls[0].socket.getsockname()[1]
+        pin_mmap_threshold()  # (process-wide; see queued.server.memory)
         async with trio.open_nursery() as outer:
             outer.start_soon(self._watch_disk)
             outer.start_soon(partial(trim_when_drained, self.broker.held_bytes,

@@ -11,6 +11,13 @@ received since the last look) after sending something: an idle server gives back
 the busy time left behind (a burst of hostile input, `stats` replies over thousands of
 queues) even when it is less than `TRIM_STEP`. A no-op where the C
 library has no malloc_trim (or there is no /proc).
+
+At start-up `pin_mmap_threshold` also fixes glibc's mmap threshold. By default glibc
+raises it (up to 32 MiB) each time a block it had mmap'd is freed, so after the first
+password check (scrypt takes 16 MiB) every later check took its 16 MiB from the heap of
+whichever thread ran it, and kept it there: a stream of failed logins grew RSS from 50 to
+168 MiB (glibc makes an arena per thread, up to 8 per core), and `malloc_trim` did not
+give it back. Pinned, blocks of `MMAP_THRESHOLD` and more are mapped and unmapped each time.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import ctypes.util
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -29,22 +37,33 @@ TRIM_CHECK_SECONDS = 5.0
 #: RSS beyond the items held, grown since the last trim, that makes the next one worthwhile.
 TRIM_STEP = 16 << 20
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+#: Blocks this size and over come from mmap and go back at free (see the docstring): over
+#: the 1 MiB items and 256 KiB receive buffers of a busy server, under scrypt's 16 MiB.
+MMAP_THRESHOLD = 4 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
-def _load_malloc_trim() -> Callable[[int], int] | None:
+def _libc(function: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    """The C library's `function` (int result), None where there is none (not glibc)."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None
     try:
-        fn = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc
+        fn = getattr(ctypes.CDLL(name), function)
+    except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_size_t]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
-    return fn
+    return fn  # type: ignore[no-any-return]
 
 
-_malloc_trim = _load_malloc_trim()
+_malloc_trim = _libc("malloc_trim", [ctypes.c_size_t])
+_mallopt = _libc("mallopt", [ctypes.c_int, ctypes.c_int])
+
+
+def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold at `threshold` (see the module docstring); True if set."""
+    return _mallopt is not None and bool(_mallopt(_M_MMAP_THRESHOLD, threshold))
 
 
 def trim() -> bool:

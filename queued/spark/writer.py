@@ -35,8 +35,8 @@ from queued.client.core import (
     RpcCallError,
     TooLarge,
     Unauthenticated,
-    parse_servers,
 )
+from queued.client.servers import parse_servers
 from queued.client.tls import tls_files_context
 from queued.core import journal_format as jf
 from queued.spark.options import (
@@ -126,7 +126,8 @@ class QueuedWriter(DataSourceArrowWriter):
         self.servers = options.get("server")
         if not self.servers:
             raise QueuedDataSourceError(
-                'the queued sink needs .option("server", "host:2229") (a comma list for several)')
+                'the queued sink needs .option("server", "host:2229") (a comma list for several, '
+                'or dns://NAME:2229 for every address of a DNS name)')
         try:
             parse_servers(self.servers)
         except ValueError as exc:
