@@ -165,6 +165,14 @@ def test_tls_channel_end_of_stream_mid_handshake_and_garbage(pki: Pki) -> None:
     with pytest.raises((ssl.SSLEOFError, ConnectionResetError)) as eof:
         channel.handshake()
     assert "TLS handshake failed" in handshake_failure("h:1", eof.value)
+    channel, srv, s_in, s_out = channel_pair(pki)
+    connect_channel(channel, srv, s_in, s_out)
+    srv.write(b"x" * 1000)
+    wire = s_out.read()
+    channel.feed(wire[:-10])  # a record torn by the end of the stream
+    channel.feed(b"")
+    channel.feed(b"")  # fed twice: still one end
+    assert channel.decrypt() == b"" and channel.decrypt() == b""
     channel, _, _, _ = channel_pair(pki)
     assert channel.handshake() is False
     channel.feed(b"HTTP/1.1 400 Bad Request\r\n\r\n")  # not TLS

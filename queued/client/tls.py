@@ -36,6 +36,7 @@ class TlsChannel:
         self.tls = context.wrap_bio(self.incoming, self.outgoing, server_hostname=host)
         self.plain = bytearray(PLAINTEXT_MAX)  # decrypted, before it is copied out
         self.ended = False  # the server ended the TLS session (or the stream)
+        self.stream_ended = False  # the end of the stream was fed
 
     def handshake(self) -> bool:
         """One step of the client handshake: True once it is done; False: send `to_send()`
@@ -45,7 +46,7 @@ class TlsChannel:
             self.tls.do_handshake()
             return True
         except ssl.SSLWantReadError:
-            if self.incoming.eof:
+            if self.stream_ended:
                 raise ConnectionResetError("the server closed the connection") from None
             return False
 
@@ -62,7 +63,8 @@ class TlsChannel:
         """Ciphertext received; empty: the end of the stream."""
         if data:
             self.incoming.write(data)
-        else:
+        elif not self.stream_ended:
+            self.stream_ended = True
             self.incoming.write_eof()
 
     def decrypt(self) -> bytes | None:
@@ -88,7 +90,7 @@ class TlsChannel:
                 n += got
             if n:
                 return bytes(view[:n])
-        if self.ended or incoming.eof:
+        if self.ended or self.stream_ended:  # nothing more will come (a torn record: gone)
             self.ended = True
             return b""
         return None
