@@ -41,6 +41,7 @@ import re
 import shutil
 import signal
 import ssl
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,7 @@ from typing import Any
 import trio
 from benchlib import BenchCerts, bucket, percentiles, proc_cpu_s, system_busy_s
 
+import queued
 from queued.client import AsyncClient, Client, Item
 
 REPO = Path(__file__).resolve().parent.parent
@@ -395,6 +397,8 @@ class Row:
     note: str = ""
     errors: list[str] = field(default_factory=list)
     tls: bool = False
+    server_us: float = 0.0  # server CPU per item, microseconds
+    client_us: float = 0.0  # the clients' CPU per item, microseconds
 
 
 def run_phase(server: Server, workers: Workers, fsync: str, op: str, label: str, size: int,
@@ -431,7 +435,8 @@ def run_phase(server: Server, workers: Workers, fsync: str, op: str, label: str,
     return Row(fsync, size, batch, conns, label, items, secs, items / secs,
                items * size / secs / MB, p50, p99, sum(p.calls for p in parts),
                srv / wall, client_cpu / wall, other / wall, "; ".join(notes), errors,
-               server.certs is not None)
+               server.certs is not None, srv / max(items, 1) * 1e6,
+               client_cpu / max(items, 1) * 1e6)
 
 
 def queue_name(size: int, batch: int, conns: int, tasks: int) -> str:
@@ -443,7 +448,8 @@ def print_row(r: Row) -> None:
     log(f"  {r.fsync:6s}{tls} {size_name(r.size):>6s} batch {r.batch:4d} x{r.conns} "
         f"{r.op:26s} {r.items_per_s:11,.0f} items/s {r.mb_per_s:8.1f} MB/s "
         f"p50 {r.p50_ms:7.2f} ms p99 {r.p99_ms:7.2f} ms  srv {r.server_cpu:4.0%} "
-        f"cli {r.client_cpu:4.0%} other {r.other_cpu:4.0%}  ({r.items:,} items, "
+        f"cli {r.client_cpu:4.0%} other {r.other_cpu:4.0%}  cpu/item srv "
+        f"{r.server_us:.2f} us cli {r.client_us:.2f} us  ({r.items:,} items, "
         f"{r.seconds:.2f} s){'  ' + r.note if r.note else ''}")
     for e in r.errors[:3]:
         log(f"    !! {e}")
@@ -501,6 +507,47 @@ class Bench:
             server.stop()
         log()
 
+    def paired_run(self, fsync: str, certs: BenchCerts) -> None:
+        """`--pairs N`: a plaintext and a TLS server side by side, each cell measured N times
+        on each, alternately (plaintext first, then TLS first, ...): the two sides of a
+        ratio are seconds apart, not minutes, on a machine whose load comes and goes."""
+        a = self.a
+        sides = [Server(Path(a.dir), fsync, None, a.queued_tree),
+                 Server(Path(a.dir), fsync, certs, a.queued_tree)]
+        pools: list[Workers] = []
+        try:
+            with contextlib.ExitStack() as stack:
+                controls = []
+                for server in sides:
+                    server.start()
+                    ca = certs.ca if server.certs is not None else None
+                    log(f"## fsync {fsync}{' over TLS' if ca else ''}: server pid "
+                        f"{server.pid}, rpc port {server.port}")
+                    pools.append(Workers(server.address, ca, max(a.conns)))
+                    controls.append(stack.enter_context(
+                        Client(server.address, read_timeout=READ_TIMEOUT, **client_tls(ca))))
+                for size in a.sizes:
+                    for batch in a.batches:
+                        for conns in a.conns:
+                            for i in range(a.pairs):
+                                order = (0, 1) if i % 2 == 0 else (1, 0)
+                                for k in order:
+                                    self.cell(sides[k], pools[k], controls[k], fsync, size,
+                                              batch, conns)
+            for server in sides:
+                over = " over TLS" if server.certs is not None else ""
+                self.memory[fsync + over] = server.memory_kib()
+        except Exception as exc:  # report, go on with the next policy
+            log(f"!! fsync {fsync} paired run failed: {exc!r}")
+            traceback.print_exc(file=sys.stdout)
+            self.failures.append(f"fsync {fsync} paired: {exc!r}")
+        finally:
+            for pool in pools:
+                pool.close()
+            for server in sides:
+                server.stop()
+        log()
+
     def cell(self, server: Server, workers: Workers, control: Client, fsync: str, size: int,
              batch: int, conns: int, tasks: int = 0) -> None:
         a = self.a
@@ -538,14 +585,29 @@ class Bench:
         return None
 
     def tls_ratios(self) -> list[dict[str, Any]]:
-        """Each cell measured both ways: TLS items/s over plaintext items/s."""
-        out = []
+        """Each cell measured both ways: TLS items/s over plaintext items/s. A cell measured
+        several times (`--pairs`) gives medians, and the median of its pairs' ratios."""
+        groups: dict[tuple[Any, ...], dict[bool, list[Row]]] = {}
         for r in self.rows:
-            plain = self.find(r.fsync, r.size, r.batch, r.conns, r.op, tls=False)
-            if r.tls and plain is not None and plain.items_per_s > 0:
-                out.append({"fsync": r.fsync, "size": r.size, "batch": r.batch,
-                            "conns": r.conns, "op": r.op, "plain": plain.items_per_s,
-                            "tls": r.items_per_s, "ratio": r.items_per_s / plain.items_per_s})
+            key = (r.fsync, r.size, r.batch, r.conns, r.op)
+            groups.setdefault(key, {False: [], True: []})[r.tls].append(r)
+        out = []
+        for (fsync, size, batch, conns, op), by in groups.items():
+            pairs = [(p, t) for p, t in zip(by[False], by[True], strict=False)
+                     if p.items_per_s > 0]
+            if not pairs:
+                continue
+            med = statistics.median
+            out.append({"fsync": fsync, "size": size, "batch": batch, "conns": conns,
+                        "op": op, "pairs": len(pairs),
+                        "plain": med(p.items_per_s for p, _ in pairs),
+                        "tls": med(t.items_per_s for _, t in pairs),
+                        "ratio": med(t.items_per_s / p.items_per_s for p, t in pairs),
+                        "pair_ratios": [t.items_per_s / p.items_per_s for p, t in pairs],
+                        "plain_server_us": med(p.server_us for p, _ in pairs),
+                        "tls_server_us": med(t.server_us for _, t in pairs),
+                        "plain_client_us": med(p.client_us for p, _ in pairs),
+                        "tls_client_us": med(t.client_us for _, t in pairs)})
         return out
 
     def headline(self) -> list[dict[str, str]]:
@@ -585,13 +647,14 @@ class Bench:
         log("## results (latency per batch: one put call; one get plus its confirm)")
         log()
         log("| fsync | tls | size | batch | conns | op | items/s | MB/s | p50 ms | p99 ms | "
-            "server CPU | clients CPU | other CPU | note |")
-        log("|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
+            "server CPU | clients CPU | other CPU | server us/item | clients us/item | note |")
+        log("|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in self.rows:
             log(f"| {r.fsync} | {'yes' if r.tls else 'no'} | {size_name(r.size)} | {r.batch} | "
                 f"{r.conns} | {r.op} | "
                 f"{r.items_per_s:,.0f} | {r.mb_per_s:,.1f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | "
-                f"{r.server_cpu:.0%} | {r.client_cpu:.0%} | {r.other_cpu:.0%} | {r.note} |")
+                f"{r.server_cpu:.0%} | {r.client_cpu:.0%} | {r.other_cpu:.0%} | "
+                f"{r.server_us:.2f} | {r.client_us:.2f} | {r.note} |")
         log()
         for fsync, mem in self.memory.items():
             log(f"server fsync {fsync}: VmHWM (peak RSS) {mem.get('VmHWM', 0) / KiB:.0f} MiB, "
@@ -602,11 +665,17 @@ class Bench:
             log("## TLS / plaintext (items/s of the same cell; the issue wants >= 0.8 for "
                 "batch 100)")
             log()
-            log("| fsync | size | batch | conns | op | plaintext | TLS | ratio |")
-            log("|---|---|---:|---:|---|---:|---:|---:|")
+            log("(with --pairs: medians over the pairs; ratio = the median pair's)")
+            log()
+            log("| fsync | size | batch | conns | op | plaintext | TLS | ratio | pairs' ratios | "
+                "server us/item plain / TLS | clients us/item plain / TLS |")
+            log("|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|")
             for t in ratios:
                 log(f"| {t['fsync']} | {size_name(t['size'])} | {t['batch']} | {t['conns']} | "
-                    f"{t['op']} | {t['plain']:,.0f} | {t['tls']:,.0f} | {t['ratio']:.2f} |")
+                    f"{t['op']} | {t['plain']:,.0f} | {t['tls']:,.0f} | {t['ratio']:.2f} | "
+                    f"{' '.join(f'{x:.2f}' for x in t['pair_ratios'])} | "
+                    f"{t['plain_server_us']:.2f} / {t['tls_server_us']:.2f} | "
+                    f"{t['plain_client_us']:.2f} / {t['tls_client_us']:.2f} |")
             log()
         head = self.headline()
         log("## headline (the issue's target, on this machine)")
@@ -624,7 +693,10 @@ class Bench:
         return {"rows": [asdict(r) for r in self.rows], "tls_ratios": ratios,
                 "server_memory_kib": self.memory,
                 "headline": head, "failures": self.failures, "seconds": total,
-                "environment": environment()}
+                "environment": environment(),
+                "queued_tree": str(self.a.queued_tree or ""),
+                "tree_commit": tree_commit(self.a.queued_tree) if self.a.queued_tree else "",
+                "tree_clients": bool(self.a.tree_clients)}
 
 
 def environment() -> dict[str, Any]:
@@ -639,6 +711,11 @@ def environment() -> dict[str, Any]:
     return {"commit": commit + ("+dirty" if dirty else ""), "cpus": os.cpu_count(),
             "python": platform.python_version(), "kernel": platform.release(),
             "loadavg": load}
+
+
+def tree_commit(tree: Path) -> str:
+    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False).stdout.strip()
 
 
 def ints(text: str) -> list[int]:
@@ -677,15 +754,27 @@ def main() -> None:
     ap.add_argument("--tls", nargs="?", const="on", default="off", choices=("off", "on", "both"),
                     help="servers with TLS on (--tls), or each fsync policy plaintext then "
                          "over TLS with their ratio (--tls both)")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="with --tls both: a plaintext and a TLS server side by side, each "
+                         "cell measured this many times on each, alternately (default 0: "
+                         "one server after the other); the pipelined cell is skipped")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--queued-tree", type=Path, default=None,
                     help="run the server from this queued source tree (PYTHONPATH) with this "
                          "venv, e.g. another checkout for a before/after comparison")
+    ap.add_argument("--tree-clients", action="store_true",
+                    help="with --queued-tree: the clients (worker processes) from that tree "
+                         "too (the bench runs itself again with PYTHONPATH set to it)")
     a = ap.parse_args()
     if a.queued_tree is not None:
         a.queued_tree = a.queued_tree.resolve()
         if not (a.queued_tree / "queued" / "__init__.py").is_file():
             ap.error(f"--queued-tree {a.queued_tree}: no queued package there")
+        if a.tree_clients and Path(queued.__file__).resolve().parent.parent != a.queued_tree:
+            env = dict(os.environ, PYTHONPATH=str(a.queued_tree))
+            os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    elif a.tree_clients:
+        ap.error("--tree-clients needs --queued-tree")
     if a.seconds is None:
         a.seconds = 1.0 if a.quick else 3.0
     a.sizes = ints(a.sizes if a.sizes is not None else ("64" if a.quick else "64,1k"))
@@ -704,7 +793,8 @@ def main() -> None:
     log(f"# {a.seconds:g} s per phase; sizes {a.sizes}; batches {a.batches}; conns {a.conns}; "
         f"fsync {policies}; pipelined x{a.tasks}; TLS {a.tls}")
     if a.queued_tree is not None:
-        log(f"# server from the tree {a.queued_tree}")
+        log(f"# server{' and clients' if a.tree_clients else ''} from the tree {a.queued_tree} "
+            f"(commit {tree_commit(a.queued_tree)})")
     log()
     started = time.perf_counter()
     bench = Bench(a)
@@ -712,6 +802,9 @@ def main() -> None:
         certs = BenchCerts(where) if a.tls != "off" else None
         modes = {"off": [None], "on": [certs], "both": [None, certs]}[a.tls]
         for fsync in policies:
+            if a.pairs and certs is not None and a.tls == "both":
+                bench.paired_run(fsync, certs)
+                continue
             for mode in modes:
                 bench.server_run(fsync, mode)
     result = bench.report(started)

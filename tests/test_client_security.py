@@ -8,9 +8,11 @@ bounded; every process is killed by its PID.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import select
+import ssl
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -21,6 +23,8 @@ from typing import Any, TypeVar
 import pytest
 import trio
 import trustme
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from server_util import HOST, QUEUED, WAIT, ServerProcess, make_config, running
 
 from queued.client import (
@@ -32,6 +36,7 @@ from queued.client import (
     Timeout,
     Unauthenticated,
 )
+from queued.client.tls import TlsChannel, handshake_failure
 from queued.server.listeners import Server
 from tests.test_security import Pki, users_toml
 
@@ -91,6 +96,108 @@ async def test_tls_round_trip_both_clients(tmp_path: Path, pki: Pki) -> None:
 
         assert await in_thread(blocking) == [b"c"]
         assert srv.protocols["rpc"].tls_handshake_failures == 0
+
+
+def channel_pair(pki: Pki) -> tuple[TlsChannel, ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]:
+    """A TlsChannel and a server SSLObject (with its BIOs) on the test CA, not yet
+    connected."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pki.cert, pki.key)
+    s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    server_side = ctx.wrap_bio(s_in, s_out, server_side=True)
+    return TlsChannel(pki.client(), "127.0.0.1"), server_side, s_in, s_out
+
+
+def connect_channel(channel: TlsChannel, srv: ssl.SSLObject, s_in: ssl.MemoryBIO,
+                    s_out: ssl.MemoryBIO) -> None:
+    for _ in range(10):  # a TLS 1.3 handshake takes two flights each way
+        done = channel.handshake()
+        s_in.write(channel.to_send())
+        with contextlib.suppress(ssl.SSLWantReadError):
+            srv.do_handshake()
+        channel.feed(s_out.read())
+        if done:
+            return
+    raise AssertionError("the handshake did not finish in 10 flights")
+
+
+@given(st.lists(st.integers(1, 70_000), min_size=1, max_size=40))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_tls_channel_decrypts_whatever_the_chunking(tmp_path_factory: pytest.TempPathFactory,
+                                                    cuts: list[int]) -> None:
+    """The server's records reach the channel cut anywhere (one byte at a time too): it
+    hands out every byte once, in order, then b"" after the server's close_notify."""
+    pki = Pki(tmp_path_factory.mktemp("pki"))
+    channel, srv, s_in, s_out = channel_pair(pki)
+    connect_channel(channel, srv, s_in, s_out)
+    message = bytes(range(256)) * 800  # 200 KiB: 13 records
+    srv.write(message)
+    srv.write(b"tail")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        srv.unwrap()  # close_notify
+    wire = s_out.read()
+    got = bytearray()
+    ended = False
+    at = 0
+    for cut in [*cuts, len(wire)]:
+        channel.feed(wire[at:at + cut])
+        at += cut
+        while (data := channel.decrypt()) is not None:
+            if not data:
+                ended = True
+                break
+            got += data
+        if at >= len(wire) or ended:
+            break
+    assert bytes(got) == message + b"tail"
+    assert ended and channel.decrypt() == b""
+    # and the other way: a request of many records leaves in one piece
+    request = b"r" * 50_000
+    s_in.write(channel.encrypt(request))
+    assert srv.read(100_000) + srv.read(100_000) + srv.read(100_000) + srv.read(
+        100_000) == request
+
+
+def test_tls_channel_end_of_stream_mid_handshake_and_garbage(pki: Pki) -> None:
+    channel, _, _, _ = channel_pair(pki)
+    assert channel.handshake() is False and channel.to_send()  # the ClientHello
+    channel.feed(b"")  # the server hung up: OpenSSL's EOF error (or ours, if it has none)
+    with pytest.raises((ssl.SSLEOFError, ConnectionResetError)) as eof:
+        channel.handshake()
+    assert "TLS handshake failed" in handshake_failure("h:1", eof.value)
+    channel, srv, s_in, s_out = channel_pair(pki)
+    connect_channel(channel, srv, s_in, s_out)
+    srv.write(b"x" * 1000)
+    wire = s_out.read()
+    channel.feed(wire[:-10])  # a record torn by the end of the stream
+    channel.feed(b"")
+    channel.feed(b"")  # fed twice: still one end
+    assert channel.decrypt() == b"" and channel.decrypt() == b""
+    channel, _, _, _ = channel_pair(pki)
+    assert channel.handshake() is False
+    channel.feed(b"HTTP/1.1 400 Bad Request\r\n\r\n")  # not TLS
+    with pytest.raises(ssl.SSLError) as info:
+        channel.handshake()
+    assert "does not speak TLS" in handshake_failure("h:1", info.value)
+
+
+async def test_batches_of_many_records_both_clients(tmp_path: Path, pki: Pki) -> None:
+    """Batches spanning many TLS records each way, through both clients' channels."""
+    items = [bytes([i]) * 30_000 for i in range(20)]  # 600 KB: ~37 records per frame
+    async with server(tmp_path, **tls(pki)) as (_, address):
+        with trio.fail_after(WAIT):
+            async with AsyncClient(address, tls=pki.client()) as ac:
+                assert await ac.put("q", items) == len(items)
+                got = await ac.get("q", 100, 0, 30_000)
+                assert [i.data for i in got] == items
+                assert await ac.confirm(got) == len(items)
+
+        def blocking() -> list[bytes]:
+            with Client(address, tls=pki.client()) as c:
+                assert c.put("q", items) == len(items)
+                return [i.data for i in c.get("q", 100)]
+
+        assert await in_thread(blocking) == items
 
 
 async def test_mutual_tls_with_a_client_certificate(tmp_path: Path, pki: Pki) -> None:

@@ -22,7 +22,7 @@ from queued.client.core import (
     call_error,
 )
 from queued.client.servers import ServerState
-from queued.client.tls import handshake_failure
+from queued.client.tls import TlsChannel, handshake_failure
 from queued.client.wire import RECV, ClientConnection, closes
 from queued.core.rpc_protocol import Response
 
@@ -131,11 +131,13 @@ class Connection(ClientConnection):
 
 
 def _handshake(sock: socket.socket, context: ssl.SSLContext, server: ServerState,
-               deadline: float) -> ssl.SSLSocket:
+               deadline: float) -> TlsSocket:
     """`sock` after a client handshake (the connect timeout covers both); closed if it fails."""
     try:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        return context.wrap_socket(sock, server_hostname=server.tls_name or server.host)
+        tls = TlsSocket(sock, context, server.tls_name or server.host)
+        tls.handshake()
+        return tls
     except TimeoutError as exc:
         sock.close()
         raise ConnectionFailed(f"{server.address}: TLS handshake timed out (is the server's "
@@ -146,3 +148,47 @@ def _handshake(sock: socket.socket, context: ssl.SSLContext, server: ServerState
     except BaseException:
         sock.close()
         raise
+
+
+class TlsSocket:
+    """A TlsChannel on a blocking socket, with the few socket calls `Connection` makes."""
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
+        self.sock = sock
+        self.channel = TlsChannel(context, host)
+        self.raw = bytearray(RECV)  # ciphertext, as the socket gives it
+
+    def handshake(self) -> None:
+        """The client handshake; raises ssl.SSLError, TimeoutError or another OSError."""
+        while not self.channel.handshake():
+            self._send_owed()
+            self._fill()
+        self._send_owed()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(self.channel.encrypt(data))
+
+    def recv(self, max_bytes: int) -> bytes:
+        """Everything decrypted so far (`max_bytes` is the channel's own); b"" at the end."""
+        while True:
+            data = self.channel.decrypt()
+            self._send_owed()
+            if data is not None:
+                return data
+            self._fill()
+
+    def _fill(self) -> None:
+        with memoryview(self.raw) as view:
+            got = self.sock.recv_into(view)
+            self.channel.feed(view[:got])
+
+    def _send_owed(self) -> None:
+        owed = self.channel.to_send()
+        if owed:
+            self.sock.sendall(owed)

@@ -8,10 +8,10 @@ never leaves a cancelled get's connection open: a late reply carrying items coul
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, AsyncExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from ssl import SSLContext
 from typing import Any
 
 import trio
@@ -27,7 +27,7 @@ from queued.client.core import (
     call_error,
 )
 from queued.client.servers import Discovery, ServerState
-from queued.client.tls import handshake_failure
+from queued.client.tls import TlsChannel, handshake_failure
 from queued.client.wire import RECV, ClientConnection, closes
 from queued.core.rpc_protocol import Response
 
@@ -59,7 +59,7 @@ class Network:
     """Opens an AsyncClient's connections (TLS ones with `tls`); their reader tasks run in a
     nursery that is open while the client is in `async with`."""
 
-    def __init__(self, tls: SSLContext | None) -> None:
+    def __init__(self, tls: ssl.SSLContext | None) -> None:
         self._tls = tls
         self._stack: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
@@ -90,7 +90,7 @@ class Network:
         except (OSError, trio.TooSlowError) as exc:
             raise ConnectionFailed(f"{server.address}: cannot connect: "
                                    f"{str(exc) or 'timed out'}", server.address) from exc
-        stream: trio.abc.Stream = tcp
+        stream: trio.abc.Stream | TlsStream = tcp
         if self._tls is not None:
             stream = await _handshake(tcp, self._tls, server, deadline)
         if self._over:  # the client left `async with` meanwhile: no task may start now
@@ -102,17 +102,16 @@ class Network:
         return conn
 
 
-async def _handshake(tcp: trio.SocketStream, context: SSLContext, server: ServerState,
-                     deadline: float) -> trio.SSLStream[trio.SocketStream]:
+async def _handshake(tcp: trio.SocketStream, context: ssl.SSLContext, server: ServerState,
+                     deadline: float) -> TlsStream:
     """`tcp` after a client handshake (the connect timeout covers both); closed if it fails."""
-    tls = trio.SSLStream(tcp, context, server_hostname=server.tls_name or server.host)
+    tls = TlsStream(tcp, context, server.tls_name or server.host)
     try:
         with trio.fail_at(deadline):
-            await tls.do_handshake()
-    except trio.BrokenResourceError as exc:
+            await tls.handshake()
+    except (OSError, trio.BrokenResourceError) as exc:  # ssl.SSLError, reset, end of stream
         tcp.socket.close()
-        raise ConnectionFailed(handshake_failure(server.address, exc.__cause__),
-                               server.address) from exc
+        raise ConnectionFailed(handshake_failure(server.address, exc), server.address) from exc
     except trio.TooSlowError as exc:
         tcp.socket.close()
         raise ConnectionFailed(f"{server.address}: TLS handshake timed out (is the server's "
@@ -121,6 +120,52 @@ async def _handshake(tcp: trio.SocketStream, context: SSLContext, server: Server
         tcp.socket.close()
         raise
     return tls
+
+
+class TlsStream:
+    """A TlsChannel on a trio socket stream, with the two stream calls `Connection` makes:
+    one reader task (`receive_some`) and senders one at a time (`send_all`, under the
+    connection's lock); a record the reader owes the server goes out under this stream's
+    own lock, so that records leave in the order they were made."""
+
+    def __init__(self, tcp: trio.SocketStream, context: ssl.SSLContext, host: str) -> None:
+        self.tcp = tcp
+        self.channel = TlsChannel(context, host)
+        self.raw = bytearray(RECV)  # ciphertext, as the socket gives it
+        self.send_lock = trio.Lock()
+
+    async def handshake(self) -> None:
+        while not self.channel.handshake():
+            await self._send_owed()
+            await self._fill()
+        await self._send_owed()
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        """Everything decrypted so far (`max_bytes` is the channel's own); b"" at the end."""
+        while True:
+            data = self.channel.decrypt()
+            await self._send_owed()
+            if data is not None:
+                return data
+            await self._fill()
+
+    async def send_all(self, data: bytes) -> None:
+        async with self.send_lock:
+            try:
+                records = self.channel.encrypt(data)
+            except ssl.SSLError as exc:
+                raise trio.BrokenResourceError(f"TLS: {exc}") from exc
+            await self.tcp.send_all(records)
+
+    async def _fill(self) -> None:
+        with memoryview(self.raw) as view:
+            got = await self.tcp.socket.recv_into(view)
+            self.channel.feed(view[:got])
+
+    async def _send_owed(self) -> None:
+        if self.channel.outgoing.pending:
+            async with self.send_lock:  # encrypt and drain under one lock: records in order
+                await self.tcp.send_all(self.channel.to_send())
 
 
 @dataclass(slots=True, eq=False)
@@ -134,7 +179,8 @@ class Connection(ClientConnection):
     """One trio stream (TCP, or TLS over it): calls from any task, replies dispatched by
     msgid by one reader task."""
 
-    def __init__(self, address: str, stream: trio.abc.Stream, sock: trio.socket.SocketType,
+    def __init__(self, address: str, stream: trio.abc.Stream | TlsStream,
+                 sock: trio.socket.SocketType,
                  max_frame: int, max_batch: int, *, tls: bool) -> None:
         super().__init__(address, max_frame, max_batch, tls=tls)
         self.stream = stream

@@ -1,19 +1,99 @@
 """TLS and credentials for both clients: the `tls=` and `user=`/`password=` arguments checked
-and turned into what io_trio / io_sync need, and what a failed handshake means.
+and turned into what io_trio / io_sync need, what a failed handshake means, and `TlsChannel`,
+the TLS connection both I/O modules run over their own sockets.
 
-Owns no socket: the I/O modules wrap their own streams with the context made here. Never
-puts a password into a message, a repr or a log.
+Owns no socket: the I/O modules move the bytes. Never puts a password into a message, a repr
+or a log.
 """
 
 from __future__ import annotations
 
 import ssl
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import TypeAlias, cast
 
 #: `tls=`: None or False = plaintext; True = verify the server with the system's CAs;
 #: an `ssl.SSLContext` = as given (your CA, a client certificate for mutual TLS, ...).
 TlsOption: TypeAlias = bool | ssl.SSLContext | None
+
+#: The most plaintext handed out at once (as wire.RECV: the clients' receive size).
+PLAINTEXT_MAX = 256 * 1024
+
+
+class TlsChannel:
+    """A client TLS connection without I/O: `ssl.SSLObject` over memory BIOs.
+
+    The I/O module sends `to_send()` after each step and feeds what its socket receives.
+    Not `ssl.SSLSocket` or `trio.SSLStream`: those write each TLS record (16 KiB at most)
+    with a call of its own and return one record per receive (a 100 KiB batch took seven
+    trips through the client's receive loop); here a request goes out in one send, and a
+    receive returns everything decrypted so far.
+    """
+
+    def __init__(self, context: ssl.SSLContext, host: str) -> None:
+        self.incoming = ssl.MemoryBIO()
+        self.outgoing = ssl.MemoryBIO()
+        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_hostname=host)
+        self.plain = bytearray(PLAINTEXT_MAX)  # decrypted, before it is copied out
+        self.ended = False  # the server ended the TLS session (or the stream)
+        self.stream_ended = False  # the end of the stream was fed
+
+    def handshake(self) -> bool:
+        """One step of the client handshake: True once it is done; False: send `to_send()`
+        and feed the reply. Raises ssl.SSLError, or ConnectionResetError if the server
+        closed the connection."""
+        try:
+            self.tls.do_handshake()
+            return True
+        except ssl.SSLWantReadError:
+            if self.stream_ended:
+                raise ConnectionResetError("the server closed the connection") from None
+            return False
+
+    def encrypt(self, data: bytes) -> bytes:
+        """The records carrying `data`, after anything else owed to the server."""
+        self.tls.write(data)
+        return self.outgoing.read()
+
+    def to_send(self) -> bytes:
+        """Records owed to the server (handshake flights, a key update's answer), or b""."""
+        return self.outgoing.read() if self.outgoing.pending else b""
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Ciphertext received; empty: the end of the stream."""
+        if data:
+            self.incoming.write(data)
+        elif not self.stream_ended:
+            self.stream_ended = True
+            self.incoming.write_eof()
+
+    def decrypt(self) -> bytes | None:
+        """Everything decrypted from what was fed, up to PLAINTEXT_MAX bytes; b"" once the
+        session is over; None if the next bytes need more ciphertext. Raises ssl.SSLError
+        if the server's bytes are not TLS (or not its)."""
+        tls, incoming = self.tls, self.incoming
+        n = 0
+        with memoryview(self.plain) as view:
+            # Ask before reading: raising SSLWantReadError costs more than asking.
+            while n < PLAINTEXT_MAX and not self.ended and (incoming.pending or tls.pending()):
+                try:
+                    # With a buffer, read returns a count (typeshed says bytes).
+                    got = cast(int, tls.read(PLAINTEXT_MAX - n, view[n:]))
+                except ssl.SSLWantReadError:  # the rest of a record is on its way
+                    break
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                    self.ended = True
+                    break
+                if not got:
+                    self.ended = True
+                    break
+                n += got
+            if n:
+                return bytes(view[:n])
+        if self.ended or self.stream_ended:  # nothing more will come (a torn record: gone)
+            self.ended = True
+            return b""
+        return None
 
 
 def tls_context(tls: TlsOption) -> ssl.SSLContext | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import ssl
 from pathlib import Path
+from typing import cast
 
 import trio
 
@@ -83,6 +84,10 @@ class ServerTls:
 #: Bytes of ciphertext read from the socket at once.
 RECEIVE_SIZE = 256 * 1024
 
+#: Where every connection of an event loop reads ciphertext into (one buffer per loop,
+#: not per connection: each copies its bytes out before it next awaits anything).
+_SCRATCH: trio.lowlevel.RunVar[memoryview] = trio.lowlevel.RunVar("tls_scratch")
+
 
 class TlsTransport:
     """A server-side TLS connection as a session's transport (see the module doc).
@@ -109,48 +114,51 @@ class TlsTransport:
             except ssl.SSLWantReadError:
                 pass
             await self._write_out()
-            data = await self.raw.receive(RECEIVE_SIZE)
-            if not data:
+            if not await self._read_in():
                 raise trio.BrokenResourceError("connection closed during the handshake")
-            self.incoming.write(data)
         await self._write_out()  # the last flight (TLS 1.3: and the session tickets)
 
     async def receive(self, max_bytes: int) -> bytes:
-        """Every byte decrypted so far, up to `max_bytes`; b"" once the peer is gone."""
+        """Every byte decrypted so far, up to `max_bytes`; b"" once the peer is gone.
+
+        A fresh bytearray (the session's codecs take bytes or bytearray), decrypted into
+        in place: no chunk per record to join (~6 of ~39 us per 100 KiB here).
+        """
         tls, incoming = self.tls, self.incoming
         while True:
-            chunks: list[bytes] = []
             n = 0
-            # Read while ciphertext or plaintext is buffered (not until SSLWantReadError:
-            # raising it costs more than asking).
-            while n < max_bytes and (incoming.pending or tls.pending()):
-                try:
-                    chunk = tls.read(max_bytes - n)
-                except ssl.SSLWantReadError:  # the rest of a record is still on its way
-                    break
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                    self.closed = True
-                    break
-                except ssl.SSLError as exc:  # bytes that are not TLS: the peer is done for
-                    log.debug("TLS error from the peer: %s", exc)
-                    self.closed = True
-                    break
-                if not chunk:  # close_notify
-                    self.closed = True
-                    break
-                chunks.append(chunk)
-                n += len(chunk)
+            # Ciphertext is never shorter than its plaintext: this much room holds it all.
+            room = min(max_bytes, incoming.pending + tls.pending())
+            buf = bytearray(room if not self.closed else 0)
+            if buf:
+                with memoryview(buf) as view:
+                    # Read while ciphertext or plaintext is buffered (not until
+                    # SSLWantReadError: raising it costs more than asking).
+                    while n < room and (incoming.pending or tls.pending()):
+                        try:
+                            # With a buffer, read returns a count (typeshed says bytes).
+                            got = cast(int, tls.read(room - n, view[n:]))
+                        except ssl.SSLWantReadError:  # the rest of a record is on its way
+                            break
+                        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                            self.closed = True
+                            break
+                        except ssl.SSLError as exc:  # not TLS: the peer is done for
+                            log.debug("TLS error from the peer: %s", exc)
+                            self.closed = True
+                            break
+                        if not got:  # close_notify
+                            self.closed = True
+                            break
+                        n += got
             if self.outgoing.pending:
                 await self._write_out()
-            if chunks:
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            if self.closed:
-                return b""
-            data = await self.raw.receive(RECEIVE_SIZE)
-            if not data:
+            if n:
+                del buf[n:]
+                return buf  # type: ignore[return-value]  # a bytearray serves as bytes
+            if self.closed or not await self._read_in():
                 self.closed = True
                 return b""
-            incoming.write(data)
 
     async def send(self, data: bytes) -> None:
         """All of `data`, encrypted; raises trio.BrokenResourceError if the peer is gone."""
@@ -161,6 +169,19 @@ class TlsTransport:
         except ssl.SSLError as exc:
             raise trio.BrokenResourceError(f"TLS: {exc}") from exc
         await self._write_out()
+
+    async def _read_in(self) -> bool:
+        """Ciphertext from the socket into the TLS object; False once the peer is gone."""
+        try:
+            scratch = _SCRATCH.get()
+        except LookupError:
+            scratch = memoryview(bytearray(RECEIVE_SIZE))
+            _SCRATCH.set(scratch)
+        got = await self.raw.receive_into(scratch)
+        # No checkpoint from the read to here: the scratch buffer is the event loop's.
+        if got:
+            self.incoming.write(scratch[:got])
+        return got > 0
 
     async def _write_out(self) -> None:
         if self.writing:

@@ -93,6 +93,24 @@ class SocketTransport:
                 raise
             return data
 
+    async def receive_into(self, buffer: memoryview) -> int:
+        """Like `receive`, into `buffer` (no allocation): the count, 0 once the peer is gone."""
+        fd = self.fd
+        await self._turn()
+        while True:
+            try:
+                return os.readv(fd, (buffer,))
+            except BlockingIOError:
+                self._ready = 0
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                except trio.ClosedResourceError:
+                    return 0
+            except OSError as exc:
+                if exc.errno in _GONE:
+                    return 0
+                raise
+
     async def send(self, data: bytes) -> None:
         fd = self.fd
         await self._turn()
