@@ -60,8 +60,9 @@ class OpenReadsMachine(RuleBasedStateMachine):
         if deadline is None:
             return
         earliest = min((p.deadline for p in self.pushed), default=None)
-        if len(self.pushed) + len(ids) > self.heap.statistics().limit:
-            self.pushed = [p for p in self.pushed if self.live(p)]  # push compacts first
+        if ids and len(self.pushed) + len(ids) > self.heap.statistics().limit:
+            # push compacts first (a push of no ids does nothing at all)
+            self.pushed = [p for p in self.pushed if self.live(p)]
             earliest = min((p.deadline for p in self.pushed), default=None)
         wake = self.heap.push(deadline, self.ledgers[i], q, r, ids)
         for n in ids:
