@@ -192,13 +192,14 @@ def recovered_ids(cut: Cut, where: Path) -> set[int]:
 
 
 async def test_a_power_cut_keeps_every_append_acknowledged_before_it(tmp_path: Path) -> None:
-    """Eight appenders keep rounds overlapping (small segments: rotations too, which
-    wait for the pipeline to empty); the power is cut again and again, each time from
-    the event loop, where the acknowledgements land: every id acknowledged before a cut
-    is in it."""
+    """Eight appenders, started one after another, keep rounds overlapping (each fsync
+    takes 1 ms; small segments: rotations too, which wait for the pipeline to empty);
+    the power is cut again and again, each time from the event loop, where the
+    acknowledgements land: every id acknowledged before a cut is in it. That rounds did
+    overlap is checked (WriterStats.overlapped), or the test would show nothing."""
     data = tmp_path / "data"
     data.mkdir()
-    fs = PowerLossFS(data)
+    fs = PowerLossFS(data, fsync_delay=0.001)
     previous = fileio.use(fs)
     cuts: list[tuple[set[int], Cut]] = []
     acked: set[int] = set()
@@ -216,11 +217,15 @@ async def test_a_power_cut_keeps_every_append_acknowledged_before_it(tmp_path: P
             async with trio.open_nursery() as nursery:
                 for k in range(8):
                     nursery.start_soon(appender, k)
+                    await trio.sleep(0.0005)  # staggered: each lands in another round
                 for _ in range(25):
                     await trio.sleep(rng.random() * 0.004)
                     cuts.append((set(acked), fs.cut()))
         assert len(acked) == 8 * 60
         assert dd.statistics().rounds < 8 * 60, "no round carried more than one append"
+        overlapped = dd._writer.statistics().overlapped
+        print("rounds", dd.statistics().rounds, "overlapped", overlapped)
+        assert overlapped > 0, "no round started while another was under way"
     finally:
         fileio.use(previous)
     assert fs.bypasses == []

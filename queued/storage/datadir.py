@@ -401,21 +401,23 @@ class DataDir:
                 ]
                 if not (work or readers or periodic):
                     continue  # woken to look at a new fsync deadline: sleep until it
-                if not (readers or periodic) and self._writer.can_pipeline(
-                        [(j.file, chunks) for j, chunks in work]) and (
-                        await self._writer.start_round(
-                            [(j.file, chunks) for j, chunks in work],
-                            functools.partial(self._finish_round, work))):
-                    # Written and fsynced while earlier rounds' fsyncs still run; the
-                    # tickets are set from the round's thread, through the trio token.
-                    continue
+                files = [(j.file, chunks) for j, chunks in work]
                 # No write here and now until these are written: they come first.
                 self._in_round = True
                 try:
-                    results = await self._writer.write_round(
-                        [(j.file, chunks) for j, chunks in work], periodic,
-                        [pair for _, ops in readers for pair in ops],
-                    )
+                    if not (readers or periodic) and self._writer.can_pipeline(files):
+                        # Under the writer's lock from here until it has started: a pause
+                        # asked for meanwhile (deleting the queue, say) comes after it.
+                        got = await self._writer.start_round(
+                            files, functools.partial(self._finish_round, work))
+                        if got is None:
+                            # Written and fsynced while earlier rounds' fsyncs still run;
+                            # the tickets are set when it is handed back to the loop.
+                            continue
+                        results = got
+                    else:
+                        results = await self._writer.write_round(
+                            files, periodic, [pair for _, ops in readers for pair in ops])
                 finally:
                     self._in_round = False
                 self._finish_round(work, results)
@@ -439,6 +441,7 @@ class DataDir:
         self._wake.set()
         with trio.CancelScope(shield=True):
             await self._writer_done.wait()
+            await self._writer.drain()  # no round may touch a file close_all closes
             for j in self.queues.values():  # anything queued after the writer's last round
                 j.fail_pending(JournalClosedError(f"queue {j.name!r}: data dir closed"))
 

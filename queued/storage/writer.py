@@ -11,6 +11,7 @@ Knows nothing of tickets, readers or ids beyond what a chunk carries.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import functools
@@ -333,7 +334,10 @@ class SegmentFile(SyncedFile):
                 and self.fsync.mode is FsyncMode.ALWAYS and not any(c.rotate for c in chunks))
 
     def append(self, chunks: Sequence[Chunk]) -> WriteResult:
-        """A pipelined round's write (see can_pipeline): the chunks, no fsync."""
+        """A pipelined round's write (see can_pipeline): the chunks, no fsync. A file that
+        failed (in an earlier round's fsync, say) writes nothing more."""
+        if self._failed is not None:
+            return WriteResult([], self._failed)
         done: list[Written] = []
         for chunk in chunks:
             error = self._write_chunk(chunk, done)
@@ -341,19 +345,33 @@ class SegmentFile(SyncedFile):
                 return WriteResult(done, error)
         return WriteResult(done)
 
+    def open_slot(self, slot: int) -> None:
+        """Make sure slot `slot` has its fd (slot 0: the writing fd), before a pipelined
+        round on it starts. OSError (EMFILE, say) means only that the round cannot be
+        pipelined: nothing is written and the file has not failed."""
+        if slot and slot not in self._slot_fds:
+            assert self._fd is not None
+            path = self.directory / jf.segment_name(self.queue, self._number)
+            self._slot_fds[slot] = fileio.open_fd(path, os.O_WRONLY | os.O_APPEND)
+
     def sync_slot(self, slot: int) -> BaseException | None:
-        """A pipelined round's fsync, through slot `slot`'s fd: covers every write made
-        before it. A failure makes the file refuse writes (returned)."""
+        """A pipelined round's fsync, through slot `slot`'s fd (`open_slot` opened it):
+        covers every write made before it. A failure makes the file refuse writes
+        (returned)."""
+        fd = self._slot_fds[slot] if slot else self._fd
+        assert fd is not None
         try:
-            fd = self._fd if slot == 0 else self._slot_fds.get(slot)
-            if fd is None:
-                assert self._fd is not None
-                path = self.directory / jf.segment_name(self.queue, self._number)
-                fd = self._slot_fds[slot] = fileio.open_fd(path, os.O_WRONLY | os.O_APPEND)
             self._fsync_fd(fd)
         except OSError as exc:
             return self.set_failed(f"fsync failed: {exc}")
         return None
+
+    def close_slots(self) -> None:
+        """Close the slot fds (no pipelined round is under way): the writing fd stays."""
+        fds = list(self._slot_fds.values())
+        self._slot_fds.clear()
+        for fd in fds:
+            fileio.close(fd)
 
     def close(self) -> None:
         try:
@@ -598,7 +616,8 @@ class PipelinedRound:
     a failed fsync nothing later in that file can be trusted).
     """
 
-    __slots__ = ("appended", "done", "finish", "prev", "results", "slot", "work", "written")
+    __slots__ = ("appended", "back", "done", "finish", "prev", "results", "slot", "work",
+                 "written")
 
     def __init__(self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]], slot: int,
                  prev: PipelinedRound | None,
@@ -610,7 +629,8 @@ class PipelinedRound:
         self.done = threading.Event()
         self.appended: list[WriteResult] | None = None
         self.results: list[WriteResult] = []
-        self.finish = finish  # called (from the round's thread) once `done`
+        self.finish = finish  # called (from the round's thread) before `done`
+        self.back = False  # handed back to the loop (Writer._finished)
 
     def write_here(self) -> None:
         """Write the round now, in the caller's thread (the previous round has written);
@@ -654,11 +674,14 @@ class PipelinedRound:
             self.results = [WriteResult([], exc) for _ in self.work]
         finally:
             self.prev = None  # no chain of finished rounds
-            self.done.set()
             try:
+                # Queued on the loop before `done` lets the next round queue its own, so
+                # hand-backs reach the loop in start order (Writer._finished checks too).
                 self.finish(self)
             except BaseException:  # the loop is gone (a bug): keep the thread serving
                 log.exception("writer: handing a pipelined round back failed")
+            finally:
+                self.done.set()
 
 
 class Workers:
@@ -695,6 +718,7 @@ class Workers:
 class WriterStats:
     rounds: int
     fsync: HistogramSnapshot  # seconds per fsync (journal files; not directories)
+    overlapped: int = 0  # pipelined rounds started while another was under way
 
 
 class RoundThread:
@@ -767,11 +791,15 @@ class Writer:
         self._thread = RoundThread()
         self._pool: ThreadPoolExecutor | None = None
         self._workers = Workers(PIPELINE_DEPTH, lambda: self._pool)
-        self._started = 0  # pipelined rounds started
         self._inflight = 0  # pipelined rounds not finished on the loop yet
+        self._overlapped = 0  # pipelined rounds started while another was under way
         self._last: PipelinedRound | None = None  # the newest of those
+        #: those rounds, oldest first, with what to call when they are handed back
+        self._order: collections.deque[
+            tuple[PipelinedRound, Callable[[list[WriteResult]], None]]] = collections.deque()
+        self._slots: set[int] = set()  # the slots they use
+        self._slotted: set[SegmentFile] = set()  # files they use (slot fds closed after)
         self._freed: trio.Event | None = None  # made by whoever waits for one to finish
-        self._token: trio.lowlevel.TrioToken | None = None
 
     def close(self) -> None:
         """Stop the round threads (no round may run: call it after the last one)."""
@@ -805,71 +833,91 @@ class Writer:
         their own: `write_round`)."""
         return bool(work) and all(f.can_pipeline(chunks) for f, chunks in work)
 
-    def can_start(self) -> bool:
-        """True when `start_round_nowait` may be called now: a pipeline slot is free and
-        no round of its own runs or waits (nor a pause)."""
-        return self._inflight < PIPELINE_DEPTH and not self._lock.locked()
-
     async def start_round(
         self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
         finish: Callable[[list[WriteResult]], None],
-    ) -> bool:
-        """Start a pipelined round (see start_round_nowait) once fewer than PIPELINE_DEPTH
-        are under way and no pause or round of its own holds the writer; False (nothing
-        started) if by then `work` can no longer be pipelined (a pause closed a file, say):
-        it needs a round of its own."""
-        while not self.can_start():
-            if self._inflight >= PIPELINE_DEPTH:
+    ) -> list[WriteResult] | None:
+        """Start a pipelined round (see PipelinedRound and can_pipeline) once fewer than
+        PIPELINE_DEPTH are under way, holding the writer's lock meanwhile (a pause or round
+        that asks for it later comes after this one); None if started: `finish` gets one
+        result per `work` entry, on the event loop, after every earlier round's. If by then
+        `work` can no longer be pipelined (a pause closed a file, say, or a slot's fd could
+        not be opened) it runs as a round of its own under the same lock, after every
+        earlier round, and its results are returned."""
+        async with self._lock:
+            while self._inflight >= PIPELINE_DEPTH:
                 await self._wait_freed()
-            else:
-                async with self._lock:
-                    pass
-        if not self.can_pipeline(work):
-            return False
-        self.start_round_nowait(work, finish)
-        return True
+            if self.can_pipeline(work) and self._start(work, finish):
+                return None
+            return await self._round_locked(work, (), ())
 
-    def start_round_nowait(
+    def _start(
         self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
         finish: Callable[[list[WriteResult]], None],
-    ) -> None:
-        """Start a pipelined round (see PipelinedRound and can_pipeline) when `can_start`
-        says so: `finish` gets one result per `work` entry, on the event loop, after
-        every earlier round's."""
-        assert self.can_start()
-        if self._token is None:
-            self._token = trio.lowlevel.current_trio_token()
+    ) -> bool:
+        """Start a pipelined round now (a slot is free); False (nothing started) if a
+        file's fd for the slot could not be opened."""
+        slot = min(set(range(PIPELINE_DEPTH)) - self._slots)  # a lone round: the writing fd
+        self._slotted.update(file for file, _ in work)  # a partial failure's fds too
+        try:
+            for file, _ in work:
+                file.open_slot(slot)
+        except OSError as exc:
+            log.warning("writer: a round runs alone: no fd for its fsyncs (%s)", exc)
+            if not self._inflight:
+                self._close_slots()
+            return False
         if len(work) > 1 and self._pool is None:
             self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
-        token = self._token
+        token = trio.lowlevel.current_trio_token()  # this round's loop, asked each time
 
         def finished(rnd: PipelinedRound) -> None:  # in the round's thread
-            token.run_sync_soon(self._finished, rnd, finish)
+            token.run_sync_soon(self._finished, rnd)
 
         prev = self._last
-        rnd = PipelinedRound(work, self._started % PIPELINE_DEPTH, prev, finished)
+        rnd = PipelinedRound(work, slot, prev, finished)
         if (prev is None or prev.written.is_set()) and sum(
                 c.nbytes for _, chunks in work for c in chunks) <= INLINE_ROUND_BYTES:
             rnd.write_here()
-        self._started += 1
+        if prev is not None and not prev.done.is_set():
+            self._overlapped += 1
         self._inflight += 1
+        self._slots.add(slot)
+        self._order.append((rnd, finish))
         self._last = rnd
         self._workers.submit(rnd)
+        return True
 
-    def _finished(self, rnd: PipelinedRound,
-                  finish: Callable[[list[WriteResult]], None]) -> None:
-        """On the loop, in start order (each round's thread ends after the one before)."""
-        self._inflight -= 1
-        self._rounds += 1
-        if self._last is rnd:
-            self._last = None
-        if self._freed is not None:
-            self._freed.set()
-            self._freed = None
-        try:
-            finish(rnd.results)
-        except BaseException:  # a callback must not raise into trio's run loop
-            log.exception("writer: finishing a pipelined round failed")
+    def _finished(self, rnd: PipelinedRound) -> None:
+        """On the loop: hands rounds back strictly in start order (each round's thread
+        hands back before the next one's may, and a round that arrives early waits
+        here all the same). Closes the slot fds once the pipeline is empty."""
+        rnd.back = True
+        while self._order and self._order[0][0].back:
+            done, finish = self._order.popleft()
+            self._inflight -= 1
+            self._rounds += 1
+            self._slots.discard(done.slot)
+            if self._last is done:
+                self._last = None
+            if self._freed is not None:
+                self._freed.set()
+                self._freed = None
+            try:
+                finish(done.results)
+            except BaseException:  # a callback must not raise into trio's run loop
+                log.exception("writer: finishing a pipelined round failed")
+        if not self._inflight:
+            self._close_slots()
+
+    def _close_slots(self) -> None:
+        """Close the files' slot fds (no pipelined round is under way)."""
+        files, self._slotted = self._slotted, set()
+        for file in files:
+            try:
+                file.close_slots()
+            except OSError as exc:  # nothing to lose: the writing fd is the file's
+                log.warning("writer: closing %s's fsync fds: %s", file.describe(), exc)
 
     async def _wait_freed(self) -> None:
         if self._freed is None:
@@ -896,17 +944,25 @@ class Writer:
         periodic fsyncs of `periodic`. Returns one result per `work` entry. Runs alone:
         after every pipelined round, before any later one."""
         async with self._lock:
-            await self.drain()
-            if not periodic and all(f.can_write_inline(chunks) for f, chunks in work) and (
-                sum(c.nbytes for _, chunks in work for c in chunks) <= INLINE_ROUND_BYTES
-            ) and all(rf.can_write_inline(ops) for rf, ops in readers):
-                # A small round that needs no fsync and opens no file: a write()
-                # into the page cache is cheaper than a hand-off to a thread.
-                results = run_round(work, periodic, None, readers)
-            else:
-                if len(work) + len(readers) > 1 and self._pool is None:
-                    self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
-                results = await self._thread.run(run_round, work, periodic, self._pool, readers)
+            return await self._round_locked(work, periodic, readers)
+
+    async def _round_locked(
+        self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
+        periodic: Sequence[SyncedFile],
+        readers: Sequence[tuple[ReaderFile, Sequence[ReaderOp]]],
+    ) -> list[WriteResult]:
+        """write_round, the writer's lock held."""
+        await self.drain()
+        if not periodic and all(f.can_write_inline(chunks) for f, chunks in work) and (
+            sum(c.nbytes for _, chunks in work for c in chunks) <= INLINE_ROUND_BYTES
+        ) and all(rf.can_write_inline(ops) for rf, ops in readers):
+            # A small round that needs no fsync and opens no file: a write()
+            # into the page cache is cheaper than a hand-off to a thread.
+            results = run_round(work, periodic, None, readers)
+        else:
+            if len(work) + len(readers) > 1 and self._pool is None:
+                self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
+            results = await self._thread.run(run_round, work, periodic, self._pool, readers)
         self._rounds += 1
         return results
 
@@ -936,7 +992,8 @@ class Writer:
             yield
 
     def statistics(self) -> WriterStats:
-        return WriterStats(rounds=self._rounds, fsync=self._fsync.snapshot())
+        return WriterStats(rounds=self._rounds, fsync=self._fsync.snapshot(),
+                           overlapped=self._overlapped)
 
 
 def _writev_all(fd: int, pieces: list[bytes | bytearray]) -> None:
