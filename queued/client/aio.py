@@ -130,6 +130,11 @@ class AsyncClient:
         # client's is always open (its calls are pipelined).
         self._gate = call_gate()
         self._connect_locks: dict[str, Lock] = {}
+        # Per server: the last failed connect (its number in _connect_failures, why), so
+        # the calls that waited for that connect fail over at once instead of each
+        # paying connect_timeout in turn.
+        self._connect_failed: dict[str, tuple[int, str]] = {}
+        self._connect_failures = 0
         self._resolving = Lock()
         # Servers DNS no longer gives, by address: their connections close once idle.
         self._leaving: set[str] = set()
@@ -184,12 +189,22 @@ class AsyncClient:
         """The server's connection and whether it is fresh (opened now)."""
         if self._closed:
             raise ClientClosed("the client is closed")
+        seen = self._connect_failures
         async with self._connect_locks.setdefault(server.address, Lock()):
             conn = self._conns.get(server.address)
             if conn is not None and not conn.closed:
                 return conn, False
-            conn = await self._net.connect(server, self.connect_timeout, self._max_frame,
-                                           self._max_batch)
+            number, why = self._connect_failed.get(server.address, (0, ""))
+            if number > seen:  # a connect failed while this call waited: fail over now
+                raise ConnectionFailed(why, server.address)
+            try:
+                conn = await self._net.connect(server, self.connect_timeout, self._max_frame,
+                                               self._max_batch)
+            except ConnectionFailed as exc:
+                self._connect_failures += 1
+                self._connect_failed[server.address] = (self._connect_failures, str(exc))
+                raise
+            self._connect_failed.pop(server.address, None)
             self._connects += 1
             if self._login is not None:
                 await self._log_in(conn)
@@ -255,21 +270,26 @@ class AsyncClient:
                 self._leaving.discard(address)
             elif (conn is None or conn.closed
                   or (not conn.busy and (held <= 0 or until <= now()))):
+                lock = self._connect_locks.get(address)
+                if lock is not None and lock.locked():
+                    continue  # a call is connecting to it: on a later look
                 if conn is not None:
                     conn.close(ClientClosed(f"{address} left its DNS name"))
                     del self._conns[address]
                 self._leaving.discard(address)
                 self._connect_locks.pop(address, None)
+                self._connect_failed.pop(address, None)
                 self._held.pop(address, None)
 
     async def _failover(self, order: list[ServerState], method: str, params: list[Any],
                         wait: float) -> tuple[ServerState, int, Any]:
         errors: list[ClientError] = []
         for server in order:
+            started = now()
             try:
                 serial, result = await self._on(server, method, params, wait)
             except FAILOVER as exc:
-                self._pool.failed(server, now())
+                self._pool.failed(server, now(), started)
                 errors.append(exc)
                 if len(errors) < len(order):
                     self._retries += 1
@@ -285,10 +305,11 @@ class AsyncClient:
             if self._pool.names:
                 await self._discover()
             for server in list(self._pool.require()):
+                started = now()
                 try:
                     _, result = await self._on(server, method, params, self.read_timeout)
                 except FAILOVER as exc:
-                    self._pool.failed(server, now())
+                    self._pool.failed(server, now(), started)
                     errors.append(exc)
                     continue
                 self._pool.ok(server)
@@ -391,10 +412,11 @@ class AsyncClient:
         if with_flags:  # (servers before flags take four params)
             params.append(True)
         for server in order:
+            started = now()
             try:
                 serial, result = await self._on(server, "get", params, wait)
             except FAILOVER as exc:
-                self._pool.failed(server, now())
+                self._pool.failed(server, now(), started)
                 errors.append(exc)
                 continue
             self._pool.ok(server)
@@ -425,6 +447,9 @@ class AsyncClient:
 
     async def _settle(self, method: str, items: Item | Iterable[Item],
                       extra: list[Any] | None = None) -> int:
+        """Each (server, queue, connection) group in one call; a group whose connection
+        fails meanwhile (or whose server is shutting down) counts 0, and the others go on:
+        the server returns those items to the queue."""
         total = 0
         with self._gate:
             for (address, queue, serial), ids in settle_groups(items).items():
@@ -435,8 +460,11 @@ class AsyncClient:
                 if serial == 0 or conn is None or conn.serial != serial or conn.closed:
                     continue
                 self._calls += 1
-                result = await conn.call(method, [queue, ids, *(extra or ())],
-                                         self.read_timeout)
+                try:
+                    result = await conn.call(method, [queue, ids, *(extra or ())],
+                                             self.read_timeout)
+                except FAILOVER:
+                    continue
                 total += int_result(result, method)
         return total
 

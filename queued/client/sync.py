@@ -128,6 +128,11 @@ class Client:
         # client's is always open (its calls are pipelined).
         self._gate = call_gate()
         self._connect_locks: dict[str, Lock] = {}
+        # Per server: the last failed connect (its number in _connect_failures, why), so
+        # the calls that waited for that connect fail over at once instead of each
+        # paying connect_timeout in turn.
+        self._connect_failed: dict[str, tuple[int, str]] = {}
+        self._connect_failures = 0
         self._resolving = Lock()
         # Servers DNS no longer gives, by address: their connections close once idle.
         self._leaving: set[str] = set()
@@ -182,12 +187,22 @@ class Client:
         """The server's connection and whether it is fresh (opened now)."""
         if self._closed:
             raise ClientClosed("the client is closed")
+        seen = self._connect_failures
         with self._connect_locks.setdefault(server.address, Lock()):
             conn = self._conns.get(server.address)
             if conn is not None and not conn.closed:
                 return conn, False
-            conn = self._net.connect(server, self.connect_timeout, self._max_frame,
-                                     self._max_batch)
+            number, why = self._connect_failed.get(server.address, (0, ""))
+            if number > seen:  # a connect failed while this call waited: fail over now
+                raise ConnectionFailed(why, server.address)
+            try:
+                conn = self._net.connect(server, self.connect_timeout, self._max_frame,
+                                         self._max_batch)
+            except ConnectionFailed as exc:
+                self._connect_failures += 1
+                self._connect_failed[server.address] = (self._connect_failures, str(exc))
+                raise
+            self._connect_failed.pop(server.address, None)
             self._connects += 1
             if self._login is not None:
                 self._log_in(conn)
@@ -253,21 +268,26 @@ class Client:
                 self._leaving.discard(address)
             elif (conn is None or conn.closed
                   or (not conn.busy and (held <= 0 or until <= now()))):
+                lock = self._connect_locks.get(address)
+                if lock is not None and lock.locked():
+                    continue  # a call is connecting to it: on a later look
                 if conn is not None:
                     conn.close(ClientClosed(f"{address} left its DNS name"))
                     del self._conns[address]
                 self._leaving.discard(address)
                 self._connect_locks.pop(address, None)
+                self._connect_failed.pop(address, None)
                 self._held.pop(address, None)
 
     def _failover(self, order: list[ServerState], method: str, params: list[Any],
                   wait: float) -> tuple[ServerState, int, Any]:
         errors: list[ClientError] = []
         for server in order:
+            started = now()
             try:
                 serial, result = self._on(server, method, params, wait)
             except FAILOVER as exc:
-                self._pool.failed(server, now())
+                self._pool.failed(server, now(), started)
                 errors.append(exc)
                 if len(errors) < len(order):
                     self._retries += 1
@@ -283,10 +303,11 @@ class Client:
             if self._pool.names:
                 self._discover()
             for server in list(self._pool.require()):
+                started = now()
                 try:
                     _, result = self._on(server, method, params, self.read_timeout)
                 except FAILOVER as exc:
-                    self._pool.failed(server, now())
+                    self._pool.failed(server, now(), started)
                     errors.append(exc)
                     continue
                 self._pool.ok(server)
@@ -389,10 +410,11 @@ class Client:
         if with_flags:  # (servers before flags take four params)
             params.append(True)
         for server in order:
+            started = now()
             try:
                 serial, result = self._on(server, "get", params, wait)
             except FAILOVER as exc:
-                self._pool.failed(server, now())
+                self._pool.failed(server, now(), started)
                 errors.append(exc)
                 continue
             self._pool.ok(server)
@@ -423,6 +445,9 @@ class Client:
 
     def _settle(self, method: str, items: Item | Iterable[Item],
                 extra: list[Any] | None = None) -> int:
+        """Each (server, queue, connection) group in one call; a group whose connection
+        fails meanwhile (or whose server is shutting down) counts 0, and the others go on:
+        the server returns those items to the queue."""
         total = 0
         with self._gate:
             for (address, queue, serial), ids in settle_groups(items).items():
@@ -433,8 +458,11 @@ class Client:
                 if serial == 0 or conn is None or conn.serial != serial or conn.closed:
                     continue
                 self._calls += 1
-                result = conn.call(method, [queue, ids, *(extra or ())],
-                                   self.read_timeout)
+                try:
+                    result = conn.call(method, [queue, ids, *(extra or ())],
+                                       self.read_timeout)
+                except FAILOVER:
+                    continue
                 total += int_result(result, method)
         return total
 
