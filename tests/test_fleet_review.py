@@ -56,7 +56,7 @@ async def test_blackholed_server_costs_one_connect_timeout(tmp_path: Path) -> No
     try:
         async with running(make_config(tmp_path / "d")) as server:
             live = f"127.0.0.1:{server.ports['rpc']}"
-            dead = "127.0.0.1:%d" % hole.getsockname()[1]
+            dead = f"127.0.0.1:{hole.getsockname()[1]}"
             async with AsyncClient([dead, live], connect_timeout=1.0) as client:
                 took: list[float] = []
 
