@@ -8,6 +8,7 @@ Real servers and sockets on loopback, the DNS server of fleet_util.
 from __future__ import annotations
 
 import socket
+import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -157,3 +158,41 @@ async def test_confirm_goes_on_when_one_server_is_gone(tmp_path: Path) -> None:
             assert await trio.to_thread.run_sync(client.confirm, items) == 1
         finally:
             await trio.to_thread.run_sync(client.close)
+
+
+def test_blocking_client_stalls_while_dns_is_down(tmp_path: Path) -> None:
+    """Servers healthy, nameserver silent: every back-off, one put waits the whole
+    look-up timeout (connect_timeout with nameserver=, the system resolver's own timeout
+    without it), though the client has working servers."""
+    port = common_free_port(FLEET_HOSTS[:1])
+
+    async def main() -> None:
+        with fake_dns() as dns_server:
+            dns_server.a = {NAME: [FLEET_HOSTS[0]]}
+            (tmp_path / "s").mkdir()
+            config = make_config(tmp_path / "s" / "data", host=FLEET_HOSTS[0],
+                                 rpc_port=port)
+            async with running(config):
+                url = f"dns://{NAME}:{port}?refresh=1&nameserver={dns_server.nameserver}"
+
+                def blocking() -> list[float]:
+                    with Client(url, connect_timeout=1.0, backoff=0.2) as c:
+                        c.put("q", b"first")
+                        dns_server.silent = True
+                        took = []
+                        deadline = time.monotonic() + 4.0
+                        for _ in range(200_000):
+                            if time.monotonic() > deadline:
+                                break
+                            t = time.monotonic()
+                            c.put("q", b"x")
+                            took.append(time.monotonic() - t)
+                        return took
+
+                took = await trio.to_thread.run_sync(blocking)
+                slow = [t for t in took if t > 0.5]
+                print(f"\n{len(took)} puts in 4 s, {len(slow)} took > 0.5 s "
+                      f"({sum(slow):.1f} s stalled on DNS)")
+                assert not slow
+
+    trio.run(main)

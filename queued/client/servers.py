@@ -23,6 +23,9 @@ from queued.client.core import (
 #: How often a `dns://` name is resolved again unless its address says `?refresh=`.
 DEFAULT_REFRESH: Final = 30.0
 _DNS_SCHEMES: Final = ("dns://", "dns+srv://")
+#: How long a call that starts a look-up of a name that already gave servers waits for
+#: its answer before it goes on with those servers (the answer then serves later calls).
+LOOKUP_PATIENCE: Final = 0.25
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ Every behaviour and its documentation live in aio.py; import from queued.client.
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable
+from concurrent.futures import Future
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
@@ -35,6 +36,7 @@ from queued.client.core import (
     settle_groups,
     to_items,
 )
+from queued.client.discovery import Found, resolve_soon
 from queued.client.io_sync import (
     Connection,
     Lock,
@@ -42,10 +44,10 @@ from queued.client.io_sync import (
     call_gate,
     checkpoint,
     now,
-    resolve,
     shielded,
+    wait_for,
 )
-from queued.client.servers import Pool, ServerState, lookup
+from queued.client.servers import LOOKUP_PATIENCE, Discovery, Pool, ServerState, lookup
 from queued.client.tls import TlsOption, login, tls_context
 from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 
@@ -90,7 +92,10 @@ class Client:
     failed looks again at once and tries any new ones); servers that appear join
     the rotation, servers that disappear leave it, their connection closed once its open
     reads are settled (or their auto-abort time has passed). A name that fails
-    to resolve keeps the servers it gave last. Over TLS, a discovered server's
+    to resolve keeps the servers it gave last; one that gives none is asked again after
+    backoff. Look-ups run in threads: while the client has servers, only the call that
+    starts one waits for it, at most LOOKUP_PATIENCE (0.25 s), so a DNS outage stalls no
+    call. Over TLS, a discovered server's
     certificate must carry the name (the SRV target's name for dns+srv).
     peek/flush/delete/flush_all/stats ask every server and raise if any fails.
     max_frame and max_batch cap what the client accepts from a server (a get's reply,
@@ -133,7 +138,8 @@ class Client:
         # paying connect_timeout in turn.
         self._connect_failed: dict[str, tuple[int, str]] = {}
         self._connect_failures = 0
-        self._resolving = Lock()
+        # DNS look-ups under way (discovery.resolve_soon), one per name at a time.
+        self._lookups: dict[str, tuple[Discovery, Future[Found]]] = {}
         # Servers DNS no longer gives, by address: their connections close once idle.
         self._leaving: set[str] = set()
         # Per server: open reads got and not yet settled, and when the last of them
@@ -246,18 +252,28 @@ class Client:
             self._discover()
         return self._pool.order(kind, now())
 
-    def _discover(self) -> None:
-        """Resolve the DNS names that are due; one task does it while the others go on
-        with the servers they have (or wait, when there are none yet)."""
-        if self._pool.due(now()) and not (self._resolving.locked() and self._pool.servers):
-            with self._resolving:
-                for name in self._pool.due(now()):
-                    try:
-                        found = resolve(name, self.connect_timeout)
-                    except ConnectionFailed as exc:
-                        self._pool.resolve_failed(name, str(exc), now())
-                        continue
-                    self._pool.resolved(name, found, now())
+    def _discover(self, *, wait: bool = False) -> None:
+        """Resolve the DNS names that are due, each in a thread of its own (one look-up
+        per name at a time). Calls wait for the look-ups when the client has no server
+        (yet), or (`wait`) when every server they tried failed. Otherwise only the call
+        that starts a look-up waits for it, at most LOOKUP_PATIENCE, then goes on with
+        the servers it has; a later call takes the answer (a DNS outage stalls nobody)."""
+        started = [name for name in self._pool.due(now()) if name.spec not in self._lookups]
+        for name in started:
+            self._lookups[name.spec] = (name, resolve_soon(name, self.connect_timeout))
+        if self._lookups and (wait or started or not self._pool.servers):
+            patience = None if wait or not self._pool.servers else LOOKUP_PATIENCE
+            wait_for([future for _, future in self._lookups.values()], patience)
+        for spec, (name, future) in list(self._lookups.items()):
+            if not future.done():
+                continue
+            del self._lookups[spec]
+            try:
+                found = future.result()
+            except ConnectionFailed as exc:
+                self._pool.resolve_failed(name, str(exc), now())
+                continue
+            self._pool.resolved(name, found, now())
         # Connections to servers no name gives any more (a task that chose its server
         # before a look-up may have opened one since) close once idle.
         self._leaving |= self._conns.keys() - self._pool.by_address.keys()
@@ -364,7 +380,7 @@ class Client:
             if not self._pool.names:
                 raise
             tried = {s.address for s in order}
-            self._discover()
+            self._discover(wait=True)
             fresh = [s for s in self._pool.servers if s.address not in tried]
             if not fresh:
                 raise
