@@ -257,7 +257,8 @@ class Client:
         per name at a time). Calls wait for the look-ups when the client has no server
         (yet), or (`wait`) when every server they tried failed. Otherwise only the call
         that starts a look-up waits for it, at most LOOKUP_PATIENCE, then goes on with
-        the servers it has; a later call takes the answer (a DNS outage stalls nobody)."""
+        the servers it has; a later call takes the answer (a DNS outage stalls no call
+        longer than that)."""
         started = [name for name in self._pool.due(now()) if name.spec not in self._lookups]
         for name in started:
             self._lookups[name.spec] = (name, resolve_soon(name, self.connect_timeout))
