@@ -714,6 +714,13 @@ def test_k8s_runs_a_fleet_clients_find_through_dns() -> None:
     (service,) = [o for o in k8s_objects() if o["kind"] == "Service"
                   and o["metadata"]["name"] == headless]
     assert service["spec"]["clusterIP"] == "None"
+    # Consumers must keep draining a pod whose /readyz fails (a full disk, a failed
+    # journal): the name clients resolve gives not-ready pods too; the ClusterIP Service
+    # (producers that do not care where a put lands) leaves them out.
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    others = [o for o in k8s_objects() if o["kind"] == "Service"
+              and o["metadata"]["name"] != headless]
+    assert others and not any(o["spec"].get("publishNotReadyAddresses") for o in others)
     rpc = {p["name"]: p["port"] for p in service["spec"]["ports"]}["rpc"]
     address = f"dns://{headless}.<namespace>.svc.cluster.local:{rpc}"
     assert address in (K8S / "statefulset.yaml").read_text()
@@ -728,8 +735,14 @@ def test_k8s_runs_a_fleet_clients_find_through_dns() -> None:
     pdb = k8s_one("PodDisruptionBudget")["spec"]
     assert pdb["maxUnavailable"] == 1
     assert pdb["selector"]["matchLabels"].items() <= pod_labels.items()
-    # preStop lets the pod leave the DNS answer before SIGTERM; the grace period covers
-    # it, shutdown_grace for the sessions' batch, and checkpoints and fsyncs.
+    # preStop lets the pod leave the ClusterIP Service before SIGTERM (not the headless
+    # one's answer, which keeps terminating pods: the comment must not promise that);
+    # the grace period covers it, shutdown_grace for the sessions' batch, and
+    # checkpoints and fsyncs.
+    text = " ".join(line.strip().lstrip("#").strip()
+                    for line in (K8S / "statefulset.yaml").read_text().splitlines())
+    assert "preStop hook waits 5 s while the pod leaves the ClusterIP Service" in text
+    assert "headless Service gain nothing from the wait" in text
     command = container()["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "/opt/queued/bin/python"  # the image's Python (no shell sleep)
     match = re.fullmatch(r"import time; time\.sleep\((\d+)\)", command[-1])

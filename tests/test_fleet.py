@@ -316,13 +316,20 @@ async def test_failover_puts_never_fail_and_never_double(tmp_path: Path) -> None
 
 
 def _cli_puts(server: str, runs: int, first: int) -> None:
-    procs = [subprocess.Popen([str(QUEUED), "put", "--server", server, "twelve",
-                               *(f"{r}-{i}" for i in range(50))],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for r in range(first, first + runs)]
-    for proc in procs:
-        _, err = proc.communicate(timeout=WAIT * 3)
-        assert proc.returncode == 0, err
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for r in range(first, first + runs):
+            procs.append(subprocess.Popen([str(QUEUED), "put", "--server", server, "twelve",
+                                           *(f"{r}-{i}" for i in range(50))],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        for proc in procs:
+            _, err = proc.communicate(timeout=WAIT * 3)
+            assert proc.returncode == 0, err
+    finally:  # a timeout or a failed run leaves none of them behind
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
 
 
 async def test_twelve_cli_puts_reach_all_three_servers(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ twins differ by tokens alone: never import trio, socket or time here.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterable
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any
@@ -37,6 +38,7 @@ from queued.client.core import (
     settle_groups,
     to_items,
 )
+from queued.client.discovery import Found, resolve_soon
 from queued.client.io_trio import (
     Connection,
     Lock,
@@ -44,10 +46,10 @@ from queued.client.io_trio import (
     call_gate,
     checkpoint,
     now,
-    resolve,
     shielded,
+    wait_for,
 )
-from queued.client.servers import Pool, ServerState, lookup
+from queued.client.servers import LOOKUP_PATIENCE, Discovery, Pool, ServerState, lookup
 from queued.client.tls import TlsOption, login, tls_context
 from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 
@@ -92,7 +94,10 @@ class AsyncClient:
     failed looks again at once and tries any new ones); servers that appear join
     the rotation, servers that disappear leave it, their connection closed once its open
     reads are settled (or their auto-abort time has passed). A name that fails
-    to resolve keeps the servers it gave last. Over TLS, a discovered server's
+    to resolve keeps the servers it gave last; one that gives none is asked again after
+    backoff. Look-ups run in threads: while the client has servers, only the call that
+    starts one waits for it, at most LOOKUP_PATIENCE (0.25 s), so a DNS outage stalls no
+    call. Over TLS, a discovered server's
     certificate must carry the name (the SRV target's name for dns+srv).
     peek/flush/delete/flush_all/stats ask every server and raise if any fails.
     max_frame and max_batch cap what the client accepts from a server (a get's reply,
@@ -130,7 +135,13 @@ class AsyncClient:
         # client's is always open (its calls are pipelined).
         self._gate = call_gate()
         self._connect_locks: dict[str, Lock] = {}
-        self._resolving = Lock()
+        # Per server: the last failed connect (its number in _connect_failures, why), so
+        # the calls that waited for that connect fail over at once instead of each
+        # paying connect_timeout in turn.
+        self._connect_failed: dict[str, tuple[int, str]] = {}
+        self._connect_failures = 0
+        # DNS look-ups under way (discovery.resolve_soon), one per name at a time.
+        self._lookups: dict[str, tuple[Discovery, Future[Found]]] = {}
         # Servers DNS no longer gives, by address: their connections close once idle.
         self._leaving: set[str] = set()
         # Per server: open reads got and not yet settled, and when the last of them
@@ -184,12 +195,22 @@ class AsyncClient:
         """The server's connection and whether it is fresh (opened now)."""
         if self._closed:
             raise ClientClosed("the client is closed")
+        seen = self._connect_failures
         async with self._connect_locks.setdefault(server.address, Lock()):
             conn = self._conns.get(server.address)
             if conn is not None and not conn.closed:
                 return conn, False
-            conn = await self._net.connect(server, self.connect_timeout, self._max_frame,
-                                           self._max_batch)
+            number, why = self._connect_failed.get(server.address, (0, ""))
+            if number > seen:  # a connect failed while this call waited: fail over now
+                raise ConnectionFailed(why, server.address)
+            try:
+                conn = await self._net.connect(server, self.connect_timeout, self._max_frame,
+                                               self._max_batch)
+            except ConnectionFailed as exc:
+                self._connect_failures += 1
+                self._connect_failed[server.address] = (self._connect_failures, str(exc))
+                raise
+            self._connect_failed.pop(server.address, None)
             self._connects += 1
             if self._login is not None:
                 await self._log_in(conn)
@@ -233,18 +254,29 @@ class AsyncClient:
             await self._discover()
         return self._pool.order(kind, now())
 
-    async def _discover(self) -> None:
-        """Resolve the DNS names that are due; one task does it while the others go on
-        with the servers they have (or wait, when there are none yet)."""
-        if self._pool.due(now()) and not (self._resolving.locked() and self._pool.servers):
-            async with self._resolving:
-                for name in self._pool.due(now()):
-                    try:
-                        found = await resolve(name, self.connect_timeout)
-                    except ConnectionFailed as exc:
-                        self._pool.resolve_failed(name, str(exc), now())
-                        continue
-                    self._pool.resolved(name, found, now())
+    async def _discover(self, *, wait: bool = False) -> None:
+        """Resolve the DNS names that are due, each in a thread of its own (one look-up
+        per name at a time). Calls wait for the look-ups when the client has no server
+        (yet), or (`wait`) when every server they tried failed. Otherwise only the call
+        that starts a look-up waits for it, at most LOOKUP_PATIENCE, then goes on with
+        the servers it has; a later call takes the answer (a DNS outage stalls no call
+        longer than that)."""
+        started = [name for name in self._pool.due(now()) if name.spec not in self._lookups]
+        for name in started:
+            self._lookups[name.spec] = (name, resolve_soon(name, self.connect_timeout))
+        if self._lookups and (wait or started or not self._pool.servers):
+            patience = None if wait or not self._pool.servers else LOOKUP_PATIENCE
+            await wait_for([future for _, future in self._lookups.values()], patience)
+        for spec, (name, future) in list(self._lookups.items()):
+            if not future.done():
+                continue
+            del self._lookups[spec]
+            try:
+                found = future.result()
+            except ConnectionFailed as exc:
+                self._pool.resolve_failed(name, str(exc), now())
+                continue
+            self._pool.resolved(name, found, now())
         # Connections to servers no name gives any more (a task that chose its server
         # before a look-up may have opened one since) close once idle.
         self._leaving |= self._conns.keys() - self._pool.by_address.keys()
@@ -255,21 +287,26 @@ class AsyncClient:
                 self._leaving.discard(address)
             elif (conn is None or conn.closed
                   or (not conn.busy and (held <= 0 or until <= now()))):
+                lock = self._connect_locks.get(address)
+                if lock is not None and lock.locked():
+                    continue  # a call is connecting to it: on a later look
                 if conn is not None:
                     conn.close(ClientClosed(f"{address} left its DNS name"))
                     del self._conns[address]
                 self._leaving.discard(address)
                 self._connect_locks.pop(address, None)
+                self._connect_failed.pop(address, None)
                 self._held.pop(address, None)
 
     async def _failover(self, order: list[ServerState], method: str, params: list[Any],
                         wait: float) -> tuple[ServerState, int, Any]:
         errors: list[ClientError] = []
         for server in order:
+            started = now()
             try:
                 serial, result = await self._on(server, method, params, wait)
             except FAILOVER as exc:
-                self._pool.failed(server, now())
+                self._pool.failed(server, now(), started)
                 errors.append(exc)
                 if len(errors) < len(order):
                     self._retries += 1
@@ -285,10 +322,11 @@ class AsyncClient:
             if self._pool.names:
                 await self._discover()
             for server in list(self._pool.require()):
+                started = now()
                 try:
                     _, result = await self._on(server, method, params, self.read_timeout)
                 except FAILOVER as exc:
-                    self._pool.failed(server, now())
+                    self._pool.failed(server, now(), started)
                     errors.append(exc)
                     continue
                 self._pool.ok(server)
@@ -345,7 +383,7 @@ class AsyncClient:
             if not self._pool.names:
                 raise
             tried = {s.address for s in order}
-            await self._discover()
+            await self._discover(wait=True)
             fresh = [s for s in self._pool.servers if s.address not in tried]
             if not fresh:
                 raise
@@ -391,10 +429,11 @@ class AsyncClient:
         if with_flags:  # (servers before flags take four params)
             params.append(True)
         for server in order:
+            started = now()
             try:
                 serial, result = await self._on(server, "get", params, wait)
             except FAILOVER as exc:
-                self._pool.failed(server, now())
+                self._pool.failed(server, now(), started)
                 errors.append(exc)
                 continue
             self._pool.ok(server)
@@ -425,6 +464,9 @@ class AsyncClient:
 
     async def _settle(self, method: str, items: Item | Iterable[Item],
                       extra: list[Any] | None = None) -> int:
+        """Each (server, queue, connection) group in one call; a group whose connection
+        fails meanwhile (or whose server is shutting down) counts 0, and the others go on:
+        the server returns those items to the queue."""
         total = 0
         with self._gate:
             for (address, queue, serial), ids in settle_groups(items).items():
@@ -435,8 +477,11 @@ class AsyncClient:
                 if serial == 0 or conn is None or conn.serial != serial or conn.closed:
                     continue
                 self._calls += 1
-                result = await conn.call(method, [queue, ids, *(extra or ())],
-                                         self.read_timeout)
+                try:
+                    result = await conn.call(method, [queue, ids, *(extra or ())],
+                                             self.read_timeout)
+                except FAILOVER:
+                    continue
                 total += int_result(result, method)
         return total
 

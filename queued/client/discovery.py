@@ -9,6 +9,8 @@ worker thread. A/AAAA with no nameserver given go through getaddrinfo (which hon
 from __future__ import annotations
 
 import socket
+import threading
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from queued.client.core import ConnectionFailed
@@ -33,6 +35,23 @@ def resolve(name: Discovery, timeout: float) -> Found:
         return _getaddrinfo(name.name, name.port)
     except OSError as exc:
         raise ConnectionFailed(f"{name.spec}: cannot resolve: {exc}", name.spec) from exc
+
+
+def resolve_soon(name: Discovery, timeout: float) -> Future[Found]:
+    """`resolve` in a daemon thread of its own, started now: the future gets its answer
+    or its exception. The thread ends with the look-up (bounded by `timeout` through
+    dnspython, by the system resolver's own timeout through getaddrinfo); nobody has to
+    wait for it, so a DNS outage stalls no call that has servers to go on with."""
+    future: Future[Found] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(resolve(name, timeout))
+        except BaseException as exc:  # handed to whoever takes the answer
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"queued-resolve {name.spec}", daemon=True).start()
+    return future
 
 
 def _getaddrinfo(host: str, port: int) -> Found:

@@ -7,15 +7,15 @@ Client's calls; never chooses servers or fails over (that is the client's, in ai
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-from queued.client import discovery
 from queued.client.core import (
     ClientError,
     ConnectionFailed,
@@ -39,8 +39,11 @@ def checkpoint() -> None:
     """Blocking code has no other task to let run."""
 
 
-#: What a `dns://` name gives now (blocking code looks it up in place).
-resolve = discovery.resolve
+def wait_for(lookups: Collection[concurrent.futures.Future[Any]],
+             patience: float | None) -> None:
+    """Until every look-up (discovery.resolve_soon) is done, or `patience` seconds (None:
+    no limit) have passed."""
+    concurrent.futures.wait(lookups, patience)
 
 
 @contextmanager

@@ -8,15 +8,15 @@ never leaves a cancelled get's connection open: a late reply carrying items coul
 
 from __future__ import annotations
 
+import concurrent.futures
 import ssl
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager, AsyncExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from queued.client import discovery
 from queued.client.core import (
     BadResponse,
     ClientClosed,
@@ -26,7 +26,7 @@ from queued.client.core import (
     Timeout,
     call_error,
 )
-from queued.client.servers import Discovery, ServerState
+from queued.client.servers import ServerState
 from queued.client.tls import TlsChannel, handshake_failure
 from queued.client.wire import RECV, ClientConnection, closes
 from queued.core.rpc_protocol import Response
@@ -41,11 +41,14 @@ def call_gate() -> AbstractContextManager[Any]:
     return nullcontext()
 
 
-async def resolve(name: Discovery, timeout: float) -> discovery.Found:
-    """What a `dns://` name gives now, looked up in a worker thread (as trio's own
-    getaddrinfo is); a cancelled look-up is left to finish on its own."""
-    return await trio.to_thread.run_sync(discovery.resolve, name, timeout,
-                                         abandon_on_cancel=True)
+async def wait_for(lookups: Collection[concurrent.futures.Future[Any]],
+                   patience: float | None) -> None:
+    """Until every look-up (discovery.resolve_soon) is done, or `patience` seconds (None:
+    no limit) have passed; waits in a worker thread, abandoned if cancelled (the
+    look-ups go on)."""
+    if not all(f.done() for f in lookups):
+        await trio.to_thread.run_sync(concurrent.futures.wait, lookups, patience,
+                                      abandon_on_cancel=True)
 
 
 @contextmanager

@@ -23,6 +23,9 @@ from queued.client.core import (
 #: How often a `dns://` name is resolved again unless its address says `?refresh=`.
 DEFAULT_REFRESH: Final = 30.0
 _DNS_SCHEMES: Final = ("dns://", "dns+srv://")
+#: How long a call that starts a look-up of a name that already gave servers waits for
+#: its answer before it goes on with those servers (the answer then serves later calls).
+LOOKUP_PATIENCE: Final = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +47,7 @@ class Discovery:
 
 
 def _discovery(text: str) -> Discovery:
-    srv = text.startswith("dns+srv://")
+    srv = text.lower().startswith("dns+srv://")
     rest = text.split("://", 1)[1]
     where, _, query = rest.partition("?")
     refresh = DEFAULT_REFRESH
@@ -152,6 +155,7 @@ class ServerState:
     down_until: float = 0.0
     failures: int = 0
     skips: int = 0
+    failed_at: float = float("-inf")  # when the failure that set `delay` was recorded
     #: The name a TLS certificate must carry: the DNS name a discovered server came from.
     tls_name: str = ""
 
@@ -211,10 +215,20 @@ class Pool:
             raise ConnectionFailed(f"no server: {why}")
         return self.servers
 
-    def failed(self, server: ServerState, now: float) -> None:
+    def failed(self, server: ServerState, now: float, started: float | None = None) -> None:
+        """A call to `server` that began at `started` failed (None: a new incident).
+
+        The back-off doubles per incident, not per failed call: a call that began before
+        the failure that set the current back-off (pipelined calls that all chose the
+        server, then all failed) is counted but keeps the back-off as it is.
+        """
         server.failures += 1
+        if server.delay and started is not None and started <= server.failed_at:
+            server.down_until = max(server.down_until, now + server.delay)
+            return
         server.delay = min(server.delay * 2, self.max_backoff) if server.delay else self.backoff
         server.down_until = now + server.delay
+        server.failed_at = now
         if server.address not in self.fixed:  # re-resolve soon: it may have moved
             for spec, at in self._resolved_at.items():
                 if server.address in self._found[spec]:
@@ -234,13 +248,15 @@ class Pool:
                  now: float) -> list[str]:
         """What resolving `name` gave, (host, port, name its certificate must carry) each;
         returns the addresses that left the rotation (the client closes their connections
-        once idle)."""
-        self._resolved_at[name.spec] = now
-        self._due[name.spec] = now + name.refresh
+        once idle). An empty answer (no such name, no records: no pod ready yet) takes the
+        name's servers away but, like a failed look-up, is asked again after `backoff`."""
         self._why.pop(name.spec, None)
         addresses: dict[str, tuple[str, int, str]] = {}
         for host, port, tls_name in found:
             addresses.setdefault(_address(host, port), (host, port, tls_name))
+        self._resolved_at[name.spec] = now
+        self._due[name.spec] = now + (name.refresh if addresses
+                                      else min(self.backoff, name.refresh))
         self._found[name.spec] = frozenset(addresses)
         for address, (host, port, tls_name) in addresses.items():
             if address not in self.by_address:

@@ -8,6 +8,7 @@ Every behaviour and its documentation live in aio.py; import from queued.client.
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable
+from concurrent.futures import Future
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
@@ -35,6 +36,7 @@ from queued.client.core import (
     settle_groups,
     to_items,
 )
+from queued.client.discovery import Found, resolve_soon
 from queued.client.io_sync import (
     Connection,
     Lock,
@@ -42,10 +44,10 @@ from queued.client.io_sync import (
     call_gate,
     checkpoint,
     now,
-    resolve,
     shielded,
+    wait_for,
 )
-from queued.client.servers import Pool, ServerState, lookup
+from queued.client.servers import LOOKUP_PATIENCE, Discovery, Pool, ServerState, lookup
 from queued.client.tls import TlsOption, login, tls_context
 from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 
@@ -90,7 +92,10 @@ class Client:
     failed looks again at once and tries any new ones); servers that appear join
     the rotation, servers that disappear leave it, their connection closed once its open
     reads are settled (or their auto-abort time has passed). A name that fails
-    to resolve keeps the servers it gave last. Over TLS, a discovered server's
+    to resolve keeps the servers it gave last; one that gives none is asked again after
+    backoff. Look-ups run in threads: while the client has servers, only the call that
+    starts one waits for it, at most LOOKUP_PATIENCE (0.25 s), so a DNS outage stalls no
+    call. Over TLS, a discovered server's
     certificate must carry the name (the SRV target's name for dns+srv).
     peek/flush/delete/flush_all/stats ask every server and raise if any fails.
     max_frame and max_batch cap what the client accepts from a server (a get's reply,
@@ -128,7 +133,13 @@ class Client:
         # client's is always open (its calls are pipelined).
         self._gate = call_gate()
         self._connect_locks: dict[str, Lock] = {}
-        self._resolving = Lock()
+        # Per server: the last failed connect (its number in _connect_failures, why), so
+        # the calls that waited for that connect fail over at once instead of each
+        # paying connect_timeout in turn.
+        self._connect_failed: dict[str, tuple[int, str]] = {}
+        self._connect_failures = 0
+        # DNS look-ups under way (discovery.resolve_soon), one per name at a time.
+        self._lookups: dict[str, tuple[Discovery, Future[Found]]] = {}
         # Servers DNS no longer gives, by address: their connections close once idle.
         self._leaving: set[str] = set()
         # Per server: open reads got and not yet settled, and when the last of them
@@ -182,12 +193,22 @@ class Client:
         """The server's connection and whether it is fresh (opened now)."""
         if self._closed:
             raise ClientClosed("the client is closed")
+        seen = self._connect_failures
         with self._connect_locks.setdefault(server.address, Lock()):
             conn = self._conns.get(server.address)
             if conn is not None and not conn.closed:
                 return conn, False
-            conn = self._net.connect(server, self.connect_timeout, self._max_frame,
-                                     self._max_batch)
+            number, why = self._connect_failed.get(server.address, (0, ""))
+            if number > seen:  # a connect failed while this call waited: fail over now
+                raise ConnectionFailed(why, server.address)
+            try:
+                conn = self._net.connect(server, self.connect_timeout, self._max_frame,
+                                         self._max_batch)
+            except ConnectionFailed as exc:
+                self._connect_failures += 1
+                self._connect_failed[server.address] = (self._connect_failures, str(exc))
+                raise
+            self._connect_failed.pop(server.address, None)
             self._connects += 1
             if self._login is not None:
                 self._log_in(conn)
@@ -231,18 +252,29 @@ class Client:
             self._discover()
         return self._pool.order(kind, now())
 
-    def _discover(self) -> None:
-        """Resolve the DNS names that are due; one task does it while the others go on
-        with the servers they have (or wait, when there are none yet)."""
-        if self._pool.due(now()) and not (self._resolving.locked() and self._pool.servers):
-            with self._resolving:
-                for name in self._pool.due(now()):
-                    try:
-                        found = resolve(name, self.connect_timeout)
-                    except ConnectionFailed as exc:
-                        self._pool.resolve_failed(name, str(exc), now())
-                        continue
-                    self._pool.resolved(name, found, now())
+    def _discover(self, *, wait: bool = False) -> None:
+        """Resolve the DNS names that are due, each in a thread of its own (one look-up
+        per name at a time). Calls wait for the look-ups when the client has no server
+        (yet), or (`wait`) when every server they tried failed. Otherwise only the call
+        that starts a look-up waits for it, at most LOOKUP_PATIENCE, then goes on with
+        the servers it has; a later call takes the answer (a DNS outage stalls no call
+        longer than that)."""
+        started = [name for name in self._pool.due(now()) if name.spec not in self._lookups]
+        for name in started:
+            self._lookups[name.spec] = (name, resolve_soon(name, self.connect_timeout))
+        if self._lookups and (wait or started or not self._pool.servers):
+            patience = None if wait or not self._pool.servers else LOOKUP_PATIENCE
+            wait_for([future for _, future in self._lookups.values()], patience)
+        for spec, (name, future) in list(self._lookups.items()):
+            if not future.done():
+                continue
+            del self._lookups[spec]
+            try:
+                found = future.result()
+            except ConnectionFailed as exc:
+                self._pool.resolve_failed(name, str(exc), now())
+                continue
+            self._pool.resolved(name, found, now())
         # Connections to servers no name gives any more (a task that chose its server
         # before a look-up may have opened one since) close once idle.
         self._leaving |= self._conns.keys() - self._pool.by_address.keys()
@@ -253,21 +285,26 @@ class Client:
                 self._leaving.discard(address)
             elif (conn is None or conn.closed
                   or (not conn.busy and (held <= 0 or until <= now()))):
+                lock = self._connect_locks.get(address)
+                if lock is not None and lock.locked():
+                    continue  # a call is connecting to it: on a later look
                 if conn is not None:
                     conn.close(ClientClosed(f"{address} left its DNS name"))
                     del self._conns[address]
                 self._leaving.discard(address)
                 self._connect_locks.pop(address, None)
+                self._connect_failed.pop(address, None)
                 self._held.pop(address, None)
 
     def _failover(self, order: list[ServerState], method: str, params: list[Any],
                   wait: float) -> tuple[ServerState, int, Any]:
         errors: list[ClientError] = []
         for server in order:
+            started = now()
             try:
                 serial, result = self._on(server, method, params, wait)
             except FAILOVER as exc:
-                self._pool.failed(server, now())
+                self._pool.failed(server, now(), started)
                 errors.append(exc)
                 if len(errors) < len(order):
                     self._retries += 1
@@ -283,10 +320,11 @@ class Client:
             if self._pool.names:
                 self._discover()
             for server in list(self._pool.require()):
+                started = now()
                 try:
                     _, result = self._on(server, method, params, self.read_timeout)
                 except FAILOVER as exc:
-                    self._pool.failed(server, now())
+                    self._pool.failed(server, now(), started)
                     errors.append(exc)
                     continue
                 self._pool.ok(server)
@@ -343,7 +381,7 @@ class Client:
             if not self._pool.names:
                 raise
             tried = {s.address for s in order}
-            self._discover()
+            self._discover(wait=True)
             fresh = [s for s in self._pool.servers if s.address not in tried]
             if not fresh:
                 raise
@@ -389,10 +427,11 @@ class Client:
         if with_flags:  # (servers before flags take four params)
             params.append(True)
         for server in order:
+            started = now()
             try:
                 serial, result = self._on(server, "get", params, wait)
             except FAILOVER as exc:
-                self._pool.failed(server, now())
+                self._pool.failed(server, now(), started)
                 errors.append(exc)
                 continue
             self._pool.ok(server)
@@ -423,6 +462,9 @@ class Client:
 
     def _settle(self, method: str, items: Item | Iterable[Item],
                 extra: list[Any] | None = None) -> int:
+        """Each (server, queue, connection) group in one call; a group whose connection
+        fails meanwhile (or whose server is shutting down) counts 0, and the others go on:
+        the server returns those items to the queue."""
         total = 0
         with self._gate:
             for (address, queue, serial), ids in settle_groups(items).items():
@@ -433,8 +475,11 @@ class Client:
                 if serial == 0 or conn is None or conn.serial != serial or conn.closed:
                     continue
                 self._calls += 1
-                result = conn.call(method, [queue, ids, *(extra or ())],
-                                   self.read_timeout)
+                try:
+                    result = conn.call(method, [queue, ids, *(extra or ())],
+                                       self.read_timeout)
+                except FAILOVER:
+                    continue
                 total += int_result(result, method)
         return total
 
