@@ -272,10 +272,7 @@ class SegmentFile(SyncedFile):
 
     def write(self, chunks: Sequence[Chunk]) -> WriteResult:
         """Write the chunks, then sync as the policy says. Nothing is returned as
-        written unless the fsync policy's syncs for it succeeded. A file that failed
-        writes nothing more (chunks planned before the failure was known, say)."""
-        if self._failed is not None:
-            return WriteResult([], self._failed)
+        written unless the fsync policy's syncs for it succeeded."""
         done: list[Written] = []
         created_any = False
         error: BaseException | None = None
@@ -374,8 +371,7 @@ class SegmentFile(SyncedFile):
         fds = list(self._slot_fds.values())
         self._slot_fds.clear()
         for fd in fds:
-            with contextlib.suppress(OSError):  # (one that fails must not leak the rest)
-                fileio.close(fd)
+            fileio.close(fd)
 
     def close(self) -> None:
         try:
