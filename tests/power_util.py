@@ -17,7 +17,6 @@ import os
 import random
 import shutil
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +39,8 @@ Cut = dict[str, dict[str, bytes]]
 class PowerLossFS(fileio.FileIO):
     """See the module docstring. Tracks files in `root` (and directories made under it)."""
 
-    def __init__(self, root: Path, fsync_delay: float = 0.0) -> None:
+    def __init__(self, root: Path) -> None:
         self.root = Path(os.path.abspath(root))
-        #: seconds each file fsync takes (slept outside the lock): rounds' fsyncs overlap
-        self.fsync_delay = fsync_delay
         self._lock = threading.Lock()
         self.names: dict[str, Node] = {}  # path -> file, as the running server sees it
         self.fds: dict[int, Node] = {}
@@ -173,8 +170,6 @@ class PowerLossFS(fileio.FileIO):
 
     def fsync(self, fd: int) -> None:
         # No real fsync: the real files are the page cache here; durability is ours.
-        if self.fsync_delay:
-            time.sleep(self.fsync_delay)
         with self._lock:
             node = self.fds.get(fd)
             if node is not None:

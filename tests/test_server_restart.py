@@ -9,18 +9,17 @@ SIGTERM, SIGINT and the `shutdown` command stop the server cleanly with exit cod
 from __future__ import annotations
 
 import re
-import select
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pymemcache.client.base import Client as MemcacheClient
-from server_util import WAIT, ServerProcess, data_files, killed_at_end, pymc, send_lines
+from server_util import ServerProcess, data_files, killed_at_end, pymc, send_lines
 
 pytestmark = pytest.mark.slow
 
@@ -109,68 +108,6 @@ def test_kill_9_keeps_every_acknowledged_pipelined_put(server: ServerProcess) ->
         assert drain(client, "p") == [b"p-%05d" % i for i in range(n)]
     finally:
         client.close()
-
-
-def _put_under_load(port: int, conns: int, window: int, kill_at: int,
-                    kill: Callable[[], None]) -> list[list[bytes]]:
-    """`conns` connections each keep `window` sets in flight (queues p and r, distinct
-    values) until `kill_at` are acknowledged in all; then `kill()`, with sets still in
-    flight. Returns each connection's acknowledged values: its first replies are STORED
-    for its first sets, in order (a connection's replies come in request order)."""
-    socks = [socket.create_connection(("127.0.0.1", port), timeout=WAIT) for _ in range(conns)]
-    sent: list[list[bytes]] = [[] for _ in socks]
-    acked = [0] * conns
-    bufs = [b""] * conns
-    try:
-        for s in socks:
-            s.setblocking(False)
-        deadline = time.monotonic() + 60
-        while sum(acked) < kill_at:
-            assert time.monotonic() < deadline, f"only {sum(acked)} acknowledged in time"
-            for i, s in enumerate(socks):
-                more = window - (len(sent[i]) - acked[i])
-                values = [b"c%d-%06d" % (i, len(sent[i]) + k) for k in range(more)]
-                sent[i] += values
-                s.sendall(b"".join(b"set %s 0 0 %d\r\n%s\r\n" % (b"pr"[k % 2:k % 2 + 1],
-                                   len(v), v) for k, v in enumerate(values)))
-            readable, _, _ = select.select(socks, [], [], 1.0)
-            for s in readable:
-                i = socks.index(s)
-                data = bufs[i] + s.recv(65536)
-                whole = data[: data.rfind(b"\n") + 1]  # complete replies only
-                bufs[i] = data[len(whole):]
-                n = whole.count(b"\r\n")
-                assert whole == b"STORED\r\n" * n, whole[-200:]
-                acked[i] += n
-        kill()  # sets are in flight on every connection
-    finally:
-        for s in socks:
-            s.close()
-    return [sent[i][: acked[i]] for i in range(conns)]
-
-
-def test_kill_9_under_load_keeps_every_acknowledged_put(server: ServerProcess) -> None:
-    """Under fsync "always", many connections with sets in flight keep the writer's rounds
-    overlapping (pipelined rounds, issue 15); SIGKILL then, and after the restart every
-    acknowledged set is there, in each connection's order."""
-    server.start()
-    acked = _put_under_load(server.memcache, conns=6, window=8, kill_at=3000,
-                            kill=server.kill)
-    assert sum(map(len, acked)) >= 3000
-    server.start()
-    client = pymc(server.memcache)
-    try:
-        found = drain(client, "p", limit=100_000) + drain(client, "r", limit=100_000)
-    finally:
-        client.close()
-    where = {v: k for k, v in enumerate(found)}
-    assert len(where) == len(found), "an item came back twice"
-    for values in acked:
-        missing = [v for v in values if v not in where]
-        assert not missing, f"{len(missing)} acknowledged sets lost, e.g. {missing[:5]}"
-        for queue in (b"p", b"r"):  # each queue keeps each connection's order
-            mine = [where[v] for k, v in enumerate(values) if b"pr"[k % 2:k % 2 + 1] == queue]
-            assert mine == sorted(mine)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "shutdown"])

@@ -9,7 +9,6 @@ quarantine folder.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -37,9 +36,9 @@ from queued.storage.files import (
     fsync_dir,
     write_checkpoint,
 )
-from queued.storage.journal import Planned, QueueJournal
+from queued.storage.journal import QueueJournal
 from queued.storage.recovery import Damage, scan_segment
-from queued.storage.writer import PIPELINE_DEPTH, ReaderFile, Writer, WriteResult
+from queued.storage.writer import ReaderFile, Writer
 
 log = logging.getLogger("queued.datadir")
 
@@ -341,7 +340,7 @@ class DataDir:
 
     def _write_now(self, journal: QueueJournal) -> bool:
         """Write `journal`'s planned changes at once if the writer allows; True if done."""
-        if self._in_round or self._closing or self._writer.inflight:
+        if self._in_round or self._closing:
             return False
         readers = journal.planned_readers if journal.has_reader_ops else []
         result = self._writer.write_now(journal.file, journal.planned, readers)
@@ -371,10 +370,7 @@ class DataDir:
             while True:
                 if not self._dirty:
                     if self._closing:
-                        if not self._writer.inflight:
-                            return
-                        await self._writer.drain()
-                        continue  # what those rounds' finishing planned comes next
+                        return
                     deadline = min(
                         (d for j in self.queues.values() if (d := j.fsync_deadline())),
                         default=None,
@@ -385,9 +381,6 @@ class DataDir:
                     with trio.move_on_after(max(0.0, wait)):
                         await self._wake.wait()
                     self._asleep_until = float("-inf")  # awake: it looks before sleeping
-                if self._writer.inflight >= PIPELINE_DEPTH:
-                    # Let the next round grow while the pipeline is full.
-                    await self._writer.drain_one()
                 # Appends from here on set a fresh event and are taken next round.
                 self._wake = trio.Event()
                 work = [(j, j.take_pending()) for j in self._dirty]
@@ -401,36 +394,21 @@ class DataDir:
                 ]
                 if not (work or readers or periodic):
                     continue  # woken to look at a new fsync deadline: sleep until it
-                files = [(j.file, chunks) for j, chunks in work]
                 # No write here and now until these are written: they come first.
                 self._in_round = True
                 try:
-                    if not (readers or periodic) and self._writer.can_pipeline(files):
-                        # Under the writer's lock from here until it has started: a pause
-                        # asked for meanwhile (deleting the queue, say) comes after it.
-                        got = await self._writer.start_round(
-                            files, functools.partial(self._finish_round, work))
-                        if got is None:
-                            # Written and fsynced while earlier rounds' fsyncs still run;
-                            # the tickets are set when it is handed back to the loop.
-                            continue
-                        results = got
-                    else:
-                        results = await self._writer.write_round(
-                            files, periodic, [pair for _, ops in readers for pair in ops])
+                    results = await self._writer.write_round(
+                        [(j.file, chunks) for j, chunks in work], periodic,
+                        [pair for _, ops in readers for pair in ops],
+                    )
                 finally:
                     self._in_round = False
-                self._finish_round(work, results)
+                for (j, chunks), result in zip(work, results, strict=True):
+                    j.finish_round(chunks, result)
                 for j, ops in readers:
                     j.finish_reader_ops(ops)
         finally:
             self._writer_done.set()
-
-    @staticmethod
-    def _finish_round(work: list[tuple[QueueJournal, list[Planned]]],
-                      results: list[WriteResult]) -> None:
-        for (j, chunks), result in zip(work, results, strict=True):
-            j.finish_round(chunks, result)
 
     async def aclose(self) -> None:
         """Finish pending appends, fsync and close every segment; NotSavedError lists the
@@ -441,7 +419,6 @@ class DataDir:
         self._wake.set()
         with trio.CancelScope(shield=True):
             await self._writer_done.wait()
-            await self._writer.drain()  # no round may touch a file close_all closes
             for j in self.queues.values():  # anything queued after the writer's last round
                 j.fail_pending(JournalClosedError(f"queue {j.name!r}: data dir closed"))
 

@@ -11,7 +11,6 @@ Knows nothing of tickets, readers or ids beyond what a chunk carries.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import functools
@@ -51,10 +50,6 @@ IOV_MAX = 1024
 ROUND_THREADS = 8
 #: A round this small, without fsync or new files, runs on the event loop itself.
 INLINE_ROUND_BYTES = 256 * 1024
-#: Pipelined rounds under way at once at most (one thread each): while one's fsync runs,
-#: the next writes and starts its own (concurrent fsyncs of a file share the file
-#: system's journal commits).
-PIPELINE_DEPTH = 3
 
 
 @dataclass(slots=True)
@@ -139,21 +134,9 @@ class SyncedFile:
         self.observe_fsync = observe_fsync
         self._fd: int | None = None
         self._size = 0
-        # Writes made and writes an fsync covered, counted: a pipelined round's fsync
-        # (another thread) may end while the next round writes (see PipelinedRound).
-        self._written = 0
-        self._synced = 0
-        self._sync_lock = threading.Lock()
+        self._unsynced = False
         self._last_fsync = time.monotonic()
         self._failed: JournalWriteError | None = None
-
-    @property
-    def _unsynced(self) -> bool:
-        return self._written > self._synced
-
-    def _all_synced(self) -> None:
-        """What is written needs no fsync of its own (covered, or moot)."""
-        self._synced = self._written
 
     @property
     def failed(self) -> JournalWriteError | None:
@@ -195,7 +178,7 @@ class SyncedFile:
             try:
                 if self._unsynced:
                     fileio.fsync(self._fd)
-                    self._all_synced()
+                    self._unsynced = False
             finally:
                 fileio.close(self._fd)
                 self._fd = None
@@ -231,21 +214,12 @@ class SyncedFile:
 
     def _fsync(self) -> None:
         if self._fd is not None and self._unsynced:
-            self._fsync_fd(self._fd)
-        self._all_synced()
-        self._last_fsync = time.monotonic()
-
-    def _fsync_fd(self, fd: int) -> None:
-        """fsync `fd` (of this file): every write made before the call is then durable."""
-        covers = self._written
-        started = time.monotonic()
-        fileio.fsync(fd)
-        ended = time.monotonic()
-        self.observe_fsync(ended - started)
-        with self._sync_lock:  # pipelined rounds' fsyncs end in several threads
+            started = time.monotonic()
+            fileio.fsync(self._fd)
             self.fsyncs += 1
-            self._synced = max(self._synced, covers)
-            self._last_fsync = ended
+            self.observe_fsync(time.monotonic() - started)
+        self._unsynced = False
+        self._last_fsync = time.monotonic()
 
 
 class SegmentFile(SyncedFile):
@@ -264,11 +238,6 @@ class SegmentFile(SyncedFile):
         self._last_number = last_number
         #: the queue's incarnation, named in the head of every segment it opens (0: none)
         self.incarnation = 0
-        #: fds of the open segment that pipelined rounds fsync through, by slot (slot 0:
-        #: the writing fd). Each slot's fsyncs come one after another; a file description
-        #: of its own makes a write-back error reach every slot's next fsync (the kernel
-        #: reports it once per open file description), not only whichever slot asks first.
-        self._slot_fds: dict[int, int] = {}
 
     def write(self, chunks: Sequence[Chunk]) -> WriteResult:
         """Write the chunks, then sync as the policy says. Nothing is returned as
@@ -285,11 +254,33 @@ class SegmentFile(SyncedFile):
                         self._fsync()
                 except OSError as exc:
                     return WriteResult([], self.set_failed(f"fsync failed: {exc}"))
-                self._close_fds()
-            error = self._write_chunk(chunk, done)
-            if error is not None:
+                fileio.close(self._fd)
+                self._fd = None
+            created = False
+            try:
+                prefix = b""
+                if self._fd is None:
+                    prefix = self._open_segment()
+                    created = created_any = True
+                assert self._fd is not None
+                offset = self._size + len(prefix)
+                pieces = chunk.take_pieces()
+                crc = jf.crc_seed(offset)
+                for piece in pieces:
+                    crc = zlib.crc32(piece, crc)
+                check = jf.encode_check_crc(chunk.nbytes, crc)
+                written = len(prefix) + chunk.nbytes + len(check)
+                _writev_all(self._fd, [prefix, *pieces, check] if prefix else [*pieces, check])
+            except OSError as exc:
+                error = self._write_failed(exc, created)
                 break
-            created_any = created_any or done[-1].created
+            self._size += written
+            self._unsynced = True
+            done.append(
+                Written(self._number, created, offset, self._size, chunk.count,
+                        chunk.first_id, chunk.last_id,
+                        os.fstat(self._fd).st_ino if created else 0)
+            )
         try:
             self._sync_by_policy()
             if created_any and not never:
@@ -299,93 +290,6 @@ class SegmentFile(SyncedFile):
             # files can no longer be trusted for writes (reads of the past still work).
             return WriteResult([], self.set_failed(f"fsync failed: {exc}"))
         return WriteResult(done, error)
-
-    def _write_chunk(self, chunk: Chunk, done: list[Written]) -> BaseException | None:
-        """Write one chunk as a checked batch (opening the next segment if none is open)
-        and note it in `done`; the error (partial batch trimmed) if it failed."""
-        created = False
-        try:
-            prefix = b""
-            if self._fd is None:
-                prefix = self._open_segment()
-                created = True
-            assert self._fd is not None
-            offset = self._size + len(prefix)
-            pieces = chunk.take_pieces()
-            crc = jf.crc_seed(offset)
-            for piece in pieces:
-                crc = zlib.crc32(piece, crc)
-            check = jf.encode_check_crc(chunk.nbytes, crc)
-            written = len(prefix) + chunk.nbytes + len(check)
-            _writev_all(self._fd, [prefix, *pieces, check] if prefix else [*pieces, check])
-        except OSError as exc:
-            return self._write_failed(exc, created)
-        self._size += written
-        self._written += 1
-        done.append(Written(self._number, created, offset, self._size, chunk.count,
-                            chunk.first_id, chunk.last_id,
-                            os.fstat(self._fd).st_ino if created else 0))
-        return None
-
-    def can_pipeline(self, chunks: Sequence[Chunk]) -> bool:
-        """True when `chunks` may be written by a pipelined round: appends to the open
-        segment (no file opened or closed) of a queue whose every append is fsynced."""
-        return (self._fd is not None and self._failed is None
-                and self.fsync.mode is FsyncMode.ALWAYS and not any(c.rotate for c in chunks))
-
-    def append(self, chunks: Sequence[Chunk]) -> WriteResult:
-        """A pipelined round's write (see can_pipeline): the chunks, no fsync. A file that
-        failed (in an earlier round's fsync, say) writes nothing more."""
-        if self._failed is not None:
-            return WriteResult([], self._failed)
-        done: list[Written] = []
-        for chunk in chunks:
-            error = self._write_chunk(chunk, done)
-            if error is not None:
-                return WriteResult(done, error)
-        return WriteResult(done)
-
-    def open_slot(self, slot: int) -> None:
-        """Make sure slot `slot` has its fd (slot 0: the writing fd), before a pipelined
-        round on it starts. OSError (EMFILE, say) means only that the round cannot be
-        pipelined: nothing is written and the file has not failed."""
-        if slot and slot not in self._slot_fds:
-            assert self._fd is not None
-            path = self.directory / jf.segment_name(self.queue, self._number)
-            self._slot_fds[slot] = fileio.open_fd(path, os.O_WRONLY | os.O_APPEND)
-
-    def sync_slot(self, slot: int) -> BaseException | None:
-        """A pipelined round's fsync, through slot `slot`'s fd (`open_slot` opened it):
-        covers every write made before it. A failure makes the file refuse writes
-        (returned)."""
-        fd = self._slot_fds[slot] if slot else self._fd
-        assert fd is not None
-        try:
-            self._fsync_fd(fd)
-        except OSError as exc:
-            return self.set_failed(f"fsync failed: {exc}")
-        return None
-
-    def close_slots(self) -> None:
-        """Close the slot fds (no pipelined round is under way): the writing fd stays."""
-        fds = list(self._slot_fds.values())
-        self._slot_fds.clear()
-        for fd in fds:
-            fileio.close(fd)
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self._close_fds()
-
-    def _close_fds(self) -> None:
-        """Close the segment's fds (its slot fds too): the next write opens a new one."""
-        fds = [*self._slot_fds.values(), *([] if self._fd is None else [self._fd])]
-        self._slot_fds.clear()
-        self._fd = None
-        for fd in fds:
-            fileio.close(fd)
 
     def can_write_inline(self, chunks: Sequence[Chunk]) -> bool:
         """True when writing `chunks` needs no fsync and opens no file."""
@@ -508,7 +412,7 @@ class ReaderFile(SyncedFile):
         records = jf.encode_reader_records(op.head, op.done, op.errors, op.delays)
         _writev_all(self._fd, [records, jf.encode_check(records, self._size)])
         self._size += len(records) + jf.CHECK_RECORD_SIZE
-        self._written += 1
+        self._unsynced = True
 
     def _open(self) -> None:
         try:
@@ -521,13 +425,13 @@ class ReaderFile(SyncedFile):
             fd = fileio.open_fd(self.path, os.O_WRONLY | os.O_APPEND)
         self._fd = fd
         self._size = os.fstat(fd).st_size
-        self._all_synced()
+        self._unsynced = False
 
     def _drop_fd(self) -> None:
         """Forget the open file: it was replaced or removed, so what it holds unsynced
         is covered or moot."""
         fd, self._fd = self._fd, None
-        self._all_synced()
+        self._unsynced = False
         if fd is not None:
             fileio.close(fd)
 
@@ -603,122 +507,10 @@ def _call(job: Callable[[], T]) -> T:
     return job()
 
 
-class PipelinedRound:
-    """A round that may overlap the rounds before it (`Writer.start_round`).
-
-    Its writes come after the previous round's (`written`), so batches reach each file
-    in plan order: a small round writes on the event loop as it starts (a write into
-    the page cache costs less than waking a thread for it; `write_here`), a large one
-    in its thread. Its fsyncs run at once, while the previous round's may still be
-    running, and cover every write made before them. Its results wait for the
-    previous round's (`done`): it is acknowledged only after every earlier round, and
-    a file whose fsync failed in an earlier round fails this round's chunks too (after
-    a failed fsync nothing later in that file can be trusted).
-    """
-
-    __slots__ = ("appended", "back", "done", "finish", "prev", "results", "slot", "work",
-                 "written")
-
-    def __init__(self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]], slot: int,
-                 prev: PipelinedRound | None,
-                 finish: Callable[[PipelinedRound], None]) -> None:
-        self.work = work
-        self.slot = slot
-        self.prev = prev
-        self.written = threading.Event()
-        self.done = threading.Event()
-        self.appended: list[WriteResult] | None = None
-        self.results: list[WriteResult] = []
-        self.finish = finish  # called (from the round's thread) before `done`
-        self.back = False  # handed back to the loop (Writer._finished)
-
-    def write_here(self) -> None:
-        """Write the round now, in the caller's thread (the previous round has written);
-        a failure that is not the file's own becomes every entry's."""
-        try:
-            self.appended = [file.append(chunks) for file, chunks in self.work]
-        except BaseException as exc:  # a bug: nothing of this round is acknowledged
-            log.exception("writer: writing a pipelined round failed")
-            self.appended = [WriteResult([], exc) for _ in self.work]
-        self.written.set()
-
-    def run(self, pool: ThreadPoolExecutor | None) -> None:
-        """The round, in a worker thread; never raises (a failure is every result's)."""
-        prev = self.prev
-        try:
-            appended = self.appended
-            if appended is None:
-                try:
-                    if prev is not None:
-                        prev.written.wait()
-                    appended = [file.append(chunks) for file, chunks in self.work]
-                finally:
-                    self.written.set()
-            synced = [file for (file, _), r in zip(self.work, appended, strict=True)
-                      if r.written]
-            slot = self.slot
-            if pool is not None and len(synced) > 1:
-                list(pool.map(lambda f: f.sync_slot(slot), synced))
-            else:
-                for file in synced:
-                    file.sync_slot(slot)
-            if prev is not None:
-                prev.done.wait()
-            self.results = [
-                r if file.failed is None else WriteResult([], r.error or file.failed)
-                for (file, _), r in zip(self.work, appended, strict=True)]
-        except BaseException as exc:  # a bug: nothing of this round is acknowledged
-            log.exception("writer: a pipelined round failed")
-            if prev is not None:
-                prev.done.wait()
-            self.results = [WriteResult([], exc) for _ in self.work]
-        finally:
-            self.prev = None  # no chain of finished rounds
-            try:
-                # Queued on the loop before `done` lets the next round queue its own, so
-                # hand-backs reach the loop in start order (Writer._finished checks too).
-                self.finish(self)
-            except BaseException:  # the loop is gone (a bug): keep the thread serving
-                log.exception("writer: handing a pipelined round back failed")
-            finally:
-                self.done.set()
-
-
-class Workers:
-    """Threads that run pipelined rounds, taken in order from one queue; started on
-    first use. Closing lets them finish what was queued."""
-
-    def __init__(self, count: int, pool: Callable[[], ThreadPoolExecutor | None]) -> None:
-        self._count = count
-        self._pool = pool
-        self._jobs: queue.SimpleQueue[PipelinedRound | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-
-    def submit(self, rnd: PipelinedRound) -> None:
-        if not self._threads:
-            self._threads = [threading.Thread(target=self._work, name=f"queued-round-{i}",
-                                              daemon=True) for i in range(self._count)]
-            for t in self._threads:
-                t.start()
-        self._jobs.put(rnd)
-
-    def _work(self) -> None:
-        while (rnd := self._jobs.get()) is not None:
-            rnd.run(self._pool() if len(rnd.work) > 1 else None)
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
-        for t in self._threads:
-            t.join()
-        self._threads = []
-
-
 @dataclass(frozen=True, slots=True)
 class WriterStats:
     rounds: int
     fsync: HistogramSnapshot  # seconds per fsync (journal files; not directories)
-    overlapped: int = 0  # pipelined rounds started while another was under way
 
 
 class RoundThread:
@@ -790,21 +582,10 @@ class Writer:
         self._fsync_lock = threading.Lock()  # files sync from the pool's threads at once
         self._thread = RoundThread()
         self._pool: ThreadPoolExecutor | None = None
-        self._workers = Workers(PIPELINE_DEPTH, lambda: self._pool)
-        self._inflight = 0  # pipelined rounds not finished on the loop yet
-        self._overlapped = 0  # pipelined rounds started while another was under way
-        self._last: PipelinedRound | None = None  # the newest of those
-        #: those rounds, oldest first, with what to call when they are handed back
-        self._order: collections.deque[
-            tuple[PipelinedRound, Callable[[list[WriteResult]], None]]] = collections.deque()
-        self._slots: set[int] = set()  # the slots they use
-        self._slotted: set[SegmentFile] = set()  # files they use (slot fds closed after)
-        self._freed: trio.Event | None = None  # made by whoever waits for one to finish
 
     def close(self) -> None:
         """Stop the round threads (no round may run: call it after the last one)."""
         self._thread.close()
-        self._workers.close()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
@@ -821,119 +602,6 @@ class Writer:
         with self._fsync_lock:
             self._fsync.observe(seconds)
 
-    @property
-    def inflight(self) -> int:
-        """Pipelined rounds started and not finished yet."""
-        return self._inflight
-
-    @staticmethod
-    def can_pipeline(work: Sequence[tuple[SegmentFile, Sequence[Chunk]]]) -> bool:
-        """True when `work` may go to `start_round`: only appends to open segments of
-        queues under fsync always (anything else, and reader files, wait for a round of
-        their own: `write_round`)."""
-        return bool(work) and all(f.can_pipeline(chunks) for f, chunks in work)
-
-    async def start_round(
-        self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
-        finish: Callable[[list[WriteResult]], None],
-    ) -> list[WriteResult] | None:
-        """Start a pipelined round (see PipelinedRound and can_pipeline) once fewer than
-        PIPELINE_DEPTH are under way, holding the writer's lock meanwhile (a pause or round
-        that asks for it later comes after this one); None if started: `finish` gets one
-        result per `work` entry, on the event loop, after every earlier round's. If by then
-        `work` can no longer be pipelined (a pause closed a file, say, or a slot's fd could
-        not be opened) it runs as a round of its own under the same lock, after every
-        earlier round, and its results are returned."""
-        async with self._lock:
-            while self._inflight >= PIPELINE_DEPTH:
-                await self._wait_freed()
-            if self.can_pipeline(work) and self._start(work, finish):
-                return None
-            return await self._round_locked(work, (), ())
-
-    def _start(
-        self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
-        finish: Callable[[list[WriteResult]], None],
-    ) -> bool:
-        """Start a pipelined round now (a slot is free); False (nothing started) if a
-        file's fd for the slot could not be opened."""
-        slot = min(set(range(PIPELINE_DEPTH)) - self._slots)  # a lone round: the writing fd
-        self._slotted.update(file for file, _ in work)  # a partial failure's fds too
-        try:
-            for file, _ in work:
-                file.open_slot(slot)
-        except OSError as exc:
-            log.warning("writer: a round runs alone: no fd for its fsyncs (%s)", exc)
-            if not self._inflight:
-                self._close_slots()
-            return False
-        if len(work) > 1 and self._pool is None:
-            self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
-        token = trio.lowlevel.current_trio_token()  # this round's loop, asked each time
-
-        def finished(rnd: PipelinedRound) -> None:  # in the round's thread
-            token.run_sync_soon(self._finished, rnd)
-
-        prev = self._last
-        rnd = PipelinedRound(work, slot, prev, finished)
-        if (prev is None or prev.written.is_set()) and sum(
-                c.nbytes for _, chunks in work for c in chunks) <= INLINE_ROUND_BYTES:
-            rnd.write_here()
-        if prev is not None and not prev.done.is_set():
-            self._overlapped += 1
-        self._inflight += 1
-        self._slots.add(slot)
-        self._order.append((rnd, finish))
-        self._last = rnd
-        self._workers.submit(rnd)
-        return True
-
-    def _finished(self, rnd: PipelinedRound) -> None:
-        """On the loop: hands rounds back strictly in start order (each round's thread
-        hands back before the next one's may, and a round that arrives early waits
-        here all the same). Closes the slot fds once the pipeline is empty."""
-        rnd.back = True
-        while self._order and self._order[0][0].back:
-            done, finish = self._order.popleft()
-            self._inflight -= 1
-            self._rounds += 1
-            self._slots.discard(done.slot)
-            if self._last is done:
-                self._last = None
-            if self._freed is not None:
-                self._freed.set()
-                self._freed = None
-            try:
-                finish(done.results)
-            except BaseException:  # a callback must not raise into trio's run loop
-                log.exception("writer: finishing a pipelined round failed")
-        if not self._inflight:
-            self._close_slots()
-
-    def _close_slots(self) -> None:
-        """Close the files' slot fds (no pipelined round is under way)."""
-        files, self._slotted = self._slotted, set()
-        for file in files:
-            try:
-                file.close_slots()
-            except OSError as exc:  # nothing to lose: the writing fd is the file's
-                log.warning("writer: closing %s's fsync fds: %s", file.describe(), exc)
-
-    async def _wait_freed(self) -> None:
-        if self._freed is None:
-            self._freed = trio.Event()
-        await self._freed.wait()
-
-    async def drain_one(self) -> None:
-        """Wait until a pipelined round finishes (if one is under way)."""
-        if self._inflight:
-            await self._wait_freed()
-
-    async def drain(self) -> None:
-        """Wait until no pipelined round is under way."""
-        while self._inflight:
-            await self._wait_freed()
-
     async def write_round(
         self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
         periodic: Sequence[SyncedFile] = (),
@@ -941,28 +609,18 @@ class Writer:
     ) -> list[WriteResult]:
         """One round: each file's chunks written with one writev and one fsync, each
         reader file's ops carried out (appends: one writev and one fsync), then the due
-        periodic fsyncs of `periodic`. Returns one result per `work` entry. Runs alone:
-        after every pipelined round, before any later one."""
+        periodic fsyncs of `periodic`. Returns one result per `work` entry."""
         async with self._lock:
-            return await self._round_locked(work, periodic, readers)
-
-    async def _round_locked(
-        self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
-        periodic: Sequence[SyncedFile],
-        readers: Sequence[tuple[ReaderFile, Sequence[ReaderOp]]],
-    ) -> list[WriteResult]:
-        """write_round, the writer's lock held."""
-        await self.drain()
-        if not periodic and all(f.can_write_inline(chunks) for f, chunks in work) and (
-            sum(c.nbytes for _, chunks in work for c in chunks) <= INLINE_ROUND_BYTES
-        ) and all(rf.can_write_inline(ops) for rf, ops in readers):
-            # A small round that needs no fsync and opens no file: a write()
-            # into the page cache is cheaper than a hand-off to a thread.
-            results = run_round(work, periodic, None, readers)
-        else:
-            if len(work) + len(readers) > 1 and self._pool is None:
-                self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
-            results = await self._thread.run(run_round, work, periodic, self._pool, readers)
+            if not periodic and all(f.can_write_inline(chunks) for f, chunks in work) and (
+                sum(c.nbytes for _, chunks in work for c in chunks) <= INLINE_ROUND_BYTES
+            ) and all(rf.can_write_inline(ops) for rf, ops in readers):
+                # A small round that needs no fsync and opens no file: a write()
+                # into the page cache is cheaper than a hand-off to a thread.
+                results = run_round(work, periodic, None, readers)
+            else:
+                if len(work) + len(readers) > 1 and self._pool is None:
+                    self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
+                results = await self._thread.run(run_round, work, periodic, self._pool, readers)
         self._rounds += 1
         return results
 
@@ -974,8 +632,7 @@ class Writer:
         needs no fsync, opens no file, is small and no round or pause is under way; None
         (nothing done) otherwise. The caller makes sure no earlier chunk of `file` or op
         of those readers waits for a round."""
-        if (self._lock.locked() or self._inflight
-                or sum(c.nbytes for c in chunks) > INLINE_ROUND_BYTES
+        if (self._lock.locked() or sum(c.nbytes for c in chunks) > INLINE_ROUND_BYTES
                 or (chunks and not file.can_write_inline(chunks))
                 or (readers and not all(rf.can_write_inline(ops) for rf, ops in readers))):
             return None
@@ -988,12 +645,10 @@ class Writer:
     async def paused(self) -> AsyncIterator[None]:
         """No round runs inside this block (to remove a queue's files, say)."""
         async with self._lock:
-            await self.drain()
             yield
 
     def statistics(self) -> WriterStats:
-        return WriterStats(rounds=self._rounds, fsync=self._fsync.snapshot(),
-                           overlapped=self._overlapped)
+        return WriterStats(rounds=self._rounds, fsync=self._fsync.snapshot())
 
 
 def _writev_all(fd: int, pieces: list[bytes | bytearray]) -> None:
