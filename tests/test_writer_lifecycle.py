@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from journal_util import queue_files
 
 from queued.config import DataDirConfig, FsyncPolicy, FullPolicy, JournalConfig
 from queued.core import journal_format as jf
-from queued.core.errors import JournalClosedError, JournalFullError
+from queued.core.errors import JournalClosedError, JournalFullError, JournalWriteError
 from queued.storage import fileio
 from queued.storage import writer as writer_module
 from queued.storage.datadir import DataDir, open_data_dir
@@ -171,3 +172,54 @@ async def test_drop_oldest_of_a_compaction_output_does_not_overwrite_the_archive
             if isinstance(d.record, jf.Put):
                 archived.add(d.record.id)
     assert set(range(1, 9)) <= archived, f"archive lost ids {set(range(1, 9)) - archived}"
+
+
+class FirstFsyncHeldThenFails(fileio.FileIO):
+    """The next fsync waits for `release`, then fails with EIO; later ones succeed, as on
+    Linux, where a write-back error is reported to one fsync of the file and not again."""
+
+    def __init__(self) -> None:
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self.failed_once = False
+
+    def fsync(self, fd: int) -> None:
+        if not self.failed_once:
+            self.failed_once = True
+            self.held.set()
+            self.release.wait(10)
+            raise OSError(errno.EIO, "Input/output error")
+        super().fsync(fd)
+
+
+async def test_a_put_waiting_behind_a_failed_fsync_is_not_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put appended while the round before it was failing is refused, not written into
+    the failed file and acknowledged by the next fsync (which reports no error: the EIO
+    was already reported once)."""
+    conf = JournalConfig(fsync=FsyncPolicy.parse("always"))
+    fake = FirstFsyncHeldThenFails()
+    outcome: dict[str, str] = {}
+
+    async def put(q: object, data: bytes) -> None:
+        try:
+            await q.append([data], T0)  # type: ignore[attr-defined]
+            outcome[data.decode()] = "acknowledged"
+        except JournalWriteError:
+            outcome[data.decode()] = "refused"
+
+    async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
+        q = dd.queue("q")
+        await q.append([b"a"], T0)  # opens the segment
+        monkeypatch.setattr(fileio, "_current", fake)
+        monkeypatch.setattr(logging.getLogger("queued.journal"), "disabled", True)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(put, q, b"b")
+            with trio.fail_after(10):
+                while not fake.held.is_set():
+                    await trio.sleep(0.01)
+            nursery.start_soon(put, q, b"c")  # appended before the failure is known
+            await trio.testing.wait_all_tasks_blocked(0.05)
+            fake.release.set()
+    assert outcome == {"b": "refused", "c": "refused"}

@@ -160,6 +160,10 @@ class TlsSocket:
         self.sock = sock
         self.channel = TlsChannel(context, host)
         self.raw = bytearray(RECV)  # ciphertext, as the socket gives it
+        self.deadline: float | None = None
+        timeout = sock.gettimeout()
+        if timeout is not None:
+            self.deadline = time.monotonic() + timeout
 
     def handshake(self) -> None:
         """The client handshake; raises ssl.SSLError, TimeoutError or another OSError."""
@@ -169,6 +173,8 @@ class TlsSocket:
         self._send_owed()
 
     def settimeout(self, timeout: float | None) -> None:
+        """As ssl.SSLSocket: one deadline for each later call, however many reads it takes."""
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         self.sock.settimeout(timeout)
 
     def close(self) -> None:
@@ -187,6 +193,11 @@ class TlsSocket:
             self._fill()
 
     def _fill(self) -> None:
+        if self.deadline is not None:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("TLS read timed out")
+            self.sock.settimeout(remaining)
         with memoryview(self.raw) as view:
             got = self.sock.recv_into(view)
             self.channel.feed(view[:got])

@@ -242,6 +242,11 @@ class SegmentFile(SyncedFile):
     def write(self, chunks: Sequence[Chunk]) -> WriteResult:
         """Write the chunks, then sync as the policy says. Nothing is returned as
         written unless the fsync policy's syncs for it succeeded."""
+        if self._failed is not None:
+            # Chunks planned before the failure was known: writing them and fsyncing again
+            # would "succeed" (Linux reports a write-back error once), acknowledging data
+            # behind pages the kernel may have dropped.
+            return WriteResult([], self._failed)
         done: list[Written] = []
         created_any = False
         error: BaseException | None = None
