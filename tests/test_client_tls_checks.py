@@ -1,5 +1,6 @@
-"""The blocking client's TLS keeps one deadline per call, as ssl.SSLSocket does: a server
-that trickles a record a byte at a time cannot hold a call past its timeout (found in review)."""
+"""The clients' TLS (found in review of the SSLObject-based channel): the blocking client
+keeps one deadline per call, as ssl.SSLSocket does (a server trickling a record a byte at a
+time cannot hold a call past its timeout), and a certificate for another name is refused."""
 from __future__ import annotations
 
 import contextlib
