@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ssl
 from dataclasses import dataclass, field
-from typing import TypeAlias, cast
+from typing import TypeAlias
+
+from queued.core.tls_records import read_records
 
 #: `tls=`: None or False = plaintext; True = verify the server with the system's CAs;
 #: an `ssl.SSLContext` = as given (your CA, a client certificate for mutual TLS, ...).
@@ -71,25 +73,15 @@ class TlsChannel:
         """Everything decrypted from what was fed, up to PLAINTEXT_MAX bytes; b"" once the
         session is over; None if the next bytes need more ciphertext. Raises ssl.SSLError
         if the server's bytes are not TLS (or not its)."""
-        tls, incoming = self.tls, self.incoming
         n = 0
-        with memoryview(self.plain) as view:
-            # Ask before reading: raising SSLWantReadError costs more than asking.
-            while n < PLAINTEXT_MAX and not self.ended and (incoming.pending or tls.pending()):
-                try:
-                    # With a buffer, read returns a count (typeshed says bytes).
-                    got = cast(int, tls.read(PLAINTEXT_MAX - n, view[n:]))
-                except ssl.SSLWantReadError:  # the rest of a record is on its way
-                    break
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                    self.ended = True
-                    break
-                if not got:
-                    self.ended = True
-                    break
-                n += got
-            if n:
-                return bytes(view[:n])
+        if not self.ended:
+            with memoryview(self.plain) as view:
+                n, self.ended, error = read_records(self.tls, self.incoming,
+                                                    view[:PLAINTEXT_MAX])
+                if error is not None:
+                    raise error
+                if n:
+                    return bytes(view[:n])
         if self.ended or self.stream_ended:  # nothing more will come (a torn record: gone)
             self.ended = True
             return b""

@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 import ssl
 from pathlib import Path
-from typing import cast
 
 import trio
 
+from queued.core.tls_records import read_records
 from queued.server.transport import SocketTransport
 
 log = logging.getLogger("queued.server")
@@ -132,25 +132,10 @@ class TlsTransport:
             buf = bytearray(room if not self.closed else 0)
             if buf:
                 with memoryview(buf) as view:
-                    # Read while ciphertext or plaintext is buffered (not until
-                    # SSLWantReadError: raising it costs more than asking).
-                    while n < room and (incoming.pending or tls.pending()):
-                        try:
-                            # With a buffer, read returns a count (typeshed says bytes).
-                            got = cast(int, tls.read(room - n, view[n:]))
-                        except ssl.SSLWantReadError:  # the rest of a record is on its way
-                            break
-                        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                            self.closed = True
-                            break
-                        except ssl.SSLError as exc:  # not TLS: the peer is done for
-                            log.debug("TLS error from the peer: %s", exc)
-                            self.closed = True
-                            break
-                        if not got:  # close_notify
-                            self.closed = True
-                            break
-                        n += got
+                    n, ended, error = read_records(tls, incoming, view)
+                if error is not None:  # not TLS: the peer is done for
+                    log.debug("TLS error from the peer: %s", error)
+                self.closed = self.closed or ended
             if self.outgoing.pending:
                 await self._write_out()
             if n:

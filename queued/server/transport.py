@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import trio
 
@@ -25,6 +26,12 @@ YIELD_EVERY = 8
 #: errno values of a peer that went away (or a socket closed under us).
 _GONE = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT,
                    errno.EBADF, errno.ESHUTDOWN, errno.ECONNABORTED})
+_A = TypeVar("_A")
+_R = TypeVar("_R")
+
+
+def _read_into(fd: int, buffer: memoryview) -> int:
+    return os.readv(fd, (buffer,))
 
 
 class Transport(Protocol):
@@ -75,40 +82,28 @@ class SocketTransport:
             await trio.lowlevel.checkpoint()
 
     async def receive(self, max_bytes: int) -> bytes:
-        fd = self.fd
-        await self._turn()
-        while True:
-            try:
-                data = os.read(fd, max_bytes)
-            except BlockingIOError:
-                self._ready = 0
-                try:
-                    await trio.lowlevel.wait_readable(fd)
-                except trio.ClosedResourceError:
-                    return b""
-                continue
-            except OSError as exc:
-                if exc.errno in _GONE:
-                    return b""
-                raise
-            return data
+        return await self._read(os.read, max_bytes, b"")
 
     async def receive_into(self, buffer: memoryview) -> int:
         """Like `receive`, into `buffer` (no allocation): the count, 0 once the peer is gone."""
+        return await self._read(_read_into, buffer, 0)
+
+    async def _read(self, read: Callable[[int, _A], _R], arg: _A, gone: _R) -> _R:
+        """`read(fd, arg)` once the socket is readable; `gone` once the peer is."""
         fd = self.fd
         await self._turn()
         while True:
             try:
-                return os.readv(fd, (buffer,))
+                return read(fd, arg)
             except BlockingIOError:
                 self._ready = 0
                 try:
                     await trio.lowlevel.wait_readable(fd)
                 except trio.ClosedResourceError:
-                    return 0
+                    return gone
             except OSError as exc:
                 if exc.errno in _GONE:
-                    return 0
+                    return gone
                 raise
 
     async def send(self, data: bytes) -> None:

@@ -1,0 +1,31 @@
+"""Decrypting what a TLS object (ssl.SSLObject over memory BIOs) has buffered: the loop the
+server's TlsTransport and the clients' TlsChannel share. No I/O: the caller feeds the
+ciphertext and sends what the object owes."""
+
+from __future__ import annotations
+
+import ssl
+from typing import cast
+
+
+def read_records(tls: ssl.SSLObject, incoming: ssl.MemoryBIO,
+                 view: memoryview) -> tuple[int, bool, ssl.SSLError | None]:
+    """Decrypt into `view` while ciphertext or plaintext is buffered (asking, not waiting
+    for SSLWantReadError: raising it costs more than asking). Returns the bytes decrypted,
+    whether the session ended (close_notify, or the stream's end), and the error if the
+    peer's bytes are not TLS (or not its); what came before the error is counted."""
+    n, limit = 0, len(view)
+    while n < limit and (incoming.pending or tls.pending()):
+        try:
+            # With a buffer, read returns a count (typeshed says bytes).
+            got = cast(int, tls.read(limit - n, view[n:]))
+        except ssl.SSLWantReadError:  # the rest of a record is on its way
+            break
+        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+            return n, True, None
+        except ssl.SSLError as exc:
+            return n, True, exc
+        if not got:  # close_notify
+            return n, True, None
+        n += got
+    return n, False, None
