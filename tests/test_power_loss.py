@@ -197,6 +197,13 @@ class PowerCuts(RuleBasedStateMachine):
 
         self.host.run(wait)
 
+    def _wait_fsynced(self) -> None:
+        """Until no written byte is unsynced (the writer's periodic fsync came)."""
+        deadline = time.monotonic() + SYNC_BOUND_S
+        while self.fs.dirty():
+            assert time.monotonic() < deadline, "the periodic fsync never came"
+            time.sleep(0.005)
+
     def _in(self, state: str, client: int | None = None) -> list[Item]:
         return sorted((it for it in self.items.values() if it.state == state
                        and (client is None or it.client == client)), key=lambda it: it.seq)
@@ -325,10 +332,7 @@ class PowerCuts(RuleBasedStateMachine):
         round that writes them not run or under way): wait for that round first."""
         self._settle(self.unwritten)
         self.unwritten.clear()
-        deadline = time.monotonic() + SYNC_BOUND_S
-        while self.fs.dirty():
-            assert time.monotonic() < deadline, "the periodic fsync never came"
-            time.sleep(0.005)
+        self._wait_fsynced()
         for it in self.items.values():
             it.put_durable = True
             it.confirm_durable = it.confirm_durable or it.state == "confirmed"
@@ -432,10 +436,7 @@ def test_hang_up_error_count_durable_once_written_and_fsynced() -> None:
         dirty, before_round = m.host.sync(hang_up)
         assert not dirty and len(tickets) == 1, "journaled, not written: nothing unsynced"
         m._settle(tickets)
-        deadline = time.monotonic() + SYNC_BOUND_S
-        while m.fs.dirty():
-            assert time.monotonic() < deadline, "the periodic fsync never came"
-            time.sleep(0.005)
+        m._wait_fsynced()
         after_fsync = m.fs.cut()
         counts = []
         for cut in (before_round, after_fsync):
