@@ -306,9 +306,13 @@ class Broker:
     def register(self, client: OpenReads) -> OpenReads:
         return self.reads.register(client)
 
-    def release(self, client: OpenReads, *, count_error: bool = True) -> None:
-        """The client is gone: every open read goes back to the head of its queue."""
-        self.reads.release(client, count_error=count_error)
+    def release(self, client: OpenReads, *, count_error: bool = True,
+                owe: Owe | None = None) -> None:
+        """The client is gone: every open read goes back to the head of its queue. The
+        error counts are journaled like an abort's, in the next writer round; nobody
+        waits for them (a connection that hung up has no reply to hold back), but `owe`
+        gets their tickets (the power-loss tests wait for them)."""
+        self.reads.release(client, count_error=count_error, owe=owe)
 
     def confirm(
         self,

@@ -42,11 +42,13 @@ class ReliableReads:
         self.clients[client.id] = client
         return client
 
-    def release(self, client: OpenReads, *, count_error: bool = True) -> None:
-        """The client is gone: every open read goes back to the head of its queue."""
+    def release(self, client: OpenReads, *, count_error: bool = True,
+                owe: Owe | None = None) -> None:
+        """The client is gone: every open read goes back to the head of its queue (`owe`
+        gets the tickets of the error counts' journal writes)."""
         self.clients.pop(client.id, None)
         for queue, rname in client.open_keys():
-            self.abort(client, queue, rname, count_error=count_error)
+            self.abort(client, queue, rname, count_error=count_error, owe=owe)
 
     @staticmethod
     def room(client: OpenReads | None, max_open_reads: int) -> int:
