@@ -72,6 +72,10 @@ class SocketTransport:
         self.socket = stream.socket
         self.fd = stream.socket.fileno()
         self._ready = 0  # calls in a row that did not block
+        #: the last read was short: the socket is most likely empty, so the next read
+        #: waits for it first (a read that fails with EAGAIN costs a syscall and an
+        #: exception, about a tenth of a small request)
+        self._drained = False
 
     async def _turn(self) -> None:
         """Before a call: every YIELD_EVERY-th call in a row that did not block yields
@@ -82,16 +86,27 @@ class SocketTransport:
             await trio.lowlevel.checkpoint()
 
     async def receive(self, max_bytes: int) -> bytes:
-        return await self._read(os.read, max_bytes, b"")
+        data = await self._read(os.read, max_bytes, b"")
+        self._drained = len(data) < max_bytes
+        return data
 
     async def receive_into(self, buffer: memoryview) -> int:
         """Like `receive`, into `buffer` (no allocation): the count, 0 once the peer is gone."""
-        return await self._read(_read_into, buffer, 0)
+        n = await self._read(_read_into, buffer, 0)
+        self._drained = n < len(buffer)
+        return n
 
     async def _read(self, read: Callable[[int, _A], _R], arg: _A, gone: _R) -> _R:
         """`read(fd, arg)` once the socket is readable; `gone` once the peer is."""
         fd = self.fd
-        await self._turn()
+        if self._drained:
+            self._ready = 0
+            try:
+                await trio.lowlevel.wait_readable(fd)
+            except trio.ClosedResourceError:
+                return gone
+        else:
+            await self._turn()
         while True:
             try:
                 return read(fd, arg)
