@@ -3,7 +3,8 @@
 PURE: no sockets, files, clocks or trio. The broker feeds it durable items (`add`),
 items read back from the journal (`load`), and the time (`now_ms` arguments); it
 answers with items and with the checkpoint to write. Items are `journal_format.Put`
-records, shared between readers and never mutated (an abort makes a copy).
+records, never mutated (an abort makes a copy); `mem` keeps most of its items packed
+(`PackedItems`: ~84 B a 64 B item instead of ~237 B) and hands out equal copies.
 
 Ordering. `front` holds aborted items (delivered first, Kestrel's "back to the
 head"); `mem` holds the next items in id order; ids from `behind` to `tail` are on
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from queued.core.journal_format import DelayedPut, Put
+from queued.core.packed_items import PackedItems
 
 Item = Put
 
@@ -119,7 +121,7 @@ class Reader:
         self.limits = limits
         # Unused, these three hold NO_ITEMS (see there); a deque is made on first use.
         self.front: deque[Item] = NO_ITEMS
-        self.mem: deque[Item] = NO_ITEMS
+        self.mem: PackedItems = NO_ITEMS  # (packed: the bulk of the items held sit here)
         self.mem_bytes = 0
         self.behind: int | None = None
         self.tail = tail
@@ -148,11 +150,11 @@ class Reader:
         self.create_time_ms = create_time_ms
         self.counters = ReaderCounters()
 
-    def _mem(self) -> deque[Item]:
-        """`mem`, made a deque on first use."""
+    def _mem(self) -> PackedItems:
+        """`mem`, made on first use."""
         mem = self.mem
         if mem is NO_ITEMS:
-            mem = self.mem = deque()
+            mem = self.mem = PackedItems()
         return mem
 
     # -- filling ---------------------------------------------------------------------
