@@ -1,31 +1,29 @@
-"""PackedItems (queued.core.packed_items) against a model, a deque of Puts: every
-operation Reader.mem uses, with plain items (packed) and every kind it keeps as objects
-(DelayedPut, error counts, big data, values its columns cannot hold), small blocks and the
-real size."""
+"""PackedItems (queued.core.packed_items) against a model, a deque of blocks of Puts:
+pack, unpack_next, iteration, len, truth and clear, with plain items (packed) and every
+kind it keeps as objects (DelayedPut, error counts, big data, values its columns cannot
+hold); and a Reader (queued.core.queue) packing at the server's sizes (the Reader state
+machine in test_queue.py packs in small blocks)."""
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from queued.core.journal_format import DelayedPut, Put
 from queued.core.packed_items import BLOCK_ITEMS, SMALL_MAX, PackedItems, PackedStats
+from queued.core.queue import NO_ITEMS, PACK_AT, Reader
 
 T0 = 1_700_000_000_000
 I64 = (1 << 63) - 1
 
 
-class SmallBlocks(PackedItems):
-    block_items = 3
-    __slots__ = ()
-
-
-def plain(i: int) -> Put:
-    return Put(i, bytes([i % 256]) * (i % 70), T0 + i % 3)
+def plain(i: int, size: int | None = None) -> Put:
+    return Put(i, bytes([i % 256]) * (i % 70 if size is None else size), T0 + i % 3)
 
 
 @st.composite
@@ -46,113 +44,117 @@ def puts(draw: st.DrawFn) -> Put:
 class PackedMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.model: deque[Put] = deque()
-        self.packed: PackedItems = PackedItems()
+        self.model: deque[list[Put]] = deque()  # the blocks packed
+        self.packed = PackedItems()
         self.next_id = 1
 
-    @rule(small=st.booleans())
-    def remake(self, small: bool) -> None:
-        """Start over with either block size, from what the model holds (the constructor)."""
-        self.packed = (SmallBlocks if small else PackedItems)(self.model)
-
-    @rule(it=puts())
-    def append(self, it: Put) -> None:
-        self.packed.append(it)
-        self.model.append(it)
-
     @rule(n=st.integers(0, BLOCK_ITEMS + 20))
-    def extend_plain(self, n: int) -> None:
+    def pack_plain(self, n: int) -> None:
         new = [plain(i) for i in range(self.next_id, self.next_id + n)]
         self.next_id += n
-        self.packed.extend(new)
-        self.model.extend(new)
+        self.packed.pack(new)
+        if new:
+            self.model.append(new)
 
-    @rule(extra=st.lists(puts(), max_size=8))
-    def extend_mixed(self, extra: list[Put]) -> None:
-        self.packed.extend(extra)
-        self.model.extend(extra)
-
-    @precondition(lambda self: self.model)
-    @rule(n=st.integers(1, BLOCK_ITEMS + 10))
-    def popleft(self, n: int) -> None:
-        for _ in range(min(n, len(self.model))):
-            assert self.packed.popleft() == self.model.popleft()
-
-    @precondition(lambda self: self.model)
-    @rule()
-    def head_then_pop(self) -> None:
-        head = self.packed[0]
-        assert head == self.model[0]
-        assert self.packed.popleft() == self.model.popleft()
+    @rule(new=st.lists(puts(), max_size=8))
+    def pack_mixed(self, new: list[Put]) -> None:
+        self.packed.pack(new)
+        if new:
+            self.model.append(new)
 
     @rule()
-    def pop_empty_or_index(self) -> None:
+    def unpack_next(self) -> None:
         if not self.model:
             with pytest.raises(IndexError):
-                self.packed.popleft()
-            with pytest.raises(IndexError):
-                self.packed[0]
-        with pytest.raises(IndexError):
-            self.packed[1]
+                self.packed.unpack_next()
+            return
+        got = self.packed.unpack_next()
+        want = self.model.popleft()
+        assert got == want[::-1]
+        assert [type(it) for it in got] == [type(it) for it in want[::-1]]
 
     @rule()
     def clear(self) -> None:
         self.packed.clear()
         self.model.clear()
 
-    @rule()
-    def keep_some(self) -> None:
-        """Reader.drop_through's way: iterate, clear, extend with what stays."""
-        keep = [it for it in self.packed if it.id % 2]
-        self.packed.clear()
-        self.packed.extend(keep)
-        self.model = deque(it for it in self.model if it.id % 2)
-
     @invariant()
     def same(self) -> None:
-        assert len(self.packed) == len(self.model)
+        assert len(self.packed) == sum(map(len, self.model))
         assert bool(self.packed) == bool(self.model)
-        assert list(self.packed) == list(self.model)
-        if self.model:
-            assert self.packed[0] == self.model[0]
+        assert list(self.packed) == [it for b in self.model for it in b]
 
 
-PackedMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+PackedMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30,
                                            deadline=None)
-test_packed_items_behave_as_a_deque = PackedMachine.TestCase
-
-
-@given(st.lists(puts(), max_size=40))
-@settings(max_examples=50, deadline=None)
-def test_items_come_back_equal_and_of_their_type(items: list[Put]) -> None:
-    packed = SmallBlocks(items)
-    out = [packed.popleft() for _ in items]
-    assert out == items
-    assert [type(it) for it in out] == [type(it) for it in items]
-    assert not packed and len(packed) == 0
-
-
-def test_a_consumer_that_keeps_up_packs_nothing() -> None:
-    """The steady state (each item taken soon after it came) never packs or unpacks: a
-    consumer one item behind never meets a block, however many items pass."""
-    packed = PackedItems()
-    packed.append(plain(1))
-    for i in range(2, 10 * BLOCK_ITEMS):
-        packed.append(plain(i))
-        assert packed.popleft().id == i - 1
-        assert packed.statistics().blocks == 0
-    assert list(packed) == [plain(10 * BLOCK_ITEMS - 1)]
+test_packed_items_behave_as_a_deque_of_blocks = PackedMachine.TestCase
 
 
 def test_plain_items_are_packed_and_others_stay_objects() -> None:
     special = [Put(1, b"x" * (SMALL_MAX + 1), T0), Put(2, b"e", T0, error_count=1),
                DelayedPut(3, b"d", T0, due_ms=T0 + 1), Put(4, b"n", -1)]
     items = special + [plain(i) for i in range(5, 5 + BLOCK_ITEMS)]
-    packed = PackedItems(items)
-    stats = packed.statistics()
-    assert (stats.items, stats.blocks, stats.packed, stats.objects) == (
-        len(items), 1, BLOCK_ITEMS - 4, 4 + len(items) - BLOCK_ITEMS)
-    assert stats.packed_bytes == sum(len(it.data) for it in items[4:BLOCK_ITEMS])
+    packed = PackedItems()
+    packed.pack(items)
+    assert packed.statistics() == PackedStats(len(items), 1, BLOCK_ITEMS, 4,
+                                              sum(len(it.data) for it in items[4:]))
     assert list(packed) == items
-    assert packed.popleft() == items[0]  # (taking from a block unpacks it whole)
-    assert packed.statistics() == PackedStats(len(items) - 1, 0, 0, len(items) - 1, 0)
+    assert packed.unpack_next() == items[::-1]
+    assert packed.statistics() == PackedStats(0, 0, 0, 0, 0)
+
+
+def test_a_block_of_big_items_is_kept_as_it_is() -> None:
+    items = [Put(i, b"b" * (SMALL_MAX + i), T0) for i in range(1, 5)]
+    packed = PackedItems()
+    packed.pack(items)
+    packed.pack([plain(9)])
+    assert packed.statistics() == PackedStats(5, 2, 1, 4, len(plain(9).data))
+    assert list(packed) == [*items, plain(9)]
+    got = packed.unpack_next()
+    assert got == items[::-1] and all(a is b for a, b in zip(got, items[::-1], strict=True))
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_items: int = 0
+    max_size: int = 0
+    max_memory_size: int = 1 << 30
+    discard_old_when_full: bool = False
+
+
+def test_a_reader_packs_its_backlog_and_gives_it_back_in_order() -> None:
+    """At the server's block sizes: a backlog of 10 blocks is packed but for the newest
+    items; takes, peeks, the checkpoint and the counts see one ordered sequence."""
+    r = Reader("q", "", Limits())
+    n = 10 * BLOCK_ITEMS + 5
+    items = [plain(i, 64) for i in range(1, n + 1)]
+    items[7] = Put(8, b"e" * 64, T0, T0 + 10_000, flags=9)
+    for k in range(0, n, 100):
+        r.add(items[k:k + 100])
+    assert len(r.mem) < PACK_AT and len(r.packed) == n - len(r.mem)
+    assert r.mem_count == n and r.mem_bytes == 64 * n
+    assert r.first_items(T0, 3) == items[:3]
+    assert r.checkpoint() == (0, [])
+    assert r.oldest_add_time_ms() == T0 + 1
+    got = []
+    for _ in range(n // 2):
+        it = r.take(T0, [])
+        assert it is not None
+        got.append(it)
+    assert r.checkpoint() == (n // 2, [])
+    r.drop_through(n // 2 + 10, 0, 0)  # (unpacks and packs again what stays)
+    assert r.mem_count == n - n // 2 - 10
+    while (it := r.take(T0, [])) is not None:
+        got.append(it)
+    assert got == items[:n // 2] + items[n // 2 + 10:]
+    assert r.mem_bytes == 0 and r.items == 0 and r.packed is NO_ITEMS and not r.unpacked
+
+
+def test_a_consumer_that_keeps_up_packs_nothing() -> None:
+    """The steady state (each item taken soon after it came) never packs or unpacks."""
+    r = Reader("q", "", Limits())
+    r.add([plain(i, 64) for i in range(1, PACK_AT - 1)])  # (a backlog just under PACK_AT)
+    for i in range(PACK_AT - 1, 10 * PACK_AT):
+        r.add([plain(i, 64)])
+        assert r.take(T0, []) == plain(i - PACK_AT + 2, 64)
+        assert r.packed is NO_ITEMS

@@ -32,6 +32,19 @@ class Limits:
     discard_old_when_full: bool = False
 
 
+class SmallPackReader(Reader):
+    """Packs as the server does, in blocks of 2 once 3 items wait (the state machine
+    rarely holds 256)."""
+
+    pack_at = 3
+    pack_block = 2
+
+
+def held(r: Reader) -> list[Put]:
+    """The items a reader holds in memory, in delivery order."""
+    return [*r.front, *reversed(r.unpacked), *r.packed, *r.mem]
+
+
 def item(i: int, size: int = 10, *, expire: int | None = None, add: int = T0) -> Put:
     return Put(i, bytes([i % 256]) * size, add, expire)
 
@@ -637,10 +650,10 @@ class ReaderMachine(RuleBasedStateMachine):
     The journal is a dict; refills are split in two steps (the read happens in a
     worker thread, so anything may happen between start and load)."""
 
-    @initialize(cap=st.sampled_from([CAP, 1 << 20]))
-    def setup(self, cap: int) -> None:
+    @initialize(cap=st.sampled_from([CAP, 1 << 20]), packing=st.booleans())
+    def setup(self, cap: int, packing: bool) -> None:
         self.limits = Limits(max_memory_size=cap)
-        self.r = Reader("q", "", self.limits)
+        self.r = (SmallPackReader if packing else Reader)("q", "", self.limits)
         self.journal: dict[int, Put] = {}
         self.consumed: set[int] = set()
         self.next_id = 1
@@ -782,7 +795,7 @@ class ReaderMachine(RuleBasedStateMachine):
         order = self.expected_next()
         it = self.r.discard_oldest()
         if it is None:
-            assert not self.r.front and not self.r.mem
+            assert not held(self.r)
             return
         assert it.id == order[0]
         self._forget_front(it.id)
@@ -843,7 +856,7 @@ class ReaderMachine(RuleBasedStateMachine):
     @invariant()
     def reader_outstanding_matches_the_model(self) -> None:
         r = self.r
-        seen = [p.id for p in r.front] + [p.id for p in r.mem] + list(r.open) + list(r.moving)
+        seen = [p.id for p in held(r)] + list(r.open) + list(r.moving)
         assert len(seen) == len(set(seen)), "an id is held twice"
         disk = set()
         if r.behind is not None:
@@ -857,14 +870,16 @@ class ReaderMachine(RuleBasedStateMachine):
         avail = self.available()
         assert r.items == len(avail)
         assert r.bytes == sum(len(self.journal[i].data) for i in avail)
-        assert r.mem_bytes == sum(len(p.data) for p in list(r.front) + list(r.mem))
+        assert r.mem_bytes == sum(len(p.data) for p in held(r))
+        assert r.mem_count == len(held(r))
 
     @invariant()
     def ordering(self) -> None:
         r = self.r
         low = [p.id for p in r.front] + list(r.open) + list(r.moving)
-        mem = [p.id for p in r.mem]
+        mem = [p.id for p in held(r)[len(r.front):]]
         assert mem == sorted(mem)
+        assert len(r.mem) < r.pack_at
         if low and mem:
             assert max(low) < mem[0]
         if r.behind is not None and (mem or low):
@@ -876,7 +891,7 @@ class ReaderMachine(RuleBasedStateMachine):
         # Aborted items always come back to memory; a refill may take one item more
         # than its budget (it never returns nothing).
         r = self.r
-        if not r.front and len(r.mem) > 1:
+        if not r.front and r.mem_count > 1:
             assert r.mem_bytes <= self.limits.max_memory_size + 160
 
 

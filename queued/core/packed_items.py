@@ -1,25 +1,25 @@
-"""PackedItems: a deque of `Put`s for a reader's `mem` that holds small items packed.
+"""PackedItems: the older part of a reader's items in memory, held packed.
 
 PURE: no I/O. It owns how the bulk of the items a reader holds sit in memory, never
-what they mean: every item it gives back equals (`==`) the one appended.
+what they mean: every item it gives back equals (`==`) the one packed, and of its type.
 
-Why: a `Put` held as objects costs ~237 B of RSS at 64 B of data (its 80 B object, a
-33 B bytes header, two ints, a deque slot). Here the newest items wait as objects in
-`_tail` (the steady state, where consumers keep up, never packs anything); once
-BLOCK_ITEMS wait there they become one `_Block`: their data concatenated in one
-`bytes`, columns of ids and add times (`array('q')`, 8 B each) and data end offsets
-(`array('I')`, 4 B), so a 64 B item costs 84 B plus a share of its block. Columns for
-expire times and flags exist only in a block where one item has one; an item that is
-not plain (a DelayedPut, an error count, data over SMALL_MAX, a value no column holds)
-stays an object in the block's `objs`. Taking an item from a block (popleft,
-iteration, `[0]`) makes a new `Put` (the head one is cached until it is popped).
+Why: a `Put` held as an object costs ~237 B of RSS at 64 B of data (its 80 B object, a
+33 B bytes header, two ints, a deque slot). The reader keeps its newest items as objects
+in a deque (the steady state, where consumers keep up, never packs anything) and hands
+BLOCK_ITEMS of its oldest at a time to `pack` once enough wait: one `_Block` holds their
+data joined in one `bytes`, columns of ids and add times (`array('q')`, 8 B each) and
+data end offsets (`array('I')`, 4 B), so a 64 B item costs 84 B plus a share of its
+block. Columns for expire times and flags exist only in a block where an item has one;
+an item that is not plain (a DelayedPut, an error count, data over SMALL_MAX, a value no
+column holds) stays an object in the block's `objs`. `unpack_next` makes a whole block's
+items again at once (in bulk, half the cost of one at a time) for the reader to `pop()`.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 
@@ -28,8 +28,10 @@ from queued.core.journal_records import Put
 #: Items per packed block: its fixed cost (~400 B: five objects and their headers) is
 #: ~3 B per item, and the memory a partly taken block keeps is at most this many items'.
 BLOCK_ITEMS = 128
-#: Data longer than this stays in its Put object: a Put's ~200 B are < 10% of it.
-SMALL_MAX = 2048
+#: Data longer than this stays in its Put object: the ~170 B a Put costs beyond its data
+#: are < 1/3 of it, and copying it in and out of a block costs CPU (+0.1 us per 1 KiB item
+#: each way). A block of only such items is a list of them.
+SMALL_MAX = 512
 
 _I64_MAX = (1 << 63) - 1
 _U32_MAX = (1 << 32) - 1
@@ -42,7 +44,7 @@ class PackedStats:
     items: int  # held (len)
     blocks: int
     packed: int  # items in blocks, held packed
-    objects: int  # items in blocks held as objects (not plain), plus the tail's
+    objects: int  # items in blocks held as objects (not plain)
     packed_bytes: int  # the blocks' data
 
 
@@ -54,13 +56,14 @@ class _Block:
     def __init__(self, items: list[Put]) -> None:
         datas = [it.data for it in items]
         times = [it.add_time_ms for it in items]
+        sizes = list(map(len, datas))
         objs: dict[int, Put] | None = None
         exps: list[int] | None = None
         flgs: list[int] | None = None
         if not (set(map(type, items)) == _PUT_ONLY
                 and [it.expire_time_ms for it in items].count(None) == len(items)
                 and not any([it.error_count or it.flags for it in items])
-                and max(map(len, datas)) <= SMALL_MAX
+                and max(sizes) <= SMALL_MAX
                 and min(times) >= 0 and max(times) <= _I64_MAX):
             # (the fast test above fails for a block with one item not plain: sort it out)
             for k, it in enumerate(items):
@@ -72,7 +75,7 @@ class _Block:
                         objs = {}
                     objs[k] = it
                     datas[k] = b""
-                    times[k] = 0
+                    sizes[k] = times[k] = 0
                     continue
                 if e is not None:
                     if exps is None:
@@ -83,7 +86,7 @@ class _Block:
                         flgs = [0] * len(items)
                     flgs[k] = f
         self.data = b"".join(datas)
-        self.ends = array("I", list(accumulate(map(len, datas))))  # (lists: sized exactly)
+        self.ends = array("I", list(accumulate(sizes)))  # (from lists: sized exactly)
         self.ids = array("q", [it.id for it in items])
         self.times = array("q", times)
         self.exps = None if exps is None else array("q", exps)
@@ -111,23 +114,15 @@ class _Block:
 
 
 class PackedItems:
-    """The deque API Reader.mem uses: len, truth, append, extend, popleft, [0],
-    iteration (oldest first) and clear."""
+    """Blocks of items in order, oldest first: `pack` adds one at the end, `unpack_next`
+    takes the oldest; len, truth, iteration (oldest first) and `clear` as a deque's."""
 
-    #: items per block (a class attribute so a test can make a subclass with small blocks)
-    block_items = BLOCK_ITEMS
+    __slots__ = ("_blocks", "_len")
 
-    __slots__ = ("_blocks", "_front", "_front_at", "_len", "_tail")
-
-    def __init__(self, items: Iterable[Put] = ()) -> None:
-        #: the oldest items, as objects (an unpacked block, or a former tail), from
-        #: index _front_at on (None: taken)
-        self._front: list[Put | None] = []
-        self._front_at = 0
-        self._blocks: deque[_Block] = deque()  # then these, packed, oldest first
-        self._tail: list[Put] = []  # then the newest, as objects (< block_items)
+    def __init__(self) -> None:
+        #: a block of only big items is a list of them (nothing to pack)
+        self._blocks: deque[_Block | list[Put]] = deque()
         self._len = 0
-        self.extend(items)
 
     def __len__(self) -> int:
         return self._len
@@ -135,71 +130,38 @@ class PackedItems:
     def __bool__(self) -> bool:
         return self._len > 0
 
-    def append(self, it: Put) -> None:
-        tail = self._tail
-        tail.append(it)
-        self._len += 1
-        if len(tail) >= self.block_items:
-            self._blocks.append(_Block(tail))
-            self._tail = []
+    def pack(self, items: list[Put]) -> None:
+        """`items`, newer than every item held, join the end as one block."""
+        if items:
+            small = min([len(it.data) for it in items]) <= SMALL_MAX
+            self._blocks.append(_Block(items) if small else list(items))
+            self._len += len(items)
 
-    def extend(self, items: Iterable[Put]) -> None:
-        for it in items:
-            self.append(it)
-
-    def _refill(self) -> list[Put | None]:
-        """The front, empty: made of the next block, or of the tail."""
-        if self._blocks:
-            front: list[Put | None] = self._blocks.popleft().unpack()  # type: ignore[assignment]
-        else:
-            front = self._tail  # type: ignore[assignment]
-            self._tail = []
-        self._front = front
-        self._front_at = 0
-        return front
-
-    def popleft(self) -> Put:
-        if not self._len:
-            raise IndexError("pop from an empty PackedItems")
-        self._len -= 1
-        front, at = self._front, self._front_at
-        if at == len(front):
-            front, at = self._refill(), 0
-        it = front[at]
-        front[at] = None  # (let it go now)
-        self._front_at = at + 1
-        return it  # type: ignore[return-value]
-
-    def __getitem__(self, index: int) -> Put:
-        if index != 0:
-            raise IndexError("PackedItems gives only its first item ([0])")
-        if not self._len:
-            raise IndexError("PackedItems is empty")
-        front, at = self._front, self._front_at
-        if at == len(front):
-            front, at = self._refill(), 0
-        return front[at]  # type: ignore[return-value]
+    def unpack_next(self) -> list[Put]:
+        """The oldest block's items, made again and removed, NEWEST FIRST: the caller
+        takes them with `pop()`, a C call (IndexError if there is none)."""
+        if not self._blocks:
+            raise IndexError("unpack from an empty PackedItems")
+        b = self._blocks.popleft()
+        out = b.unpack() if isinstance(b, _Block) else b
+        self._len -= len(out)
+        out.reverse()
+        return out
 
     def __iter__(self) -> Iterator[Put]:
-        yield from self._front[self._front_at:]  # type: ignore[misc]
         for b in list(self._blocks):
-            yield from b.unpack()
-        yield from self._tail
+            yield from (b.unpack() if isinstance(b, _Block) else b)
 
     def clear(self) -> None:
-        self._front = []
-        self._front_at = 0
         self._blocks.clear()
-        self._tail = []
         self._len = 0
 
     def statistics(self) -> PackedStats:
         """A snapshot of how the items sit (O(blocks): for tests and scrapes)."""
-        in_blocks = sum(map(len, self._blocks))
-        objs = sum(len(b.objs or ()) for b in self._blocks)
-        return PackedStats(self._len, len(self._blocks), in_blocks - objs,
-                           objs + self._len - in_blocks,
-                           sum(len(b.data) for b in self._blocks))
+        packed = [b for b in self._blocks if isinstance(b, _Block)]
+        objs = self._len - sum(map(len, packed)) + sum(len(b.objs or ()) for b in packed)
+        return PackedStats(self._len, len(self._blocks), self._len - objs, objs,
+                           sum(len(b.data) for b in packed))
 
     def __repr__(self) -> str:
         return f"PackedItems({len(self)} items, {len(self._blocks)} blocks)"
