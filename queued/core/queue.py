@@ -14,9 +14,9 @@ lower than `behind`: that is what makes the checkpoint cheap to compute.
 Packing. New items join `mem`, a deque of objects; once `pack_at` wait there, its
 oldest go to `packed` (PackedItems), `pack_block` at a time: ~90 B of RSS a 64 B item
 instead of ~237 B. Takes unpack a whole block into `unpacked` (equal copies, newest
-first, so that taking one is a list's `pop()`). Consumers that keep up never meet a
-packed block. Each reader packs its own copies, where objects are shared by a queue's
-readers.
+first, so that taking one is a list's `pop()`). Consumers that keep the backlog under
+`pack_at` never meet a packed block. Each reader packs its own copies, where objects
+are shared by a queue's readers.
 
 Delays. A delayed item (a `DelayedPut`, or an item an abort gave a delay) waits in
 `delayed`, a heap of int keys (due ms, id, data size) -- about 56 bytes per item --
