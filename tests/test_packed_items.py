@@ -1,13 +1,11 @@
 """PackedItems (queued.core.packed_items) against a model, a deque of blocks of Puts:
 pack, unpack_next, iteration, len, truth and clear, with plain items (packed) and every
 kind it keeps as objects (DelayedPut, error counts, big data, values its columns cannot
-hold); and a Reader (queued.core.queue) packing at the server's sizes (the Reader state
-machine in test_queue.py packs in small blocks)."""
+hold). A Reader packing its backlog is tested in test_queue.py."""
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import settings
@@ -16,7 +14,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from queued.core.journal_format import DelayedPut, Put
 from queued.core.packed_items import BLOCK_ITEMS, SMALL_MAX, PackedItems, PackedStats
-from queued.core.queue import NO_ITEMS, PACK_AT, Reader
 
 T0 = 1_700_000_000_000
 I64 = (1 << 63) - 1
@@ -112,49 +109,3 @@ def test_a_block_of_big_items_is_kept_as_it_is() -> None:
     assert list(packed) == [*items, plain(9)]
     got = packed.unpack_next()
     assert got == items[::-1] and all(a is b for a, b in zip(got, items[::-1], strict=True))
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_items: int = 0
-    max_size: int = 0
-    max_memory_size: int = 1 << 30
-    discard_old_when_full: bool = False
-
-
-def test_a_reader_packs_its_backlog_and_gives_it_back_in_order() -> None:
-    """At the server's block sizes: a backlog of 10 blocks is packed but for the newest
-    items; takes, peeks, the checkpoint and the counts see one ordered sequence."""
-    r = Reader("q", "", Limits())
-    n = 10 * BLOCK_ITEMS + 5
-    items = [plain(i, 64) for i in range(1, n + 1)]
-    items[7] = Put(8, b"e" * 64, T0, T0 + 10_000, flags=9)
-    for k in range(0, n, 100):
-        r.add(items[k:k + 100])
-    assert len(r.mem) < PACK_AT and len(r.packed) == n - len(r.mem)
-    assert r.mem_count == n and r.mem_bytes == 64 * n
-    assert r.first_items(T0, 3) == items[:3]
-    assert r.checkpoint() == (0, [])
-    assert r.oldest_add_time_ms() == T0 + 1
-    got = []
-    for _ in range(n // 2):
-        it = r.take(T0, [])
-        assert it is not None
-        got.append(it)
-    assert r.checkpoint() == (n // 2, [])
-    r.drop_through(n // 2 + 10, 0, 0)  # (unpacks and packs again what stays)
-    assert r.mem_count == n - n // 2 - 10
-    while (it := r.take(T0, [])) is not None:
-        got.append(it)
-    assert got == items[:n // 2] + items[n // 2 + 10:]
-    assert r.mem_bytes == 0 and r.items == 0 and r.packed is NO_ITEMS and not r.unpacked
-
-
-def test_a_consumer_that_keeps_up_packs_nothing() -> None:
-    """The steady state (each item taken soon after it came) never packs or unpacks."""
-    r = Reader("q", "", Limits())
-    r.add([plain(i, 64) for i in range(1, PACK_AT - 1)])  # (a backlog just under PACK_AT)
-    for i in range(PACK_AT - 1, 10 * PACK_AT):
-        r.add([plain(i, 64)])
-        assert r.take(T0, []) == plain(i - PACK_AT + 2, 64)
-        assert r.packed is NO_ITEMS

@@ -19,7 +19,8 @@ from hypothesis.stateful import (
 )
 
 from queued.core.journal_format import Put
-from queued.core.queue import Reader
+from queued.core.packed_items import BLOCK_ITEMS
+from queued.core.queue import NO_ITEMS, PACK_AT, Reader
 
 T0 = 1_700_000_000_000
 
@@ -935,3 +936,46 @@ def test_flush_with_an_open_read_lists_at_most_the_cap_of_done_ids() -> None:
     assert len(r.done) == FLUSH_DONE_CAP and r.flush_overflow == 498
     head, done = r.checkpoint()
     assert head == opened.id - 1 and opened.id not in done and len(done) == FLUSH_DONE_CAP
+
+
+def packable(i: int) -> Put:
+    return Put(i, bytes([i % 256]) * 64, T0 + i % 3)
+
+
+def test_a_reader_packs_its_backlog_and_gives_it_back_in_order() -> None:
+    """At the server's sizes: a backlog of PACK_AT + 10 blocks is packed but for the newest
+    items; takes, peeks, the checkpoint and the counts see one ordered sequence."""
+    r = Reader("q", "", Limits(max_memory_size=1 << 30))
+    n = PACK_AT + 10 * BLOCK_ITEMS + 5
+    items = [packable(i) for i in range(1, n + 1)]
+    items[7] = Put(8, b"e" * 64, T0, T0 + 10_000, flags=9)
+    for k in range(0, n, 100):
+        r.add(items[k:k + 100])
+    assert len(r.mem) < PACK_AT and len(r.packed) == n - len(r.mem)
+    assert r.mem_count == n and r.mem_bytes == 64 * n
+    assert r.first_items(T0, 3) == items[:3]
+    assert r.checkpoint() == (0, [])
+    assert r.oldest_add_time_ms() == T0 + 1
+    assert r.peek(T0, []) == items[0]
+    got = []
+    for _ in range(n // 2):
+        it = r.take(T0, [])
+        assert it is not None
+        got.append(it)
+    assert r.checkpoint() == (n // 2, [])
+    r.drop_through(n // 2 + 10, 0, 0)  # (unpacks and packs again what stays)
+    assert r.mem_count == n - n // 2 - 10
+    while (it := r.take(T0, [])) is not None:
+        got.append(it)
+    assert got == items[:n // 2] + items[n // 2 + 10:]
+    assert r.mem_bytes == 0 and r.items == 0 and r.packed is NO_ITEMS and not r.unpacked
+
+
+def test_a_consumer_that_keeps_up_packs_nothing() -> None:
+    """The steady state (each item taken soon after it came) never packs or unpacks."""
+    r = Reader("q", "", Limits(max_memory_size=1 << 30))
+    r.add([packable(i) for i in range(1, PACK_AT - 1)])  # (a backlog just under PACK_AT)
+    for i in range(PACK_AT - 1, 10 * PACK_AT):
+        r.add([packable(i)])
+        assert r.take(T0, []) == packable(i - PACK_AT + 2)
+        assert r.packed is NO_ITEMS
