@@ -45,6 +45,8 @@ Usage:
     .venv/bin/python bench/vs_darner.py --quick            # smoke run, < 3 minutes
     .venv/bin/python bench/vs_darner.py                    # full run, ~15 minutes
     .venv/bin/python bench/vs_darner.py --memory           # memory workload, ~5 minutes
+    .venv/bin/python bench/vs_darner.py --memory --memory-cases b --targets queued-never
+                                           # 64 B items' B/item, queued alone, ~1 minute
     .venv/bin/python bench/vs_darner.py --workloads drain,latency --runs 5
 """
 
@@ -510,16 +512,18 @@ class Bench:
         a = self.a
         big = 64 * KiB
         n_big = max(1, int(a.memory_gb * GiB) // big)
-        targets = [f"queued-{a.memory_fsync}", "darner"]
-        log(f"## memory (a): hold {n_big:,} x 64 KiB = {n_big * big / GiB:.2f} GiB, "
-            "queued with its default config")
-        for t in targets:
-            self.memory_case("a", t, big, n_big, None, drain=True)
-        log(f"## memory (b): {a.memory_items:,} x 64 B held, queued with "
-            f'[default] max_memory_size = "{MEMORY_MAX}"')
-        cfg = f'[default]\nmax_memory_size = "{MEMORY_MAX}"\n'
-        for t in targets:
-            self.memory_case("b", t, 64, a.memory_items, cfg, drain=True)
+        targets = [f"queued-{a.memory_fsync}"] + (["darner"] if "darner" in a.targets else [])
+        if "a" in a.memory_cases:
+            log(f"## memory (a): hold {n_big:,} x 64 KiB = {n_big * big / GiB:.2f} GiB, "
+                "queued with its default config")
+            for t in targets:
+                self.memory_case("a", t, big, n_big, None, drain=True)
+        if "b" in a.memory_cases:
+            log(f"## memory (b): {a.memory_items:,} x 64 B held, queued with "
+                f'[default] max_memory_size = "{MEMORY_MAX}"')
+            cfg = f'[default]\nmax_memory_size = "{MEMORY_MAX}"\n'
+            for t in targets:
+                self.memory_case("b", t, 64, a.memory_items, cfg, drain=True)
         log()
 
     def memory_case(self, case: str, target: str, payload: int, n: int, config: str | None,
@@ -828,6 +832,9 @@ def parse_args() -> argparse.Namespace:
                     help="memory test (a): GiB of 64 KiB items to hold (default 1)")
     ap.add_argument("--memory-items", type=int, default=1_000_000,
                     help="memory test (b): 64 B items to hold (default 1,000,000)")
+    ap.add_argument("--memory-cases", default="a,b",
+                    help="memory cases to run: a, b or a,b (default a,b); darner runs them "
+                         "too unless --targets leaves it out")
     ap.add_argument("--memory-fsync", choices=("never", "always"), default="never",
                     help="queued's fsync in the memory test (default never, like darner)")
     ap.add_argument("--queued-cmd", default=QUEUED_CMD,
@@ -847,6 +854,10 @@ def parse_args() -> argparse.Namespace:
     a = ap.parse_args()
     a.workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     a.targets = [t.strip() for t in a.targets.split(",") if t.strip()]
+    a.memory_cases = [c.strip() for c in a.memory_cases.split(",") if c.strip()]
+    for c in a.memory_cases:
+        if c not in ("a", "b"):
+            ap.error(f"unknown memory case {c!r}; known: a, b")
     for w in a.workloads:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")

@@ -488,7 +488,7 @@ def _read_back(r: Reader, store: dict[int, jf.Put]) -> None:
     ids = r.fetch_ids(100)
     if ids:
         r.fetched([store[i] for i in ids], ids)
-    if r.behind is not None and not (r.front or r.mem):
+    if r.behind is not None and not r.mem_count:
         start = r.behind
         r.load(start, [store[i] for i in range(start, r.tail + 1)], r.tail + 1)
 

@@ -19,7 +19,8 @@ from hypothesis.stateful import (
 )
 
 from queued.core.journal_format import Put
-from queued.core.queue import Reader
+from queued.core.packed_items import BLOCK_ITEMS
+from queued.core.queue import NO_ITEMS, PACK_AT, Reader
 
 T0 = 1_700_000_000_000
 
@@ -30,6 +31,19 @@ class Limits:
     max_size: int = 0
     max_memory_size: int = 1 << 20
     discard_old_when_full: bool = False
+
+
+class SmallPackReader(Reader):
+    """Packs as the server does, in blocks of 2 once 3 items wait (the state machine
+    rarely holds 256)."""
+
+    pack_at = 3
+    pack_block = 2
+
+
+def held(r: Reader) -> list[Put]:
+    """The items a reader holds in memory, in delivery order."""
+    return [*r.front, *reversed(r.unpacked), *r.packed, *r.mem]
 
 
 def item(i: int, size: int = 10, *, expire: int | None = None, add: int = T0) -> Put:
@@ -637,10 +651,10 @@ class ReaderMachine(RuleBasedStateMachine):
     The journal is a dict; refills are split in two steps (the read happens in a
     worker thread, so anything may happen between start and load)."""
 
-    @initialize(cap=st.sampled_from([CAP, 1 << 20]))
-    def setup(self, cap: int) -> None:
+    @initialize(cap=st.sampled_from([CAP, 1 << 20]), packing=st.booleans())
+    def setup(self, cap: int, packing: bool) -> None:
         self.limits = Limits(max_memory_size=cap)
-        self.r = Reader("q", "", self.limits)
+        self.r = (SmallPackReader if packing else Reader)("q", "", self.limits)
         self.journal: dict[int, Put] = {}
         self.consumed: set[int] = set()
         self.next_id = 1
@@ -782,7 +796,7 @@ class ReaderMachine(RuleBasedStateMachine):
         order = self.expected_next()
         it = self.r.discard_oldest()
         if it is None:
-            assert not self.r.front and not self.r.mem
+            assert not held(self.r)
             return
         assert it.id == order[0]
         self._forget_front(it.id)
@@ -843,7 +857,7 @@ class ReaderMachine(RuleBasedStateMachine):
     @invariant()
     def reader_outstanding_matches_the_model(self) -> None:
         r = self.r
-        seen = [p.id for p in r.front] + [p.id for p in r.mem] + list(r.open) + list(r.moving)
+        seen = [p.id for p in held(r)] + list(r.open) + list(r.moving)
         assert len(seen) == len(set(seen)), "an id is held twice"
         disk = set()
         if r.behind is not None:
@@ -857,14 +871,16 @@ class ReaderMachine(RuleBasedStateMachine):
         avail = self.available()
         assert r.items == len(avail)
         assert r.bytes == sum(len(self.journal[i].data) for i in avail)
-        assert r.mem_bytes == sum(len(p.data) for p in list(r.front) + list(r.mem))
+        assert r.mem_bytes == sum(len(p.data) for p in held(r))
+        assert r.mem_count == len(held(r))
 
     @invariant()
     def ordering(self) -> None:
         r = self.r
         low = [p.id for p in r.front] + list(r.open) + list(r.moving)
-        mem = [p.id for p in r.mem]
+        mem = [p.id for p in held(r)[len(r.front):]]
         assert mem == sorted(mem)
+        assert len(r.mem) < r.pack_at
         if low and mem:
             assert max(low) < mem[0]
         if r.behind is not None and (mem or low):
@@ -876,7 +892,7 @@ class ReaderMachine(RuleBasedStateMachine):
         # Aborted items always come back to memory; a refill may take one item more
         # than its budget (it never returns nothing).
         r = self.r
-        if not r.front and len(r.mem) > 1:
+        if not r.front and r.mem_count > 1:
             assert r.mem_bytes <= self.limits.max_memory_size + 160
 
 
@@ -920,3 +936,46 @@ def test_flush_with_an_open_read_lists_at_most_the_cap_of_done_ids() -> None:
     assert len(r.done) == FLUSH_DONE_CAP and r.flush_overflow == 498
     head, done = r.checkpoint()
     assert head == opened.id - 1 and opened.id not in done and len(done) == FLUSH_DONE_CAP
+
+
+def packable(i: int) -> Put:
+    return Put(i, bytes([i % 256]) * 64, T0 + i % 3)
+
+
+def test_a_reader_packs_its_backlog_and_gives_it_back_in_order() -> None:
+    """At the server's sizes: a backlog of PACK_AT + 10 blocks is packed but for the newest
+    items; takes, peeks, the checkpoint and the counts see one ordered sequence."""
+    r = Reader("q", "", Limits(max_memory_size=1 << 30))
+    n = PACK_AT + 10 * BLOCK_ITEMS + 5
+    items = [packable(i) for i in range(1, n + 1)]
+    items[7] = Put(8, b"e" * 64, T0, T0 + 10_000, flags=9)
+    for k in range(0, n, 100):
+        r.add(items[k:k + 100])
+    assert len(r.mem) < PACK_AT and len(r.packed) == n - len(r.mem)
+    assert r.mem_count == n and r.mem_bytes == 64 * n
+    assert r.first_items(T0, 3) == items[:3]
+    assert r.checkpoint() == (0, [])
+    assert r.oldest_add_time_ms() == T0 + 1
+    assert r.peek(T0, []) == items[0]
+    got = []
+    for _ in range(n // 2):
+        it = r.take(T0, [])
+        assert it is not None
+        got.append(it)
+    assert r.checkpoint() == (n // 2, [])
+    r.drop_through(n // 2 + 10, 0, 0)  # (unpacks and packs again what stays)
+    assert r.mem_count == n - n // 2 - 10
+    while (it := r.take(T0, [])) is not None:
+        got.append(it)
+    assert got == items[:n // 2] + items[n // 2 + 10:]
+    assert r.mem_bytes == 0 and r.items == 0 and r.packed is NO_ITEMS and not r.unpacked
+
+
+def test_a_consumer_that_keeps_up_packs_nothing() -> None:
+    """The steady state (each item taken soon after it came) never packs or unpacks."""
+    r = Reader("q", "", Limits(max_memory_size=1 << 30))
+    r.add([packable(i) for i in range(1, PACK_AT - 1)])  # (a backlog just under PACK_AT)
+    for i in range(PACK_AT - 1, 10 * PACK_AT):
+        r.add([packable(i)])
+        assert r.take(T0, []) == packable(i - PACK_AT + 2)
+        assert r.packed is NO_ITEMS

@@ -89,7 +89,7 @@ class Handle:
             "total_items": c.total_items,
             "logsize": logsize,
             "expired_items": c.expired,
-            "mem_items": len(r.front) + len(r.mem),
+            "mem_items": r.mem_count,
             "mem_bytes": r.mem_bytes,
             "age": c.age_ms,
             "discarded": c.discarded,
