@@ -10,15 +10,19 @@ from __future__ import annotations
 import dataclasses
 import tracemalloc
 from array import array
+from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_broker import get_all, make_config, stats
 from test_queue import Limits, held, read_range
 
+from queued.broker.upkeep import open_broker
 from queued.core.journal_format import DelayedPut, Put
+from queued.core.open_reads import OpenReads
 from queued.core.packed_items import SMALL_MAX, PackedItems
-from queued.core.queue import Reader
+from queued.core.queue import PACK_AT, Reader
 
 T0 = 1_700_000_000_000
 I64 = (1 << 63) - 1
@@ -336,3 +340,53 @@ def test_flush_with_an_open_read_lists_every_held_id() -> None:
     head, done = r.checkpoint()
     assert head == 0 and done == list(range(2, 10_001))
     assert dataclasses.astuple(r.counters)[0] == 10_000
+
+
+# -- through the broker: a backlog packed past PACK_AT ----------------------------------------
+
+BIG_BACKLOG = """
+[queues.q]
+journal_size = 65536
+max_journal_size = 262144
+journal_full_policy = "drop_oldest"
+"""
+
+
+def p64(i: int) -> bytes:
+    return b"%06d" % i + b"." * 58
+
+
+async def test_broker_with_packed_backlogs_drops_counts_shows_and_restarts_right(
+    tmp_path: Path,
+) -> None:
+    """Two fanout readers hold more than PACK_AT items (packed); drop_oldest drops whole
+    segments under them; stats, the console's head view, open reads, a restart and the
+    drain all see the newest items once each, in order."""
+    cfg = make_config(tmp_path, BIG_BACKLOG)
+    n = 3 * PACK_AT
+    async with open_broker(cfg) as broker:
+        assert await broker.get("q", "a") is None  # (a takes over the default reader)
+        assert await broker.get("q", "b") is None
+        for i in range(0, n, 100):
+            await broker.put("q", [p64(k) for k in range(i, min(i + 100, n))])
+        got_a = [it.data for it in [await broker.get("q", "a") for _ in range(10)] if it]
+        c = broker.register(OpenReads())
+        opened = await broker.get("q", "b", client=c, open=True)  # stays open
+        assert opened is not None
+        sa, sb = stats(broker, "q+a"), stats(broker, "q+b")
+        for s, held_out in ((sa, 0), (sb, 1)):
+            assert s["discarded"] > 0  # segments were dropped under a packed backlog
+            assert s["items"] == s["mem_items"] > PACK_AT
+            assert s["items"] + s["discarded"] + held_out == n - (10 if s is sa else 0)
+            assert s["mem_bytes"] == s["bytes"] == 64 * s["items"]
+        head_b = broker.head_items("q", "b", 3)
+        assert head_b is not None
+        first_b = int(head_b[0].data[:6])
+        assert [it.data for it in head_b] == [p64(first_b + k) for k in range(3)]
+    async with open_broker(cfg) as broker:  # the open read came back at the head
+        got_b = await get_all(broker, "q", "b")
+        got_a += await get_all(broker, "q", "a")
+    assert got_b == [opened.data] + [p64(k) for k in range(first_b, n)]
+    first_a = int(got_a[0][:6])
+    assert got_a == [p64(k) for k in range(first_a, n)] and first_a == int(opened.data[:6])
+    assert first_b == first_a + 1
