@@ -109,6 +109,10 @@ class Background:
 class QueueState:
     """See the module docstring. `clock` is the broker's wall clock (unix ms)."""
 
+    __slots__ = ("_reader_lock", "background", "clock", "config", "create_time_ms",
+                 "deleted", "delivered", "inflight", "inflight_bytes", "inflight_items",
+                 "journal", "name", "readers", "unsaved_checkpoints")
+
     def __init__(
         self,
         name: str,
@@ -141,6 +145,13 @@ class QueueState:
         if lock is None:
             lock = self._reader_lock = trio.Lock()
         return lock
+
+    def forget_reader_lock(self) -> None:
+        """Drop the reader lock unless a task holds it or waits for it (trio hands a
+        released lock straight to the next waiter): the next use makes a new one."""
+        lock = self._reader_lock
+        if lock is not None and not lock.locked():
+            self._reader_lock = None
 
     # -- puts --------------------------------------------------------------------------------
 
@@ -462,6 +473,7 @@ class QueueState:
                 if name in self.unsaved_checkpoints:
                     del self.unsaved_checkpoints[name]
                 written += 1
+        self.forget_reader_lock()  # (a lock is ~0.3 KiB, on each of 10,000 idle queues)
         if written and not self.deleted and len(self.journal.segments) > 1:
             try:
                 await self.journal.compact()

@@ -538,6 +538,8 @@ class Reader:
     def confirm(self, item_id: int) -> bool:
         if self.open.pop(item_id, None) is None:
             return False
+        if not self.open:
+            self.open = NO_ENTRIES  # (a dict that held entries keeps its table)
         self.consume(item_id)
         return True
 
