@@ -14,8 +14,10 @@ poll that put was meant to answer.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import tempfile
 import threading
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,12 +29,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import queued.broker.queues
+import queued.storage.journal as journal_module
 from queued.broker.broker import Broker
 from queued.broker.upkeep import Upkeep, open_broker
 from queued.config import ServerConfig, load_config
 from queued.core import journal_format as jf
 from queued.core.errors import ItemTooLargeError, QueueFullError, ReadStateError
 from queued.core.open_reads import OpenReads
+from queued.core.queue import NO_ENTRIES, NO_IDS
 from queued.storage.datadir import open_data_dir
 
 T0 = 1_700_000_000_000
@@ -1168,3 +1172,52 @@ async def test_upkeep_counts_its_rounds_and_outlives_a_failing_one(
         assert not upkeep.statistics().running
 
 
+
+
+# -- what an idle queue costs ------------------------------------------------------------------
+
+
+async def heap_per_queue(broker: Broker, prefix: str, n: int, *, put: bool) -> float:
+    """Python heap bytes each of `n` new queues holds once idle (tracemalloc): made by a
+    get that finds nothing, or (`put`) by a put whose item a get then takes."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(n):
+            name = f"{prefix}{i}"
+            if put:
+                await broker.put(name, [b"x" * 16])
+            await broker.get(name)
+        await broker.checkpoint_all()
+        gc.collect()
+        return (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+
+
+async def test_an_idle_queue_holds_little_memory(tmp_path: Path) -> None:
+    """Hostile input may make max_queues (10,000) queues: each idle one must stay small.
+    Containers, locks and files a queue may never use are made on first use, shared
+    while empty, or dropped once idle (3.5 KiB for an empty queue before; 1.7 KiB now)."""
+    async with open_broker(make_config(tmp_path)) as broker:
+        await heap_per_queue(broker, "warm", 20, put=True)  # first-use caches, code paths
+        empty = await heap_per_queue(broker, "e", 300, put=False)
+        taken = await heap_per_queue(broker, "t", 200, put=True)
+        assert len(broker.queues) == 520
+    assert empty < 2200, f"an empty queue holds {empty:.0f} B"
+    assert taken < 4600, f"a queue whose item was taken holds {taken:.0f} B"
+
+
+def test_the_shared_empty_containers_refuse_writes() -> None:
+    """A reader or journal that forgot to make its own container fails at once instead
+    of writing into the one every idle queue shares."""
+    with pytest.raises(TypeError):
+        NO_ENTRIES[1] = 2
+    with pytest.raises(TypeError):
+        NO_ENTRIES.setdefault(1, 2)
+    with pytest.raises(AttributeError):
+        NO_IDS.add(1)
+    with pytest.raises(TypeError):
+        journal_module.NO_ENTRIES[1] = 2
+    assert NO_ENTRIES.pop(1, None) is None and not NO_ENTRIES and not NO_IDS

@@ -39,6 +39,8 @@ NO_ALIASES: frozenset[str] = frozenset()
 class Handle:
     """A reader plus what only the async side needs: waiters, refill lock."""
 
+    __slots__ = ("_refill_lock", "aliases", "closed", "config", "reader", "refilling", "waiters")
+
     def __init__(self, reader: Reader, config: QueueConfig) -> None:
         self.reader = reader
         self.config = config

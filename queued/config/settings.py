@@ -8,6 +8,7 @@ needs. Reads nothing: loading.py builds these from the file, environment and fla
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +47,17 @@ class QueueConfig:
     max_errors: int = 0  # aborts before an item moves to error_queue; 0 = never
 
     def journal_config(self) -> JournalConfig:
-        return JournalConfig(
-            journal_size=self.journal_size,
-            max_journal_size=self.max_journal_size,
-            full_policy=self.journal_full_policy,
-            fsync=self.fsync,
-        )
+        """The storage policies of these settings: one object for equal settings (every
+        queue without a section of its own has the same)."""
+        return _journal_config(self.journal_size, self.max_journal_size,
+                               self.journal_full_policy, self.fsync)
+
+
+@functools.lru_cache(maxsize=256)
+def _journal_config(journal_size: int, max_journal_size: int, full_policy: FullPolicy,
+                    fsync: FsyncPolicy) -> JournalConfig:
+    return JournalConfig(journal_size=journal_size, max_journal_size=max_journal_size,
+                         full_policy=full_policy, fsync=fsync)
 
 
 _T = TypeVar("_T")

@@ -88,6 +88,24 @@ PACK_AT = 16 * BLOCK_ITEMS
 NO_ITEMS: Final[Any] = ()
 
 
+class _NoEntries(dict[Any, Any]):
+    """An empty dict that refuses entries (reads, `pop(k, default)` and `clear` work)."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("NO_ENTRIES is shared: make the reader its own dict first")
+
+    __setitem__ = setdefault = update = __ior__ = _refuse  # type: ignore[assignment]
+
+
+#: What a reader's open, moving, errors, delays and parked hold until their first entry,
+#: and `done` and `delayed` until their first id (an empty dict is ~64 B, an empty set
+#: ~216 B, on each of 10,000 idle queues). Shared and immutable, as NO_ITEMS is.
+NO_ENTRIES: Final[Any] = _NoEntries()
+NO_IDS: Final[Any] = frozenset()
+
+
 class ReaderLimits(Protocol):
     """The part of QueueConfig a reader needs."""
 
@@ -147,19 +165,22 @@ class Reader:
         self.tail = tail
         self.items = 0  # available: front + mem + on disk; not open, not moving
         self.bytes = 0
-        self.open: dict[int, Item] = {}
-        self.moving: dict[int, Item] = {}  # on their way to expire_to_queue / error_queue
-        self.done: set[int] = {i for i in done if i > head}
+        # Unused, the dicts hold NO_ENTRIES, `done` NO_IDS and `delayed` NO_ITEMS (see
+        # there); each is made its own on first write.
+        self.open: dict[int, Item] = NO_ENTRIES
+        self.moving: dict[int, Item] = NO_ENTRIES  # on their way to expire_to_queue /
+        # error_queue
+        self.done: set[int] = {i for i in done if i > head} or NO_IDS
         self.head = head
         #: id -> error count, for outstanding items whose count an abort raised
         self.errors: dict[int, int] = {i: n for i, n in errors
-                                       if i > head and i not in self.done}
+                                       if i > head and i not in self.done} or NO_ENTRIES
         #: id -> due ms, for outstanding items an abort gave a delay (journaled in the
         #: reader's file: the PUT record does not know it)
         self.delays: dict[int, int] = {i: d for i, d in delays
-                                       if i > head and i not in self.done}
-        self.delayed: list[int] = []  # heap of delay_key(due, id, size), not due yet
-        self.parked: dict[int, Item] = {}  # data of delayed items held in memory
+                                       if i > head and i not in self.done} or NO_ENTRIES
+        self.delayed: list[int] = NO_ITEMS  # heap of delay_key(due, id, size), not due yet
+        self.parked: dict[int, Item] = NO_ENTRIES  # data of delayed items held in memory
         self.due: deque[Item | int] = NO_ITEMS  # due: items, or keys whose data is on disk
         #: lowest id delayed or due, or lower (exact while `low_exact`); None: none since
         #: the last checkpoint (then consume may move the head itself)
@@ -330,9 +351,13 @@ class Reader:
         memory if `keep` and memory is under half full with it, else on disk (read back
         once due): the other half stays for read-behind of the items that flow."""
         n = len(it.data)
+        if self.delayed is NO_ITEMS:
+            self.delayed = []
         heapq.heappush(self.delayed, delay_key(due_ms, it.id, n))
         if keep and (self.mem_bytes + n <= self.limits.max_memory_size // 2
                      or not self.mem_bytes):
+            if self.parked is NO_ENTRIES:
+                self.parked = {}
             self.parked[it.id] = it
             self.mem_bytes += n
         low = self.delay_low
@@ -344,6 +369,8 @@ class Reader:
     def restore_delayed(self, entries: Iterable[tuple[int, int, int]]) -> None:
         """After recovery: (due ms, id, size) of delayed items on disk (already counted
         by `restore`)."""
+        if self.delayed is NO_ITEMS:
+            self.delayed = []
         for due_ms, item_id, size in entries:
             self.delayed.append(delay_key(due_ms, item_id, size))
             if self.delay_low is None or item_id < self.delay_low:
@@ -566,6 +593,8 @@ class Reader:
         # here, so a put without a delay pays nothing for it)
         if self.open or self.front or self.moving or self.delay_low is not None:
             # A lower id may still be outstanding: remember this one explicitly.
+            if self.done is NO_IDS:
+                self.done = set()
             self.done.add(item_id)
         elif item_id > self.head:
             self.head = item_id
@@ -573,17 +602,21 @@ class Reader:
     # -- reliable reads ----------------------------------------------------------------
 
     def open_read(self, it: Item) -> None:
-        self.open[it.id] = it
+        self.hold(it)
         self.counters.transactions += 1
 
     def hold(self, it: Item) -> None:
         """Keep a taken item outstanding (like an open read, not counted as one) until
         the get that took it has answered; then `confirm` or `abort` it."""
+        if self.open is NO_ENTRIES:
+            self.open = {}
         self.open[it.id] = it
 
     def confirm(self, item_id: int) -> bool:
         if self.open.pop(item_id, None) is None:
             return False
+        if not self.open:
+            self.open = NO_ENTRIES  # (a dict that held entries keeps its table)
         self.consume(item_id)
         return True
 
@@ -598,6 +631,8 @@ class Reader:
         self.counters.canceled_transactions += 1
         if count_error:
             it = dataclasses.replace(it, error_count=it.error_count + 1)
+            if self.errors is NO_ENTRIES:
+                self.errors = {}
             self.errors[item_id] = it.error_count
         return it
 
@@ -616,6 +651,8 @@ class Reader:
         n = len(it.data)
         self.items += 1
         self.bytes += n
+        if self.delays is NO_ENTRIES:
+            self.delays = {}
         self.delays[it.id] = due_ms
         self.delay(it, due_ms)
 
@@ -630,6 +667,8 @@ class Reader:
         self.bytes += n
 
     def start_move(self, it: Item) -> None:
+        if self.moving is NO_ENTRIES:
+            self.moving = {}
         self.moving[it.id] = it
 
     def end_move(self, item_id: int, *, moved: bool) -> None:
@@ -670,7 +709,7 @@ class Reader:
             ids += [it.id for it in self.mem]
             ids += [key_id(k) for k in self.delayed]
             ids += [key_id(e) if isinstance(e, int) else e.id for e in self.due]
-        self.delayed = []
+        self.delayed = NO_ITEMS
         self.parked.clear()
         self.due = NO_ITEMS
         self.delays.clear()
@@ -698,6 +737,8 @@ class Reader:
             if len(ids) > FLUSH_DONE_CAP:
                 self.flush_overflow = len(ids) - FLUSH_DONE_CAP
                 ids = ids[:FLUSH_DONE_CAP]
+            if self.done is NO_IDS:
+                self.done = set()
             self.done.update(ids)
         elif self.tail > self.head:
             self.head = self.tail
@@ -725,7 +766,8 @@ class Reader:
                 lows.append(low)
         head = min(lows) - 1 if lows else max(self.tail, self.head)
         self.head = head
-        self.done = {i for i in self.done if i > head}
+        if self.done:
+            self.done = {i for i in self.done if i > head} or NO_IDS
         self.dirty = False
         return head, sorted(self.done)
 

@@ -30,6 +30,7 @@ from queued.core.errors import (
 from queued.core.stats import HistogramSnapshot
 from queued.storage import fileio
 from queued.storage.files import (
+    NO_CHECKPOINT,
     Checkpoint,
     SegmentInfo,
     decode_checkpoint,
@@ -247,7 +248,7 @@ class DataDir:
         if j is None:
             if not jf.valid_name(name):
                 raise ValueError(f"invalid queue name {name!r}")
-            j = self._journal(name, self.queue_config(name), [], {"": Checkpoint()}, 0)
+            j = self._journal(name, self.queue_config(name), [], {"": NO_CHECKPOINT}, 0)
             self.queues[name] = j
         return j
 

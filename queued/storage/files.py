@@ -190,6 +190,10 @@ class Checkpoint:
     delays: tuple[tuple[int, int], ...] = ()
 
 
+#: The checkpoint of a reader that has consumed nothing (immutable: one for all).
+NO_CHECKPOINT = Checkpoint()
+
+
 def decode_checkpoint(data: bytes) -> tuple[Checkpoint, int]:
     """A reader file's state, and where its trusted bytes end.
 

@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from types import MappingProxyType
+from typing import Any, Final, Protocol
 
 import trio
 
@@ -53,6 +54,12 @@ log = logging.getLogger("queued.journal")
 
 #: One check record covers at most this much: its length field is 32 bits.
 MAX_BATCH_BYTES = 64 * MiB
+
+#: What a journal's planned chunks, reader ops and reader files hold until the first
+#: (a server may hold 10,000 idle queues: an empty list or dict each is ~60 B). Both
+#: are immutable, so a write that forgot to make its own container first fails at once.
+NO_CHUNKS: Final[Any] = ()
+NO_ENTRIES: Final[Any] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +155,7 @@ class QueueJournal:
         self.name = name
         #: the writer side of this queue's active segment (queued.storage.writer)
         self.file = file
-        self._reader_files: dict[str, ReaderFile] = {}
+        self._reader_files: dict[str, ReaderFile] = NO_ENTRIES  # a dict from the first on
         self.config = config
         self.segments = segments
         self.readers = readers
@@ -156,15 +163,15 @@ class QueueJournal:
         #: awaited with a segment about to be dropped under drop_oldest (file still there),
         #: after every reader's checkpoint has moved past it
         self.before_drop: Callable[[SegmentInfo], Awaitable[None]] | None = None
-        self._pending: list[Planned] = []
+        self._pending: list[Planned] = NO_CHUNKS  # a list from the first append on
         self._pending_bytes = 0
-        self._reader_ops: dict[str, list[PlannedOp]] = {}
+        self._reader_ops: dict[str, list[PlannedOp]] = NO_ENTRIES  # a dict from the first op
         # Projection of the active segment including pending chunks, to split
         # batches where segments rotate. None = the next append opens a segment.
         self._proj_size: int | None = None
         self._proj_count = 0
         self._closed = False
-        self._maintenance_lock = trio.Lock()
+        self._maintenance_lock: trio.Lock | None = None  # made on first use (~0.3 KiB a lock)
         self._appends = self._items = self._batches = 0
 
     @property
@@ -178,6 +185,14 @@ class QueueJournal:
         self.file.fsync = config.fsync
         for rfile in self._reader_files.values():
             rfile.fsync = config.fsync
+
+    @property
+    def maintenance_lock(self) -> trio.Lock:
+        """Held while compaction or a drop changes the segment list."""
+        lock = self._maintenance_lock
+        if lock is None:
+            lock = self._maintenance_lock = trio.Lock()
+        return lock
 
     # -- appends ----------------------------------------------------------------
 
@@ -237,15 +252,13 @@ class QueueJournal:
             if self._proj_size is None or (
                 self._proj_count and self._proj_size + size > limit
             ):
-                chunk = Planned(rotate=True)
-                self._pending.append(chunk)
+                chunk = self._new_chunk(rotate=True)
                 self._proj_size = len(jf.segment_head(self.file.incarnation)) + jf.CHECK_RECORD_SIZE
                 self._proj_count = 0
             elif chunk is None or chunk.nbytes + size > MAX_BATCH_BYTES:
                 if chunk is not None:  # a split batch gets a check record of its own
                     self._proj_size += jf.CHECK_RECORD_SIZE
-                chunk = Planned(rotate=False)
-                self._pending.append(chunk)
+                chunk = self._new_chunk(rotate=False)
             chunk.add(head, data)
             if not chunk.count:
                 chunk.first_id = next_id
@@ -290,8 +303,7 @@ class QueueJournal:
                 or (chunk is not None and chunk.nbytes + total > MAX_BATCH_BYTES)):
             return []
         if chunk is None:
-            chunk = Planned(rotate=False)
-            self._pending.append(chunk)
+            chunk = self._new_chunk(rotate=False)
         first = self.last_id + 1
         ids = range(first, first + n)
         parts: list[bytes] = [b""] * (2 * n)
@@ -314,6 +326,14 @@ class QueueJournal:
         put = jf.Put
         return [put(i, d, add_time_ms, expire_time_ms, error_count, flags)
                 for i, d in zip(ids, datas, strict=True)]
+
+    def _new_chunk(self, *, rotate: bool) -> Planned:
+        """A new chunk at the end of the planned ones."""
+        chunk = Planned(rotate=rotate)
+        if self._pending is NO_CHUNKS:
+            self._pending = []
+        self._pending.append(chunk)
+        return chunk
 
     async def append(
         self,
@@ -363,8 +383,8 @@ class QueueJournal:
 
     def take_pending(self) -> list[Planned]:
         """The chunks planned since the last round, for the writer's next round."""
-        chunks, self._pending = self._pending, []
-        return chunks
+        chunks, self._pending = self._pending, NO_CHUNKS
+        return [] if chunks is NO_CHUNKS else chunks
 
     @property
     def has_reader_ops(self) -> bool:
@@ -381,7 +401,7 @@ class QueueJournal:
         if not self._reader_ops:
             return []
         work = self.planned_readers
-        self._reader_ops = {}
+        self._reader_ops = NO_ENTRIES
         return work
 
     def finish_reader_ops(self, work: ReaderWork) -> None:
@@ -541,6 +561,8 @@ class QueueJournal:
             raise JournalClosedError(f"journal of queue {self.name!r} is closed")
         ops = self._reader_ops.get(reader)
         if ops is None:
+            if self._reader_ops is NO_ENTRIES:
+                self._reader_ops = {}
             ops = self._reader_ops[reader] = []
         if op is None:
             if ops and ops[-1].appends:
@@ -556,6 +578,8 @@ class QueueJournal:
             # A reader the journal knows but whose file is missing is at head 0: a new
             # queue's default reader, or one recovered without a checkpoint.
             rfile.create_missing = reader in self.readers
+            if self._reader_files is NO_ENTRIES:
+                self._reader_files = {}
             self._reader_files[reader] = rfile
         return rfile
 
@@ -563,7 +587,7 @@ class QueueJournal:
 
     async def compact(self) -> CompactionResult:
         """Remove dead segments, rewrite straggler-pinned ones; see queued.storage.compaction."""
-        async with self._maintenance_lock:
+        async with self.maintenance_lock:
             return await compaction.compact(
                 self.segments, dict(self.readers), self.config.compact_live_ratio,
                 self.iter_segment, self.host,
@@ -572,7 +596,7 @@ class QueueJournal:
     async def drop_oldest(self, target_bytes: int) -> None:
         """Drop whole segments, oldest first, until the journal holds at most
         `target_bytes` (the newest always stays); readers' checkpoints move past them."""
-        async with self._maintenance_lock:
+        async with self.maintenance_lock:
             while self.total_bytes > target_bytes and len(self.segments) > 1:
                 seg = self.segments[0]
                 for reader, cp in list(self.readers.items()):
@@ -612,7 +636,7 @@ class QueueJournal:
     async def exclusive(self) -> AsyncIterator[None]:
         """No compaction or drop of this queue runs inside this block (checkpoints are
         round work: pause the writer for those)."""
-        async with self._maintenance_lock:
+        async with self.maintenance_lock:
             yield
 
     def statistics(self) -> JournalStats:

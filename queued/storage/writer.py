@@ -119,6 +119,9 @@ class SyncedFile:
     it up to date); `failed` is read from the loop.
     """
 
+    __slots__ = ("_failed", "_fd", "_last_fsync", "_size", "_unsynced", "directory",
+                 "fsync", "fsyncs", "observe_fsync", "queue", "write_errors")
+
     def __init__(
         self,
         directory: Path,
@@ -224,6 +227,8 @@ class SyncedFile:
 
 class SegmentFile(SyncedFile):
     """One queue's active segment, writer side (see SyncedFile)."""
+
+    __slots__ = ("_last_number", "_number", "incarnation")
 
     def __init__(
         self,
@@ -360,6 +365,8 @@ class ReaderFile(SyncedFile):
     comes is created empty first if `create_missing` (a reader that has no file yet reads
     as head 0, as recovery reads a missing one), else the append fails.
     """
+
+    __slots__ = ("create_missing", "path", "reader")
 
     def __init__(
         self,
