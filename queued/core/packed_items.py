@@ -10,9 +10,10 @@ BLOCK_ITEMS of its oldest at a time to `pack` once enough wait: one `_Block` hol
 data joined in one `bytes`, columns of ids and add times (`array('q')`, 8 B each) and
 data end offsets (`array('I')`, 4 B), so a 64 B item costs 84 B plus a share of its
 block. Columns for expire times and flags exist only in a block where an item has one;
-an item that is not plain (a DelayedPut, an error count, data over SMALL_MAX, a value no
-column holds) stays an object in the block's `objs`. `unpack_next` makes a whole block's
-items again at once (in bulk, half the cost of one at a time) for the reader to `pop()`.
+an item that is not plain (a DelayedPut, an error count, data over SMALL_MAX or not
+`bytes`, a value no column holds) stays an object in the block's `objs`. `unpack_next`
+makes a whole block's items again at once (in bulk, half the cost of one at a time) for
+the reader to `pop()`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _I64_MAX = (1 << 63) - 1
 _U32_MAX = (1 << 32) - 1
 _NO_EXPIRE = -1  # `exps` column: no expire time
 _PUT_ONLY = {Put}
+_BYTES_ONLY = {bytes}  # other data (a memoryview's len() may not count bytes) stays as is
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,7 @@ class _Block:
         exps: list[int] | None = None
         flgs: list[int] | None = None
         if not (set(map(type, items)) == _PUT_ONLY
+                and set(map(type, datas)) == _BYTES_ONLY
                 and [it.expire_time_ms for it in items].count(None) == len(items)
                 and not any([it.error_count or it.flags for it in items])
                 and max(sizes) <= SMALL_MAX
@@ -68,7 +71,8 @@ class _Block:
             # (the fast test above fails for a block with one item not plain: sort it out)
             for k, it in enumerate(items):
                 d, t, e, f = it.data, it.add_time_ms, it.expire_time_ms, it.flags
-                if (type(it) is not Put or it.error_count or len(d) > SMALL_MAX
+                if (type(it) is not Put or type(d) is not bytes or it.error_count
+                        or len(d) > SMALL_MAX
                         or not 0 <= t <= _I64_MAX or not 0 <= f <= _U32_MAX
                         or (e is not None and not 0 <= e <= _I64_MAX)):
                     if objs is None:
@@ -151,6 +155,13 @@ class PackedItems:
     def __iter__(self) -> Iterator[Put]:
         for b in list(self._blocks):
             yield from (b.unpack() if isinstance(b, _Block) else b)
+
+    def ids(self) -> list[int]:
+        """The ids held, oldest first (read from the blocks' columns, nothing unpacked)."""
+        out: list[int] = []
+        for b in self._blocks:
+            out += b.ids if isinstance(b, _Block) else [it.id for it in b]
+        return out
 
     def clear(self) -> None:
         self._blocks.clear()

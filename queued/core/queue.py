@@ -252,23 +252,17 @@ class Reader:
         caller counts them from the dropped segment. Open reads stay open (their
         data is in memory).
         """
-        if self.unpacked or self.packed:
-            self.mem = deque(self._held())
-            self.unpacked = self.packed = NO_ITEMS
-        for dq in (self.front, self.mem):
-            if not dq:
-                continue  # (NO_ITEMS, perhaps)
-            keep = [it for it in dq if it.id > last_id]
-            for it in dq:
+        if self.front:
+            keep = [it for it in self.front if it.id > last_id]
+            for it in self.front:
                 if it.id <= last_id:
-                    self.mem_bytes -= len(it.data)
-                    self.items -= 1
-                    self.bytes -= len(it.data)
-                    self.counters.discarded += 1
-            dq.clear()
-            dq.extend(keep)
-        if len(self.mem) >= self.pack_at:
-            self._pack()
+                    self._drop(it)
+            self.front.clear()
+            self.front.extend(keep)
+        # Held items are in id order: the dropped ones are a prefix, taken one block at a
+        # time (unpacking the whole backlog would cost O(held) objects on every segment).
+        while (first := self._next_held()) is not None and first.id <= last_id:
+            self._drop(self.unpacked.pop() if self.unpacked else self.mem.popleft())
         if self.delayed or self.due:
             self._drop_delayed(lambda i: i <= last_id)
         if self.behind is not None and self.behind <= last_id:
@@ -280,6 +274,14 @@ class Reader:
             self.errors = {i: n for i, n in self.errors.items()
                            if i > last_id or i in self.open or i in self.moving}
         self.dirty = True
+
+    def _drop(self, it: Item) -> None:
+        """A held or aborted item `drop_through` removed: counted discarded."""
+        n = len(it.data)
+        self.mem_bytes -= n
+        self.items -= 1
+        self.bytes -= n
+        self.counters.discarded += 1
 
     def _drop_delayed(self, drop: Callable[[int], bool]) -> list[int]:
         """Delayed and due items whose id `drop` picks leave (counted discarded); their ids."""
@@ -699,15 +701,20 @@ class Reader:
     def flush(self) -> int:
         """Discard every available item (open reads stay open). Returns how many."""
         n = self.items
-        ids = [it.id for it in self.front] + [it.id for it in self._held()]
-        ids += [key_id(k) for k in self.delayed]
-        ids += [key_id(e) if isinstance(e, int) else e.id for e in self.due]
+        ids: list[int] = []
+        listing = bool(self.open or self.moving)  # the flushed ids are listed only then
+        if listing:
+            ids = [it.id for it in self.front] + [it.id for it in reversed(self.unpacked)]
+            ids += self.packed.ids() if self.packed else []
+            ids += [it.id for it in self.mem]
+            ids += [key_id(k) for k in self.delayed]
+            ids += [key_id(e) if isinstance(e, int) else e.id for e in self.due]
         self.delayed = NO_ITEMS
         self.parked.clear()
         self.due = NO_ITEMS
         self.delays.clear()
         self.delay_low = None
-        if self.behind is not None:
+        if listing and self.behind is not None:
             ids.extend(range(self.behind, self.tail + 1))
         self.front = NO_ITEMS
         self.unpacked = NO_ITEMS
@@ -722,7 +729,7 @@ class Reader:
         if self.errors:
             self.errors = {i: n for i, n in self.errors.items()
                            if i in self.open or i in self.moving}
-        if self.open or self.moving:
+        if listing:
             # A lower id is still open: the flushed ids must be listed one by one
             # (READ_DONE). Past FLUSH_DONE_CAP ids that list would cost more memory
             # than the backlog it describes; they are left out, so a crash before
