@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
+from server_util import Conn, running
+from server_util import make_config as server_config
 
 import queued.storage.journal as journal_module
 from queued.broker.broker import Broker
@@ -367,3 +369,29 @@ async def test_a_failed_checkpoint_is_listed_until_one_succeeds(tmp_path: Path) 
     async with open_broker(cfg) as broker:
         assert await get_all(broker, "a") == [b"2"]
         assert await get_all(broker, "b") == [b"1", b"2"]
+
+
+async def test_a_reload_over_the_wire_bounds_the_journal_of_a_queue_made_after_it(
+    tmp_path: Path,
+) -> None:
+    """The same through a real server and memcache connection: `reload` adds a bounded
+    journal for `q`, then the first `set` makes `q`; its journal stays under the bound
+    and the oldest items are dropped (with the start-up settings it grew unbounded)."""
+    data = tmp_path / "data"
+    config = server_config(data, "", fsync="never")
+    assert config.config_file is not None
+    async with running(config) as server:
+        c = await Conn.open(server.ports["memcache"])
+        try:
+            config.config_file.write_text(
+                "[queues.q]\njournal_size = 1000\nmax_journal_size = 3000\n"
+                'journal_full_policy = "drop_oldest"\n')
+            assert await c.cmd(b"reload") == b"Reloaded config."
+            for i in range(60):
+                assert await c.set("q", p100(i)) == b"STORED"
+            s = await c.stats()
+            assert int(s["queue_q_logsize"]) <= 3000, s["queue_q_logsize"]
+            assert int(s["queue_q_discarded"]) == 60 - int(s["queue_q_items"]) > 0
+            assert await c.get("q") == p100(60 - int(s["queue_q_items"]))
+        finally:
+            await c.aclose()
