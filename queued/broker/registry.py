@@ -88,8 +88,12 @@ class Registry:
             log.info("loaded %d queues in %.3f s", len(self.queues), time.monotonic() - started)
 
     def _add(self, name: str) -> QueueState:
-        qs = QueueState(name, self.datadir.queue(name), self.config.queue_config(name),
-                        self.clock, self.background)
+        cfg = self.config.queue_config(name)
+        journal = self.datadir.queue(name)
+        # The data dir makes a new queue's journal with the start-up settings: a reload
+        # since may have changed them (as `reconfigure` does for the queues there then).
+        journal.config = cfg.journal_config()
+        qs = QueueState(name, journal, cfg, self.clock, self.background)
         self.queues[name] = qs
         return qs
 
