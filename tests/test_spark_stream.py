@@ -59,6 +59,13 @@ async def recreate(data: Path, queue: str, n: int) -> None:
 RUN = {"processingTime": "50 milliseconds"}
 
 
+async def write_at_once(data: Path, queue: str, first: int, n: int) -> None:
+    """Items first..first+n-1 in one append (one batch): a running stream sees all or none
+    of them (write_items appends five at a time, each batch visible as it lands)."""
+    async with open_data_dir(data, queue_config=lambda _: SMALL) as dd:
+        await dd.queue(queue).append([item(queue, i) for i in range(first, first + n)], T0)
+
+
 def test_a_queue_deleted_and_created_again_under_a_running_stream(
         spark: Any, tmp_path: Path) -> None:
     data = tmp_path / "data"
@@ -174,7 +181,8 @@ def test_min_and_max_items_per_trigger_and_the_lag_in_progress(
     try:
         q.processAllAvailable()
         assert ids(spark, "min_rows") == []  # 30 < 50: waits (up to an hour)
-        trio.run(write_items, data, "m", 31, 30)
+        # At once: written five at a time, 50 could be seen before the last 10 landed.
+        trio.run(write_at_once, data, "m", 31, 30)
         q.processAllAvailable()
         sizes = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
     finally:
