@@ -390,3 +390,31 @@ async def test_broker_with_packed_backlogs_drops_counts_shows_and_restarts_right
     first_a = int(got_a[0][:6])
     assert got_a == [p64(k) for k in range(first_a, n)] and first_a == int(opened.data[:6])
     assert first_b == first_a + 1
+
+
+async def test_fanout_readers_pack_only_what_saves_memory(tmp_path: Path) -> None:
+    """The readers of a queue share the objects a put hands them; packed, each holds a copy
+    of its own (pack_max_for). With one reader 256 B items are packed; with two, 64 B items
+    are (a copy each is cheaper than a shared object) and 256 B items stay shared objects."""
+    cfg = make_config(tmp_path, BIG_BACKLOG)
+    n = PACK_AT + 2 * 128
+    async with open_broker(cfg) as broker:
+        for q in ("two64", "two256"):
+            assert await broker.get(q, "a") is None
+            assert await broker.get(q, "b") is None
+        for q, size in (("one256", 256), ("two64", 64), ("two256", 256)):
+            await broker.put(q, [b"%06d" % i + b"." * (size - 6) for i in range(n)])
+        packed = {(q, r): h.reader.packed.statistics()
+                  for q in ("one256", "two64", "two256")
+                  for r, h in broker.registry.queues[q].readers.items()}
+        assert all(s.items >= 128 for s in packed.values())  # blocks were made
+        assert {k: s.packed == s.items for k, s in packed.items()} == {
+            ("one256", ""): True, ("two64", "a"): True, ("two64", "b"): True,
+            ("two256", "a"): False, ("two256", "b"): False}
+        assert not any(packed["two256", r].packed for r in "ab")
+        shared = broker.registry.queues["two256"].readers
+        assert shared["a"].reader.packed.unpack_next()[0] is (
+            shared["b"].reader.packed.unpack_next()[0])  # one object for both readers
+        for q in ("one256", "two64"):
+            assert [d[:6] for d in await get_all(broker, q, "a" if q == "two64" else None)
+                    ] == [b"%06d" % i for i in range(n)]

@@ -29,7 +29,7 @@ from queued.core.errors import (
     QueueClosedError,
     QueueFullError,
 )
-from queued.core.queue import NO_ITEMS, Item
+from queued.core.queue import NO_ITEMS, Item, pack_max_for
 from queued.storage.journal import (
     NO_ENTRIES,
     QueueJournal,
@@ -232,7 +232,10 @@ class QueueState:
             if entry.error is not None or self.deleted:
                 continue
             self.delivered = entry.puts[-1].id
-            for h in list(self.readers.values()):
+            readers = list(self.readers.values())
+            most = pack_max_for(len(readers))  # the readers share these objects
+            for h in readers:
+                h.reader.pack_max = most
                 h.reader.add(entry.puts)
                 self.serve(h)
             if entry.due_ms is not None:

@@ -55,7 +55,7 @@ class _Block:
 
     __slots__ = ("data", "ends", "exps", "flgs", "ids", "objs", "times")
 
-    def __init__(self, items: list[Put]) -> None:
+    def __init__(self, items: list[Put], small_max: int = SMALL_MAX) -> None:
         datas = [it.data for it in items]
         times = [it.add_time_ms for it in items]
         sizes = list(map(len, datas))
@@ -66,13 +66,13 @@ class _Block:
                 and set(map(type, datas)) == _BYTES_ONLY
                 and [it.expire_time_ms for it in items].count(None) == len(items)
                 and not any([it.error_count or it.flags for it in items])
-                and max(sizes) <= SMALL_MAX
+                and max(sizes) <= small_max
                 and min(times) >= 0 and max(times) <= _I64_MAX):
             # (the fast test above fails for a block with one item not plain: sort it out)
             for k, it in enumerate(items):
                 d, t, e, f = it.data, it.add_time_ms, it.expire_time_ms, it.flags
                 if (type(it) is not Put or type(d) is not bytes or it.error_count
-                        or len(d) > SMALL_MAX
+                        or len(d) > small_max
                         or not 0 <= t <= _I64_MAX or not 0 <= f <= _U32_MAX
                         or (e is not None and not 0 <= e <= _I64_MAX)):
                     if objs is None:
@@ -134,11 +134,12 @@ class PackedItems:
     def __bool__(self) -> bool:
         return self._len > 0
 
-    def pack(self, items: list[Put]) -> None:
-        """`items`, newer than every item held, join the end as one block."""
+    def pack(self, items: list[Put], small_max: int = SMALL_MAX) -> None:
+        """`items`, newer than every item held, join the end as one block; data longer
+        than `small_max` (at most SMALL_MAX) stays in its Put."""
         if items:
-            small = min([len(it.data) for it in items]) <= SMALL_MAX
-            self._blocks.append(_Block(items) if small else list(items))
+            small = min([len(it.data) for it in items]) <= small_max
+            self._blocks.append(_Block(items, small_max) if small else list(items))
             self._len += len(items)
 
     def unpack_next(self) -> list[Put]:
