@@ -172,12 +172,17 @@ class QueueState:
             cap = now + cfg.max_age
             expire_ms = cap if expire_ms is None else min(expire_ms, cap)
         n, nbytes = len(datas), sum(map(len, datas))
+        # Shielded: a discard, refill, compaction or drop cut short by a cancellation could
+        # leave the readers' counts and the files apart (the session does not shield a put
+        # whose write is done when its begin returns: see Session._puts).
         if cfg.max_items or cfg.max_size or self.limited():
-            await self.make_room(n, nbytes)
+            with trio.CancelScope(shield=True):
+                await self.make_room(n, nbytes)
         if self.journal.config.max_journal_size:
             if self.journal.before_drop is None:  # (set here: a bound method is ~64 B)
                 self.journal.before_drop = self.before_drop
-            await self.journal.make_room(nbytes + put_overhead(flags, delay_ms > 0) * n)
+            with trio.CancelScope(shield=True):
+                await self.journal.make_room(nbytes + put_overhead(flags, delay_ms > 0) * n)
         if self.deleted:
             raise QueueClosedError(f"queue {self.name!r} was deleted")
         due_ms = now + delay_ms if delay_ms > 0 else None

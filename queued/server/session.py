@@ -387,7 +387,8 @@ class Session:
         by one (a joined request as the requests it stands for) so each gets its own
         answer. Every begun put must be ended: shielded, unless the run is one append whose
         write is already done (the common case under fsync never: nothing left to wait for,
-        and a cancelled begin begins nothing), as a cancel scope costs a tenth of a put.
+        and a cancelled begin begins nothing; what a begin may wait for, making room, is
+        shielded where it happens), as a cancel scope costs a tenth of a put.
         """
         n = sum(r.count for r, _ in requests)
         self.broker.counters.cmd_set += n
