@@ -16,7 +16,8 @@ oldest go to `packed` (PackedItems), `pack_block` at a time: ~90 B of RSS a 64 B
 instead of ~237 B. Takes unpack a whole block into `unpacked` (equal copies, newest
 first, so that taking one is a list's `pop()`). Consumers that keep the backlog under
 `pack_at` never meet a packed block. Each reader packs its own copies, where objects
-are shared by a queue's readers.
+are shared by a queue's readers: a fanout queue's readers pack only the sizes that
+saves memory on (`pack_max_for`, set by the queue as it hands them items).
 
 Delays. A delayed item (a `DelayedPut`, or an item an abort gave a delay) waits in
 `delayed`, a heap of int keys (due ms, id, data size) -- about 56 bytes per item --
@@ -90,6 +91,7 @@ def pack_max_for(readers: int) -> int:
     if readers <= 1:
         return SMALL_MAX
     return max(-1, (145 - 22 * readers) // (readers - 1))
+
 
 #: What a reader's front, unpacked, packed, mem and due hold until their first item: an
 #: empty deque costs ~760 B (its first block is made with it), a server may hold 10,000
