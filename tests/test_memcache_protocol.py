@@ -504,7 +504,8 @@ def test_pymemcache_speaks_to_the_parser_and_understands_the_replies() -> None:
     assert client.flush_all() is True
 
 
-# -- the fast path for plain `get <q>` and `set <q> <f> <e> <n>` agrees with the general one ---
+# -- the fast path for `get <q>`, `get <q>/<options>` and `set <q> <f> <e> <n>` agrees with the
+# general one (and so does a line served from the parser's cache the second time) ------------
 
 
 @pytest.mark.parametrize(
@@ -513,11 +514,17 @@ def test_pymemcache_speaks_to_the_parser_and_understands_the_replies() -> None:
         b"set q 0 0 3", b"set q 4294967295 0 3", b"set q 4294967296 0 3", b"set q 0 999999 3",
         b"set q 1 2 3 noreply", b"set q 0 -1 3", b"SET q 0 0 3", b"set  q 0 0 3",
         b"get q", b"get q/open", b"get q+r", b"GET q", b"get a.b", b"set a.b 0 0 3",
+        b"get q/close/open", b"get q+r/t=100/open", b"get q/abort/delay=5", b"get q/peek/open",
+        b"get q/bogus", b"get q/t=x", b"get q/open x", b"get  q/open", b"get q/t=99999999999",
+        b"get ../q/open", b"get q/\xff",
     ],
 )
 def test_fast_path_matches_the_general_path(line: bytes) -> None:
     stream = line + b"\r\nabc\r\nget z\r\n"
     fast = run(make(), [stream])
+    twice = run(make(), [stream + stream])  # the second time from the line cache
+    closed = bool(fast) and isinstance(fast[-1], Err) and fast[-1].close
+    assert twice == (fast if closed else fast + fast)
     parser = make()
     parser._fast = lambda _line: None  # type: ignore[method-assign]
     slow = run(parser, [stream])

@@ -425,6 +425,16 @@ class MemcacheParser(LineParser["Command"]):
         if m is not None:
             queue = m[1].decode("ascii")
             return Get(queue, queue)
+        if line.startswith(b"get ") and b"/" in line:
+            # `get <q>/<options>` (the reliable-read chain repeats `get q/close/open`): the
+            # general parse once, then the cache; an error goes the general way (it closes).
+            args = line.split()
+            if len(args) != 2:
+                return None
+            try:
+                return self._get(args[1:])
+            except (ArgumentError, UnicodeDecodeError):
+                return None
         m = _FAST_SET.fullmatch(line)
         if m is None:
             return None
