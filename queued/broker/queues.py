@@ -29,14 +29,8 @@ from queued.core.errors import (
     QueueClosedError,
     QueueFullError,
 )
-from queued.core.queue import NO_ITEMS, Item, pack_max_for
-from queued.storage.journal import (
-    NO_ENTRIES,
-    QueueJournal,
-    Ticket,
-    put_overhead,
-    wait_durable,
-)
+from queued.core.queue import NO_ENTRIES, NO_ITEMS, Item, pack_max_for
+from queued.storage.journal import QueueJournal, Ticket, put_overhead, wait_durable
 from queued.storage.recovery import SegmentInfo
 
 if TYPE_CHECKING:

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, Final, Protocol
 
 import trio
@@ -32,6 +31,7 @@ from queued.core.errors import (
     JournalFullError,
     JournalWriteError,
 )
+from queued.core.queue import NO_ENTRIES, NO_ITEMS
 from queued.storage import compaction
 from queued.storage.compaction import CompactionResult, SegmentStore
 from queued.storage.files import (
@@ -55,11 +55,10 @@ log = logging.getLogger("queued.journal")
 #: One check record covers at most this much: its length field is 32 bits.
 MAX_BATCH_BYTES = 64 * MiB
 
-#: What a journal's planned chunks, reader ops and reader files hold until the first
-#: (a server may hold 10,000 idle queues: an empty list or dict each is ~60 B). Both
-#: are immutable, so a write that forgot to make its own container first fails at once.
-NO_CHUNKS: Final[Any] = ()
-NO_ENTRIES: Final[Any] = MappingProxyType({})
+#: What a journal's planned chunks hold until the first (its reader ops and reader files
+#: hold NO_ENTRIES): a server may hold 10,000 idle queues, an empty list or dict each is
+#: ~60 B; shared and immutable, as a reader's empty containers are (queued.core.queue).
+NO_CHUNKS: Final[Any] = NO_ITEMS
 
 
 @dataclass(frozen=True, slots=True)
