@@ -463,6 +463,9 @@ class DataDir:
                     j.finish_round(chunks, result)
                 for j, ops in readers:
                     j.finish_reader_ops(ops)
+                # Not kept until the next round: a parked queue's journal must go now.
+                work.clear()
+                readers.clear()
         finally:
             self._writer_done.set()
 
