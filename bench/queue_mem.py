@@ -150,7 +150,8 @@ def main() -> None:
                                  check=True, capture_output=True, text=True).stdout
             runs[child] = json.loads(out.strip().splitlines()[-1])
         t = runs["trace"]
-        print(f"\n{how}: {t['queues']} queues ({t['parked']} parked); per queue: heap {t['heap_per_queue']:.0f} B in "
+        print(f"\n{how}: {t['queues']} queues ({t['parked']} parked); per queue: "
+              f"heap {t['heap_per_queue']:.0f} B in "
               f"{t['blocks_per_queue']:.1f} blocks, RSS {runs['rss']['rss_per_queue']:.0f} B")
         print(f"{'B/queue':>8} {'blocks':>6}  site (innermost)")
         for size, count, site, inner in t["rows"]:
