@@ -219,6 +219,43 @@ async def test_what_keeps_a_queue_loaded(tmp_path: Path) -> None:
         await conn.aclose()
 
 
+async def test_parked_items_expire_lazily_and_old_empty_queues_go(tmp_path: Path) -> None:
+    toml = '[queues.e]\nmax_age = "50ms"\n[queues.old]\nmax_queue_age = "150ms"\n'
+    async with running(cfg(tmp_path, toml)) as server:
+        conn = await Conn.open(server.ports["memcache"])
+        for q in ("e", "e", "old"):
+            assert await conn.set(q, b"x") == b"STORED"
+        assert await conn.get("old") == b"x"
+        await parked(server, "e", "old")
+        assert stats_of(server)["e"]["items"] == 2  # expired, but nobody looked yet
+        assert await conn.get("e") is None  # loads it: they expire now
+        assert stats_of(server)["e"]["expired_items"] == 2
+        assert "old" in server.broker.registry.parked
+        with trio.fail_after(WAIT):  # (the sweep runs every hour here: rounds by hand)
+            while "old" in server.broker.registry.parked:
+                assert "old" not in server.broker.queues  # deleted without loading
+                await server.broker.sweep()
+                await trio.sleep(0.02)
+        assert "old" not in stats_of(server)
+        assert server.broker.counters.queue_expires == 1
+        assert not [f for f in data_files(tmp_path / "data") if f.startswith("old.")]
+        await conn.aclose()
+
+
+async def test_delete_a_reader_of_a_parked_queue(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        conn = await Conn.open(server.ports["memcache"])
+        assert await conn.get("fan+a") is None
+        assert await conn.get("fan+b") is None
+        assert await conn.set("fan", b"x") == b"STORED"
+        await parked(server, "fan")
+        assert set(stats_of(server)) == {"fan+a", "fan+b"}
+        assert await conn.cmd(b"delete fan+a") == b"DELETED"
+        assert set(stats_of(server)) == {"fan+b"}
+        assert await conn.get("fan+b") == b"x"
+        await conn.aclose()
+
+
 async def test_reload_while_parked_applies_on_load(tmp_path: Path) -> None:
     toml = tmp_path / "data.toml"
     async with running(cfg(tmp_path, "[queues.r]\nmax_items = 10\n")) as server:
@@ -269,6 +306,32 @@ async def test_park_racing_puts_and_gets(tmp_path: Path) -> None:
         assert got == put
         assert ids == sorted(set(ids))  # ids rose across every park and load
         assert True in parks and False in parks  # both orders happened
+
+
+async def test_a_use_during_the_checkpoint_write_keeps_it_loaded(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path, park_after="1h")) as server:
+        b = server.broker
+        await b.put("w", [b"1", b"2", b"3"])
+        assert (await b.get("w")).data == b"1"  # type: ignore[union-attr]
+        qs = b.queues["w"]
+        assert any(h.reader.dirty for h in qs.readers.values())  # parking writes first
+        qs.used = False
+        result: list[bool] = []
+        async with trio.open_nursery() as nursery:
+            async def park() -> None:
+                result.append(await b.registry.park(qs))
+            nursery.start_soon(park)
+            for _ in range(100):  # (a few scheduling rounds: it starts its write at once)
+                if qs.reader_busy:
+                    break
+                await trio.lowlevel.checkpoint()
+            assert qs.reader_busy  # in its checkpoint write
+            got = await b.get("w")  # a use meanwhile
+        assert result == [False] and b.queues.get("w") is qs
+        assert got is not None and got.data == b"2"
+        qs.used = False
+        assert await b.registry.park(qs)  # untouched since: it parks
+        assert [it.data for it in await b.get_many("w", max_items=5)] == [b"3"]
 
 
 def test_sigkill_after_parking_recovers_everything(tmp_path: Path) -> None:
