@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -730,6 +730,33 @@ class ReaderMachine(RuleBasedStateMachine):
         it = self._take()
         if it is not None:
             self.r.open_read(it)
+
+    @rule(limit=st.integers(0, 6), max_bytes=st.sampled_from([0, 1, 50, 200]))
+    def take_batch(self, limit: int, max_bytes: int) -> None:
+        """A batch get's fast path: the next items at once, held, or nothing at all."""
+        before = (self.r.items, self.r.bytes, self.r.mem_bytes, dict(self.r.open))
+        want = self.expected_next()
+        got = self.r.take_held(self.now, limit, max_bytes)
+        event(f"take_held: {'some' if got else 'none'}")
+        if not got:
+            assert (self.r.items, self.r.bytes, self.r.mem_bytes, dict(self.r.open)) == before
+            return
+        assert not self.front and len(got) <= limit
+        assert [it.id for it in got] == want[: len(got)]
+        assert all(not self.r._expired(it, self.now) for it in got)
+        if max_bytes:
+            sizes = [len(it.data) for it in got]
+            assert sum(sizes[:-1]) < max_bytes
+        assert all(it.id in self.r.open for it in got)
+
+    @precondition(lambda self: self.r.open)
+    @rule(data=st.data())
+    def confirm_batch(self, data: st.DataObject) -> None:
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.r.open)), min_size=1,
+                                 unique=True))
+        stranger = max(self.journal, default=0) + 1  # never open: not confirmed
+        assert self.r.confirm_many([*ids, stranger]) == ids
+        self.consumed.update(ids)
 
     @rule()
     def take_and_move(self) -> None:

@@ -75,11 +75,9 @@ class ReliableReads:
         timeout = (h.config.open_transaction_timeout if open_timeout_ms is None
                    else open_timeout_ms)
         deadline = trio.current_time() + timeout / 1000 if timeout else None
-        for it in items:
-            client.add(qs.name, rname, it.id, deadline)  # the held item stays open
-        if deadline is not None and self.timeouts.push(
-            deadline, client, qs.name, rname, [it.id for it in items]
-        ):
+        ids = [it.id for it in items]
+        client.add_many(qs.name, rname, ids, deadline)  # the held items stay open
+        if deadline is not None and self.timeouts.push(deadline, client, qs.name, rname, ids):
             self.background.timeouts_changed()
         return items
 
@@ -90,21 +88,29 @@ class ReliableReads:
         """Confirm open reads; with `journal` (not for a read that stands for a plain
         get) the confirms are appended to the reader's file and `owe` gets the ticket."""
         chosen = client.choose(queue, rname, count, ids)
+        if not chosen:
+            return 0
+        client.remove_many(queue, rname, chosen)
         qs = self.queues.get(queue)
+        if qs is None:
+            return len(chosen)
         confirmed: dict[int, tuple[Handle, list[int]]] = {}
-        for i in chosen:
-            client.remove(queue, rname, i)
-            h = qs.owner(rname, i) if qs is not None else None
-            if h is not None and h.reader.confirm(i) and journal:
-                if id(h) in confirmed:
-                    confirmed[id(h)][1].append(i)
-                else:
-                    confirmed[id(h)] = (h, [i])
-        if qs is not None:
-            for h, done in confirmed.values():
-                ticket = qs.note_read(h, done=done)
-                if ticket is not None and owe is not None:
-                    owe(ticket)
+        h = qs.readers.get(rname)
+        others = chosen
+        if h is not None:  # (the usual case: every read is the named reader's)
+            others = [i for i in chosen if i not in h.reader.open]
+            done = h.reader.confirm_many([i for i in chosen if i in h.reader.open]
+                                         if others else chosen)
+            if done and journal:
+                confirmed[id(h)] = (h, done)
+        for i in others:  # taken under a name another reader took over since
+            o = qs.owner(rname, i)
+            if o is not None and o.reader.confirm(i) and journal:
+                confirmed.setdefault(id(o), (o, []))[1].append(i)
+        for o, done in confirmed.values():
+            ticket = qs.note_read(o, done=done)
+            if ticket is not None and owe is not None:
+                owe(ticket)
         return len(chosen)
 
     def abort(

@@ -14,9 +14,10 @@ import heapq
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
-#: The timeout heap is compacted when it outgrows twice its live entries, and never
-#: below this many entries (a fast get/confirm loop would grow it without bound).
+#: The timeout heap is compacted when it holds twice as many reads as are still open,
+#: and never below this many (a fast get/confirm loop would grow it without bound).
 TIMEOUT_HEAP_MIN = 4096
 
 #: (queue, reader name the read was taken under)
@@ -74,6 +75,25 @@ class OpenReads:
             self.open_total += 1
         ids[item_id] = deadline
 
+    def add_many(self, queue: str, reader: str, ids: Iterable[int],
+                 deadline: float | None) -> None:
+        """`add` for each of `ids` (one get's batch) with one deadline."""
+        mine = self.open.get((queue, reader))
+        if mine is None:
+            mine = self.open[(queue, reader)] = {}
+        before = len(mine)
+        mine.update(zip(ids, repeat(deadline)))
+        self.open_total += len(mine) - before
+
+    def held_with(self, queue: str, reader: str, ids: Iterable[int],
+                  deadline: float) -> list[int]:
+        """Those of `ids` open on queue/reader with exactly this deadline."""
+        mine = self.open.get((queue, reader))
+        if mine is None:
+            return []
+        get = mine.get
+        return [i for i in ids if get(i) == deadline]
+
     def remove(self, queue: str, reader: str, item_id: int) -> bool:
         """Close one read; False if it was not open."""
         ids = self.open.get((queue, reader))
@@ -84,6 +104,16 @@ class OpenReads:
             del self.open[(queue, reader)]
         self.open_total -= 1
         return True
+
+    def remove_many(self, queue: str, reader: str, ids: Iterable[int]) -> None:
+        """Close these reads (each open: as `choose` returned them)."""
+        mine = self.open[(queue, reader)]
+        before = len(mine)
+        for i in ids:
+            del mine[i]
+        if not mine:
+            del self.open[(queue, reader)]
+        self.open_total -= before - len(mine)
 
     def forget(self, queue: str, reader: str | None = None) -> int:
         """Drop every read on `queue` (reader None) or on queue/reader: they were deleted.
@@ -111,26 +141,31 @@ class TimedOut:
 
 @dataclass(frozen=True, slots=True)
 class TimeoutHeapStatistics:
-    entries: int  # live or not: stale ones go at their deadline or at a compaction
+    entries: int  # reads, open or not: closed ones go at their deadline or a compaction
     limit: int  # the size that triggers the next compaction
     compactions: int
 
 
-_Entry = tuple[float, int, OpenReads, str, str, int]  # deadline, push order, read
+#: deadline, push order, then the reads pushed together (one get's batch)
+_Entry = tuple[float, int, OpenReads, str, str, list[int]]
 
 
 class TimeoutHeap:
-    """The deadlines of open reads, earliest first (in push order among equals)."""
+    """The deadlines of open reads, earliest first (in push order among equals).
+
+    One entry per push (a get's batch shares one deadline); sizes count reads, not
+    entries, so the bound on what closed reads may leave behind is in reads."""
 
     def __init__(self, min_size: int = TIMEOUT_HEAP_MIN) -> None:
         self._heap: list[_Entry] = []
         self._seq = itertools.count()
         self._min = min_size
         self._limit = min_size
+        self._size = 0  # reads in the entries, open or closed since
         self._compactions = 0
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return self._size
 
     def push(
         self, deadline: float, reads: OpenReads, queue: str, reader: str, ids: Iterable[int]
@@ -142,11 +177,11 @@ class TimeoutHeap:
         ids = list(ids)
         if not ids:
             return False
-        if len(self._heap) + len(ids) > self._limit:
+        if self._size + len(ids) > self._limit:
             self.compact()
         wake = not self._heap or deadline < self._heap[0][0]
-        for item_id in ids:
-            heapq.heappush(self._heap, (deadline, next(self._seq), reads, queue, reader, item_id))
+        heapq.heappush(self._heap, (deadline, next(self._seq), reads, queue, reader, ids))
+        self._size += len(ids)
         return wake
 
     def next_deadline(self) -> float | None:
@@ -158,20 +193,27 @@ class TimeoutHeap:
         from its ledger; entries of reads closed meanwhile are dropped."""
         due: list[TimedOut] = []
         while self._heap and self._heap[0][0] <= now:
-            deadline, _, reads, queue, reader, item_id = heapq.heappop(self._heap)
-            if reads.holds(queue, reader, item_id, deadline):
+            deadline, _, reads, queue, reader, ids = heapq.heappop(self._heap)
+            self._size -= len(ids)
+            for item_id in reads.held_with(queue, reader, ids, deadline):
                 reads.remove(queue, reader, item_id)
                 due.append(TimedOut(reads, queue, reader, item_id, deadline))
         return due
 
     def compact(self) -> int:
         """Drop the entries of reads already closed; returns how many went."""
-        before = len(self._heap)
-        self._heap = [e for e in self._heap if e[2].holds(e[3], e[4], e[5], e[0])]
-        heapq.heapify(self._heap)
-        self._limit = max(self._min, 2 * len(self._heap))
+        before = self._size
+        kept: list[_Entry] = []
+        for deadline, seq, reads, queue, reader, ids in self._heap:
+            live = reads.held_with(queue, reader, ids, deadline)
+            if live:
+                kept.append((deadline, seq, reads, queue, reader, live))
+        heapq.heapify(kept)
+        self._heap = kept
+        self._size = sum(len(e[5]) for e in kept)
+        self._limit = max(self._min, 2 * self._size)
         self._compactions += 1
-        return before - len(self._heap)
+        return before - self._size
 
     def statistics(self) -> TimeoutHeapStatistics:
-        return TimeoutHeapStatistics(len(self._heap), self._limit, self._compactions)
+        return TimeoutHeapStatistics(self._size, self._limit, self._compactions)

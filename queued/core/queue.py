@@ -42,6 +42,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Final, Protocol
 
 from queued.core.journal_format import DelayedPut, Put
@@ -118,6 +119,20 @@ class _NoEntries(dict[Any, Any]):
 NO_ENTRIES: Final[Any] = _NoEntries()
 NO_IDS: Final[Any] = frozenset()
 
+
+
+def _count_within(items: Iterator[Item], limit: int, max_bytes: int) -> int:
+    """How many of `items` (at most `limit`) a get takes: with `max_bytes`, it stops
+    once that much data is reached (one item at least)."""
+    if not max_bytes:
+        return limit
+    total = k = 0
+    for it in items:
+        if k == limit or total >= max_bytes:
+            break
+        total += len(it.data)
+        k += 1
+    return k
 
 class ReaderLimits(Protocol):
     """The part of QueueConfig a reader needs."""
@@ -543,6 +558,44 @@ class Reader:
             self.counters.taken += 1
             return it
 
+    def take_held(self, now_ms: int, limit: int, max_bytes: int = 0) -> list[Item]:
+        """`take` then `hold`, up to `limit` items (stopping once `max_bytes` of data is
+        reached, 0: no cap), in one go: the plain case of a batch get, where the next
+        items are held ones without an expiry and nothing returned, delayed or due comes
+        first. [] when that is not the case: `take` them one at a time then."""
+        if (self.front or self.due or limit <= 0
+                or (self.delayed and self.delayed[0] >> DUE_SHIFT <= now_ms)):
+            return []
+        run = self.unpacked  # newest first
+        if run:
+            k = _count_within(reversed(run), min(limit, len(run)), max_bytes)
+            items = run[-k:]
+            items.reverse()
+        elif self.mem and not self.packed:
+            k = _count_within(iter(self.mem), min(limit, len(self.mem)), max_bytes)
+            items = list(islice(self.mem, k))
+        else:
+            return []
+        if any([it.expire_time_ms is not None for it in items]):
+            return []
+        if run:
+            del run[-k:]
+        else:
+            take = self.mem.popleft
+            for _ in range(k):
+                take()
+        n = sum([len(it.data) for it in items])
+        self.mem_bytes -= n
+        self.items -= k
+        self.bytes -= n
+        counters = self.counters
+        counters.age_ms = max(0, now_ms - items[-1].add_time_ms)
+        counters.taken += k
+        if self.open is NO_ENTRIES:
+            self.open = {}
+        self.open.update([(it.id, it) for it in items])
+        return items
+
     def oldest_add_time_ms(self) -> int | None:
         """When the oldest item waiting in memory was put (None if memory holds none).
 
@@ -635,6 +688,27 @@ class Reader:
             self.open = NO_ENTRIES  # (a dict that held entries keeps its table)
         self.consume(item_id)
         return True
+
+    def confirm_many(self, ids: Iterable[int]) -> list[int]:
+        """`confirm` each of `ids` (distinct); those that were open, in order."""
+        pop = self.open.pop
+        done = [i for i in ids if pop(i, None) is not None]
+        if not done:
+            return done
+        if not self.open:
+            self.open = NO_ENTRIES
+        self.dirty = True
+        if self.errors:
+            for i in done:
+                self.errors.pop(i, None)
+        if self.open or self.front or self.moving or self.delay_low is not None:
+            if self.done is NO_IDS:
+                self.done = set()
+            self.done.update(done)
+        else:
+            # As `consume` does for the last of them: nothing lower is outstanding.
+            self.head = max(self.head, max(done))
+        return done
 
     def abort(self, item_id: int, *, count_error: bool) -> Item | None:
         """Return an open read to the head of the queue; None if it is not open.

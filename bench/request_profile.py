@@ -1,0 +1,286 @@
+"""Where a request's server time goes: py-spy samples of a server under one workload,
+grouped by layer, with the server's CPU per request.
+
+Starts `queued serve` (a temp data dir, 127.0.0.1, free ports), runs one workload from
+this process over plain sockets (no client library in the way), records the server with
+py-spy (`--gil`: only the samples in which a thread of the server holds the GIL, i.e.
+its Python work, not the time it spends in syscalls with the GIL released) and prints
+the share of each layer (by the innermost Python frame of each sample) and the
+server's user and system CPU per request (from /proc, without py-spy attached: the
+workload runs twice, once measured, once profiled).
+
+    python bench/request_profile.py [--workload set] [--conns 32] [--requests N]
+        [--fsync never] [--top 25] [--raw FILE]
+
+Workloads (64 B items, queue `q`; every connection has one request in flight):
+
+  set             memcache `set`, one item per request
+  get             memcache `get` (the queue is filled first)
+  rpc-put         MessagePack-RPC `put` of 100 items per request
+  rpc-getconfirm  RPC `get` of 100 items (auto_abort 30 s) then `confirm` of them
+
+py-spy (https://github.com/benfred/py-spy) must be on PATH or beside this Python:
+`pip install py-spy`. It reads the server's memory through ptrace: run as root or with
+ptrace allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import msgpack
+from benchlib import CLK_TCK
+
+HOST = "127.0.0.1"
+QUEUED = Path(sys.executable).with_name("queued")
+ITEM = b"x" * 64
+RPC_BATCH = 100
+
+#: (layer, path fragments of the innermost frame's file); the first match wins
+LAYERS = [
+    ("socket I/O: transport, trio's epoll and sockets",
+     ["queued/server/transport.py", "trio/_core/_io_epoll.py", "trio/_socket.py",
+      "trio/_highlevel_socket.py", "socket.py"]),
+    ("trio: scheduler, cancel scopes, events", ["trio/", "outcome/", "contextlib.py"]),
+    ("protocol: parse requests, encode replies",
+     ["queued/core/wire.py", "queued/core/memcache_", "queued/core/rpc_",
+      "queued/core/commands.py", "queued/core/text_protocol.py", "msgpack/"]),
+    ("session: batches, replies, auth", ["queued/server/"]),
+    ("broker: queues, reliable reads, limits", ["queued/broker/"]),
+    ("queue: readers, held items, open reads",
+     ["queued/core/queue.py", "queued/core/packed_items.py", "queued/core/open_reads.py"]),
+    ("journal and writer: records, writes, fsync rounds",
+     ["queued/storage/", "queued/core/journal_"]),
+]
+
+
+def layer_of(frame: str) -> str:
+    for name, parts in LAYERS:
+        if any(p in frame for p in parts):
+            return name
+    return "other: stats, dataclass inits, builtins' callers"
+
+
+# -- the workloads ---------------------------------------------------------------------------
+
+
+class Conn:
+    """One connection with one request in flight at a time."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection((HOST, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+        self.unpacker = msgpack.Unpacker(raw=False)
+        self.msgid = 0
+
+    def until(self, end: bytes) -> bytes:
+        while not self.buf.endswith(end):
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the server closed the connection")
+            self.buf += chunk
+        out, self.buf = self.buf, b""
+        return out
+
+    def call(self, method: str, params: list[object]) -> None:
+        self.msgid += 1
+        self.sock.sendall(msgpack.packb([0, self.msgid, method, params]))
+
+    def reply(self) -> object:
+        while True:
+            for msg in self.unpacker:
+                if msg[2] is not None:
+                    raise RuntimeError(f"server error: {msg[2]}")
+                return msg[3]
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise ConnectionError("the server closed the connection")
+            self.unpacker.feed(chunk)
+
+
+def run_rounds(conns: list[Conn], workload: str, requests: int) -> int:
+    """Each round sends one request on every connection, then reads every reply;
+    returns the items moved."""
+    items = 0
+    rounds = max(1, requests // len(conns))
+    set_req = b"set q 0 0 %d\r\n%s\r\n" % (len(ITEM), ITEM)
+    for _ in range(rounds):
+        if workload == "set":
+            for c in conns:
+                c.sock.sendall(set_req)
+            for c in conns:
+                c.until(b"STORED\r\n")
+            items += len(conns)
+        elif workload == "get":
+            for c in conns:
+                c.sock.sendall(b"get q\r\n")
+            for c in conns:
+                items += c.until(b"END\r\n").startswith(b"VALUE")
+        elif workload == "rpc-put":
+            for c in conns:
+                c.call("put", ["q", [ITEM] * RPC_BATCH])
+            for c in conns:
+                items += int(c.reply())  # type: ignore[call-overload]
+        else:
+            for c in conns:
+                c.call("get", ["q", RPC_BATCH, 0, 30000])
+            got = []
+            for c in conns:
+                got.append(c.reply())
+            for c, batch in zip(conns, got, strict=True):
+                c.call("confirm", ["q", [i for i, _ in batch]])  # type: ignore[attr-defined]
+                items += len(batch)  # type: ignore[arg-type]
+            for c in conns:
+                c.reply()
+    return items
+
+
+def fill(port: int, n: int) -> None:
+    c = Conn(port)
+    for _ in range(0, n, 1000):
+        c.call("put", ["q", [ITEM] * 1000])
+        c.reply()
+    c.sock.close()
+
+
+# -- the server ------------------------------------------------------------------------------
+
+
+def start_server(data_dir: str, fsync: str, log_path: Path) -> tuple[subprocess.Popen[bytes], int,
+                                                                       int]:
+    cmd = [str(QUEUED), "serve", "--data-dir", data_dir, "--host", HOST, "--memcache-port", "0",
+           "--text-port", "0", "--rpc-port", "0", "--http-port", "0", "--fsync", fsync]
+    with log_path.open("wb") as logf:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf,
+                                stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace")
+        if "ready:" in text:
+            ports = {}
+            for proto in ("memcache", "rpc"):
+                tail = text.split(f"listening for {proto} on {HOST}:", 1)[1]
+                ports[proto] = int(tail.split()[0])
+            return proc, ports["memcache"], ports["rpc"]
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"the server did not start:\n{log_path.read_text(errors='replace')[-2000:]}")
+
+
+def cpu_ticks(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return int(fields[11]), int(fields[12])
+
+
+def py_spy() -> str:
+    found = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(found).exists():
+        sys.exit("py-spy not found: pip install py-spy")
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="set",
+                    choices=["set", "get", "rpc-put", "rpc-getconfirm"])
+    ap.add_argument("--conns", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per phase (default 64,000; RPC 4,000, of 100 items each: "
+                         "what a get+confirm phase reads stays within max_memory_size)")
+    ap.add_argument("--fsync", default="never")
+    ap.add_argument("--top", type=int, default=25, help="functions to list by self time")
+    ap.add_argument("--raw", default=None, help="keep py-spy's raw output in this file")
+    a = ap.parse_args()
+    spy = py_spy()
+    rpc = a.workload.startswith("rpc")
+    if a.requests is None:
+        a.requests = 4000 if rpc else 64000
+    with tempfile.TemporaryDirectory(prefix="request-profile-") as tmp:
+        proc, mc_port, rpc_port = start_server(str(Path(tmp) / "data"), a.fsync,
+                                               Path(tmp) / "server.log")
+        try:
+            port = rpc_port if rpc else mc_port
+            items_per_request = RPC_BATCH if rpc else 1
+            if a.workload in ("get", "rpc-getconfirm"):  # both phases need items
+                fill(rpc_port, 2 * a.requests * items_per_request + 1000)
+            conns = [Conn(port) for _ in range(a.conns)]
+            run_rounds(conns, a.workload, min(a.requests, 2000))  # warm up
+            u0, s0 = cpu_ticks(proc.pid)
+            t0 = time.monotonic()
+            items = run_rounds(conns, a.workload, a.requests)
+            wall = time.monotonic() - t0
+            u1, s1 = cpu_ticks(proc.pid)
+            raw = a.raw or str(Path(tmp) / "profile.txt")
+            recorder = subprocess.Popen([spy, "record", "--pid", str(proc.pid), "--gil",
+                                         "--rate", "1000", "--format", "raw", "--output", raw],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)  # py-spy attaches
+            run_rounds(conns, a.workload, a.requests)
+            recorder.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+            recorder.wait(timeout=60)
+            requests = a.requests // a.conns * a.conns
+            per = 1e6 / CLK_TCK / requests
+            print(f"# request_profile: {a.workload}, {a.conns} connections x 1 request in flight, "
+                  f"fsync {a.fsync}, {requests:,} requests ({items:,} items) in {wall:.2f} s: "
+                  f"{requests / wall:,.0f} requests/s")
+            print(f"server CPU per request: user {(u1 - u0) * per:.1f} us, system "
+                  f"{(s1 - s0) * per:.1f} us"
+                  + (f" (per item: {((u1 - u0) + (s1 - s0)) * per / RPC_BATCH:.2f} us)"
+                     if rpc else ""))
+            report(Path(raw), a.top)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def report(raw: Path, top: int) -> None:
+    """Shares by layer and the top functions by self time, from py-spy's raw format
+    (one line per distinct stack: frames joined by ';', then the sample count)."""
+    layers: Counter[str] = Counter()
+    funcs: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        inner = stack.split(";")[-1]
+        total += int(count)
+        layers[layer_of(inner)] += int(count)
+        func, _, where = inner.partition(" (")
+        path = where.rsplit(":", 1)[0]
+        if "site-packages/" in path:
+            path = path.split("site-packages/", 1)[1]
+        elif "/queued/" in path:
+            path = "queued/" + path.split("/queued/", 1)[1]
+        funcs[f"{func} ({path})"] += int(count)
+    if not total:
+        print("py-spy recorded no samples")
+        return
+    print(f"\n{total:,} samples with the GIL held; share by the layer of the innermost frame:\n")
+    print("| layer | share |\n|---|---:|")
+    for layer, n in layers.most_common():
+        print(f"| {layer} | {100 * n / total:.1f} % |")
+    print(f"\ntop {top} functions by self time:\n")
+    for func, n in funcs.most_common(top):
+        print(f"{100 * n / total:5.1f} %  {func}")
+
+
+if __name__ == "__main__":
+    main()
