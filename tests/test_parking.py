@@ -256,6 +256,26 @@ async def test_delete_a_reader_of_a_parked_queue(tmp_path: Path) -> None:
         await conn.aclose()
 
 
+async def test_a_parked_queue_that_cannot_load_stays_parked(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    async with running(cfg(tmp_path)) as server:
+        conn = await Conn.open(server.ports["memcache"])
+        for q in ("lost", "fine"):
+            assert await conn.set(q, b"x") == b"STORED"
+        await parked(server, "lost", "fine")
+        for name in data_files(data):
+            if name.startswith("lost.") and ".read." not in name:
+                (data / name).unlink()  # its segment, gone behind the server's back
+        reply = await conn.cmd(b"get lost")
+        assert reply.startswith(b"SERVER_ERROR") and b"loading it from disk failed" in reply
+        assert "lost" in server.broker.registry.parked  # still there, as it was
+        conn2 = await Conn.open(server.ports["memcache"])
+        assert await conn2.cmd(b"flush_all") == b"Flushed all queues."  # the rest flushed
+        assert stats_of(server)["fine"]["items"] == 0
+        await conn2.aclose()
+        await conn.aclose()
+
+
 async def test_reload_while_parked_applies_on_load(tmp_path: Path) -> None:
     toml = tmp_path / "data.toml"
     async with running(cfg(tmp_path, "[queues.r]\nmax_items = 10\n")) as server:

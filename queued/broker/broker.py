@@ -33,6 +33,7 @@ from queued.broker.handles import Handle
 from queued.broker.queues import Background, PendingPut, QueueState
 from queued.broker.registry import BrokerCounters, Registry
 from queued.broker.reliable import Owe, ReliableReads
+from queued.core.errors import JournalError
 from queued.core.open_reads import OpenReads, TimeoutHeapStatistics
 from queued.core.queue import Item
 from queued.core.stats import LATENCY_BUCKETS, Histogram
@@ -399,7 +400,10 @@ class Broker:
                     r.counters.flushes += 1
                 self.registry.parked[name] = parking.pack(p)
             else:
-                qs = self.registry.unpark(name)
+                try:
+                    qs = self.registry.unpark(name)
+                except JournalError:
+                    continue  # (logged) the others are flushed all the same
                 n += sum(h.flush() for h in qs.readers.values())
         return n
 
