@@ -411,7 +411,7 @@ def test_a_parked_summary_is_small() -> None:
                              ReaderCounters(2, 1, 0, 0, 0, 0, 0, 5)),))
     data = parking.pack(p)
     assert parking.unpack(data) == p
-    assert len(data) < 80
+    assert len(data) < 50
 
 
 @pytest.mark.parametrize("ms, tick", [(0, 1.0), (100, 0.01), (30_000, 1.0), (5000, 0.5)])

@@ -70,21 +70,26 @@ class ParkedQueue:
 
 
 def pack(p: ParkedQueue) -> bytes:
-    """`p` as a few dozen bytes (a tuple of these fields is ~4x that)."""
+    """`p` as a few dozen bytes (a tuple of these fields is ~4x that). Times are kept
+    as offsets from the queue's create time: small numbers take one to five bytes where
+    a unix time in ms takes nine."""
+    t = p.create_time_ms
     data: bytes = msgpack.packb([
-        p.create_time_ms, p.last_id, p.logsize, p.segments, p.fsyncs, p.write_errors,
-        [[r.name, r.create_time_ms, r.items, r.bytes, r.oldest_add_ms,
+        t, p.last_id, p.logsize, [n - t for n in p.segments], p.fsyncs, p.write_errors,
+        [[r.name, r.create_time_ms - t, r.items, r.bytes,
+          r.oldest_add_ms - t if r.oldest_add_ms else None,
           *dataclasses.astuple(r.counters)] for r in p.readers],
     ])
     return data
 
 
 def unpack(data: bytes) -> ParkedQueue:
-    create, last_id, logsize, segments, fsyncs, write_errors, readers = msgpack.unpackb(data)
+    t, last_id, logsize, segments, fsyncs, write_errors, readers = msgpack.unpackb(data)
     n = len(_COUNTERS)
-    return ParkedQueue(create, last_id, logsize, tuple(segments), fsyncs, write_errors, tuple(
-        ParkedReader(r[0], r[1], r[2], r[3], r[4], ReaderCounters(*r[5:5 + n]))
-        for r in readers))
+    parked = tuple(ParkedReader(r[0], t + r[1], r[2], r[3], 0 if r[4] is None else t + r[4],
+                                ReaderCounters(*r[5:5 + n])) for r in readers)
+    return ParkedQueue(t, last_id, logsize, tuple(t + s for s in segments), fsyncs,
+                       write_errors, parked)
 
 
 def summarize(qs: QueueState) -> ParkedQueue:
