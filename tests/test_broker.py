@@ -1072,6 +1072,35 @@ async def test_drop_oldest_after_out_of_order_confirms_keeps_items_right(tmp_pat
         assert (s["items"], s["bytes"]) == (0, 0)
 
 
+
+@pytest.mark.parametrize(("cap", "discard"), [(1 << 20, False), (150, False), (150, True)])
+async def test_puts_cancelled_while_making_room_leave_memory_and_files_agreeing(
+    tmp_path: Path, cap: int, discard: bool,
+) -> None:
+    """Each put is cancelled once it blocks (making room: a drop of the oldest segment,
+    or a discard that reads items back from disk first): what a put does there is
+    shielded, so the readers and the files still agree, and a restart brings back
+    exactly the items the queue held, in order."""
+    toml = DROP_OLDEST.format(cap=cap)
+    if discard:
+        toml += "max_items = 12\ndiscard_old_when_full = true\n"
+    cfg = make_config(tmp_path, toml)
+    blocked = 0
+    async with open_broker(cfg) as broker:
+        for i in range(100):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(broker.put, "q", [p100(i)])
+                await trio.testing.wait_all_tasks_blocked()
+                blocked += bool(nursery.child_tasks)
+                nursery.cancel_scope.cancel()
+        held = stats(broker)
+        assert held["bytes"] == 100 * held["items"] > 0
+    assert blocked > 0  # (else nothing was cancelled mid-put)
+    async with open_broker(cfg) as broker:
+        got = await get_all(broker)
+    assert len(got) == held["items"]
+    assert got == [p100(i) for i in range(100 - len(got), 100)]
+
 # -- background loops and restarts --------------------------------------------------------------
 
 
