@@ -9,6 +9,12 @@ every 10% and the figure issue 16 asks for: RSS after all N against RSS after N/
 (target: within 10%), with the queue count and data dir size.
 
     python bench/fuzz_rss.py [--inputs 1000000] [--per-conn 200] [--seed 1] [--users]
+                             [--park-after MS] [--idle S]
+
+Each RSS figure that counts is read after --idle seconds without input; by default that
+is the server's park_after (30 s unless --park-after) plus 20 s, so every queue the fuzz
+left idle has been parked by then (the parker looks at each queue every few seconds)
+and the heap trim has run.
 
 With --users the server has a users file and the fuzzer never logs in: the exposed
 server's case (a hostile network that holds no password). Refused logins are answered
@@ -146,6 +152,7 @@ def queue_count(http_port: int, login: str | None) -> int:
 
 def start_server(data_dir: Path, log: Path, max_queues: int | None = None,
                  extra_args: tuple[str, ...] = (), users_file: Path | None = None,
+                 park_after: int | None = None,
                  ) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
     queued = Path(sys.executable).with_name("queued")
     cmd = [str(queued), "serve", "--data-dir", str(data_dir), "--host", HOST, "--fsync",
@@ -156,6 +163,8 @@ def start_server(data_dir: Path, log: Path, max_queues: int | None = None,
         env["QUEUED_MAX_QUEUES"] = str(max_queues)
     if users_file is not None:
         env["QUEUED_USERS_FILE"] = str(users_file)
+    if park_after is not None:
+        env["QUEUED_PARK_AFTER"] = str(park_after)
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=log.open("wb"), env=env)
     deadline = time.monotonic() + 30
@@ -178,13 +187,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--baseline", type=int, default=None,
                     help="inputs after which the first idle reading is taken (default a tenth)")
-    ap.add_argument("--idle", type=float, default=12.0,
-                    help="seconds to wait after the last input before the last reading")
+    ap.add_argument("--park-after", type=int, default=None,
+                    help="the server's park_after in ms (default: its own, 30000; 0 = never)")
+    ap.add_argument("--idle", type=float, default=None,
+                    help="seconds without input before each idle reading (default: "
+                         "park_after + 20 s)")
     ap.add_argument("--max-queues", type=int, default=None,
                     help="the server's max_queues (default: its own, 10000)")
     ap.add_argument("--users", action="store_true",
                     help="the server has a users file; the fuzzer never logs in")
     args = ap.parse_args()
+    if args.idle is None:
+        from queued.config import ServerConfig
+        park_after = ServerConfig().park_after if args.park_after is None else args.park_after
+        args.idle = park_after / 1000 + 20
     r = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="queued-fuzz-"))
     login, users_file = None, None
@@ -197,7 +213,7 @@ def main() -> None:
     parallel = 32 if args.users else 1
     pool = ThreadPoolExecutor(parallel)
     proc, ports = start_server(tmp / "data", tmp / "server.log", args.max_queues,
-                               users_file=users_file)
+                               users_file=users_file, park_after=args.park_after)
     try:
         rss0 = kib_field(f"/proc/{proc.pid}/status", "VmRSS") or 0
         print(f"server pid {proc.pid}, RSS at start {rss0 / 1024:.1f} MiB")

@@ -7,6 +7,7 @@ snapshot diff, grouped by file and line), then, in a fresh process without
 tracemalloc, the RSS per queue (after a garbage collection and malloc_trim).
 
     python bench/queue_mem.py [--queues 2000] [--how empty|item|taken|fanout|all] [--top 25]
+                              [--parked]
 
 ("all": the first three; fanout is slow under tracemalloc.)
 
@@ -14,6 +15,9 @@ tracemalloc, the RSS per queue (after a garbage collection and malloc_trim).
   item    `set qN`: a queue holding one 16-byte item (its segment file written)
   taken   `set qN` then `get qN`: the item taken again (checkpoint owed)
   fanout  `get qN+r`: a queue and a fanout reader
+
+--parked: park_after 100 ms, and the figures are taken once every queue is parked
+(what a parked queue costs: its name and summary); without it parking is off.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import trio
 
 from queued.config import load_config
 from queued.server.app import serve
+from queued.server.listeners import Server
 from queued.server.memory import rss_bytes, trim
 
 HOW = ("empty", "item", "taken", "fanout")
@@ -64,15 +69,25 @@ async def settle() -> None:
     trim()
 
 
-async def measure(how: str, queues: int, top: int, trace: bool) -> dict[str, object]:
+async def all_parked(server: Server, parked: bool) -> None:
+    """With --parked: wait (60 s at most) until no queue is loaded."""
+    with trio.fail_after(60):
+        while parked and server.broker.queues:
+            await trio.sleep(0.05)
+
+
+async def measure(how: str, queues: int, top: int, trace: bool,
+                  parked: bool = False) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="queued-qmem-") as tmp:
         config = load_config({"data_dir": str(Path(tmp) / "data"), "memcache_port": 0,
                               "text_port": 0, "rpc_port": 0, "http_port": 0,
-                              "fsync": "never", "max_queues": queues * 3 + 100}, env={})
+                              "fsync": "never", "max_queues": queues * 3 + 100,
+                              "park_after": "100ms" if parked else "0"}, env={})
         async with trio.open_nursery() as nursery:
             server = await nursery.start(serve, config)
             port = server.ports["memcache"]
             await send(port, how, 0, 200)  # warm up: code paths, caches, first objects
+            await all_parked(server, parked)
             await settle()
             if trace:
                 tracemalloc.start(8)
@@ -80,9 +95,11 @@ async def measure(how: str, queues: int, top: int, trace: bool) -> dict[str, obj
             before = tracemalloc.take_snapshot() if trace else None
             for first in range(200, 200 + queues, 500):
                 await send(port, how, first, min(500, 200 + queues - first))
+            await all_parked(server, parked)
             await settle()
             after_rss = rss_bytes() or 0
-            out: dict[str, object] = {"how": how, "queues": len(server.broker.queues),
+            out: dict[str, object] = {"how": how, "queues": server.broker.statistics().queues,
+                                      "parked": len(server.broker.registry.parked),
                                       "rss_per_queue": (after_rss - before_rss) / queues}
             if trace:
                 assert before is not None
@@ -115,21 +132,26 @@ def main() -> None:
     ap.add_argument("--how", choices=(*HOW, "all"), default="all",
                     help="all: empty, item and taken (fanout is slow under tracemalloc)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--parked", action="store_true",
+                    help="measure once every queue is parked (park_after 100 ms)")
     ap.add_argument("--child", choices=("trace", "rss"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        result = trio.run(measure, args.how, args.queues, args.top, args.child == "trace")
+        result = trio.run(measure, args.how, args.queues, args.top, args.child == "trace",
+                          args.parked)
         print(json.dumps(result))
         return
     for how in HOW[:3] if args.how == "all" else (args.how,):
         runs = {}
         for child in ("trace", "rss"):
             out = subprocess.run([sys.executable, __file__, "--how", how, "--queues",
-                                  str(args.queues), "--top", str(args.top), "--child", child],
+                                  str(args.queues), "--top", str(args.top), "--child", child,
+                                  *(["--parked"] if args.parked else [])],
                                  check=True, capture_output=True, text=True).stdout
             runs[child] = json.loads(out.strip().splitlines()[-1])
         t = runs["trace"]
-        print(f"\n{how}: {t['queues']} queues; per queue: heap {t['heap_per_queue']:.0f} B in "
+        print(f"\n{how}: {t['queues']} queues ({t['parked']} parked); per queue: "
+              f"heap {t['heap_per_queue']:.0f} B in "
               f"{t['blocks_per_queue']:.1f} blocks, RSS {runs['rss']['rss_per_queue']:.0f} B")
         print(f"{'B/queue':>8} {'blocks':>6}  site (innermost)")
         for size, count, site, inner in t["rows"]:

@@ -28,14 +28,17 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from queued.broker import parking
 from queued.broker.handles import Handle
 from queued.broker.queues import Background, PendingPut, QueueState
 from queued.broker.registry import BrokerCounters, Registry
 from queued.broker.reliable import Owe, ReliableReads
+from queued.core.errors import JournalError
 from queued.core.open_reads import OpenReads, TimeoutHeapStatistics
 from queued.core.queue import Item
 from queued.core.stats import LATENCY_BUCKETS, Histogram
 from queued.storage.datadir import DataDir
+from queued.storage.journal import JournalStats
 
 if TYPE_CHECKING:
     from queued.config import ServerConfig
@@ -51,8 +54,9 @@ def wall_ms() -> int:
 
 @dataclass(frozen=True, slots=True)
 class BrokerStatistics:
-    queues: int
-    readers: int
+    queues: int  # loaded and parked
+    parked: int  # queues parked (queued.broker.parking)
+    readers: int  # of loaded queues
     waiters: int
     clients: int  # registered connections
     open_reads: int  # of registered connections
@@ -387,13 +391,28 @@ class Broker:
         return found[1].flush() if found is not None else 0
 
     def flush_all(self) -> int:
-        return sum(h.flush() for qs in self.queues.values() for h in qs.readers.values())
+        n = sum(h.flush() for qs in self.queues.values() for h in qs.readers.values())
+        # Parked: one holding items loads (and parks again later); an empty one only
+        # counts the flush in its summary.
+        for name, p in self.registry.parked_views():
+            if p.empty:
+                for r in p.readers:
+                    r.counters.flushes += 1
+                self.registry.parked[name] = parking.pack(p)
+            else:
+                try:
+                    qs = self.registry.unpark(name)
+                except JournalError:
+                    continue  # (logged) the others are flushed all the same
+                n += sum(h.flush() for h in qs.readers.values())
+        return n
 
     def flush_expired(self, queue: str, reader: str | None = None) -> int:
         found = self.registry.find(queue, reader)
         return found[0].expire_head(found[1], self.clock(), 0) if found is not None else 0
 
     def flush_all_expired(self) -> int:
+        """Loaded queues only: a parked queue's items expire when it loads."""
         return sum(
             self.flush_expired(q, r)
             for q, qs in list(self.queues.items())
@@ -407,6 +426,10 @@ class Broker:
         durably), so items put afterwards have a reader before and after a restart.
         """
         qs = self.queues.get(queue)
+        if qs is None and queue in self.registry.parked:
+            if not reader:
+                return await self._delete_parked(queue)
+            qs = self.registry.unpark(queue)
         if qs is None:
             return False
         if reader:
@@ -430,6 +453,12 @@ class Broker:
         self.counters.queue_deletes += 1
         return True
 
+    async def _delete_parked(self, queue: str) -> bool:
+        self.registry.forget_parked(queue)
+        await self.datadir.delete_queue(queue, parked=True)
+        self.counters.queue_deletes += 1
+        return True
+
     # -- rounds of upkeep (queued.broker.upkeep runs them on timers) ---------------------
 
     async def checkpoint_all(self, *, force: bool = False) -> int:
@@ -440,16 +469,27 @@ class Broker:
         return written
 
     async def sweep(self) -> None:
-        """Expire items at the head of every reader; delete queues past max_queue_age."""
+        """Expire items at the head of every loaded reader (a parked queue's expire when
+        it loads); delete queues past max_queue_age, parked ones too (idle if empty)."""
         now = self.clock()
         for qs in list(self.queues.values()):
             for h in list(qs.readers.values()):
                 qs.expire_head(h, now, h.config.max_expire_sweep)
             age = qs.config.max_queue_age
             if age and now - qs.create_time_ms > age and qs.idle():
-                log.info("queue %s: empty and older than max_queue_age, deleting", qs.name)
-                await self.delete(qs.name)
-                self.counters.queue_expires += 1
+                await self._expire_queue(qs.name)
+        cfg = self.config
+        if self.registry.parked and (cfg.default.max_queue_age or any(
+                "max_queue_age" in section for section in cfg.queues.values())):
+            for name, p in self.registry.parked_views():
+                age = cfg.queue_config(name).max_queue_age
+                if age and now - p.create_time_ms > age and p.empty:
+                    await self._expire_queue(name)
+
+    async def _expire_queue(self, name: str) -> None:
+        log.info("queue %s: empty and older than max_queue_age, deleting", name)
+        await self.delete(name)
+        self.counters.queue_expires += 1
 
     # -- configuration and shutdown ---------------------------------------------------------------
 
@@ -464,9 +504,15 @@ class Broker:
         """Apply reloaded queue configs to every existing queue and reader."""
         self.registry.reconfigure(config)
 
+    async def park_idle(self, now: float) -> int:
+        """Park the queues unused for `park_after` among the next slice the parker looks
+        at (see Registry.park_idle); how many parked."""
+        return await self.registry.park_idle(now, self.config.park_after / 1000)
+
     async def aclose(self) -> list[str]:
-        """Refuse new work, return open reads (no error counted), write every checkpoint.
-        Returns what could not be saved, one line per reader ([] when all was)."""
+        """Refuse new work, return open reads (no error counted), write every checkpoint
+        (parked queues wrote theirs when they parked). Returns what could not be saved,
+        one line per reader ([] when all was)."""
         self.wake_waiters()
         for client in list(self.clients.values()):
             self.release(client, count_error=False)
@@ -495,9 +541,48 @@ class Broker:
         return None if found is None else found[1].reader.first_items(self.clock(), limit)
 
     def queue_stats(self) -> list[tuple[str, dict[str, int]]]:
-        """(`q` or `q+reader`, fields) for every reader, sorted by name."""
-        return [(f"{qs.name}+{rname}" if rname else qs.name, qs.reader_stats(h))
-                for qs, rname, h in self.registry.all_readers()]
+        """(`q` or `q+reader`, fields) for every reader, loaded or parked, sorted by name."""
+        out = [(f"{qs.name}+{rname}" if rname else qs.name, qs.reader_stats(h))
+               for qs, rname, h in self.registry.all_readers()]
+        if self.registry.parked:
+            now = self.clock()
+            out += [(f"{name}+{r.name}" if r.name else name, parking.reader_fields(p, r, now))
+                    for name, p in self.registry.parked_views() for r in p.readers]
+            out.sort(key=lambda pair: pair[0])
+        return out
+
+    def queue_names(self) -> list[str]:
+        """Every queue, loaded or parked, sorted."""
+        return sorted([*self.queues, *self.registry.parked])
+
+    def queue_view(self, name: str) -> tuple[list[tuple[str, dict[str, int]]], JournalStats]:
+        """(reader, fields) of every reader of queue `name`, sorted, and its journal's
+        figures; from the summary if it is parked (it stays parked)."""
+        qs = self.queues.get(name)
+        if qs is not None:
+            return ([(rname, qs.reader_stats(qs.readers[rname])) for rname in sorted(qs.readers)],
+                    qs.journal.statistics())
+        p = parking.unpack(self.registry.parked[name])
+        now = self.clock()
+        return [(r.name, parking.reader_fields(p, r, now)) for r in p.readers], \
+            p.journal_stats(name)
+
+    def reader_count(self, queue: str) -> int:
+        """Readers of queue `queue`, loaded or parked (0: no such queue)."""
+        qs = self.queues.get(queue)
+        if qs is not None:
+            return len(qs.readers)
+        data = self.registry.parked.get(queue)
+        return 0 if data is None else len(parking.unpack(data).readers)
+
+    def has_reader(self, queue: str, reader: str | None) -> bool:
+        """Queue `queue` exists (loaded or parked), and its reader `reader` if not None."""
+        qs = self.queues.get(queue)
+        if qs is not None:
+            return reader is None or reader in qs.readers
+        data = self.registry.parked.get(queue)
+        return data is not None and (
+            reader is None or any(r.name == reader for r in parking.unpack(data).readers))
 
     def held_bytes(self) -> int:
         """Item data the readers hold in memory (read-ahead; not open reads)."""
@@ -506,7 +591,8 @@ class Broker:
     def statistics(self) -> BrokerStatistics:
         handles = [h for qs in self.queues.values() for h in qs.readers.values()]
         return BrokerStatistics(
-            queues=len(self.queues),
+            queues=len(self.queues) + len(self.registry.parked),
+            parked=len(self.registry.parked),
             readers=len(handles),
             waiters=sum(len(h.waiters) for h in handles),
             clients=len(self.clients),

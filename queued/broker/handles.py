@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from queued.core.queue import NO_ITEMS, Item, Reader
+from queued.core.queue import NO_ITEMS, Item, Reader, ReaderCounters
 
 if TYPE_CHECKING:
     from queued.config import QueueConfig
@@ -59,6 +59,11 @@ class Handle:
             lock = self._refill_lock = trio.Lock()
         return lock
 
+    @property
+    def refill_busy(self) -> bool:
+        """A refill holds the refill lock (or waits for it)."""
+        return self._refill_lock is not None and self._refill_lock.locked()
+
     def close(self) -> None:
         """Deleted: waiting gets answer empty; nothing more is read back for it."""
         self.closed = True
@@ -83,26 +88,37 @@ class Handle:
 
     def stats(self, now_ms: int, logsize: int) -> dict[str, int]:
         """The `stats` fields of this reader (`logsize`: its queue's journal bytes)."""
-        r, c = self.reader, self.reader.counters
+        r = self.reader
         oldest = r.oldest_add_time_ms()
-        return {
-            "items": r.items,
-            "bytes": r.bytes,
-            "total_items": c.total_items,
-            "logsize": logsize,
-            "expired_items": c.expired,
-            "mem_items": r.mem_count,
-            "mem_bytes": r.mem_bytes,
-            "age": c.age_ms,
-            "discarded": c.discarded,
-            "waiters": len(self.waiters),
-            "open_transactions": len(r.open),
-            "transactions": c.transactions,
-            "canceled_transactions": c.canceled_transactions,
-            "total_flushes": c.flushes,
-            "age_msec": c.age_ms,
-            "create_time": r.create_time_ms,
-            "gets": c.taken,
-            "oldest_item_age_msec": 0 if oldest is None else max(0, now_ms - oldest),
-            "delayed": r.delayed_count,
-        }
+        return stats_fields(
+            r.items, r.bytes, r.counters, logsize, r.mem_count, r.mem_bytes, len(self.waiters),
+            len(r.open), r.create_time_ms,
+            0 if oldest is None else max(0, now_ms - oldest), r.delayed_count)
+
+
+def stats_fields(
+    items: int, nbytes: int, c: ReaderCounters, logsize: int, mem_items: int, mem_bytes: int,
+    waiters: int, open_reads: int, create_time_ms: int, oldest_age_ms: int, delayed: int,
+) -> dict[str, int]:
+    """A reader's `stats` fields (Kestrel's names), loaded or parked."""
+    return {
+        "items": items,
+        "bytes": nbytes,
+        "total_items": c.total_items,
+        "logsize": logsize,
+        "expired_items": c.expired,
+        "mem_items": mem_items,
+        "mem_bytes": mem_bytes,
+        "age": c.age_ms,
+        "discarded": c.discarded,
+        "waiters": waiters,
+        "open_transactions": open_reads,
+        "transactions": c.transactions,
+        "canceled_transactions": c.canceled_transactions,
+        "total_flushes": c.flushes,
+        "age_msec": c.age_ms,
+        "create_time": create_time_ms,
+        "gets": c.taken,
+        "oldest_item_age_msec": oldest_age_ms,
+        "delayed": delayed,
+    }

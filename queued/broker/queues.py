@@ -103,9 +103,9 @@ class Background:
 class QueueState:
     """See the module docstring. `clock` is the broker's wall clock (unix ms)."""
 
-    __slots__ = ("_reader_lock", "background", "clock", "config", "create_time_ms",
-                 "deleted", "delivered", "inflight", "inflight_bytes", "inflight_items",
-                 "journal", "name", "readers", "unsaved_checkpoints")
+    __slots__ = ("_reader_lock", "background", "busy", "clock", "config", "create_time_ms",
+                 "deleted", "delivered", "idle_since", "inflight", "inflight_bytes",
+                 "inflight_items", "journal", "name", "readers", "unsaved_checkpoints", "used")
 
     def __init__(
         self,
@@ -131,6 +131,11 @@ class QueueState:
         #: reader -> why its last checkpoint write failed (until one succeeds)
         #: reader -> why its last checkpoint failed (a dict from the first failure on)
         self.unsaved_checkpoints: dict[str, str] = NO_ENTRIES
+        #: tasks inside an operation that yields before it shows (a put making room)
+        self.busy = 0
+        #: the registry handed it out since the parker last looked (queued.broker.parking)
+        self.used = True
+        self.idle_since = 0.0  # trio time the parker first saw it unused
 
     @property
     def reader_lock(self) -> trio.Lock:
@@ -139,6 +144,11 @@ class QueueState:
         if lock is None:
             lock = self._reader_lock = trio.Lock()
         return lock
+
+    @property
+    def reader_busy(self) -> bool:
+        """A task holds the reader lock or waits for it."""
+        return self._reader_lock is not None and self._reader_lock.locked()
 
     def forget_reader_lock(self) -> None:
         """Drop the reader lock unless a task holds it or waits for it (trio hands a
@@ -169,14 +179,13 @@ class QueueState:
         # Shielded: a discard, refill, compaction or drop cut short by a cancellation could
         # leave the readers' counts and the files apart (the session does not shield a put
         # whose write is done when its begin returns: see Session._puts).
-        if cfg.max_items or cfg.max_size or self.limited():
-            with trio.CancelScope(shield=True):
-                await self.make_room(n, nbytes)
-        if self.journal.config.max_journal_size:
-            if self.journal.before_drop is None:  # (set here: a bound method is ~64 B)
-                self.journal.before_drop = self.before_drop
-            with trio.CancelScope(shield=True):
-                await self.journal.make_room(nbytes + put_overhead(flags, delay_ms > 0) * n)
+        room = bool(cfg.max_items or cfg.max_size or self.limited())
+        if room or self.journal.config.max_journal_size:
+            self.busy += 1  # (these awaits show in no other way: the queue must not park)
+            try:
+                await self._make_room(room, n, nbytes, put_overhead(flags, delay_ms > 0) * n)
+            finally:
+                self.busy -= 1
         if self.deleted:
             raise QueueClosedError(f"queue {self.name!r} was deleted")
         due_ms = now + delay_ms if delay_ms > 0 else None
@@ -206,6 +215,16 @@ class QueueState:
         if entry.error is not None:
             raise entry.error
         return len(entry.puts)
+
+    async def _make_room(self, room: bool, n: int, nbytes: int, overhead: int) -> None:
+        if room:
+            with trio.CancelScope(shield=True):
+                await self.make_room(n, nbytes)
+        if self.journal.config.max_journal_size:
+            if self.journal.before_drop is None:  # (set here: a bound method is ~64 B)
+                self.journal.before_drop = self.before_drop
+            with trio.CancelScope(shield=True):
+                await self.journal.make_room(nbytes + overhead)
 
     def limited(self) -> bool:
         return any(h.config.max_items or h.config.max_size for h in self.readers.values())

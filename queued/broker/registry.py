@@ -3,26 +3,38 @@
 Creates queues on first use, loads the recovered ones at startup, creates readers
 (with libkestrel's takeover: the first named reader of a queue that only has the
 default reader takes over its backlog and checkpoint) and applies reloaded configs.
-Never moves items: what happens to them is the broker's and the queue's business.
+Parks queues nobody used for `park_after` and loads them again on first use
+(`queued.broker.parking`). Never moves items: what happens to them is the broker's
+and the queue's business.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
 
+from queued.broker import parking
 from queued.broker.handles import Handle
 from queued.broker.queues import Background, QueueState
-from queued.broker.readback import count_unconsumed, find_delayed
+from queued.broker.readback import count_unconsumed, find_delayed, read_range
 from queued.core import journal_format as jf
-from queued.core.errors import BadNameError, QueueClosedError, TooManyQueuesError
+from queued.core.errors import (
+    BadNameError,
+    JournalError,
+    QueueClosedError,
+    QueuedError,
+    TooManyQueuesError,
+)
 from queued.core.queue import Reader
 from queued.storage.datadir import DataDir
+from queued.storage.files import Checkpoint
+from queued.storage.journal import QueueJournal
 
 if TYPE_CHECKING:
     from queued.config import QueueConfig, ServerConfig
@@ -60,8 +72,12 @@ class Registry:
         self.background = background
         self.counters = counters
         self.queues: dict[str, QueueState] = {}
+        #: parked queues: name -> packed parking.ParkedQueue (never a name in `queues`)
+        self.parked: dict[str, bytes] = {}
         self.closing = False
-        self._names: int | None = None  # queues and readers; None: count again
+        self._names: int | None = None  # loaded queues and readers; None: count again
+        self._parked_names = 0  # parked queues and readers
+        self._cursor: Iterator[str] = iter(())  # the parker's walk through `queues`
 
     async def load(self) -> None:
         """Build every recovered queue's readers from their durable checkpoints."""
@@ -70,9 +86,7 @@ class Registry:
             qs = self._add(name)
             for rname, cp in sorted(journal.readers.items()):
                 cfg = self.reader_config(name, rname)
-                reader = Reader(name, rname, cfg, head=cp.head, done=cp.done,
-                                tail=journal.last_id, create_time_ms=qs.create_time_ms,
-                                errors=cp.errors, delays=cp.delays)
+                reader = self._reader(qs, rname, cp)
                 count, nbytes = await trio.to_thread.run_sync(
                     count_unconsumed, journal, cp.head, frozenset(cp.done)
                 )
@@ -86,6 +100,12 @@ class Registry:
                          f"+{rname}" if rname else "", count, nbytes)
         if self.queues:
             log.info("loaded %d queues in %.3f s", len(self.queues), time.monotonic() - started)
+
+    def _reader(self, qs: QueueState, rname: str, cp: Checkpoint) -> Reader:
+        """Reader `rname` of a queue loaded from its files, at its durable checkpoint."""
+        return Reader(qs.name, rname, self.reader_config(qs.name, rname), head=cp.head,
+                      done=cp.done, tail=qs.journal.last_id, create_time_ms=qs.create_time_ms,
+                      errors=cp.errors, delays=cp.delays)
 
     def _add(self, name: str) -> QueueState:
         cfg = self.config.queue_config(name)
@@ -101,7 +121,7 @@ class Registry:
         """Refuse a new queue or reader past max_queues (each holds files and memory:
         without a cap, clients could create them until either runs out)."""
         limit = self.config.max_queues
-        if len(self.queues) < limit and self.names() + 1 <= limit:
+        if len(self.queues) + len(self.parked) < limit and self.names() + 1 <= limit:
             if self._names is not None:
                 self._names += 1  # the one about to be made
             return
@@ -110,10 +130,11 @@ class Registry:
 
     def names(self) -> int:
         """Queues and readers together: what max_queues counts (a queue's first reader
-        is the queue itself). Counted again after a reader or a queue went away."""
+        is the queue itself). Counted again after a reader or a queue went away. Parked
+        queues count: they hold files, and load again on first use."""
         if self._names is None:
             self._names = sum(max(1, len(qs.readers)) for qs in self.queues.values())
-        return self._names
+        return self._names + self._parked_names
 
     def forget_names(self) -> None:
         """A reader or queue is gone: count again when next asked."""
@@ -130,6 +151,8 @@ class Registry:
         if qs is None:
             if self.closing:
                 raise QueueClosedError("server is shutting down")
+            if name in self.parked:
+                return self.unpark(name)
             if not jf.valid_name(name):
                 raise BadNameError(f"invalid queue name {name!r}")
             if not jf.names_fit(name) or not jf.names_fit(name, ""):
@@ -145,6 +168,7 @@ class Registry:
                 cfg,
             )
             self.counters.queue_creates += 1
+        qs.used = True  # (the parker's sign of life: one store, no clock read)
         return qs
 
     async def handle(self, qs: QueueState, name: str) -> Handle:
@@ -224,7 +248,10 @@ class Registry:
         `aliases`, also the reader that took over under that name."""
         qs = self.queues.get(queue)
         if qs is None:
-            return None
+            if queue not in self.parked or self.closing:
+                return None
+            qs = self.unpark(queue)
+        qs.used = True
         rname = reader or ""
         h = qs.readers.get(rname)
         if h is None and aliases:
@@ -237,7 +264,8 @@ class Registry:
                 for rname, h in sorted(qs.readers.items())]
 
     def reconfigure(self, config: ServerConfig) -> None:
-        """Apply reloaded queue configs to every existing queue and reader."""
+        """Apply reloaded queue configs to every existing queue and reader (a parked
+        queue takes its config when it loads)."""
         self.config = config
         for name, qs in self.queues.items():
             qs.config = config.queue_config(name)
@@ -245,3 +273,106 @@ class Registry:
             for rname, h in qs.readers.items():
                 h.config = self.reader_config(name, rname)
                 h.reader.limits = h.config
+
+    # -- parking (queued.broker.parking) -------------------------------------------
+
+    def unpark(self, name: str) -> QueueState:
+        """Load parked queue `name` here and now, as start-up recovery would, backlog
+        and all (parking kept it small); its counters are what they were."""
+        p = parking.unpack(self.parked[name])
+        try:
+            journal = self.datadir.load_queue(name, p.segments, [r.name for r in p.readers],
+                                              p.last_id)
+        except (OSError, QueuedError) as exc:
+            log.error("queue %s: loading the parked queue failed: %s", name, exc)
+            raise JournalError(f"queue {name!r}: loading it from disk failed: {exc}") from exc
+        del self.parked[name]
+        self._parked_names -= max(1, len(p.readers))
+        self._names = None
+        qs = self._add(name)
+        qs.create_time_ms = p.create_time_ms
+        journal.file.fsyncs, journal.file.write_errors = p.fsyncs, p.write_errors
+        summaries = {r.name: r for r in p.readers}
+        for rname, cp in sorted(journal.readers.items()):
+            reader = self._reader(qs, rname, cp)
+            count, nbytes = count_unconsumed(journal, cp.head, frozenset(cp.done))
+            reader.restore([], cp.head + 1 if count else None, count, nbytes)
+            if cp.delays or any(seg.delayed for seg in journal.segments):
+                reader.restore_delayed(find_delayed(journal, cp.head, frozenset(cp.done),
+                                                    dict(cp.delays)))
+            if reader.behind is not None:
+                start = reader.behind
+                items, next_id = read_range(journal, start, reader.tail,
+                                            reader.refill_budget())
+                reader.load(start, items, next_id)
+            summary = summaries.get(rname)
+            if summary is not None:
+                reader.create_time_ms = summary.create_time_ms
+                reader.counters = summary.counters
+            qs.readers[rname] = Handle(reader, self.reader_config(name, rname))
+            if reader.wants_refill():
+                self.background.start_refill(qs, qs.readers[rname])
+        log.debug("queue %s: loaded (was parked)", name)
+        return qs
+
+    async def park(self, qs: QueueState) -> bool:
+        """Park `qs` if parking.parkable says it may, once its checkpoints are written
+        (asked again after that: `detach` runs with nothing yielding until the files
+        are closed); True if it was parked."""
+        if not parking.parkable(qs):
+            return False
+        name = qs.name
+
+        def detach(journal: QueueJournal) -> bool:
+            if (self.queues.get(name) is not qs or qs.journal is not journal or qs.used
+                    or self.closing or not parking.parkable(qs)
+                    or any(h.reader.dirty for h in qs.readers.values())):
+                return False
+            self.parked[name] = parking.pack(parking.summarize(qs))
+            self._parked_names += max(1, len(qs.readers))
+            del self.queues[name]
+            self._names = None
+            for h in qs.readers.values():
+                h.close()  # a stale reference gets nothing from it
+            return True
+
+        parked = False
+        with trio.CancelScope(shield=True):
+            if any(h.reader.dirty for h in qs.readers.values()):
+                await qs.write_checkpoints()
+            parked = await self.datadir.park_queue(name, detach)
+        return parked
+
+    async def park_idle(self, now: float, after: float) -> int:
+        """Look at the next slice of the queues (PARK_SCAN, or an eighth of them if more:
+        a walk through all takes 8 ticks at most) at trio time `now`: one used since the
+        last look is seen idle from now on; one idle for `after` seconds parks. How many
+        did."""
+        limit = max(parking.PARK_SCAN, len(self.queues) // 8)
+        names = list(itertools.islice(self._cursor, limit))
+        if len(names) < limit:
+            self._cursor = iter(list(self.queues))  # the next round of the walk
+        n = 0
+        for name in names:
+            qs = self.queues.get(name)
+            if qs is None:
+                continue
+            if qs.used:
+                qs.used = False
+                qs.idle_since = now
+            elif now - qs.idle_since >= after and await self.park(qs):
+                n += 1
+        return n
+
+    def forget_parked(self, name: str) -> bool:
+        """Parked queue `name` is being deleted: forget it (False if it is not parked)."""
+        data = self.parked.pop(name, None)
+        if data is None:
+            return False
+        self._parked_names -= max(1, len(parking.unpack(data).readers))
+        return True
+
+    def parked_views(self) -> Iterator[tuple[str, parking.ParkedQueue]]:
+        """Every parked queue and its summary, in no particular order."""
+        for name, data in list(self.parked.items()):
+            yield name, parking.unpack(data)

@@ -2,7 +2,8 @@
 
 Checkpoints and compaction every `checkpoint_interval`, expiry sweeps every
 `expiration_timer`, open reads returned at their deadlines, read-behind refills
-ahead of the next get, and moves of items to an error queue or expire_to_queue.
+ahead of the next get, moves of items to an error queue or expire_to_queue, and
+parking queues unused for `park_after` (a slice of the queues per tick).
 Given the broker from above (`open_broker` wires them): upkeep imports the broker,
 the broker never imports upkeep; it only hands work to the `Background` this
 attaches to. Each round is a broker method; upkeep decides when, and keeps one bad
@@ -24,6 +25,7 @@ import trio
 
 from queued.broker.broker import Broker, wall_ms
 from queued.broker.handles import Handle
+from queued.broker.parking import park_tick
 from queued.broker.queues import QueueState
 from queued.core.errors import (
     ItemTooLargeError,
@@ -52,6 +54,8 @@ class UpkeepStatistics:
     moves: int  # moves to another queue running now
     checkpoint_rounds: int
     sweep_rounds: int
+    park_rounds: int
+    parked: int  # queues parked since start
     failed_rounds: int  # checkpoint or sweep rounds that raised (logged)
 
 
@@ -66,7 +70,9 @@ class Upkeep:
         self._delay_due_ms: float = math.inf  # when the delay loop wakes next (unix ms)
         self._refills = 0
         self._moves = 0
-        self._rounds = {"checkpoint round": 0, "expiry sweep": 0, "failed": 0}
+        self._rounds = {"checkpoint round": 0, "expiry sweep": 0, "parking round": 0,
+                        "failed": 0}
+        self._parked = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Background tasks and moves; cancel to stop (after the broker's `aclose`)."""
@@ -85,13 +91,15 @@ class Upkeep:
                                    lambda: b.config.expiration_timer, b.sweep)
                 nursery.start_soon(self._timeout_loop)
                 nursery.start_soon(self._delay_loop)
+                nursery.start_soon(self._every, "parking round",
+                                   lambda: park_tick(b.config.park_after) * 1000, self._park)
                 task_status.started()
         finally:
             b.background.runner = None
             self._nursery = None
 
     async def _every(
-        self, name: str, interval_ms: Callable[[], int], round_: Callable[[], Awaitable[object]]
+        self, name: str, interval_ms: Callable[[], float], round_: Callable[[], Awaitable[object]]
     ) -> None:
         """`round_` every `interval_ms()` milliseconds, each after the last ends."""
         while True:
@@ -103,6 +111,10 @@ class Upkeep:
                 log.exception("%s failed", name)
             else:
                 self._rounds[name] += 1
+
+    async def _park(self) -> None:
+        if self.broker.config.park_after:
+            self._parked += await self.broker.park_idle(trio.current_time())
 
     async def _timeout_loop(self) -> None:
         while True:
@@ -212,6 +224,8 @@ class Upkeep:
             moves=self._moves,
             checkpoint_rounds=self._rounds["checkpoint round"],
             sweep_rounds=self._rounds["expiry sweep"],
+            park_rounds=self._rounds["parking round"],
+            parked=self._parked,
             failed_rounds=self._rounds["failed"],
         )
 

@@ -272,6 +272,7 @@ SERVER_KEYS: Final[Mapping[str, Parser]] = {
     "request_timeout": _positive_duration,
     "auth_timeout": _positive_duration,
     "max_queues": _positive,
+    "park_after": _duration,
 }
 PORT_KEYS: Final = ("memcache_port", "text_port", "rpc_port", "http_port")
 

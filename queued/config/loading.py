@@ -303,6 +303,7 @@ def _toml_value(key: str, value: object) -> str:
             "checkpoint_interval",
             "expiration_timer",
             "shutdown_grace",
+            "park_after",
         }
         if key in sizes and value:
             return _quote(format_size(value))

@@ -108,6 +108,7 @@ class ServerConfig:
     request_timeout: int = 30_000  # ms a request that has begun to arrive may take
     auth_timeout: int = 10_000  # ms to finish the TLS handshake and authenticate
     max_queues: int = 10_000  # queues and fanout readers; creating more is refused
+    park_after: int = 30_000  # ms unused before a small idle queue is parked; 0 = never
     config_file: Path | None = None
     default: QueueConfig = QueueConfig()
     #: Validated, typed overrides per [queues.<name>] section ("jobs", "jobs+audit").

@@ -175,8 +175,7 @@ class Console:
             queue, reader = parse_address(name.encode("ascii"))
         except (ArgumentError, UnicodeEncodeError):
             return _not_found("not a queue name")
-        qs = broker.queues.get(queue)
-        if qs is None or (reader is not None and reader not in qs.readers):
+        if not broker.has_reader(queue, reader):  # (a parked queue loads for its page)
             return _not_found(f"no queue {name}")
         if grant is not None and not grant.may_see(name):
             return _not_found(f"no queue {name}")  # as if it did not exist, as `stats` does

@@ -130,7 +130,7 @@ class Ops:
         if server.closing or server.shutdown_requested.is_set():
             return ["shutting down"]
         found = []
-        for name, qs in sorted(server.broker.queues.items()):
+        for name, qs in sorted(server.broker.queues.items()):  # (a failed one never parks)
             if qs.journal.failed is not None:
                 found.append(f"queue {name}: {qs.journal.failed}")
         if server.unwritable is not None:  # the last write probe (every DISK_CHECK_SECONDS)

@@ -99,6 +99,7 @@ class Snapshot:
     journals: tuple[JournalStats, ...] = ()
     omitted_readers: int = 0
     queues: int = 0
+    parked: int = 0
     protocols: tuple[tuple[str, ProtocolStats], ...] = ()
     bytes_read: int = 0
     bytes_written: int = 0
@@ -122,17 +123,17 @@ def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
     readers: list[ReaderSample] = []
     journals: list[JournalStats] = []
     omitted = 0
-    for name in sorted(broker.queues):
-        qs = broker.queues[name]
-        exported = False
-        for rname in sorted(qs.readers):
+    for name in broker.queue_names():  # parked ones too, from their summaries
+        if len(readers) >= max_readers:
+            omitted += broker.reader_count(name)
+            continue
+        fields, journal = broker.queue_view(name)
+        for rname, f in fields:
             if len(readers) >= max_readers:
                 omitted += 1
                 continue
-            readers.append(ReaderSample(name, rname, broker.reader_stats(qs, qs.readers[rname])))
-            exported = True
-        if exported:
-            journals.append(qs.journal.statistics())
+            readers.append(ReaderSample(name, rname, f))
+        journals.append(journal)
     dd = broker.datadir.statistics()
     return Snapshot(
         ready=ready,
@@ -140,7 +141,8 @@ def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
         readers=tuple(readers),
         journals=tuple(journals),
         omitted_readers=omitted,
-        queues=len(broker.queues),
+        queues=len(broker.queues) + len(broker.registry.parked),
+        parked=len(broker.registry.parked),
         protocols=tuple(
             (proto, dataclasses.replace(p, commands=dict(p.commands)))
             for proto, p in server.protocols.items()
@@ -227,6 +229,9 @@ class SnapshotCollector(Collector):
             yield c
         yield GaugeMetricFamily("queued_queues", "Queues (fanout readers not counted).",
                                 value=s.queues)
+        yield GaugeMetricFamily("queued_parked_queues",
+                                "Queues parked on disk (idle for park_after; counted in "
+                                "queued_queues).", value=s.parked)
         yield GaugeMetricFamily(
             "queued_metrics_omitted_readers",
             "Readers without per-queue series (over metrics_max_queues).",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,10 +141,11 @@ class DataDir:
         return dd
 
     def _recover_queue(
-        self, name: str, entries: list[tuple[str, jf.JournalFileName]]
+        self, name: str, entries: list[tuple[str, jf.JournalFileName]], *, report: bool = True
     ) -> QueueJournal:
         rep = QueueRecovery(name)
-        self.report.queues[name] = rep
+        if report:
+            self.report.queues[name] = rep
         config = self.queue_config(name)
         segments: list[SegmentInfo] = []
         readers: dict[str, Checkpoint] = {}
@@ -265,17 +266,67 @@ class DataDir:
                                 0) if segments else max(int(time.time() * 1000), 1)
         return QueueJournal(self, name, config, segments, readers, last_id, file)
 
-    async def delete_queue(self, name: str) -> None:
-        """Remove every file of queue `name` (after its pending appends finish)."""
+    # -- parking (the broker parks idle queues: queued.broker.parking) ---------------
+
+    def load_queue(
+        self, name: str, segments: Sequence[int], readers: Sequence[str], last_id: int
+    ) -> QueueJournal:
+        """Recover parked queue `name` from its files as start-up does, here and now
+        (synchronous, on the event loop: the broker parks only queues whose files are
+        small). `segments` and `readers` name its files (no listing of a directory that
+        may hold 10,000 queues); a reader whose checkpoint was never written has none.
+        Ids stay above `last_id`."""
+        if name in self.queues:
+            raise RuntimeError(f"queue {name!r} is loaded already")
+        entries = [(jf.segment_name(name, n), jf.JournalFileName(name, jf.FileRole.SEGMENT,
+                                                                  number=n))
+                   for n in segments]
+        for reader in readers:
+            file_name = jf.checkpoint_name(name, reader)
+            if (self.path / file_name).exists():
+                entries.append((file_name, jf.JournalFileName(name, jf.FileRole.CHECKPOINT,
+                                                              reader=reader)))
+        j = self._recover_queue(name, entries, report=False)
+        j.last_id = max(j.last_id, last_id)
+        self.queues[name] = j
+        return j
+
+    async def park_queue(self, name: str, detach: Callable[[QueueJournal], bool]) -> bool:
+        """Forget queue `name`'s journal and close its files (they stay) if it has
+        nothing planned and nothing unsynced and `detach` agrees; True if it was parked.
+
+        `detach` runs with no writer round under way and nothing between it and the
+        closing yields: what it checks still holds when the files close. A load of the
+        queue after that opens new handles (its first append starts a new segment)."""
+        async with self._writer.paused():
+            j = self.queues.get(name)
+            if (j is None or j.planned or j.has_reader_ops or j in self._dirty
+                    or j.fsync_deadline() is not None or j.failed is not None
+                    or not detach(j)):
+                return False
+            del self.queues[name]
+            self.report.queues.pop(name, None)
+            j.close()
+            try:
+                j.close_files()  # nothing to fsync (checked above): closing is all it does
+            except OSError as exc:
+                log.error("parking queue %s: closing its files: %s", name, exc)
+            return True
+
+    async def delete_queue(self, name: str, *, parked: bool = False) -> None:
+        """Remove every file of queue `name` (after its pending appends finish);
+        `parked`: a queue whose journal is not loaded (see park_queue)."""
         j = self.queues.pop(name, None)
-        if j is None:
+        if j is None and not parked:
             return
-        j.close()
-        self._dirty.pop(j, None)
-        j.fail_pending(JournalClosedError(f"queue {name!r} was deleted"))
+        if j is not None:
+            j.close()
+            self._dirty.pop(j, None)
+            j.fail_pending(JournalClosedError(f"queue {name!r} was deleted"))
 
         def remove() -> None:
-            j.close_files()
+            if j is not None:
+                j.close_files()
             # List the directory now: a round or compaction may have made files since.
             for entry in os.listdir(self.path):
                 parsed = jf.parse_file_name(entry)
@@ -284,8 +335,12 @@ class DataDir:
             fsync_dir(self.path)
 
         # No round, compaction or checkpoint of this queue may run while its files go.
-        async with self._writer.paused(), j.exclusive():
-            await trio.to_thread.run_sync(remove)
+        async with self._writer.paused():
+            if j is None:
+                await trio.to_thread.run_sync(remove)
+                return
+            async with j.exclusive():
+                await trio.to_thread.run_sync(remove)
 
     def retire_segments(self, segs: list[SegmentInfo]) -> None:
         """Retire dead segments, durably: with archive_dir, originals move there and
@@ -408,6 +463,9 @@ class DataDir:
                     j.finish_round(chunks, result)
                 for j, ops in readers:
                     j.finish_reader_ops(ops)
+                # Not kept until the next round: a parked queue's journal must go now.
+                work.clear()
+                readers.clear()
         finally:
             self._writer_done.set()
 

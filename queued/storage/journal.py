@@ -193,6 +193,11 @@ class QueueJournal:
             lock = self._maintenance_lock = trio.Lock()
         return lock
 
+    @property
+    def maintenance_busy(self) -> bool:
+        """A compaction or drop holds the maintenance lock (or waits for it)."""
+        return self._maintenance_lock is not None and self._maintenance_lock.locked()
+
     # -- appends ----------------------------------------------------------------
 
     @property

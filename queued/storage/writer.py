@@ -571,6 +571,7 @@ class RoundThread:
                 self._result = (fn(*args), None)
             except BaseException as exc:  # handed to the caller, raised there
                 self._result = (None, exc)
+            del job, fn, args  # not kept until the next round: they hold its files and tickets
             os.eventfd_write(self._done_fd, 1)
 
     def close(self) -> None:
