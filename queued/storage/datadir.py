@@ -37,9 +37,9 @@ from queued.storage.files import (
     fsync_dir,
     write_checkpoint,
 )
-from queued.storage.journal import QueueJournal
+from queued.storage.journal import Planned, QueueJournal, ReaderWork
 from queued.storage.recovery import Damage, scan_segment
-from queued.storage.writer import ReaderFile, Writer
+from queued.storage.writer import ReaderFile, Writer, WriteResult
 
 log = logging.getLogger("queued.datadir")
 
@@ -459,15 +459,24 @@ class DataDir:
                     )
                 finally:
                     self._in_round = False
-                for (j, chunks), result in zip(work, results, strict=True):
-                    j.finish_round(chunks, result)
-                for j, ops in readers:
-                    j.finish_reader_ops(ops)
-                # Not kept until the next round: a parked queue's journal must go now.
-                work.clear()
-                readers.clear()
+                self._finish_round(work, results, readers)
+                # Not kept until the next round (an idle server may have none for long):
+                # a parked queue's journal and files must go now.
+                del work, readers, results, periodic
         finally:
             self._writer_done.set()
+
+    @staticmethod
+    def _finish_round(
+        work: list[tuple[QueueJournal, list[Planned]]], results: Sequence[WriteResult],
+        readers: list[tuple[QueueJournal, ReaderWork]],
+    ) -> None:
+        """Back from a round: note what was written (a function of its own, so its loop
+        variables do not keep the last journal alive in the writer loop's frame)."""
+        for (j, chunks), result in zip(work, results, strict=True):
+            j.finish_round(chunks, result)
+        for j, ops in readers:
+            j.finish_reader_ops(ops)
 
     async def aclose(self) -> None:
         """Finish pending appends, fsync and close every segment; NotSavedError lists the

@@ -1,0 +1,119 @@
+"""Review of idle-queue parking (branch `park`): what parking and loading must keep,
+tried on a real in-process server (real sockets on port 0, real files).
+
+Each test parks by the server's own parker (park_after 100 ms) or by hand with
+Registry.park, and checks one thing a park or a load could lose or leave behind.
+Every wait is a bounded loop on a condition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+from server_util import WAIT, Conn, make_config, running
+
+from queued.config import ServerConfig
+from queued.server.listeners import Server
+
+FAST = {"park_after": "100ms", "checkpoint_interval": "50ms", "expiration_timer": "1h"}
+VOLATILE = {"mem_items", "mem_bytes", "oldest_item_age_msec"}
+
+
+def cfg(tmp_path: Path, toml: str | None = None, **settings: object) -> ServerConfig:
+    return make_config(tmp_path / "data", toml, **{**FAST, **settings})
+
+
+async def wait_until(what: Callable[[], bool], timeout: float = WAIT) -> None:
+    with trio.fail_after(timeout):
+        while not what():
+            await trio.sleep(0.01)
+
+
+async def parked(server: Server, *names: str) -> None:
+    await wait_until(lambda: all(n in server.broker.registry.parked for n in names))
+
+
+def open_files_under(path: Path) -> list[str]:
+    """This process's open file descriptors that point into `path`."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own fd)
+        if target.startswith(str(path)):
+            found.append(os.path.basename(target))
+    return found
+
+
+def alive(ids: set[int]) -> list[str]:
+    """Which of the objects `ids` names are still there (QueueState and co. have
+    __slots__ without __weakref__: looked for among the objects gc tracks)."""
+    gc.collect()
+    kinds = {"QueueState", "QueueJournal", "Handle", "Reader"}
+    return [type(o).__name__ for o in gc.get_objects()
+            if id(o) in ids and type(o).__name__ in kinds]
+
+
+async def test_parked_queue_state_is_freed_and_its_files_closed(tmp_path: Path) -> None:
+    """Nothing keeps a parked queue's QueueState, handles or journal alive, and none of
+    its files stay open."""
+    data = tmp_path / "data"
+    toml = '[queues.fd]\nmax_journal_size = "1MiB"\n'  # (its journal holds qs.before_drop)
+    async with running(cfg(tmp_path, toml, fsync="always")) as server:
+        conn = await Conn.open(server.ports["memcache"])
+        for i in range(3):
+            assert await conn.set("fd", b"x%d" % i) == b"STORED"
+        assert await conn.get("fd") == b"x0"
+        assert await conn.get("fd+a") == b"x1"  # takes over the default reader
+        assert await conn.get("fd+b") is None  # a second reader, its own file
+        assert await conn.set("fd", b"x3") == b"STORED"
+        qs = server.broker.queues["fd"]
+        ids = {id(qs), id(qs.journal), *(id(h) for h in qs.readers.values()),
+               *(id(h.reader) for h in qs.readers.values())}
+        assert len(alive(ids)) == 6
+        assert any(n.startswith("fd.") for n in open_files_under(data))
+        del qs
+        await parked(server, "fd")
+        assert alive(ids) == []
+        assert not [n for n in open_files_under(data) if n.startswith("fd.")]
+        assert await conn.get("fd+a") == b"x2"  # and it loads again
+        assert await conn.get("fd+b") == b"x3"
+        await conn.aclose()
+
+
+async def test_stats_and_journal_figures_agree_parked_and_loaded(tmp_path: Path) -> None:
+    """A fanout queue after a takeover: `stats` fields and the /metrics journal figures
+    are the same loaded, parked and loaded again (but the memory figures and ages)."""
+    async with running(cfg(tmp_path, fsync="always")) as server:
+        b = server.broker
+        conn = await Conn.open(server.ports["memcache"])
+        for i in range(4):
+            assert await conn.set("fan", b"x%d" % i) == b"STORED"
+        assert await conn.get("fan") == b"x0"
+        assert await conn.get("fan+a") == b"x1"  # takes over the default reader
+        assert await conn.get("fan+b") is None
+        assert await conn.set("fan", b"x4") == b"STORED"
+
+        def view() -> tuple[list[tuple[str, dict[str, int]]], dict[str, object]]:
+            fields, journal = b.queue_view("fan")
+            keep = {"segments", "bytes", "last_id", "fsyncs", "write_errors", "failed",
+                    "readers"}
+            return ([(r, {k: v for k, v in f.items() if k not in VOLATILE})
+                     for r, f in fields],
+                    {k: v for k, v in dataclasses.asdict(journal).items() if k in keep})
+
+        await wait_until(lambda: not any(h.reader.dirty
+                                         for h in b.queues["fan"].readers.values()))
+        before = view()
+        await parked(server, "fan")
+        assert view() == before
+        assert b.has_reader("fan", "a") and b.reader_count("fan") == 2
+        b.registry.unpark("fan")
+        assert view() == before
+        await conn.aclose()
