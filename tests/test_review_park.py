@@ -117,3 +117,22 @@ async def test_stats_and_journal_figures_agree_parked_and_loaded(tmp_path: Path)
         b.registry.unpark("fan")
         assert view() == before
         await conn.aclose()
+
+
+async def test_recovery_report_survives_parking(tmp_path: Path) -> None:
+    """What the start-up recovery cut from a torn tail (queued_recovery_truncated_bytes)
+    is still reported once that queue has parked."""
+    data = tmp_path / "data"
+    async with running(cfg(tmp_path, park_after=0)) as server:
+        conn = await Conn.open(server.ports["memcache"])
+        assert await conn.set("torn", b"x") == b"STORED"
+        await conn.aclose()
+    (segment,) = [n for n in os.listdir(data) if n.startswith("torn.") and ".read" not in n]
+    with open(data / segment, "ab") as f:
+        f.write(b"\x00\x01\x02\x03\x04\x05\x06")  # a torn append after the last batch
+    async with running(cfg(tmp_path)) as server:
+        cut = server.broker.datadir.statistics().truncated_bytes
+        assert cut > 0
+        await parked(server, "torn")
+        assert server.broker.datadir.statistics().truncated_bytes == cut
+        assert server.broker.datadir.report.records >= 1

@@ -60,18 +60,30 @@ class QueueRecovery:
 class RecoveryReport:
     queues: dict[str, QueueRecovery] = field(default_factory=dict)
     seconds: float = 0.0
+    #: the totals of queues dropped from `queues` since (parked: see DataDir.park_queue),
+    #: so the report's figures stay what the start-up recovery found
+    forgotten: QueueRecovery = field(default_factory=lambda: QueueRecovery(""))
+
+    def forget(self, name: str) -> None:
+        """Drop queue `name`'s entry (its memory), keeping its figures in the totals."""
+        rep = self.queues.pop(name, None)
+        if rep is not None:
+            self.forgotten.records += rep.records
+            self.forgotten.bytes += rep.bytes
+            self.forgotten.truncated_bytes += rep.truncated_bytes
 
     @property
     def records(self) -> int:
-        return sum(q.records for q in self.queues.values())
+        return self.forgotten.records + sum(q.records for q in self.queues.values())
 
     @property
     def bytes(self) -> int:
-        return sum(q.bytes for q in self.queues.values())
+        return self.forgotten.bytes + sum(q.bytes for q in self.queues.values())
 
     @property
     def truncated_bytes(self) -> int:
-        return sum(q.truncated_bytes for q in self.queues.values())
+        return self.forgotten.truncated_bytes + sum(
+            q.truncated_bytes for q in self.queues.values())
 
     def summary(self) -> str:
         return (
@@ -305,7 +317,7 @@ class DataDir:
                     or not detach(j)):
                 return False
             del self.queues[name]
-            self.report.queues.pop(name, None)
+            self.report.forget(name)  # (its figures stay in the totals)
             j.close()
             try:
                 j.close_files()  # nothing to fsync (checked above): closing is all it does
