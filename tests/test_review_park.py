@@ -18,6 +18,7 @@ import trio
 from server_util import WAIT, Conn, make_config, running
 
 from queued.config import ServerConfig
+from queued.core.open_reads import OpenReads
 from queued.server.listeners import Server
 
 FAST = {"park_after": "100ms", "checkpoint_interval": "50ms", "expiration_timer": "1h"}
@@ -136,3 +137,54 @@ async def test_recovery_report_survives_parking(tmp_path: Path) -> None:
         await parked(server, "torn")
         assert server.broker.datadir.statistics().truncated_bytes == cut
         assert server.broker.datadir.report.records >= 1
+
+
+async def test_error_counts_and_confirms_survive_park(tmp_path: Path) -> None:
+    """Aborted reads keep their error counts, confirmed reads stay gone, across a park
+    and a load (and a second one); ids keep rising."""
+    async with running(cfg(tmp_path)) as server:
+        b = server.broker
+        await b.put("err", [b"a", b"b", b"c"])
+        client = b.register(OpenReads())
+        a = await b.get("err", client=client, open=True)
+        bb = await b.get("err", client=client, open=True)
+        assert a is not None and bb is not None
+        assert b.abort(client, "err", ids=[a.id]) == 1
+        assert b.confirm(client, "err", ids=[bb.id]) == 1
+        again = await b.get("err", client=client, open=True)
+        assert again is not None and again.id == a.id and again.error_count == 1
+        assert b.abort(client, "err", ids=[a.id]) == 1
+        for _ in range(2):
+            await parked(server, "err")
+            await b.put("err", [b"d"])
+        got = await b.get_many("err", max_items=10)
+        assert [(it.data, it.error_count) for it in got] == [
+            (b"a", 2), (b"c", 0), (b"d", 0), (b"d", 0)]
+        ids = [it.id for it in got]
+        assert ids == sorted(set(ids)) and bb.id not in ids
+
+
+async def test_delete_of_a_parked_queue_racing_a_put_of_the_same_name(tmp_path: Path) -> None:
+    """`delete q` of a parked queue forgets it at once, then removes its files: a put
+    of q meanwhile makes a new queue, whose acknowledged item must survive."""
+    data = tmp_path / "data"
+    async with running(cfg(tmp_path, park_after="1h")) as server:
+        b = server.broker
+        await b.put("dq", [b"old"])
+        qs = b.queues["dq"]
+        qs.used = False
+        assert await b.registry.park(qs)
+        del qs
+        acked: list[int] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.delete, "dq")
+            for _ in range(100):  # a few scheduling rounds: the delete starts at once
+                if "dq" not in b.registry.parked:
+                    break
+                await trio.lowlevel.checkpoint()
+            assert "dq" not in b.registry.parked  # the delete is under way
+            acked.append(await b.put("dq", [b"new"]))
+        assert acked == [1]
+        assert any(n.startswith("dq.") and ".read" not in n for n in os.listdir(data))
+        got = await b.get("dq")
+        assert got is not None and got.data == b"new"
