@@ -188,3 +188,41 @@ async def test_delete_of_a_parked_queue_racing_a_put_of_the_same_name(tmp_path: 
         assert any(n.startswith("dq.") and ".read" not in n for n in os.listdir(data))
         got = await b.get("dq")
         assert got is not None and got.data == b"new"
+
+
+async def test_sweep_does_not_expire_items_of_a_queue_parked_meanwhile(tmp_path: Path) -> None:
+    """The expiry sweep walks a list of the queues taken before it awaits (deleting a
+    queue past max_queue_age); a queue parked during that await must not be swept from
+    its stale state: its expired items would move to expire_to_queue from a state
+    nobody saves, and again from its files when it loads (twice in the target)."""
+    toml = ('[queues.old]\nmax_queue_age = "10ms"\n'
+            '[queues.y]\nmax_age = "20ms"\nexpire_to_queue = "dead"\n')
+    async with running(cfg(tmp_path, toml, park_after="1h")) as server:
+        b = server.broker
+        await b.put("old", [b"o"])
+        assert (await b.get("old")) is not None  # empty: the sweep deletes it
+        await b.put("y", [b"e1", b"e2"])
+        await b.checkpoint_all()
+        put_at = b.clock()
+        await wait_until(lambda: b.clock() > put_at + 30)  # y's items are past max_age
+        y = b.queues["y"]
+        y.used = False
+        lock = b.datadir._writer._lock
+        # The writer held, as a round would: the park waits first, the sweep's delete next.
+        async with trio.open_nursery() as nursery, b.datadir._writer.paused():
+            nursery.start_soon(b.registry.park, y)
+            await wait_until(lambda: lock.statistics().tasks_waiting == 1)
+            nursery.start_soon(b.sweep)  # its delete of `old` waits behind the park
+            await wait_until(lambda: lock.statistics().tasks_waiting == 2)
+        assert "old" not in b.queues and "y" in b.registry.parked
+        del y
+        for _ in range(3):  # loads y: its items expire (now, from its files)
+            assert await b.get("y") is None
+
+        def moved() -> int:
+            return sum(f["items"] for n, f in b.queue_stats() if n == "dead")
+        await wait_until(lambda: moved() >= 2)
+        for _ in range(20):  # (a move of the stale state may land a little later)
+            await trio.sleep(0.01)
+        got = await b.get_many("dead", max_items=10)
+        assert sorted(it.data for it in got) == [b"e1", b"e2"]
