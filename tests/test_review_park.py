@@ -11,32 +11,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import trio
-from server_util import WAIT, Conn, make_config, running
+from server_util import Conn, running
+from test_parking import VOLATILE, cfg, parked, wait_until
 
-from queued.config import ServerConfig
 from queued.core.open_reads import OpenReads
-from queued.server.listeners import Server
-
-FAST = {"park_after": "100ms", "checkpoint_interval": "50ms", "expiration_timer": "1h"}
-VOLATILE = {"mem_items", "mem_bytes", "oldest_item_age_msec"}
-
-
-def cfg(tmp_path: Path, toml: str | None = None, **settings: object) -> ServerConfig:
-    return make_config(tmp_path / "data", toml, **{**FAST, **settings})
-
-
-async def wait_until(what: Callable[[], bool], timeout: float = WAIT) -> None:
-    with trio.fail_after(timeout):
-        while not what():
-            await trio.sleep(0.01)
-
-
-async def parked(server: Server, *names: str) -> None:
-    await wait_until(lambda: all(n in server.broker.registry.parked for n in names))
 
 
 def open_files_under(path: Path) -> list[str]:
