@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import trio
-from server_util import Conn, running
+from server_util import Conn, http_get, running
 from test_parking import VOLATILE, cfg, parked, wait_until
 
 from queued.core.open_reads import OpenReads
@@ -207,3 +207,21 @@ async def test_sweep_does_not_expire_items_of_a_queue_parked_meanwhile(tmp_path:
             await trio.sleep(0.01)
         got = await b.get_many("dead", max_items=10)
         assert sorted(it.data for it in got) == [b"e1", b"e2"]
+
+
+async def test_console_page_of_a_parked_queue_that_cannot_load(tmp_path: Path) -> None:
+    """The console's page of a parked queue whose files are gone answers an error (as
+    the protocols do) and the server goes on serving."""
+    data = tmp_path / "data"
+    async with running(cfg(tmp_path)) as server:
+        conn = await Conn.open(server.ports["memcache"])
+        assert await conn.set("gone", b"x") == b"STORED"
+        await parked(server, "gone")
+        for name in os.listdir(data):
+            if name.startswith("gone.") and ".read" not in name:
+                (data / name).unlink()
+        status, _, body = await trio.to_thread.run_sync(
+            http_get, server.ports["http"], "/api/queues/gone")
+        assert status == 503 and b"loading it from disk failed" in body
+        assert await conn.set("other", b"y") == b"STORED"
+        await conn.aclose()
