@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import re
 from pathlib import Path
 
 import trio
-from server_util import Conn, http_get, running
+from server_util import WAIT, Conn, ServerProcess, data_files, http_get, pymc, running
 from test_parking import VOLATILE, cfg, parked, wait_until
 
 from queued.core.open_reads import OpenReads
@@ -224,4 +225,58 @@ async def test_console_page_of_a_parked_queue_that_cannot_load(tmp_path: Path) -
             http_get, server.ports["http"], "/api/queues/gone")
         assert status == 503 and b"loading it from disk failed" in body
         assert await conn.set("other", b"y") == b"STORED"
+        await conn.aclose()
+
+
+def test_sigkill_after_park_load_put_cycles_recovers_in_order(tmp_path: Path) -> None:
+    """Park, load by a get and a put (a new segment each time), park again, a few times;
+    then SIGKILL: the restarted server has exactly the unconsumed items, in order."""
+    from test_parking import _deadline, _server
+
+    def wait_parked(proc: ServerProcess) -> None:
+        with _deadline(WAIT) as left:
+            while left():
+                _, _, body = http_get(proc.http, "/metrics")
+                if re.search(rb"^queued_parked_queues 1\.0$", body, re.M):
+                    return
+        raise AssertionError("never parked")
+
+    for proc in _server(tmp_path):
+        proc.start()
+        client = pymc(proc.memcache)
+        expect: list[bytes] = []
+        for cycle in range(4):
+            for i in range(3):
+                assert client.set("cyc", b"%d-%d" % (cycle, i))
+                expect.append(b"%d-%d" % (cycle, i))
+            assert client.get("cyc") == expect.pop(0)
+            wait_parked(proc)
+        segments = [n for n in data_files(tmp_path / "data")
+                    if n.startswith("cyc.") and ".read" not in n]
+        assert 1 <= len(segments) <= 4  # compaction keeps up with the new segments
+        client.close()
+        proc.kill()
+        proc.start()
+        client = pymc(proc.memcache)
+        got = [client.get("cyc") for _ in range(len(expect) + 1)]
+        client.close()
+        assert got == [*expect, None]
+
+
+async def test_max_queues_counts_parked_readers(tmp_path: Path) -> None:
+    """Fanout readers of a parked queue count towards max_queues: parking frees no room
+    for new queues or readers, and loading it takes none."""
+    async with running(cfg(tmp_path, max_queues=4)) as server:
+        conn = await Conn.open(server.ports["memcache"])
+        assert await conn.set("f", b"x") == b"STORED"
+        assert await conn.get("f+a") == b"x"  # takes over: still one name
+        assert await conn.get("f+b") is None
+        assert await conn.get("f+c") is None  # f+a, f+b, f+c: three names
+        assert await conn.set("g", b"x") == b"STORED"  # four
+        await parked(server, "f", "g")
+        assert server.broker.registry.names() == 4
+        assert (await conn.set("h", b"x")).startswith(b"SERVER_ERROR")
+        assert (await conn.cmd(b"get f+d")).startswith(b"SERVER_ERROR")  # loads f, no room
+        assert "f" in server.broker.queues and server.broker.registry.names() == 4
+        assert await conn.get("g") == b"x"
         await conn.aclose()
