@@ -473,6 +473,8 @@ class Broker:
         it loads); delete queues past max_queue_age, parked ones too (idle if empty)."""
         now = self.clock()
         for qs in list(self.queues.values()):
+            if self.queues.get(qs.name) is not qs:
+                continue  # parked (or deleted) while an earlier queue was being deleted
             for h in list(qs.readers.values()):
                 qs.expire_head(h, now, h.config.max_expire_sweep)
             age = qs.config.max_queue_age

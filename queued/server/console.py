@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Final
 from urllib.parse import unquote
 
 from queued.core.access import Grant, Permission
+from queued.core.errors import JournalError
 from queued.core.wire import ArgumentError, parse_address
 from queued.server.replies import JSON, Reply, json_reply
 
@@ -150,6 +151,15 @@ class Console:
         missing = self._find(name, grant, broker)
         if missing is not None:
             return missing
+        try:
+            return await self._queue_route(method, name, action, api, headers, grant,
+                                           broker, scheme)
+        except JournalError as exc:  # a parked queue that cannot load (logged)
+            return json_reply(503, {"error": str(exc), "name": name})
+
+    async def _queue_route(self, method: bytes, name: str, action: str, api: bool,
+                           headers: list[tuple[bytes, bytes]], grant: Grant | None,
+                           broker: Broker, scheme: str) -> Reply:
         if not api or not action:
             if method == b"POST" or action:
                 return _method_not_allowed()

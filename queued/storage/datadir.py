@@ -37,9 +37,9 @@ from queued.storage.files import (
     fsync_dir,
     write_checkpoint,
 )
-from queued.storage.journal import QueueJournal
+from queued.storage.journal import Planned, QueueJournal, ReaderWork
 from queued.storage.recovery import Damage, scan_segment
-from queued.storage.writer import ReaderFile, Writer
+from queued.storage.writer import ReaderFile, Writer, WriteResult
 
 log = logging.getLogger("queued.datadir")
 
@@ -60,18 +60,30 @@ class QueueRecovery:
 class RecoveryReport:
     queues: dict[str, QueueRecovery] = field(default_factory=dict)
     seconds: float = 0.0
+    #: the totals of queues dropped from `queues` since (parked: see DataDir.park_queue),
+    #: so the report's figures stay what the start-up recovery found
+    forgotten: QueueRecovery = field(default_factory=lambda: QueueRecovery(""))
+
+    def forget(self, name: str) -> None:
+        """Drop queue `name`'s entry (its memory), keeping its figures in the totals."""
+        rep = self.queues.pop(name, None)
+        if rep is not None:
+            self.forgotten.records += rep.records
+            self.forgotten.bytes += rep.bytes
+            self.forgotten.truncated_bytes += rep.truncated_bytes
 
     @property
     def records(self) -> int:
-        return sum(q.records for q in self.queues.values())
+        return self.forgotten.records + sum(q.records for q in self.queues.values())
 
     @property
     def bytes(self) -> int:
-        return sum(q.bytes for q in self.queues.values())
+        return self.forgotten.bytes + sum(q.bytes for q in self.queues.values())
 
     @property
     def truncated_bytes(self) -> int:
-        return sum(q.truncated_bytes for q in self.queues.values())
+        return self.forgotten.truncated_bytes + sum(
+            q.truncated_bytes for q in self.queues.values())
 
     def summary(self) -> str:
         return (
@@ -305,7 +317,7 @@ class DataDir:
                     or not detach(j)):
                 return False
             del self.queues[name]
-            self.report.queues.pop(name, None)
+            self.report.forget(name)  # (its figures stay in the totals)
             j.close()
             try:
                 j.close_files()  # nothing to fsync (checked above): closing is all it does
@@ -459,15 +471,24 @@ class DataDir:
                     )
                 finally:
                     self._in_round = False
-                for (j, chunks), result in zip(work, results, strict=True):
-                    j.finish_round(chunks, result)
-                for j, ops in readers:
-                    j.finish_reader_ops(ops)
-                # Not kept until the next round: a parked queue's journal must go now.
-                work.clear()
-                readers.clear()
+                self._finish_round(work, results, readers)
+                # Not kept until the next round (an idle server may have none for long):
+                # a parked queue's journal and files must go now.
+                del work, readers, results, periodic
         finally:
             self._writer_done.set()
+
+    @staticmethod
+    def _finish_round(
+        work: list[tuple[QueueJournal, list[Planned]]], results: Sequence[WriteResult],
+        readers: list[tuple[QueueJournal, ReaderWork]],
+    ) -> None:
+        """Back from a round: note what was written (a function of its own, so its loop
+        variables do not keep the last journal alive in the writer loop's frame)."""
+        for (j, chunks), result in zip(work, results, strict=True):
+            j.finish_round(chunks, result)
+        for j, ops in readers:
+            j.finish_reader_ops(ops)
 
     async def aclose(self) -> None:
         """Finish pending appends, fsync and close every segment; NotSavedError lists the
