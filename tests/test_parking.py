@@ -181,6 +181,40 @@ async def test_delete_and_flush_all_of_parked_queues(tmp_path: Path) -> None:
         await conn.aclose()
 
 
+
+async def test_flush_all_lets_other_work_run_between_loads(tmp_path: Path) -> None:
+    """flush_all loads each parked queue holding items: it yields after each load, so
+    a flush_all over many of them does not hold the event loop in one go; a queue
+    loaded by somebody else meanwhile is flushed all the same."""
+    names = [f"f{i}" for i in range(12)]
+    async with running(cfg(tmp_path)) as server:
+        conn = await Conn.open(server.ports["memcache"])
+        for q in names:
+            assert await conn.set(q, b"x") == b"STORED"
+        await parked(server, *names)
+        broker = server.broker
+        turns = 0
+        flushed: list[int] = []
+
+        async def flush() -> None:
+            flushed.append(await broker.flush_all())
+
+        async def other() -> None:
+            nonlocal turns
+            while not flushed:
+                turns += 1
+                if turns == 3:  # a use loads a queue the flush has not reached yet
+                    broker.registry.queue(names[-1])
+                await trio.sleep(0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flush)
+            nursery.start_soon(other)
+        assert flushed == [len(names)]
+        assert turns >= len(names) - 2  # it ran between the loads, not after them all
+        assert all(stats_of(server)[q]["items"] == 0 for q in names)
+        await conn.aclose()
+
 async def test_max_queues_counts_parked_queues(tmp_path: Path) -> None:
     async with running(cfg(tmp_path, max_queues=3)) as server:
         conn = await Conn.open(server.ports["memcache"])

@@ -390,21 +390,35 @@ class Broker:
         found = self.registry.find(queue, reader)
         return found[1].flush() if found is not None else 0
 
-    def flush_all(self) -> int:
-        n = sum(h.flush() for qs in self.queues.values() for h in qs.readers.values())
-        # Parked: one holding items loads (and parks again later); an empty one only
-        # counts the flush in its summary.
-        for name, p in self.registry.parked_views():
+    async def flush_all(self) -> int:
+        """Flush every queue; the number of items flushed.
+
+        A parked queue holding items loads to be flushed (and parks again later); an
+        empty one only counts the flush in its summary. A load reads files (~0.3 ms,
+        ~4 ms at the parking limits), so the loop lets other tasks run after each one:
+        a flush_all over thousands of parked queues does not hold the event loop for
+        seconds. Queue by queue, as Kestrel's, not one atomic step across queues.
+        """
+        n = sum(h.flush() for qs in list(self.queues.values()) for h in qs.readers.values())
+        registry = self.registry
+        for name in list(registry.parked):
+            data = registry.parked.get(name)
+            if data is None:  # loaded since the loop above (or deleted): flush it there
+                loaded = self.queues.get(name)
+                n += sum(h.flush() for h in loaded.readers.values()) if loaded else 0
+                continue
+            p = parking.unpack(data)
             if p.empty:
                 for r in p.readers:
                     r.counters.flushes += 1
-                self.registry.parked[name] = parking.pack(p)
-            else:
-                try:
-                    qs = self.registry.unpark(name)
-                except JournalError:
-                    continue  # (logged) the others are flushed all the same
-                n += sum(h.flush() for h in qs.readers.values())
+                registry.parked[name] = parking.pack(p)
+                continue
+            try:
+                qs = registry.unpark(name)
+            except JournalError:
+                continue  # (logged) the others are flushed all the same
+            n += sum(h.flush() for h in qs.readers.values())
+            await trio.lowlevel.checkpoint()
         return n
 
     def flush_expired(self, queue: str, reader: str | None = None) -> int:

@@ -114,7 +114,7 @@ async def flush(conn: Conn, cmd: c.Flush, req: c.Request) -> c.Reply:
 
 
 async def flush_all(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
-    return c.Count(conn.broker.flush_all())
+    return c.Count(await conn.broker.flush_all())
 
 
 async def flush_expired(conn: Conn, cmd: c.FlushExpired, req: c.Request) -> c.Reply:
