@@ -43,12 +43,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
+from operator import attrgetter
 from typing import Any, Final, Protocol
 
 from queued.core.journal_format import DelayedPut, Put
 from queued.core.packed_items import BLOCK_ITEMS, SMALL_MAX, PackedItems
 
 Item = Put
+_PUT_ONLY: Final = frozenset({Put})  # (a DelayedPut is a Put subclass: not in it)
+_DATA = attrgetter("data")
 
 #: Delay heap keys: due ms << DUE_SHIFT | id << SIZE_BITS | data size.
 SIZE_BITS = 32
@@ -354,6 +357,24 @@ class Reader:
     def add(self, items: Iterable[Item]) -> None:
         """Durable items, in id order; ids at or below `tail` are ignored."""
         cap = self.limits.max_memory_size
+        if type(items) is not list:
+            items = list(items)
+        if (self.behind is None and items and items[0].id > self.tail
+                and _PUT_ONLY.issuperset(map(type, items))):
+            # The usual case (one append's plain puts, all new, all fitting in memory) in bulk.
+            nbytes = sum(map(len, map(_DATA, items)))
+            if self.mem_bytes + nbytes <= cap:
+                k = len(items)
+                self.tail = items[-1].id
+                self.items += k
+                self.bytes += nbytes
+                self.counters.total_items += k
+                mem = self._mem()
+                mem.extend(items)
+                self.mem_bytes += nbytes
+                if len(mem) >= self.pack_at:
+                    self._pack()
+                return
         mem = self.mem
         for it in items:
             if it.id <= self.tail:
