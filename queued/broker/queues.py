@@ -310,15 +310,17 @@ class QueueState:
         nbytes = 0
         expired: list[Item] = []
         now = self.clock()
+        bulk = True  # (off once take_held finds the next items are not plain ones)
         try:
             while len(out) < max_items and not (max_bytes and nbytes >= max_bytes):
                 want = max_items - len(out)
-                if want > 1:  # (for one item, take's path is as quick)
+                if bulk and want > 1:  # (for one item, take's path is as quick)
                     run = r.take_held(now, want, max_bytes - nbytes if max_bytes else 0)
                     if run:
                         out += run
                         nbytes += sum([len(it.data) for it in run])
                         continue
+                    bulk = False  # expiring, returned or delayed items: one at a time
                 it = r.take(now, expired)
                 if it is None:
                     self.dispose_expired(h, expired)
@@ -333,6 +335,7 @@ class QueueState:
                             break  # serve what we have; the next get reports it
                         raise
                     now = self.clock()
+                    bulk = True  # read back from disk: plain ones, perhaps
                     continue
                 r.hold(it)
                 out.append(it)

@@ -123,7 +123,6 @@ NO_ENTRIES: Final[Any] = _NoEntries()
 NO_IDS: Final[Any] = frozenset()
 
 
-
 def _count_within(items: Iterator[Item], limit: int, max_bytes: int) -> int:
     """How many of `items` (at most `limit`) a get takes: with `max_bytes`, it stops
     once that much data is reached (one item at least)."""
@@ -136,6 +135,7 @@ def _count_within(items: Iterator[Item], limit: int, max_bytes: int) -> int:
         total += len(it.data)
         k += 1
     return k
+
 
 class ReaderLimits(Protocol):
     """The part of QueueConfig a reader needs."""
@@ -587,12 +587,14 @@ class Reader:
         if (self.front or self.due or limit <= 0
                 or (self.delayed and self.delayed[0] >> DUE_SHIFT <= now_ms)):
             return []
+        if not self.unpacked and self.packed:
+            self._unpack()
         run = self.unpacked  # newest first
         if run:
             k = _count_within(reversed(run), min(limit, len(run)), max_bytes)
             items = run[-k:]
             items.reverse()
-        elif self.mem and not self.packed:
+        elif self.mem:  # (nothing packed: it would come first)
             k = _count_within(iter(self.mem), min(limit, len(self.mem)), max_bytes)
             items = list(islice(self.mem, k))
         else:
