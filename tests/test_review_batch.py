@@ -7,15 +7,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import trio.testing
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_broker import T0, FakeClock, datas, make_config
+from test_broker import T0, FakeClock, advance, datas, frozen_clock, make_config
 from test_queue import Limits, SmallPackReader, held, read_range, reader, replay, take_open
 
 from queued.broker.upkeep import open_broker
 from queued.core.journal_format import DelayedPut, Put
-from queued.core.open_reads import OpenReads
+from queued.core.open_reads import TIMEOUT_HEAP_MIN, OpenReads
 from queued.core.queue import Reader
+
+
+@pytest.fixture
+def trio_clock() -> trio.testing.MockClock:
+    return frozen_clock()
 
 
 async def test_confirmed_due_item_is_not_delivered_again_after_a_restart(
@@ -162,7 +168,7 @@ def test_bulk_take_and_confirm_match_the_per_item_paths(
     for op, a, b, c in ops:
         if op == "put":
             puts: list[Put] = []
-            for k in range(c % 4 + 1):
+            for _ in range(c % 4 + 1):
                 next_id += 1
                 data = bytes([next_id % 256]) * (a % 50 + 1)
                 exp = now + b if b % 5 == 1 else None
@@ -230,3 +236,60 @@ def test_bulk_take_and_confirm_match_the_per_item_paths(
                     for i in left if type(p.store[i]) is DelayedPut or i in r.delays)
                 setattr(p, name, fresh)
         assert p.state(p.bulk) == p.state(p.single), op
+
+
+# -- open-read timeouts of batches ------------------------------------------------------------
+
+
+async def test_a_batch_partly_confirmed_times_out_the_rest_once(
+    tmp_path: Path, trio_clock: trio.testing.MockClock
+) -> None:
+    """One timeout-heap entry stands for a get's batch: the reads confirmed (in any
+    order) stay confirmed, the rest come back once each, the heap is emptied, and a
+    restart delivers exactly the unconfirmed ones."""
+    toml = "[queues.q]\nopen_transaction_timeout = 1000\n"
+    cfg = make_config(tmp_path, toml)
+    async with open_broker(cfg) as broker:
+        await broker.put("q", [b"%d" % i for i in range(1, 7)])
+        c = broker.register(OpenReads())
+        got = await broker.get_many("q", max_items=5, client=c, open=True)
+        assert datas(got) == [b"1", b"2", b"3", b"4", b"5"]  # type: ignore[arg-type]
+        assert broker.statistics().timeouts.entries == 5
+        assert broker.confirm(c, "q", ids=[got[3].id, got[0].id]) == 2
+        await advance(trio_clock, 1.5)
+        s = broker.statistics()
+        assert (s.open_reads, s.timeouts.entries, c.open_total) == (0, 0, 0)
+        back = await broker.get_many("q", max_items=10)
+        assert datas(back) == [b"2", b"3", b"5", b"6"]  # type: ignore[arg-type]
+        assert [it.error_count for it in back] == [1, 1, 1, 0]
+        await advance(trio_clock, 5)  # nothing is due twice
+        assert await broker.get_many("q", max_items=10) == []
+    async with open_broker(cfg) as broker:
+        assert await broker.get_many("q", max_items=10) == []
+
+
+async def test_a_get_confirm_loop_keeps_the_timeout_heap_bounded(
+    tmp_path: Path, trio_clock: trio.testing.MockClock
+) -> None:
+    """Batches opened and confirmed at once leave closed reads in the heap; compaction
+    keeps them within twice the open reads (never under TIMEOUT_HEAP_MIN), and keeps the
+    deadline of a read still open: it times out."""
+    toml = "[queues.q]\nopen_transaction_timeout = 60000\n"
+    async with open_broker(make_config(tmp_path, toml)) as broker:
+        c = broker.register(OpenReads())
+        await broker.put("q", [b"stay"])
+        (stay,) = await broker.get_many("q", max_items=1, client=c, open=True)
+        biggest = 0
+        for _ in range(120):  # 120 x 100 reads: three times TIMEOUT_HEAP_MIN
+            await broker.put("q", [b"x"] * 100)
+            got = await broker.get_many("q", max_items=100, client=c, open=True)
+            assert len(got) == 100
+            assert broker.confirm(c, "q", ids=[it.id for it in got]) == 100
+            biggest = max(biggest, broker.statistics().timeouts.entries)
+        s = broker.statistics()
+        assert s.timeouts.compactions >= 2 and biggest <= TIMEOUT_HEAP_MIN
+        assert c.open_total == 1
+        await advance(trio_clock, 61)
+        assert c.open_total == 0
+        assert datas(await broker.get_many("q", max_items=5)) == [b"stay"]  # type: ignore[arg-type]
+        assert stay.data == b"stay"
