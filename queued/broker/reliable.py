@@ -154,12 +154,20 @@ class ReliableReads:
     def expire(self, now: float) -> int:
         """Return every open read whose deadline (trio time) is <= now; how many."""
         due = self.timeouts.pop_due(now)
+        # Returned together per queue and reader name, so a batch that timed out goes
+        # back lowest id first, as an abort's does (one at a time, each went to the
+        # head in turn: the batch came back reversed).
+        back: dict[tuple[str, str], list[int]] = {}
         for t in due:
             qs = self.queues.get(t.queue)
             if qs is not None and qs.owner(t.reader, t.item_id) is not None:
                 log.info("queue %s: open read %d of %s timed out, returned to the queue",
                          t.queue, t.item_id, t.reads.name)
-                self._return(qs, t.reader, [t.item_id], count_error=True)
+                back.setdefault((t.queue, t.reader), []).append(t.item_id)
+        for (queue, rname), ids in back.items():
+            qs = self.queues.get(queue)
+            if qs is not None:
+                self._return(qs, rname, ids, count_error=True)
         return len(due)
 
     def forget(self, queue: str, reader: str | None, h: Handle | None) -> None:

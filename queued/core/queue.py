@@ -689,7 +689,21 @@ class Reader:
                 self.done = set()
             self.done.add(item_id)
         elif item_id > self.head:
-            self.head = item_id
+            if self._waits_below(item_id):  # (a due item came before lower ids)
+                if self.done is NO_IDS:
+                    self.done = set()
+                self.done.add(item_id)
+            else:
+                self.head = item_id
+
+    def _waits_below(self, item_id: int) -> bool:
+        """An available item (held or on disk) has a lower id than `item_id`: so it is
+        when a due item was delivered ahead of them and a checkpoint since found nothing
+        delayed (`delay_low` None) -- its consume must not move the head past them."""
+        first = self._next_held()
+        if first is not None:
+            return first.id < item_id
+        return self.behind is not None and self.behind < item_id
 
     # -- reliable reads ----------------------------------------------------------------
 
@@ -724,13 +738,15 @@ class Reader:
         if self.errors:
             for i in done:
                 self.errors.pop(i, None)
-        if self.open or self.front or self.moving or self.delay_low is not None:
+        top = max(done)
+        if (self.open or self.front or self.moving or self.delay_low is not None
+                or (top > self.head and self._waits_below(top))):
             if self.done is NO_IDS:
                 self.done = set()
             self.done.update(done)
         else:
             # As `consume` does for the last of them: nothing lower is outstanding.
-            self.head = max(self.head, max(done))
+            self.head = max(self.head, top)
         return done
 
     def abort(self, item_id: int, *, count_error: bool) -> Item | None:
