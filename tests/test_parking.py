@@ -55,6 +55,15 @@ async def parked(server: Server, *names: str) -> None:
     await wait_until(lambda: all(n in server.broker.registry.parked for n in names))
 
 
+async def park_each(server: Server, names: list[str]) -> Conn:
+    """A memcache connection that put one item in each of `names`, once all are parked."""
+    conn = await Conn.open(server.ports["memcache"])
+    for q in names:
+        assert await conn.set(q, b"x") == b"STORED"
+    await parked(server, *names)
+    return conn
+
+
 def stable(fields: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in fields.items() if k not in VOLATILE}
 
@@ -181,17 +190,13 @@ async def test_delete_and_flush_all_of_parked_queues(tmp_path: Path) -> None:
         await conn.aclose()
 
 
-
 async def test_flush_all_lets_other_work_run_between_loads(tmp_path: Path) -> None:
     """flush_all loads each parked queue holding items: it yields after each load, so
     a flush_all over many of them does not hold the event loop in one go; a queue
     loaded by somebody else meanwhile is flushed all the same."""
     names = [f"f{i}" for i in range(12)]
     async with running(cfg(tmp_path)) as server:
-        conn = await Conn.open(server.ports["memcache"])
-        for q in names:
-            assert await conn.set(q, b"x") == b"STORED"
-        await parked(server, *names)
+        conn = await park_each(server, names)
         broker = server.broker
         turns = 0
         flushed: list[int] = []

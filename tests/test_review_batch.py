@@ -10,10 +10,10 @@ import pytest
 import trio.testing
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from server_util import Conn, running
+from server_util import running
 from test_broker import T0, FakeClock, advance, datas, frozen_clock, make_config
 from test_parking import cfg as park_cfg
-from test_parking import parked, stats_of
+from test_parking import park_each, stats_of
 from test_queue import Limits, SmallPackReader, held, read_range, reader, replay, take_open
 
 from queued.broker.upkeep import open_broker
@@ -307,10 +307,7 @@ async def test_flush_all_racing_a_delete_and_a_put_of_parked_queues(tmp_path: Pa
     not load it back), the others are flushed, and nothing raises."""
     names = [f"f{i}" for i in range(8)]
     async with running(park_cfg(tmp_path)) as server:
-        conn = await Conn.open(server.ports["memcache"])
-        for q in names:
-            assert await conn.set(q, b"x") == b"STORED"
-        await parked(server, *names)
+        conn = await park_each(server, names)
         broker = server.broker
         flushed: list[int] = []
 
