@@ -1250,3 +1250,20 @@ def test_the_shared_empty_containers_refuse_writes() -> None:
     with pytest.raises(TypeError):
         journal_module.NO_ENTRIES[1] = 2
     assert NO_ENTRIES.pop(1, None) is None and not NO_ENTRIES and not NO_IDS
+
+
+async def test_a_get_reads_back_a_due_item_whose_data_is_on_disk(tmp_path: Path) -> None:
+    """After a restart a delayed item's data stays in its segment; once due, a get
+    (plain, reliable or peek) reads it back then and there, as a batch get does,
+    rather than miss until the background fetch has run."""
+    clock = FakeClock()
+    cfg = make_config(tmp_path)
+    async with open_broker(cfg, clock=clock) as broker:
+        await broker.put("q", [b"later"], delay_ms=1000)
+        await broker.put("r", [b"later"], delay_ms=1000)
+    clock.now += 2000
+    async with open_broker(cfg, clock=clock) as broker:
+        assert datas([await broker.get("q", peek=True)]) == [b"later"]
+        assert datas([await broker.get("q")]) == [b"later"]
+        c = broker.register(OpenReads())
+        assert datas([await broker.get("r", client=c, open=True)]) == [b"later"]

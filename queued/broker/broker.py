@@ -214,9 +214,10 @@ class Broker:
                     self.background.start_refill(qs, h)
                 self.get_latency.observe(time.perf_counter() - started)
                 return it
-            if h.reader.behind is None or h.closed:
+            fetch = h.reader.wants_fetch()  # (a due item whose data is on disk)
+            if (h.reader.behind is None and not fetch) or h.closed:
                 break
-            await qs.refill_once(h)
+            await (qs.fetch_once(h) if fetch else qs.refill_once(h))
         if timeout_ms <= 0 or h.closed or self.closing:
             self.counters.get_misses += 1
             self.get_latency.observe(time.perf_counter() - started)
