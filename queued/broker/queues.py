@@ -128,8 +128,8 @@ class QueueState:
         self.create_time_ms = clock()
         self._reader_lock: trio.Lock | None = None  # made on first use (~0.5 KiB a lock)
         self.deleted = False
-        #: reader -> why its last checkpoint write failed (until one succeeds)
-        #: reader -> why its last checkpoint failed (a dict from the first failure on)
+        #: reader -> why its last checkpoint write failed, until one succeeds (a dict from
+        #: the first failure on)
         self.unsaved_checkpoints: dict[str, str] = NO_ENTRIES
         #: tasks inside an operation that yields before it shows (a put making room)
         self.busy = 0
