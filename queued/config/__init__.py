@@ -38,6 +38,7 @@ from queued.config.policies import (
     FullPolicy,
     JournalConfig,
     MiB,
+    RequestPath,
 )
 from queued.config.settings import QueueConfig, ServerConfig
 
@@ -59,6 +60,7 @@ __all__ = [
     "MiB",
     "Parser",
     "QueueConfig",
+    "RequestPath",
     "ServerConfig",
     "add_serve_arguments",
     "describe",

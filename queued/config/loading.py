@@ -35,7 +35,13 @@ from queued.config.keys import (
     format_size,
     parse_path,
 )
-from queued.config.policies import CorruptionPolicy, FsyncMode, FsyncPolicy, FullPolicy
+from queued.config.policies import (
+    CorruptionPolicy,
+    FsyncMode,
+    FsyncPolicy,
+    FullPolicy,
+    RequestPath,
+)
 from queued.config.settings import QueueConfig, ServerConfig, no_queue_sections, override
 from queued.core.errors import QueuedError
 from queued.core.journal_format import valid_name
@@ -313,7 +319,7 @@ def _toml_value(key: str, value: object) -> str:
     if isinstance(value, FsyncPolicy):
         text = f"{value.interval_ms}ms" if value.mode is FsyncMode.PERIODIC else value.mode.value
         return _quote(text)
-    if isinstance(value, FullPolicy | CorruptionPolicy):
+    if isinstance(value, FullPolicy | CorruptionPolicy | RequestPath):
         return _quote(value.value)
     return _quote(str(value))
 
