@@ -17,7 +17,10 @@ Workloads, per payload size and fsync mode, on one shared queue (redis: one list
   ``--items`` items or ``--seconds``, whichever ends first; the final backlog is reported.
 
 queued: ``set q 0 0 <n>`` / ``get q`` (``END`` = empty: a miss, retried after
-``--miss-backoff-ms``). redis: ``LPUSH q data`` / ``RPOP q`` with ``appendonly yes`` and
+``--miss-backoff-ms``), or with ``--long-poll-ms MS`` the long poll Kestrel consumers use,
+``get q/t=MS`` (an empty reply after the timeout is a miss, retried at once; memcache only,
+so redis is skipped). ``--request-path tasks|reactor`` starts queued with
+``QUEUED_REQUEST_PATH``. redis: ``LPUSH q data`` / ``RPOP q`` with ``appendonly yes`` and
 ``appendfsync always`` (fsync ``always``) or ``no`` (fsync ``never``).
 
 ``--rss`` adds the backlog test: queued with ``max_memory_size = "8MiB"`` gets a backlog
@@ -245,6 +248,9 @@ class ConnSpec:
     role: str  # "put" or "get"
     quota: int  # items to complete on this connection
     queues: list[str] | None = None  # rotate over these queues (default: the spec's queue)
+    pipeline: int | None = None  # requests in flight on this connection (default: the spec's)
+    background: bool = False  # runs only while a connection that is not background runs:
+    # stops sending once every foreground connection (in every client process) is done
 
 
 @dataclass
@@ -266,6 +272,8 @@ class WorkerSpec:
     fill: str = "x"  # payload bytes: "x" (all b"x", compressible) or "random" (a ring of
     # distinct random payloads per connection: incompressible, like real data)
     tls_ca: str | None = None  # TLS, verifying the server with this CA file
+    long_poll_ms: int = 0  # > 0: gets are long polls `get <q>/t=<ms>`; an empty reply (the
+    # poll timed out) is a miss retried at once, and does not extend the get role's window
 
 
 @dataclass
@@ -293,6 +301,7 @@ class RoleResult:
 
 class Conn:
     __slots__ = (
+        "background",
         "backoff_until",
         "batches",
         "closed",
@@ -306,6 +315,7 @@ class Conn:
         "misses",
         "ok",
         "parse",
+        "pipeline",
         "quota",
         "rbuf",
         "recv",
@@ -317,7 +327,8 @@ class Conn:
     )
 
     def __init__(self, sock: socket.socket, role: str, quota: int, request: bytes,
-                 parse: Any, make: Callable[[int, int], bytes] | None = None) -> None:
+                 parse: Any, make: Callable[[int, int], bytes] | None = None,
+                 pipeline: int = 1, background: bool = False) -> None:
         self.sock = sock
         # plain sockets: their own methods (no cost added); TLS: wrappers that turn "want
         # read/write" into BlockingIOError, as a non-blocking socket says it
@@ -329,6 +340,8 @@ class Conn:
         self.request = request  # sent `n` times, unless there is a maker:
         self.make = make  # make(n, send_ns) -> the bytes of the next n requests
         self.parse = parse
+        self.pipeline = pipeline
+        self.background = background
         self.inflight = 0
         self.ok = self.errors = self.misses = 0
         self.batches: collections.deque[list[int]] = collections.deque()  # [count, sent_ns]
@@ -384,9 +397,12 @@ def tls_io(sock: ssl.SSLSocket) -> tuple[Callable[[bytes], int], Callable[[int],
     return send, recv
 
 
-def worker_main(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> None:
+def worker_main(spec: WorkerSpec, pipe: multiprocessing.connection.Connection,
+                fg_left: Any = None) -> None:
+    """One client process. `fg_left`: a shared count of the foreground connections (of all
+    processes) not done yet, when some connections are background (ConnSpec.background)."""
     try:
-        _worker(spec, pipe)
+        _worker(spec, pipe, fg_left)
     except BaseException as exc:  # report, never hang the parent
         with contextlib.suppress(Exception):
             pipe.send({"error": f"{exc!r}\n{traceback.format_exc()}"})
@@ -447,7 +463,8 @@ def ring_maker(requests: list[bytes]) -> Callable[[int, int], bytes]:
     return make
 
 
-def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> None:
+def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection,
+            fg_left: Any) -> None:
     size = spec.payload
     if spec.stamp and size < STAMP:
         raise ValueError(f"a stamped payload needs >= {STAMP} bytes")
@@ -469,6 +486,8 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
         def parse_get(buf: bytes) -> tuple[int, int, int, int, bytes]:
             return parse_resp_get(buf, size, e2e)
 
+    # a long poll first, then any other options: `get q/t=100/close/open`
+    get_options = (f"/t={spec.long_poll_ms}" if spec.long_poll_ms else "") + spec.get_options
     ep = select.epoll()
     conns: dict[int, Conn] = {}
     for cs in spec.conns:
@@ -491,10 +510,12 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
             stamp_at = len(reqs[0]) - size - 2 if spec.stamp else None
             if stamp_at is not None and any(len(r) != len(reqs[0]) for r in reqs):
                 raise ValueError("stamped puts need queue names of one length")
-            c = Conn(sock, "put", cs.quota, reqs[0], parse_put, request_maker(reqs, stamp_at))
+            c = Conn(sock, "put", cs.quota, reqs[0], parse_put, request_maker(reqs, stamp_at),
+                     cs.pipeline or spec.pipeline, cs.background)
         else:
-            reqs = [get_request(q + spec.get_options) for q in queues]
-            c = Conn(sock, "get", cs.quota, reqs[0], parse_get, request_maker(reqs, None))
+            reqs = [get_request(q + get_options) for q in queues]
+            c = Conn(sock, "get", cs.quota, reqs[0], parse_get, request_maker(reqs, None),
+                     cs.pipeline or spec.pipeline, cs.background)
         conns[c.fd] = c
         ep.register(c.fd, select.EPOLLIN)
     pipe.send({"ready": True})
@@ -505,15 +526,19 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
     t0 = clock()
     stop_ns = t0 + int(spec.seconds * NS)
     hard_ns = stop_ns + int(spec.grace * NS)
-    backoff_ns = int(spec.miss_backoff_ms * 1e6)
-    pipeline = spec.pipeline
+    long_poll = spec.long_poll_ms > 0
+    backoff_ns = 0 if long_poll else int(spec.miss_backoff_ms * 1e6)
     batch = spec.batch
     ein, eout = select.EPOLLIN, select.EPOLLOUT
+    # background connections stop once no foreground one is left (fg_left reaches 0)
+    watch = fg_left is not None and any(c.background for c in conns.values())
+    fg_done = False
 
     def refill(c: Conn, now: int) -> None:
-        if c.closed or now >= stop_ns or now < c.backoff_until or (batch and c.inflight):
+        if (c.closed or now >= stop_ns or now < c.backoff_until or (batch and c.inflight)
+                or (c.background and fg_done)):
             return
-        n = min(pipeline - c.inflight, c.quota - c.ok - c.errors - c.inflight)
+        n = min(c.pipeline - c.inflight, c.quota - c.ok - c.errors - c.inflight)
         if n <= 0:
             return
         t = clock()
@@ -534,12 +559,26 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
             ep.modify(c.fd, ein | eout)
 
     def active(c: Conn) -> bool:
-        return not c.closed and (c.inflight > 0 or c.ok + c.errors < c.quota)
+        return not c.closed and (c.inflight > 0 or (c.ok + c.errors < c.quota
+                                                    and not (c.background and fg_done)))
+
+    def prune(cs: list[Conn]) -> list[Conn]:
+        """The connections still active; counts the foreground ones that are done."""
+        out = []
+        for c in cs:
+            if active(c):
+                out.append(c)
+            elif fg_left is not None and not c.background:
+                with fg_left.get_lock():
+                    fg_left.value -= 1
+        return out
 
     for c in conns.values():
         refill(c, t0)
-    live = [c for c in conns.values() if active(c)]
+    live = prune(list(conns.values()))
     while live:
+        if watch:
+            fg_done = fg_left.value <= 0
         now = clock()
         if now >= hard_ns:
             break
@@ -577,7 +616,8 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
                 if not replies:
                     continue
                 now = clock()
-                c.last_ns = now
+                if not (long_poll and misses == replies):  # a timed-out poll ends nothing
+                    c.last_ns = now
                 c.inflight -= replies
                 c.ok += ok
                 c.errors += errors
@@ -600,7 +640,7 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection) -> No
                         b[0] -= k
         for c in live:
             refill(c, now)
-        live = [c for c in live if active(c)]
+        live = prune(live)
     cpu1 = os.times()
     ep.close()
     final_failed = 0
@@ -684,8 +724,9 @@ class Server:
     protocol = "?"
     tls_ca: str | None = None  # the server speaks TLS; clients verify it with this CA
 
-    def __init__(self, root: Path, fsync: str) -> None:
+    def __init__(self, root: Path, fsync: str, env: dict[str, str] | None = None) -> None:
         self.fsync = fsync
+        self.env = env or {}  # set in the server's environment, on top of ours
         self.dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-{fsync}-", dir=root))
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -705,7 +746,8 @@ class Server:
         cmd = self.command()
         with open(self.log_path, "wb") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, cwd=self.dir)
+                                         stdin=subprocess.DEVNULL, cwd=self.dir,
+                                         env={**os.environ, **self.env} if self.env else None)
         if not wait_port(self.port, self.proc, 15):
             rc = self.proc.poll()
             raise RuntimeError(f"{self.name} did not accept connections on {self.port} "
@@ -777,8 +819,15 @@ class MemcacheServer(Server):
         return out
 
     def backlog(self, queue: str) -> int | None:
-        v = self.queue_stats(queue).get("items")
-        return int(v) if v is not None else None
+        return self.total_items([queue])
+
+    def total_items(self, queues: list[str]) -> int | None:
+        """Items in `queues` together, from one `stats`; None if it lists none of them."""
+        reply = self.request(b"stats\r\n", lambda b: b.endswith(b"END\r\n"))
+        keys = {f"STAT queue_{q}_items".encode() for q in queues}
+        counts = [int(value) for key, _, value in
+                  (line.rpartition(b" ") for line in reply.split(b"\r\n")) if key in keys]
+        return sum(counts) if counts else None
 
     def delete(self, queue: str) -> None:
         self.request(b"delete %s\r\n" % queue.encode(), lambda b: b.endswith(b"\r\n"))
@@ -788,11 +837,11 @@ class QueuedServer(MemcacheServer):
     name = "queued"
 
     def __init__(self, root: Path, fsync: str, cmd: str, config: str | None = None,
-                 certs: BenchCerts | None = None) -> None:
+                 certs: BenchCerts | None = None, env: dict[str, str] | None = None) -> None:
         if certs is not None:
             self.name = "queued-tls"
             self.tls_ca = certs.ca
-        super().__init__(root, fsync)
+        super().__init__(root, fsync, env)
         self.cmd = cmd
         self.certs = certs
         self.config_path: Path | None = None
@@ -899,19 +948,24 @@ def run_phase(server: Server, queue: str, payload: int, puts: int, gets: int,
         conns += [ConnSpec("put", q) for q in split(puts, a.conns)]
     if gets:
         conns += [ConnSpec("get", q) for q in split(gets, a.conns)]
-    return run_conns(server, queue, payload, conns, a, seconds)
+    return run_conns(server, queue, payload, conns, a, seconds, long_poll_ms=a.long_poll_ms)
 
 
 def run_conns(server: Server, queue: str, payload: int, conns: list[ConnSpec],
               a: argparse.Namespace, seconds: float, *, get_options: str = "",
-              final_get: str | None = None, stamp: bool = False, fill: str = "x") -> Phase:
-    """Runs `conns` (spread over a.procs processes, a.pipeline requests in flight each)
-    against `server`; bounded by `seconds`, then a.grace for the replies in flight."""
+              final_get: str | None = None, stamp: bool = False, fill: str = "x",
+              long_poll_ms: int = 0) -> Phase:
+    """Runs `conns` (spread over a.procs processes, round robin: conns[i] in process
+    i % procs; a.pipeline requests in flight each unless the ConnSpec says) against
+    `server`; bounded by `seconds`, then a.grace for the replies in flight. `long_poll_ms`:
+    gets long-poll (WorkerSpec.long_poll_ms)."""
     procs = max(1, min(a.procs, len(conns)))
     per_proc: list[list[ConnSpec]] = [[] for _ in range(procs)]
     for i, cs in enumerate(conns):
         per_proc[i % procs].append(cs)
     ctx = multiprocessing.get_context("spawn")
+    fg_left = (ctx.Value("i", sum(not cs.background for cs in conns))
+               if any(cs.background for cs in conns) else None)
     workers: list[tuple[Any, multiprocessing.connection.Connection]] = []
     errors: list[str] = []
     results: list[dict[str, Any]] = []
@@ -920,9 +974,9 @@ def run_conns(server: Server, queue: str, payload: int, conns: list[ConnSpec],
             spec = WorkerSpec(server.protocol, server.port, queue, payload, a.pipeline, cl,
                               seconds, a.grace, a.miss_backoff_ms,
                               a.pipeline_mode == "batch", get_options, final_get, stamp,
-                              fill, server.tls_ca)
+                              fill, server.tls_ca, long_poll_ms)
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(spec, child), daemon=True)
+            p = ctx.Process(target=worker_main, args=(spec, child, fg_left), daemon=True)
             p.start()
             child.close()
             workers.append((p, parent))
@@ -1100,11 +1154,12 @@ class Bench:
                 tls: bool = True) -> list[Server]:
         """The servers of one round; `queued-tls` too with --tls, unless `tls` is False."""
         out: list[Server] = []
+        env = {"QUEUED_REQUEST_PATH": self.a.request_path} if self.a.request_path else None
         if self.a.target in ("queued", "both") and self.a.queued_ok:
-            out.append(QueuedServer(self.root, fsync, self.a.queued_cmd, config))
+            out.append(QueuedServer(self.root, fsync, self.a.queued_cmd, config, env=env))
             if self.certs is not None and tls:
                 out.append(QueuedServer(self.root, fsync, self.a.queued_cmd, config,
-                                        self.certs))
+                                        self.certs, env))
         if self.a.target in ("redis", "both") and self.a.redis_ok:
             out.append(RedisServer(self.root, fsync))
         return out
@@ -1401,7 +1456,9 @@ def environment(a: argparse.Namespace, root: Path) -> float:
         f"workloads {', '.join(a.workloads)}; {a.conns} connections per role x pipeline "
         f"{a.pipeline} ({a.pipeline_mode}) over {a.procs} client processes; {a.items:,} items "
         f"per phase, steady <= {a.seconds:g} s" + (" (--quick)" if a.quick else "")
-        + ("; queued over TLS too (--tls)" if a.tls else ""))
+        + ("; queued over TLS too (--tls)" if a.tls else "")
+        + (f"; consumers long-poll (get q/t={a.long_poll_ms})" if a.long_poll_ms else "")
+        + (f"; queued request path {a.request_path}" if a.request_path else ""))
     try:
         head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h %cI"],
                               capture_output=True, text=True, timeout=10).stdout.strip()
@@ -1451,6 +1508,13 @@ def main() -> None:
                     help="wait for replies in flight after a time bound (default 5 s)")
     ap.add_argument("--miss-backoff-ms", type=float, default=1.0,
                     help="a connection that got an empty reply waits this long (default 1)")
+    ap.add_argument("--long-poll-ms", type=int, default=0,
+                    help="consumers long-poll: `get q/t=MS` (Kestrel's consumers use 100); an "
+                         "empty reply is a miss retried at once, without --miss-backoff-ms. "
+                         "memcache only: redis is skipped. Default 0: plain `get q`")
+    ap.add_argument("--request-path", choices=("tasks", "reactor"), default=None,
+                    help="queued's request path (env QUEUED_REQUEST_PATH; default: the "
+                         "server's own default, tasks)")
     ap.add_argument("--target", choices=("queued", "redis", "both"), default="both")
     ap.add_argument("--tls", action="store_true",
                     help="also run queued with TLS on (server queued-tls), interleaved with "
@@ -1493,8 +1557,10 @@ def main() -> None:
         if not a.queued_ok:
             print(f"`{QUEUED} serve` is not available ({why}); skipping queued", flush=True)
     if a.target in ("redis", "both"):
-        a.redis_ok = shutil.which("redis-server") is not None
-        if not a.redis_ok:
+        a.redis_ok = shutil.which("redis-server") is not None and not a.long_poll_ms
+        if a.long_poll_ms:
+            print("--long-poll-ms: long polls are memcache only, skipping redis", flush=True)
+        elif not a.redis_ok:
             print("redis-server not found, skipping the comparison "
                   "(apt-get install redis-server)", flush=True)
 
