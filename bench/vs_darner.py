@@ -6,14 +6,19 @@ Prints numbers and writes them to bench/results/; never asserts. The same load c
 pipelined, latency histograms) runs the same workloads against each target, started one
 at a time on a fresh temp data dir and a free 127.0.0.1 port, stopped by PID afterwards:
 
-* queued, fsync never   (``queued serve --fsync never``; the fair match for darner)
-* queued, fsync always  (``--fsync always``, queued's default: group commit)
-* darner                (``darner -p PORT -d DIR``; no fsync unless ``set q/sync``)
+* queued-never   (``queued serve --fsync never``; the fair match for darner)
+* queued-always  (``--fsync always``, queued's default: group commit)
+* queued-reactor-never, queued-reactor-always: the same with ``QUEUED_REQUEST_PATH=reactor``
+  in the server's environment (the request path where one trio task serves every ready
+  connection per pass; the other two run the default path, ``tasks``). Not in the default
+  --targets.
+* darner         (``darner -p PORT -d DIR``; no fsync unless ``set q/sync``)
 
 Every (workload, payload, run) gets a fresh server, so each server's CPU seconds
 (/proc/<pid>/stat, all threads) and peak RSS (VmHWM) belong to that workload alone. The
-targets alternate within a workload (run r starts at target r mod 3), so drift on this
-shared machine hits every side of a ratio alike; the report gives medians of --runs runs.
+targets alternate within a workload (run r starts at target r mod the number of targets),
+so drift on this shared machine hits every side of a ratio alike; the report gives medians
+of --runs runs.
 
 Workloads (payload 64 B and 1 KiB unless said; "C x P" = connections x requests in
 flight per connection; every phase is bounded by an item count and by wall-clock time):
@@ -22,8 +27,20 @@ flight per connection; every phase is bounded by an item count and by wall-clock
 * steady: 4 x 8 producers and 4 x 8 consumers at once for --seconds (or N items each);
   put rate, get rate, the final backlog, and end-to-end latency: a put's payload starts
   with its send time (perf_counter_ns, CLOCK_MONOTONIC, shared by the client processes),
-  read back by the consumer that gets it;
+  read back by the consumer that gets it; a consumer's empty reply (a miss) waits
+  --miss-backoff-ms before its next get;
+* steady-lp: steady with consumers long-polling as Kestrel's do, ``get q/t=MS``
+  (--long-poll-ms, 100): a poll that times out empty is a miss, polled again at once, and
+  does not extend the get window (the rate is up to the last item got);
 * fanin (64 B): 100 queues, each producer connection rotating over all of them (enqueue);
+* fanin-lp (64 B): fanin's 4 x 8 producers and 4 x 8 long-polling consumers at once for
+  --seconds; consumer connection i owns a share of the queues (queues 25i..25i+24,
+  disjoint) and rotates its polls over them; put rate, get rate, backlog over the 100
+  queues, end-to-end latency;
+* fairness (64 B): one connection pipelines N sets into queue A (1024 in flight) while
+  another, in the other client process, does single ``get B`` requests one at a time
+  (B filled with N/10 items first, untimed) until the flood is done: the flood's items/s
+  and the probe gets' p50/p99/max latency;
 * reliable (64 B): enqueue N, then consumers chain ``get q/close/open`` (each get
   confirms the previous open read and opens the next; a last ``get q/close`` per
   connection, untimed, confirms the final one);
@@ -33,7 +50,11 @@ flight per connection; every phase is bounded by an item count and by wall-clock
 
 Per target and run: items/s (first send to last reply of the phase), per-request latency
 p50/p99 (send to reply parsed), the server's CPU seconds over the phase and items per
-server CPU-second, the server's peak RSS, client and other processes' CPU.
+server CPU-second, the server's peak RSS, client and other processes' CPU. The report's
+ratio table gives every queued target's items/s over darner's, always/never per path and
+reactor/tasks per fsync mode. It also prints this machine's fdatasync latency (200 x 4 KiB
+appended + os.fdatasync beside the data dirs, at the start and the end) and compares each
+queued-*-always latency p50 with darner's p50 + one fdatasync p50.
 
 ``--memory`` runs only the memory workload (slow; once, not medians), queued fsync never
 (``--memory-fsync``) and darner: (a) hold --memory-gb GiB of 64 KiB items with queued's
@@ -48,6 +69,8 @@ Usage:
     .venv/bin/python bench/vs_darner.py --memory --memory-cases b --targets queued-never
                                            # 64 B items' B/item, queued alone, ~1 minute
     .venv/bin/python bench/vs_darner.py --workloads drain,latency --runs 5
+    .venv/bin/python bench/vs_darner.py --quick --workloads steady-lp,fanin-lp,fairness \
+        --targets queued-never,queued-reactor-never,darner    # the new ones, smoke
 """
 
 from __future__ import annotations
@@ -72,7 +95,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchlib import kib_field, percentiles, system_busy_s
+from benchlib import bucket, kib_field, percentiles, system_busy_s
 from load import (
     NS,
     QUEUED_CMD,
@@ -97,15 +120,32 @@ PEERS = Path("/tmp/peers")
 DARNER = PEERS / "darner" / "build" / "darner"
 DARNER_BUILD = Path("/work/shared/peers/build-darner.sh")
 RESULTS = Path(__file__).resolve().parent / "results"
-TARGETS = ("queued-never", "queued-always", "darner")
+# queued-reactor-*: queued with QUEUED_REQUEST_PATH=reactor (one trio task serves every
+# ready connection per pass); queued-never / queued-always: the server's default, tasks
+TARGETS = ("queued-never", "queued-always", "queued-reactor-never", "queued-reactor-always",
+           "darner")
+DEFAULT_TARGETS = ("queued-never", "queued-always", "darner")
+QUEUED_TARGETS = tuple(t for t in TARGETS if t != "darner")
+SHORT = {"queued-never": "never", "queued-always": "always",
+         "queued-reactor-never": "reactor never", "queued-reactor-always": "reactor always"}
+# (numerator, denominator, label) of the ratio columns between queued targets
+PAIRS = (("queued-always", "queued-never", "always/never"),
+         ("queued-reactor-always", "queued-reactor-never", "reactor always/never"),
+         ("queued-reactor-never", "queued-never", "reactor/tasks never"),
+         ("queued-reactor-always", "queued-always", "reactor/tasks always"))
 FANIN_QUEUES = 100
+FLOOD_WINDOW = 1024  # fairness: sets in flight on the flooding connection
+FDATASYNC_N = 200  # fdatasync probe: writes of 4 KiB, each followed by os.fdatasync
 MEMORY_MAX = "4GiB"  # queued's max_memory_size for memory test (b): keep every item in RAM
 
 # workload -> (payloads, items per phase: full run, --quick)
 WORKLOADS: dict[str, tuple[tuple[int, ...], int, int]] = {
     "drain": ((64, 1 * KiB), 300_000, 20_000),
     "steady": ((64, 1 * KiB), 300_000, 30_000),  # bound by --seconds first
+    "steady-lp": ((64, 1 * KiB), 300_000, 30_000),  # the same, consumers long-poll
     "fanin": ((64,), 100_000, 10_000),
+    "fanin-lp": ((64,), 300_000, 30_000),  # bound by --seconds first
+    "fairness": ((64,), 100_000, 20_000),  # the flood; B holds a tenth of that
     "reliable": ((64,), 100_000, 10_000),
     "big": ((64 * KiB,), 10_000, 500),
     "many": ((64, 1 * KiB), 100_000, 5_000),
@@ -240,7 +280,7 @@ def tree_state(path: Path | None) -> Tree:
 
 @dataclass
 class Row:
-    target: str  # queued-never / queued-always / darner
+    target: str  # one of TARGETS
     workload: str
     payload: int
     op: str  # enqueue / dequeue / put / get / get/close/open
@@ -264,6 +304,7 @@ class Row:
     code: str = ""  # queued source fingerprint at the server's start
     busy_before: float | None = None  # CPUs busy just before the cell (other users' work)
     notes: list[str] = field(default_factory=list)
+    max_ms: float | None = None  # the slowest request (histogram bucket: < 0.8 % low)
 
 
 def finite(x: float | None) -> float | None:
@@ -274,7 +315,7 @@ def phase_row(target: str, workload: str, payload: int, op: str, run: int, role:
               ph: Phase, requested: int, cpu_items: int | None = None) -> Row:
     rr = ph.roles.get(role) or RoleResult()
     window = (rr.last_ns - rr.first_ns) / NS if rr.last_ns > rr.first_ns else ph.seconds
-    p50, p99 = percentiles(rr.hist, (50, 99))
+    p50, p99, pmax = percentiles(rr.hist, (50, 99, 100))
     e50: float | None = None
     e99: float | None = None
     if rr.e2e:
@@ -290,7 +331,8 @@ def phase_row(target: str, workload: str, payload: int, op: str, run: int, role:
     return Row(target, workload, payload, op, run, requested, rr.ok, rr.errors, rr.misses,
                window, rr.ok / window if window > 0 else 0.0, p50, p99, e50, e99,
                ph.server_cpu, n / ph.server_cpu if ph.server_cpu > 0 else float("nan"),
-               ph.client_cpu / ph.seconds, ph.other_cpu / ph.seconds, notes=notes)
+               ph.client_cpu / ph.seconds, ph.other_cpu / ph.seconds, notes=notes,
+               max_ms=pmax)
 
 
 def median(xs: list[float | None]) -> float | None:
@@ -361,12 +403,14 @@ def w_latency(c: Ctx) -> list[Row]:
     return c.drain(conns=1, pipeline=1, procs=1)
 
 
-def w_steady(c: Ctx) -> list[Row]:
-    specs = ([ConnSpec("put", n) for n in split(c.items, 4)]
-             + [ConnSpec("get", n) for n in split(c.items, 4)])
-    ph = run_conns(c.server, "q", c.payload, specs, c.opts(4, 8), c.a.seconds, stamp=True,
-                   fill=c.a.fill)
-    backlog = c.server.backlog("q")
+def mixed(c: Ctx, specs: list[ConnSpec], queues: list[str], long_poll_ms: int = 0
+          ) -> list[Row]:
+    """Producers and consumers (`specs`, 8 in flight each) at once for --seconds (or their
+    quotas): put and get rows, end-to-end latency (stamped puts), the backlog over
+    `queues` afterwards; server CPU per item got."""
+    ph = run_conns(c.server, queues[0], c.payload, specs, c.opts(4, 8), c.a.seconds,
+                   stamp=True, fill=c.a.fill, long_poll_ms=long_poll_ms)
+    backlog = c.server.total_items(queues)
     gets = ph.roles["get"].ok if "get" in ph.roles else 0
     rows = [c.row("put", "put", ph, c.items, gets), c.row("get", "get", ph, c.items, gets)]
     for r in rows:
@@ -375,16 +419,62 @@ def w_steady(c: Ctx) -> list[Row]:
     return rows
 
 
-def w_fanin(c: Ctx) -> list[Row]:
-    names = [f"fanin_{i:03d}" for i in range(FANIN_QUEUES)]
-    conns = 4
+def w_steady(c: Ctx) -> list[Row]:
+    return mixed(c, [ConnSpec(role, n) for role in ("put", "get") for n in split(c.items, 4)],
+                 ["q"])
+
+
+def w_steady_lp(c: Ctx) -> list[Row]:
+    return mixed(c, [ConnSpec(role, n) for role in ("put", "get") for n in split(c.items, 4)],
+                 ["q"], c.a.long_poll_ms)
+
+
+def fanin_producers(c: Ctx, names: list[str], conns: int = 4) -> list[ConnSpec]:
+    """`conns` producers rotating over every queue of `names`, each from its own start."""
     specs = []
     for i, n in enumerate(split(c.items, conns)):
-        at = i * FANIN_QUEUES // conns  # each connection starts at its own queue
+        at = i * len(names) // conns
         specs.append(ConnSpec("put", n, names[at:] + names[:at]))
-    ph = run_conns(c.server, names[0], c.payload, specs, c.opts(conns, 8), c.a.timeout,
-                   fill=c.a.fill)
+    return specs
+
+
+def fanin_queues() -> list[str]:
+    return [f"fanin_{i:03d}" for i in range(FANIN_QUEUES)]  # one length: puts can be stamped
+
+
+def w_fanin(c: Ctx) -> list[Row]:
+    names = fanin_queues()
+    ph = run_conns(c.server, names[0], c.payload, fanin_producers(c, names), c.opts(4, 8),
+                   c.a.timeout, fill=c.a.fill)
     return [c.row("enqueue", "put", ph, c.items)]
+
+
+def w_fanin_lp(c: Ctx) -> list[Row]:
+    """fanin's producers with consumers at once: consumer connection i long-polls its own
+    share of the queues (4 x 25 queues, disjoint), rotating over them, 8 polls in flight."""
+    names = fanin_queues()
+    share = len(names) // 4
+    gets = [ConnSpec("get", n, names[i * share:(i + 1) * share])
+            for i, n in enumerate(split(c.items, 4))]
+    return mixed(c, fanin_producers(c, names) + gets, names, c.a.long_poll_ms)
+
+
+def w_fairness(c: Ctx) -> list[Row]:
+    """One connection floods queue A with c.items sets (FLOOD_WINDOW in flight) while a
+    connection in the other client process gets from B, one request at a time, for as long
+    as the flood lasts; B is filled first with c.items / 10 items (not timed)."""
+    fill = c.phase("put", max(1, c.items // 10), queue="fair_b")
+    stored = fill.roles["put"].ok if "put" in fill.roles else 0
+    specs = [ConnSpec("put", c.items, ["fair_a"], pipeline=FLOOD_WINDOW),
+             ConnSpec("get", stored, ["fair_b"], pipeline=1, background=True)]
+    ph = run_conns(c.server, "fair_a", c.payload, specs, c.opts(1, 1, procs=2), c.a.timeout,
+                   fill=c.a.fill)
+    flood = c.row("flood", "put", ph, c.items)
+    probe = c.row("probe get", "get", ph, stored)
+    probe.notes = [n for n in probe.notes if "time bound" not in n]  # ends with the flood
+    if probe.misses:
+        probe.notes.append(f"{probe.misses:,} probe gets found B empty")
+    return [flood, probe]
 
 
 def w_reliable(c: Ctx) -> list[Row]:
@@ -401,8 +491,9 @@ def w_reliable(c: Ctx) -> list[Row]:
 
 
 RUNNERS: dict[str, Callable[[Ctx], list[Row]]] = {
-    "drain": w_drain, "steady": w_steady, "fanin": w_fanin, "reliable": w_reliable,
-    "big": w_big, "many": w_many, "latency": w_latency,
+    "drain": w_drain, "steady": w_steady, "steady-lp": w_steady_lp, "fanin": w_fanin,
+    "fanin-lp": w_fanin_lp, "reliable": w_reliable, "big": w_big, "many": w_many,
+    "latency": w_latency, "fairness": w_fairness,
 }
 
 
@@ -419,6 +510,7 @@ class Bench:
         self.caveats: list[str] = []
         self.fingerprints: set[str] = set()
         self.idle_budget = a.wait_budget  # seconds left for waiting on other users' work
+        self.fdatasync: dict[str, dict[str, float]] = {}  # "start"/"end" -> n, p50, p99 ms
 
     def wait_idle(self, label: str) -> float | None:
         """Waits (at most --wait-idle s per cell, --wait-budget s in all) until the rest of
@@ -444,8 +536,9 @@ class Bench:
     def make_server(self, target: str, config: str | None = None) -> MemcacheServer:
         if target == "darner":
             return DarnerServer(self.root, self.a.darner)
-        fsync = target.split("-", 1)[1]
-        return QueuedServer(self.root, fsync, self.a.queued_cmd, config)
+        fsync = target.rsplit("-", 1)[1]  # queued-never, queued-reactor-always, ...
+        env = {"QUEUED_REQUEST_PATH": "reactor"} if "-reactor-" in target else None
+        return QueuedServer(self.root, fsync, self.a.queued_cmd, config, env=env)
 
     def fingerprint(self) -> str:
         fp = tree_state(Path(self.tree.path)).fingerprint if self.tree.path else ""
@@ -474,6 +567,12 @@ class Bench:
                     self.caveats.append(f"{label} FAILED: {type(exc).__name__}: "
                                         f"{(str(exc).splitlines() or [''])[0]}")
                 peak = proc_status_kib(server.pid, "VmHWM")
+                said = [t.strip() for t in server.log_tail(200).splitlines()
+                        if server.env and "QUEUED_REQUEST_PATH" in t]
+                if said:  # "ignoring unknown environment variable": a tree without the switch
+                    self.caveats.append(f"{target}: its log mentions QUEUED_REQUEST_PATH (a "
+                                        f"tree without it runs its default path): {said[0]}"
+                                        [:300])
                 if not server.alive():
                     rc = server.proc.poll() if server.proc else None
                     msg = f"{target} exited (code {rc}) during {label}"
@@ -493,8 +592,33 @@ class Bench:
         log(f"  ({label}: {time.monotonic() - t0:.1f} s)")
         self.rows += rows
 
+    def probe_fdatasync(self, when: str) -> None:
+        """FDATASYNC_N x (4 KiB appended + os.fdatasync) in a temp file beside the data
+        dirs (bounded by 10 s): p50/p99 ms, kept for the report."""
+        hist: dict[int, int] = {}
+        fd, path = tempfile.mkstemp(prefix="fdatasync-", dir=self.root)
+        data = os.urandom(4 * KiB)
+        deadline = time.monotonic() + 10.0
+        try:
+            for _ in range(FDATASYNC_N):
+                t = time.perf_counter_ns()
+                os.write(fd, data)
+                os.fdatasync(fd)
+                key = bucket(time.perf_counter_ns() - t)
+                hist[key] = hist.get(key, 0) + 1
+                if time.monotonic() > deadline:
+                    break
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        p50, p99 = percentiles(hist, (50, 99))
+        self.fdatasync[when] = {"n": sum(hist.values()), "p50_ms": p50, "p99_ms": p99}
+        log(f"fdatasync ({when}; {sum(hist.values())} x 4 KiB write + fdatasync in "
+            f"{self.root}): p50 {p50:.3f} ms, p99 {p99:.3f} ms")
+
     def run_workloads(self) -> None:
         a = self.a
+        self.probe_fdatasync("start")
         for workload in a.workloads:
             payloads, full, quick = WORKLOADS[workload]
             items = max(1, int((quick if a.quick else full) * a.scale))
@@ -505,6 +629,7 @@ class Bench:
                     for target in a.targets[k:] + a.targets[:k]:
                         self.cell(target, workload, payload, run, items)
                 log()
+        self.probe_fdatasync("end")
 
     # -- memory --------------------------------------------------------------------------
 
@@ -599,9 +724,11 @@ class Bench:
 def describe(r: Row) -> str:
     e2e = (f", e2e p50 {r.e2e_p50_ms:.2f} p99 {r.e2e_p99_ms:.2f} ms"
            if r.e2e_p50_ms is not None and r.e2e_p99_ms is not None else "")
+    if r.workload == "fairness" and r.max_ms is not None:
+        e2e += f", max {r.max_ms:.2f} ms"
     bl = f", backlog {r.backlog:,}" if r.backlog is not None else ""
     notes = ("; " + "; ".join(r.notes)) if r.notes else ""
-    return (f"{r.target:13s} {r.op:14s} {r.items_per_s:10,.0f}/s p50 {r.p50_ms:6.2f} "
+    return (f"{r.target:21s} {r.op:14s} {r.items_per_s:10,.0f}/s p50 {r.p50_ms:6.2f} "
             f"p99 {r.p99_ms:6.2f} ms{e2e}; server CPU {r.server_cpu_s:.2f} s "
             f"({r.items_per_cpu_s:,.0f} items/CPU-s), clients {r.client_cpu:.0%}, "
             f"other {r.other_cpu:.0%}; {r.items:,} items, {r.misses:,} misses{bl}{notes}")
@@ -620,10 +747,12 @@ def summarize(rows: list[Row]) -> list[dict[str, Any]]:
         out.append({
             "workload": workload, "payload": payload, "op": op, "target": target,
             "runs": len(rs),
+            "items": median([r.items for r in rs]),
             "items_per_s": median([r.items_per_s for r in rs]),
             "items_per_s_all": [round(r.items_per_s) for r in rs],
             "p50_ms": median([r.p50_ms for r in rs]),
             "p99_ms": median([r.p99_ms for r in rs]),
+            "max_ms": median([r.max_ms for r in rs]),
             "e2e_p50_ms": median([r.e2e_p50_ms for r in rs]),
             "e2e_p99_ms": median([r.e2e_p99_ms for r in rs]),
             "server_cpu_s": median([r.server_cpu_s for r in rs]),
@@ -676,26 +805,7 @@ def report(bench: Bench, meta: dict[str, Any]) -> str:
         if key not in ops:
             ops.append(key)
     if ops:
-        lines += ["## Ratios (medians)", "",
-                  "items/s: higher is better. CPU µs/item: server CPU per item (lower is "
-                  "better). never/darner, always/darner: queued's items/s over darner's; "
-                  "always/never: queued fsync always over fsync never; CPU q/d: queued "
-                  "(fsync never) CPU per item over darner's.", "",
-                  "| workload | payload | op | darner items/s | queued never | queued always "
-                  "| never/darner | always/darner | always/never | CPU µs/item darner "
-                  "| never | always | CPU q/d |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for w, p, op in ops:
-            d = index.get((w, p, op, "darner"))
-            n = index.get((w, p, op, "queued-never"))
-            al = index.get((w, p, op, "queued-always"))
-            ips = [s["items_per_s"] if s else None for s in (d, n, al)]
-            cpu = [us_per_item(s) for s in (d, n, al)]
-            lines.append(f"| {w} | {size_name(p)} | {op} | {fmt(ips[0])} | {fmt(ips[1])} | "
-                         f"{fmt(ips[2])} | {ratio(ips[1], ips[0])} | {ratio(ips[2], ips[0])} "
-                         f"| {ratio(ips[2], ips[1])} | {fmt(cpu[0], '.1f')} | "
-                         f"{fmt(cpu[1], '.1f')} | {fmt(cpu[2], '.1f')} | "
-                         f"{ratio(cpu[1], cpu[0])} |")
+        lines += ratio_table(a.targets, ops, index)
         lines += ["", "## Per target (medians)", "",
                   "p50/p99: per-request latency, send to reply parsed; e2e: steady only, "
                   "put sent to the same item's get reply parsed; CPU s: server CPU over the "
@@ -723,6 +833,9 @@ def report(bench: Bench, meta: dict[str, Any]) -> str:
                     f"{fmt(sm['backlog'])} | {' / '.join(f'{v:,}' for v in sm['items_per_s_all'])}"
                     " |")
         lines.append("")
+        lines += fairness_table(a.targets, index)
+    if bench.fdatasync:
+        lines += fdatasync_lines(bench.fdatasync, a.targets, ops, index)
     if bench.memory:
         lines += memory_tables(bench.memory)
     notes = sorted({f"{s['workload']} {size_name(s['payload'])} {s['op']} {s['target']}: {n}"
@@ -738,6 +851,101 @@ def report(bench: Bench, meta: dict[str, Any]) -> str:
     if cav:
         lines += ["## Caveats and notes", ""] + [f"- {c}" for c in cav] + [""]
     return "\n".join(lines)
+
+
+def ratio_table(targets: list[str], ops: list[tuple[str, int, str]],
+                index: dict[tuple[str, int, str, str], dict[str, Any]]) -> list[str]:
+    """items/s of darner and of each queued target, each queued target's ratio to darner,
+    the PAIRS' ratios, server CPU per item, and CPU per item over darner's (fsync never)."""
+    qs = [t for t in QUEUED_TARGETS if t in targets]
+    pairs = [pr for pr in PAIRS if pr[0] in targets and pr[1] in targets]
+    nevers = [t for t in qs if t.endswith("-never")]
+    head = (["darner items/s"] + [SHORT[t] for t in qs] + [f"{SHORT[t]}/darner" for t in qs]
+            + [label for _, _, label in pairs] + ["CPU µs/item darner"] + [SHORT[t] for t in qs]
+            + [f"CPU {SHORT[t]}/darner" for t in nevers])
+    lines = ["## Ratios (medians)", "",
+             "items/s: higher is better; never, always: queued (request path tasks, the "
+             "default) with fsync never / always; reactor never, reactor always: queued with "
+             "QUEUED_REQUEST_PATH=reactor. x/darner: queued's items/s over darner's; "
+             "always/never: fsync always over never on one path; reactor/tasks: the reactor "
+             "path over the tasks path at one fsync. CPU µs/item: server CPU per item (lower "
+             "is better); CPU x/darner: that (fsync never) over darner's.", "",
+             "| workload | payload | op | " + " | ".join(head) + " |",
+             "|---|---|---|" + "---:|" * len(head)]
+    for w, p, op in ops:
+        sm = {t: index.get((w, p, op, t)) for t in ["darner", *qs]}
+        ips = {t: (v["items_per_s"] if v else None) for t, v in sm.items()}
+        cpu = {t: us_per_item(v) for t, v in sm.items()}
+        cells = ([fmt(ips["darner"])] + [fmt(ips[t]) for t in qs]
+                 + [ratio(ips[t], ips["darner"]) for t in qs]
+                 + [ratio(ips[x], ips[y]) for x, y, _ in pairs]
+                 + [fmt(cpu[t], ".1f") for t in ["darner", *qs]]
+                 + [ratio(cpu[t], cpu["darner"]) for t in nevers])
+        lines.append(f"| {w} | {size_name(p)} | {op} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def fairness_table(targets: list[str],
+                   index: dict[tuple[str, int, str, str], dict[str, Any]]) -> list[str]:
+    """The fairness workload: the flood's rate and the probe gets' latency, per target."""
+    rows = [(t, index.get(("fairness", 64, "flood", t)), index.get(("fairness", 64,
+                                                                     "probe get", t)))
+            for t in targets]
+    rows = [r for r in rows if r[1] or r[2]]
+    if not rows:
+        return []
+    dark = next((pr for t, _, pr in rows if t == "darner" and pr), None)
+    lines = ["## Fairness (medians)", "",
+             f"One connection pipelines sets of 64 B into queue A ({FLOOD_WINDOW} in flight) "
+             "while another, in the other client process, gets from queue B (which has "
+             "items) one request at a time until the flood ends. probe ms: latency of those "
+             "gets, send to reply parsed (max: the slowest, median over runs); p99/darner: "
+             "the probe p99 over darner's (> 1: queued serves the quiet connection later).", "",
+             "| target | flood items/s | probe gets | probe p50 ms | p99 ms | max ms "
+             "| p99/darner |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for t, fl, pr in rows:
+        lines.append(f"| {t} | {fmt(fl['items_per_s'] if fl else None)} | "
+                     f"{fmt(pr['items'] if pr else None)} | "
+                     f"{fmt(pr['p50_ms'] if pr else None, '.2f')} | "
+                     f"{fmt(pr['p99_ms'] if pr else None, '.2f')} | "
+                     f"{fmt(pr['max_ms'] if pr else None, '.2f')} | "
+                     f"{ratio(pr['p99_ms'] if pr else None, dark['p99_ms'] if dark else None)} |")
+    lines.append("")
+    return lines
+
+
+def fdatasync_lines(fds: dict[str, dict[str, float]], targets: list[str],
+                    ops: list[tuple[str, int, str]],
+                    index: dict[tuple[str, int, str, str], dict[str, Any]]) -> list[str]:
+    """The measured fdatasync latency, and each queued-*-always latency p50 against the
+    target "at most darner's p50 plus one fdatasync" (latency workload, 1 x 1)."""
+    lines = ["## fdatasync on this machine", "",
+             f"{FDATASYNC_N} x (4 KiB appended + os.fdatasync) in a temp file beside the data "
+             "dirs, at the start and at the end of the run:", ""]
+    lines += [f"- {when}: p50 {v['p50_ms']:.3f} ms, p99 {v['p99_ms']:.3f} ms ({v['n']:.0f} "
+              "syncs)" for when, v in fds.items()]
+    sync = fds.get("start", next(iter(fds.values())))["p50_ms"]
+    always = [t for t in QUEUED_TARGETS if t in targets and t.endswith("-always")]
+    lat = [(w, p, op) for w, p, op in ops if w == "latency"]
+    if not lat or not always or "darner" not in targets:
+        lines += ["", "(no latency-workload cells of darner and a queued-*-always target: "
+                  "no comparison with darner p50 + fdatasync p50)", ""]
+        return lines
+    lines += ["", f"Target: latency 1 x 1 under fsync always, p50 <= darner's p50 + one "
+              f"fdatasync p50 ({sync:.3f} ms, the start's):", ""]
+    for w, p, op in lat:
+        d = index.get((w, p, op, "darner"))
+        for t in always:
+            q = index.get((w, p, op, t))
+            if not d or not q or d["p50_ms"] is None or q["p50_ms"] is None:
+                continue
+            bound = d["p50_ms"] + sync
+            lines.append(f"- latency {size_name(p)} {op}: {t} p50 {q['p50_ms']:.3f} ms vs "
+                         f"darner p50 {d['p50_ms']:.3f} + fdatasync p50 {sync:.3f} = "
+                         f"{bound:.3f} ms: {q['p50_ms'] / bound:.2f}x the bound ("
+                         + ("met)" if q["p50_ms"] <= bound else "**not met**)"))
+    lines.append("")
+    return lines
 
 
 def memory_tables(mem: list[dict[str, Any]]) -> list[str]:
@@ -806,8 +1014,10 @@ def parse_args() -> argparse.Namespace:
                     help="runs per target (default 3); the report gives medians")
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
                     help=f"subset of {','.join(WORKLOADS)} (default all)")
-    ap.add_argument("--targets", default=",".join(TARGETS),
-                    help=f"subset of {','.join(TARGETS)} (default all)")
+    ap.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                    help=f"subset of {','.join(TARGETS)}, run in this order (alternating) "
+                         f"(default {','.join(DEFAULT_TARGETS)}); queued-reactor-* start queued "
+                         "with QUEUED_REQUEST_PATH=reactor")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every item count")
     ap.add_argument("--seconds", type=float, default=None,
                     help="steady workload duration (default 5, --quick 1)")
@@ -817,6 +1027,9 @@ def parse_args() -> argparse.Namespace:
                     help="wait for replies in flight after a time bound (default 5 s)")
     ap.add_argument("--miss-backoff-ms", type=float, default=1.0,
                     help="a consumer that got an empty reply waits this long (default 1)")
+    ap.add_argument("--long-poll-ms", type=int, default=100,
+                    help="the long poll of steady-lp and fanin-lp consumers: get q/t=MS "
+                         "(default 100)")
     ap.add_argument("--procs", type=int, default=2, help="client processes (default 2)")
     ap.add_argument("--fill", choices=("random", "x"), default="random",
                     help="payload bytes: random (distinct, incompressible; default) or x "
@@ -945,6 +1158,7 @@ def main() -> None:
     args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
     out = {"meta": meta, "args": args, "summary": summarize(bench.rows),
            "rows": [asdict(r) for r in bench.rows], "memory": bench.memory,
+           "fdatasync": bench.fdatasync,
            "caveats": list(dict.fromkeys(bench.caveats))}
     (a.out_dir / f"{stem}.json").write_text(json.dumps(clean(out), indent=1, default=str))
     (a.out_dir / f"{stem}.md").write_text(md + "\n")
