@@ -808,7 +808,8 @@ def report(bench: Bench, meta: dict[str, Any]) -> str:
     if ops:
         lines += ratio_table(a.targets, ops, index)
         lines += ["", "## Per target (medians)", "",
-                  "p50/p99: per-request latency, send to reply parsed; e2e: steady only, "
+                  "p50/p99: per-request latency, send to reply parsed; e2e: steady, steady-lp and "
+                  "fanin-lp only, "
                   "put sent to the same item's get reply parsed; CPU s: server CPU over the "
                   "phase; items/CPU-s: items per server CPU-second (steady: gets over the "
                   "CPU of puts and gets); clients: client processes' CPU (1 = one core); "
