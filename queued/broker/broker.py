@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from queued.broker import parking
-from queued.broker.handles import Handle
+from queued.broker.handles import Handle, Waiter, Wake
 from queued.broker.queues import Background, PendingPut, QueueState
 from queued.broker.registry import BrokerCounters, Registry
 from queued.broker.reliable import Owe, ReliableReads
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 __all__ = ["Broker", "BrokerCounters", "BrokerStatistics", "Owe", "PendingPut", "wall_ms"]
 
 log = logging.getLogger("queued.broker")
+
+
+class MustWait(trio.WouldBlock):
+    """`get_many_nowait` found nothing and the get would wait for an item to arrive."""
 
 
 def wall_ms() -> int:
@@ -155,6 +159,31 @@ class Broker:
             datas, expire_ms=expire_ms, error_count=error_count, flags=flags, delay_ms=delay_ms)
         pending.started = started
         return pending
+
+    def begin_put_nowait(
+        self,
+        queue: str,
+        datas: Sequence[bytes],
+        *,
+        expire_ms: int | None = None,
+        flags: int = 0,
+        delay_ms: int = 0,
+    ) -> PendingPut:
+        """`begin_put` that never waits: trio.WouldBlock (nothing changed) when the
+        queue must make room first (a parked queue loads here, synchronously)."""
+        started = time.perf_counter()
+        pending = self.registry.queue(queue).begin_put_nowait(
+            datas, expire_ms=expire_ms, error_count=0, flags=flags, delay_ms=delay_ms)
+        pending.started = started
+        return pending
+
+    def end_put_nowait(self, pending: PendingPut) -> int:
+        """`end_put` once the put's write is done (its ticket set)."""
+        n = pending.qs.end_put_nowait(pending)
+        if pending.ticket is not None:
+            self.counters.total_items += n
+            self.put_latency.observe(time.perf_counter() - pending.started)
+        return n
 
     async def end_put(self, pending: PendingPut) -> int:
         """Second half of `put`: wait until durable; returns the number of items.
@@ -306,6 +335,88 @@ class Broker:
         self.counters.get_hits += len(more)
         return [first, *self._finish_many(qs, h, rname, more, owner, open_timeout_ms)]
 
+    def get_many_nowait(
+        self,
+        queue: str,
+        reader: str | None = None,
+        max_items: int = 1,
+        *,
+        wait: bool = False,
+        client: OpenReads | None = None,
+        open: bool = False,
+        open_timeout_ms: int | None = None,
+        max_bytes: int = 0,
+        separate: bool = False,
+    ) -> list[Item]:
+        """`get_many` of what is in memory now: trio.WouldBlock (nothing taken) when it
+        would have to wait: for a reader not made yet, for items to be read back from
+        disk, or (`wait`: the get has a timeout) for an item to arrive."""
+        started = time.perf_counter()
+        qs = self.registry.queue(queue)
+        rname = reader or ""
+        h = qs.readers.get(rname)
+        if h is None:
+            raise trio.WouldBlock  # made durably, in `registry.handle`
+        if open:
+            max_items = min(max_items, self.reads.room(client, self.config.max_open_reads))
+        taken = qs.take_nowait(h, max_items, max_bytes)
+        if not taken and wait and not (h.closed or self.closing):
+            raise MustWait
+        counters = self.counters
+        counters.get_hits += len(taken)
+        if separate:
+            counters.cmd_get += max_items
+            counters.get_misses += max_items - len(taken)
+        else:
+            counters.cmd_get += 1
+            counters.get_misses += not taken
+        done = self._finish_many(qs, h, rname, taken, client if open else None,
+                                 open_timeout_ms)
+        self.get_latency.observe(time.perf_counter() - started)
+        return done
+
+    def line_up(self, queue: str, reader: str | None, wake: Wake,
+                ) -> tuple[QueueState, Handle, Waiter]:
+        """A get that waits without a task of its own (the reactor's long poll): in line
+        with the other waiters of the reader, woken through `wake` when `serve` hands
+        it an item (held for it) or the reader closes; then `end_wait`. Call it right
+        after `get_many_nowait` raised MustWait for the same reader."""
+        qs = self.registry.queue(queue)
+        h = qs.readers[reader or ""]
+        self.counters.cmd_get += 1
+        return qs, h, qs.line_up(h, False, wake)
+
+    def end_wait(self, qs: QueueState, h: Handle, rname: str, w: Waiter, *,
+                 client: OpenReads | None, open_timeout_ms: int | None,
+                 take: bool = True) -> Item | None:
+        """A lined-up get ends: the item it was handed (as a get's: consumed, or open
+        for `client`), or None: none came, or `take` is False (the peer left, time is
+        up); a handed item then goes back unharmed."""
+        if not take or w.item is None:
+            qs.leave_line(h, w)
+            self.counters.get_misses += 1
+            return None
+        it = self._finish_get(qs, h, rname, w.item, client, open_timeout_ms)
+        self.counters.get_hits += 1
+        return it
+
+    def take_more(self, qs: QueueState, h: Handle, rname: str, max_items: int, max_bytes: int,
+                  nbytes: int, *, client: OpenReads | None,
+                  open_timeout_ms: int | None) -> list[Item]:
+        """After a waited get's first item: whatever more is in memory now (as
+        `get_many` takes after its wait), up to `max_items` and `max_bytes` in all with
+        the first's `nbytes`; nothing read back from disk."""
+        if h.closed or qs.deleted:
+            return []
+        if client is not None:
+            max_items = min(max_items, self.reads.room(client, self.config.max_open_reads))
+        try:
+            more = qs.take_nowait(h, max_items, max(1, max_bytes - nbytes) if max_bytes else 0)
+        except trio.WouldBlock:
+            return []
+        self.counters.get_hits += len(more)
+        return self._finish_many(qs, h, rname, more, client, open_timeout_ms)
+
     # -- reliable reads ---------------------------------------------------------------------
 
     def register(self, client: OpenReads) -> OpenReads:
@@ -340,6 +451,20 @@ class Broker:
         """
         return self.reads.confirm(client, queue, reader or "", count, ids, owe,
                                   journal=journal)
+
+    def defer_writes(self, on: bool) -> None:
+        """While on, journal changes wait for `commit_now` (one write per file for a
+        whole pass) instead of being written as they are planned."""
+        self.datadir.deferring = on
+
+    def commit_now(self) -> bool:
+        """Every planned journal change written and synced by policy, here and now
+        (the reactor's pass); False, nothing done, while a writer round is under way."""
+        return self.datadir.commit_now()
+
+    async def wait_round(self) -> None:
+        """Until no writer round is under way (then `commit_now` can run)."""
+        await self.datadir.wait_round()
 
     def write_ready(self) -> None:
         """Write now the journal changes that need no fsync (confirms under fsync never or

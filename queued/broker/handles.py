@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -22,12 +22,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("queued.broker")
 
 
+class Wake(Protocol):
+    """What a waiter is woken through: a trio.Event (a get waiting in a task), or the
+    reactor's note that a connection's long poll can be answered."""
+
+    def set(self) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class Waiter:
     """A get waiting for an item; `serve` hands it one (held, unless `peek`) and wakes it."""
 
     peek: bool
-    event: trio.Event = field(default_factory=trio.Event)
+    event: Wake = field(default_factory=trio.Event)
     item: Item | None = None
 
 

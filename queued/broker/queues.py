@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from queued.broker.handles import Handle, Waiter
+from queued.broker.handles import Handle, Waiter, Wake
 from queued.broker.readback import FETCH_MAX_ITEMS, read_ids, read_range, segment_sizes
 from queued.core import journal_format as jf
 from queued.core.errors import (
@@ -30,7 +30,7 @@ from queued.core.errors import (
     QueueFullError,
 )
 from queued.core.queue import NO_ENTRIES, NO_ITEMS, Item, pack_max_for
-from queued.storage.journal import QueueJournal, Ticket, put_overhead, wait_durable
+from queued.storage.journal import QueueJournal, Ticket, put_overhead
 from queued.storage.recovery import SegmentInfo
 
 if TYPE_CHECKING:
@@ -164,9 +164,44 @@ class QueueState:
         delay_ms: int = 0,
     ) -> PendingPut:
         """Checks, limits, ids; hands the items to the writer (see Broker.begin_put)."""
-        cfg = self.config
         if not datas:
             return PendingPut(self, Inflight([], done=True), None)
+        now, expire_ms, nbytes = self._check_put(datas, expire_ms)
+        n = len(datas)
+        # Shielded: a discard, refill, compaction or drop cut short by a cancellation could
+        # leave the readers' counts and the files apart (the session does not shield a put
+        # whose write is done when its begin returns: see Session._puts).
+        room = self.needs_room()
+        if room or self.journal.config.max_journal_size:
+            self.busy += 1  # (these awaits show in no other way: the queue must not park)
+            try:
+                await self._make_room(room, n, nbytes, put_overhead(flags, delay_ms > 0) * n)
+            finally:
+                self.busy -= 1
+        return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes)
+
+    def begin_put_nowait(
+        self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
+        delay_ms: int = 0,
+    ) -> PendingPut:
+        """`begin_put` without waiting: trio.WouldBlock (nothing changed) when the put
+        must first make room (per-reader limits, max_journal_size)."""
+        if not datas:
+            return PendingPut(self, Inflight([], done=True), None)
+        now, expire_ms, nbytes = self._check_put(datas, expire_ms)
+        if self.needs_room() or self.journal.config.max_journal_size:
+            raise trio.WouldBlock
+        return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes)
+
+    def needs_room(self) -> bool:
+        """A put must check (and maybe make) room under item or size limits first."""
+        cfg = self.config
+        return bool(cfg.max_items or cfg.max_size or self.limited())
+
+    def _check_put(self, datas: Sequence[bytes], expire_ms: int | None,
+                   ) -> tuple[int, int | None, int]:
+        """(now, the expiry capped by max_age, the data's bytes); raises when refused."""
+        cfg = self.config
         if cfg.max_item_size and max(map(len, datas)) > cfg.max_item_size:
             raise ItemTooLargeError(
                 f"item over max_item_size ({cfg.max_item_size} bytes) of queue {self.name!r}"
@@ -175,17 +210,11 @@ class QueueState:
         if cfg.max_age:
             cap = now + cfg.max_age
             expire_ms = cap if expire_ms is None else min(expire_ms, cap)
-        n, nbytes = len(datas), sum(map(len, datas))
-        # Shielded: a discard, refill, compaction or drop cut short by a cancellation could
-        # leave the readers' counts and the files apart (the session does not shield a put
-        # whose write is done when its begin returns: see Session._puts).
-        room = bool(cfg.max_items or cfg.max_size or self.limited())
-        if room or self.journal.config.max_journal_size:
-            self.busy += 1  # (these awaits show in no other way: the queue must not park)
-            try:
-                await self._make_room(room, n, nbytes, put_overhead(flags, delay_ms > 0) * n)
-            finally:
-                self.busy -= 1
+        return now, expire_ms, sum(map(len, datas))
+
+    def _reserve(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
+                 error_count: int, flags: int, delay_ms: int, nbytes: int) -> PendingPut:
+        """Ids and the journal append (the writer makes it durable); in flight until ended."""
         if self.deleted:
             raise QueueClosedError(f"queue {self.name!r} was deleted")
         due_ms = now + delay_ms if delay_ms > 0 else None
@@ -195,19 +224,27 @@ class QueueState:
         if self.inflight is NO_ITEMS:
             self.inflight = deque()
         self.inflight.append(entry)
-        self.inflight_items += n
+        self.inflight_items += len(datas)
         self.inflight_bytes += nbytes
         return PendingPut(self, entry, ticket)
 
     async def end_put(self, pending: PendingPut) -> int:
         """Wait until durable, then deliver (in id order); the number of items."""
+        ticket = pending.ticket
+        if ticket is not None and not ticket.event.is_set():
+            await ticket.event.wait()
+        return self.end_put_nowait(pending)
+
+    def end_put_nowait(self, pending: PendingPut) -> int:
+        """`end_put` once its write is done (its ticket set): deliver, or raise its error."""
         entry, ticket = pending.entry, pending.ticket
         if ticket is None:
             return 0
-        try:
-            await wait_durable(ticket)
-        except Exception as exc:
-            entry.error = exc
+        assert ticket.event.is_set(), "end_put_nowait before the write was done"
+        error = ticket.error
+        if error is not None and not isinstance(error, Exception):
+            raise error  # (as wait_durable would: not a write's failure)
+        entry.error = error
         entry.done = True
         self.inflight_items -= len(entry.puts)
         self.inflight_bytes -= entry.nbytes
@@ -282,17 +319,32 @@ class QueueState:
         if h.reader.wants_refill() or h.reader.wants_fetch():
             self.background.start_refill(self, h)
 
+    def line_up(self, h: Handle, peek: bool, wake: Wake) -> Waiter:
+        """A waiter at the end of `h`'s line, woken through `wake` (see `serve`)."""
+        w = Waiter(peek, wake)
+        if h.waiters is NO_ITEMS:
+            h.waiters = deque()
+        h.waiters.append(w)
+        return w
+
+    def leave_line(self, h: Handle, w: Waiter) -> None:
+        """`w` gives up: out of the line, and an item it was handed goes back unharmed."""
+        if w.item is None:
+            with suppress(ValueError):
+                h.waiters.remove(w)
+        elif not w.peek and h.reader.unhold(w.item.id):
+            w.item = None
+            self.serve(h)
+
     async def wait(self, h: Handle, *, peek: bool, deadline: float) -> Item | None:
         """Wait in line until `deadline` (trio time) for the next item: held for the
         caller unless `peek`, None if none came. If the wait is cancelled after an
         item was handed over, the item goes back unharmed."""
-        w = Waiter(peek)
-        if h.waiters is NO_ITEMS:
-            h.waiters = deque()
-        h.waiters.append(w)
+        woken = trio.Event()
+        w = self.line_up(h, peek, woken)
         try:
             with trio.move_on_at(deadline):
-                await w.event.wait()
+                await woken.wait()
         except BaseException:
             if w.item is not None and not peek and h.reader.unhold(w.item.id):
                 self.serve(h)
@@ -307,7 +359,42 @@ class QueueState:
         """Items available now (read back from disk if need be), each held by `hold`."""
         r = h.reader
         out: list[Item] = []
-        nbytes = 0
+        try:
+            while (fetch := self._take_held(h, out, max_items, max_bytes)) is not None:
+                try:
+                    await (self.fetch_once(h) if fetch else self.refill_once(h))
+                except JournalError:
+                    if out:
+                        break  # serve what we have; the next get reports it
+                    raise
+        except BaseException:
+            for it in reversed(out):  # cancelled while reading back: put them back unharmed
+                r.unhold(it.id)
+            raise
+        if r.wants_refill() or r.wants_fetch():
+            self.background.start_refill(self, h)
+        return out
+
+    def take_nowait(self, h: Handle, max_items: int, max_bytes: int) -> list[Item]:
+        """`take_now` without reading back from disk: trio.WouldBlock (every item put
+        back unharmed) when it would have to."""
+        r = h.reader
+        out: list[Item] = []
+        if self._take_held(h, out, max_items, max_bytes) is not None:
+            for it in reversed(out):
+                r.unhold(it.id)
+            raise trio.WouldBlock
+        if r.wants_refill() or r.wants_fetch():
+            self.background.start_refill(self, h)
+        return out
+
+    def _take_held(self, h: Handle, out: list[Item], max_items: int,
+                   max_bytes: int) -> bool | None:
+        """Take (and hold) into `out` what memory has, up to the limits; None when done,
+        else what must be read back before more can come: True a due item's data
+        (fetch), False the next run of the backlog (refill)."""
+        r = h.reader
+        nbytes = sum([len(it.data) for it in out])
         expired: list[Item] = []
         now = self.clock()
         bulk = True  # (off once take_held finds the next items are not plain ones)
@@ -323,31 +410,16 @@ class QueueState:
                     bulk = False  # expiring, returned or delayed items: one at a time
                 it = r.take(now, expired)
                 if it is None:
-                    self.dispose_expired(h, expired)
-                    expired = []
                     fetch = r.wants_fetch()
                     if (r.behind is None and not fetch) or h.closed:
-                        break
-                    try:
-                        await (self.fetch_once(h) if fetch else self.refill_once(h))
-                    except JournalError:
-                        if out:
-                            break  # serve what we have; the next get reports it
-                        raise
-                    now = self.clock()
-                    bulk = True  # read back from disk: plain ones, perhaps
-                    continue
+                        return None
+                    return fetch
                 r.hold(it)
                 out.append(it)
                 nbytes += len(it.data)
-        except BaseException:
-            for it in reversed(out):  # cancelled while reading back: put them back unharmed
-                r.unhold(it.id)
-            raise
-        self.dispose_expired(h, expired)
-        if r.wants_refill() or r.wants_fetch():
-            self.background.start_refill(self, h)
-        return out
+            return None
+        finally:
+            self.dispose_expired(h, expired)
 
     async def refill_once(self, h: Handle) -> None:
         """Read the next run of on-disk items back into memory (in a worker thread)."""

@@ -122,6 +122,8 @@ class DataDir:
         self._closing = False
         self._writer_done = trio.Event()
         self._in_round = False  # the writer took chunks and has not finished them
+        #: planned changes wait for `commit_now` (the reactor's pass: one write per file)
+        self.deferring = False
         #: when the sleeping writer wakes by itself (-inf while it is awake)
         self._asleep_until = float("-inf")
 
@@ -395,7 +397,9 @@ class DataDir:
         wait: for `write_ready`, which the connection calls once it has run its batch and
         waits for them, or for the writer's task; the confirms of a batch share one
         append instead of one write each."""
-        if not (journal.planned and self._write_now(journal)):
+        if self.deferring:
+            self._dirty[journal] = None  # the caller commits (`commit_now`)
+        elif not (journal.planned and self._write_now(journal)):
             self._dirty[journal] = None
             self._wake.set()
 
@@ -405,6 +409,29 @@ class DataDir:
         the writer's task; the rest stays for its next round."""
         for journal in list(self._dirty):
             self._write_now(journal)
+
+    def commit_now(self) -> bool:
+        """Every planned change (appends, reader file changes) written, and synced as
+        each file's fsync policy says, here and now: one round on the caller's thread
+        (see `Writer.write_round_now`). False, with nothing done, while the writer's
+        task has a round under way (its files are busy): call `wait_round` and again."""
+        if not self._dirty:
+            return True
+        if self._in_round or self._closing or self._writer.busy:
+            return False
+        work = [(j, j.take_pending()) for j in self._dirty]
+        readers = [(j, ops) for j in self._dirty if (ops := j.take_reader_ops())]
+        work = [(j, chunks) for j, chunks in work if chunks]
+        self._dirty.clear()
+        results = self._writer.write_round_now([(j.file, chunks) for j, chunks in work],
+                                               [pair for _, ops in readers for pair in ops])
+        self._finish_round(work, results, readers)
+        return True
+
+    async def wait_round(self) -> None:
+        """Until the writer has no round (or pause) under way: a checkpoint, say."""
+        while self._in_round or self._writer.busy:
+            await self._writer.wait_idle()  # (a round holds its lock from start to end)
 
     def _write_now(self, journal: QueueJournal) -> bool:
         """Write `journal`'s planned changes at once if the writer allows; True if done."""

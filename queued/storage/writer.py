@@ -637,6 +637,34 @@ class Writer:
         self._rounds += 1
         return results
 
+    def write_round_now(
+        self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
+        readers: Sequence[tuple[ReaderFile, Sequence[ReaderOp]]] = (),
+    ) -> list[WriteResult]:
+        """A whole round (writes and the fsync policy's syncs) here and now, on the
+        caller's thread; not while a round or pause is under way (`busy`). For a
+        caller that answers only once the round is done anyway (the reactor's pass): a
+        hand-off to the round thread would only add its cost. Several files are synced
+        at once by the pool (their fsyncs share the file system's journal commits)."""
+        assert not self._lock.locked(), "a round or pause is under way"
+        pool = None
+        if len(work) + len(readers) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
+            pool = self._pool
+        self._rounds += 1
+        return run_round(work, (), pool, readers)
+
+    async def wait_idle(self) -> None:
+        """Until the round or pause under way (if any) is over."""
+        async with self._lock:
+            pass
+
+    @property
+    def busy(self) -> bool:
+        """A round or a pause is under way."""
+        return self._lock.locked()
+
     def write_now(
         self, file: SegmentFile, chunks: Sequence[Chunk],
         readers: Sequence[tuple[ReaderFile, Sequence[ReaderOp]]] = (),
