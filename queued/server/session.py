@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import trio
 
-from queued.broker.broker import Broker, PendingPut
+from queued.broker.broker import Broker, MustWait, PendingPut
+from queued.broker.handles import Handle, Waiter
+from queued.broker.queues import QueueState
 from queued.core import commands as c
 from queued.core.access import Grant
 from queued.core.errors import ItemTooLargeError, ProtocolError
@@ -53,6 +57,39 @@ class Guard:
     request_timeout: float
     auth_timeout: float
     limits: c.Limits  # the parser's caps once authenticated
+
+
+class Turns(Protocol):
+    """How the reactor (queued.server.reactor) hands a connection to its own task."""
+
+    async def next(self) -> list[c.Parsed] | None:
+        """Wait for the reactor to hand the connection over: the requests it left to
+        run (which may wait), or None: the connection ends."""
+
+    def give_back(self) -> None:
+        """This turn is done: the reactor serves the connection again."""
+
+
+class LongPoll:
+    """A memcache or text get that waits in its reader's line without a task (the
+    reactor's long poll): woken (`set`) by `serve` or a closing reader, or by the
+    reactor at its deadline; `Session.end_long_poll` answers it."""
+
+    __slots__ = ("deadline", "handle", "notify", "queue_state", "request", "waiter", "woken")
+
+    def __init__(self, request: c.Request, deadline: float,
+                 notify: Callable[[], None]) -> None:
+        self.request = request
+        self.deadline = deadline  # trio time
+        self.notify = notify
+        self.woken = False
+        self.queue_state: QueueState | None = None
+        self.handle: Handle | None = None
+        self.waiter: Waiter | None = None
+
+    def set(self) -> None:
+        self.woken = True
+        self.notify()
 
 
 @dataclass(slots=True)
@@ -105,6 +142,14 @@ class Session:
         self.request_since = 0.0  # when the request now buffered in part began to arrive
         #: (length of `out` when owed, ticket): replies from there on wait for the ticket
         self.owed: list[tuple[int, Ticket]] = []
+        #: the reactor's long poll this connection waits in (its later requests wait)
+        self.long_poll: LongPoll | None = None
+        #: the reactor's RPC gets waiting in their readers' lines (later requests go on)
+        self.polls: list[LongPoll] = []
+        #: how the reactor hears that a long poll can be answered (set by the reactor)
+        self.notify: Callable[[], None] | None = None
+        #: puts the reactor's pass began, answered by `end_pass` after its commit
+        self.begun: list[tuple[list[tuple[c.Request, c.Put]], PendingPut | Exception]] = []
 
     def stop_if_idle(self) -> None:
         """Shutdown: stop reading; a batch that runs finishes, waiting gets (woken empty
@@ -116,15 +161,42 @@ class Session:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             await self._receive_loop()
-            if self.hub.closing:
-                return  # the broker answers waiting gets empty; they send themselves
-            if self.eof and not self.lost:
-                # The peer ended its side but may still read: its waiting gets answer now
-                # (empty), as a long poll does on the other protocols.
-                for scope in list(self.waits):
-                    scope.cancel()
-            else:
-                nursery.cancel_scope.cancel()  # the peer is gone: so are its waiting gets
+            self._end(nursery)
+
+    def _end(self, nursery: trio.Nursery) -> None:
+        """The connection stops reading: what becomes of the gets still waiting."""
+        if self.hub.closing:
+            return  # the broker answers waiting gets empty; they send themselves
+        if self.eof and not self.lost:
+            # The peer ended its side but may still read: its waiting gets answer now
+            # (empty), as a long poll does on the other protocols.
+            for scope in list(self.waits):
+                scope.cancel()
+        else:
+            nursery.cancel_scope.cancel()  # the peer is gone: so are its waiting gets
+
+    async def serve_turns(self, turns: Turns) -> None:
+        """The connection under the reactor: the reactor reads it and runs what needs no
+        wait (`run_nowait`); this task runs the rest (a login, a long poll, a put that
+        makes room, a rare command) when handed a turn, and ends when told to."""
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            while (rest := await turns.next()) is not None:
+                self.busy = True
+                try:
+                    if self.begun:  # (ended by the pass unless its commit could not be)
+                        begun, self.begun = self.begun, []
+                        with trio.CancelScope(shield=True):
+                            await self._end_puts(begun)
+                    if rest:
+                        await self._run(rest)
+                    await self._run_batch()
+                    await self._flush()
+                finally:
+                    self.batches += 1
+                    self.busy = False
+                turns.give_back()
+            self._end(nursery)
 
     async def _receive_loop(self) -> None:
         # One scope for the whole loop (not one per receive: they cost a few us each); it
@@ -159,6 +231,10 @@ class Session:
                     self.busy = False
         if scope.cancelled_caught and not self.hub.closing and not self.done:
             self._timed_out()
+
+    def time_out(self) -> None:
+        """The login, or a request begun, took too long (the reactor's deadline)."""
+        self._timed_out()
 
     def _timed_out(self) -> None:
         if self.login_by is not None:
@@ -233,6 +309,10 @@ class Session:
         for _, ticket in owed:
             if not ticket.event.is_set():
                 await ticket.event.wait()
+        self.settled(owed)
+
+    def settled(self, owed: list[tuple[int, Ticket]]) -> None:
+        """Owed writes done (their tickets set): act on a failure among them."""
         failed = next(((at, t.error) for at, t in owed if t.error is not None), None)
         if failed is not None:
             at, error = failed
@@ -435,28 +515,39 @@ class Session:
         self, begun: list[tuple[list[tuple[c.Request, c.Put]], PendingPut | Exception]],
     ) -> None:
         """Wait for each begun put to be durable (in order), and answer its requests."""
-        encode = self.codec.encode
         for group, pending in begun:
             if not isinstance(pending, Exception):
                 try:
                     await self.broker.end_put(pending)
                 except Exception as exc:
                     pending = exc
-            for r, put in group:
-                if isinstance(pending, Exception):
-                    self._answer(r, self._failure(r, pending))
-                else:
-                    self.out += encode(r, c.Stored(len(put.items)))
+            self._answer_puts(group, pending)
+
+    def _answer_puts(self, group: list[tuple[c.Request, c.Put]],
+                     result: PendingPut | Exception) -> None:
+        """A put's replies: stored (`result` ended well), or its failure."""
+        encode = self.codec.encode
+        for r, put in group:
+            if isinstance(result, Exception):
+                self._answer(r, self._failure(r, result))
+            else:
+                self.out += encode(r, c.Stored(len(put.items)))
 
     async def _begin_put(self, group: list[tuple[c.Request, c.Put]]) -> PendingPut:
+        queue, items, expire_ms, flags, delay_ms = self._put_of(group)
+        return await self.broker.begin_put(queue, items, expire_ms=expire_ms, flags=flags,
+                                           delay_ms=delay_ms)
+
+    def _put_of(self, group: list[tuple[c.Request, c.Put]],
+                ) -> tuple[str, Sequence[bytes], int | None, int, int]:
+        """A group's put as the broker takes it: queue, items, expiry, flags, delay."""
         first = group[0][1]
         items = first.items if len(group) == 1 else [d for _, put in group for d in put.items]
         limit = self.max_item_size
         if items and max(map(len, items)) > limit:
             raise ItemTooLargeError(f"item over the server's max_item_size ({limit} bytes)")
-        b = self.broker
-        return await b.begin_put(first.queue, items, expire_ms=first.expire_ms(b.clock()),
-                                 flags=first.flags, delay_ms=first.delay_ms)
+        return (first.queue, items, first.expire_ms(self.broker.clock()), first.flags,
+                first.delay_ms)
 
     # -- gets (see handlers.Conn) --------------------------------------------------------------
 
@@ -557,6 +648,287 @@ class Session:
             sent += 1
             await self._flush()
         return c.Done()
+
+
+    # -- the reactor's pass (queued.server.reactor) ----------------------------------------
+
+    def run_nowait(self, requests: list[c.Parsed]) -> int:
+        """Run `requests` in order while each can run without waiting; the index of the
+        first that cannot (len(requests): all ran). Puts are begun (`begun`), not ended:
+        `end_pass` answers them after the pass's commit, and no other request of this
+        connection runs before that (so it sees them ended, as on the task path). A
+        request stopped at is run by `serve_turns`, or by the next pass when it only
+        waits for the commit (`begun` not empty). A get whose confirm ran before its
+        take had to wait is rewritten in `requests` so the confirm does not run twice."""
+        i, n = 0, len(requests)
+        while i < n and not self.done:
+            r = requests[i]
+            if type(r) is not c.Request:
+                if self.begun:
+                    return i  # (its reply goes after theirs)
+                i += 1
+                self._refused(r)
+                continue
+            grant = self.grant
+            cmd = r.command
+            if type(cmd) is c.Put:
+                run: list[tuple[c.Request, c.Put]] = []
+                j = i
+                while j < n and type(rj := requests[j]) is c.Request and type(
+                        put := rj.command) is c.Put and (grant is None or grant.denied(put)
+                                                         is None):
+                    run.append((rj, put))
+                    j += 1
+                if not run:  # refused by the grant
+                    if self.begun:
+                        return i
+                    i += 1
+                    self._deny(r, grant.denied(cmd) or "")  # type: ignore[union-attr]
+                    continue
+                began = self._begin_puts_nowait(run)
+                i += began
+                if began < len(run):
+                    return i
+                continue
+            if self.begun:
+                return i
+            if grant is not None and (why := grant.denied(cmd)) is not None:
+                i += 1
+                self._deny(r, why)
+                continue
+            t = type(cmd)
+            if t is c.Get:
+                if not self._get_nowait(requests, i):
+                    return i
+            elif t is c.Confirm or t is c.Abort:
+                self.stats.count(r.name, r.count)
+                try:
+                    b = self.broker
+                    if t is c.Confirm:
+                        count = b.confirm(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
+                                          cmd.count, cmd.ids, owe=self.owe)  # type: ignore[union-attr]
+                    else:
+                        count = b.abort(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
+                                        ids=cmd.ids, owe=self.owe,  # type: ignore[union-attr]
+                                        delay_ms=cmd.delay_ms)  # type: ignore[union-attr]
+                    self._answer(r, c.Count(count))
+                except Exception as exc:
+                    self._answer(r, self._failure(r, exc))
+            else:
+                return i
+            i += 1
+        return i
+
+    def _refused(self, r: c.Parsed) -> None:
+        """A protocol error's reply, or the end of the stream."""
+        if isinstance(r, ProtocolError):
+            log.debug("%s: %s", self.name, r)
+            self.stats.protocol_errors += 1
+            self.out += r.reply
+            if r.close:
+                self.done = True
+        elif isinstance(r, ConnectionClosed):
+            if r.unparsed:
+                log.info("%s: closed mid-request, %d bytes dropped", self.name, r.unparsed)
+            self.done = True
+
+    def _begin_puts_nowait(self, run: list[tuple[c.Request, c.Put]]) -> int:
+        """Begin the run's puts, one append per group of consecutive puts that may share
+        one; the number of requests begun (fewer: the next group must wait, or is a
+        joined one that failed and is retried one by one on the task path)."""
+        began = 0
+        b = self.broker
+        while began < len(run):
+            group = [run[began]]
+            while began + len(group) < len(run) and _same_append(
+                    group[0][1], run[began + len(group)][1]):
+                group.append(run[began + len(group)])
+            result: PendingPut | Exception
+            try:
+                queue, items, expire_ms, flags, delay_ms = self._put_of(group)
+                result = b.begin_put_nowait(queue, items, expire_ms=expire_ms, flags=flags,
+                                            delay_ms=delay_ms)
+            except trio.WouldBlock:
+                return began
+            except Exception as exc:
+                if len(group) > 1 or group[0][0].count > 1:
+                    return began
+                result = exc
+            n = sum(r.count for r, _ in group)
+            b.counters.cmd_set += n
+            self.stats.count(group[0][0].name, n)
+            self.begun.append((group, result))
+            began += len(group)
+        return began
+
+    def _get_nowait(self, requests: list[c.Parsed], i: int) -> bool:
+        """handlers.get without waiting; False (nothing done but a confirm, which is
+        then rewritten out of the request) when it must wait."""
+        r = requests[i]
+        assert type(r) is c.Request
+        cmd = r.command
+        assert type(cmd) is c.Get
+        if cmd.peek:
+            return False
+        b, reads, reader = self.broker, self.reads, cmd.reader or ""
+        try:
+            if cmd.abort:
+                b.abort(reads, cmd.queue, reader, owe=self.owe, delay_ms=cmd.delay_ms)
+                reply: c.Reply = c.Done()
+            elif cmd.close and not cmd.open:
+                b.confirm(reads, cmd.queue, reader, owe=self.owe)
+                reply = c.Done()
+            else:
+                if cmd.close:
+                    b.confirm(reads, cmd.queue, reader, owe=self.owe)
+                    cmd = replace(cmd, close=False)
+                    requests[i] = c.Request(cmd, r.context, r.name, r.count)
+                if cmd.exclusive and reads.open_ids(cmd.queue, reader):
+                    log.warning("%s: get %s with a read already open on it", self.name,
+                                cmd.queue)
+                    reply = c.Failure(c.ErrorKind.READ_OPEN,
+                                      "a read is already open on this queue")
+                else:
+                    reply = self._take_nowait(cmd)
+        except MustWait:
+            if self.notify is None or (self.ordered and cmd.max_items != 1):
+                return False
+            if not self.ordered and len(self.polls) + self.waiting >= MAX_WAITING:
+                reply = c.Failure(c.ErrorKind.BUSY,
+                                  f"{MAX_WAITING} gets are already waiting on this connection")
+            else:
+                ri = requests[i]
+                assert type(ri) is c.Request
+                poll = LongPoll(ri, trio.current_time() + cmd.timeout_ms / 1000, self.notify)
+                poll.queue_state, poll.handle, poll.waiter = b.line_up(cmd.queue, cmd.reader,
+                                                                      poll)
+                if self.ordered:
+                    self.long_poll = poll
+                    return False  # (later requests wait behind it)
+                self.polls.append(poll)
+                self.stats.count(ri.name, ri.count)
+                return True  # answered when it ends (`end_polls`); later requests go on
+        except trio.WouldBlock:
+            return False
+        except Exception as exc:
+            reply = self._failure(r, exc)
+        self.stats.count(r.name, r.count)
+        self._answer(r, reply)
+        return True
+
+    def _take_nowait(self, cmd: c.Get) -> c.Reply:
+        b = self.broker
+        if not self.ordered:
+            return c.Items(b.get_many_nowait(
+                cmd.queue, cmd.reader, cmd.max_items, wait=cmd.timeout_ms > 0,
+                client=self.reads, open=cmd.open, open_timeout_ms=cmd.open_timeout_ms,
+                max_bytes=cmd.max_bytes))
+        items = b.get_many_nowait(
+            cmd.queue, cmd.reader, cmd.max_items, wait=cmd.timeout_ms > 0 and not self.eof,
+            client=self.reads, open=cmd.open, open_timeout_ms=cmd.open_timeout_ms,
+            separate=cmd.max_items > 1)
+        return self._line_safe(cmd, items)
+
+    def _line_safe(self, cmd: c.Get, items: list[Item]) -> c.Reply:
+        """The reply to a get; one that the text protocol's line cannot carry is given
+        back (as handlers.get does)."""
+        if cmd.line_safe and items:
+            b, it = self.broker, items[0]
+            if b"\n" in it.data:
+                b.abort(self.reads, cmd.queue, cmd.reader, ids=[it.id], count_error=False)
+                return c.Failure(c.ErrorKind.NOT_ENCODABLE, "item contains a newline")
+            b.confirm(self.reads, cmd.queue, cmd.reader, ids=[it.id], journal=False)
+        return c.Items(items)
+
+    def end_long_poll(self, now: float) -> bool:
+        """Answer the long poll if it can be: woken, out of time, or its peer gone or
+        the server stopping. False: it waits on."""
+        poll = self.long_poll
+        assert poll is not None and poll.waiter is not None
+        if not (poll.woken or now >= poll.deadline or self.eof or self.hub.closing):
+            return False
+        self.long_poll = None
+        r = poll.request
+        cmd = r.command
+        assert type(cmd) is c.Get and poll.queue_state is not None and poll.handle is not None
+        b = self.broker
+        try:
+            it = b.end_wait(poll.queue_state, poll.handle, cmd.reader or "", poll.waiter,
+                            client=self.reads if cmd.open else None,
+                            open_timeout_ms=cmd.open_timeout_ms,
+                            take=not self.eof)  # (a peer that left takes no item with it)
+            reply = self._line_safe(cmd, [] if it is None else [it])
+        except Exception as exc:
+            reply = self._failure(r, exc)
+        self.stats.count(r.name, r.count)
+        self._answer(r, reply)
+        return True
+
+    def next_poll_deadline(self) -> float:
+        """The earliest deadline of the RPC gets waiting (inf: none)."""
+        return min((p.deadline for p in self.polls), default=math.inf)
+
+    def end_polls(self, now: float) -> None:
+        """Answer the RPC gets waiting that can be: woken, out of time, or the peer
+        gone (empty) or the server stopping."""
+        keep: list[LongPoll] = []
+        b = self.broker
+        for poll in self.polls:
+            if not (poll.woken or now >= poll.deadline or self.eof or self.hub.closing):
+                keep.append(poll)
+                continue
+            r = poll.request
+            cmd = r.command
+            assert type(cmd) is c.Get and poll.waiter is not None
+            assert poll.queue_state is not None and poll.handle is not None
+            client = self.reads if cmd.open else None
+            try:
+                it = b.end_wait(poll.queue_state, poll.handle, cmd.reader or "", poll.waiter,
+                                client=client, open_timeout_ms=cmd.open_timeout_ms,
+                                take=not self.eof)
+                items = [] if it is None else [it]
+                if it is not None and cmd.max_items > 1:
+                    items += b.take_more(poll.queue_state, poll.handle, cmd.reader or "",
+                                         cmd.max_items - 1, cmd.max_bytes, len(it.data),
+                                         client=client, open_timeout_ms=cmd.open_timeout_ms)
+                reply: c.Reply = c.Items(items)
+            except Exception as exc:
+                reply = self._failure(r, exc)
+            if not self.lost:
+                self._answer(r, reply)
+        self.polls = keep
+
+    def cancel_long_poll(self) -> None:
+        """The connection ends while gets wait in line: out of it, unanswered."""
+        polls = self.polls if self.long_poll is None else [self.long_poll, *self.polls]
+        self.long_poll, self.polls = None, []
+        for poll in polls:
+            if poll.waiter is not None:
+                assert poll.queue_state is not None and poll.handle is not None
+                self.broker.end_wait(poll.queue_state, poll.handle, "", poll.waiter,
+                                     client=None, open_timeout_ms=None, take=False)
+
+    def end_pass(self) -> bool:
+        """After the pass's commit: answer the begun puts, settle what the confirms and
+        aborts owe. False when something is still not durable (a write the commit did
+        not make): `serve_turns` then waits for it."""
+        if any(p.ticket is not None and not p.ticket.event.is_set()
+               for _, p in self.begun if not isinstance(p, Exception)) or any(
+                   not t.event.is_set() for _, t in self.owed):
+            return False
+        begun, self.begun = self.begun, []
+        for group, pending in begun:
+            result: PendingPut | Exception = pending
+            if not isinstance(pending, Exception):
+                try:
+                    self.broker.end_put_nowait(pending)
+                except Exception as exc:
+                    result = exc
+            self._answer_puts(group, result)
+        if self.owed:
+            owed, self.owed = self.owed, []
+            self.settled(owed)
+        return True
 
 
 def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c.Put]]:
