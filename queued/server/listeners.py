@@ -22,7 +22,7 @@ import trio
 
 from queued import __version__
 from queued.broker.broker import Broker
-from queued.config import ConfigError, ServerConfig, reload_queue_configs
+from queued.config import ConfigError, RequestPath, ServerConfig, reload_queue_configs
 from queued.core import commands as c
 from queued.core.errors import DataDirError
 from queued.core.memcache_commands import MemcacheCodec
@@ -32,6 +32,7 @@ from queued.core.text_commands import TextCodec
 from queued.server.auth import Authenticator
 from queued.server.memory import pin_mmap_threshold, trim_when_drained
 from queued.server.metrics import disk_usage
+from queued.server.reactor import Reactor, ReactorTransport
 from queued.server.session import Guard, ServerCounters, Session
 from queued.server.tls import ServerTls, accept_transport
 from queued.server.transport import Transport, peer_name
@@ -65,6 +66,8 @@ class Server:
         self.closing = False
         self.shutdown_requested = trio.Event()
         self._sessions: set[Session] = set()
+        #: serves the plain connections when request_path is "reactor" (made in `run`)
+        self.reactor: Reactor | None = None
         self._disk_warned_at: float | None = None
         #: why the data dir failed its last write probe (None: it took the probe's write)
         self.unwritable: str | None = None
@@ -85,6 +88,9 @@ class Server:
         pin_mmap_threshold()  # (process-wide; see queued.server.memory)
         async with trio.open_nursery() as outer:
             outer.start_soon(self._watch_disk)
+            if self.config.request_path is RequestPath.REACTOR:
+                self.reactor = Reactor(self.broker)
+                outer.start_soon(self.reactor.run)
             outer.start_soon(partial(trim_when_drained, self.broker.held_bytes,
                                      activity=lambda: self.counters.bytes_read))
             async with trio.open_nursery() as conns:
@@ -104,6 +110,8 @@ class Server:
                         await listener.aclose()  # stop accepting
                 self.closing = True
                 self.broker.wake_waiters()
+                if self.reactor is not None:
+                    self.reactor.shut_down()
                 for session in list(self._sessions):
                     session.stop_if_idle()
                 outer.start_soon(self._deadline, conns.cancel_scope)
@@ -147,13 +155,20 @@ class Server:
                     with trio.CancelScope(shield=True), trio.move_on_after(1):
                         await stream.aclose()
                     return
+            reactor = self.reactor if transport is None else None  # (TLS: a task of its own)
+            if reactor is not None:
+                transport = ReactorTransport(stream)
             session = Session(self, self.broker, stream, codec, name=name,
                               max_item_size=self.config.max_item_size,
                               counters=self.counters, stats=stats, guard=guard,
                               started=started, transport=transport)
             self._sessions.add(session)
             self.broker.register(session.reads)
-            await session.run()
+            if reactor is not None:
+                assert isinstance(transport, ReactorTransport)
+                await reactor.serve(session, stream, transport)
+            else:
+                await session.run()
         except Exception:  # one connection's failure must not take the server down
             # (a peer that goes away is not one: the session handles broken streams itself)
             log.exception("%s: session failed; closing the connection", name)

@@ -1,0 +1,136 @@
+"""The reactor (queued.server.reactor): one task, one pass per wake-up, for every plain
+connection. What only this path has: one commit for a pass of many connections, no
+starving (a flood is read a pass at a time), backpressure on a peer that does not
+read, deadlines kept without a task per connection, and long polls without a task.
+Everything else it shares with the task path is run on both by the whole suite
+(`QUEUED_TEST_REQUEST_PATH=reactor`). Real servers on 127.0.0.1 port 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+import pytest
+import trio
+from server_util import WAIT, Conn, make_config, running
+
+from queued.server.reactor import BUFFER_CAP, PASS_REQUESTS
+
+
+def reactor_config(tmp_path: Path, **settings: object):  # type: ignore[no-untyped-def]
+    return make_config(tmp_path / "data", request_path="reactor", **settings)
+
+
+async def test_a_pass_serves_many_connections_with_one_commit(tmp_path: Path) -> None:
+    async with running(reactor_config(tmp_path, fsync="always")) as server:
+        conns = [await Conn.open(server.ports["memcache"]) for _ in range(20)]
+        rounds = server.broker.datadir.statistics().rounds
+        for i, conn in enumerate(conns):  # all sent before any is read
+            await conn.send(b"set q 0 0 1\r\n%d\r\n" % (i % 10))
+        for conn in conns:
+            assert await conn.line() == b"STORED"
+        commits = server.broker.datadir.statistics().rounds - rounds
+        # Fewer commits than puts: the sets that arrived together shared one.
+        assert 0 < commits < 20
+        reader = await Conn.open(server.ports["memcache"])
+        got = [await reader.get("q") for _ in range(20)]
+        assert sorted(got) == sorted(b"%d" % (i % 10) for i in range(20))  # type: ignore[type-var]
+        for conn in [*conns, reader]:
+            await conn.aclose()
+
+
+async def test_a_flood_on_one_connection_does_not_starve_another(tmp_path: Path) -> None:
+    n = 32 * PASS_REQUESTS
+    async with running(reactor_config(tmp_path, fsync="never")) as server:
+        port = server.ports["memcache"]
+        prober = await Conn.open(port)
+        assert await prober.set("b", b"x") == b"STORED"
+        flood = await trio.open_tcp_stream("127.0.0.1", port)
+        async with trio.open_nursery() as nursery:
+            # Read by the server a pass (PASS_REQUESTS) at a time, however much is sent.
+            nursery.start_soon(flood.send_all, b"set a 0 0 1\r\nz\r\n" * n)
+            await trio.sleep(0)
+            # The prober's get is answered while the flood is still being worked through.
+            assert await prober.get("b") == b"x"
+            stored = server.broker.reader_info("a").get("items", 0)
+            assert stored < n
+            got = b""
+            with trio.fail_after(WAIT):
+                while got.count(b"STORED\r\n") < n:
+                    chunk = await flood.receive_some(1 << 16)
+                    assert chunk, "the server closed the flooding connection"
+                    got += chunk
+            assert got == b"STORED\r\n" * n
+        await flood.aclose()
+        assert server.broker.reader_info("a")["items"] == n
+        await prober.aclose()
+
+
+async def test_a_peer_that_never_reads_is_not_read_and_is_closed_at_the_deadline(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    big = b"v" * 60_000
+    config = reactor_config(tmp_path, fsync="never", request_timeout=400)
+    async with running(config) as server:
+        port = server.ports["memcache"]
+        filler = await Conn.open(port)
+        assert await filler.set("big", big) == b"STORED"
+        await filler.aclose()
+        hog = socket.create_connection(("127.0.0.1", port))
+        hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        hog.setblocking(False)
+        with caplog.at_level(logging.INFO, logger="queued.server"):
+            sent = 0
+            with trio.move_on_after(3):
+                while sent < 400:  # peeks at a 60 KB item: 24 MB of replies if all ran
+                    try:
+                        hog.send(b"get big/peek\r\n" * 10)
+                    except BlockingIOError:
+                        await trio.sleep(0.01)
+                        continue
+                    sent += 10
+                    await trio.sleep(0)
+            # The server stopped reading it long before it ran them all ...
+            link = next(iter(server.reactor.links.values()), None) if server.reactor else None
+            if link is not None:
+                assert len(link.unsent) <= BUFFER_CAP + (PASS_REQUESTS + 1) * len(big)
+            # ... and closes it once its replies have waited unread for request_timeout.
+            with trio.fail_after(WAIT):
+                while server.connections():
+                    await trio.sleep(0.05)
+        assert "replies unread within request_timeout" in caplog.text
+        hog.close()
+
+
+async def test_a_trickled_request_completes_and_a_stalled_one_is_closed(
+        tmp_path: Path) -> None:
+    async with running(reactor_config(tmp_path, request_timeout=300)) as server:
+        conn = await Conn.open(server.ports["memcache"])
+        for byte in b"set q 0 0 2\r\nhi\r\n":
+            await conn.send(bytes([byte]))
+            await trio.sleep(0.005)
+        assert await conn.line() == b"STORED"
+        await conn.send(b"set q 0 0 5\r\nab")  # never finished
+        await conn.expect_closed()
+        assert server.protocols["memcache"].request_timeouts == 1
+        assert server.broker.reader_info("q")["items"] == 1
+
+
+async def test_long_polls_wait_in_line_without_a_task(tmp_path: Path) -> None:
+    async with running(reactor_config(tmp_path)) as server:
+        port = server.ports["memcache"]
+        first, second, producer = [await Conn.open(port) for _ in range(3)]
+        await first.send(b"get q/t=5000\r\n")
+        await trio.sleep(0.05)
+        await second.send(b"get q/t=5000\r\n")
+        await trio.sleep(0.05)
+        assert server.broker.reader_info("q")["waiters"] == 2
+        assert await producer.set("q", b"1") == b"STORED"
+        assert await producer.set("q", b"2") == b"STORED"
+        assert await first.read_value("q/t=5000") == b"1"  # first come, first served
+        assert await second.read_value("q/t=5000") == b"2"
+        await first.send(b"get q/t=100\r\n")
+        assert await first.line() == b"END"  # its time ran out
+        for conn in (first, second, producer):
+            await conn.aclose()
