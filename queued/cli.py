@@ -22,6 +22,7 @@ import ssl
 import sys
 import textwrap
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -31,6 +32,7 @@ import trio
 
 from queued import __version__
 from queued import config as qconfig
+from queued.cli_stdout import Stdout
 from queued.client import (
     DEFAULT_PORT,
     AuthFailed,
@@ -352,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader of our stdout went away (`queued peek q | head -3`): as for any Unix
         # filter, that is the reader's choice, not an error. Silence the interpreter's
-        # flush at exit. (`get` reports items it took but could not write itself.)
+        # flush at exit. (`get` confirms only what the reader took: see get_command.)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         if args.command == "check":  # its verdict must not depend on who reads the report
             return check(args.dir, io.StringIO())
@@ -411,14 +413,17 @@ to the next when one is down; gets try each). --server dns://NAME:PORT means eve
 address NAME resolves to (a Kubernetes headless Service); dns+srv://_svc._tcp.NAME reads
 SRV records; add ?nameserver=HOST:PORT to ask that DNS server instead of the system's.
 
-exit codes: 0 ok (also when the reader of stdout stops early, as `| head -3` does);
-1 the server answered with an error (bad queue name, queue full...), or `get` took items
-it could not write (stdout closed; with --open they go back to the queue instead);
+exit codes: 0 ok (also when the reader of stdout stops early, as `| head -3` does: `get`
+confirms only the items the reader took, the others go back to the queue);
+1 the server answered with an error (bad queue name, queue full...), or `get` could not
+confirm items (they will be delivered again);
 2 usage error; 3 cannot connect to any server, or no reply in time."""
 #: Items per put when reading stdin, and per get.
 BATCH = 1000
-#: An open read from `get --open` returns to the queue if not confirmed in this time.
+#: An open read of `get` returns to the queue if not confirmed in this time.
 OPEN_READ_MS = 60_000
+#: `get` stops waiting for stdout's reader this long before its open reads time out.
+OPEN_READ_MARGIN_MS = 5_000
 #: The client commands' help on TLS and logins, after CLIENT_EPILOG.
 SECURITY_EPILOG = """
 
@@ -475,14 +480,15 @@ def add_client_commands(sub: Any) -> None:
     p = add("get", "get items and print each on its own line",
             description="Print up to N items, each followed by a newline (raw bytes; an item "
                         "containing a newline is ambiguous). Stops early when the queue "
-                        "stays empty for --timeout. Without --open items are removed when "
-                        "read, so items read but not printed (e.g. stdout closed) are lost.")
+                        "stays empty for --timeout. Items are read with reliable reads and "
+                        "confirmed once written (into a pipe: once its reader has read "
+                        "them), so a reader that stops early (| head -1) takes from the "
+                        "queue only what it read; the rest goes back.")
     p.add_argument("queue", help="QUEUE, or QUEUE+READER for a fanout reader")
     p.add_argument("-n", type=_positive, default=1, metavar="N",
                    help="how many items at most (default 1)")
     p.add_argument("--open", action="store_true",
-                   help="reliable read: each batch is confirmed only after it was written "
-                        "and stdout flushed; if that fails the items return to the queue")
+                   help="reliable reads (the default; kept for scripts that pass it)")
     p.add_argument("--timeout", type=_non_negative, default=0, metavar="MS",
                    help="wait up to MS milliseconds for items to arrive (default 0: "
                         "only what is there now); connecting and replies get 10 s more")
@@ -629,37 +635,80 @@ def put_command(client: Client, args: argparse.Namespace) -> int:
 
 
 def get_command(client: Client, args: argparse.Namespace) -> int:
-    out = sys.stdout.buffer
+    """Open reads, each confirmed once stdout's reader has taken its line: items written
+    to a pipe whose reader then stops (`| head -1`), and items not written at all, are
+    not confirmed and go back to the queue when the connection closes."""
+    out = Stdout(sys.stdout.buffer)
     deadline = time.monotonic() + args.timeout / 1000
-    auto_abort = OPEN_READ_MS if args.open else 0
-    got = lost = 0
+    # Into a pipe, a few lines at first, each lot once the last was read: a reader that
+    # wants one line finds only one to read, and a fast reader soon gets whole batches.
+    lot = 1 if out.pipe else BATCH
+    sent: deque[tuple[Item, int]] = deque()  # written, not confirmed: (item, end offset)
+    got = refused = 0
+    end = "read"
     with _progress(args.n if args.n > 1 else None, "item", also_stdout=True) as bar:
-        while got < args.n:
+        while got < args.n and end == "read":
             wait = max(0, int((deadline - time.monotonic()) * 1000))
             items: list[Item] = client.get(args.queue, min(args.n - got, BATCH), wait,
-                                           auto_abort)
+                                           OPEN_READ_MS)
             if not items:
                 break
-            try:
-                out.write(b"".join(item.data + b"\n" for item in items))
-                out.flush()
-            except BrokenPipeError:
-                if args.open:  # not confirmed: they go back when the connection closes
-                    raise
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                print(f"queued get: stdout closed: up to {len(items)} items taken from the "
-                      f"queue were not written and are lost (--open returns them)",
-                      file=sys.stderr)
-                return EXIT_SERVER_ERROR
-            if args.open:
-                lost += len(items) - client.confirm(items)
             got += len(items)
-            bar.update(len(items))
-    if lost:
-        print(f"queued get: {lost} items could not be confirmed and will be delivered again",
-              file=sys.stderr)
+            give_up = time.monotonic() + (OPEN_READ_MS - OPEN_READ_MARGIN_MS) / 1000
+            at = 0
+            while at < len(items) and end == "read":
+                part = items[at:at + lot]
+                at += len(part)
+                offset = out.written
+                try:
+                    out.write(b"".join(item.data + b"\n" for item in part))
+                except BrokenPipeError:
+                    end = "gone"
+                    break
+                for item in part:
+                    offset += len(item.data) + 1
+                    sent.append((item, offset))
+                end, n = _confirm_taken(client, out, sent, give_up, bar)
+                refused += n
+                lot = min(lot * 2, BATCH)
+    if end == "gone":  # the reader's choice, not an error; silence the flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if end == "stalled":
+        print(f"queued get: {len(sent)} items written to stdout were not read within "
+              f"{(OPEN_READ_MS - OPEN_READ_MARGIN_MS) // 1000} s; they go back to the queue "
+              "(and the reader may still read them)", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    if refused:
+        print(f"queued get: {refused} items could not be confirmed and will be delivered "
+              "again", file=sys.stderr)
         return EXIT_SERVER_ERROR
     return EXIT_OK
+
+
+def _confirm_taken(client: Client, out: Stdout, sent: deque[tuple[Item, int]],
+                   give_up: float, bar: Any) -> tuple[str, int]:
+    """Confirm the items of `sent` whose lines stdout's reader has taken, until it has
+    taken them all ("read"), closed its end ("gone"), or `give_up` came first ("stalled");
+    returns that and how many confirms the server refused."""
+    refused = 0
+    pause_ms = 1
+    gone = False
+    while True:
+        taken = out.taken()
+        done = []
+        while sent and sent[0][1] <= taken:
+            done.append(sent.popleft()[0])
+        if done:
+            refused += len(done) - client.confirm(done)
+            bar.update(len(done))
+        if not sent:
+            return "read", refused
+        if gone:  # (what it read before it went was confirmed just above)
+            return "gone", refused
+        if time.monotonic() >= give_up:
+            return "stalled", refused
+        gone = out.reader_gone(pause_ms)
+        pause_ms = 1 if done else min(pause_ms * 2, 50)
 
 
 def peek_command(client: Client, args: argparse.Namespace) -> int:

@@ -172,7 +172,7 @@ async def test_console_needs_a_login_and_filters_queues(tmp_path: Path, users: P
             assert status == 401 and headers["www-authenticate"].startswith("Basic"), path
         status, headers, _ = await get(port, "/", HTML)
         assert status == 401 and "www-authenticate" in headers  # the browser asks
-        assert (await get(port, "/"))[0] == 200  # the text index stays open for probes
+        assert (await get(port, "/"))[0] == 401  # the text index too: it names the server
         assert (await get(port, "/", {**HTML, **basic("alice", "wrong")}))[0] == 401
         assert (await get(port, "/", {**HTML, **as_("alice")}))[0] == 200
         # /stats.json: the same filter as the `stats` command (put or get; admin: all)

@@ -382,6 +382,7 @@ def test_compose_users_file_and_prometheus_credentials() -> None:
     users_path = mounts(services["queued"])[env["QUEUED_USERS_FILE"]]
     users = load_users(DEPLOY / users_path)
     assert users["admin"].admin and not users["prometheus"].put and not users["prometheus"].get
+    assert users["prometheus"].metrics  # every queue's series, and nothing but /metrics
     auth = {job["job_name"]: job for job in load_one(PROMETHEUS)["scrape_configs"]}[
         "queued"]["basic_auth"]
     prom_mounts = {target: source for target, source in mounts(services["prometheus"]).items()}
@@ -617,6 +618,8 @@ def test_k8s_users_secret_is_mounted_and_fails_closed() -> None:
     # The shipped placeholders are no passwords: the server refuses to start with them.
     with pytest.raises(UsersError, match="not a plaintext password"):
         load_users(K8S / users_file)
+    with (K8S / users_file).open("rb") as f:
+        assert tomllib.load(f)["users"]["prometheus"]["metrics"] is True  # scrapes it all
 
 
 def mounts_of_compose_queued() -> set[str]:

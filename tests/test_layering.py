@@ -31,7 +31,7 @@ LAYERS = {
     "queued.storage.": "storage",
     "queued.broker.": "broker",
     "queued.server.": "server", "queued.client.": "client", "queued.spark.": "spark",
-    "queued.cli": "cli", "queued.logs": "cli",
+    "queued.cli": "cli", "queued.cli_stdout": "cli", "queued.logs": "cli",
 }
 ALLOWED = {
     "core": {"core"},

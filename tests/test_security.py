@@ -48,8 +48,9 @@ def users_toml(**users: dict[str, Any]) -> str:
         for key in ("put", "get"):
             if key in spec:
                 lines.append(f"{key} = {spec[key]!r}".replace("'", '"'))
-        if spec.get("admin"):
-            lines.append("admin = true")
+        for flag in ("admin", "metrics"):
+            if spec.get(flag):
+                lines.append(f"{flag} = true")
     return "\n".join(lines) + "\n"
 
 
@@ -374,10 +375,11 @@ async def test_http_needs_basic_auth_except_probes(tmp_path: Path, users_file: P
         assert (await run(fetch, "/livez"))[0] == 200
         assert (await run(fetch, "/readyz"))[0] == 200
         status, challenge, _ = await run(fetch, "/metrics")
-        assert status == 401 and challenge.startswith('Basic realm="queued"')
+        assert status == 401 and challenge.startswith('Basic realm="login"')
         assert (await run(fetch, "/stats.json"))[0] == 401
         assert (await run(fetch, "/metrics", "bob", "wrong"))[0] == 401
-        status, _, body = await run(fetch, "/metrics", "bob", "bob-pw")
+        assert (await run(fetch, "/metrics", "bob", "bob-pw"))[0] == 200
+        status, _, body = await run(fetch, "/metrics", "root", "root-pw")
         assert status == 200
         assert b'queued_auth_failures_total{protocol="http"} 3.0' in body
         assert (await run(fetch, "/stats.json", "bob", "bob-pw"))[0] == 200

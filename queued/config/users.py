@@ -1,7 +1,7 @@
 """The users file and password hashes: who may connect, and with which permissions.
 
 Owns the file's layout (TOML, one `[users.NAME]` table each: `password`, `put`, `get`,
-`admin`), its checks (a plaintext password is refused: only hashes made by `queued
+`admin`, `metrics`), its checks (a plaintext password is refused: only hashes made by `queued
 passwd` are accepted), and the hash itself: scrypt (hashlib, OpenSSL's), salted, in
 the PHC string format `$scrypt$ln=14,r=8,p=1$<salt>$<hash>` (unpadded base64), checked
 in constant time. It reads files and computes hashes; it never opens sockets or waits
@@ -36,7 +36,7 @@ MAXMEM: Final = 1 << 30
 USER_RE: Final = re.compile(r"[A-Za-z0-9_.@:-]{1,64}")
 _HASH_RE: Final = re.compile(
     r"\$scrypt\$ln=(\d{1,2}),r=(\d{1,2}),p=(\d{1,2})\$([A-Za-z0-9+/]{16,})\$([A-Za-z0-9+/]{40,})")
-_KEYS: Final = frozenset({"password", "put", "get", "admin"})
+_KEYS: Final = frozenset({"password", "put", "get", "admin", "metrics"})
 
 
 class UsersError(QueuedError):
@@ -97,9 +97,10 @@ class User:
     put: tuple[str, ...] = ()
     get: tuple[str, ...] = ()
     admin: bool = False
+    metrics: bool = False  # a scraper: all of /metrics, nothing else
 
     def grant(self) -> Grant:
-        return Grant(self.name, self.put, self.get, self.admin)
+        return Grant(self.name, self.put, self.get, self.admin, self.metrics)
 
 
 def _patterns(value: object, where: str) -> tuple[str, ...]:
@@ -132,19 +133,28 @@ def parse_users(text: str, label: str) -> dict[str, User]:
         unknown = set(section) - _KEYS
         if unknown:
             raise UsersError(f"{where} {sorted(unknown)[0]}: unknown key; expected "
-                             "password, put, get, admin")
+                             "password, put, get, admin, metrics")
         if "password" not in section or not isinstance(section["password"], str):
             raise UsersError(f"{where} password: missing; set it to what `queued passwd` prints")
         try:
             password = PasswordHash.parse(section["password"])
         except ValueError as exc:
             raise UsersError(f"{where} password: {exc}") from None
-        admin = section.get("admin", False)
-        if not isinstance(admin, bool):
-            raise UsersError(f"{where} admin: expected true or false, got {admin!r}")
-        users[name] = User(name, password, _patterns(section.get("put", []), f"{where} put"),
-                           _patterns(section.get("get", []), f"{where} get"), admin)
+        admin, metrics = _flag(section, "admin", where), _flag(section, "metrics", where)
+        put = _patterns(section.get("put", []), f"{where} put")
+        get = _patterns(section.get("get", []), f"{where} get")
+        if metrics and (put or get or admin):
+            raise UsersError(f"{where} metrics: a metrics user may only read /metrics; give "
+                             "put, get or admin to another user")
+        users[name] = User(name, password, put, get, admin, metrics)
     return users
+
+
+def _flag(section: Mapping[str, object], key: str, where: str) -> bool:
+    value = section.get(key, False)
+    if not isinstance(value, bool):
+        raise UsersError(f"{where} {key}: expected true or false, got {value!r}")
+    return value
 
 
 def load_users(path: Path) -> Mapping[str, User]:

@@ -1,8 +1,9 @@
 """Who may do what: a user's permissions and the one table of what each command needs.
 
 Owns the three permissions (put, get, admin), the queue-name patterns they carry
-(fnmatch, case-sensitive; a fanout name "q+r" counts as queue q) and `needed`, which
-says for every protocol-neutral command which permission on which queue it takes.
+(fnmatch, case-sensitive; a fanout name "q+r" counts as queue q), `needed`, which
+says for every protocol-neutral command which permission on which queue it takes, and
+what of the server's figures each grant sees (`visible`, `sees_everything`).
 PURE: the users file is read by `queued.config.users`, passwords are checked by
 `queued.server.auth`; the session asks `Grant.denied` before it runs a command.
 """
@@ -31,6 +32,9 @@ _ADMIN: Final = (c.Flush, c.FlushAll, c.FlushExpired, c.FlushAllExpired, c.Delet
                  c.Reload, c.Shutdown)
 #: Results a grant remembers per queue and permission before it starts again.
 _CACHE: Final = 1024
+#: The server figures of `stats` a user who is not an admin sees: they count no queue
+#: (its uptime, clock and version, which the open `version` command tells it anyway).
+OWN_FIGURES: Final = ("uptime", "time", "version")
 
 
 def needed(command: c.Command) -> tuple[Permission, str | None] | None:
@@ -57,12 +61,14 @@ def queue_of(name: str) -> str:
 
 @dataclass(slots=True)
 class Grant:
-    """One user's permissions: queue-name patterns for put and get, and admin."""
+    """One user's permissions: queue-name patterns for put and get, and admin; `metrics`:
+    a scraper's, which reads all of /metrics and may do nothing else."""
 
     user: str
     put: Sequence[str] = ()
     get: Sequence[str] = ()
     admin: bool = False
+    metrics: bool = False
     _seen: dict[tuple[Permission, str], bool] = field(default_factory=dict, repr=False)
 
     def may(self, permission: Permission, queue: str | None) -> bool:
@@ -102,8 +108,17 @@ ANONYMOUS: Final = Grant("anonymous", ("*",), ("*",), admin=True)
 
 def visible(figures: Mapping[str, object], grant: Grant | None) -> dict[str, object]:
     """The `stats` figures ({"server": ..., "queues": {name: ...}}) as `grant` may see them:
-    only the queues it may put to or get from, unless admin (None: no users, all)."""
+    all for an admin (None: no users, all); for anyone else only the queues it may put to
+    or get from and, of the server's, only `OWN_FIGURES` (the rest count every queue)."""
     if grant is None or grant.admin:
         return dict(figures)
+    server: Mapping[str, object] = figures["server"]  # type: ignore[assignment]
     queues: Mapping[str, object] = figures["queues"]  # type: ignore[assignment]
-    return {**figures, "queues": {k: v for k, v in queues.items() if grant.may_see(k)}}
+    return {"server": {k: server[k] for k in OWN_FIGURES if k in server},
+            "queues": {k: v for k, v in queues.items() if grant.may_see(k)}}
+
+
+def sees_everything(grant: Grant | None) -> bool:
+    """Whether /metrics shows `grant` every queue and the server-wide series: an admin,
+    a metrics user, or no users at all (None)."""
+    return grant is None or grant.admin or grant.metrics

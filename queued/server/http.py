@@ -6,8 +6,10 @@ before recovery, so a probe can tell "alive but still recovering" (/livez 200, /
 503) from "dead". GET and HEAD, and POST for the console's actions only; keep-alive;
 every read is bounded in bytes and time, and a bad request gets a 4xx and a closed
 connection, never a crash. A HEAD gets what a GET would without the body, error replies
-included. It reads the server through `OpsServer` and never imports the listeners (they
-import it).
+included. With users, nothing but the probes answers a stranger, and no reply names the
+server or its version (no `Server` header, a realm that is not its name): what runs
+where is no stranger's business. It reads the server through `OpsServer` and never
+imports the listeners (they import it).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import trio
 
 from queued import __version__
 from queued.config import ServerConfig
-from queued.core.access import Grant, visible
+from queued.core.access import Grant, sees_everything, visible
 from queued.core.stats import ProtocolStats
 from queued.server.auth import Authenticator
 from queued.server.console import SECURITY_HEADERS, Console, is_console_path, wants_html
@@ -55,10 +57,10 @@ TOO_MANY_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
 REQUEST_TIMEOUT_REPLY = (b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
                          b"Connection: close\r\n\r\n")
 ROUTES = ("/metrics", "/livez", "/readyz", "/stats.json")
-#: Open to anyone (probes; `/` as text, not the console page); the others need HTTP Basic
-#: authentication when users are set.
-OPEN_ROUTES = frozenset({"/livez", "/readyz", "/"})
-UNAUTHORIZED = (("Content-Type", TEXT), ("WWW-Authenticate", 'Basic realm="queued", '
+#: Open to anyone (the probes); the others need HTTP Basic authentication when users are set.
+OPEN_ROUTES = frozenset({"/livez", "/readyz"})
+#: The realm names no product: a stranger learns nothing of what answers.
+UNAUTHORIZED = (("Content-Type", TEXT), ("WWW-Authenticate", 'Basic realm="login", '
                                                            'charset="UTF-8"'))
 
 
@@ -101,8 +103,8 @@ class Ops:
     async def authorized(self, headers: list[tuple[bytes, bytes]], peer: str
                          ) -> tuple[bool, Grant | None]:
         """(logged in, the user's grant): HTTP Basic credentials of a configured user
-        (any user may read /metrics; /stats.json and the console show it only the queues
-        it may use), or (True, None) with no users configured."""
+        (/metrics, /stats.json and the console show it only the queues it may use, but
+        /metrics all to an admin or a metrics user), or (True, None) with no users."""
         if self.login is None:
             return True, None
         for name, value in headers:
@@ -171,7 +173,7 @@ class Ops:
                 return _text(503, "not ready: " + "\n".join(problems) + "\n")
             return _text(200, "ready\n")
         if path == "/metrics":
-            return await self._metrics(headers)
+            return await self._metrics(headers, grant)
         if path == "/stats.json":
             if self.server is None:
                 return Reply(503, b'{"error": "recovering the journals"}\n',
@@ -182,7 +184,8 @@ class Ops:
                          + " (a browser gets the web console here)\n")
         return _text(404, f"not found; try {', '.join(ROUTES)}\n")
 
-    async def _metrics(self, headers: list[tuple[bytes, bytes]]) -> Reply:
+    async def _metrics(self, headers: list[tuple[bytes, bytes]], grant: Grant | None
+                       ) -> Reply:
         accept = encoding = ""
         for name, value in headers:
             if name == b"accept":
@@ -191,7 +194,9 @@ class Ops:
                 encoding = value.decode("latin-1")
         snapshot = take_snapshot(self.server, ready=not self.problems(),
                                  max_readers=self.config.metrics_max_queues,
-                                 more=(("http", self.stats),))
+                                 more=(("http", self.stats),),
+                                 scope=None if grant is None or sees_everything(grant)
+                                 else grant.may_see)
         # Formatting thousands of series is pure Python: off the event loop.
         body, extra = await trio.to_thread.run_sync(
             render, snapshot, accept, encoding, limiter=self._render_limiter)
@@ -276,14 +281,16 @@ async def _connection(ops: Ops, stream: trio.abc.Stream, peer: str) -> None:
                 return
         except _BadRequest as exc:
             if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                await _send(conn, stream, exc.reply, head=exc.head, close=True)
+                await _send(conn, stream, exc.reply, head=exc.head, close=True,
+                            named=ops.login is None)
             return
         if request is None:
             return  # the client closed the connection
         reply = await ops.respond(request.method, request.target, list(request.headers), peer)
         log.debug("http: %s %s -> %d", request.method.decode(), request.target.decode(
             "ascii", "replace"), reply.status)
-        await _send(conn, stream, reply, head=request.method == b"HEAD")
+        await _send(conn, stream, reply, head=request.method == b"HEAD",
+                    named=ops.login is None)
         if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
             return
         try:
@@ -356,8 +363,9 @@ def _is_head(request: h11.Request | None, start: bytes) -> bool:
 
 
 async def _send(conn: h11.Connection, stream: trio.abc.Stream, reply: Reply, *,
-                head: bool = False, close: bool = False) -> None:
-    """`reply` through h11. A HEAD gets the headers GET would, without the body.
+                head: bool = False, close: bool = False, named: bool = True) -> None:
+    """`reply` through h11. A HEAD gets the headers GET would, without the body; `named`:
+    with a `Server` header (not with users: a stranger learns no name or version).
 
     A reply that closes the connection ends with the close: h11 is not asked for an
     EndOfMessage, which it would refuse after a HEAD it never parsed (it would still
@@ -365,7 +373,7 @@ async def _send(conn: h11.Connection, stream: trio.abc.Stream, reply: Reply, *,
     """
     headers = [
         ("Date", email.utils.formatdate(usegmt=True)),
-        ("Server", f"queued/{__version__}"),
+        *((("Server", f"queued/{__version__}"),) if named else ()),
         ("Cache-Control", "no-store"),
         ("Content-Length", str(len(reply.body))),
         *reply.headers,

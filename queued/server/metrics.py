@@ -10,7 +10,8 @@ Naming follows Prometheus: `queued_` prefix, `_total` counters, `_seconds`,
 `_bytes`. Per-reader series carry `queue` and `reader` labels (`reader=""` is
 the queue's own reader); at most `metrics_max_queues` readers get them (by name
 order, so the set is stable between scrapes) and `queued_metrics_omitted_readers`
-says how many did not.
+says how many did not. A scrape for a user who may not see everything (`scope`) holds
+only the series of the queues it may see: no server-wide ones, which count every queue.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import dataclasses
 import gzip
 import os
 import platform
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -91,7 +92,8 @@ class ReaderSample:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """Everything one scrape exports, copied on the event loop."""
+    """Everything one scrape exports, copied on the event loop. `server_wide`: False for a
+    scrape of some queues' series only (then the server's own figures are left out)."""
 
     ready: bool
     recovering: bool
@@ -109,37 +111,33 @@ class Snapshot:
     recovery_seconds: float = 0.0
     truncated_bytes: int = 0
     disk: DiskUsage | None = None
+    server_wide: bool = True
 
 
 def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
-                  more: tuple[tuple[str, ProtocolStats], ...] = ()) -> Snapshot:
+                  more: tuple[tuple[str, ProtocolStats], ...] = (),
+                  scope: Callable[[str], bool] | None = None) -> Snapshot:
     """Copy the figures of `server` (None while the journals are being recovered);
-    `more`: listeners the server does not own (the operations port's)."""
+    `more`: listeners the server does not own (the operations port's); `scope`: only the
+    queues it accepts, and none of the server's own figures (None: everything)."""
+    if scope is not None:
+        if server is None:
+            return Snapshot(ready=ready, recovering=True, server_wide=False)
+        readers, journals, omitted = _queues(server.broker, max_readers, scope)
+        return Snapshot(ready=ready, recovering=False, readers=readers, journals=journals,
+                        omitted_readers=omitted, server_wide=False)
     extra = tuple((proto, dataclasses.replace(p, commands=dict(p.commands)))
                   for proto, p in more)
     if server is None:
         return Snapshot(ready=ready, recovering=True, protocols=extra)
     broker = server.broker
-    readers: list[ReaderSample] = []
-    journals: list[JournalStats] = []
-    omitted = 0
-    for name in broker.queue_names():  # parked ones too, from their summaries
-        if len(readers) >= max_readers:
-            omitted += broker.reader_count(name)
-            continue
-        fields, journal = broker.queue_view(name)
-        for rname, f in fields:
-            if len(readers) >= max_readers:
-                omitted += 1
-                continue
-            readers.append(ReaderSample(name, rname, f))
-        journals.append(journal)
+    readers, journals, omitted = _queues(broker, max_readers, None)
     dd = broker.datadir.statistics()
     return Snapshot(
         ready=ready,
         recovering=False,
-        readers=tuple(readers),
-        journals=tuple(journals),
+        readers=readers,
+        journals=journals,
         omitted_readers=omitted,
         queues=len(broker.queues) + len(broker.registry.parked),
         parked=len(broker.registry.parked),
@@ -156,6 +154,28 @@ def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
         truncated_bytes=dd.truncated_bytes,
         disk=disk_usage(broker.datadir.path),
     )
+
+
+def _queues(broker: Broker, max_readers: int, scope: Callable[[str], bool] | None,
+            ) -> tuple[tuple[ReaderSample, ...], tuple[JournalStats, ...], int]:
+    """(readers, journals, readers omitted by the cap) of the queues `scope` accepts."""
+    readers: list[ReaderSample] = []
+    journals: list[JournalStats] = []
+    omitted = 0
+    for name in broker.queue_names():  # parked ones too, from their summaries
+        if scope is not None and not scope(name):
+            continue
+        if len(readers) >= max_readers:
+            omitted += broker.reader_count(name)
+            continue
+        fields, journal = broker.queue_view(name)
+        for rname, f in fields:
+            if len(readers) >= max_readers:
+                omitted += 1
+                continue
+            readers.append(ReaderSample(name, rname, f))
+        journals.append(journal)
+    return tuple(readers), tuple(journals), omitted
 
 
 # -- families ----------------------------------------------------------------------------
@@ -201,6 +221,10 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot
+        if not s.server_wide:
+            yield from self._readers()
+            yield from self._journals()
+            return
         info = GaugeMetricFamily("queued_build_info", "Version of the running server (always 1).",
                                  labels=["version", "python"])
         info.add_metric([__version__, platform.python_version()], 1)
@@ -227,6 +251,8 @@ class SnapshotCollector(Collector):
             for r in s.readers:
                 c.add_metric([r.queue, r.reader], r.fields[key])
             yield c
+        if not s.server_wide:
+            return
         yield GaugeMetricFamily("queued_queues", "Queues (fanout readers not counted).",
                                 value=s.queues)
         yield GaugeMetricFamily("queued_parked_queues",
@@ -334,12 +360,13 @@ def render(snapshot: Snapshot, accept: str = "", accept_encoding: str = "",
 
     Content negotiation as prometheus-client does it (OpenMetrics when asked for);
     gzip when the scraper accepts it. Safe in a worker thread: it only reads the
-    snapshot and /proc.
+    snapshot and /proc. The process metrics are the server's: only in a server-wide one.
     """
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
-    registry.register(_PROCESS)
-    registry.register(_PLATFORM)
+    if snapshot.server_wide:
+        registry.register(_PROCESS)
+        registry.register(_PLATFORM)
     encoder, content_type = choose_encoder(accept)
     body: bytes = encoder(registry)
     headers = [("Content-Type", content_type)]
