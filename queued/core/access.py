@@ -31,6 +31,12 @@ _ADMIN: Final = (c.Flush, c.FlushAll, c.FlushExpired, c.FlushAllExpired, c.Delet
                  c.Reload, c.Shutdown)
 #: Results a grant remembers per queue and permission before it starts again.
 _CACHE: Final = 1024
+#: The longest user name (the users file refuses longer ones).
+MAX_USER_NAME: Final = 64
+#: The longest password, in UTF-8 bytes: `queued passwd` refuses a longer one and a login
+#: with one fails, so no longer credential pair is ever valid (the memcache codec relies
+#: on that to tell a login set from an item).
+MAX_PASSWORD: Final = 1024
 
 
 def needed(command: c.Command) -> tuple[Permission, str | None] | None:

@@ -99,6 +99,7 @@ class Session:
         self.login_by: float | None = None
         if self.login is not None:
             codec.set_limits(LOGIN_LIMITS)
+            codec.set_logins(self.login.knows)
             now = trio.current_time() if started is None else started
             self.login_by = now + guard.auth_timeout  # type: ignore[union-attr]
         self.requests = 0  # parsed so far: progress, for request_timeout
@@ -318,9 +319,9 @@ class Session:
 
     async def _run(self, requests: list[c.Parsed]) -> None:
         i, n = 0, len(requests)
-        grant = self.grant
         while i < n and not self.done:
             r = requests[i]
+            grant = self.grant  # as of here: a login earlier in the batch may have changed it
             if grant is not None and type(r) is c.Request and (
                     why := grant.denied(r.command)) is not None:
                 i += 1
