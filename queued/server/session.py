@@ -28,7 +28,7 @@ from queued.core.queue import Item
 from queued.core.stats import ProtocolStats
 from queued.core.wire import ConnectionClosed
 from queued.server.auth import Authenticator
-from queued.server.handlers import HANDLERS, Hub
+from queued.server.handlers import HANDLERS, Hub, not_durable
 from queued.server.transport import Transport, transport_of
 from queued.storage.journal import Ticket
 
@@ -53,6 +53,16 @@ class Guard:
     request_timeout: float
     auth_timeout: float
     limits: c.Limits  # the parser's caps once authenticated
+
+
+@dataclass(slots=True)
+class Owed:
+    """A reply held back until the confirms and aborts it acknowledges are durable."""
+
+    at: int  # where in `out` it goes
+    request: c.Request
+    reply: c.Reply
+    tickets: list[Ticket]
 
 
 @dataclass(slots=True)
@@ -104,8 +114,8 @@ class Session:
             self.login_by = now + guard.auth_timeout  # type: ignore[union-attr]
         self.requests = 0  # parsed so far: progress, for request_timeout
         self.request_since = 0.0  # when the request now buffered in part began to arrive
-        #: (length of `out` when owed, ticket): replies from there on wait for the ticket
-        self.owed: list[tuple[int, Ticket]] = []
+        self.owing: list[Ticket] = []  # the tickets of the request being run
+        self.owed: list[Owed] = []  # replies in `out`'s order, each waiting for its tickets
 
     def stop_if_idle(self) -> None:
         """Shutdown: stop reading; a batch that runs finishes, waiting gets (woken empty
@@ -221,26 +231,35 @@ class Session:
     def owe(self, ticket: Ticket) -> None:
         """See handlers.Conn.owe."""
         if not ticket.event.is_set() or ticket.error is not None:
-            self.owed.append((len(self.out), ticket))
+            self.owing.append(ticket)
 
     async def _settle(self) -> None:
-        """Wait until every owed write is durable (the caller is the one sender). If one
-        failed, the replies from the one it acknowledges on are dropped and the
-        connection ends: the client gets no acknowledgement of it (its open reads go
-        back to the queue)."""
+        """Wait until every owed write is durable (the caller is the one sender), then put
+        each held-back reply in its place in `out`: the reply, or, if a write it
+        acknowledges failed, `handlers.not_durable`'s error (the broker has undone its
+        confirms: the client may send them again). The connection stays open."""
         owed, self.owed = self.owed, []
-        if not all(t.event.is_set() for _, t in owed):
+        if not all(t.event.is_set() for o in owed for t in o.tickets):
             self.broker.write_ready()  # the batch's confirms, in one write if no fsync
-        for _, ticket in owed:
-            if not ticket.event.is_set():
-                await ticket.event.wait()
-        failed = next(((at, t.error) for at, t in owed if t.error is not None), None)
-        if failed is not None:
-            at, error = failed
-            log.error("%s: a confirm or abort could not be made durable, closing without "
-                      "acknowledging it: %s", self.name, error)
-            del self.out[at:]
-            self.done = True
+        for o in owed:
+            for ticket in o.tickets:
+                if not ticket.event.is_set():
+                    await ticket.event.wait()
+        out, start, added = self.out, 0, 0
+        parts: list[bytes | bytearray] = []
+        for o in owed:
+            reply = o.reply
+            error = next((t.error for t in o.tickets if t.error is not None), None)
+            if error is not None:
+                log.warning("%s: %s not made durable: %s", self.name, o.request.name, error)
+                reply = not_durable(self, o.request, reply, error)
+            encoded = self.codec.encode(o.request, reply)
+            parts += (out[start:o.at], encoded)
+            start, added = o.at, added + len(encoded)
+        parts.append(out[start:])
+        out[:] = b"".join(parts)  # in place: a waiting get's task may hold a reference
+        for o in self.owed:  # owed while this waited: behind all of these in `out`
+            o.at += added
 
     # -- one batch ---------------------------------------------------------------------------
 
@@ -358,7 +377,13 @@ class Session:
             reply = await HANDLERS[type(req.command)](self, req.command, req)
         except Exception as exc:  # mapped to the protocol's reply, by kind
             reply = self._failure(req, exc)
-        if reply is not None:
+        if self.owing:  # it confirmed or aborted: its reply waits for that (see _settle)
+            owing, self.owing = self.owing, []
+            if reply is not None:
+                self.owed.append(Owed(len(self.out), req, reply, owing))
+                if type(reply) is c.Failure and reply.kind in self.codec.closing:
+                    self.done = True
+        elif reply is not None:
             self.out += self.codec.encode(req, reply)
             if type(reply) is c.Failure and reply.kind in self.codec.closing:
                 self.done = True
