@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 from server_util import (
     HOST,
     WAIT,
@@ -29,7 +32,12 @@ from server_util import (
 )
 
 from queued.client import Client
+from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
+from queued.core.errors import JournalWriteError
 from queued.storage import fileio
+from queued.storage.datadir import open_data_dir
+from queued.storage.files import read_checkpoint
+from queued.storage.journal import wait_durable
 
 pytestmark = pytest.mark.slow
 
@@ -254,3 +262,61 @@ async def test_a_confirm_that_cannot_be_made_durable_is_not_acknowledged(
         await conn.aclose()  # its read of a goes back
         assert await other.get("q/t=5000") == b"a"
         await other.aclose()
+
+
+class ReaderAppendHeld(fileio.FileIO):
+    """The first append to a reader's checkpoint file waits for `go`, then fails with
+    ENOSPC (refused, not fatal: later writes to the file work)."""
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] = {}
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def open(self, path: fileio.StrPath, flags: int, mode: int = 0o644) -> int:
+        fd = super().open(path, flags, mode)
+        self.names[fd] = Path(path).name
+        return fd
+
+    def writev(self, fd: int, buffers: Sequence[bytes | bytearray | memoryview]) -> int:
+        if self.names.get(fd, "").endswith(".read.") and not self.entered.is_set():
+            self.entered.set()
+            self.go.wait(WAIT)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().writev(fd, buffers)
+
+
+async def test_a_checkpoint_planned_while_a_refused_confirm_was_written_is_not_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint taken while a confirm's append is being written counts that confirm as
+    done; if the append is refused, the confirm is undone, so that checkpoint must not be
+    written (it would make the refused confirm durable after all)."""
+    cfg = JournalConfig(fsync=FsyncPolicy.parse("always"))
+    async with open_data_dir(tmp_path / "data", DataDirConfig(), lambda _q: cfg) as dd:
+        q = dd.queue("q")
+        await q.append([b"a", b"b"], 1)
+        await q.write_checkpoint("", 0)
+        fake = ReaderAppendHeld()
+        monkeypatch.setattr(fileio, "_current", fake)
+        confirm = q.note_read("", done=[1])
+        await trio.to_thread.run_sync(fake.entered.wait, WAIT)  # the round is writing it
+        refused: list[JournalWriteError] = []
+
+        async def checkpoint() -> None:
+            # head 1: the checkpoint a reader holding the confirm as done would take
+            try:
+                await q.write_checkpoint("", 1)
+            except JournalWriteError as exc:
+                refused.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(checkpoint)
+            await trio.testing.wait_all_tasks_blocked()
+            fake.go.set()
+            with pytest.raises(JournalWriteError, match="No space left"):
+                await wait_durable(confirm)
+        assert refused, "the checkpoint was written"
+        monkeypatch.undo()
+        assert q.readers[""].head == 0
+    assert read_checkpoint(tmp_path / "data" / "q.read.").head == 0

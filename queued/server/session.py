@@ -6,8 +6,9 @@ share one journal append and one fsync), long-poll gets with hang-up detection, 
 connection's open-read ledger and monitor. A codec (`queued.core.*_commands`) turns
 bytes into protocol-neutral requests and replies into bytes; `handlers` says what each
 command does. Replies go out only once the confirms and aborts they acknowledge are
-durable (one wait per batch, the writer's round shared by all). Never parses bytes
-itself and never touches the journal but through the broker.
+durable (one wait per batch, the writer's round shared by all); one that could not be
+made durable is answered with an error instead (`handlers.not_durable`). Never parses
+bytes itself and never touches the journal but through the broker.
 """
 
 from __future__ import annotations
