@@ -111,7 +111,10 @@ class Ticket:
         undo, self.undo = self.undo, None
         if error is not None and undo is not None:
             for fn in undo:
-                fn(error)
+                try:
+                    fn(error)
+                except Exception:  # a bug there must not stop the writer's loop
+                    log.exception("undoing what a failed write acknowledged failed")
         self.event.set()
 
 
