@@ -270,7 +270,11 @@ def passwd_command() -> int:
     if not password:
         print("queued passwd: empty password", file=sys.stderr)
         return 2
-    print(hash_password(password))
+    try:
+        print(hash_password(password))
+    except ValueError as exc:
+        print(f"queued passwd: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

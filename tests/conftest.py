@@ -18,6 +18,16 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
     yield from tmpfs_mount(tmp_path)
 
 
+@pytest.fixture
+def users_file(tmp_path: Path) -> Path:
+    """A users file of test_security's USERS (alice, bob, root), with cheap hashes."""
+    from tests.test_security import USERS, users_toml
+
+    path = tmp_path / "users.toml"
+    path.write_text(users_toml(**USERS))
+    return path
+
+
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
     """One local[2] SparkSession (UI off) for every Spark test of the run. No register():

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 from server_util import (
     HOST,
     WAIT,
@@ -29,7 +32,12 @@ from server_util import (
 )
 
 from queued.client import Client
+from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
+from queued.core.errors import JournalWriteError
 from queued.storage import fileio
+from queued.storage.datadir import open_data_dir
+from queued.storage.files import read_checkpoint
+from queued.storage.journal import wait_durable
 
 pytestmark = pytest.mark.slow
 
@@ -229,9 +237,11 @@ class ReaderFilesFail(fileio.FileIO):
 async def test_a_confirm_that_cannot_be_made_durable_is_not_acknowledged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The replies before the failed confirm go out, its own and later ones never do, and
-    the connection ends. (Like an unacknowledged put, an unacknowledged confirm may still
-    have taken effect: the reads it confirmed are not handed out again by this server.)"""
+    """A confirm whose append fails is answered with an error, on a connection that stays
+    open, and undone: its read is open again. The item a refused `/close/open` would have
+    opened goes back to the queue (its reply was not sent). After a write error other than
+    a full disk the reader's file refuses appends until restart: later confirms are
+    refused the same way."""
     async with running(make_config(tmp_path / "data")) as server:
         port = server.ports["memcache"]
         conn = await Conn.open(port)
@@ -240,9 +250,73 @@ async def test_a_confirm_that_cannot_be_made_durable_is_not_acknowledged(
         assert await conn.get("q/open") == b"a"
         monkeypatch.setattr(fileio, "_current", ReaderFilesFail())
         await conn.send(b"set q 0 0 1\r\nd\r\nget q/close/open\r\nget q/close\r\n")
-        assert await conn.expect_closed() == b"STORED\r\n"
-        await conn.aclose()
+        replies = [await conn.line() for _ in range(3)]
+        assert replies[0] == b"STORED"
+        for reply in replies[1:]:
+            assert reply.startswith(b"SERVER_ERROR confirm not durable"), reply
+            assert b"Input/output error" in reply
         monkeypatch.undo()
         other = await Conn.open(port)
-        assert [await other.get("q") for _ in range(3)] == [b"c", b"d", None]
+        assert [await other.get("q") for _ in range(4)] == [b"b", b"c", b"d", None]
+        assert (await conn.cmd(b"get q/close")).startswith(b"SERVER_ERROR")  # until restart
+        await conn.aclose()  # its read of a goes back
+        assert await other.get("q/t=5000") == b"a"
         await other.aclose()
+
+
+class ReaderAppendHeld(fileio.FileIO):
+    """The first append to a reader's checkpoint file waits for `go`, then fails with
+    ENOSPC (refused, not fatal: later writes to the file work)."""
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] = {}
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def open(self, path: fileio.StrPath, flags: int, mode: int = 0o644) -> int:
+        fd = super().open(path, flags, mode)
+        self.names[fd] = Path(path).name
+        return fd
+
+    def writev(self, fd: int, buffers: Sequence[bytes | bytearray | memoryview]) -> int:
+        if self.names.get(fd, "").endswith(".read.") and not self.entered.is_set():
+            self.entered.set()
+            self.go.wait(WAIT)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().writev(fd, buffers)
+
+
+async def test_a_checkpoint_planned_while_a_refused_confirm_was_written_is_not_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint taken while a confirm's append is being written counts that confirm as
+    done; if the append is refused, the confirm is undone, so that checkpoint must not be
+    written (it would make the refused confirm durable after all)."""
+    cfg = JournalConfig(fsync=FsyncPolicy.parse("always"))
+    async with open_data_dir(tmp_path / "data", DataDirConfig(), lambda _q: cfg) as dd:
+        q = dd.queue("q")
+        await q.append([b"a", b"b"], 1)
+        await q.write_checkpoint("", 0)
+        fake = ReaderAppendHeld()
+        monkeypatch.setattr(fileio, "_current", fake)
+        confirm = q.note_read("", done=[1])
+        await trio.to_thread.run_sync(fake.entered.wait, WAIT)  # the round is writing it
+        refused: list[JournalWriteError] = []
+
+        async def checkpoint() -> None:
+            # head 1: the checkpoint a reader holding the confirm as done would take
+            try:
+                await q.write_checkpoint("", 1)
+            except JournalWriteError as exc:
+                refused.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(checkpoint)
+            await trio.testing.wait_all_tasks_blocked()
+            fake.go.set()
+            with pytest.raises(JournalWriteError, match="No space left"):
+                await wait_durable(confirm)
+        assert refused, "the checkpoint was written"
+        monkeypatch.undo()
+        assert q.readers[""].head == 0
+    assert read_checkpoint(tmp_path / "data" / "q.read.").head == 0

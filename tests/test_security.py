@@ -61,13 +61,6 @@ USERS = dict(
 )
 
 
-@pytest.fixture
-def users_file(tmp_path: Path) -> Path:
-    path = tmp_path / "users.toml"
-    path.write_text(users_toml(**USERS))
-    return path
-
-
 # -- the users file and the hashes ---------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ append per reader per round): whoever acknowledges it waits for the ticket hande
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -86,10 +87,13 @@ class ReliableReads:
         ids: Sequence[int] | None, owe: Owe | None = None, *, journal: bool = True,
     ) -> int:
         """Confirm open reads; with `journal` (not for a read that stands for a plain
-        get) the confirms are appended to the reader's file and `owe` gets the ticket."""
+        get) the confirms are appended to the reader's file and `owe` gets the ticket.
+        A confirm takes effect at once; if its append fails, it is undone (`_unconfirm`)
+        before the ticket wakes anyone: a refused confirm leaves its reads open."""
         chosen = client.choose(queue, rname, count, ids)
         if not chosen:
             return 0
+        deadlines = client.deadlines(queue, rname, chosen) if journal else None
         client.remove_many(queue, rname, chosen)
         qs = self.queues.get(queue)
         if qs is None:
@@ -97,6 +101,12 @@ class ReliableReads:
         confirmed: dict[int, tuple[Handle, list[int]]] = {}
         h = qs.readers.get(rname)
         others = chosen
+        held: dict[int, Item] = {}
+        if deadlines is not None:  # what `_unconfirm` needs, should the append fail
+            for i in chosen:
+                o = qs.owner(rname, i)
+                if o is not None:
+                    held[i] = o.reader.open[i]
         if h is not None:  # (the usual case: every read is the named reader's)
             others = [i for i in chosen if i not in h.reader.open]
             done = h.reader.confirm_many([i for i in chosen if i in h.reader.open]
@@ -109,9 +119,37 @@ class ReliableReads:
                 confirmed.setdefault(id(o), (o, []))[1].append(i)
         for o, done in confirmed.values():
             ticket = qs.note_read(o, done=done)
+            if ticket is not None and deadlines is not None:
+                ticket.on_failure(functools.partial(
+                    self._unconfirm, client, qs, o, rname,
+                    [(held[i], deadlines[i]) for i in done]))
             if ticket is not None and owe is not None:
                 owe(ticket)
         return len(chosen)
+
+    def _unconfirm(self, client: OpenReads, qs: QueueState, h: Handle, rname: str,
+                   reads: list[tuple[Item, float | None]], error: BaseException) -> None:
+        """Confirms whose append failed are undone: the reads are open again on their
+        connection, with their deadlines; or, if it has ended meanwhile, back at the
+        head of the queue as its other reads went. Nothing was acknowledged, so nothing
+        is lost: the items are delivered again unless a confirm of them succeeds."""
+        if qs.deleted or h.closed:
+            return  # deleted with its queue: there is nothing left to deliver
+        log.warning("queue %s: %d confirms of %s undone, not durable: %s", qs.name,
+                    len(reads), client.name, error)
+        for it, _ in reads:
+            h.reader.reopen(it)
+        if client.id not in self.clients:
+            self._return(qs, rname, [it.id for it, _ in reads], count_error=False)
+            return
+        by_deadline: dict[float | None, list[int]] = {}
+        for it, deadline in reads:
+            by_deadline.setdefault(deadline, []).append(it.id)
+        for deadline, ids in by_deadline.items():
+            client.add_many(qs.name, rname, ids, deadline)
+            if deadline is not None and self.timeouts.push(deadline, client, qs.name, rname,
+                                                           ids):
+                self.background.timeouts_changed()
 
     def abort(
         self, client: OpenReads, queue: str, rname: str, count: int | None = None,

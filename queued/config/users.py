@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from queued.core.access import Grant
+from queued.core.access import MAX_PASSWORD, MAX_USER_NAME, Grant
 from queued.core.errors import QueuedError
 
 #: scrypt cost: N = 2**LOG_N, r, p. 2**14 x 8 x 128 B = 16 MiB and ~50 ms per check.
@@ -33,7 +33,7 @@ HASH_BYTES: Final = 32
 #: A hash's cost is read from it; more than this is refused (a file could ask for GiBs).
 MAX_LOG_N: Final = 20
 MAXMEM: Final = 1 << 30
-USER_RE: Final = re.compile(r"[A-Za-z0-9_.@:-]{1,64}")
+USER_RE: Final = re.compile(rf"[A-Za-z0-9_.@:-]{{1,{MAX_USER_NAME}}}")
 _HASH_RE: Final = re.compile(
     r"\$scrypt\$ln=(\d{1,2}),r=(\d{1,2}),p=(\d{1,2})\$([A-Za-z0-9+/]{16,})\$([A-Za-z0-9+/]{40,})")
 _KEYS: Final = frozenset({"password", "put", "get", "admin", "metrics"})
@@ -52,7 +52,10 @@ def _unb64(text: str) -> bytes:
 
 
 def hash_password(password: str, *, log_n: int = LOG_N) -> str:
-    """A new salted scrypt hash of `password`, in PHC string format."""
+    """A new salted scrypt hash of `password`, in PHC string format (ValueError if it is
+    longer than MAX_PASSWORD bytes: no login could use it)."""
+    if len(password.encode()) > MAX_PASSWORD:
+        raise ValueError(f"a password is at most {MAX_PASSWORD} bytes")
     salt = secrets.token_bytes(SALT_BYTES)
     digest = hashlib.scrypt(password.encode(), salt=salt, n=1 << log_n, r=BLOCK, p=PARALLEL,
                             maxmem=MAXMEM, dklen=HASH_BYTES)

@@ -35,6 +35,12 @@ _CACHE: Final = 1024
 #: The server figures of `stats` a user who is not an admin sees: they count no queue
 #: (its uptime, clock and version, which the open `version` command tells it anyway).
 OWN_FIGURES: Final = ("uptime", "time", "version")
+#: The longest user name (the users file refuses longer ones).
+MAX_USER_NAME: Final = 64
+#: The longest password, in UTF-8 bytes: `queued passwd` refuses a longer one and a login
+#: with one fails, so no longer credential pair is ever valid (the memcache codec relies
+#: on that to tell a login set from an item).
+MAX_PASSWORD: Final = 1024
 
 
 def needed(command: c.Command) -> tuple[Permission, str | None] | None:

@@ -407,6 +407,10 @@ class Codec(Protocol):
     def set_limits(self, limits: Limits) -> None:
         """Parse what follows with these caps (smaller ones before authentication)."""
 
+    def set_logins(self, known: Callable[[str], bool]) -> None:
+        """The server has users (`known`: whether a name is one): a protocol whose login
+        looks like another request (memcache's login set) tells them apart with it."""
+
 
 def auth_of(request: Request) -> Auth | None:
     """`Codec.auth_of` of a protocol with an auth command of its own."""
@@ -445,3 +449,6 @@ class LineCodec:
     def set_limits(self, limits: Limits) -> None:
         self.parser.max_line = limits.max_line
         self.parser.max_item_size = limits.max_item_size
+
+    def set_logins(self, known: Callable[[str], bool]) -> None:
+        pass  # (a login of its own: the text protocol's AUTH)

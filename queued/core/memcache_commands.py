@@ -11,6 +11,7 @@ from typing import Any, Final
 
 from queued.core import commands as c
 from queued.core import memcache_protocol as mc
+from queued.core.access import MAX_PASSWORD, MAX_USER_NAME
 from queued.core.errors import ProtocolError
 from queued.core.queue import Item
 from queued.core.stats import command_name
@@ -22,6 +23,9 @@ END: Final = mc.end()
 STORED: Final = mc.stored()
 #: Distinct get keys whose commands a connection keeps (then it starts again).
 GET_CACHE: Final = 256
+#: The most data a valid login set carries: `<user> <password>`, each at its cap, and a
+#: line end some clients leave on the password.
+MAX_LOGIN_DATA: Final = MAX_USER_NAME + 1 + MAX_PASSWORD + 2
 
 
 def put_of(ev: mc.Set, items: Sequence[bytes] | None = None) -> c.Put:
@@ -43,6 +47,35 @@ def put_of(ev: mc.Set, items: Sequence[bytes] | None = None) -> c.Put:
     if ev.delay_ms:
         put.delay_ms = ev.delay_ms
     return put
+
+
+def credentials(data: bytes) -> c.Auth:
+    """A login set's data, `<user> <password>`, as credentials (data that does not decode
+    names no user anyone has: refused as such)."""
+    user, _, password = data.partition(b" ")
+    try:
+        return c.Auth(user.decode(), password.rstrip(b"\r\n").decode())
+    except UnicodeDecodeError:
+        return c.Auth("", "")
+
+
+def login_of(data: bytes, known: Callable[[str], bool]) -> c.Auth | None:
+    """The login a set on a logged-in connection stands for, or None: it is an item.
+
+    A set is a login when its data has the shape of a credential pair of a configured
+    user: a name `known` knows, a space, then at most MAX_PASSWORD bytes of UTF-8. That
+    is enough: no pair outside this shape can be valid (names and passwords are capped,
+    see `queued.core.access`), so no password can be stored as an item, and only sets of
+    this shape pay for a password check (scrypt); every other set costs a length test, or
+    a split and a dict lookup when short.
+    """
+    if len(data) > MAX_LOGIN_DATA:
+        return None
+    name, space, password = data.partition(b" ")
+    if not space or len(name) > MAX_USER_NAME or len(password.rstrip(b"\r\n")) > MAX_PASSWORD:
+        return None
+    auth = credentials(data)
+    return auth if auth.user and known(auth.user) else None
 
 
 def get_of(ev: mc.Get) -> c.Get:
@@ -162,6 +195,18 @@ class MemcacheCodec(c.LineCodec):
         # A client repeats its get keys: their requests are made once (they are values;
         # the key, all a get's reply needs of its event, is the same).
         self._gets: dict[str, c.Request] = {}
+        #: with users: whether a name is one (a set of a credential pair is a login)
+        self.known: Callable[[str], bool] | None = None
+
+    def set_logins(self, known: Callable[[str], bool]) -> None:
+        self.known = known
+
+    def _login(self, ev: mc.Set) -> c.Request | None:
+        """A set that is a login (see `login_of`), as an Auth request answered as a set."""
+        if self.known is None:
+            return None
+        auth = login_of(ev.data, self.known)
+        return None if auth is None else c.Request(auth, ev, "auth")
 
     def next_request(self) -> c.Request | ConnectionClosed | NeedData | None:
         ev = self.parser.next_event()
@@ -169,6 +214,9 @@ class MemcacheCodec(c.LineCodec):
             return self._get(ev)
         if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
             return ev
+        if type(ev) is mc.Set and self.known is not None and (
+                login := self._login(ev)) is not None:
+            return login
         return c.Request(COMMANDS[type(ev)](ev), ev, command_name(ev))
 
     def next_requests(self, limit: int) -> list[c.Parsed]:
@@ -194,6 +242,10 @@ class MemcacheCodec(c.LineCodec):
                 continue
             t = type(ev)
             if t is mc.Set:
+                if self.known is not None and (login := self._login(ev)) is not None:
+                    append(login)  # never joined: it is not an item
+                    last = None
+                    continue
                 if last is not None and _joins_set(last.context, ev):
                     last.command.items.append(ev.data)  # type: ignore[union-attr]
                     last.count += 1
@@ -226,11 +278,7 @@ class MemcacheCodec(c.LineCodec):
         ev = request.context
         if type(ev) is not mc.Set or request.count != 1:
             return None
-        user, _, password = ev.data.partition(b" ")
-        try:
-            return c.Auth(user.decode(), password.rstrip(b"\r\n").decode())
-        except UnicodeDecodeError:
-            return c.Auth("", "")  # not a user anyone has: refused as such
+        return credentials(ev.data)
 
     def _get(self, ev: mc.Get) -> c.Request:
         req = self._gets.get(ev.key)

@@ -85,6 +85,11 @@ class OpenReads:
         mine.update(zip(ids, repeat(deadline)))
         self.open_total += len(mine) - before
 
+    def deadlines(self, queue: str, reader: str, ids: Iterable[int]) -> dict[int, float | None]:
+        """The deadlines of these reads (each open: as `choose` returned them)."""
+        mine = self.open[(queue, reader)]
+        return {i: mine[i] for i in ids}
+
     def held_with(self, queue: str, reader: str, ids: Iterable[int],
                   deadline: float) -> list[int]:
         """Those of `ids` open on queue/reader with exactly this deadline."""

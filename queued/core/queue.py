@@ -749,6 +749,21 @@ class Reader:
             self.head = max(self.head, top)
         return done
 
+    def reopen(self, it: Item) -> None:
+        """Undo `confirm` of `it`: its confirm could not be made durable, so it is open
+        again (with its error count), not done. The head may stay past it meanwhile:
+        while a read is open, the head is recomputed from it (see `checkpoint`)."""
+        if self.open is NO_ENTRIES:
+            self.open = {}
+        self.open[it.id] = it
+        if it.id in self.done:
+            self.done.discard(it.id)
+        if it.error_count:
+            if self.errors is NO_ENTRIES:
+                self.errors = {}
+            self.errors[it.id] = it.error_count
+        self.dirty = True
+
     def abort(self, item_id: int, *, count_error: bool) -> Item | None:
         """Return an open read to the head of the queue; None if it is not open.
 

@@ -151,6 +151,9 @@ class RpcCodec:
     def auth_of(self, request: c.Request) -> c.Auth | None:
         return c.auth_of(request)
 
+    def set_logins(self, known: Callable[[str], bool]) -> None:
+        pass  # (a login of its own: auth)
+
     def set_limits(self, limits: c.Limits) -> None:
         self.max_batch = limits.max_batch
         self.max_frame = max(64, limits.max_frame)

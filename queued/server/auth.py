@@ -21,7 +21,7 @@ from typing import Final
 import trio
 
 from queued.config.users import DUMMY, User, load_users
-from queued.core.access import Grant
+from queued.core.access import MAX_PASSWORD, Grant
 
 log = logging.getLogger("queued.auth")
 
@@ -50,10 +50,16 @@ class Authenticator:
         self._passed.clear()
         log.info("users file %s: %d users", self.path, len(self.users))
 
+    def knows(self, name: str) -> bool:
+        """Whether `name` is a user of the users file (no password checked)."""
+        return name in self.users
+
     async def login(self, name: str, password: str, peer: str) -> Grant | None:
         """The grant of `name` if `password` is its password; None (after FAIL_DELAY,
         logged with the peer's address) if not."""
         user = self.users.get(name)
+        if len(password) > MAX_PASSWORD and len(password.encode()) > MAX_PASSWORD:
+            user = None  # never valid (see MAX_PASSWORD); checked as an unknown user is
         key = (name, hmac.new(self._key, password.encode(), hashlib.sha256).digest())
         if user is not None and self._passed.get(key) is user:
             return user.grant()

@@ -165,6 +165,26 @@ async def monitor(conn: Conn, cmd: c.Monitor, req: c.Request) -> c.Reply:
     return await conn.monitor(cmd, req)
 
 
+def not_durable(conn: Conn, req: c.Request, reply: c.Reply, error: BaseException) -> c.Failure:
+    """What a request answers, instead of `reply`, when a confirm or abort it made could
+    not be made durable (its ticket failed with `error`): the error a put the journal
+    refused gets (SERVER_ERROR, "... No space left on device"). The broker has already
+    undone its confirms (their reads are open again on this connection); an item the same
+    request opened (memcache `/close/open`) goes back, since its reply is not sent. An
+    abort's item stays back in the queue: only its error count or delay may be lost."""
+    cmd = req.command
+    if type(cmd) is c.Get and cmd.open and type(reply) is c.Items and reply.items:
+        conn.broker.abort(conn.reads, cmd.queue, cmd.reader, ids=[it.id for it in reply.items],
+                          count_error=False)
+    failure = c.failure_of(error) or c.Failure(c.ErrorKind.SERVER_ERROR, str(error))
+    if type(cmd) is c.Abort or (type(cmd) is c.Get and cmd.abort):
+        what = "abort not durable (the item is back in the queue, its error count or delay " \
+               "held in memory only)"
+    else:
+        what = "confirm not durable (the read is still open)"
+    return c.Failure(failure.kind, f"{what}: {failure.message}")
+
+
 #: (session, the command, its request) -> the reply, or None if the session answers later
 Handler = Callable[[Conn, Any, c.Request], Awaitable[c.Reply | None]]
 

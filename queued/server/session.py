@@ -6,8 +6,9 @@ share one journal append and one fsync), long-poll gets with hang-up detection, 
 connection's open-read ledger and monitor. A codec (`queued.core.*_commands`) turns
 bytes into protocol-neutral requests and replies into bytes; `handlers` says what each
 command does. Replies go out only once the confirms and aborts they acknowledge are
-durable (one wait per batch, the writer's round shared by all). Never parses bytes
-itself and never touches the journal but through the broker.
+durable (one wait per batch, the writer's round shared by all); one that could not be
+made durable is answered with an error instead (`handlers.not_durable`). Never parses
+bytes itself and never touches the journal but through the broker.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from queued.core.queue import Item
 from queued.core.stats import ProtocolStats
 from queued.core.wire import ConnectionClosed
 from queued.server.auth import Authenticator
-from queued.server.handlers import HANDLERS, Hub
+from queued.server.handlers import HANDLERS, Hub, not_durable
 from queued.server.transport import Transport, transport_of
 from queued.storage.journal import Ticket
 
@@ -75,7 +76,8 @@ class LongPoll:
     reactor's long poll): woken (`set`) by `serve` or a closing reader, or by the
     reactor at its deadline; `Session.end_long_poll` answers it."""
 
-    __slots__ = ("deadline", "handle", "notify", "queue_state", "request", "waiter", "woken")
+    __slots__ = ("deadline", "handle", "notify", "owing", "queue_state", "request", "waiter",
+                 "woken")
 
     def __init__(self, request: c.Request, deadline: float,
                  notify: Callable[[], None]) -> None:
@@ -83,6 +85,7 @@ class LongPoll:
         self.deadline = deadline  # trio time
         self.notify = notify
         self.woken = False
+        self.owing: list[Ticket] = []  # of a /close that ran before it waited
         self.queue_state: QueueState | None = None
         self.handle: Handle | None = None
         self.waiter: Waiter | None = None
@@ -90,6 +93,16 @@ class LongPoll:
     def set(self) -> None:
         self.woken = True
         self.notify()
+
+
+@dataclass(slots=True)
+class Owed:
+    """A reply held back until the confirms and aborts it acknowledges are durable."""
+
+    at: int  # where in `out` it goes
+    request: c.Request
+    reply: c.Reply
+    tickets: list[Ticket]
 
 
 @dataclass(slots=True)
@@ -136,12 +149,13 @@ class Session:
         self.login_by: float | None = None
         if self.login is not None:
             codec.set_limits(LOGIN_LIMITS)
+            codec.set_logins(self.login.knows)
             now = trio.current_time() if started is None else started
             self.login_by = now + guard.auth_timeout  # type: ignore[union-attr]
         self.requests = 0  # parsed so far: progress, for request_timeout
         self.request_since = 0.0  # when the request now buffered in part began to arrive
-        #: (length of `out` when owed, ticket): replies from there on wait for the ticket
-        self.owed: list[tuple[int, Ticket]] = []
+        self.owing: list[Ticket] = []  # the tickets of the request being run
+        self.owed: list[Owed] = []  # replies in `out`'s order, each waiting for its tickets
         #: the reactor's long poll this connection waits in (its later requests wait)
         self.long_poll: LongPoll | None = None
         #: the reactor's RPC gets waiting in their readers' lines (later requests go on)
@@ -296,30 +310,39 @@ class Session:
     def owe(self, ticket: Ticket) -> None:
         """See handlers.Conn.owe."""
         if not ticket.event.is_set() or ticket.error is not None:
-            self.owed.append((len(self.out), ticket))
+            self.owing.append(ticket)
 
     async def _settle(self) -> None:
-        """Wait until every owed write is durable (the caller is the one sender). If one
-        failed, the replies from the one it acknowledges on are dropped and the
-        connection ends: the client gets no acknowledgement of it (its open reads go
-        back to the queue)."""
+        """Wait until every owed write is durable (the caller is the one sender), then put
+        each held-back reply in its place in `out`: the reply, or, if a write it
+        acknowledges failed, `handlers.not_durable`'s error (the broker has undone its
+        confirms: the client may send them again). The connection stays open."""
         owed, self.owed = self.owed, []
-        if not all(t.event.is_set() for _, t in owed):
+        if not all(t.event.is_set() for o in owed for t in o.tickets):
             self.broker.write_ready()  # the batch's confirms, in one write if no fsync
-        for _, ticket in owed:
-            if not ticket.event.is_set():
-                await ticket.event.wait()
-        self.settled(owed)
+        for o in owed:
+            for ticket in o.tickets:
+                if not ticket.event.is_set():
+                    await ticket.event.wait()
+        self._place_owed(owed)
 
-    def settled(self, owed: list[tuple[int, Ticket]]) -> None:
-        """Owed writes done (their tickets set): act on a failure among them."""
-        failed = next(((at, t.error) for at, t in owed if t.error is not None), None)
-        if failed is not None:
-            at, error = failed
-            log.error("%s: a confirm or abort could not be made durable, closing without "
-                      "acknowledging it: %s", self.name, error)
-            del self.out[at:]
-            self.done = True
+    def _place_owed(self, owed: list[Owed]) -> None:
+        """Owed writes done (their tickets set): each held-back reply in its place."""
+        out, start, added = self.out, 0, 0
+        parts: list[bytes | bytearray] = []
+        for o in owed:
+            reply = o.reply
+            error = next((t.error for t in o.tickets if t.error is not None), None)
+            if error is not None:
+                log.warning("%s: %s not made durable: %s", self.name, o.request.name, error)
+                reply = not_durable(self, o.request, reply, error)
+            encoded = self.codec.encode(o.request, reply)
+            parts += (out[start:o.at], encoded)
+            start, added = o.at, added + len(encoded)
+        parts.append(out[start:])
+        out[:] = b"".join(parts)  # in place: a waiting get's task may hold a reference
+        for o in self.owed:  # owed while this waited: behind all of these in `out`
+            o.at += added
 
     # -- one batch ---------------------------------------------------------------------------
 
@@ -398,9 +421,9 @@ class Session:
 
     async def _run(self, requests: list[c.Parsed]) -> None:
         i, n = 0, len(requests)
-        grant = self.grant
         while i < n and not self.done:
             r = requests[i]
+            grant = self.grant  # as of here: a login earlier in the batch may have changed it
             if grant is not None and type(r) is c.Request and (
                     why := grant.denied(r.command)) is not None:
                 i += 1
@@ -437,7 +460,18 @@ class Session:
             reply = await HANDLERS[type(req.command)](self, req.command, req)
         except Exception as exc:  # mapped to the protocol's reply, by kind
             reply = self._failure(req, exc)
-        if reply is not None:
+        self._reply(req, reply)
+
+    def _reply(self, req: c.Request, reply: c.Reply | None) -> None:
+        """A request's reply into `out`, or held back while the confirms and aborts it
+        made are not durable (see `_settle`)."""
+        if self.owing:
+            owing, self.owing = self.owing, []
+            if reply is not None:
+                self.owed.append(Owed(len(self.out), req, reply, owing))
+                if type(reply) is c.Failure and reply.kind in self.codec.closing:
+                    self.done = True
+        elif reply is not None:
             self.out += self.codec.encode(req, reply)
             if type(reply) is c.Failure and reply.kind in self.codec.closing:
                 self.done = True
@@ -711,9 +745,9 @@ class Session:
                         count = b.abort(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
                                         ids=cmd.ids, owe=self.owe,  # type: ignore[union-attr]
                                         delay_ms=cmd.delay_ms)  # type: ignore[union-attr]
-                    self._answer(r, c.Count(count))
+                    self._reply(r, c.Count(count))
                 except Exception as exc:
-                    self._answer(r, self._failure(r, exc))
+                    self._reply(r, self._failure(r, exc))
             else:
                 return i
             i += 1
@@ -803,6 +837,7 @@ class Session:
                 poll.queue_state, poll.handle, poll.waiter = b.line_up(cmd.queue, cmd.reader,
                                                                       poll)
                 if self.ordered:
+                    poll.owing, self.owing = self.owing, []  # (a /close ran: its reply waits)
                     self.long_poll = poll
                     return False  # (later requests wait behind it)
                 self.polls.append(poll)
@@ -813,7 +848,7 @@ class Session:
         except Exception as exc:
             reply = self._failure(r, exc)
         self.stats.count(r.name, r.count)
-        self._answer(r, reply)
+        self._reply(r, reply)
         return True
 
     def _take_nowait(self, cmd: c.Get) -> c.Reply:
@@ -861,7 +896,8 @@ class Session:
         except Exception as exc:
             reply = self._failure(r, exc)
         self.stats.count(r.name, r.count)
-        self._answer(r, reply)
+        self.owing = poll.owing
+        self._reply(r, reply)
         return True
 
     def next_poll_deadline(self) -> float:
@@ -914,7 +950,7 @@ class Session:
         not make): `serve_turns` then waits for it."""
         if any(p.ticket is not None and not p.ticket.event.is_set()
                for _, p in self.begun if not isinstance(p, Exception)) or any(
-                   not t.event.is_set() for _, t in self.owed):
+                   not t.event.is_set() for o in self.owed for t in o.tickets):
             return False
         begun, self.begun = self.begun, []
         for group, pending in begun:
@@ -927,7 +963,7 @@ class Session:
             self._answer_puts(group, result)
         if self.owed:
             owed, self.owed = self.owed, []
-            self.settled(owed)
+            self._place_owed(owed)
         return True
 
 

@@ -84,11 +84,38 @@ def put_overhead(flags: int, delayed: bool = False) -> int:
 
 
 class Ticket:
-    __slots__ = ("error", "event")
+    """Set once a planned write is durable, or failed (`error`). What was changed in
+    memory ahead of a write that fails can be undone by `on_failure` callbacks, run when
+    the failure is known, before anyone waiting for the ticket wakes."""
+
+    __slots__ = ("error", "event", "undo")
 
     def __init__(self) -> None:
         self.event = trio.Event()
         self.error: BaseException | None = None
+        self.undo: list[Callable[[BaseException], None]] | None = None
+
+    def on_failure(self, undo: Callable[[BaseException], None]) -> None:
+        """Call `undo(error)` if the write fails (now, if it failed already)."""
+        if self.event.is_set():
+            if self.error is not None:
+                undo(self.error)
+        elif self.undo is None:
+            self.undo = [undo]
+        else:
+            self.undo.append(undo)
+
+    def resolve(self, error: BaseException | None) -> None:
+        """The write is durable (None) or failed: run the undos, then wake the waiters."""
+        self.error = error
+        undo, self.undo = self.undo, None
+        if error is not None and undo is not None:
+            for fn in undo:
+                try:
+                    fn(error)
+                except Exception:  # a bug there must not stop the writer's loop
+                    log.exception("undoing what a failed write acknowledged failed")
+        self.event.set()
 
 
 @dataclass(slots=True)
@@ -424,8 +451,28 @@ class QueueJournal:
                                 tuple(e for e in cp.delays if e[0] > op.head))
                 else:
                     log.error("queue %s: %s", self.name, op.failed)
-                op.ticket.error = op.failed
-                op.ticket.event.set()
+                    if op.appends and op.done:
+                        self._drop_planned_checkpoints(rfile.reader, op.failed)
+                op.ticket.resolve(op.failed)
+
+    def _drop_planned_checkpoints(self, reader: str, error: BaseException) -> None:
+        """An append of confirms to `reader`'s file failed: checkpoints planned meanwhile
+        were taken from a reader that held those confirms as done, which their owners now undo (see
+        Ticket.on_failure); written, they would make a refused confirm durable after all.
+        They fail instead (the reader stays dirty: the next checkpoint is taken afresh)."""
+        ops = self._reader_ops.get(reader)
+        if not ops or all(op.checkpoint is None for op in ops):
+            return
+        kept = []
+        for op in ops:
+            if op.checkpoint is None:
+                kept.append(op)
+            else:
+                op.ticket.resolve(error)
+        if kept:
+            self._reader_ops[reader] = kept
+        else:
+            del self._reader_ops[reader]
 
     def files(self) -> list[SyncedFile]:
         """The writer side of every file of this queue: its segment and its readers'."""
@@ -633,8 +680,7 @@ class QueueJournal:
                 ticket.event.set()
         for _, ops in self.take_reader_ops():
             for op in ops:
-                op.ticket.error = error
-                op.ticket.event.set()
+                op.ticket.resolve(error)
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
