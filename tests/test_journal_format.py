@@ -708,6 +708,13 @@ fragments = st.one_of(
     st.binary(min_size=4, max_size=4).map(lambda b: b"\x31" + b),  # unknown, no data
     st.binary(min_size=4, max_size=4).map(lambda b: b"\x41" + b),  # FLAGS (PUT or not after)
     st.binary(max_size=6).map(lambda b: struct.pack("<Bi", 0xA1, len(b)) + b),
+    st.binary(min_size=8, max_size=8).map(lambda b: b"\x52" + b),  # old DELAY
+    # The envelope: FLAGS, DELAY, COMPACTED, INCARNATION, kinds unknown or 0, sizes right
+    # or wrong.
+    st.tuples(st.sampled_from([2, 3, 4, 5, 0, 9, 200]), st.integers(0, 18)).map(
+        lambda t: struct.pack("<BiB", 0xD1, t[1], t[0]) + bytes(range(max(t[1] - 1, 0)))),
+    st.binary(min_size=4, max_size=4).map(lambda b: h("d1 05000000 02") + b),  # FLAGS
+    st.binary(min_size=8, max_size=8).map(lambda b: h("d1 09000000 03") + b),  # DELAY
     st.binary(min_size=1, max_size=6),  # raw noise
 )
 
@@ -720,7 +727,10 @@ def record_soup(draw: st.DrawFn) -> bytes:
         crc = check_crc(body, len(out))
         if draw(st.booleans()) and draw(st.booleans()):
             crc ^= 1
-        out += body + struct.pack("<BII", 0x72, len(body), crc)
+        if draw(st.booleans()):  # either form of check record
+            out += body + struct.pack("<BII", 0x72, len(body), crc)
+        else:
+            out += body + struct.pack("<BiBII", 0xD1, 9, 1, len(body), crc)
     out += draw(st.binary(max_size=12))
     return bytes(out)
 

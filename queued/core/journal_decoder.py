@@ -184,9 +184,16 @@ def _batch_lead(buf: bytearray, pos: int, n: int, base: int, flags: dict[int, in
         after = _lead_at(buf, at, n)
         if after is not None and not after[2]:
             return -1, 0
-        if after is not None and after[0] == EXT_DELAY:  # the DELAY's turn checks its PUT
+        if after is not None and after[0] == EXT_DELAY:  # the DELAY's turn notes its PUT
+            put_at = at + after[2]
+            if put_at >= n:
+                return -1, 0
+            if buf[put_at] != PUT_BYTE and buf[put_at] != PUT_EXPIRE_BYTE:
+                # Reported where the FLAGS record starts, as next_event does (one record).
+                raise CorruptRecordError(base + pos, f"DELAY record followed by command byte "
+                                                     f"{buf[put_at]:#04x}, not a PUT")
             if flags is not None:
-                flags[base + at + after[2]] = value
+                flags[base + put_at] = value
             return at, 0
     if buf[at] != PUT_BYTE and buf[at] != PUT_EXPIRE_BYTE:
         name = "FLAGS" if kind == EXT_FLAGS else "DELAY"
