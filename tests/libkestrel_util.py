@@ -36,7 +36,7 @@ class Skip(enum.Enum):
     HEADER_AND_DATA = "f3d9041"
 
 
-class CorruptedJournal(Exception):  # noqa: N818 (libkestrel's name)
+class CorruptedJournal(Exception):
     """libkestrel's CorruptedJournalException: `position` is the last valid one."""
 
     def __init__(self, position: int, message: str) -> None:
@@ -50,7 +50,7 @@ class JavaBufferError(Exception):
     escape readNext, so Kestrel would fail on them."""
 
 
-class NotAJournal(Exception):  # noqa: N818 (libkestrel throws IOException)
+class NotAJournal(Exception):
     """JournalFile.open / BookmarkFile.open on a file with the other magic."""
 
 

@@ -254,9 +254,9 @@ def test_magic_and_command_bytes() -> None:
     assert (jf.EXT_BYTE, jf.CMD_EXT) == (0xD1, 13)
     assert (jf.EXT_CHECK, jf.EXT_FLAGS, jf.EXT_DELAY, jf.EXT_COMPACTED, jf.EXT_INCARNATION,
             jf.EXT_PRODUCER, jf.EXT_HEADERS) == (1, 2, 3, 4, 5, 6, 7)
-    assert jf.CHECK_MARK == h("d1 09000000 01") and jf.FLAGS_MARK == h("d1 05000000 02")
-    assert jf.DELAY_MARK == h("d1 09000000 03") and jf.COMPACTED_MARK == h("d1 11000000 04")
-    assert jf.INCARNATION_MARK == h("d1 09000000 05")
+    assert h("d1 09000000 01") == jf.CHECK_MARK and h("d1 05000000 02") == jf.FLAGS_MARK
+    assert h("d1 09000000 03") == jf.DELAY_MARK and h("d1 11000000 04") == jf.COMPACTED_MARK
+    assert h("d1 09000000 05") == jf.INCARNATION_MARK
     assert jf.FLAGS_RECORD_SIZE == FLAGS_LEN and jf.CHECK_RECORD_SIZE == 14
     # The older forms, still read.
     assert (jf.OLD_CHECK_BYTE, jf.OLD_COMPACTED_BYTE, jf.OLD_FLAGS_BYTE) == (0x72, 0x64, 0x41)
