@@ -570,29 +570,25 @@ class RecordDecoder:
             except (IndexError, struct.error):  # past the bytes received so far
                 return self._short_batch(start, n)
             check_size = 0
+            lead = cmd in (OLD_FLAGS_BYTE, OLD_DELAY_BYTE)  # an item's flags or due time
             if cmd == EXT_BYTE:  # ours: the kind tells
                 if pos + EXT_HEAD_SIZE > n:
                     return self._short_batch(start, n)
                 kind = buf[pos + EXT_HEAD_SIZE - 1]
                 if kind == EXT_CHECK:
                     check_size = CHECK_RECORD_SIZE
-                elif kind in (EXT_FLAGS, EXT_DELAY):
-                    at, more = _batch_lead(buf, pos, n, base, flags, delays)
-                    if at < 0:
-                        return self._short_batch(start, n)
-                    delayed += more
-                    pos = at
-                    continue
+                else:
+                    lead = kind in (EXT_FLAGS, EXT_DELAY)
             elif cmd == OLD_CHECK_BYTE:
                 check_size = OLD_CHECK_RECORD_SIZE
-            elif cmd in (OLD_FLAGS_BYTE, OLD_DELAY_BYTE):
+            if lead:  # its PUT follows (the fast loop's)
                 at, more = _batch_lead(buf, pos, n, base, flags, delays)
                 if at < 0:
                     return self._short_batch(start, n)
                 delayed += more
                 pos = at
                 continue
-            elif cmd == 0:
+            if cmd == 0:
                 if pos == start:
                     self._done = EndOfData(base + pos, zero_byte=True)
                     return self._done
