@@ -29,6 +29,7 @@ from libkestrel_util import KPut, Skip, bookmark_state, journal_puts, open_journ
 from queued.cli import dump
 from queued.cli import main as cli_main
 from queued.core import journal_format as jf
+from queued.core.errors import CorruptJournalError
 from queued.storage.datadir import DataDir, open_data_dir
 from queued.storage.files import decode_checkpoint, read_checkpoint
 from queued.storage.journal import wait_durable
@@ -316,3 +317,23 @@ async def test_a_data_directory_of_an_earlier_release_upgrades(tmp_path: Path) -
     assert [p.id for p in kestrel_reads_segment(first)] == [2]
     assert kestrel_reads_checkpoint(data / "q.read.") == (1, {3, 4, 5, 6, 7})
     assert cli_main(["check", str(data)]) == 0
+
+
+def test_damage_in_files_of_earlier_releases_is_told_apart(tmp_path: Path) -> None:
+    """A torn tail after the older forms is cut to the last verified batch; damage with a
+    verified (older form) batch after it is corruption in the middle: refused."""
+    torn = tmp_path / "torn"
+    write_old_dir(torn)
+    seg = torn / "q.2000"
+    seg.write_bytes(OLD_SEGMENTS["q.2000"] + put(7, b"seven", T0 + 6)[:20])  # a write cut short
+    q = DataDir.open(torn).queues["q"]
+    assert [item_of(p) for p in q.iter_puts(1)] == OLD_ITEMS
+    assert seg.read_bytes() == OLD_SEGMENTS["q.2000"]
+
+    middle = tmp_path / "middle"
+    write_old_dir(middle)
+    blob = bytearray(OLD_SEGMENTS["q.1000"])
+    blob[blob.index(b"three")] ^= 0x01  # item 3's data, in the second batch of three
+    (middle / "q.1000").write_bytes(bytes(blob))
+    with pytest.raises(CorruptJournalError):
+        DataDir.open(middle)
