@@ -211,11 +211,13 @@ def journal_puts(data: bytes, skip: Skip = Skip.HEADER_AND_DATA) -> list[KPut]:
 
 def bookmark_state(data: bytes, skip: Skip = Skip.HEADER_AND_DATA) -> tuple[int, set[int]]:
     """A reader file as Journal.Reader.readState takes it: (head, done ids); the last
-    READ_HEAD wins, every READ_DONE adds its ids, anything else is skipped."""
+    READ_HEAD wins, every READ_DONE adds its ids, anything else is skipped, and done ids
+    not above the head are dropped (readState also bounds head and ids by the writer
+    files' ids, which a reader file alone does not hold)."""
     head, done = 0, set[int]()
     for record in open_bookmark(data, skip).records():
         if isinstance(record, KReadHead):
             head = record.id
         elif isinstance(record, KReadDone):
             done |= set(record.ids)
-    return head, done
+    return head, {i for i in done if i > head}

@@ -30,6 +30,7 @@ from queued.core.journal_records import (
     ERROR_ENTRY_STRUCT,
     EXT_BYTE,
     EXT_CHECK,
+    EXT_CHECK_DATA_SIZE,
     EXT_COMPACTED,
     EXT_DATA_SIZES,
     EXT_DELAY,
@@ -546,6 +547,7 @@ class RecordDecoder:
         cap = self.max_data_size
         unpack_i32 = I32_STRUCT.unpack_from
         unpack_size_id = SIZE_ID_STRUCT.unpack_from
+        unpack_check, ext_byte = CHECK_STRUCT.unpack_from, EXT_BYTE
         put_byte, put_expire_byte = PUT_BYTE, PUT_EXPIRE_BYTE
         while True:
             # The hot path of recovery and scans: a run of PUT records, size and id in
@@ -570,18 +572,30 @@ class RecordDecoder:
             except (IndexError, struct.error):  # past the bytes received so far
                 return self._short_batch(start, n)
             check_size = 0
-            lead = cmd in (OLD_FLAGS_BYTE, OLD_DELAY_BYTE)  # an item's flags or due time
-            if cmd == EXT_BYTE:  # ours: the kind tells
-                if pos + EXT_HEAD_SIZE > n:
+            lead = False  # an item's flags or due time: its PUT follows (the fast loop's)
+            if cmd == ext_byte:  # ours: the kind tells (a check ends every batch: first)
+                if pos + CHECK_RECORD_SIZE <= n:
+                    _, size, kind, length, crc = unpack_check(buf, pos)
+                elif pos + EXT_HEAD_SIZE <= n:
+                    size, kind, length, crc = -1, buf[pos + EXT_HEAD_SIZE - 1], 0, 0
+                else:
                     return self._short_batch(start, n)
-                kind = buf[pos + EXT_HEAD_SIZE - 1]
                 if kind == EXT_CHECK:
+                    if size < 0:
+                        return self._short_batch(start, n)
+                    if size != EXT_CHECK_DATA_SIZE:
+                        _ext_kind(buf, pos, size, base + pos)  # raises
                     check_size = CHECK_RECORD_SIZE
                 else:
                     lead = kind in (EXT_FLAGS, EXT_DELAY)
             elif cmd == OLD_CHECK_BYTE:
+                if pos + OLD_CHECK_RECORD_SIZE > n:
+                    return self._short_batch(start, n)
+                _, length, crc = OLD_CHECK_STRUCT.unpack_from(buf, pos)
                 check_size = OLD_CHECK_RECORD_SIZE
-            if lead:  # its PUT follows (the fast loop's)
+            else:
+                lead = cmd in (OLD_FLAGS_BYTE, OLD_DELAY_BYTE)
+            if lead:
                 at, more = _batch_lead(buf, pos, n, base, flags, delays)
                 if at < 0:
                     return self._short_batch(start, n)
@@ -595,13 +609,6 @@ class RecordDecoder:
                 self._done = TornTail(base + start, pos - start)
                 return self._done
             if check_size:
-                if pos + check_size > n:
-                    return self._short_batch(start, n)
-                if check_size == CHECK_RECORD_SIZE:
-                    _ext_kind(buf, pos, unpack_i32(buf, pos + 1)[0], base + pos)
-                    length, crc = CHECK_STRUCT.unpack_from(buf, pos)[3:]
-                else:
-                    _, length, crc = OLD_CHECK_STRUCT.unpack_from(buf, pos)
                 found = zlib.crc32(memoryview(buf)[start:pos], crc_seed(base + start))
                 if length != pos - start or crc != found:
                     raise ChecksumMismatchError(
@@ -616,7 +623,7 @@ class RecordDecoder:
                 self.sealed = True
                 count = len(offsets) - mark
                 if not count:
-                    return Batch(base + start, base + end, 0, 0, 0, 0, check_size=check_size)
+                    return Batch(base + start, base + end, 0, 0, 0, 0, 0, check_size)
                 first = I64_STRUCT.unpack_from(buf, offsets[mark] - base + PUT_ID_AT)[0]
                 last = I64_STRUCT.unpack_from(buf, offsets[-1] - base + PUT_ID_AT)[0]
                 return Batch(base + start, base + end, count, first, last, data_bytes, delayed,

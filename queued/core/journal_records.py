@@ -109,8 +109,9 @@ OLD_FLAGS_RECORD_SIZE: Final = OLD_FLAGS_STRUCT.size  # 5
 OLD_DELAY_RECORD_SIZE: Final = OLD_DELAY_STRUCT.size  # 9
 
 #: The data size of each envelope kind this version knows (their fields are fixed).
-EXT_DATA_SIZES: Final = {EXT_CHECK: 9, EXT_FLAGS: 5, EXT_DELAY: 9, EXT_COMPACTED: 17,
-                         EXT_INCARNATION: 9}
+EXT_CHECK_DATA_SIZE: Final = 9
+EXT_DATA_SIZES: Final = {EXT_CHECK: EXT_CHECK_DATA_SIZE, EXT_FLAGS: 5, EXT_DELAY: 9,
+                         EXT_COMPACTED: 17, EXT_INCARNATION: 9}
 
 
 def ext_mark(kind: int) -> bytes:
