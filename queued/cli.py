@@ -98,7 +98,11 @@ def describe(rec: jf.Record) -> str:
         shown = ",".join(f"{i}:{_ms(d)}" for i, d in rec.entries[:20])
         more = f",... ({len(rec.entries)} ids)" if len(rec.entries) > 20 else ""
         return f"READ_DELAYS id:due=[{shown}{more}]"
-    return f"UNKNOWN command={rec.command} header_words={rec.header_words} data={rec.data_size}"
+    if isinstance(rec, jf.Incarnation):
+        return f"INCARNATION {rec.incarnation}"
+    kind = f" kind={rec.kind}" if rec.kind else ""  # an extension record of a later release
+    return (f"UNKNOWN command={rec.command}{kind} header_words={rec.header_words} "
+            f"data={rec.data_size}")
 
 
 def dump(path: Path, out: TextIO) -> int:

@@ -272,7 +272,7 @@ async def test_one_round_writes_several_queues_with_one_fsync_each(tmp_path: Pat
 
 
 async def test_a_round_that_rotates_fsyncs_the_segment_it_leaves(tmp_path: Path) -> None:
-    async with open_data_dir(tmp_path, queue_config=lambda _: cfg(journal_size=600)) as dd:
+    async with open_data_dir(tmp_path, queue_config=lambda _: cfg(journal_size=620)) as dd:
         q = dd.queue("q")
         await q.append([b"x" * 100], T0)
         fsyncs = q.statistics().fsyncs
@@ -372,7 +372,7 @@ async def test_a_config_change_reaches_the_writer(tmp_path: Path) -> None:
 
 
 async def _three_segments(path: Path, config: DataDirConfig | None = None) -> DataDir:
-    async with open_data_dir(path, config, lambda _: cfg(journal_size=600)) as dd:
+    async with open_data_dir(path, config, lambda _: cfg(journal_size=620)) as dd:
         q = dd.queue("q")
         for _ in range(9):
             await q.append([b"x" * 100], T0)

@@ -302,7 +302,8 @@ async def test_seed_readers_dump_check_and_the_spark_scanner_read_delay_records(
     (seg,) = [p for p in data.iterdir() if p.name.startswith("q.") and "read" not in p.name]
     puts, skipped = seed_reader(seg.read_bytes())
     assert puts == [(1, 0, b"item0"), (2, 0, b"item1"), (3, 0, b"item2")]
-    assert skipped == Counter({4: 1, 5: 2, 7: 5, 12: 1})  # FLAGS, DELAY, checks, INCARNATION
+    # FLAGS, DELAY, checks, INCARNATION: every one an extension record (command 13).
+    assert skipped == Counter({13: 1 + 2 + 5 + 1})
     ours = [d.record for d in jf.decode_all(seg.read_bytes()) if isinstance(d.record, jf.Put)]
     assert [type(p) for p in ours] == [jf.DelayedPut, jf.Put, jf.DelayedPut]
     assert ours[0].flags == 7
@@ -381,18 +382,44 @@ def test_reader_abort_with_delay_and_what_a_restart_restores() -> None:
     assert item is not None and (item.id, item.error_count) == (1, 1)
 
 
+PUT_HI = "86 02000000 00000000 0500000000000000 e803000000000000 6869"
+
+
 @pytest.mark.parametrize(("record", "hexbytes"), [
-    (jf.DelayedPut(5, b"hi", 1000, due_ms=2000),
-     "52 d007000000000000 86 02000000 00000000 0500000000000000 e803000000000000 6869"),
+    (jf.DelayedPut(5, b"hi", 1000, due_ms=2000), "d1 09000000 03 d007000000000000 " + PUT_HI),
     (jf.DelayedPut(5, b"hi", 1000, flags=16, due_ms=2000),
-     "41 10000000 52 d007000000000000 86 02000000 00000000 0500000000000000 "
-     "e803000000000000 6869"),
+     "d1 05000000 02 10000000 d1 09000000 03 d007000000000000 " + PUT_HI),
 ])
 def test_golden_delayed_puts(record: jf.Put, hexbytes: str) -> None:
     blob = bytes.fromhex(hexbytes.replace(" ", ""))
     assert jf.encode_put(record) == blob
     (got,) = jf.decode_all(jf.WRITER_MAGIC + blob)
     assert got.record == record and type(got.record) is jf.DelayedPut
+
+
+@pytest.mark.parametrize(("record", "hexbytes"), [
+    (jf.DelayedPut(5, b"hi", 1000, due_ms=2000), "52 d007000000000000 " + PUT_HI),
+    (jf.DelayedPut(5, b"hi", 1000, flags=16, due_ms=2000),
+     "41 10000000 52 d007000000000000 " + PUT_HI),
+    (jf.DelayedPut(5, b"hi", 1000, flags=16, due_ms=2000),  # forms mixed: still one item
+     "41 10000000 d1 09000000 03 d007000000000000 " + PUT_HI),
+])
+def test_delayed_puts_of_earlier_releases_still_decode(record: jf.Put, hexbytes: str) -> None:
+    blob = jf.WRITER_MAGIC + bytes.fromhex(hexbytes.replace(" ", ""))
+    (got,) = jf.decode_all(blob)
+    assert got.record == record and type(got.record) is jf.DelayedPut
+    sealed = jf.WRITER_MAGIC + jf.EMPTY_CHECK + jf.seal(blob[4:], 18)
+    dec = jf.RecordDecoder()
+    dec.receive_data(sealed)
+    dec.receive_data(b"")
+    offsets: list[int] = []
+    delays: dict[int, int] = {}
+    flags: dict[int, int] = {}
+    assert isinstance(dec.next_batch(offsets), jf.Batch)  # the empty check
+    batch = dec.next_batch(offsets, flags, delays)
+    assert isinstance(batch, jf.Batch) and batch.delayed == 1
+    (put_at,) = offsets
+    assert delays == {put_at: 2000} and flags.get(put_at, 0) == record.flags
 
 
 @pytest.mark.parametrize("after", ["02 0100000000000000", "72 00000000 00000000", "00"])
@@ -423,7 +450,7 @@ def test_readme_delay_record_example_is_true() -> None:
     shown = "".join(line.split("  ")[0].replace(" ", "") for line in section.splitlines())
     record = jf.DelayedPut(5, b"hi", 1000, flags=16, due_ms=2000)
     assert jf.encode_put(record).hex() == shown
-    assert "| **DELAY** (ours) | `0x52` |" in readme
+    assert "| 3 | **DELAY** |" in readme and "`0x52` + `i64` (9)" in readme
 
 
 async def test_spark_writer_option_delay_ms(tmp_path: Path) -> None:

@@ -391,14 +391,15 @@ async def test_seed_readers_read_journals_with_flags_and_flags_zero_costs_no_byt
     (seg,) = [p for p in data.iterdir() if p.name.startswith("q.") and "read" not in p.name]
     puts, skipped = seed_reader(seg.read_bytes())
     assert puts == [(i + 1, 0, b"item%d" % i) for i in range(len(flags))]
-    # One FLAGS record (command 4) per flagged item, skipped; check records (7) too, and
-    # the head's INCARNATION record (12, tests/test_incarnation.py) in its own batch.
-    assert skipped == Counter({4: sum(1 for f in flags if f), 7: len(flags) + 2, 12: 1})
+    # One FLAGS record per flagged item, skipped; check records too, and the head's
+    # INCARNATION record (tests/test_incarnation.py) in its own batch: all of them
+    # extension records (command 13, one header word).
+    assert skipped == Counter({13: sum(1 for f in flags if f) + len(flags) + 2 + 1})
     # Flags 0 add no byte: magic, empty check, incarnation, then per item one PUT and one
     # check.
     (plain,) = [p for p in data.iterdir() if p.name.startswith("plain.") and "read" not in p.name]
-    assert plain.stat().st_size == 4 + 9 + 13 + 9 + len(flags) * (25 + 5 + 9)
-    assert seed_reader(plain.read_bytes())[1] == Counter({7: len(flags) + 2, 12: 1})
+    assert plain.stat().st_size == 4 + 14 + 14 + 14 + len(flags) * (25 + 5 + 14)
+    assert seed_reader(plain.read_bytes())[1] == Counter({13: len(flags) + 2 + 1})
     # Our own decoder gives each PUT its flags back; `queued dump` shows them.
     ours = [d.record for d in jf.decode_all(seg.read_bytes()) if isinstance(d.record, jf.Put)]
     assert [p.flags for p in ours] == flags

@@ -4,7 +4,6 @@ compaction, new after a delete; seed readers skip it; old segments without one s
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 from queued.config import JournalConfig
@@ -14,7 +13,7 @@ from queued.storage.datadir import DataDir, open_data_dir
 from tests.test_flags import seed_reader
 
 T0 = 1_700_000_000_000
-SMALL = JournalConfig(journal_size=600)
+SMALL = JournalConfig(journal_size=620)
 
 
 def incarnations(path: Path, queue: str) -> list[int]:
@@ -32,12 +31,13 @@ async def test_segments_carry_the_incarnation_and_a_new_queue_gets_a_new_one(
     assert first > 0
     assert len(js.list_segments(data, {"q"})) >= 3
     assert set(incarnations(data, "q")) == {first}
-    # Seed readers read every PUT and skip the record (command 12, an empty data block).
+    # Seed readers read every PUT and skip the record (an extension record, command 13,
+    # as the check records are).
     seg = js.list_segments(data, {"q"})[0]
     puts, skipped = seed_reader(Path(seg.path).read_bytes())
-    assert puts and skipped[12] == 1 and set(skipped) == {7, 12}
+    assert puts and set(skipped) == {13}
     assert [d.record for d in jf.decode_all(Path(seg.path).read_bytes())
-            if isinstance(d.record, jf.Unknown)] == [jf.Unknown(12, 3, 0)]
+            if isinstance(d.record, jf.Incarnation | jf.Unknown)] == [jf.Incarnation(first)]
 
     async with open_data_dir(data, queue_config=lambda _: SMALL) as dd:  # a restart
         q = dd.queue("q")
@@ -84,7 +84,7 @@ async def test_segments_without_a_record_stay_incarnation_zero(tmp_path: Path) -
     data.mkdir()
     body = b"".join(jf.encode_put(jf.Put(i, b"old", T0)) for i in range(1, 4))
     (data / jf.segment_name("q", 1000)).write_bytes(
-        jf.WRITER_MAGIC + jf.EMPTY_CHECK + jf.seal(body, 13))
+        jf.WRITER_MAGIC + jf.EMPTY_CHECK + jf.seal(body, jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE))
     async with open_data_dir(data, queue_config=lambda _: SMALL) as dd:
         q = dd.queue("q")
         assert q.file.incarnation == 0
@@ -92,7 +92,8 @@ async def test_segments_without_a_record_stay_incarnation_zero(tmp_path: Path) -
             await q.append([b"n%03d" % i * 10], T0 + i)
     assert set(incarnations(data, "q")) == {0}
     newest = js.list_segments(data, {"q"})[-1]
-    assert Counter(seed_reader(Path(newest.path).read_bytes())[1])[12] == 0
+    assert not [d for d in jf.decode_all(Path(newest.path).read_bytes())
+                if isinstance(d.record, jf.Incarnation)]
     assert jf.head_incarnation(jf.segment_head(0)) == 0
     assert jf.head_incarnation(jf.segment_head(5, jf.Compacted(1, 2))) == 5
     damaged = bytearray(jf.segment_head(5))

@@ -171,19 +171,29 @@ def test_readme_check_record_example_is_true() -> None:
     put = jf.encode_put(jf.Put(1, b"hello", 1_700_000_000_000))
     assert put.hex() == "86" "05000000" "00000000" "0100000000000000" "0068e5cf8b010000" + \
         b"hello".hex()
-    assert jf.encode_check(put, 13).hex() == "72" "1e000000" "ed70c2c3"
-    assert jf.EMPTY_CHECK.hex() == "72" "00000000" "93d168e1"
+    assert jf.encode_check(put, 18).hex() == "d1" "09000000" "01" "1e000000" "3a8449d7"
+    assert jf.EMPTY_CHECK.hex() == "d1" "09000000" "01" "00000000" "93d168e1"
+    assert jf.OLD_EMPTY_CHECK.hex() == "72" "00000000" "93d168e1"
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert "72 1e000000 ed70c2c3" in readme and "72 00000000 93d168e1" in readme
+    assert "d1 09000000 01 1e000000 3a8449d7" in readme
+    assert "d1 09000000 01 00000000 93d168e1" in readme and "72 00000000 93d168e1" in readme
 
 
 def test_readme_flags_record_example_is_true() -> None:
     """The FLAGS record the README shows before the PUT of `hello` with flags 16."""
     plain = jf.encode_put(jf.Put(1, b"hello", 1_700_000_000_000))
     flagged = jf.encode_put(jf.Put(1, b"hello", 1_700_000_000_000, flags=16))
-    assert flagged.hex() == "41" "10000000" + plain.hex()
+    assert flagged.hex() == "d1" "05000000" "02" "10000000" + plain.hex()
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert "41 10000000" in readme and "| **FLAGS** (ours) | `0x41` |" in readme
+    assert "d1 05000000 02 10000000" in readme and "| 2 | **FLAGS** |" in readme
+
+
+def test_readme_incarnation_example_is_true() -> None:
+    """The head of a segment the README shows: magic, empty check, INCARNATION, check."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("### The incarnation record")[1].split("```")[1]
+    shown = "".join(line.split("  ")[0].replace(" ", "") for line in section.splitlines())
+    assert jf.segment_head(1764072371667).hex() == shown
 
 
 async def test_bad_item_in_a_batch_changes_nothing(tmp_path: Path) -> None:

@@ -27,7 +27,6 @@ from queued.core.errors import (
     QueuedError,
 )
 from queued.core.journal_format import (
-    EMPTY_CHECK,
     NEED_DATA,
     READER_MAGIC,
     WRITER_MAGIC,
@@ -55,8 +54,14 @@ I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 # Sizes from the seed: the command byte plus 4 bytes per header word.
 PUT_HDR = 1 + 4 * 6
 PUT_EXPIRE_HDR = 1 + 4 * 8
+# Most files below are built by hand in the form of earlier releases (command 7 check
+# records, 9 bytes): that form must load forever, and its offsets are easy to count.
+# Sections 1 and 7 hold the goldens of the extension envelope this release writes.
 CHECK_LEN = 1 + 4 * 2
-FLAGS_LEN = 1 + 4 * 1  # ours (DESIGN.md / README): command 4, one word of u32 flags
+# Ours (DESIGN.md / README): the extension envelope, command 13 with one header word (its
+# data size), then a kind byte and the kind's fields; FLAGS is kind 2, a u32.
+FLAGS_LEN = 1 + 4 + 1 + 4
+OLD_FLAGS_LEN = 1 + 4 * 1  # its older form: command 4, one word of u32 flags
 MAGIC_LEN = 4
 
 
@@ -82,10 +87,17 @@ def check_rec(body: bytes, offset: int) -> bytes:
     return h("72") + le32(len(body)) + le32(check_crc(body, offset))
 
 
+def new_check_rec(body: bytes, offset: int) -> bytes:
+    """The same in this release's form: the extension envelope, kind 1 (check)."""
+    return h("d1 09000000 01") + le32(len(body)) + le32(check_crc(body, offset))
+
+
 # The empty check right after the magic: covers 0 bytes at offset 4, so its crc is
 # crc32(04 00 00 00 00 00 00 00) = e168d193.
 EMPTY_CHECK_HEX = "72 00000000 93d168e1"
 EMPTY_CHECK_CRC = 0xE168D193
+EMPTY_CHECK = h(EMPTY_CHECK_HEX)  # (the old form, as the hand-built files here use)
+NEW_EMPTY_CHECK_HEX = "d1 09000000 01 00000000 93d168e1"  # what this release writes
 
 
 def put_len(p: Put) -> int:
@@ -232,12 +244,24 @@ def sample_file() -> tuple[bytes, list[Decoded], list[Batch]]:
 def test_magic_and_command_bytes() -> None:
     assert h("27 64 26 03") == WRITER_MAGIC
     assert h("26 3c 26 03") == READER_MAGIC
-    assert h("72 00000000 93d168e1") == EMPTY_CHECK
+    assert h(NEW_EMPTY_CHECK_HEX) == jf.EMPTY_CHECK
+    assert h("72 00000000 93d168e1") == jf.OLD_EMPTY_CHECK == EMPTY_CHECK
     assert check_crc(b"", 4) == EMPTY_CHECK_CRC
     assert (jf.PUT_BYTE, jf.PUT_EXPIRE_BYTE) == (0x86, 0x88)
     assert (jf.READ_HEAD_BYTE, jf.READ_DONE_BYTE) == (0x02, 0x91)
-    assert (jf.CHECK_BYTE, jf.COMPACTED_BYTE) == (0x72, 0x64)
-    assert jf.FLAGS_BYTE == 0x41 and jf.FLAGS_RECORD_SIZE == FLAGS_LEN
+    assert (jf.READ_ERRORS_BYTE, jf.READ_DELAYS_BYTE) == (0xB1, 0xA1)
+    # The envelope: command 13, one header word; the kinds; the marks that open them.
+    assert (jf.EXT_BYTE, jf.CMD_EXT) == (0xD1, 13)
+    assert (jf.EXT_CHECK, jf.EXT_FLAGS, jf.EXT_DELAY, jf.EXT_COMPACTED, jf.EXT_INCARNATION,
+            jf.EXT_PRODUCER, jf.EXT_HEADERS) == (1, 2, 3, 4, 5, 6, 7)
+    assert h("d1 09000000 01") == jf.CHECK_MARK and h("d1 05000000 02") == jf.FLAGS_MARK
+    assert h("d1 09000000 03") == jf.DELAY_MARK and h("d1 11000000 04") == jf.COMPACTED_MARK
+    assert h("d1 09000000 05") == jf.INCARNATION_MARK
+    assert jf.FLAGS_RECORD_SIZE == FLAGS_LEN and jf.CHECK_RECORD_SIZE == 14
+    # The older forms, still read.
+    assert (jf.OLD_CHECK_BYTE, jf.OLD_COMPACTED_BYTE, jf.OLD_FLAGS_BYTE) == (0x72, 0x64, 0x41)
+    assert (jf.OLD_DELAY_BYTE, jf.OLD_INCARNATION_BYTE) == (0x52, 0xC3)
+    assert jf.OLD_FLAGS_RECORD_SIZE == OLD_FLAGS_LEN and jf.OLD_CHECK_RECORD_SIZE == CHECK_LEN
 
 
 GOLDEN_WRITER = [
@@ -274,10 +298,12 @@ GOLDEN_WRITER = [
     ),
     pytest.param(
         Compacted(0x0102030405060708, 0x1112131415161718),
-        "64 0807060504030201 1817161514131211",
+        "d1 11000000 04 0807060504030201 1817161514131211",
         id="compacted",
     ),
-    pytest.param(Check(9, 0xCBF43926), "72 09000000 2639f4cb", id="check"),
+    pytest.param(Check(9, 0xCBF43926), "d1 09000000 01 09000000 2639f4cb", id="check"),
+    pytest.param(jf.Incarnation(0x0102030405060708), "d1 09000000 05 0807060504030201",
+                 id="incarnation"),
 ]
 # A check record only decodes where it really covers what precedes it; checks are
 # decoded in the checkpoint and file tests below.
@@ -295,18 +321,20 @@ GOLDEN_READER = [
 ]
 
 
-#: Items with memcache flags: a FLAGS record (command 4, one word) leads the PUT; both
+#: Items with memcache flags: a FLAGS record (envelope kind 2, u32) leads the PUT; both
 #: are one decoded Put. Flags 0 write nothing more (the plain goldens above).
 GOLDEN_FLAGGED = [
     pytest.param(
         Put(1, b"hello", 1700000000000, flags=0x10),
-        "41 10000000 86 05000000 00000000 0100000000000000 0068e5cf8b010000 68656c6c6f",
+        "d1 05000000 02 10000000 "
+        "86 05000000 00000000 0100000000000000 0068e5cf8b010000 68656c6c6f",
         id="put-flags",
     ),
     pytest.param(
         Put(2, b"", 1321401903634, expire_time_ms=1321401963634, error_count=2,
             flags=0xFFFFFFFF),
-        "41 ffffffff 88 00000000 02000000 0200000000000000 12eab0a933010000 72d4b1a933010000",
+        "d1 05000000 02 ffffffff "
+        "88 00000000 02000000 0200000000000000 12eab0a933010000 72d4b1a933010000",
         id="put-expire-flags-max",
     ),
 ]
@@ -332,7 +360,8 @@ def test_flags_zero_costs_no_bytes_and_out_of_range_is_refused() -> None:
     for expire in (None, 5):
         bare = jf.put_header_packer(1000, expire, 2)
         assert jf.put_header_packer(1000, expire, 2, 0)(4, 9) == bare(4, 9)
-        assert jf.put_header_packer(1000, expire, 2, 3)(4, 9) == h("41 03000000") + bare(4, 9)
+        assert jf.put_header_packer(1000, expire, 2, 3)(4, 9) == h("d1 05000000 02 03000000"
+                                                                     ) + bare(4, 9)
     for bad in (-1, 2**32):
         with pytest.raises(ValueError):
             jf.encode_put(Put(7, b"", 0, flags=bad))
@@ -340,12 +369,20 @@ def test_flags_zero_costs_no_bytes_and_out_of_range_is_refused() -> None:
             jf.put_header_packer(0, None, 0, bad)
 
 
-def test_flagged_puts_in_a_sealed_batch_fast_path() -> None:
-    body = (jf.encode_put(Put(1, b"a", 5)) + jf.encode_put(Put(2, b"bb", 5, flags=2))
-            + jf.encode_put(Put(3, b"c", 5, 9, flags=16)))
+@pytest.mark.parametrize("form", ["envelope", "old"])
+def test_flagged_puts_in_a_sealed_batch_fast_path(form: str) -> None:
+    put1, put2, put3 = (jf.encode_put(Put(1, b"a", 5)), jf.encode_put(Put(2, b"bb", 5)),
+                        jf.encode_put(Put(3, b"c", 5, 9)))
+    if form == "envelope":
+        assert jf.encode_put(Put(2, b"bb", 5, flags=2)) == h("d1 05000000 02 02000000") + put2
+        body = put1 + h("d1 05000000 02 02000000") + put2 + h("d1 05000000 02 10000000") + put3
+        # Offsets by hand: PUT 1 at 13 (26 bytes), FLAGS at 39 (10), PUT 2 at 49 (27),
+        # FLAGS at 76, PUT 3 at 86.
+        puts, leads = [13, 49, 86], [13, 39, 76]
+    else:  # an earlier release's FLAGS records: command 4, one word
+        body = put1 + h("41 02000000") + put2 + h("41 10000000") + put3
+        puts, leads = [13, 44, 76], [13, 39, 71]
     blob = WRITER_MAGIC + EMPTY_CHECK + body + check_rec(body, 13)
-    # Offsets by hand: PUT 1 at 13 (26 bytes), FLAGS at 39, PUT 2 at 44 (27), FLAGS at
-    # 71, PUT 3 at 76.
     for cuts in ([], range(1, len(blob))):
         offsets: list[int] = []
         flags: dict[int, int] = {}
@@ -355,10 +392,10 @@ def test_flagged_puts_in_a_sealed_batch_fast_path() -> None:
             while isinstance(ev := dec.next_batch(offsets, flags), Batch):
                 pass
         assert ev == EndOfData(len(blob), zero_byte=False)
-        assert offsets == [13, 44, 76]
-        assert {o: f for o, f in flags.items() if o in offsets} == {44: 2, 76: 16}
+        assert offsets == puts
+        assert {o: f for o, f in flags.items() if o in offsets} == {puts[1]: 2, puts[2]: 16}
     got = [d for d in jf.decode_all(blob) if isinstance(d.record, Put)]
-    assert [(d.offset, d.record.flags) for d in got] == [(13, 0), (39, 2), (71, 16)]
+    assert [(d.offset, d.record.flags) for d in got] == list(zip(leads, [0, 2, 16], strict=True))
 
 
 @pytest.mark.parametrize("after", [
@@ -379,6 +416,8 @@ def test_flags_record_not_followed_by_a_put_is_corrupt(after: str) -> None:
     with pytest.raises(CorruptRecordError):
         jf.decode_all(WRITER_MAGIC + h("42 07000000 00000000") + jf.encode_put(Put(1, b"", 5)))
     _, end, _ = run_events([WRITER_MAGIC + h("41 07000000")])
+    assert end == TornTail(4, OLD_FLAGS_LEN)
+    _, end, _ = run_events([WRITER_MAGIC + h("d1 05000000 02 07000000")])
     assert end == TornTail(4, FLAGS_LEN)
 
 
@@ -424,23 +463,24 @@ def test_golden_check_crc_helper() -> None:
 
 def test_golden_check_record() -> None:
     # crc32("123456789", seed = crc32(0d00000000000000)) = f6ac7f27
-    assert jf.encode_check(b"123456789", 13) == h("72 09000000 277facf6")
-    assert jf.encode_check(bytearray(b"123456789"), 13) == h("72 09000000 277facf6")
-    assert jf.encode_check(memoryview(b"123456789"), 13) == h("72 09000000 277facf6")
-    assert jf.encode_check(b"123456789", 0) == h("72 09000000 35dc12e4")
-    assert jf.encode_check(b"", 4) == h("72 00000000 93d168e1") == EMPTY_CHECK
-    assert jf.encode_check(b"", 13) == h("72 00000000 b8ca27fe")
+    assert jf.encode_check(b"123456789", 13) == h("d1 09000000 01 09000000 277facf6")
+    assert jf.encode_check(bytearray(b"123456789"), 13) == h("d1 09000000 01 09000000 277facf6")
+    assert jf.encode_check(memoryview(b"123456789"), 13) == h("d1 09000000 01 09000000 277facf6")
+    assert jf.encode_check(b"123456789", 0) == h("d1 09000000 01 09000000 35dc12e4")
+    assert jf.encode_check(b"", 4) == h(NEW_EMPTY_CHECK_HEX) == jf.EMPTY_CHECK
+    assert jf.encode_check(b"", 13) == h("d1 09000000 01 00000000 b8ca27fe")
     # The Check dataclass encodes whatever crc it holds.
-    assert jf.encode_record(Check(3, 0xDEADBEEF)) == h("72 03000000 efbeadde")
+    assert jf.encode_record(Check(3, 0xDEADBEEF)) == h("d1 09000000 01 03000000 efbeadde")
     for offset in (0, 4, 13, 2**32, 2**63 - 1):
-        assert jf.encode_check(b"abc", offset) == check_rec(b"abc", offset)
+        assert jf.encode_check(b"abc", offset) == new_check_rec(b"abc", offset)
 
 
 def test_golden_seal() -> None:
-    assert jf.seal(b"123456789", 13) == b"123456789" + h("72 09000000 277facf6")
-    assert jf.seal(bytearray(b"123456789"), 13) == b"123456789" + h("72 09000000 277facf6")
-    assert jf.seal(b"123456789", 0) == b"123456789" + h("72 09000000 35dc12e4")
-    assert jf.seal(b"", 4) == h("72 00000000 93d168e1")
+    assert jf.seal(b"123456789", 13) == b"123456789" + h("d1 09000000 01 09000000 277facf6")
+    assert jf.seal(bytearray(b"123456789"), 13) == b"123456789" + h(
+        "d1 09000000 01 09000000 277facf6")
+    assert jf.seal(b"123456789", 0) == b"123456789" + h("d1 09000000 01 09000000 35dc12e4")
+    assert jf.seal(b"", 4) == h(NEW_EMPTY_CHECK_HEX)
     sealed = WRITER_MAGIC + EMPTY_CHECK + jf.seal(b"123456789", 13)
     # "123456789" is not a valid record stream, but the check is right where it claims.
     assert jf.find_valid_check_after(sealed, 13) == 22
@@ -455,14 +495,24 @@ def test_golden_checkpoint() -> None:
     assert len(body) == 0x1E
     expected = (
         h("26 3c 26 03")
-        + h("72 00000000 93d168e1")
+        + h(NEW_EMPTY_CHECK_HEX)
         + body
-        + h("72 1e000000 c31bf739")  # check_crc(body, 13), computed once
+        + h("d1 09000000 01 1e000000 14ef7c2d")  # check_crc(body, 18), computed once
     )
-    assert check_crc(body, 13) == 0x39F71BC3
+    assert check_crc(body, 18) == 0x2D7CEF14
     assert jf.encode_checkpoint(7, [10, 9]) == expected
     assert jf.encode_checkpoint(7, (9, 10)) == expected
     assert jf.decode_all(expected, FileKind.READER) == [
+        Decoded(Check(0, EMPTY_CHECK_CRC), 4, 18),
+        Decoded(ReadHead(7), 18, 27),
+        Decoded(ReadDone((9, 10)), 27, 48),
+        Decoded(Check(30, 0x2D7CEF14), 48, 62),
+    ]
+    # The same checkpoint as an earlier release wrote it (command 7 checks) still reads.
+    old = (h("26 3c 26 03 72 00000000 93d168e1") + body
+           + h("72 1e000000 c31bf739"))  # check_crc(body, 13), computed once
+    assert check_crc(body, 13) == 0x39F71BC3
+    assert jf.decode_all(old, FileKind.READER) == [
         Decoded(Check(0, EMPTY_CHECK_CRC), 4, 13),
         Decoded(ReadHead(7), 13, 22),
         Decoded(ReadDone((9, 10)), 22, 43),
@@ -473,11 +523,11 @@ def test_golden_checkpoint() -> None:
 def test_golden_checkpoint_empty() -> None:
     body = h("02 0000000000000000  91 00000000")
     expected = (
-        h("26 3c 26 03 72 00000000 93d168e1")
+        h("26 3c 26 03") + h(NEW_EMPTY_CHECK_HEX)
         + body
-        + h("72 0e000000 2daaeb57")  # check_crc(body, 13), computed once
+        + h("d1 09000000 01 0e000000 2cf88622")  # check_crc(body, 18), computed once
     )
-    assert check_crc(body, 13) == 0x57EBAA2D
+    assert check_crc(body, 18) == 0x2286F82C
     assert jf.encode_checkpoint(0, []) == expected
 
 
@@ -658,6 +708,13 @@ fragments = st.one_of(
     st.binary(min_size=4, max_size=4).map(lambda b: b"\x31" + b),  # unknown, no data
     st.binary(min_size=4, max_size=4).map(lambda b: b"\x41" + b),  # FLAGS (PUT or not after)
     st.binary(max_size=6).map(lambda b: struct.pack("<Bi", 0xA1, len(b)) + b),
+    st.binary(min_size=8, max_size=8).map(lambda b: b"\x52" + b),  # old DELAY
+    # The envelope: FLAGS, DELAY, COMPACTED, INCARNATION, kinds unknown or 0, sizes right
+    # or wrong.
+    st.tuples(st.sampled_from([2, 3, 4, 5, 0, 9, 200]), st.integers(0, 18)).map(
+        lambda t: struct.pack("<BiB", 0xD1, t[1], t[0]) + bytes(range(max(t[1] - 1, 0)))),
+    st.binary(min_size=4, max_size=4).map(lambda b: h("d1 05000000 02") + b),  # FLAGS
+    st.binary(min_size=8, max_size=8).map(lambda b: h("d1 09000000 03") + b),  # DELAY
     st.binary(min_size=1, max_size=6),  # raw noise
 )
 
@@ -670,7 +727,10 @@ def record_soup(draw: st.DrawFn) -> bytes:
         crc = check_crc(body, len(out))
         if draw(st.booleans()) and draw(st.booleans()):
             crc ^= 1
-        out += body + struct.pack("<BII", 0x72, len(body), crc)
+        if draw(st.booleans()):  # either form of check record
+            out += body + struct.pack("<BII", 0x72, len(body), crc)
+        else:
+            out += body + struct.pack("<BiBII", 0xD1, 9, 1, len(body), crc)
     out += draw(st.binary(max_size=12))
     return bytes(out)
 
@@ -944,7 +1004,7 @@ SMALL_OFFSETS = st.integers(0, 2**32 - 1)
 def test_batch_sealed_for_one_offset_fails_at_another() -> None:
     body = h(FOREIGN_PUT_1) + h(FOREIGN_PUT_3)
     sealed = jf.seal(body, 13)
-    assert sealed == body + check_rec(body, 13)
+    assert sealed == body + new_check_rec(body, 13)
     good = WRITER_MAGIC + EMPTY_CHECK + sealed
     got_b, end_b, _ = run_batches([good])
     assert got_b == [Batch(4, 13, 0, 0, 0), Batch(13, len(good), 2, 1, 3)]
@@ -955,7 +1015,7 @@ def test_batch_sealed_for_one_offset_fails_at_another() -> None:
     placements = [
         WRITER_MAGIC,  # at 4: no empty check first
         WRITER_MAGIC + EMPTY_CHECK + check_rec(b"", 13),  # at 22
-        WRITER_MAGIC + EMPTY_CHECK + other_batch,  # at 13 + 33 + 9
+        WRITER_MAGIC + EMPTY_CHECK + other_batch,  # at 13 + 33 + 14
     ]
     for prefix in placements:
         at = len(prefix)
@@ -1027,9 +1087,10 @@ def test_spoofed_check_in_item_data_does_not_verify() -> None:
     """
     x = h(FOREIGN_PUT_1)  # X looks like a whole record, to make the spoof plausible
     _, tail_offset, x_offset = _spoof_file(x, b"")
-    assert (tail_offset, x_offset) == (13 + 27 + 9, 13 + 27 + 9 + 25)
+    assert (tail_offset, x_offset) == (13 + 27 + 14, 13 + 27 + 14 + 25)
     guesses = [0, 4, 13, tail_offset, x_offset - tail_offset, x_offset - 1, x_offset + 1]
     fakes = [jf.encode_check(x, g) for g in guesses]
+    fakes += [check_rec(x, g) for g in guesses]  # the older form, which is searched too
     fakes.append(h("72") + le32(len(x)) + le32(zlib.crc32(x)))  # the old unseeded check
     fakes.append(jf.encode_check(x, x_offset))  # the exact guess, last
     for i, fake in enumerate(fakes):

@@ -56,12 +56,12 @@ async def test_zero_byte_at_a_batch_start_in_the_middle_is_not_a_zero_tail(
 
 
 async def test_damaged_leading_empty_check_does_not_wipe_the_segment(tmp_path: Path) -> None:
-    # A single flipped byte inside the EMPTY_CHECK at offset 4..12 makes the file look
+    # A single flipped byte inside the EMPTY_CHECK at offset 4..17 makes the file look
     # "unsealed" (seed format); the plain scan then stops at offset 4 and recovery cuts
     # the WHOLE segment as a "garbage tail", even under corruption="refuse".
     path, _ = await _three_batches(tmp_path)
     data = bytearray(path.read_bytes())
-    data[9] ^= 0x01  # a crc byte of the empty check record
+    data[15] ^= 0x01  # a crc byte of the empty check record
     path.write_bytes(bytes(data))
     size = len(data)
     with pytest.raises(CorruptJournalError):
@@ -120,7 +120,7 @@ async def test_damaged_last_batch_of_an_older_segment_is_not_a_torn_tail(tmp_pat
     # only the NEWEST segment can have a torn tail. A flipped byte in the last batch of an
     # older segment is corruption of acknowledged data, yet recovery classifies it as a
     # garbage tail and truncates the item away with a warning, even with corruption="refuse".
-    conf = JournalConfig(journal_size=600)  # 4 items of 100 bytes per segment
+    conf = JournalConfig(journal_size=620)  # 4 items of 100 bytes per segment
     async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
         q = dd.queue("q")
         for _ in range(5):

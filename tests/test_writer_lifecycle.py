@@ -22,7 +22,7 @@ from queued.storage import writer as writer_module
 from queued.storage.datadir import DataDir, open_data_dir
 
 T0 = 1_700_000_000_000
-ITEM = b"x" * 100  # PUT record 125 bytes; with journal_size=600 a segment holds 4 items
+ITEM = b"x" * 100  # PUT record 125 bytes; with journal_size=620 a segment holds 4 items
 
 
 async def test_delete_queue_during_a_round_leaves_no_segment_behind(
@@ -104,7 +104,7 @@ async def test_read_back_during_compaction_window(
     # A read-back right after compaction retires the replaced originals (as a
     # consumer's read-behind in another worker thread could) finds every record:
     # the new segment list is published before the originals go.
-    conf = JournalConfig(journal_size=600)
+    conf = JournalConfig(journal_size=620)
     seen: list[object] = []
 
     async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
@@ -136,7 +136,7 @@ async def test_drop_oldest_does_not_drop_everything_for_an_item_that_can_never_f
     # make_room calls drop_oldest(limit - incoming) with a negative target when one
     # item is bigger than max_journal_size: every segment but the newest is dropped
     # (items lost, checkpoints moved) and the put is refused anyway.
-    conf = JournalConfig(journal_size=600, max_journal_size=2000,
+    conf = JournalConfig(journal_size=620, max_journal_size=2000,
                          full_policy=FullPolicy.DROP_OLDEST)
     async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
         q = dd.queue("q")
@@ -155,7 +155,7 @@ async def test_drop_oldest_of_a_compaction_output_does_not_overwrite_the_archive
     # output it must be deleted, not archived over the original (ids 5..8) with its
     # compacted subset (ids 4, 8).
     archive = tmp_path / "archive"
-    conf = JournalConfig(journal_size=600)
+    conf = JournalConfig(journal_size=620)
     data = tmp_path / "data"
     async with open_data_dir(data, DataDirConfig(archive_dir=archive),
                              queue_config=lambda _: conf) as dd:

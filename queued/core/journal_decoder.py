@@ -9,34 +9,56 @@ from __future__ import annotations
 
 import struct
 import zlib
+from dataclasses import dataclass
 from typing import Final
 
 from queued.core.errors import BadMagicError, ChecksumMismatchError, CorruptRecordError
 from queued.core.journal_records import (
-    CHECK_BYTE,
+    CHECK_MARK,
     CHECK_RECORD_SIZE,
     CHECK_STRUCT,
-    CMD_CHECK,
-    CMD_COMPACTED,
-    CMD_FLAGS,
+    CMD_EXT,
     CMD_PUT,
     CMD_READ_DELAYS,
     CMD_READ_DONE,
     CMD_READ_ERRORS,
     CMD_READ_HEAD,
     COMPACTED_STRUCT,
-    DELAY_BYTE,
     DELAY_ENTRY_STRUCT,
     DELAY_RECORD_SIZE,
     DELAY_STRUCT,
     ERROR_ENTRY_STRUCT,
-    FLAGS_BYTE,
+    EXT_BYTE,
+    EXT_CHECK,
+    EXT_CHECK_DATA_SIZE,
+    EXT_COMPACTED,
+    EXT_DATA_SIZES,
+    EXT_DELAY,
+    EXT_FLAGS,
+    EXT_HEAD_SIZE,
+    EXT_INCARNATION,
     FLAGS_RECORD_SIZE,
     FLAGS_STRUCT,
     I32_STRUCT,
     I64_STRUCT,
+    INCARNATION_STRUCT,
     MAGIC_SIZE,
     MAX_DATA_SIZE,
+    OLD_CHECK_BYTE,
+    OLD_CHECK_RECORD_SIZE,
+    OLD_CHECK_STRUCT,
+    OLD_CMD_CHECK,
+    OLD_CMD_COMPACTED,
+    OLD_CMD_FLAGS,
+    OLD_COMPACTED_STRUCT,
+    OLD_DELAY_BYTE,
+    OLD_DELAY_RECORD_SIZE,
+    OLD_DELAY_STRUCT,
+    OLD_FLAGS_BYTE,
+    OLD_FLAGS_RECORD_SIZE,
+    OLD_FLAGS_STRUCT,
+    OLD_INCARNATION_BYTE,
+    OLD_INCARNATION_STRUCT,
     PUT_BYTE,
     PUT_EXPIRE_BYTE,
     PUT_EXPIRE_HEADER_SIZE,
@@ -58,6 +80,7 @@ from queued.core.journal_records import (
     EndOfData,
     Event,
     FileKind,
+    Incarnation,
     Put,
     ReadDelays,
     ReadDone,
@@ -67,7 +90,9 @@ from queued.core.journal_records import (
     Sentinel,
     TornTail,
     Unknown,
+    check_at,
     crc_seed,
+    sealed_start,
 )
 from queued.core.wire import NEED_DATA
 
@@ -89,15 +114,99 @@ def _need(cmd: int) -> tuple[int, str | None]:
         return 0, f"READ_HEAD with {words} header words (must be 2)"
     if command == CMD_READ_DONE and words != 1:
         return 0, f"READ_DONE with {words} header words (must be 1)"
-    if command == CMD_CHECK and words != 2:
+    if command == CMD_EXT and words != 1:
+        return 0, f"extension record with {words} header words (must be 1)"
+    if command == OLD_CMD_CHECK and words != 2:
         return 0, f"CHECK with {words} header words (must be 2)"
-    if command == CMD_COMPACTED and words != 4:
+    if command == OLD_CMD_COMPACTED and words != 4:
         return 0, f"COMPACTED with {words} header words (must be 4)"
-    if command == CMD_FLAGS and words != 1:
+    if command == OLD_CMD_FLAGS and words != 1:
         return 0, f"FLAGS with {words} header words (must be 1)"
     if command >= 8 and words == 0:
         return 0, f"command {command} carries data but has no header"
     return 1 + 4 * words, None
+
+
+def _ext_kind(buf: bytearray, pos: int, size: int, start: int) -> int:
+    """The kind of the extension record at buf[pos] (its whole header is there), after
+    checking its data size against the kind's."""
+    if size < 1:
+        raise CorruptRecordError(start, "extension record without a kind byte")
+    kind = buf[pos + EXT_HEAD_SIZE - 1]
+    want = EXT_DATA_SIZES.get(kind)
+    if kind == 0 or (want is not None and size != want):
+        raise CorruptRecordError(start, f"extension record of kind {kind} with {size} data "
+                                        f"bytes" + (f" (must be {want})" if want else ""))
+    return kind
+
+
+def _lead_at(buf: bytearray, at: int, end: int) -> tuple[int, int, int] | None:
+    """(kind, value, size) of a FLAGS or DELAY record, either form, at buf[at], when all
+    of it lies before `end`; (0, 0, 0) when it is cut short there; None when none is."""
+    cmd = buf[at]
+    if cmd == EXT_BYTE:
+        if at + EXT_HEAD_SIZE > end:
+            return 0, 0, 0
+        kind = buf[at + EXT_HEAD_SIZE - 1]
+        if kind == EXT_FLAGS and I32_STRUCT.unpack_from(buf, at + 1)[0] == 5:
+            if at + FLAGS_RECORD_SIZE > end:
+                return 0, 0, 0
+            return EXT_FLAGS, FLAGS_STRUCT.unpack_from(buf, at)[3], FLAGS_RECORD_SIZE
+        if kind == EXT_DELAY and I32_STRUCT.unpack_from(buf, at + 1)[0] == 9:
+            if at + DELAY_RECORD_SIZE > end:
+                return 0, 0, 0
+            return EXT_DELAY, DELAY_STRUCT.unpack_from(buf, at)[3], DELAY_RECORD_SIZE
+        return None
+    if cmd == OLD_FLAGS_BYTE:
+        if at + OLD_FLAGS_RECORD_SIZE > end:
+            return 0, 0, 0
+        return EXT_FLAGS, OLD_FLAGS_STRUCT.unpack_from(buf, at)[1], OLD_FLAGS_RECORD_SIZE
+    if cmd == OLD_DELAY_BYTE:
+        if at + OLD_DELAY_RECORD_SIZE > end:
+            return 0, 0, 0
+        return EXT_DELAY, OLD_DELAY_STRUCT.unpack_from(buf, at)[1], OLD_DELAY_RECORD_SIZE
+    return None
+
+
+def _batch_lead(buf: bytearray, pos: int, n: int, base: int, flags: dict[int, int] | None,
+                delays: dict[int, int] | None) -> tuple[int, int]:
+    """The FLAGS or DELAY record at buf[pos] (before n), for RecordDecoder.next_batch:
+    notes its value under the file offset of the PUT it leads, and returns where the next
+    record starts and 1 for a DELAY (0 for FLAGS); (-1, 0) when the bytes end first."""
+    lead = _lead_at(buf, pos, n)
+    if lead is None:  # an envelope FLAGS or DELAY kind with another data size
+        _ext_kind(buf, pos, I32_STRUCT.unpack_from(buf, pos + 1)[0], base + pos)
+        raise CorruptRecordError(base + pos, "malformed FLAGS or DELAY record")
+    kind, value, size = lead
+    at = pos + size
+    if not size or at >= n:
+        return -1, 0
+    if kind == EXT_FLAGS:
+        after = _lead_at(buf, at, n)
+        if after is not None and not after[2]:
+            return -1, 0
+        if after is not None and after[0] == EXT_DELAY:  # the DELAY's turn notes its PUT
+            put_at = at + after[2]
+            if put_at >= n:
+                return -1, 0
+            if buf[put_at] != PUT_BYTE and buf[put_at] != PUT_EXPIRE_BYTE:
+                # Reported where the FLAGS record starts, as next_event does (one record).
+                raise CorruptRecordError(base + pos, f"DELAY record followed by command byte "
+                                                     f"{buf[put_at]:#04x}, not a PUT")
+            if flags is not None:
+                flags[base + put_at] = value
+            return at, 0
+    if buf[at] != PUT_BYTE and buf[at] != PUT_EXPIRE_BYTE:
+        name = "FLAGS" if kind == EXT_FLAGS else "DELAY"
+        raise CorruptRecordError(base + pos, f"{name} record followed by command byte "
+                                             f"{buf[at]:#04x}, not a PUT")
+    if kind == EXT_FLAGS:
+        if flags is not None:
+            flags[base + at] = value
+        return at, 0
+    if delays is not None:
+        delays[base + at] = value
+    return at, 1
 
 
 def _entries(name: str, entry: struct.Struct, buf: bytearray, pos: int, hdr: int, size: int,
@@ -127,7 +236,9 @@ class RecordDecoder:
     A FLAGS record and the PUT it leads are one `Put` (with `flags`), decoded from
     the FLAGS record's offset; a FLAGS record followed by anything else is corrupt.
     Likewise a DELAY record (after the FLAGS record, if any) and its PUT are one
-    `DelayedPut`; a DELAY record followed by anything but a PUT is corrupt.
+    `DelayedPut`; a DELAY record followed by anything but a PUT is corrupt. Every
+    record we add comes in two forms (journal_records): the extension envelope, and the
+    older one; both decode to the same values, in any mix.
     """
 
     def __init__(
@@ -215,7 +326,12 @@ class RecordDecoder:
         if avail < hdr:
             return self._short(avail)
         command = cmd >> 4
-        if cmd in (FLAGS_BYTE, DELAY_BYTE):  # another command 5 shape is someone else's
+        if cmd == EXT_BYTE:
+            if avail < EXT_HEAD_SIZE:
+                return self._short(avail)
+            if buf[pos + EXT_HEAD_SIZE - 1] in (EXT_FLAGS, EXT_DELAY):
+                return self._flagged_put(avail)
+        elif cmd in (OLD_FLAGS_BYTE, OLD_DELAY_BYTE):  # another command 5 shape is not ours
             return self._flagged_put(avail)
         size = 0
         if command >= 8:
@@ -231,7 +347,24 @@ class RecordDecoder:
             return self._short(avail)
         start = self.offset
         record: Record
-        if command == CMD_PUT:
+        check: tuple[int, int] | None = None  # a check record's (length, crc)
+        if command == CMD_EXT:
+            kind = _ext_kind(buf, pos, size, start)
+            if kind == EXT_CHECK:
+                check = CHECK_STRUCT.unpack_from(buf, pos)[3:]
+            elif kind == EXT_COMPACTED:
+                record = Compacted(*COMPACTED_STRUCT.unpack_from(buf, pos)[3:])
+            elif kind == EXT_INCARNATION:
+                record = Incarnation(INCARNATION_STRUCT.unpack_from(buf, pos)[3])
+            else:  # a kind of a later release: skipped, as an unknown command is
+                record = Unknown(command, 1, size, kind)
+        elif command == OLD_CMD_CHECK:
+            check = OLD_CHECK_STRUCT.unpack_from(buf, pos)[1:]
+        elif command == OLD_CMD_COMPACTED:
+            record = Compacted(*OLD_COMPACTED_STRUCT.unpack_from(buf, pos)[1:])
+        elif cmd == OLD_INCARNATION_BYTE and not size:
+            record = Incarnation(OLD_INCARNATION_STRUCT.unpack_from(buf, pos)[2])
+        elif command == CMD_PUT:
             if hdr == PUT_HEADER_SIZE:
                 _, _, errs, xid, added = PUT_STRUCT.unpack_from(buf, pos)
                 expire = None
@@ -255,8 +388,10 @@ class RecordDecoder:
             # Ours, in reader files only, like READ_ERRORS.
             record = ReadDelays(_entries("READ_DELAYS", DELAY_ENTRY_STRUCT, buf, pos, hdr,
                                          size, start))
-        elif command == CMD_CHECK:
-            _, length, crc = CHECK_STRUCT.unpack_from(buf, pos)
+        else:
+            record = Unknown(command, cmd & 0x0F, size)
+        if check is not None:
+            length, crc = check
             covered = start - self.batch_start
             if length != covered or crc != self._crc:
                 raise ChecksumMismatchError(
@@ -265,12 +400,6 @@ class RecordDecoder:
                     f"found {covered} bytes crc {self._crc:08x}",
                 )
             record = Check(length, crc)
-        elif command == CMD_COMPACTED:
-            _, first_number, last_number = COMPACTED_STRUCT.unpack_from(buf, pos)
-            record = Compacted(first_number, last_number)
-        else:
-            record = Unknown(command, cmd & 0x0F, size)
-        if command == CMD_CHECK:
             self.batch_start = start + total
             self._crc = crc_seed(self.batch_start)
             self.last_check_end = start + total
@@ -284,27 +413,37 @@ class RecordDecoder:
         """A FLAGS and/or DELAY record and the PUT after them, as one Put carrying the
         flags (a DelayedPut carrying the due time too)."""
         buf, pos, start = self._buf, self._pos, self.offset
+        end = pos + avail
         at = pos
         flags = 0
         due: int | None = None
-        if buf[at] == FLAGS_BYTE:
-            flags = FLAGS_STRUCT.unpack_from(buf, at)[1]
-            at += FLAGS_RECORD_SIZE
-            if avail <= at - pos:
+        lead = _lead_at(buf, at, end)
+        if lead is None:  # an envelope FLAGS or DELAY kind with another data size
+            _ext_kind(buf, pos, I32_STRUCT.unpack_from(buf, pos + 1)[0], start)
+            raise CorruptRecordError(start, "malformed FLAGS or DELAY record")
+        if not lead[2]:
+            return self._short(avail)
+        if lead[0] == EXT_FLAGS:
+            flags = lead[1]
+            at += lead[2]
+            if at >= end:
                 return self._short(avail)
-        if buf[at] == DELAY_BYTE:
-            if avail < at - pos + DELAY_RECORD_SIZE + 1:
+            lead = _lead_at(buf, at, end)
+            if lead is not None and not lead[2]:
                 return self._short(avail)
-            due = DELAY_STRUCT.unpack_from(buf, at)[1]
-            at += DELAY_RECORD_SIZE
-        lead = "DELAY" if due is not None else "FLAGS"
+        if lead is not None and lead[0] == EXT_DELAY:
+            due = lead[1]
+            at += lead[2]
+            if at >= end:
+                return self._short(avail)
+        name = "DELAY" if due is not None else "FLAGS"
         cmd = buf[at]
         if cmd == PUT_BYTE:
             hdr = PUT_HEADER_SIZE
         elif cmd == PUT_EXPIRE_BYTE:
             hdr = PUT_EXPIRE_HEADER_SIZE
         else:
-            raise CorruptRecordError(start, f"{lead} record followed by command byte {cmd:#04x}, "
+            raise CorruptRecordError(start, f"{name} record followed by command byte {cmd:#04x}, "
                                             "not a PUT")
         leads = at - pos
         if avail < leads + hdr:
@@ -408,6 +547,7 @@ class RecordDecoder:
         cap = self.max_data_size
         unpack_i32 = I32_STRUCT.unpack_from
         unpack_size_id = SIZE_ID_STRUCT.unpack_from
+        unpack_check, ext_byte = CHECK_STRUCT.unpack_from, EXT_BYTE
         put_byte, put_expire_byte = PUT_BYTE, PUT_EXPIRE_BYTE
         while True:
             # The hot path of recovery and scans: a run of PUT records, size and id in
@@ -431,10 +571,44 @@ class RecordDecoder:
                     pos += hdr + size
             except (IndexError, struct.error):  # past the bytes received so far
                 return self._short_batch(start, n)
-            if cmd == CHECK_BYTE:
-                if pos + CHECK_RECORD_SIZE > n:
+            check_size = 0
+            lead = False  # an item's flags or due time: its PUT follows (the fast loop's)
+            if cmd == ext_byte:  # ours: the kind tells (a check ends every batch: first)
+                if pos + CHECK_RECORD_SIZE <= n:
+                    _, size, kind, length, crc = unpack_check(buf, pos)
+                elif pos + EXT_HEAD_SIZE <= n:
+                    size, kind, length, crc = -1, buf[pos + EXT_HEAD_SIZE - 1], 0, 0
+                else:
                     return self._short_batch(start, n)
-                _, length, crc = CHECK_STRUCT.unpack_from(buf, pos)
+                if kind == EXT_CHECK:
+                    if size < 0:
+                        return self._short_batch(start, n)
+                    if size != EXT_CHECK_DATA_SIZE:
+                        _ext_kind(buf, pos, size, base + pos)  # raises
+                    check_size = CHECK_RECORD_SIZE
+                else:
+                    lead = kind in (EXT_FLAGS, EXT_DELAY)
+            elif cmd == OLD_CHECK_BYTE:
+                if pos + OLD_CHECK_RECORD_SIZE > n:
+                    return self._short_batch(start, n)
+                _, length, crc = OLD_CHECK_STRUCT.unpack_from(buf, pos)
+                check_size = OLD_CHECK_RECORD_SIZE
+            else:
+                lead = cmd in (OLD_FLAGS_BYTE, OLD_DELAY_BYTE)
+            if lead:
+                at, more = _batch_lead(buf, pos, n, base, flags, delays)
+                if at < 0:
+                    return self._short_batch(start, n)
+                delayed += more
+                pos = at
+                continue
+            if cmd == 0:
+                if pos == start:
+                    self._done = EndOfData(base + pos, zero_byte=True)
+                    return self._done
+                self._done = TornTail(base + start, pos - start)
+                return self._done
+            if check_size:
                 found = zlib.crc32(memoryview(buf)[start:pos], crc_seed(base + start))
                 if length != pos - start or crc != found:
                     raise ChecksumMismatchError(
@@ -442,55 +616,21 @@ class RecordDecoder:
                         f"check record covers {length} bytes crc {crc:08x}, "
                         f"found {pos - start} bytes crc {found:08x}",
                     )
-                end = pos + CHECK_RECORD_SIZE
+                end = pos + check_size
                 self._pos = end
                 self.batch_start = self.last_check_end = base + end
                 self._crc = crc_seed(self.batch_start)
                 self.sealed = True
                 count = len(offsets) - mark
                 if not count:
-                    return Batch(base + start, base + end, 0, 0, 0, 0)
+                    return Batch(base + start, base + end, 0, 0, 0, 0, 0, check_size)
                 first = I64_STRUCT.unpack_from(buf, offsets[mark] - base + PUT_ID_AT)[0]
                 last = I64_STRUCT.unpack_from(buf, offsets[-1] - base + PUT_ID_AT)[0]
-                return Batch(base + start, base + end, count, first, last, data_bytes, delayed)
-            elif cmd == 0:
-                if pos == start:
-                    self._done = EndOfData(base + pos, zero_byte=True)
-                    return self._done
-                self._done = TornTail(base + start, pos - start)
-                return self._done
-            elif cmd == FLAGS_BYTE:  # an item's flags: its PUT follows (the fast loop's)
-                at = pos + FLAGS_RECORD_SIZE
-                if at >= n:
-                    return self._short_batch(start, n)
-                if buf[at] == DELAY_BYTE:  # flags, then a due time: the DELAY branch checks
-                    if flags is not None:
-                        flags[base + at + DELAY_RECORD_SIZE] = FLAGS_STRUCT.unpack_from(buf, pos)[1]
-                    pos = at
-                    continue
-                if buf[at] != put_byte and buf[at] != put_expire_byte:
-                    raise CorruptRecordError(base + pos, f"FLAGS record followed by command "
-                                                         f"byte {buf[at]:#04x}, not a PUT")
-                if flags is not None:
-                    flags[base + at] = FLAGS_STRUCT.unpack_from(buf, pos)[1]
-                pos = at
-                continue
-            elif cmd == DELAY_BYTE:  # an item's due time: its PUT follows (the fast loop's)
-                at = pos + DELAY_RECORD_SIZE
-                if at >= n:
-                    return self._short_batch(start, n)
-                if buf[at] != put_byte and buf[at] != put_expire_byte:
-                    raise CorruptRecordError(base + pos, f"DELAY record followed by command "
-                                                         f"byte {buf[at]:#04x}, not a PUT")
-                if delays is not None:
-                    delays[base + at] = DELAY_STRUCT.unpack_from(buf, pos)[1]
-                delayed += 1
-                pos = at
-                continue
-            else:
-                hdr, problem = _need(cmd)
-                if problem is not None:
-                    raise CorruptRecordError(base + pos, problem)
+                return Batch(base + start, base + end, count, first, last, data_bytes, delayed,
+                             check_size)
+            hdr, problem = _need(cmd)
+            if problem is not None:
+                raise CorruptRecordError(base + pos, problem)
             if pos + hdr > n:
                 return self._short_batch(start, n)
             size = 0
@@ -499,6 +639,8 @@ class RecordDecoder:
                 if size < 0 or size > cap:
                     raise CorruptRecordError(base + pos, f"bad data size {size}")
                 # (Every valid PUT took the fast path above: _need refuses other sizes.)
+                if cmd == EXT_BYTE:  # a COMPACTED, INCARNATION or a later release's kind
+                    _ext_kind(buf, pos, size, base + pos)
                 if cmd >> 4 == CMD_READ_DONE and size % 8:
                     raise CorruptRecordError(
                         base + pos, f"READ_DONE data size {size} not a multiple of 8"
@@ -530,6 +672,53 @@ class RecordDecoder:
         return NEED_DATA
 
 
+@dataclass(frozen=True, slots=True)
+class SegmentHead:
+    """What the first bytes of a writer segment say (see journal_records.segment_head)."""
+
+    start: int  # where its first batch begins; 0 when the file is not sealed (no empty check)
+    compacted: Compacted | None  # the COMPACTED marker of a compaction's output
+    incarnation: int  # 0 when it names none
+
+
+def read_segment_head(head: bytes | bytearray | memoryview) -> SegmentHead:
+    """The seal, COMPACTED marker and incarnation that the first SEGMENT_HEAD_MAX (or
+    more) bytes of a writer segment name, in either form: a first batch of only
+    COMPACTED and INCARNATION records, checked by its check record. Anything else there
+    (items, damage, too few bytes) names neither."""
+    start = sealed_start(head)
+    if not start:
+        return SegmentHead(0, None, 0)
+    dec = RecordDecoder(FileKind.WRITER)
+    dec.receive_data(head)
+    compacted: Compacted | None = None
+    incarnation = 0
+    try:
+        while True:
+            ev = dec.next_event()
+            if not isinstance(ev, Decoded):
+                break
+            rec = ev.record
+            if ev.offset < start:
+                continue  # the empty check
+            if isinstance(rec, Compacted) and compacted is None and not incarnation:
+                compacted = rec
+            elif isinstance(rec, Incarnation) and not incarnation:
+                incarnation = rec.incarnation
+            elif isinstance(rec, Check):
+                return SegmentHead(start, compacted, incarnation)
+            else:
+                break
+    except CorruptRecordError:
+        pass
+    return SegmentHead(start, None, 0)
+
+
+def head_incarnation(head: bytes | bytearray | memoryview) -> int:
+    """The incarnation a segment's first bytes name (see `read_segment_head`), 0 if none."""
+    return read_segment_head(head).incarnation
+
+
 def decode_all(data: bytes, kind: FileKind | None = FileKind.WRITER) -> list[Decoded]:
     """Every record of a whole file held in memory; raises on anything but a clean end."""
     dec = RecordDecoder(kind)
@@ -559,17 +748,25 @@ def find_valid_check_after(
     `budget` bytes of CRC work did not settle it (crafted data can hold a
     candidate at every byte), which callers must treat as "maybe".
 
-    A check record carries the length of what it covers, so it can be found
+    Check records of both forms count (a segment of an earlier release may have had
+    batches of this one appended). A check record carries the length of what it covers,
+    so it can be found
     without parsing what precedes it: this is how recovery tells a torn tail
     (nothing valid after the damage) from corruption in the middle (a later
     batch still verifies, so acknowledged data follows the damage).
     """
     buf = data if isinstance(data, bytes | bytearray) else bytes(data)
-    n = len(buf)
-    marker = bytes([CHECK_BYTE])
-    pos = buf.find(marker, start)
-    while pos >= 0 and pos + CHECK_RECORD_SIZE <= n:
-        _, length, crc = CHECK_STRUCT.unpack_from(buf, pos)
+    old_marker = bytes([OLD_CHECK_BYTE])  # a check record of an earlier release
+    at_new, at_old = buf.find(CHECK_MARK, start), buf.find(old_marker, start)
+    while at_new >= 0 or at_old >= 0:  # the candidates of both forms, in file order
+        if at_old < 0 or 0 <= at_new < at_old:
+            pos, at_new = at_new, buf.find(CHECK_MARK, at_new + 1)
+        else:
+            pos, at_old = at_old, buf.find(old_marker, at_old + 1)
+        found = check_at(buf, pos)
+        if found is None:
+            continue
+        length, crc, _ = found
         begin = pos - length
         if 0 < length <= pos - start:
             budget -= length
@@ -577,5 +774,4 @@ def find_valid_check_after(
                 return -1
             if zlib.crc32(memoryview(buf)[begin:pos], crc_seed(base + begin)) == crc:
                 return pos
-        pos = buf.find(marker, pos + 1)
     return None

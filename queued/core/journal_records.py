@@ -1,9 +1,10 @@
 """Journal records and their bytes: magic, command bytes, layouts, encoding, decoder events.
 
-Owns the byte layout of seed 002 (Kestrel's journal) plus our check, COMPACTED, FLAGS,
-DELAY, READ_ERRORS and READ_DELAYS (reader files) records, and the values decoding
-yields. PURE: no file, clock, socket or trio access; queued.core.journal_format is the
-one import for users.
+Owns the byte layout of seed 002 (Kestrel's journal) plus ours: the extension envelope
+(command 13: check, FLAGS, DELAY, COMPACTED, INCARNATION), the older forms of those
+records (still read, never written), and READ_ERRORS / READ_DELAYS (reader files); and
+the values decoding yields. PURE: no file, clock, socket or trio access;
+queued.core.journal_format is the one import for users.
 """
 
 from __future__ import annotations
@@ -26,27 +27,49 @@ READER_MAGIC: Final = b"\x26\x3c\x26\x03"
 MAGIC_SIZE: Final = 4
 
 CMD_READ_HEAD: Final = 0
-CMD_FLAGS: Final = 4  # ours: an item's memcache flags, right before its PUT; no data block
-CMD_DELAY: Final = 5  # ours: an item's due time, right before its PUT (after FLAGS); no data
-CMD_COMPACTED: Final = 6  # ours: marks a segment rewritten by compaction
-CMD_CHECK: Final = 7  # ours: unused by the seed, no data block, so seed readers skip it
 CMD_PUT: Final = 8
 CMD_READ_DONE: Final = 9
 CMD_READ_DELAYS: Final = 10  # ours, reader files only: due times aborts gave (a data block)
 CMD_READ_ERRORS: Final = 11  # ours, reader files only: abort error counts (a data block)
-CMD_INCARNATION: Final = 12  # ours, segment heads: which life of the queue (an empty data block)
+CMD_EXT: Final = 13  # ours: the extension envelope, every record we add (the kinds below)
 
 PUT_BYTE: Final = 0x86  # command 8, 6 header words
 PUT_EXPIRE_BYTE: Final = 0x88  # command 8, 8 header words
 READ_HEAD_BYTE: Final = 0x02  # command 0, 2 header words
 READ_DONE_BYTE: Final = 0x91  # command 9, 1 header word (the data byte count)
-CHECK_BYTE: Final = 0x72  # command 7, 2 header words: covered length, crc32
-COMPACTED_BYTE: Final = 0x64  # command 6, 4 header words: i64 first, i64 last segment number
-FLAGS_BYTE: Final = 0x41  # command 4, 1 header word: u32 flags of the PUT that follows
 READ_ERRORS_BYTE: Final = 0xB1  # command 11, 1 header word (the data byte count)
-DELAY_BYTE: Final = 0x52  # command 5, 2 header words: i64 due time (unix ms) of the next PUT
 READ_DELAYS_BYTE: Final = 0xA1  # command 10, 1 header word (the data byte count)
-INCARNATION_BYTE: Final = 0xC3  # command 12, 3 header words: i32 data size (0), i64 incarnation
+
+# The extension envelope. libkestrel's RecordReader (and any reader of the seed that skips
+# an unknown record by its data size) steps over a command 8-15 with one header word
+# whatever its data holds, so every record we add is one: EXT_BYTE, i32 data size, then
+# the data block: a kind byte and the kind's fields (little-endian). One command for all
+# of them, because only 13-15 were free: new records add a kind, not a command. 13, the
+# lowest, leaves 14 and 15 free for what cannot be an envelope kind. A kind this
+# version does not know is skipped like an unknown command (its bytes are still summed
+# into the batch's check record). Kind 0 is never written (zeroed bytes are not a record).
+EXT_BYTE: Final = 0xD1  # command 13, 1 header word (the data byte count)
+EXT_CHECK: Final = 1  # u32 covered length, u32 crc32: ends a batch
+EXT_FLAGS: Final = 2  # u32 memcache flags of the PUT that follows
+EXT_DELAY: Final = 3  # i64 due time (unix ms) of the PUT that follows (after FLAGS)
+EXT_COMPACTED: Final = 4  # i64 first, i64 last segment number a compaction replaced
+EXT_INCARNATION: Final = 5  # i64: which life of its queue a segment belongs to
+EXT_PRODUCER: Final = 6  # reserved: a producer's last sequence and answer (exactly-once)
+EXT_HEADERS: Final = 7  # reserved: the headers of the PUT that follows
+
+# The older forms of the same records (written by releases before the envelope): a
+# command byte with its fields as header words. Read everywhere, forever; never written.
+# libkestrel releases skip them, but a reader skipping by data size alone does not.
+OLD_CMD_FLAGS: Final = 4
+OLD_CMD_DELAY: Final = 5
+OLD_CMD_COMPACTED: Final = 6
+OLD_CMD_CHECK: Final = 7
+OLD_CMD_INCARNATION: Final = 12
+OLD_CHECK_BYTE: Final = 0x72  # command 7, 2 header words: covered length, crc32
+OLD_COMPACTED_BYTE: Final = 0x64  # command 6, 4 header words: i64 first, i64 last
+OLD_FLAGS_BYTE: Final = 0x41  # command 4, 1 header word: u32 flags of the next PUT
+OLD_DELAY_BYTE: Final = 0x52  # command 5, 2 header words: i64 due time of the next PUT
+OLD_INCARNATION_BYTE: Final = 0xC3  # command 12, 3 header words: i32 0, i64 incarnation
 
 #: Record layouts, shared with the decoder. The PUT ones also serve bulk readers
 #: that walk batches `RecordDecoder.next_batch` has verified (journal_scan).
@@ -54,14 +77,20 @@ PUT_STRUCT = struct.Struct("<Biiqq")  # cmd, size, error_count, id, add_time
 PUT_EXPIRE_STRUCT = struct.Struct("<Biiqqq")  # ... expire_time
 READ_HEAD_STRUCT = struct.Struct("<Bq")
 READ_DONE_STRUCT = struct.Struct("<Bi")
-CHECK_STRUCT = struct.Struct("<BII")
-COMPACTED_STRUCT = struct.Struct("<Bqq")
-FLAGS_STRUCT = struct.Struct("<BI")
 READ_ERRORS_STRUCT = struct.Struct("<Bi")
-INCARNATION_STRUCT = struct.Struct("<Biq")
-ERROR_ENTRY_STRUCT = struct.Struct("<qi")  # a READ_ERRORS entry: item id, error count
-DELAY_STRUCT = struct.Struct("<Bq")
 READ_DELAYS_STRUCT = struct.Struct("<Bi")
+EXT_HEAD_STRUCT = struct.Struct("<BiB")  # EXT_BYTE, data size, kind
+CHECK_STRUCT = struct.Struct("<BiBII")  # EXT_BYTE, 9, EXT_CHECK, length, crc
+FLAGS_STRUCT = struct.Struct("<BiBI")  # EXT_BYTE, 5, EXT_FLAGS, flags
+DELAY_STRUCT = struct.Struct("<BiBq")  # EXT_BYTE, 9, EXT_DELAY, due ms
+COMPACTED_STRUCT = struct.Struct("<BiBqq")  # EXT_BYTE, 17, EXT_COMPACTED, first, last
+INCARNATION_STRUCT = struct.Struct("<BiBq")  # EXT_BYTE, 9, EXT_INCARNATION, incarnation
+OLD_CHECK_STRUCT = struct.Struct("<BII")
+OLD_COMPACTED_STRUCT = struct.Struct("<Bqq")
+OLD_FLAGS_STRUCT = struct.Struct("<BI")
+OLD_DELAY_STRUCT = struct.Struct("<Bq")
+OLD_INCARNATION_STRUCT = struct.Struct("<Biq")
+ERROR_ENTRY_STRUCT = struct.Struct("<qi")  # a READ_ERRORS entry: item id, error count
 I32_HEAD_STRUCT = struct.Struct("<Bi")  # a command byte and one i32 header word
 DELAY_ENTRY_STRUCT = struct.Struct("<qq")  # a READ_DELAYS entry: item id, due time (unix ms)
 I64_STRUCT = struct.Struct("<q")
@@ -71,9 +100,30 @@ I32_STRUCT = struct.Struct("<i")
 
 PUT_HEADER_SIZE: Final = PUT_STRUCT.size  # 25
 PUT_EXPIRE_HEADER_SIZE: Final = PUT_EXPIRE_STRUCT.size  # 33
-CHECK_RECORD_SIZE: Final = CHECK_STRUCT.size  # 9
-FLAGS_RECORD_SIZE: Final = FLAGS_STRUCT.size  # 5
-DELAY_RECORD_SIZE: Final = DELAY_STRUCT.size  # 9
+EXT_HEAD_SIZE: Final = EXT_HEAD_STRUCT.size  # 6: what tells one envelope kind from another
+CHECK_RECORD_SIZE: Final = CHECK_STRUCT.size  # 14
+FLAGS_RECORD_SIZE: Final = FLAGS_STRUCT.size  # 10
+DELAY_RECORD_SIZE: Final = DELAY_STRUCT.size  # 14
+OLD_CHECK_RECORD_SIZE: Final = OLD_CHECK_STRUCT.size  # 9
+OLD_FLAGS_RECORD_SIZE: Final = OLD_FLAGS_STRUCT.size  # 5
+OLD_DELAY_RECORD_SIZE: Final = OLD_DELAY_STRUCT.size  # 9
+
+#: The data size of each envelope kind this version knows (their fields are fixed).
+EXT_CHECK_DATA_SIZE: Final = 9
+EXT_DATA_SIZES: Final = {EXT_CHECK: EXT_CHECK_DATA_SIZE, EXT_FLAGS: 5, EXT_DELAY: 9,
+                         EXT_COMPACTED: 17, EXT_INCARNATION: 9}
+
+
+def ext_mark(kind: int) -> bytes:
+    """The first EXT_HEAD_SIZE bytes of every record of a known envelope kind."""
+    return EXT_HEAD_STRUCT.pack(EXT_BYTE, EXT_DATA_SIZES[kind], kind)
+
+
+CHECK_MARK: Final = ext_mark(EXT_CHECK)
+FLAGS_MARK: Final = ext_mark(EXT_FLAGS)
+DELAY_MARK: Final = ext_mark(EXT_DELAY)
+COMPACTED_MARK: Final = ext_mark(EXT_COMPACTED)
+INCARNATION_MARK: Final = ext_mark(EXT_INCARNATION)
 
 MAX_ID: Final = (1 << 63) - 1
 MAX_DATA_SIZE: Final = (1 << 31) - 1
@@ -94,7 +144,34 @@ def crc_seed(offset: int) -> int:
 #: A check record covering nothing; written right after the magic of every file
 #: we create, so recovery knows the file is sealed (ours) even if its first
 #: batch is torn.
-EMPTY_CHECK: Final = CHECK_STRUCT.pack(CHECK_BYTE, 0, crc_seed(MAGIC_SIZE))
+EMPTY_CHECK: Final = CHECK_STRUCT.pack(EXT_BYTE, 9, EXT_CHECK, 0, crc_seed(MAGIC_SIZE))
+#: Its older form, which files of earlier releases start with.
+OLD_EMPTY_CHECK: Final = OLD_CHECK_STRUCT.pack(OLD_CHECK_BYTE, 0, crc_seed(MAGIC_SIZE))
+
+
+def check_at(buf: bytes | bytearray | memoryview, pos: int) -> tuple[int, int, int] | None:
+    """(covered length, crc, record size) of the check record, either form, wholly in
+    `buf` at `pos`; None when there is none there."""
+    if buf[pos:pos + EXT_HEAD_SIZE] == CHECK_MARK and pos + CHECK_RECORD_SIZE <= len(buf):
+        _, _, _, length, crc = CHECK_STRUCT.unpack_from(buf, pos)
+        return length, crc, CHECK_RECORD_SIZE
+    if pos < len(buf) and buf[pos] == OLD_CHECK_BYTE and pos + OLD_CHECK_RECORD_SIZE <= len(buf):
+        _, length, crc = OLD_CHECK_STRUCT.unpack_from(buf, pos)
+        return length, crc, OLD_CHECK_RECORD_SIZE
+    return None
+
+
+def sealed_start(head: bytes | bytearray | memoryview) -> int:
+    """Where the first batch of a file starting with `head` begins: after the magic and
+    the empty check record (either form) of a sealed file; 0 when it has none (a file of
+    the seed's writer, or a damaged one)."""
+    new = MAGIC_SIZE + CHECK_RECORD_SIZE
+    if head[MAGIC_SIZE:new] == EMPTY_CHECK:
+        return new
+    old = MAGIC_SIZE + OLD_CHECK_RECORD_SIZE
+    if head[MAGIC_SIZE:old] == OLD_EMPTY_CHECK:
+        return old
+    return 0
 
 
 # -- records --------------------------------------------------------------------
@@ -109,7 +186,7 @@ class Put:
     costs about 4x more (object.__setattr__ per field).
 
     `flags`: the item's memcache flags (u32). Non-zero flags are journaled as a FLAGS
-    record right before the PUT (seed readers skip it as an unknown command); flags 0
+    record right before the PUT (seed readers skip it as an unknown record); flags 0
     write nothing. The field costs no memory: an object of five slots already takes
     the allocator's 80-byte size class, which holds a sixth.
     """
@@ -127,7 +204,7 @@ class DelayedPut(Put):
     """A Put with a delay: invisible to readers until `due_ms` (unix ms).
 
     Journaled as a DELAY record right before the PUT (after its FLAGS record, if any);
-    seed readers skip it as an unknown command and see a plain PUT. A subclass rather
+    seed readers skip it as an unknown record and see a plain PUT. A subclass rather
     than a seventh slot on Put: a seventh slot moves every Put to the next allocator
     size class (+8 bytes per item held), and puts without a delay must pay nothing.
     """
@@ -187,28 +264,38 @@ class Compacted:
 
 
 @dataclass(frozen=True, slots=True)
+class Incarnation:
+    """Ours, at a segment's head: which life of its queue the segment belongs to."""
+
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
 class Unknown:
-    """A record with a command number we do not know; skipped, kept for reports."""
+    """A record with a command number (or, command EXT_BYTE's, a kind) we do not know;
+    skipped, kept for reports."""
 
     command: int
     header_words: int
     data_size: int
+    kind: int = 0  # an extension record's kind byte; 0 for other commands
 
 
-Record = Put | ReadHead | ReadDone | ReadErrors | ReadDelays | Check | Compacted | Unknown
+Record = (Put | ReadHead | ReadDone | ReadErrors | ReadDelays | Check | Compacted | Incarnation
+          | Unknown)
 
 
 def flags_record(flags: int) -> bytes:
     """What goes before a PUT for its flags: nothing for 0, else a FLAGS record."""
     if not 0 <= flags <= MAX_FLAGS:
         raise ValueError(f"flags out of range (0..{MAX_FLAGS}): {flags}")
-    return FLAGS_STRUCT.pack(FLAGS_BYTE, flags) if flags else b""
+    return FLAGS_STRUCT.pack(EXT_BYTE, 5, EXT_FLAGS, flags) if flags else b""
 
 
 def delay_record(due_ms: int) -> bytes:
     """The DELAY record that goes right before a PUT (after its FLAGS record)."""
     try:
-        return DELAY_STRUCT.pack(DELAY_BYTE, due_ms)
+        return DELAY_STRUCT.pack(EXT_BYTE, 9, EXT_DELAY, due_ms)
     except struct.error:
         raise ValueError(f"due time out of range: {due_ms}") from None
 
@@ -309,7 +396,8 @@ def encode_reader_records(
 def encode_check(covered: bytes | bytearray | memoryview, offset: int) -> bytes:
     """The check record sealing `covered`: the bytes since the previous check,
     which start at file offset `offset`."""
-    return CHECK_STRUCT.pack(CHECK_BYTE, len(covered), zlib.crc32(covered, crc_seed(offset)))
+    return CHECK_STRUCT.pack(EXT_BYTE, 9, EXT_CHECK, len(covered),
+                             zlib.crc32(covered, crc_seed(offset)))
 
 
 def encode_record(record: Record) -> bytes:
@@ -324,15 +412,18 @@ def encode_record(record: Record) -> bytes:
     if isinstance(record, ReadDelays):
         return encode_read_delays(record)
     if isinstance(record, Check):
-        return CHECK_STRUCT.pack(CHECK_BYTE, record.length, record.crc)
+        return CHECK_STRUCT.pack(EXT_BYTE, 9, EXT_CHECK, record.length, record.crc)
     if isinstance(record, Compacted):
-        return COMPACTED_STRUCT.pack(COMPACTED_BYTE, record.first_number, record.last_number)
+        return COMPACTED_STRUCT.pack(EXT_BYTE, 17, EXT_COMPACTED, record.first_number,
+                                     record.last_number)
+    if isinstance(record, Incarnation):
+        return incarnation_record(record.incarnation)
     raise TypeError(f"cannot encode {record!r}")
 
 
 def encode_check_crc(length: int, crc: int) -> bytes:
     """A check record from a crc already computed (from crc_seed(offset) on)."""
-    return CHECK_STRUCT.pack(CHECK_BYTE, length, crc)
+    return CHECK_STRUCT.pack(EXT_BYTE, 9, EXT_CHECK, length, crc)
 
 
 def seal(batch: bytes | bytearray, offset: int) -> bytes:
@@ -342,10 +433,8 @@ def seal(batch: bytes | bytearray, offset: int) -> bytes:
 
 def incarnation_record(incarnation: int) -> bytes:
     """The INCARNATION record: which life of its queue a segment belongs to (the ms at
-    which the queue was created; a queue deleted and created again gets a new one).
-    Command 12 carries an empty data block, so seed readers skip it as they skip any
-    command with the high bit set that they do not know."""
-    return INCARNATION_STRUCT.pack(INCARNATION_BYTE, 0, incarnation)
+    which the queue was created; a queue deleted and created again gets a new one)."""
+    return INCARNATION_STRUCT.pack(EXT_BYTE, 9, EXT_INCARNATION, incarnation)
 
 
 def segment_head(incarnation: int, compacted: Compacted | None = None) -> bytes:
@@ -360,32 +449,7 @@ def segment_head(incarnation: int, compacted: Compacted | None = None) -> bytes:
     return head + seal(body, len(head)) if body else head
 
 
-def head_incarnation(head: bytes | bytearray | memoryview) -> int:
-    """The incarnation a segment's first bytes name (see `segment_head`), 0 if none: a
-    first batch of only COMPACTED and INCARNATION records, checked by its check record."""
-    start = MAGIC_SIZE + CHECK_RECORD_SIZE
-    if bytes(head[MAGIC_SIZE:start]) != EMPTY_CHECK:
-        return 0
-    pos, found = start, 0
-    while pos < len(head):
-        cmd = head[pos]
-        if cmd == COMPACTED_BYTE:
-            pos += COMPACTED_STRUCT.size
-        elif cmd == INCARNATION_BYTE and pos + INCARNATION_STRUCT.size <= len(head):
-            _, size, found = INCARNATION_STRUCT.unpack_from(head, pos)
-            if size:
-                return 0
-            pos += INCARNATION_STRUCT.size
-        elif cmd == CHECK_BYTE and pos + CHECK_RECORD_SIZE <= len(head):
-            ok = CHECK_STRUCT.pack(CHECK_BYTE, *CHECK_STRUCT.unpack_from(head, pos)[1:]) == \
-                encode_check(bytes(head[start:pos]), start)
-            return found if ok else 0
-        else:
-            return 0
-    return 0
-
-
-#: Bytes enough to hold any `segment_head`.
+#: Bytes enough to hold any `segment_head` (of this release's form, longer than the old).
 SEGMENT_HEAD_MAX: Final = (MAGIC_SIZE + CHECK_RECORD_SIZE + COMPACTED_STRUCT.size
                            + INCARNATION_STRUCT.size + CHECK_RECORD_SIZE)
 
@@ -444,6 +508,8 @@ class Batch:
     last_id: int
     data_bytes: int = field(default=0, compare=False)  # item data in its PUT records
     delayed: int = field(default=0, compare=False)  # PUT records led by a DELAY record
+    #: size of its check record (the records end at end - check_size): 9 for the old form
+    check_size: int = field(default=CHECK_RECORD_SIZE, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,6 +174,12 @@ def list_segments_with_archive(directory: str | os.PathLike[str],
     return [found[key] for key in sorted(found)]
 
 
+#: Command bytes that may come before a segment's first PUT: ours in both forms (the
+#: extension envelope, and the older checks, COMPACTED, FLAGS, DELAY and INCARNATION).
+_BEFORE_PUTS = frozenset((jf.EXT_BYTE, jf.OLD_CHECK_BYTE, jf.OLD_COMPACTED_BYTE, jf.READ_HEAD_BYTE,
+                          jf.OLD_FLAGS_BYTE, jf.OLD_DELAY_BYTE, jf.OLD_INCARNATION_BYTE))
+
+
 def first_id(path: str | os.PathLike[str]) -> int | None:
     """The id of a segment's first PUT record, from its first few KiB (not verified: use
     it to plan, not to read), or None when there is none there or the file is gone.
@@ -187,15 +193,12 @@ def first_id(path: str | os.PathLike[str]) -> int | None:
             head = f.read(4096)
     except FileNotFoundError:
         return None
-    pos = jf.MAGIC_SIZE
-    if head[pos:pos + jf.CHECK_RECORD_SIZE] == jf.EMPTY_CHECK:
-        pos += jf.CHECK_RECORD_SIZE
+    pos = jf.sealed_start(head) or jf.MAGIC_SIZE
     while pos + jf.PUT_HEADER_SIZE <= len(head):
         cmd = head[pos]
         if cmd in (jf.PUT_BYTE, jf.PUT_EXPIRE_BYTE):
             return int(_ID.unpack_from(head, pos + jf.PUT_ID_AT)[0])
-        if cmd not in (jf.CHECK_BYTE, jf.COMPACTED_BYTE, jf.READ_HEAD_BYTE, jf.FLAGS_BYTE,
-                       jf.INCARNATION_BYTE):
+        if cmd not in _BEFORE_PUTS:
             return None  # a zero byte, READ_DONE data, or not a record: no guess
         pos += jf.record_length(head, pos)
     return None
@@ -257,13 +260,11 @@ def summarize_segment(path: str | os.PathLike[str], *,
     """Count a segment's items without building them (the decoder's batch fast path)."""
     out = SegmentSummary()
     with open(path, "rb") as f:
-        head = f.read(jf.SEGMENT_HEAD_MAX)
-        at = jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE
-        out.compacted = head[jf.MAGIC_SIZE:at] == jf.EMPTY_CHECK and head[at:at + 1] == bytes(
-            [jf.COMPACTED_BYTE])
-        out.incarnation = jf.head_incarnation(head)
+        head = jf.read_segment_head(f.read(jf.SEGMENT_HEAD_MAX))
+        out.compacted = head.compacted is not None
+        out.incarnation = head.incarnation
         f.seek(0)
-        if head[jf.MAGIC_SIZE:jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE] != jf.EMPTY_CHECK:
+        if not head.start:
             for chunk in scan_segment(path, chunk_size=chunk_size):  # another implementation's
                 cols = chunk.columns()
                 for xid, data in zip(cols.ids, cols.data, strict=True):
@@ -353,7 +354,7 @@ class _Scanner:
         self.dec.receive_data(head)
         if len(head) < jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE:
             self.dec.receive_data(b"")
-        if head[jf.MAGIC_SIZE:] == jf.EMPTY_CHECK:
+        if jf.sealed_start(head):
             yield from self._sealed(read, chunk_size)
         else:
             yield from self._plain(read, chunk_size)
@@ -420,11 +421,10 @@ class _Scanner:
                 continue
             if rec.id <= lo or (hi > 0 and rec.id > hi) or rec.id in skip:
                 continue
-            at = ev.offset
-            if rec.flags:  # decoded together with the FLAGS record before the PUT
-                at += jf.FLAGS_RECORD_SIZE
-            if type(rec) is jf.DelayedPut:  # and the DELAY record (after FLAGS)
-                at += jf.DELAY_RECORD_SIZE
+            # The PUT record ends the event (FLAGS and DELAY records before it, either form,
+            # are decoded with it).
+            at = ev.end - len(rec.data) - (jf.PUT_HEADER_SIZE if rec.expire_time_ms is None
+                                           else jf.PUT_EXPIRE_HEADER_SIZE)
             if rec.flags:
                 self.flags[at] = rec.flags
             self.offsets.append(at)

@@ -112,7 +112,9 @@ def inspect_segment(path: Path, number: int = 0) -> Inspection:
 def _inspect(f: _Prefix, number: int, path: Path, inode: int) -> Inspection:
     info = SegmentInfo(number, path, size=0, inode=inode)
     file_size = f.size
-    if file_size < jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE:
+    old_head = jf.WRITER_MAGIC + jf.OLD_EMPTY_CHECK  # an earlier release's (shorter) seal
+    if file_size < jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE and f.read(len(old_head)) != old_head:
+        f.seek(0)
         data = f.read()
         if data and not jf.WRITER_MAGIC.startswith(data[:4]):
             return Inspection(info, file_size, TailState.MIDDLE_CORRUPTION, 0,
@@ -123,19 +125,13 @@ def _inspect(f: _Prefix, number: int, path: Path, inode: int) -> Inspection:
             return Inspection(info, file_size, TailState.CLEAN, file_size)
         return Inspection(info, file_size, TailState.SHORT_FILE, 0, "segment header torn")
     dec = jf.RecordDecoder(jf.FileKind.WRITER)
-    head = f.read(64)
     f.seek(0)
-    info.sealed = head[4:13] == jf.EMPTY_CHECK
-    info.incarnation = jf.head_incarnation(head)
-    if info.sealed and len(head) > 13 and head[13] == jf.COMPACTED_BYTE:
-        try:
-            end = 13 + 17 + (jf.INCARNATION_STRUCT.size if head[30:31] == bytes(
-                [jf.INCARNATION_BYTE]) else 0)  # the marker's batch may name the incarnation
-            rec = jf.decode_all(head[: end + jf.CHECK_RECORD_SIZE])[1].record
-        except CorruptRecordError:
-            rec = None  # the scan below reports the damage
-        if isinstance(rec, jf.Compacted):
-            info.compacted_from = rec.first_number
+    seg_head = jf.read_segment_head(f.read(jf.SEGMENT_HEAD_MAX))
+    f.seek(0)
+    info.sealed = bool(seg_head.start)
+    info.incarnation = seg_head.incarnation
+    if seg_head.compacted is not None:  # (a damaged head names none: the scan reports it)
+        info.compacted_from = seg_head.compacted.first_number
     end_event: jf.EndOfData | jf.TornTail | CorruptRecordError
     try:
         end_event = _scan_sealed(f, dec, info) if info.sealed else _scan_plain(f, dec, info)
@@ -322,7 +318,9 @@ def _middle_corruption(
         if found is None or found < 0:
             damage.append(Damage(path.name, good_end + pos, len(tail) - pos, reason))
             break
-        length = int.from_bytes(tail[found + 1 : found + 5], "little")
+        check = jf.check_at(tail, found)
+        assert check is not None
+        length, _, check_size = check
         start = found - length
         if start > pos:
             damage.append(Damage(path.name, good_end + pos, start - pos, reason))
@@ -342,16 +340,16 @@ def _middle_corruption(
                     break
                 if ev.count:
                     prev_last = ev.last_id
-                runs.append(tail[end : ev.end - good_end - jf.CHECK_RECORD_SIZE])
+                runs.append(tail[end : ev.end - good_end - ev.check_size])
                 end = ev.end - good_end
         except CorruptRecordError:
             pass
-        pos = max(end, found + jf.CHECK_RECORD_SIZE)
+        pos = max(end, found + check_size)
         reason = "damaged region between verified batches"
     with path.open("rb") as f:
         head = f.read(good_end)
     # Verified batches before the damage keep their offsets; a damaged seal is renewed.
-    if head[: jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE] != jf.WRITER_MAGIC + jf.EMPTY_CHECK:
+    if head[: jf.MAGIC_SIZE] != jf.WRITER_MAGIC or not jf.sealed_start(head):
         head = jf.WRITER_MAGIC + jf.EMPTY_CHECK
     salvaged = bytearray(head)
     for records in runs:
