@@ -18,6 +18,7 @@ import contextlib
 import errno
 import heapq
 import logging
+import math
 import os
 import select
 from itertools import count
@@ -388,21 +389,27 @@ class Reactor:
     # -- the loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Serve passes until cancelled."""
+        """Serve passes until cancelled. After a pass that did work it polls again at
+        once (the next requests are often there already), going through trio's
+        scheduler at least every YIELD_EVERY passes."""
+        streak = 0
         try:
             while True:
-                if not self.again:
-                    deadline = min(self.timers[0][0] if self.timers else float("inf"),
-                                   self.poll_timers[0][0] if self.poll_timers else float("inf"))
+                if not (self.again or streak):
+                    deadline = min(self.timers[0][0] if self.timers else math.inf,
+                                   self.poll_timers[0][0] if self.poll_timers else math.inf)
                     with trio.move_on_at(deadline):
                         await trio.lowlevel.wait_readable(self.epoll.fileno())
-                elif self.passes % YIELD_EVERY == 0:
+                elif streak >= YIELD_EVERY:
+                    streak = 0
                     await trio.lowlevel.checkpoint()
                 self.passes += 1
-                events = self.epoll.poll(0)
-                touched = self._read(events)
+                touched = self._read(self.epoll.poll(0))
                 if touched:
                     await self._run_pass(touched)
+                    streak += 1
+                else:
+                    streak = 0
                 now = trio.current_time()
                 if (self.timers and self.timers[0][0] <= now) or (
                         self.poll_timers and self.poll_timers[0][0] <= now):

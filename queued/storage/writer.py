@@ -648,7 +648,9 @@ class Writer:
         at once by the pool (their fsyncs share the file system's journal commits)."""
         assert not self._lock.locked(), "a round or pause is under way"
         pool = None
-        if len(work) + len(readers) > 1:
+        if len(work) + len(readers) > 1 and any(
+                f.fsync.mode is FsyncMode.ALWAYS for f in (*(f for f, _ in work),
+                                                            *(r for r, _ in readers))):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
             pool = self._pool
