@@ -33,7 +33,7 @@ from queued.broker.handles import Handle, Waiter, Wake
 from queued.broker.queues import Background, PendingPut, QueueState
 from queued.broker.registry import BrokerCounters, Registry
 from queued.broker.reliable import Owe, ReliableReads
-from queued.core.errors import JournalError
+from queued.core.errors import JournalError, QueueFullError
 from queued.core.open_reads import OpenReads, TimeoutHeapStatistics
 from queued.core.queue import Item
 from queued.core.stats import LATENCY_BUCKETS, Histogram
@@ -46,6 +46,89 @@ if TYPE_CHECKING:
 __all__ = ["Broker", "BrokerCounters", "BrokerStatistics", "Owe", "PendingPut", "wall_ms"]
 
 log = logging.getLogger("queued.broker")
+
+
+class JoinedPut:
+    """One connection's part of a put joined with others (`JoinedPuts`): ended, or why
+    it failed."""
+
+    __slots__ = ("ended", "error", "pending")
+
+    def __init__(self) -> None:
+        self.pending: PendingPut | None = None
+        self.error: Exception | None = None
+        self.ended = False
+
+
+class JoinedPuts:
+    """The puts of one pass (the reactor's), joined: every connection's put to a queue
+    with the same expiry, flags and delay becomes one journal append (one id range, one
+    hand-off to the readers), begun after every connection has run (`begin_all`) and
+    ended after the pass's commit (`end_all`). A queue that must make room first (or is
+    not loaded) is not joined: its puts begin on their own. A joined append that is
+    refused is retried part by part, so each connection gets its own answer."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        #: (queue, expire_ms, flags, delay_ms) -> (the items, [(part, how many), ...])
+        self._joins: dict[tuple[str, int | None, int, int],
+                          tuple[list[bytes], list[tuple[JoinedPut, int]]]] = {}
+        self._begun: list[tuple[PendingPut | None, list[JoinedPut]]] = []
+
+    def can_join(self, queue: str) -> bool:
+        qs = self.broker.registry.queues.get(queue)
+        return qs is not None and not (qs.needs_room() or qs.journal.config.max_journal_size)
+
+    def add(self, queue: str, items: Sequence[bytes], expire_ms: int | None, flags: int,
+            delay_ms: int) -> JoinedPut:
+        part = JoinedPut()
+        key = (queue, expire_ms, flags, delay_ms)
+        join = self._joins.get(key)
+        if join is None:
+            join = self._joins[key] = ([], [])
+        join[0].extend(items)
+        join[1].append((part, len(items)))
+        return part
+
+    def begin_all(self) -> None:
+        b = self.broker
+        for (queue, expire_ms, flags, delay_ms), (items, parts) in self._joins.items():
+            try:
+                pending = b.begin_put_nowait(queue, items, expire_ms=expire_ms, flags=flags,
+                                             delay_ms=delay_ms)
+            except Exception:  # (WouldBlock included) each part on its own, then
+                start = 0
+                for part, n in parts:
+                    try:
+                        part.pending = b.begin_put_nowait(
+                            queue, items[start:start + n], expire_ms=expire_ms, flags=flags,
+                            delay_ms=delay_ms)
+                    except trio.WouldBlock:
+                        part.error = QueueFullError(f"queue {queue!r} is full")
+                    except Exception as exc:
+                        part.error = exc
+                    self._begun.append((part.pending, [part]))
+                    start += n
+                continue
+            self._begun.append((pending, [part for part, _ in parts]))
+            for part, _ in parts:
+                part.pending = pending
+        self._joins.clear()
+
+    def end_all(self) -> None:
+        """After the pass's commit (every ticket set)."""
+        for pending, parts in self._begun:
+            error: Exception | None = None
+            if pending is not None:
+                try:
+                    self.broker.end_put_nowait(pending)
+                except Exception as exc:
+                    error = exc
+            for part in parts:
+                part.ended = True
+                if part.error is None:
+                    part.error = error
+        self._begun.clear()
 
 
 class MustWait(trio.WouldBlock):

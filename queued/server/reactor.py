@@ -25,7 +25,7 @@ from itertools import count
 
 import trio
 
-from queued.broker.broker import Broker
+from queued.broker.broker import Broker, JoinedPuts
 from queued.core import commands as c
 from queued.server.session import Session
 from queued.server.transport import SocketTransport
@@ -129,6 +129,7 @@ class Reactor:
         self.again: dict[Link, None] = {}
         self.buffer = bytearray(RECEIVE_SIZE)
         self.view = memoryview(self.buffer)
+        self.joined = JoinedPuts(broker)  # the pass's puts, one append per queue
         self.timers: list[tuple[float, int, Link]] = []
         #: deadlines of RPC gets waiting in line (a link may have several)
         self.poll_timers: list[tuple[float, int, Link]] = []
@@ -147,6 +148,7 @@ class Reactor:
         link = Link(self, session, fd)
         transport.link = link
         session.notify = lambda: self._ready(link)
+        session.joined = self.joined
         self.links[fd] = link
         self._set_mask(link)
         self._watch(link, trio.current_time())
@@ -468,12 +470,19 @@ class Reactor:
         try:
             for link in touched:
                 if not (link.in_task or link.closing):
-                    self._run(link)
+                    try:
+                        self._run(link)
+                    except Exception:  # one connection's failure must not stop the others
+                        log.exception("%s: a request failed; closing the connection",
+                                      link.session.name)
+                        link.session.done = True
+            self.joined.begin_all()
         finally:
             broker.defer_writes(False)
             self.in_pass = False
         while not broker.commit_now():
             await broker.wait_round()  # (a checkpoint's round, say: rare)
+        self.joined.end_all()
         now = trio.current_time()
         for link in touched:
             if link.in_task or link.closing:

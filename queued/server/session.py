@@ -22,7 +22,7 @@ from typing import Protocol
 
 import trio
 
-from queued.broker.broker import Broker, MustWait, PendingPut
+from queued.broker.broker import Broker, JoinedPut, JoinedPuts, MustWait, PendingPut
 from queued.broker.handles import Handle, Waiter
 from queued.broker.queues import QueueState
 from queued.core import commands as c
@@ -163,7 +163,10 @@ class Session:
         #: how the reactor hears that a long poll can be answered (set by the reactor)
         self.notify: Callable[[], None] | None = None
         #: puts the reactor's pass began, answered by `end_pass` after its commit
-        self.begun: list[tuple[list[tuple[c.Request, c.Put]], PendingPut | Exception]] = []
+        self.begun: list[tuple[list[tuple[c.Request, c.Put]],
+                               PendingPut | JoinedPut | Exception]] = []
+        #: the reactor's puts of a pass, joined across connections (set by the reactor)
+        self.joined: JoinedPuts | None = None
 
     def stop_if_idle(self) -> None:
         """Shutdown: stop reading; a batch that runs finishes, waiting gets (woken empty
@@ -201,7 +204,7 @@ class Session:
                     if self.begun:  # (ended by the pass unless its commit could not be)
                         begun, self.begun = self.begun, []
                         with trio.CancelScope(shield=True):
-                            await self._end_puts(begun)
+                            await self._end_puts(begun)  # type: ignore[arg-type]
                     if rest:
                         await self._run(rest)
                     await self._run_batch()
@@ -777,11 +780,15 @@ class Session:
             while began + len(group) < len(run) and _same_append(
                     group[0][1], run[began + len(group)][1]):
                 group.append(run[began + len(group)])
-            result: PendingPut | Exception
+            result: PendingPut | JoinedPut | Exception
             try:
                 queue, items, expire_ms, flags, delay_ms = self._put_of(group)
-                result = b.begin_put_nowait(queue, items, expire_ms=expire_ms, flags=flags,
-                                            delay_ms=delay_ms)
+                joined = self.joined
+                if joined is not None and joined.can_join(queue):
+                    result = joined.add(queue, items, expire_ms, flags, delay_ms)
+                else:
+                    result = b.begin_put_nowait(queue, items, expire_ms=expire_ms,
+                                                flags=flags, delay_ms=delay_ms)
             except trio.WouldBlock:
                 return began
             except Exception as exc:
@@ -945,27 +952,35 @@ class Session:
                                      client=None, open_timeout_ms=None, take=False)
 
     def end_pass(self) -> bool:
-        """After the pass's commit: answer the begun puts, settle what the confirms and
-        aborts owe. False when something is still not durable (a write the commit did
-        not make): `serve_turns` then waits for it."""
-        if any(p.ticket is not None and not p.ticket.event.is_set()
-               for _, p in self.begun if not isinstance(p, Exception)) or any(
-                   not t.event.is_set() for o in self.owed for t in o.tickets):
+        """After the pass's commit (and `JoinedPuts.end_all`): answer the begun puts,
+        place the replies held back for confirms and aborts. False when something is
+        still not durable (a write the commit did not make): `serve_turns` then waits
+        for it."""
+        for _, p in self.begun:
+            if type(p) is PendingPut and p.ticket is not None and not p.ticket.event.is_set():
+                return False
+            if type(p) is JoinedPut and not p.ended:
+                return False
+        if any(not t.event.is_set() for o in self.owed for t in o.tickets):
             return False
         begun, self.begun = self.begun, []
         for group, pending in begun:
-            result: PendingPut | Exception = pending
-            if not isinstance(pending, Exception):
+            result: PendingPut | Exception
+            if type(pending) is JoinedPut:
+                result = pending.error or pending.pending  # type: ignore[assignment]
+            elif type(pending) is PendingPut:
+                result = pending
                 try:
                     self.broker.end_put_nowait(pending)
                 except Exception as exc:
                     result = exc
+            else:
+                result = pending  # type: ignore[assignment]
             self._answer_puts(group, result)
         if self.owed:
             owed, self.owed = self.owed, []
             self._place_owed(owed)
         return True
-
 
 def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c.Put]]:
     """A group of puts as single wire requests (joined requests split)."""
