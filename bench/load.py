@@ -19,8 +19,7 @@ Workloads, per payload size and fsync mode, on one shared queue (redis: one list
 queued: ``set q 0 0 <n>`` / ``get q`` (``END`` = empty: a miss, retried after
 ``--miss-backoff-ms``), or with ``--long-poll-ms MS`` the long poll Kestrel consumers use,
 ``get q/t=MS`` (an empty reply after the timeout is a miss, retried at once; memcache only,
-so redis is skipped). ``--request-path tasks|reactor`` starts queued with
-``QUEUED_REQUEST_PATH``. redis: ``LPUSH q data`` / ``RPOP q`` with ``appendonly yes`` and
+so redis is skipped). redis: ``LPUSH q data`` / ``RPOP q`` with ``appendonly yes`` and
 ``appendfsync always`` (fsync ``always``) or ``no`` (fsync ``never``).
 
 ``--rss`` adds the backlog test: queued with ``max_memory_size = "8MiB"`` gets a backlog
@@ -1154,12 +1153,11 @@ class Bench:
                 tls: bool = True) -> list[Server]:
         """The servers of one round; `queued-tls` too with --tls, unless `tls` is False."""
         out: list[Server] = []
-        env = {"QUEUED_REQUEST_PATH": self.a.request_path} if self.a.request_path else None
         if self.a.target in ("queued", "both") and self.a.queued_ok:
-            out.append(QueuedServer(self.root, fsync, self.a.queued_cmd, config, env=env))
+            out.append(QueuedServer(self.root, fsync, self.a.queued_cmd, config))
             if self.certs is not None and tls:
                 out.append(QueuedServer(self.root, fsync, self.a.queued_cmd, config,
-                                        self.certs, env))
+                                        self.certs))
         if self.a.target in ("redis", "both") and self.a.redis_ok:
             out.append(RedisServer(self.root, fsync))
         return out
@@ -1457,8 +1455,7 @@ def environment(a: argparse.Namespace, root: Path) -> float:
         f"{a.pipeline} ({a.pipeline_mode}) over {a.procs} client processes; {a.items:,} items "
         f"per phase, steady <= {a.seconds:g} s" + (" (--quick)" if a.quick else "")
         + ("; queued over TLS too (--tls)" if a.tls else "")
-        + (f"; consumers long-poll (get q/t={a.long_poll_ms})" if a.long_poll_ms else "")
-        + (f"; queued request path {a.request_path}" if a.request_path else ""))
+        + (f"; consumers long-poll (get q/t={a.long_poll_ms})" if a.long_poll_ms else ""))
     try:
         head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h %cI"],
                               capture_output=True, text=True, timeout=10).stdout.strip()
@@ -1512,9 +1509,6 @@ def main() -> None:
                     help="consumers long-poll: `get q/t=MS` (Kestrel's consumers use 100); an "
                          "empty reply is a miss retried at once, without --miss-backoff-ms. "
                          "memcache only: redis is skipped. Default 0: plain `get q`")
-    ap.add_argument("--request-path", choices=("tasks", "reactor"), default=None,
-                    help="queued's request path (env QUEUED_REQUEST_PATH; default: the "
-                         "server's own default, tasks)")
     ap.add_argument("--target", choices=("queued", "redis", "both"), default="both")
     ap.add_argument("--tls", action="store_true",
                     help="also run queued with TLS on (server queued-tls), interleaved with "

@@ -8,9 +8,8 @@ at a time on a fresh temp data dir and a free 127.0.0.1 port, stopped by PID aft
 
 * queued-never   (``queued serve --fsync never``; the fair match for darner)
 * queued-always  (``--fsync always``, queued's default: group commit)
-* queued-reactor-never, queued-reactor-always: the same with ``QUEUED_REQUEST_PATH=reactor``
-  in the server's environment (the request path where one trio task serves every ready
-  connection per pass; the other two run the default path, ``tasks``). Not in the default
+* queued-base-never, queued-base-always: the same, of another build given by --base-cmd
+  (an earlier commit's venv, say), for before/after ratios in one run. Not in the default
   --targets.
 * darner         (``darner -p PORT -d DIR``; no fsync unless ``set q/sync``)
 
@@ -51,8 +50,8 @@ flight per connection; every phase is bounded by an item count and by wall-clock
 Per target and run: items/s (first send to last reply of the phase), per-request latency
 p50/p99 (send to reply parsed), the server's CPU seconds over the phase and items per
 server CPU-second, the server's peak RSS, client and other processes' CPU. The report's
-ratio table gives every queued target's items/s over darner's, always/never per path and
-reactor/tasks per fsync mode. It also prints this machine's fdatasync latency (200 x 4 KiB
+ratio table gives every queued target's items/s over darner's, always/never per build and
+now/base per fsync mode. It also prints this machine's fdatasync latency (200 x 4 KiB
 appended + os.fdatasync beside the data dirs, at the start and the end) and compares each
 queued-*-always latency p50 with darner's p50 + one fdatasync p50.
 
@@ -70,7 +69,10 @@ Usage:
                                            # 64 B items' B/item, queued alone, ~1 minute
     .venv/bin/python bench/vs_darner.py --workloads drain,latency --runs 5
     .venv/bin/python bench/vs_darner.py --quick --workloads steady-lp,fanin-lp,fairness \
-        --targets queued-never,queued-reactor-never,darner    # the new ones, smoke
+        --targets queued-never,queued-base-never,darner \
+        --base-cmd "/path/to/old/.venv/bin/queued serve --data-dir {data_dir} --host 127.0.0.1 \
+        --memcache-port {memcache_port} --text-port {text_port} --rpc-port {rpc_port} \
+        --http-port {http_port} --fsync {fsync}"                # against an earlier build
 """
 
 from __future__ import annotations
@@ -120,19 +122,18 @@ PEERS = Path("/tmp/peers")
 DARNER = PEERS / "darner" / "build" / "darner"
 DARNER_BUILD = Path("/work/shared/peers/build-darner.sh")
 RESULTS = Path(__file__).resolve().parent / "results"
-# queued-reactor-*: queued with QUEUED_REQUEST_PATH=reactor (one trio task serves every
-# ready connection per pass); queued-never / queued-always: the server's default, tasks
-TARGETS = ("queued-never", "queued-always", "queued-reactor-never", "queued-reactor-always",
+# queued-base-*: another build of queued (--base-cmd), for before/after ratios in one run
+TARGETS = ("queued-never", "queued-always", "queued-base-never", "queued-base-always",
            "darner")
 DEFAULT_TARGETS = ("queued-never", "queued-always", "darner")
 QUEUED_TARGETS = tuple(t for t in TARGETS if t != "darner")
 SHORT = {"queued-never": "never", "queued-always": "always",
-         "queued-reactor-never": "reactor never", "queued-reactor-always": "reactor always"}
+         "queued-base-never": "base never", "queued-base-always": "base always"}
 # (numerator, denominator, label) of the ratio columns between queued targets
 PAIRS = (("queued-always", "queued-never", "always/never"),
-         ("queued-reactor-always", "queued-reactor-never", "reactor always/never"),
-         ("queued-reactor-never", "queued-never", "reactor/tasks never"),
-         ("queued-reactor-always", "queued-always", "reactor/tasks always"))
+         ("queued-base-always", "queued-base-never", "base always/never"),
+         ("queued-never", "queued-base-never", "now/base never"),
+         ("queued-always", "queued-base-always", "now/base always"))
 FANIN_QUEUES = 100
 FLOOD_WINDOW = 1024  # fairness: sets in flight on the flooding connection
 FDATASYNC_N = 200  # fdatasync probe: writes of 4 KiB, each followed by os.fdatasync
@@ -537,9 +538,12 @@ class Bench:
     def make_server(self, target: str, config: str | None = None) -> MemcacheServer:
         if target == "darner":
             return DarnerServer(self.root, self.a.darner)
-        fsync = target.rsplit("-", 1)[1]  # queued-never, queued-reactor-always, ...
-        env = {"QUEUED_REQUEST_PATH": "reactor"} if "-reactor-" in target else None
-        return QueuedServer(self.root, fsync, self.a.queued_cmd, config, env=env)
+        fsync = target.rsplit("-", 1)[1]  # queued-never, queued-base-always, ...
+        if "-base-" in target:
+            if not self.a.base_cmd:
+                raise SystemExit(f"{target} needs --base-cmd")
+            return QueuedServer(self.root, fsync, self.a.base_cmd, config)
+        return QueuedServer(self.root, fsync, self.a.queued_cmd, config)
 
     def fingerprint(self) -> str:
         fp = tree_state(Path(self.tree.path)).fingerprint if self.tree.path else ""
@@ -568,12 +572,6 @@ class Bench:
                     self.caveats.append(f"{label} FAILED: {type(exc).__name__}: "
                                         f"{(str(exc).splitlines() or [''])[0]}")
                 peak = proc_status_kib(server.pid, "VmHWM")
-                said = [t.strip() for t in server.log_tail(200).splitlines()
-                        if server.env and "QUEUED_REQUEST_PATH" in t]
-                if said:  # "ignoring unknown environment variable": a tree without the switch
-                    self.caveats.append(f"{target}: its log mentions QUEUED_REQUEST_PATH (a "
-                                        f"tree without it runs its default path): {said[0]}"
-                                        [:300])
                 if not server.alive():
                     rc = server.proc.poll() if server.proc else None
                     msg = f"{target} exited (code {rc}) during {label}"
@@ -866,11 +864,10 @@ def ratio_table(targets: list[str], ops: list[tuple[str, int, str]],
             + [label for _, _, label in pairs] + ["CPU µs/item darner"] + [SHORT[t] for t in qs]
             + [f"CPU {SHORT[t]}/darner" for t in nevers])
     lines = ["## Ratios (medians)", "",
-             "items/s: higher is better; never, always: queued (request path tasks, the "
-             "default) with fsync never / always; reactor never, reactor always: queued with "
-             "QUEUED_REQUEST_PATH=reactor. x/darner: queued's items/s over darner's; "
-             "always/never: fsync always over never on one path; reactor/tasks: the reactor "
-             "path over the tasks path at one fsync. CPU µs/item: server CPU per item (lower "
+             "items/s: higher is better; never, always: queued with fsync never / always; "
+             "base never, base always: the build of --base-cmd. x/darner: queued's items/s "
+             "over darner's; always/never: fsync always over never on one build; now/base: "
+             "this build over the base one at one fsync. CPU µs/item: server CPU per item (lower "
              "is better); CPU x/darner: that (fsync never) over darner's.", "",
              "| workload | payload | op | " + " | ".join(head) + " |",
              "|---|---|---|" + "---:|" * len(head)]
@@ -1018,8 +1015,7 @@ def parse_args() -> argparse.Namespace:
                     help=f"subset of {','.join(WORKLOADS)} (default all)")
     ap.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
                     help=f"subset of {','.join(TARGETS)}, run in this order (alternating) "
-                         f"(default {','.join(DEFAULT_TARGETS)}); queued-reactor-* start queued "
-                         "with QUEUED_REQUEST_PATH=reactor")
+                         f"(default {','.join(DEFAULT_TARGETS)}); queued-base-* run --base-cmd")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every item count")
     ap.add_argument("--seconds", type=float, default=None,
                     help="steady workload duration (default 5, --quick 1)")
@@ -1056,6 +1052,9 @@ def parse_args() -> argparse.Namespace:
                     help="command starting queued; placeholders {data_dir} {memcache_port} "
                          "{text_port} {rpc_port} {http_port} {fsync} (default: the `queued` "
                          "beside this Python, i.e. its venv's tree)")
+    ap.add_argument("--base-cmd", default=None,
+                    help="command starting another build of queued for the queued-base-* "
+                         "targets (same placeholders as --queued-cmd)")
     ap.add_argument("--queued-tree", default=None,
                     help="the queued source tree measured (default: found by importing "
                          "queued the way --queued-cmd runs it)")

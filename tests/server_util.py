@@ -34,20 +34,16 @@ ANY_PORT: Mapping[str, object] = {
     "memcache_port": 0, "text_port": 0, "rpc_port": 0, "http_port": 0,
 }
 QUEUED = Path(sys.executable).with_name("queued")
-#: The request path the tests' servers take (`QUEUED_TEST_REQUEST_PATH=reactor make test`
-#: runs the suite on the reactor): the servers' own QUEUED_* variables are not read.
-REQUEST_PATH = os.environ.get("QUEUED_TEST_REQUEST_PATH", "tasks")
 
 
 def make_config(data_dir: Path, toml: str | None = None, **settings: object) -> ServerConfig:
     """A config on free ports; `toml` (if given) is written next to data_dir and loaded."""
     flags: dict[str, object] = {"data_dir": str(data_dir), **ANY_PORT, **settings}
-    env = {"QUEUED_REQUEST_PATH": REQUEST_PATH}
     if toml is not None:
         path = data_dir.parent / f"{data_dir.name}.toml"
         path.write_text(toml)
         flags["config"] = str(path)
-    return load_config(flags, env=env)
+    return load_config(flags, env={})
 
 
 @asynccontextmanager
@@ -229,7 +225,6 @@ class ServerProcess:
         if self.config is not None:
             cmd += ["--config", str(self.config)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("QUEUED_")}
-        env["QUEUED_REQUEST_PATH"] = REQUEST_PATH
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,

@@ -2,8 +2,8 @@
 connection. What only this path has: one commit for a pass of many connections, no
 starving (a flood is read a pass at a time), backpressure on a peer that does not
 read, deadlines kept without a task per connection, and long polls without a task.
-Everything else it shares with the task path is run on both by the whole suite
-(`QUEUED_TEST_REQUEST_PATH=reactor`). Real servers on 127.0.0.1 port 0.
+Everything else (every protocol, TLS aside, on a plain connection) the whole suite
+runs through it. Real servers on 127.0.0.1 port 0.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from queued.server.reactor import BUFFER_CAP, PASS_REQUESTS
 
 
 def reactor_config(tmp_path: Path, **settings: object):  # type: ignore[no-untyped-def]
-    return make_config(tmp_path / "data", request_path="reactor", **settings)
+    return make_config(tmp_path / "data", **settings)
 
 
 async def test_a_pass_serves_many_connections_with_one_commit(tmp_path: Path) -> None:

@@ -38,7 +38,6 @@ from queued.config.policies import (
     FullPolicy,
     JournalConfig,
     MiB,
-    RequestPath,
 )
 from queued.config.settings import QueueConfig, ServerConfig
 
@@ -60,7 +59,6 @@ __all__ = [
     "MiB",
     "Parser",
     "QueueConfig",
-    "RequestPath",
     "ServerConfig",
     "add_serve_arguments",
     "describe",

@@ -20,7 +20,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Final
 
-from queued.config.policies import CorruptionPolicy, FsyncPolicy, FullPolicy, RequestPath
+from queued.config.policies import CorruptionPolicy, FsyncPolicy, FullPolicy
 from queued.core.journal_format import valid_name
 
 ENV_PREFIX: Final = "QUEUED_"
@@ -213,7 +213,7 @@ def _optional(parse: Parser) -> Parser:
     return parse_optional
 
 
-def _enum(choices: type[FullPolicy] | type[CorruptionPolicy] | type[RequestPath]) -> Parser:
+def _enum(choices: type[FullPolicy] | type[CorruptionPolicy]) -> Parser:
     def parse_enum(value: object, text: bool) -> object:
         if isinstance(value, choices):
             return value
@@ -273,7 +273,6 @@ SERVER_KEYS: Final[Mapping[str, Parser]] = {
     "auth_timeout": _positive_duration,
     "max_queues": _positive,
     "park_after": _duration,
-    "request_path": _enum(RequestPath),
 }
 PORT_KEYS: Final = ("memcache_port", "text_port", "rpc_port", "http_port")
 

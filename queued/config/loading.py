@@ -40,7 +40,6 @@ from queued.config.policies import (
     FsyncMode,
     FsyncPolicy,
     FullPolicy,
-    RequestPath,
 )
 from queued.config.settings import QueueConfig, ServerConfig, no_queue_sections, override
 from queued.core.errors import QueuedError
@@ -319,7 +318,7 @@ def _toml_value(key: str, value: object) -> str:
     if isinstance(value, FsyncPolicy):
         text = f"{value.interval_ms}ms" if value.mode is FsyncMode.PERIODIC else value.mode.value
         return _quote(text)
-    if isinstance(value, FullPolicy | CorruptionPolicy | RequestPath):
+    if isinstance(value, FullPolicy | CorruptionPolicy):
         return _quote(value.value)
     return _quote(str(value))
 

@@ -49,13 +49,6 @@ class FullPolicy(enum.Enum):
     DROP_OLDEST = "drop_oldest"  # drop the oldest segment, items and all
 
 
-class RequestPath(enum.Enum):
-    """How plain connections are served (both paths answer alike; see the README)."""
-
-    TASKS = "tasks"  # one trio task per connection
-    REACTOR = "reactor"  # one task serves every ready connection per pass
-
-
 class CorruptionPolicy(enum.Enum):
     REFUSE = "refuse"  # refuse to start, name the file and offset
     QUARANTINE = "quarantine"  # keep a copy aside, salvage every verified batch

@@ -22,7 +22,6 @@ from queued.config.policies import (
     FullPolicy,
     JournalConfig,
     MiB,
-    RequestPath,
 )
 
 
@@ -110,7 +109,6 @@ class ServerConfig:
     auth_timeout: int = 10_000  # ms to finish the TLS handshake and authenticate
     max_queues: int = 10_000  # queues and fanout readers; creating more is refused
     park_after: int = 30_000  # ms unused before a small idle queue is parked; 0 = never
-    request_path: RequestPath = RequestPath.TASKS  # how plain connections are served
     config_file: Path | None = None
     default: QueueConfig = QueueConfig()
     #: Validated, typed overrides per [queues.<name>] section ("jobs", "jobs+audit").

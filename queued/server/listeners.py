@@ -22,7 +22,7 @@ import trio
 
 from queued import __version__
 from queued.broker.broker import Broker
-from queued.config import ConfigError, RequestPath, ServerConfig, reload_queue_configs
+from queued.config import ConfigError, ServerConfig, reload_queue_configs
 from queued.core import commands as c
 from queued.core.errors import DataDirError
 from queued.core.memcache_commands import MemcacheCodec
@@ -66,7 +66,7 @@ class Server:
         self.closing = False
         self.shutdown_requested = trio.Event()
         self._sessions: set[Session] = set()
-        #: serves the plain connections when request_path is "reactor" (made in `run`)
+        #: serves every plain connection (made in `run`; TLS ones keep a task each)
         self.reactor: Reactor | None = None
         self._disk_warned_at: float | None = None
         #: why the data dir failed its last write probe (None: it took the probe's write)
@@ -88,9 +88,8 @@ class Server:
         pin_mmap_threshold()  # (process-wide; see queued.server.memory)
         async with trio.open_nursery() as outer:
             outer.start_soon(self._watch_disk)
-            if self.config.request_path is RequestPath.REACTOR:
-                self.reactor = Reactor(self.broker)
-                outer.start_soon(self.reactor.run)
+            self.reactor = Reactor(self.broker)
+            outer.start_soon(self.reactor.run)
             outer.start_soon(partial(trim_when_drained, self.broker.held_bytes,
                                      activity=lambda: self.counters.bytes_read))
             async with trio.open_nursery() as conns:

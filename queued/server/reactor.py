@@ -1,6 +1,6 @@
 """The reactor: one task serves every ready plain connection, one pass per wake-up.
 
-Owns an epoll over the plain TCP connections (`request_path = "reactor"`) and the
+Owns an epoll over the plain TCP connections (TLS ones keep a task each) and the
 pass: read every ready connection once (into one reused 64 KiB buffer), run every
 complete request of all of them that needs no wait through the session's synchronous
 core (`Session.run_nowait`), commit once for the whole pass (`Broker.commit_now`: one
