@@ -183,6 +183,13 @@ class PowerLossFS(fileio.FileIO):
             self.fds.pop(fd, None)
         super().close(fd)
 
+    def sync_files(self, fds: Sequence[int], directory: fileio.StrPath) -> None:
+        # What the storage layer may rely on of syncfs: these files and the directory
+        # (a real syncfs makes more durable: every file of the file system).
+        for fd in fds:
+            self.fsync(fd)
+        self.fsync_dir(directory)
+
     def fsync_dir(self, path: fileio.StrPath) -> None:
         d = os.path.abspath(os.fspath(path))
         with self._lock:

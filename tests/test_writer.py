@@ -144,3 +144,63 @@ async def test_the_round_thread_runs_jobs_off_the_loop_and_hands_back_errors() -
     finally:
         rt.close()
     assert not worker.is_alive()
+
+
+def test_a_round_on_the_callers_thread_syncs_many_files_at_once(tmp_path: Path) -> None:
+    # Power cut right after the round: every file's batches and every new file's name
+    # must be durable, though the round made one sync_files call, not an fsync each.
+    from power_util import PowerLossFS
+
+    from queued.storage import fileio
+
+    fs = PowerLossFS(tmp_path)
+    previous = fileio.use(fs)
+    try:
+        writer = Writer(tmp_path)
+        files = [writer.segment_file(f"q{i}", FsyncPolicy(), 0)
+                 for i in range(writer_module.SYNC_TOGETHER + 1)]
+        calls: list[int] = []
+        real = fs.sync_files
+
+        def counted(fds: Any, directory: Any) -> None:
+            calls.append(len(fds))
+            real(fds, directory)
+
+        fs.sync_files = counted  # type: ignore[method-assign]
+        results = writer.write_round_now([(f, [chunk(1, [b"x%d" % i])])
+                                          for i, f in enumerate(files)])
+        assert calls == [len(files)]
+        assert all(r.error is None and r.written for r in results)
+        assert all(f.fsyncs == 1 for f in files)
+        cut = fs.cut()
+        for f in files:
+            f.close()
+        writer.close()
+        fs.restore(cut)
+        for i, r in enumerate(results):
+            path = tmp_path / jf.segment_name(f"q{i}", r.written[0].number)
+            assert puts_in(path) == [(1, b"x%d" % i)]
+    finally:
+        fileio.use(previous)
+
+
+def test_a_failed_sync_of_many_files_fails_them_all(tmp_path: Path) -> None:
+    from queued.storage import fileio
+
+    class FailingSync(fileio.FileIO):
+        def sync_files(self, fds: Any, directory: Any) -> None:
+            raise OSError(5, "Input/output error")
+
+    previous = fileio.use(FailingSync())
+    try:
+        writer = Writer(tmp_path)
+        files = [writer.segment_file(f"q{i}", FsyncPolicy(), 0)
+                 for i in range(writer_module.SYNC_TOGETHER)]
+        results = writer.write_round_now([(f, [chunk(1, [b"x"])]) for f in files])
+        assert all(not r.written and r.error is not None for r in results)
+        assert all(f.failed is not None for f in files)  # they refuse writes for good
+        for f in files:
+            f.close()
+        writer.close()
+    finally:
+        fileio.use(previous)

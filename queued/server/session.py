@@ -1,6 +1,9 @@
 """One connection, whatever its protocol: receive, parse, run a batch, send.
 
-Owns the one receive loop (over any `trio.abc.Stream`, so TLS can go under it), the
+Two ways in: the reactor (queued.server.reactor) feeds a plain connection's bytes and runs
+what needs no wait through the synchronous core (`run_nowait`, `end_pass`), handing the
+rest to the connection's task (`serve_turns`); a TLS connection (or any other
+`trio.abc.Stream`) runs the receive loop of its own task (`run`). Owns that loop, the
 batching (every complete request in a chunk is run before one send; consecutive puts
 share one journal append and one fsync), long-poll gets with hang-up detection, the
 connection's open-read ledger and monitor. A codec (`queued.core.*_commands`) turns

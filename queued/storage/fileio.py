@@ -10,12 +10,29 @@ buffers, retries or interprets anything: the callers own the durability logic.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 StrPath = str | os.PathLike[str]
+
+
+def _find_syncfs() -> Callable[[int], int] | None:
+    """Linux's syncfs(2) from the C library (Python's os has none); None elsewhere."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.syncfs
+    except (OSError, AttributeError):  # pragma: no cover (not Linux)
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNCFS = _find_syncfs()
 
 
 class FileIO:
@@ -39,6 +56,25 @@ class FileIO:
 
     def close(self, fd: int) -> None:
         os.close(fd)
+
+    def sync_files(self, fds: Sequence[int], directory: StrPath) -> None:
+        """Make the data of `fds` (files in `directory`) and the directory's entries
+        durable, in one call where the system has one: syncfs(2) on the directory's file
+        system (one journal commit for them all, rather than one fsync each in turn;
+        since Linux 5.8 it reports a write-back error of any file of that file system),
+        else an fsync of each and of the directory."""
+        if _SYNCFS is None:  # pragma: no cover (not Linux)
+            for fd in fds:
+                os.fsync(fd)
+            self.fsync_dir(directory)
+            return
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _SYNCFS(dfd) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+        finally:
+            os.close(dfd)
 
     def fsync_dir(self, path: StrPath) -> None:
         """Make the directory's entries (files created, renamed, removed) durable."""
@@ -108,6 +144,10 @@ def ftruncate(fd: int, length: int) -> None:
 
 def close(fd: int) -> None:
     _current.close(fd)
+
+
+def sync_files(fds: Sequence[int], directory: StrPath) -> None:
+    _current.sync_files(fds, directory)
 
 
 def fsync_dir(path: StrPath) -> None:

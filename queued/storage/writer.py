@@ -50,6 +50,9 @@ IOV_MAX = 1024
 ROUND_THREADS = 8
 #: A round this small, without fsync or new files, runs on the event loop itself.
 INLINE_ROUND_BYTES = 256 * 1024
+#: Segment files a round on the caller's thread syncs together (`fileio.sync_files`)
+#: rather than one fsync each, from this many on.
+SYNC_TOGETHER = 4
 
 
 @dataclass(slots=True)
@@ -215,6 +218,17 @@ class SyncedFile:
         deadline = self.fsync_deadline()  # periodic: no fsync may fall due in this round
         return deadline is None or deadline > time.monotonic()
 
+    @property
+    def fd(self) -> int | None:
+        return self._fd
+
+    def synced_with_others(self) -> None:
+        """A sync of many files at once (`fileio.sync_files`) covered this one."""
+        if self._fd is not None and self._unsynced:
+            self.fsyncs += 1
+        self._unsynced = False
+        self._last_fsync = time.monotonic()
+
     def _fsync(self) -> None:
         if self._fd is not None and self._unsynced:
             started = time.monotonic()
@@ -244,9 +258,11 @@ class SegmentFile(SyncedFile):
         #: the queue's incarnation, named in the head of every segment it opens (0: none)
         self.incarnation = 0
 
-    def write(self, chunks: Sequence[Chunk]) -> WriteResult:
+    def write(self, chunks: Sequence[Chunk], *, sync: bool = True) -> WriteResult:
         """Write the chunks, then sync as the policy says. Nothing is returned as
-        written unless the fsync policy's syncs for it succeeded."""
+        written unless the fsync policy's syncs for it succeeded. `sync=False`: the
+        caller syncs this file (and its directory) with others at once, and drops the
+        result if that fails (`Writer.write_round_now`)."""
         if self._failed is not None:
             # Chunks planned before the failure was known: writing them and fsyncing again
             # would "succeed" (Linux reports a write-back error once), acknowledging data
@@ -291,6 +307,8 @@ class SegmentFile(SyncedFile):
                         chunk.first_id, chunk.last_id,
                         os.fstat(self._fd).st_ino if created else 0)
             )
+        if not sync:
+            return WriteResult(done, error)
         try:
             self._sync_by_policy()
             if created_any and not never:
@@ -655,7 +673,27 @@ class Writer:
                 self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
             pool = self._pool
         self._rounds += 1
-        return run_round(work, (), pool, readers)
+        together = [f for f, _ in work if f.fsync.mode is FsyncMode.ALWAYS]
+        if len(together) < SYNC_TOGETHER:
+            return run_round(work, (), pool, readers)
+        # Many segment files to sync: write them all, then one durable point for them
+        # (syncfs: one journal commit) rather than an fsync each.
+        results = [file.write(chunks, sync=file.fsync.mode is not FsyncMode.ALWAYS)
+                   for file, chunks in work]
+        if readers:
+            run_round([], (), pool, readers)
+        started = time.monotonic()
+        try:
+            fileio.sync_files([fd for f in together if (fd := f.fd) is not None],
+                              self.directory)
+        except OSError as exc:
+            failed = {id(f): f.set_failed(f"syncfs failed: {exc}") for f in together}
+            return [WriteResult([], failed[id(f)]) if id(f) in failed else r
+                    for (f, _), r in zip(work, results, strict=True)]
+        self._observe_fsync(time.monotonic() - started)
+        for f in together:
+            f.synced_with_others()
+        return results
 
     async def wait_idle(self) -> None:
         """Until the round or pause under way (if any) is over."""
