@@ -433,7 +433,9 @@ class Broker:
     ) -> list[Item]:
         """`get_many` of what is in memory now: trio.WouldBlock (nothing taken) when it
         would have to wait: for a reader not made yet, for items to be read back from
-        disk, or (`wait`: the get has a timeout) for an item to arrive."""
+        disk, or (`wait`: the get has a timeout) for an item to arrive. `separate` (the
+        call stands for `max_items` gets of one item) with `max_bytes`: the gets past the
+        bytes are not counted (the caller asks again for them)."""
         started = time.perf_counter()
         qs = self.registry.queue(queue)
         rname = reader or ""
@@ -448,6 +450,8 @@ class Broker:
         counters = self.counters
         counters.get_hits += len(taken)
         if separate:
+            if max_bytes and sum([len(it.data) for it in taken]) >= max_bytes:
+                max_items = len(taken)  # cut by bytes: the rest are asked again, later
             counters.cmd_get += max_items
             counters.get_misses += max_items - len(taken)
         else:

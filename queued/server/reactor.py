@@ -250,6 +250,9 @@ class Reactor:
                 return
             raise
         del link.unsent[:sent]
+        if len(link.unsent) < BUFFER_CAP and link.rest is not None and not (
+                link.in_task or link.closing or link.session.long_poll is not None):
+            self.again[link] = None  # it stopped for its replies to drain: go on
         if not link.unsent:
             if link.drained is not None:
                 link.drained.set()
@@ -505,8 +508,9 @@ class Reactor:
             elif link.wants_task:
                 self._hand(link, link.rest)
             else:
-                if link.rest is not None and session.long_poll is None:
-                    self.again[link] = None  # it waited for this commit
+                if link.rest is not None and session.long_poll is None and (
+                        len(link.unsent) < BUFFER_CAP):
+                    self.again[link] = None  # it waited for this commit, or sent its replies
                 self._watch(link, now)
                 self._set_mask(link)
 
@@ -518,6 +522,8 @@ class Reactor:
                 link.wants_task = True  # (the login: in the task, scrypt runs in a thread)
                 link.rest = []
             return
+        if len(link.unsent) >= BUFFER_CAP:
+            return  # its replies drain first (`_flush_unsent` brings it back)
         budget = PASS_REQUESTS
         rest = link.rest
         if session.polls:
@@ -555,4 +561,5 @@ class Reactor:
         reader's line (a long poll), or for the connection's task (anything else)."""
         session = link.session
         link.rest = rest
-        link.wants_task = not (session.begun or session.long_poll is not None)
+        link.wants_task = not (session.begun or session.long_poll is not None
+                               or len(session.out) >= session.out_cap)

@@ -170,6 +170,8 @@ class Session:
                                PendingPut | JoinedPut | Exception]] = []
         #: the reactor's puts of a pass, joined across connections (set by the reactor)
         self.joined: JoinedPuts | None = None
+        #: replies `run_nowait` lets pile up before it stops (the reactor sends them)
+        self.out_cap = RECEIVE_SIZE
 
     def stop_if_idle(self) -> None:
         """Shutdown: stop reading; a batch that runs finishes, waiting gets (woken empty
@@ -699,9 +701,13 @@ class Session:
         connection runs before that (so it sees them ended, as on the task path). A
         request stopped at is run by `serve_turns`, or by the next pass when it only
         waits for the commit (`begun` not empty). A get whose confirm ran before its
-        take had to wait is rewritten in `requests` so the confirm does not run twice."""
+        take had to wait is rewritten in `requests` so the confirm does not run twice.
+        It also stops once `out` holds `out_cap` bytes (the reactor sends them first)."""
         i, n = 0, len(requests)
+        cap = self.out_cap
         while i < n and not self.done:
+            if len(self.out) >= cap:
+                return i
             r = requests[i]
             if type(r) is not c.Request:
                 if self.begun:
@@ -832,6 +838,8 @@ class Session:
                                 cmd.queue)
                     reply = c.Failure(c.ErrorKind.READ_OPEN,
                                       "a read is already open on this queue")
+                elif self.ordered and cmd.max_items > 1:
+                    return self._gets_nowait(requests, i)
                 else:
                     reply = self._take_nowait(cmd)
         except MustWait:
@@ -860,6 +868,29 @@ class Session:
         self.stats.count(r.name, r.count)
         self._reply(r, reply)
         return True
+
+    def _gets_nowait(self, requests: list[c.Parsed], i: int) -> bool:
+        """Pipelined plain gets of one key (a joined Get, one item each): answered as far
+        as `out_cap` leaves room; the rest stay in `requests` for later (False)."""
+        r = requests[i]
+        assert type(r) is c.Request and type(r.command) is c.Get
+        cmd = r.command
+        room = max(1, self.out_cap - len(self.out))
+        items = self.broker.get_many_nowait(
+            cmd.queue, cmd.reader, cmd.max_items, wait=False, client=self.reads,
+            open=cmd.open, open_timeout_ms=cmd.open_timeout_ms, separate=True,
+            max_bytes=room)
+        k = len(items)
+        if k == cmd.max_items or sum([len(it.data) for it in items]) < room:
+            self.stats.count(r.name, r.count)
+            self._reply(r, c.Items(items))
+            return True
+        head = c.Request(replace(cmd, max_items=k), r.context, r.name, k)
+        self.stats.count(head.name, k)
+        self._reply(head, c.Items(items))
+        left = cmd.max_items - k
+        requests[i] = c.Request(replace(cmd, max_items=left), r.context, r.name, left)
+        return False
 
     def _take_nowait(self, cmd: c.Get) -> c.Reply:
         b = self.broker
