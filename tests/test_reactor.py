@@ -141,3 +141,42 @@ async def test_long_polls_wait_in_line_without_a_task(tmp_path: Path) -> None:
         assert await first.line() == b"END"  # its time ran out
         for conn in (first, second, producer):
             await conn.aclose()
+
+
+async def test_a_get_in_the_pass_of_a_put_to_its_queue_waits_for_the_commit(
+        tmp_path: Path) -> None:
+    # Both requests arrive before the reactor runs (plain sockets, no await between the
+    # sends): one pass holds them. The put's item reaches the queue only at the pass's
+    # commit; the get, whichever ran first, is answered after it, with the item.
+    async with running(reactor_config(tmp_path)) as server:
+        port = server.ports["memcache"]
+        warm = await Conn.open(port)
+        assert await warm.set("q", b"0") == b"STORED"
+        assert await warm.get("q") == b"0"  # the queue exists and is empty
+        producer = socket.create_connection(("127.0.0.1", port))
+        consumer = socket.create_connection(("127.0.0.1", port))
+
+        def read(sock: socket.socket, end: bytes) -> bytes:
+            sock.settimeout(WAIT)
+            got = b""
+            while not got.endswith(end):
+                chunk = sock.recv(4096)
+                assert chunk
+                got += chunk
+            return got
+
+        try:
+            for sock in (producer, consumer):  # both accepted and served by the reactor
+                sock.sendall(b"version\r\n")
+                assert (await trio.to_thread.run_sync(read, sock, b"\r\n")).startswith(
+                    b"VERSION")
+            producer.sendall(b"set q 0 0 1\r\n1\r\n")
+            consumer.sendall(b"get q\r\n")
+
+            assert await trio.to_thread.run_sync(read, producer, b"\r\n") == b"STORED\r\n"
+            assert await trio.to_thread.run_sync(read, consumer, b"END\r\n") == (
+                b"VALUE q 0 1\r\n1\r\nEND\r\n")
+        finally:
+            producer.close()
+            consumer.close()
+        await warm.aclose()

@@ -75,6 +75,10 @@ class JoinedPuts:
                           tuple[list[bytes], list[tuple[JoinedPut, int]]]] = {}
         self._begun: list[tuple[PendingPut | None, list[JoinedPut]]] = []
 
+    def has(self, queue: str) -> bool:
+        """Puts to `queue` are joined, not yet begun."""
+        return any(key[0] == queue for key in self._joins)
+
     def can_join(self, queue: str) -> bool:
         qs = self.broker.registry.queues.get(queue)
         return qs is not None and not (qs.needs_room() or qs.journal.config.max_journal_size)
@@ -133,6 +137,11 @@ class JoinedPuts:
 
 class MustWait(trio.WouldBlock):
     """`get_many_nowait` found nothing and the get would wait for an item to arrive."""
+
+
+class AfterCommit(trio.WouldBlock):
+    """`get_many_nowait` found nothing while puts to the queue wait for the pass's commit:
+    run the get again after it rather than answer it empty."""
 
 
 def wall_ms() -> int:
@@ -430,12 +439,17 @@ class Broker:
         open_timeout_ms: int | None = None,
         max_bytes: int = 0,
         separate: bool = False,
+        defer: JoinedPuts | None = None,
+        partial: bool = False,
     ) -> list[Item]:
         """`get_many` of what is in memory now: trio.WouldBlock (nothing taken) when it
         would have to wait: for a reader not made yet, for items to be read back from
         disk, or (`wait`: the get has a timeout) for an item to arrive. `separate` (the
         call stands for `max_items` gets of one item) with `max_bytes`: the gets past the
-        bytes are not counted (the caller asks again for them)."""
+        bytes are not counted (the caller asks again for them). `defer` (the pass's
+        joined puts): AfterCommit rather than nothing when puts to the queue are in the
+        pass, begun or joined, and not yet ended. `partial` with `separate`: only the
+        gets that took an item are counted (the caller asks again for the rest)."""
         started = time.perf_counter()
         qs = self.registry.queue(queue)
         rname = reader or ""
@@ -445,13 +459,16 @@ class Broker:
         if open:
             max_items = min(max_items, self.reads.room(client, self.config.max_open_reads))
         taken = qs.take_nowait(h, max_items, max_bytes)
-        if not taken and wait and not (h.closed or self.closing):
-            raise MustWait
+        if not taken and not (h.closed or self.closing):
+            if wait:
+                raise MustWait
+            if defer is not None and (qs.inflight or defer.has(queue)):
+                raise AfterCommit
         counters = self.counters
         counters.get_hits += len(taken)
         if separate:
-            if max_bytes and sum([len(it.data) for it in taken]) >= max_bytes:
-                max_items = len(taken)  # cut by bytes: the rest are asked again, later
+            if partial or (max_bytes and sum([len(it.data) for it in taken]) >= max_bytes):
+                max_items = len(taken)  # cut short: the rest are asked again, later
             counters.cmd_get += max_items
             counters.get_misses += max_items - len(taken)
         else:
@@ -486,6 +503,11 @@ class Broker:
         it = self._finish_get(qs, h, rname, w.item, client, open_timeout_ms)
         self.counters.get_hits += 1
         return it
+
+    def puts_pending(self, queue: str, joined: JoinedPuts) -> bool:
+        """Puts to `queue` are in the reactor's pass (joined, or begun and not ended)."""
+        qs = self.registry.queues.get(queue)
+        return joined.has(queue) or (qs is not None and bool(qs.inflight))
 
     def take_more(self, qs: QueueState, h: Handle, rname: str, max_items: int, max_bytes: int,
                   nbytes: int, *, client: OpenReads | None,

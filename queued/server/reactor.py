@@ -524,6 +524,7 @@ class Reactor:
             return
         if len(link.unsent) >= BUFFER_CAP:
             return  # its replies drain first (`_flush_unsent` brings it back)
+        session.after_commit = False
         budget = PASS_REQUESTS
         rest = link.rest
         if session.polls:
@@ -562,4 +563,4 @@ class Reactor:
         session = link.session
         link.rest = rest
         link.wants_task = not (session.begun or session.long_poll is not None
-                               or len(session.out) >= session.out_cap)
+                               or session.after_commit or len(session.out) >= session.out_cap)

@@ -25,7 +25,14 @@ from typing import Protocol
 
 import trio
 
-from queued.broker.broker import Broker, JoinedPut, JoinedPuts, MustWait, PendingPut
+from queued.broker.broker import (
+    AfterCommit,
+    Broker,
+    JoinedPut,
+    JoinedPuts,
+    MustWait,
+    PendingPut,
+)
 from queued.broker.handles import Handle, Waiter
 from queued.broker.queues import QueueState
 from queued.core import commands as c
@@ -172,6 +179,10 @@ class Session:
         self.joined: JoinedPuts | None = None
         #: replies `run_nowait` lets pile up before it stops (the reactor sends them)
         self.out_cap = RECEIVE_SIZE
+        #: a get found nothing while puts to its queue waited for the pass's commit: it
+        #: runs again after it (once: `deferred` is the request)
+        self.after_commit = False
+        self.deferred: c.Request | None = None
 
     def stop_if_idle(self) -> None:
         """Shutdown: stop reading; a batch that runs finishes, waiting gets (woken empty
@@ -450,16 +461,8 @@ class Session:
             if type(r) is c.Request:
                 self.stats.count(r.name, r.count)
                 await self._execute(r)
-            elif isinstance(r, ProtocolError):
-                log.debug("%s: %s", self.name, r)
-                self.stats.protocol_errors += 1
-                self.out += r.reply
-                if r.close:
-                    self.done = True
-            elif isinstance(r, ConnectionClosed):
-                if r.unparsed:
-                    log.info("%s: closed mid-request, %d bytes dropped", self.name, r.unparsed)
-                self.done = True
+            else:
+                self._refused(r)
             if len(self.out) >= RECEIVE_SIZE:  # replies of a long batch go out as they grow
                 await self._flush()
 
@@ -841,7 +844,11 @@ class Session:
                 elif self.ordered and cmd.max_items > 1:
                     return self._gets_nowait(requests, i)
                 else:
-                    reply = self._take_nowait(cmd)
+                    reply = self._take_nowait(cmd, self._defer(requests[i]))
+        except AfterCommit:
+            self.deferred = requests[i]  # type: ignore[assignment]
+            self.after_commit = True
+            return False
         except MustWait:
             if self.notify is None or (self.ordered and cmd.max_items != 1):
                 return False
@@ -876,34 +883,50 @@ class Session:
         assert type(r) is c.Request and type(r.command) is c.Get
         cmd = r.command
         room = max(1, self.out_cap - len(self.out))
-        items = self.broker.get_many_nowait(
+        b = self.broker
+        defer = self._defer(r)
+        later = defer is not None and b.puts_pending(cmd.queue, defer)
+        items = b.get_many_nowait(
             cmd.queue, cmd.reader, cmd.max_items, wait=False, client=self.reads,
             open=cmd.open, open_timeout_ms=cmd.open_timeout_ms, separate=True,
-            max_bytes=room)
+            max_bytes=room, partial=later)
         k = len(items)
-        if k == cmd.max_items or sum([len(it.data) for it in items]) < room:
+        if k == cmd.max_items or (not later and sum([len(it.data) for it in items]) < room):
             self.stats.count(r.name, r.count)
             self._reply(r, c.Items(items))
             return True
+        if later:  # the rest after the pass's commit, which brings more items
+            self.after_commit = True
+        if not k:
+            self.deferred = r
+            return False
         head = c.Request(replace(cmd, max_items=k), r.context, r.name, k)
         self.stats.count(head.name, k)
         self._reply(head, c.Items(items))
         left = cmd.max_items - k
         requests[i] = c.Request(replace(cmd, max_items=left), r.context, r.name, left)
+        if later:
+            self.deferred = requests[i]  # type: ignore[assignment]
         return False
 
-    def _take_nowait(self, cmd: c.Get) -> c.Reply:
+    def _take_nowait(self, cmd: c.Get, defer: JoinedPuts | None) -> c.Reply:
         b = self.broker
         if not self.ordered:
             return c.Items(b.get_many_nowait(
                 cmd.queue, cmd.reader, cmd.max_items, wait=cmd.timeout_ms > 0,
                 client=self.reads, open=cmd.open, open_timeout_ms=cmd.open_timeout_ms,
-                max_bytes=cmd.max_bytes))
+                max_bytes=cmd.max_bytes, defer=defer))
         items = b.get_many_nowait(
             cmd.queue, cmd.reader, cmd.max_items, wait=cmd.timeout_ms > 0 and not self.eof,
             client=self.reads, open=cmd.open, open_timeout_ms=cmd.open_timeout_ms,
-            separate=cmd.max_items > 1)
+            separate=cmd.max_items > 1, defer=defer)
         return self._line_safe(cmd, items)
+
+    def _defer(self, request: c.Parsed) -> JoinedPuts | None:
+        """A get that finds nothing waits for the pass's commit when puts to its queue
+        are in the pass (so a consumer is not answered empty while an item it could have
+        is on its way): once per request. What `get_many_nowait` checks that against."""
+        return self.joined if self.deferred is not request else None
 
     def _line_safe(self, cmd: c.Get, items: list[Item]) -> c.Reply:
         """The reply to a get; one that the text protocol's line cannot carry is given
