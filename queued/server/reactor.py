@@ -118,7 +118,7 @@ class ReactorTransport(SocketTransport):
 class Reactor:
     """See the module docstring."""
 
-    def __init__(self, broker: Broker, *, closing: trio.Event | None = None) -> None:
+    def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self.epoll = select.epoll()
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -490,29 +490,39 @@ class Reactor:
         for link in touched:
             if link.in_task or link.closing:
                 continue
-            session = link.session
-            if not session.end_pass():
-                self._hand(link, link.rest)  # it waits for what the commit could not make
-                continue
-            if session.out:
-                data = bytes(session.out)
-                session.out.clear()
-                self.write(link, data)
-            if link.closing:
-                continue
-            if session.done or session.eof or self.closing:
-                if link.rest:
-                    self._hand(link, link.rest)  # (it ends after them)
-                else:
-                    self._end(link)
-            elif link.wants_task:
-                self._hand(link, link.rest)
+            try:
+                self._finish(link, now)
+            except Exception:  # one connection's failure must not stop the others
+                log.exception("%s: answering a pass failed; closing the connection",
+                              link.session.name)
+                link.session.done = True
+                self._end(link)
+
+    def _finish(self, link: Link, now: float) -> None:
+        """After the pass's commit: answer, send, and decide what comes next for it."""
+        session = link.session
+        if not session.end_pass():
+            self._hand(link, link.rest)  # it waits for what the commit could not make
+            return
+        if session.out:
+            data = bytes(session.out)
+            session.out.clear()
+            self.write(link, data)
+        if link.closing:
+            return
+        if session.done or session.eof or self.closing:
+            if link.rest:
+                self._hand(link, link.rest)  # (it ends after them)
             else:
-                if link.rest is not None and session.long_poll is None and (
-                        len(link.unsent) < BUFFER_CAP):
-                    self.again[link] = None  # it waited for this commit, or sent its replies
-                self._watch(link, now)
-                self._set_mask(link)
+                self._end(link)
+        elif link.wants_task:
+            self._hand(link, link.rest)
+        else:
+            if link.rest is not None and session.long_poll is None and (
+                    len(link.unsent) < BUFFER_CAP):
+                self.again[link] = None  # it waited for this commit, or sent its replies
+            self._watch(link, now)
+            self._set_mask(link)
 
     def _run(self, link: Link) -> None:
         """Run what the link has buffered, within the pass's budget."""
