@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from power_util import PowerLossFS
 
-from queued.broker.broker import Broker
+from queued.broker.broker import Broker, JoinedPut, JoinedPuts
 from queued.broker.upkeep import open_broker
 from queued.config import ServerConfig, load_config
 from queued.core.open_reads import OpenReads
@@ -230,6 +230,38 @@ class PowerCuts(RuleBasedStateMachine):
             self.items[data] = Item(self.seq)
             self.seq += 1
         assert self.host.run(lambda: self.broker.put("q", datas)) == len(datas)
+        for data in datas:
+            self.items[data].put_durable = self._durable_now()
+
+    @rule(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=4))
+    def put_in_a_pass(self, sizes: list[int]) -> None:
+        # As the reactor's pass puts: joined, begun, one commit for every queue touched
+        # (here q and three others: one durable point for them all, fileio.sync_files).
+        datas = []
+        for size in sizes:
+            data = b"%06d:" % self.seq + b"x" * size
+            datas.append(data)
+            self.items[data] = Item(self.seq)
+            self.seq += 1
+
+        async def one_pass() -> JoinedPut:
+            b = self.broker
+            joined = JoinedPuts(b)
+            b.defer_writes(True)
+            try:
+                part = joined.add("q", datas, None, 0, 0)
+                for side in ("side1", "side2", "side3"):
+                    joined.add(side, [b"s"], None, 0, 0)
+                joined.begin_all()
+            finally:
+                b.defer_writes(False)
+            while not b.commit_now():
+                await b.wait_round()
+            joined.end_all()
+            return part
+
+        part = self.host.run(one_pass)
+        assert part.ended and part.error is None
         for data in datas:
             self.items[data].put_durable = self._durable_now()
 

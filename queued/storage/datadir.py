@@ -426,6 +426,12 @@ class DataDir:
         results = self._writer.write_round_now([(j.file, chunks) for j, chunks in work],
                                                [pair for _, ops in readers for pair in ops])
         self._finish_round(work, results, readers)
+        # Periodic policy: what was just written owes an fsync the writer's task must
+        # come back for (it may sleep past it, or for good when nothing else is written).
+        owed = min((d for j in {j for j, _ in (*work, *readers)}
+                    if (d := j.fsync_deadline()) is not None), default=None)
+        if owed is not None and owed < self._asleep_until:
+            self._wake.set()
         return True
 
     async def wait_round(self) -> None:
