@@ -115,7 +115,8 @@ def test_every_command_needs_a_known_permission() -> None:
         c.Put("q", [b"x"]), c.Get("q"), c.Peek("q"), c.Confirm("q"), c.Abort("q"),
         c.Flush("q"), c.FlushAll(), c.FlushExpired("q"), c.FlushAllExpired(), c.Delete("q"),
         c.Stats(), c.Stats(dump=True), c.Version(), c.Reload(), c.Shutdown(), c.Quit(),
-        c.Monitor("q", None, 10), c.Auth("u", "p"),
+        c.Monitor("q", None, 10), c.Auth("u", "p"), c.Touch("q", None, 1000), c.Reject("q"),
+        c.Browse("q"), c.Pause("q"), c.Move("q", None, "d"),
     ]
     kinds = {type(e) for e in examples}
     assert kinds == set(c.Command.__args__)  # type: ignore[attr-defined]  # every command
@@ -123,6 +124,8 @@ def test_every_command_needs_a_known_permission() -> None:
              for e in examples}
     assert wants["Put"] == (Permission.PUT, "q")
     assert wants["Get"] == wants["Confirm"] == wants["Monitor"] == (Permission.GET, "q")
+    assert wants["Touch"] == wants["Reject"] == wants["Browse"] == (Permission.GET, "q")
+    assert wants["Pause"] == wants["Move"] == (Permission.ADMIN, "q")
     assert wants["Delete"] == (Permission.ADMIN, "q")
     assert wants["FlushAll"] == wants["Stats+dump"] == (Permission.ADMIN, None)
     assert wants["Stats"] is None and wants["Version"] is None and wants["Auth"] is None
