@@ -122,7 +122,7 @@ async def test_rpc_extend_and_a_read_the_connection_does_not_hold(tmp_path: Path
         a, b = await Rpc.open(port), await Rpc.open(port)
         assert await a.call("put", "t", [b"x", b"y"]) == (None, 2)
         err, got = await a.call("get", "t", 2, 0, 300)
-        assert err is None and [i for i, _ in got] == [1, 2]  # type: ignore[union-attr]
+        assert err is None and isinstance(got, list) and [i for i, _ in got] == [1, 2]
         assert await a.call("extend", "t", [1, 2], 5000) == (None, 2)
         err, _ = await b.call("extend", "t", [1], 5000)  # not b's
         assert err == [17, "not open on this connection: t id 1"]
@@ -268,7 +268,7 @@ async def test_reject_without_an_error_queue_drops_the_item(tmp_path: Path) -> N
         rpc = await Rpc.open(server.ports["rpc"])
         assert await rpc.call("put", "w", [b"a", b"b"]) == (None, 2)
         err, got = await rpc.call("get", "w", 2, 0, 10_000)
-        assert err is None
+        assert err is None and got == [[1, b"a"], [2, b"b"]]
         assert await rpc.call("reject", "w", [1]) == (None, 1)
         err, _ = await rpc.call("reject", "w", [1])
         assert err is not None and err[0] == 17  # type: ignore[index]
