@@ -888,3 +888,43 @@ async def test_a_refused_connection_leaves_no_garbage_cycle(
             gc.set_debug(0)
             gc.garbage.clear()
         assert not kinds & {"Session", "RpcParser", "MemcacheCodec", "TextCodec", "frame"}
+
+
+async def test_consumer_commands_need_their_permissions(tmp_path: Path, users_file: Path) -> None:
+    """touch, reject and browse take `get` on the queue; pause, resume and move take admin.
+    Refused each way on each protocol that has them; allowed with the permission."""
+    async with secured(tmp_path, users_file) as server:
+        denied_get = b"CLIENT_ERROR permission denied: user 'alice' lacks 'get' on queue 'jobs-1'"
+        alice = await mc_login(server.ports["memcache"], "alice", "alice pw")  # no get jobs-*
+        assert await alice.cmd(b"touch jobs-1 1000") == denied_get
+        assert await alice.cmd(b"get jobs-1/reject") == denied_get
+        assert await alice.cmd(b"touch orders 1000") == b"NOT_FOUND"  # get on orders: allowed
+        for admin in (b"pause orders", b"resume orders"):
+            reply = await alice.cmd(admin)
+            assert reply.startswith(b"CLIENT_ERROR permission denied") and b"'admin'" in reply
+        root = await mc_login(server.ports["memcache"], "root", "root-pw")
+        assert await root.cmd(b"pause orders") == b"OK"
+        assert await root.cmd(b"resume orders") == b"OK"
+
+        text = await Conn.open(server.ports["text"], b"\n")
+        assert await text.cmd(b"auth alice alice pw") == b"+1"
+        assert await text.cmd(b"touch jobs-1 1000") == (
+            b"-permission denied: user 'alice' lacks 'get' on queue 'jobs-1'")
+        assert (await text.cmd(b"pause orders")).startswith(b"-permission denied")
+
+        rpc = Rpc(await trio.open_tcp_stream(HOST, server.ports["rpc"]))
+        assert await rpc.call("auth", "bob", "bob-pw") == (None, True)  # get jobs-*, no admin
+        assert await rpc.call("put", "jobs-1", [b"x"]) == (
+            [15, "permission denied: user 'bob' lacks 'put' on queue 'jobs-1'"], None)
+        assert await rpc.call("browse", "jobs-1") == (None, [])
+        assert await rpc.call("extend", "jobs-1", [1], 1000) == (
+            [17, "not open on this connection: jobs-1 id 1"], None)  # allowed, not held
+        for call in (("extend", "orders", [1], 1000), ("reject", "orders", [1]),
+                     ("browse", "orders")):
+            assert (await rpc.call(*call))[0][0] == 15
+        for call in (("pause", "jobs-1"), ("resume", "jobs-1"), ("move", "jobs-1", "jobs-2")):
+            err = (await rpc.call(*call))[0]
+            assert err[0] == 15 and "'admin'" in err[1]
+        await rpc.stream.aclose()
+        for c in (alice, root, text):
+            await c.aclose()

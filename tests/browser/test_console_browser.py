@@ -211,3 +211,20 @@ def test_screenshots(secured: Served, browser: Any) -> None:
     for name in ("console.png", "console-queue.png"):
         assert (where / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     no_csp_violations(browser)
+
+
+def test_a_paused_queue_shows_as_paused(server: Served, browser: Any) -> None:
+    server.client.put("held", [b"x"])
+    browser.open(server.url + "/")
+    browser.wait("the queue's row", lambda: browser.cell("queues", "held", "items") == "1")
+    assert browser.cell("queues", "held", "state") == ""
+    server.client.pause("held")
+    try:
+        browser.wait("paused", lambda: browser.cell("queues", "held", "state") == "paused")
+        browser.open(server.url + "/queues/held")
+        browser.wait("the reader's state",
+                     lambda: browser.cell("readers", "held", "state") == "paused")
+    finally:
+        server.client.resume("held")
+    browser.wait("resumed", lambda: browser.cell("readers", "held", "state") == "")
+    no_csp_violations(browser)

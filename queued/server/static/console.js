@@ -91,12 +91,15 @@ function render(tbody, entries, columns) {
   }
 }
 
-const COLUMNS = ["items", "bytes", "delayed", "open", "readers", "oldest", "puts", "gets"];
-const READER_COLUMNS = ["items", "bytes", "delayed", "open", "waiters", "oldest", "puts", "gets"];
+const COLUMNS = ["state", "items", "bytes", "delayed", "open", "readers", "oldest", "puts",
+                 "gets"];
+const READER_COLUMNS = ["state", "items", "bytes", "delayed", "open", "waiters", "oldest",
+                        "puts", "gets"];
 
 function figures(name, f, readers, now) {
   const r = rates(name, f, now);
   return {
+    state: f.paused ? "paused" : "",  // (pause/resume: its gets wait)
     items: fmtInt(f.items),
     bytes: fmtBytes(f.bytes),
     delayed: fmtInt(f.delayed ?? 0),  // reported by servers with delayed delivery
