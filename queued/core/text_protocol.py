@@ -291,7 +291,7 @@ class TextParser(LineParser["Command"]):
         self._state = _State.PUT
 
     def _simple(self, name: bytes, args: list[bytes]) -> Command:
-        if name == b"get" and args and args[-1] == b"deliveries":
+        if name == b"get" and len(args) > 1 and args[-1] == b"deliveries":
             _arity(args, 2, 3, "get <queue> [timeout_ms] deliveries")
             queue, reader = parse_address(args[0])
             timeout = parse_int(args[1], "timeout", 0, MAX_TIMEOUT_MS) if len(args) > 2 else 0
