@@ -291,6 +291,37 @@ async def test_admin_actions(tmp_path: Path, users: Path) -> None:
         assert status == 405 and "jobs-1" in b.queues
 
 
+async def test_admin_pause_resume_and_redrive_actions(tmp_path: Path, users: Path) -> None:
+    async with running(cfg(tmp_path, users_file=str(users))) as server:
+        port, b = server.ports["http"], server.broker
+        await b.put("jobs-dead", [b"a", b"b"])
+        status, d = await doc(port, "/api/queues/jobs-dead/pause", {**ACTION, **as_("alice")},
+                              "POST")
+        assert status == 403 and "not an admin" in str(d["error"])
+        assert "jobs-dead" not in b.paused
+        status, d = await doc(port, "/api/queues/jobs-dead/pause", {**ACTION, **as_("root")},
+                              "POST")
+        assert (status, d) == (200, {"paused": True}) and "jobs-dead" in b.paused
+        status, d = await doc(port, "/api/queues/jobs-dead/resume", {**ACTION, **as_("ops")},
+                              "POST")
+        assert (status, d) == (200, {"paused": False}) and "jobs-dead" not in b.paused
+        status, d = await doc(port, "/api/queues/jobs-dead/move/jobs-1",
+                              {**ACTION, **as_("root")}, "POST")
+        assert (status, d) == (200, {"moved": 2, "limit": 10_000})
+        assert b.reader_info("jobs-1")["items"] == 2
+        status, d = await doc(port, "/api/queues/jobs-1/move/jobs-1", {**ACTION, **as_("root")},
+                              "POST")
+        assert status == 400 and "the destination is the source" in str(d["error"])
+        status, _ = await doc(port, "/api/queues/jobs-1/move/a.b", {**ACTION, **as_("root")},
+                              "POST")
+        assert status == 400
+        for bad in ("/api/queues/jobs-1/move", "/api/queues/jobs-1/pause/x"):
+            status, _ = await doc(port, bad, {**ACTION, **as_("root")}, "POST")
+            assert status == 404
+        status, d = await doc(port, "/api/queues/jobs-1/move/jobs-2", {**as_("root")}, "POST")
+        assert status == 403 and b.reader_info("jobs-1")["items"] == 2  # no console header
+
+
 @pytest.mark.parametrize("headers", [
     {"Content-Type": "application/x-www-form-urlencoded"},  # what a cross-site form sends
     {"X-Queued-Console": "yes"},

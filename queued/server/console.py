@@ -1,5 +1,5 @@
 """The web console on the operations port: its pages, its one JSON view of a queue's head
-items, and its two admin actions (flush, delete).
+items, and its admin actions (flush, delete, pause, resume, and a redrive: move).
 
 Owns the console's routes, what each needs (the pages and the head view: a user who
 may see the queue, as `stats` filters; the head view: `get` on it; the actions: an admin,
@@ -56,7 +56,10 @@ _STATIC: Final = {
 }
 _PAGES: Final = {"index": "index.html", "queue": "queue.html"}
 _HTML: Final = "text/html; charset=utf-8"
-_ACTIONS: Final = ("flush", "delete")
+_ACTIONS: Final = ("flush", "delete", "pause", "resume", "move")
+#: Items one redrive from the console moves at most (the page says so; `queued move` and
+#: the RPC `move` have no such cap), so an HTTP request never runs for long.
+CONSOLE_MOVE_MAX: Final = 10_000
 #: Characters a preview shows as they are; the rest (controls, DEL) become \\xNN.
 _SHOWN: Final = frozenset(string.printable) - frozenset("\x0b\x0c\r")
 
@@ -164,7 +167,8 @@ class Console:
             if method == b"POST" or action:
                 return _method_not_allowed()
             return self._head(name, grant, broker) if api else self._page("queue")
-        if action not in _ACTIONS:
+        action, _, target = action.partition("/")
+        if action not in _ACTIONS or bool(target) != (action == "move"):
             return _not_found("no such page")
         if method != b"POST":
             return Reply(405, b'{"error": "POST only"}\n', (("Content-Type", JSON),
@@ -172,7 +176,7 @@ class Console:
         refused = self.refuse_action(headers, grant, scheme)
         if refused is not None:
             return refused
-        return await self._act(name, action, grant, broker)
+        return await self._act(name, action, grant, broker, target)
 
     @staticmethod
     def _page(page: str) -> Reply:
@@ -233,11 +237,24 @@ class Console:
         return None
 
     @staticmethod
-    async def _act(name: str, action: str, grant: Grant | None, broker: Broker) -> Reply:
-        """A flush or delete of `name` that `refuse_action` cleared: what the `flush` and
-        `delete` commands do (`q`: its default reader / the whole queue; `q+r`: reader r)."""
+    async def _act(name: str, action: str, grant: Grant | None, broker: Broker,
+                   target: str = "") -> Reply:
+        """An action on `name` that `refuse_action` cleared: what the `flush`, `delete`,
+        `pause`, `resume` and `move` commands do (`q`: its default reader / the whole
+        queue; `q+r`: reader r; pause and resume take the queue of `q+r`)."""
         queue, _, reader = name.partition("+")
         who = grant.user if grant is not None else "?"
+        if action in ("pause", "resume"):
+            await broker.set_paused(queue, action == "pause")
+            log.info("console: user %r %sd %s", who, action, queue)
+            return json_reply(200, {"paused": action == "pause"})
+        if action == "move":
+            try:
+                moved = await broker.move(queue, reader or None, target, CONSOLE_MOVE_MAX)
+            except ValueError as exc:  # a bad destination name, or the queue itself
+                return json_reply(400, {"error": str(exc)})
+            log.info("console: user %r moved %d items from %s to %s", who, moved, name, target)
+            return json_reply(200, {"moved": moved, "limit": CONSOLE_MOVE_MAX})
         if action == "flush":
             n = broker.flush(queue, reader or None)
             log.info("console: user %r flushed %s (%d items)", who, name, n)

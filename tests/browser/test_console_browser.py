@@ -228,3 +228,37 @@ def test_a_paused_queue_shows_as_paused(server: Served, browser: Any) -> None:
         server.client.resume("held")
     browser.wait("resumed", lambda: browser.cell("readers", "held", "state") == "")
     no_csp_violations(browser)
+
+
+def test_pause_resume_and_redrive_through_the_confirmation(
+        secured: Served, browser: Any) -> None:
+    secured.client.put("dlq", [b"a", b"b"])
+    [got] = secured.client.get("dlq", 1, 0, 30_000)
+    secured.client.abort(got)  # one delivery so far: the head view says so
+    browser.login("root", USERS["root"]["password"])
+    browser.open(secured.url + "/queues/dlq")
+    browser.wait("the head items", lambda: len(browser.all("#peek tbody tr")) == 2)
+    assert [c.text for c in browser.all('#peek td[data-col="deliveries"]')] == ["1", "0"]
+    browser.find("#pause").click()
+    assert "Pause dlq?" in browser.find("#confirm-text").text
+    browser.find("#confirm-no").click()
+    browser.settle(0.5)
+    assert secured.client.peek("dlq").stats["paused"] == 0  # cancelled: not paused
+    browser.find("#pause").click()
+    browser.find("#confirm-yes").click()
+    browser.wait("paused", lambda: browser.find("#action-result").text == "Paused.")
+    assert secured.client.peek("dlq").stats["paused"] == 1
+    browser.wait("the state column", lambda: browser.cell("readers", "dlq", "state") == "paused")
+    browser.find("#resume").click()
+    browser.find("#confirm-yes").click()
+    browser.wait("resumed", lambda: browser.find("#action-result").text == "Resumed.")
+    assert secured.client.peek("dlq").stats["paused"] == 0
+    browser.find("#move").click()  # no destination yet: nothing asked, nothing moved
+    assert not browser.find("#confirm").is_displayed()
+    browser.find("#move-to").send_keys("work")
+    browser.find("#move").click()
+    assert "Redrive dlq to work?" in browser.find("#confirm-text").text
+    browser.find("#confirm-yes").click()
+    browser.wait("moved", lambda: browser.find("#action-result").text == "Moved 2 items.")
+    assert secured.client.peek("work").items == 2 and secured.client.peek("dlq").items == 0
+    no_csp_violations(browser)

@@ -180,7 +180,7 @@ function drawItem(tbody, item) {
   cell(row, fmtInt(item.id));
   cell(row, fmtBytes(item.size));
   cell(row, fmtAge(item.age_ms));
-  cell(row, fmtInt(item.error_count));
+  cell(row, fmtInt(item.error_count)).dataset.col = "deliveries";  // so far: its error count
   const data = cell(row, "", "data");
   if (item.binary) {
     const kind = document.createElement("span");
@@ -240,14 +240,26 @@ async function pollHead() {
 // cross-site form cannot send (the server refuses actions without it).
 let pending = null;
 
+const QUEUE_NAME = /^[A-Za-z0-9_:-]{1,250}$/;
+
 function ask(action) {
   const name = pageName();
-  const what = action === "flush"
-    ? `Flush ${name}? Every waiting item of ${name.includes("+") ? "this reader" : "its default reader"} is discarded.`
-    : `Delete ${name}? ${name.includes("+") ? "The reader" : "The queue, every reader and its journal files"} will be removed.`;
-  pending = action;
+  const queue = queueOf(name);
+  const to = $("move-to").value.trim();
+  if (action === "move" && !QUEUE_NAME.test(to)) {
+    $("action-result").textContent = "Redrive: type the queue to move the items to first.";
+    return;
+  }
+  const what = {
+    flush: `Flush ${name}? Every waiting item of ${name.includes("+") ? "this reader" : "its default reader"} is discarded.`,
+    delete: `Delete ${name}? ${name.includes("+") ? "The reader" : "The queue, every reader and its journal files"} will be removed.`,
+    pause: `Pause ${queue}? Puts go on; its consumers get nothing until it is resumed.`,
+    resume: `Resume ${queue}? Its consumers get items again.`,
+    move: `Redrive ${name} to ${to}? Up to 10,000 of its items move there, each kept with its error count.`,
+  }[action];
+  pending = action === "move" ? `move/${encodeURIComponent(to)}` : action;
   $("confirm-text").textContent = what;
-  $("confirm-yes").textContent = action === "flush" ? "Yes, flush" : "Yes, delete";
+  $("confirm-yes").textContent = `Yes, ${action === "move" ? "redrive" : action}`;
   $("confirm").hidden = false;
 }
 
@@ -272,7 +284,9 @@ async function confirmAction() {
     location.assign("/");
     return;
   }
-  result.textContent = `Flushed ${body.flushed} items.`;
+  if (action === "flush") result.textContent = `Flushed ${body.flushed} items.`;
+  else if (action.startsWith("move/")) result.textContent = `Moved ${body.moved} items.`;
+  else result.textContent = body.paused ? "Paused." : "Resumed.";
   pollHead();
 }
 
@@ -282,6 +296,9 @@ function startQueue() {
   document.title = `queued console: ${name}`;
   $("flush").addEventListener("click", () => ask("flush"));
   $("delete").addEventListener("click", () => ask("delete"));
+  $("pause").addEventListener("click", () => ask("pause"));
+  $("resume").addEventListener("click", () => ask("resume"));
+  $("move").addEventListener("click", () => ask("move"));
   $("confirm-yes").addEventListener("click", confirmAction);
   $("confirm-no").addEventListener("click", () => { pending = null; $("confirm").hidden = true; });
   every(() => { pollStats(drawQueue); pollHead(); });
