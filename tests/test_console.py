@@ -375,3 +375,19 @@ async def test_head_items_leave_out_delayed_items_until_due(tmp_path: Path) -> N
         assert (await b.get("jobs", peek=True)).data == b"later"  # type: ignore[union-attr]
         status, d = await doc(port, "/api/queues/jobs")
         assert [i["text"] for i in d["items"]] == ["later", "now"]  # type: ignore
+
+
+async def test_the_chart_history_shows_each_user_its_queues_up_to_now(
+        tmp_path: Path, users: Path) -> None:
+    async with running(cfg(tmp_path, users_file=str(users))) as server:
+        port, b = server.ports["http"], server.broker
+        await b.put("jobs-1", [b"a", b"b", b"c"])
+        await b.put("orders", [b"o"])
+        status, d = await doc(port, "/api/history", as_("bob"))  # get jobs-*: not orders
+        assert status == 200 and d["interval_s"] == 10.0 and d["window_s"] == 900
+        queues: dict[str, dict[str, list[float]]] = d["queues"]  # type: ignore[assignment]
+        assert set(queues) == {"jobs-1"} and queues["jobs-1"]["items"][-1] == 3  # (now)
+        status, d = await doc(port, "/api/history", as_("root"))
+        assert status == 200 and set(d["queues"]) == {"jobs-1", "orders"}  # type: ignore[arg-type]
+        assert (await get(port, "/api/history", method="POST"))[0] in (401, 405)
+        assert (await get(port, "/api/history"))[0] == 401

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import string
+import time
 from collections.abc import Mapping
 from importlib import resources
 from typing import TYPE_CHECKING, Final
@@ -22,6 +23,7 @@ from urllib.parse import unquote
 from queued.core.access import Grant, Permission
 from queued.core.errors import JournalError
 from queued.core.wire import ArgumentError, parse_address
+from queued.server.history import History
 from queued.server.replies import JSON, Reply, json_reply
 
 if TYPE_CHECKING:
@@ -57,6 +59,8 @@ _STATIC: Final = {
 _PAGES: Final = {"index": "index.html", "queue": "queue.html"}
 _HTML: Final = "text/html; charset=utf-8"
 _ACTIONS: Final = ("flush", "delete", "pause", "resume", "move")
+#: The charts' data: every queue the user may see, the last 15 minutes (server/history.py).
+HISTORY_PATH: Final = "/api/history"
 #: Items one redrive from the console moves at most (the page says so; `queued move` and
 #: the RPC `move` have no such cap), so an HTTP request never runs for long.
 CONSOLE_MOVE_MAX: Final = 10_000
@@ -70,7 +74,7 @@ def static_file(name: str) -> bytes:
 
 
 def is_console_path(path: str) -> bool:
-    return path.startswith(("/queues/", "/api/queues/", "/console/"))
+    return path.startswith(("/queues/", "/api/queues/", "/console/")) or path == HISTORY_PATH
 
 
 def wants_html(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -128,8 +132,9 @@ def _not_found(what: str) -> Reply:
 class Console:
     """The console's routes. `users`: a users file is configured (else read-only)."""
 
-    def __init__(self, *, users: bool) -> None:
+    def __init__(self, *, users: bool, history: History | None = None) -> None:
         self.users = users
+        self.history = history if history is not None else History()
 
     async def respond(self, method: bytes, path: str, headers: list[tuple[bytes, bytes]],
                       grant: Grant | None, broker: Broker | None, *, scheme: str
@@ -144,6 +149,14 @@ class Console:
                 return _method_not_allowed()
             name, ctype = _STATIC[path]
             return Reply(200, static_file(name), (("Content-Type", ctype),))
+        if path == HISTORY_PATH:
+            if method == b"POST":
+                return _method_not_allowed()
+            if broker is None:
+                return json_reply(503, {"error": "recovering the journals"})
+            return json_reply(200, self.history.view(
+                (lambda _: True) if grant is None else grant.may_see, time.time(),
+                dict(broker.queue_stats())))
         if not path.startswith(("/queues/", "/api/queues/")):
             return _not_found("no such page") if is_console_path(path) else None
         api = path.startswith("/api/")

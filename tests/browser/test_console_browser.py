@@ -202,11 +202,11 @@ def test_screenshots(secured: Served, browser: Any) -> None:
     target = os.environ.get("QUEUED_CONSOLE_SCREENSHOT")
     where = Path(target) if target else secured.proc.data_dir.parent / "screenshots"
     where.mkdir(parents=True, exist_ok=True)
-    browser.driver.set_window_size(1100, 420)
+    browser.driver.set_window_size(1400, 420)
     assert browser.driver.save_screenshot(str(where / "console.png"))
     browser.open(secured.url + "/queues/jobs")
     browser.wait("the head items", lambda: len(browser.all("#peek tbody tr")) == 3)
-    browser.driver.set_window_size(1100, 720)
+    browser.driver.set_window_size(1400, 820)
     assert browser.driver.save_screenshot(str(where / "console-queue.png"))
     for name in ("console.png", "console-queue.png"):
         assert (where / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -261,4 +261,20 @@ def test_pause_resume_and_redrive_through_the_confirmation(
     browser.find("#confirm-yes").click()
     browser.wait("moved", lambda: browser.find("#action-result").text == "Moved 2 items.")
     assert secured.client.peek("work").items == 2 and secured.client.peek("dlq").items == 0
+    no_csp_violations(browser)
+
+
+def test_charts_of_the_last_fifteen_minutes_on_both_pages(server: Served, browser: Any) -> None:
+    server.client.put("charted", [b"x"] * 7)
+    browser.open(server.url + "/")
+    browser.wait("the depth chart", lambda: browser.all(
+        '#queues tr[data-name="charted"] td[data-chart="depth"] svg'))
+    depth = browser.find('#queues tr[data-name="charted"] td[data-chart="depth"] svg')
+    assert depth.get_attribute("data-max") == "7"  # (the point of now, at least)
+    assert browser.all('#queues tr[data-name="charted"] td[data-chart="rates"] svg')
+    assert browser.js('return document.querySelector('
+                      '\'#queues tr[data-name="charted"] svg polyline.depth\') !== null;')
+    browser.open(server.url + "/queues/charted")
+    browser.wait("the page's charts", lambda: len(browser.all("#charts svg")) == 2)
+    assert browser.all("#charts svg")[0].get_attribute("data-max") == "7"
     no_csp_violations(browser)

@@ -114,6 +114,75 @@ function figures(name, f, readers, now) {
 
 const queueOf = (name) => name.split("+")[0];
 
+// -- charts: the last 15 minutes, from /api/history (inline SVG, no library) -----------
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+const HISTORY_MS = 10000;  // the server samples every 10 s
+let history = { queues: {} };
+
+// One small chart: each series a polyline, all scaled to the largest value among them.
+function chart(series, w, h, label) {
+  const svg = document.createElementNS(SVG_NS, "svg");
+  svg.setAttribute("width", w);
+  svg.setAttribute("height", h);
+  svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+  svg.setAttribute("class", "chart");
+  let max = 0;
+  for (const s of series) for (const v of s.values) max = Math.max(max, v);
+  svg.dataset.max = String(max);
+  const title = document.createElementNS(SVG_NS, "title");
+  title.textContent = `${label}, last 15 min (max ${fmtRate(max)})`;
+  svg.appendChild(title);
+  for (const s of series) {
+    // One point so far (a page opened soon after the start): a flat line at its value.
+    const values = s.values.length === 1 ? [s.values[0], s.values[0]] : s.values;
+    const n = values.length;
+    if (n === 0) continue;
+    const x = (i) => ((i * w) / (n - 1)).toFixed(1);
+    const y = (v) => (h - 1 - (max > 0 ? (v / max) * (h - 2) : 0)).toFixed(1);
+    const line = document.createElementNS(SVG_NS, "polyline");
+    line.setAttribute("points", values.map((v, i) => `${x(i)},${y(v)}`).join(" "));
+    line.setAttribute("class", s.cls);
+    svg.appendChild(line);
+  }
+  return svg;
+}
+
+function charts(name, w, h) {
+  const q = history.queues[name];
+  if (!q) return [];
+  return [
+    chart([{ values: q.items, cls: "depth" }], w, h, `${name}: items waiting`),
+    chart([{ values: q.puts, cls: "puts" }, { values: q.gets, cls: "gets" }], w, h,
+          `${name}: puts/s (green) and gets/s (orange)`),
+  ];
+}
+
+// The chart cells of every row of `tbody` (made once per row, redrawn from `history`).
+function drawRowCharts(tbody) {
+  for (const row of Array.from(tbody.rows)) {
+    let cells = row.querySelectorAll("td[data-chart]");
+    if (cells.length === 0) {
+      for (const kind of ["depth", "rates"]) cell(row, "", "chart").dataset.chart = kind;
+      cells = row.querySelectorAll("td[data-chart]");
+    }
+    const drawn = charts(row.dataset.name, 120, 24);
+    cells.forEach((td, i) => td.replaceChildren(...(drawn[i] ? [drawn[i]] : [])));
+  }
+}
+
+async function pollHistory(draw) {
+  try {
+    const { status, body } = await getJson("/api/history");
+    if (status === 200 && body) {
+      history = body;
+      draw();
+    }
+  } catch (e) {
+    // the stats poll reports the server unreachable
+  }
+}
+
 // -- polling ---------------------------------------------------------------------------
 
 async function getJson(path) {
@@ -157,6 +226,7 @@ function drawIndex(queues, now) {
   for (const name of names) readers.set(queueOf(name), (readers.get(queueOf(name)) || 0) + 1);
   render($("queues").tBodies[0],
          names.map((n) => [n, figures(n, queues[n], readers.get(queueOf(n)), now)]), COLUMNS);
+  drawRowCharts($("queues").tBodies[0]);
   $("empty").hidden = names.length > 0;
 }
 
@@ -302,10 +372,16 @@ function startQueue() {
   $("confirm-yes").addEventListener("click", confirmAction);
   $("confirm-no").addEventListener("click", () => { pending = null; $("confirm").hidden = true; });
   every(() => { pollStats(drawQueue); pollHead(); });
+  const drawBig = () => $("charts").replaceChildren(...charts(name, 360, 80));
+  pollHistory(drawBig);
+  setInterval(() => pollHistory(drawBig), HISTORY_MS);
 }
 
 if (document.body.dataset.page === "queue") {
   startQueue();
 } else {
   every(() => pollStats(drawIndex));
+  const drawCharts = () => drawRowCharts($("queues").tBodies[0]);
+  pollHistory(drawCharts);
+  setInterval(() => pollHistory(drawCharts), HISTORY_MS);
 }
