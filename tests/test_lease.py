@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import msgpack
 import pytest
 import trio
-from server_util import HOST, WAIT, Conn, make_config, pymc, running
+from server_util import HOST, WAIT, Conn, Rpc, make_config, pymc, running
 
 from queued.client import AsyncClient, Client, NotOpen
 from queued.config import ServerConfig
@@ -21,33 +20,6 @@ from queued.config import ServerConfig
 
 def cfg(tmp_path: Path, toml: str | None = None, **settings: object) -> ServerConfig:
     return make_config(tmp_path / "data", toml, **settings)
-
-
-class Rpc:
-    """A raw MessagePack-RPC connection: one call at a time."""
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self.unpacker = msgpack.Unpacker()
-        self.msgid = 0
-
-    @classmethod
-    async def open(cls, port: int) -> Rpc:
-        return cls(await trio.open_tcp_stream(HOST, port))
-
-    async def call(self, method: str, *params: object) -> tuple[object, object]:
-        """(error, result) of one call."""
-        self.msgid += 1
-        with trio.fail_after(WAIT):
-            await self.stream.send_all(msgpack.packb([0, self.msgid, method, list(params)]))
-            while True:
-                for msg in self.unpacker:
-                    assert msg[1] == self.msgid
-                    return msg[2], msg[3]
-                self.unpacker.feed(await self.stream.receive_some(65536))
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
 
 
 SHORT = '[queues.t]\nopen_transaction_timeout = "300ms"\n'

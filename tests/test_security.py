@@ -33,7 +33,16 @@ from queued.core import commands as c
 from queued.core.access import ANONYMOUS, Grant, Permission, needed
 from queued.server.app import check_exposure, is_loopback, open_security
 from queued.server.listeners import Server
-from tests.server_util import HOST, QUEUED, WAIT, Conn, ServerProcess, make_config, running
+from tests.server_util import (
+    HOST,
+    QUEUED,
+    WAIT,
+    Conn,
+    Rpc,
+    ServerProcess,
+    make_config,
+    running,
+)
 
 REFUSED = b"CLIENT_ERROR authentication failure"
 #: Cheap hashes for tests (the default cost is ~50 ms a check).
@@ -267,35 +276,6 @@ async def test_text_protocol_auth(tmp_path: Path, users_file: Path) -> None:
             b"-permission denied: user 'alice' lacks 'admin' on queue 'orders'")
         assert await conn.cmd(b"version") != b""  # still usable
         await conn.aclose()
-
-
-class Rpc:
-    """Raw MessagePack-RPC over any trio stream."""
-
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self.stream = stream
-        self.unpacker = msgpack.Unpacker(raw=False)
-        self.msgid = 0
-
-    async def call(self, method: str, *params: Any) -> tuple[Any, Any]:
-        self.msgid += 1
-        with trio.fail_after(WAIT):
-            await self.stream.send_all(msgpack.packb([0, self.msgid, method, list(params)]))
-            while True:
-                for msg in self.unpacker:
-                    assert msg[1] == self.msgid
-                    return msg[2], msg[3]
-                data = await self.stream.receive_some(65536)
-                if not data:
-                    raise EOFError("closed")
-                self.unpacker.feed(data)
-
-    async def closed(self) -> bool:
-        with trio.fail_after(WAIT):
-            try:
-                return await self.stream.receive_some(65536) == b""
-            except trio.BrokenResourceError:
-                return True
 
 
 async def test_rpc_auth(tmp_path: Path, users_file: Path) -> None:
