@@ -99,3 +99,13 @@ async def test_a_parked_paused_queue_stays_paused(tmp_path: Path) -> None:
         assert await c.cmd(b"resume idle") == b"OK"
         assert await c.get("idle") == b"x"
         await c.aclose()
+
+
+async def test_pauses_at_the_same_time_are_all_kept(tmp_path: Path) -> None:
+    config = cfg(tmp_path)
+    names = [f"q{i}" for i in range(8)]
+    async with running(config) as server, trio.open_nursery() as nursery:
+        for name in names:
+            nursery.start_soon(server.broker.set_paused, name, True)
+    async with running(config) as server:
+        assert server.broker.paused == frozenset(names)

@@ -177,6 +177,7 @@ class Broker:
         #: Call to answer, per get that did not wait for an item to arrive.
         self.get_latency = Histogram(LATENCY_BUCKETS)
         self.start_time = time.time()
+        self._pause_lock = trio.Lock()  # (set_paused)
 
     def _now(self) -> int:
         return self.clock()
@@ -604,14 +605,15 @@ class Broker:
         changed anything. Resuming serves the gets that waited meanwhile."""
         if not jf.valid_name(queue):
             raise BadNameError(f"invalid queue name {queue!r}")
-        paused = self.registry.paused
-        if (queue in paused) == on:
-            return False
-        await self.datadir.save_paused(paused | {queue} if on else paused - {queue})
-        if on:
-            paused.add(queue)
-        else:
-            paused.discard(queue)
+        async with self._pause_lock:  # one write at a time, each of the whole list
+            paused = self.registry.paused
+            if (queue in paused) == on:
+                return False
+            await self.datadir.save_paused(paused | {queue} if on else paused - {queue})
+            if on:
+                paused.add(queue)
+            else:
+                paused.discard(queue)
         qs = self.queues.get(queue)
         if qs is not None:
             qs.paused = on
