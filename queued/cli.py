@@ -508,6 +508,22 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("queue", help="QUEUE, or QUEUE+READER for a fanout reader")
     p = add("delete", "delete a queue and its journal", timeout)
     p.add_argument("queue", help="QUEUE, or QUEUE+READER for a fanout reader")
+    p = add("move", "move items from one queue to another (redrive dead letters; admin)",
+            timeout, description="Move items from SOURCE to DESTINATION in delivery order, each "
+                        "durable in DESTINATION (with its error count and flags) before it "
+                        "leaves SOURCE, on every server (--server picks some). Prints how "
+                        "many moved. An admin command. --timeout bounds connecting; the "
+                        "move itself may take as long as its rate needs.")
+    p.add_argument("source", help="SOURCE, or SOURCE+READER for a fanout reader")
+    p.add_argument("destination")
+    p.add_argument("-n", type=_non_negative, default=0, metavar="N",
+                   help="at most N items per server (default 0: all there)")
+    p.add_argument("--rate", type=_non_negative, default=0, metavar="PER_S",
+                   help="at most PER_S items a second per server (default 0: no limit)")
+    p = add("pause", "pause a queue: puts go on, gets wait until resume (admin)", timeout)
+    p.add_argument("queue")
+    p = add("resume", "resume a paused queue (admin)", timeout)
+    p.add_argument("queue")
 
 
 def _whole(text: str, least: int) -> int:
@@ -771,6 +787,18 @@ def delete_command(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def move_command(client: Client, args: argparse.Namespace) -> int:
+    moved = client.move(args.source, args.destination, args.n, args.rate)
+    print(f"moved {moved} item{'s' if moved != 1 else ''}")
+    return EXIT_OK
+
+
+def pause_command(client: Client, args: argparse.Namespace) -> int:
+    (client.pause if args.command == "pause" else client.resume)(args.queue)
+    print(f"{args.queue}: {'paused' if args.command == 'pause' else 'resumed'}")
+    return EXIT_OK
+
+
 CLIENT_COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "put": put_command,
     "get": get_command,
@@ -778,6 +806,9 @@ CLIENT_COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "stats": stats_command,
     "flush": flush_command,
     "delete": delete_command,
+    "move": move_command,
+    "pause": pause_command,
+    "resume": pause_command,
 }
 
 

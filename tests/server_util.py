@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import trio
 from pymemcache.client.base import Client as MemcacheClient
 
@@ -173,6 +174,44 @@ class Conn:
                 pass
         rest, self.buf = bytes(self.buf), bytearray()
         return rest
+
+    async def aclose(self) -> None:
+        with trio.move_on_after(WAIT):
+            await self.stream.aclose()
+
+
+class Rpc:
+    """Raw MessagePack-RPC over any trio stream."""
+
+    @classmethod
+    async def open(cls, port: int) -> Rpc:
+        with trio.fail_after(WAIT):
+            return cls(await trio.open_tcp_stream(HOST, port))
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.unpacker = msgpack.Unpacker(raw=False)
+        self.msgid = 0
+
+    async def call(self, method: str, *params: Any) -> tuple[Any, Any]:
+        self.msgid += 1
+        with trio.fail_after(WAIT):
+            await self.stream.send_all(msgpack.packb([0, self.msgid, method, list(params)]))
+            while True:
+                for msg in self.unpacker:
+                    assert msg[1] == self.msgid
+                    return msg[2], msg[3]
+                data = await self.stream.receive_some(65536)
+                if not data:
+                    raise EOFError("closed")
+                self.unpacker.feed(data)
+
+    async def closed(self) -> bool:
+        with trio.fail_after(WAIT):
+            try:
+                return await self.stream.receive_some(65536) == b""
+            except trio.BrokenResourceError:
+                return True
 
     async def aclose(self) -> None:
         with trio.move_on_after(WAIT):

@@ -889,3 +889,15 @@ def test_fsync_policy_parse() -> None:
     assert FsyncPolicy.parse(15).interval_ms == 15
     with pytest.raises(ValueError):
         FsyncPolicy.parse("sometimes")
+
+
+def test_retry_backoff_steps_by_error_count() -> None:
+    config = cfg.load_config({}, env={"QUEUED_CONFIG": ""})
+    assert config.default.retry_backoff == () and config.default.backoff_ms(3) == 0
+    q = dataclasses.replace(config.default, retry_backoff=(1000, 10_000, 60_000))
+    assert [q.backoff_ms(n) for n in (1, 2, 3, 4, 50)] == [1000, 10_000, 60_000, 60_000, 60_000]
+    assert cfg.QUEUE_KEYS["retry_backoff"](["1s", "10s", "1m"], False) == (1000, 10_000, 60_000)
+    assert cfg.QUEUE_KEYS["retry_backoff"]("1s, 2s", True) == (1000, 2000)  # the environment
+    for bad in (["0s"], "1s", [["1s"]], ["1s"] * 65):
+        with pytest.raises(ValueError):
+            cfg.QUEUE_KEYS["retry_backoff"](bad, False)

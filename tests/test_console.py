@@ -291,6 +291,37 @@ async def test_admin_actions(tmp_path: Path, users: Path) -> None:
         assert status == 405 and "jobs-1" in b.queues
 
 
+async def test_admin_pause_resume_and_redrive_actions(tmp_path: Path, users: Path) -> None:
+    async with running(cfg(tmp_path, users_file=str(users))) as server:
+        port, b = server.ports["http"], server.broker
+        await b.put("jobs-dead", [b"a", b"b"])
+        status, d = await doc(port, "/api/queues/jobs-dead/pause", {**ACTION, **as_("alice")},
+                              "POST")
+        assert status == 403 and "not an admin" in str(d["error"])
+        assert "jobs-dead" not in b.paused
+        status, d = await doc(port, "/api/queues/jobs-dead/pause", {**ACTION, **as_("root")},
+                              "POST")
+        assert (status, d) == (200, {"paused": True}) and "jobs-dead" in b.paused
+        status, d = await doc(port, "/api/queues/jobs-dead/resume", {**ACTION, **as_("ops")},
+                              "POST")
+        assert (status, d) == (200, {"paused": False}) and "jobs-dead" not in b.paused
+        status, d = await doc(port, "/api/queues/jobs-dead/move/jobs-1",
+                              {**ACTION, **as_("root")}, "POST")
+        assert (status, d) == (200, {"moved": 2, "limit": 10_000})
+        assert b.reader_info("jobs-1")["items"] == 2
+        status, d = await doc(port, "/api/queues/jobs-1/move/jobs-1", {**ACTION, **as_("root")},
+                              "POST")
+        assert status == 400 and "the destination is the source" in str(d["error"])
+        status, _ = await doc(port, "/api/queues/jobs-1/move/a.b", {**ACTION, **as_("root")},
+                              "POST")
+        assert status == 400
+        for bad in ("/api/queues/jobs-1/move", "/api/queues/jobs-1/pause/x"):
+            status, _ = await doc(port, bad, {**ACTION, **as_("root")}, "POST")
+            assert status == 404
+        status, d = await doc(port, "/api/queues/jobs-1/move/jobs-2", {**as_("root")}, "POST")
+        assert status == 403 and b.reader_info("jobs-1")["items"] == 2  # no console header
+
+
 @pytest.mark.parametrize("headers", [
     {"Content-Type": "application/x-www-form-urlencoded"},  # what a cross-site form sends
     {"X-Queued-Console": "yes"},
@@ -344,3 +375,19 @@ async def test_head_items_leave_out_delayed_items_until_due(tmp_path: Path) -> N
         assert (await b.get("jobs", peek=True)).data == b"later"  # type: ignore[union-attr]
         status, d = await doc(port, "/api/queues/jobs")
         assert [i["text"] for i in d["items"]] == ["later", "now"]  # type: ignore
+
+
+async def test_the_chart_history_shows_each_user_its_queues_up_to_now(
+        tmp_path: Path, users: Path) -> None:
+    async with running(cfg(tmp_path, users_file=str(users))) as server:
+        port, b = server.ports["http"], server.broker
+        await b.put("jobs-1", [b"a", b"b", b"c"])
+        await b.put("orders", [b"o"])
+        status, d = await doc(port, "/api/history", as_("bob"))  # get jobs-*: not orders
+        assert status == 200 and d["interval_s"] == 10.0 and d["window_s"] == 900
+        queues: dict[str, dict[str, list[float]]] = d["queues"]  # type: ignore[assignment]
+        assert set(queues) == {"jobs-1"} and queues["jobs-1"]["items"][-1] == 3  # (now)
+        status, d = await doc(port, "/api/history", as_("root"))
+        assert status == 200 and set(d["queues"]) == {"jobs-1", "orders"}  # type: ignore[arg-type]
+        assert (await get(port, "/api/history", method="POST"))[0] in (401, 405)
+        assert (await get(port, "/api/history"))[0] == 401

@@ -1,6 +1,7 @@
 """The pure per-reader state machine (queued.core.queue.Reader): ordering, read-behind,
 checkpoints, expiry, limits, drop_through, and a hypothesis state machine checking that a
-checkpoint (head, done) always describes exactly the outstanding items."""
+checkpoint (head, done) always describes exactly the outstanding items, with lease
+timeouts and their extension (core.open_reads), the retry back-off and reject."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from hypothesis.stateful import (
 )
 
 from queued.core.journal_format import Put
+from queued.core.open_reads import OpenReads, TimeoutHeap
 from queued.core.packed_items import BLOCK_ITEMS
-from queued.core.queue import NO_ITEMS, PACK_AT, Reader
+from queued.core.queue import NO_ITEMS, PACK_AT, Reader, key_id
 
 T0 = 1_700_000_000_000
 
@@ -643,6 +645,8 @@ def test_drop_through_everything() -> None:
 
 
 CAP = 300
+#: The retry_backoff the machine's reads come back with, ms by error count.
+BACKOFF = (5, 15)
 
 
 class ReaderMachine(RuleBasedStateMachine):
@@ -660,8 +664,14 @@ class ReaderMachine(RuleBasedStateMachine):
         self.next_id = 1
         self.now = T0
         self.pending_load: tuple[int, list[Put], int] | None = None
-        # Expected delivery order: aborted ids (newest abort first), then the rest by id.
+        # Expected delivery order: aborted ids (newest abort first), then ids a back-off
+        # made wait and now due (by due time, then id), then the rest by id.
         self.front: list[int] = []
+        self.delays: dict[int, int] = {}  # id -> due ms, for items a back-off made wait
+        # Leases of the reads opened by take_open, as the broker keeps them.
+        self.reads = OpenReads()
+        self.heap = TimeoutHeap(min_size=4)
+        self.deadlines: dict[int, int] = {}  # id -> lease deadline (ms on the model clock)
 
     # -- helpers
 
@@ -671,15 +681,40 @@ class ReaderMachine(RuleBasedStateMachine):
     def available(self) -> set[int]:
         return self.outstanding() - set(self.r.open) - set(self.r.moving)
 
-    def expected_next(self) -> list[int]:
-        rest = sorted(self.available() - set(self.front))
-        return self.front + rest
+    def expected_next(self, *, promoting: bool = True) -> list[int]:
+        """In delivery order, but due items whose data is on disk: the items in memory
+        may come before those (the README's Delayed delivery says so); `_take` reads
+        them back once memory has nothing else. `promoting`: for a take or a peek, which
+        first move what is due from the delay heap (a sweep or a discard does not)."""
+        waiting = set(self.delays)
+        in_memory = {e.id for e in self.r.due if not isinstance(e, int)}
+        if promoting:
+            in_memory |= set(self.r.parked)
+        due = sorted((d, i) for i, d in self.delays.items() if d <= self.now and i in in_memory)
+        rest = sorted(self.available() - set(self.front) - waiting)
+        return self.front + [i for _, i in due] + rest
+
+    def _settled(self, i: int) -> None:
+        """Read `i` ended (confirmed, aborted, rejected): its lease ends with it."""
+        self.reads.remove("q", "", i)
+        self.deadlines.pop(i, None)
+
+    def _return_with_backoff(self, ids: Iterable[int]) -> None:
+        """What QueueState.return_read does with retry_backoff: each returned read (an
+        error counted) waits the step of its error count, highest id first."""
+        for i in sorted(ids, reverse=True):
+            self._settled(i)
+            it = self.r.abort(i, count_error=True)
+            assert it is not None
+            due = self.now + BACKOFF[min(it.error_count, len(BACKOFF)) - 1]
+            self.r.delay_back(it, due)
+            self.delays[i] = due
 
     def _take(self) -> Put | None:
         while True:
             expired: list[Put] = []
-            it = self.r.take(self.now, expired)
             order = self.expected_next()
+            it = self.r.take(self.now, expired)
             got = [p.id for p in expired] + ([it.id] if it is not None else [])
             assert got == order[: len(got)], (got, order)
             for p in expired:
@@ -689,8 +724,12 @@ class ReaderMachine(RuleBasedStateMachine):
             if it is not None:
                 self._forget_front(it.id)
                 return it
+            if self.r.wants_fetch():  # a due item whose data is on disk: read it back
+                ids = self.r.fetch_ids(10)
+                assert self.r.fetched([self.journal[i] for i in ids], ids) == 0
+                continue
             if self.r.behind is None:
-                assert not self.available()
+                assert not self.expected_next()  # (delayed items not due yet may wait)
                 return None
             self.pending_load = None
             refill(self.r, self.journal)
@@ -699,6 +738,7 @@ class ReaderMachine(RuleBasedStateMachine):
         if i in self.front:
             assert self.front[0] == i
             self.front.remove(i)
+        self.delays.pop(i, None)
 
     # -- rules
 
@@ -725,11 +765,55 @@ class ReaderMachine(RuleBasedStateMachine):
             assert self.r.confirm(it.id)
             self.consumed.add(it.id)
 
-    @rule()
-    def take_open(self) -> None:
+    @rule(lease=st.integers(1, 30))
+    def take_open(self, lease: int) -> None:
         it = self._take()
         if it is not None:
             self.r.open_read(it)
+            self.reads.add("q", "", it.id, self.now + lease)
+            self.heap.push(self.now + lease, self.reads, "q", "", [it.id])
+            self.deadlines[it.id] = self.now + lease
+
+    @precondition(lambda self: self.deadlines)
+    @rule(data=st.data(), ms=st.integers(1, 60))
+    def extend(self, data: st.DataObject, ms: int) -> None:
+        """touch / extend: the leases move to `ms` from now, before or after they ran
+        out (the broker returns a read at its deadline only if `expire` ran by then)."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.deadlines)), min_size=1,
+                                 unique=True))
+        self.reads.add_many("q", "", ids, self.now + ms)
+        self.heap.push(self.now + ms, self.reads, "q", "", ids)
+        self.deadlines.update(dict.fromkeys(ids, self.now + ms))
+
+    @rule()
+    def expire(self) -> None:
+        """The upkeep's timeout round: exactly the leases past their (last) deadline
+        end, and their reads come back after a back-off."""
+        due = self.heap.pop_due(self.now)
+        gone = {t.item_id for t in due}
+        assert gone == {i for i, d in self.deadlines.items() if d <= self.now}
+        for i in gone:
+            del self.deadlines[i]
+        self._return_with_backoff(gone)
+
+    @precondition(lambda self: self.r.open)
+    @rule(data=st.data())
+    def abort_with_backoff(self, data: st.DataObject) -> None:
+        ids = data.draw(st.sets(st.sampled_from(sorted(self.r.open)), min_size=1))
+        self._return_with_backoff(ids)
+
+    @precondition(lambda self: self.r.open)
+    @rule(data=st.data(), to_error_queue=st.booleans())
+    def reject(self, data: st.DataObject, to_error_queue: bool) -> None:
+        """What QueueState.reject_read does: to the error queue (a move), or dropped."""
+        i = data.draw(st.sampled_from(sorted(self.r.open)))
+        self._settled(i)
+        if to_error_queue:
+            it = self.r.open.pop(i)
+            self.r.start_move(it)
+        else:
+            assert self.r.confirm(i)
+            self.consumed.add(i)
 
     @rule(limit=st.integers(0, 6), max_bytes=st.sampled_from([0, 1, 50, 200]))
     def take_batch(self, limit: int, max_bytes: int) -> None:
@@ -757,6 +841,8 @@ class ReaderMachine(RuleBasedStateMachine):
         stranger = max(self.journal, default=0) + 1  # never open: not confirmed
         assert self.r.confirm_many([*ids, stranger]) == ids
         self.consumed.update(ids)
+        for i in ids:
+            self._settled(i)
 
     @rule()
     def take_and_move(self) -> None:
@@ -780,6 +866,7 @@ class ReaderMachine(RuleBasedStateMachine):
         i = data.draw(st.sampled_from(sorted(self.r.open)))
         assert self.r.confirm(i)
         self.consumed.add(i)
+        self._settled(i)
 
     @precondition(lambda self: self.r.open)
     @rule(data=st.data(), count_error=st.booleans())
@@ -787,13 +874,16 @@ class ReaderMachine(RuleBasedStateMachine):
         ids = data.draw(st.sets(st.sampled_from(sorted(self.r.open)), min_size=1))
         abort_ids(self.r, ids, count_error=count_error)
         self.front = sorted(ids) + self.front
+        for i in ids:
+            self._settled(i)
 
     @rule()
     def peek(self) -> None:
         expired: list[Put] = []
+        order = self.expected_next()
         it = self.r.peek(self.now, expired)
         got = [p.id for p in expired] + ([it.id] if it is not None else [])
-        assert got == self.expected_next()[: len(got)]
+        assert got == order[: len(got)]
         for p in expired:
             self._forget_front(p.id)
             self.r.consume(p.id)
@@ -804,7 +894,7 @@ class ReaderMachine(RuleBasedStateMachine):
         expired: list[Put] = []
         self.r.expire_head(self.now, limit, expired)
         assert not limit or len(expired) <= limit
-        assert [p.id for p in expired] == self.expected_next()[: len(expired)]
+        assert [p.id for p in expired] == self.expected_next(promoting=False)[: len(expired)]
         for p in expired:
             assert p.expire_time_ms is not None and p.expire_time_ms <= self.now
             self._forget_front(p.id)
@@ -817,13 +907,14 @@ class ReaderMachine(RuleBasedStateMachine):
         assert self.r.flush() == len(avail)
         self.consumed |= avail
         self.front = []
+        self.delays = {}
 
     @rule()
     def discard_oldest(self) -> None:
-        order = self.expected_next()
+        order = self.expected_next(promoting=False)
         it = self.r.discard_oldest()
         if it is None:
-            assert not held(self.r)
+            assert not held(self.r) and all(isinstance(e, int) for e in self.r.due)
             return
         assert it.id == order[0]
         self._forget_front(it.id)
@@ -854,11 +945,13 @@ class ReaderMachine(RuleBasedStateMachine):
             assert i <= head or i in done
         assert self.r.head == head and not self.r.dirty
 
-    @precondition(lambda self: not self.r.moving)
+    @precondition(lambda self: not self.r.moving and not self.delays)
     @rule()
     def restart(self) -> None:
-        """Clean shutdown (open reads go back, checkpoint) and recovery from it."""
+        """Clean shutdown (open reads go back, checkpoint) and recovery from it. (That
+        back-off delays survive one is tests/test_lease.py's, through the real files.)"""
         abort_ids(self.r, list(self.r.open), count_error=False)
+        self.reads, self.heap, self.deadlines = OpenReads(), TimeoutHeap(min_size=4), {}
         head, done = self.r.checkpoint()
         r = Reader("q", "", self.limits, head=head, done=done, tail=max(self.journal, default=0))
         mem: list[Put] = []
@@ -882,9 +975,17 @@ class ReaderMachine(RuleBasedStateMachine):
     # -- invariants
 
     @invariant()
+    def leases_match_the_model(self) -> None:
+        assert self.reads.open.get(("q", ""), {}) == self.deadlines
+        assert set(self.deadlines) <= set(self.r.open)
+
+    @invariant()
     def reader_outstanding_matches_the_model(self) -> None:
         r = self.r
-        seen = [p.id for p in held(r)] + list(r.open) + list(r.moving)
+        waiting = [key_id(k) for k in r.delayed] + [
+            key_id(e) if isinstance(e, int) else e.id for e in r.due]
+        assert set(waiting) == set(self.delays)  # due or not, until taken
+        seen = [p.id for p in held(r)] + list(r.open) + list(r.moving) + waiting
         assert len(seen) == len(set(seen)), "an id is held twice"
         disk = set()
         if r.behind is not None:
@@ -898,7 +999,9 @@ class ReaderMachine(RuleBasedStateMachine):
         avail = self.available()
         assert r.items == len(avail)
         assert r.bytes == sum(len(self.journal[i].data) for i in avail)
-        assert r.mem_bytes == sum(len(p.data) for p in held(r))
+        assert r.mem_bytes == sum(len(p.data) for p in held(r)) + sum(
+            len(p.data) for p in r.parked.values()) + sum(
+            len(e.data) for e in r.due if not isinstance(e, int))
         assert r.mem_count == len(held(r))
 
     @invariant()
@@ -919,7 +1022,7 @@ class ReaderMachine(RuleBasedStateMachine):
         # Aborted items always come back to memory; a refill may take one item more
         # than its budget (it never returns nothing).
         r = self.r
-        if not r.front and r.mem_count > 1:
+        if not r.front and not self.delays and r.mem_count > 1:
             assert r.mem_bytes <= self.limits.max_memory_size + 160
 
 

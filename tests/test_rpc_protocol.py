@@ -23,16 +23,21 @@ from queued.core.rpc_protocol import (
     NEED_DATA,
     Abort,
     Auth,
+    Browse,
     Confirm,
     ConnectionClosed,
     Delete,
     ErrorCode,
+    Extend,
     Flush,
     FlushAll,
     Get,
+    Move,
     Notification,
+    Pause,
     Peek,
     Put,
+    Reject,
     Request,
     Response,
     RpcError,
@@ -748,7 +753,7 @@ def test_a_pipelined_request_over_max_batch_is_answered_by_msgid(follow: Any) ->
 #: Every method with a full set of valid params (all optional ones given).
 FULL: dict[str, list[Any]] = {
     "put": ["q", [b"a"], 0, 0, 0],
-    "get": ["q", 1, 0, 0, False],
+    "get": ["q", 1, 0, 0, False, False],
     "confirm": ["q", [1]],
     "abort": ["q", [1], 0],
     "peek": ["q"],
@@ -758,15 +763,24 @@ FULL: dict[str, list[Any]] = {
     "auth": ["alice", "secret"],
     "stats": [],
     "version": [],
+    "extend": ["q", [1], 1000],
+    "reject": ["q", [1]],
+    "pause": ["q"],
+    "resume": ["q"],
+    "move": ["q", "dead", 10, 100],
+    "browse": ["q", 0, 10],
 }
 ARITY: dict[str, tuple[int, int]] = {
-    "put": (2, 5), "get": (2, 5), "confirm": (2, 2), "abort": (2, 3), "peek": (1, 1),
+    "put": (2, 5), "get": (2, 6), "confirm": (2, 2), "abort": (2, 3), "peek": (1, 1),
     "flush": (1, 1), "delete": (1, 1), "flush_all": (0, 0), "stats": (0, 0), "version": (0, 0),
-    "auth": (2, 2),
+    "auth": (2, 2), "extend": (3, 3), "reject": (2, 2), "pause": (1, 1), "resume": (1, 1),
+    "move": (2, 4), "browse": (1, 3),
 }
 CALL_TYPES: dict[str, type] = {
     "put": Put, "get": Get, "confirm": Confirm, "abort": Abort, "peek": Peek, "flush": Flush,
     "delete": Delete, "flush_all": FlushAll, "stats": Stats, "version": Version, "auth": Auth,
+    "extend": Extend, "reject": Reject, "pause": Pause, "resume": Pause, "move": Move,
+    "browse": Browse,
 }
 QUEUE_METHODS = [m for m in FULL if FULL[m] and m != "auth"]
 
@@ -813,6 +827,17 @@ VALID = [
     ("stats", [], Stats(7)),
     ("version", [], Version(7)),
     ("auth", ["alice", "pass word"], Auth(7, "alice", "pass word")),
+    ("get", ["q", 2, 0, 10, False, True],
+     Get(7, "q", None, 2, 0, 10, with_flags=False, with_deliveries=True)),
+    ("extend", ["q+r", [3, 4], 60_000], Extend(7, "q", "r", [3, 4], 60_000)),
+    ("extend", ["q", [3], 0], Extend(7, "q", None, [3], 0)),
+    ("reject", ["q", [9]], Reject(7, "q", None, [9])),
+    ("pause", ["q"], Pause(7, "q", True)),
+    ("resume", [b"q"], Pause(7, "q", False)),
+    ("move", ["dead", "jobs"], Move(7, "dead", None, "jobs", 0, 0)),
+    ("move", ["dead+r", "jobs", 10, 50], Move(7, "dead", "r", "jobs", 10, 50)),
+    ("browse", ["q"], Browse(7, "q", None, 0, 100)),
+    ("browse", ["q+r", 41, 5], Browse(7, "q", "r", 41, 5)),
 ]
 
 
@@ -854,6 +879,14 @@ def test_arity(method: str, msgid: int) -> None:
 
 
 BAD_PARAMS = [
+    ("extend", ["q", [1], -1]),
+    ("extend", ["q", [0], 10]),
+    ("extend", ["q", 1, 10]),
+    ("move", ["q", "d", -1]),
+    ("move", ["q", "d", 1, "fast"]),
+    ("browse", ["q", 0, 0]),
+    ("browse", ["q", -1]),
+    ("get", ["q", 1, 0, 0, False, 1]),
     ("put", [1, [b"a"]]),
     ("put", [None, [b"a"]]),
     ("put", [["q"], [b"a"]]),
@@ -941,11 +974,12 @@ BAD_NAMES = [
 def test_good_queue_names(method: str, name: str | bytes, queue: str) -> None:
     call = parse_call(Request(3, method, [name, *FULL[method][1:]]))
     assert getattr(call, "queue") == queue  # noqa: B009  (the Call union has no common queue)
-    if not isinstance(call, Put):
+    if not isinstance(call, Put | Pause):
         assert getattr(call, "reader") is None  # noqa: B009
 
 
-@pytest.mark.parametrize("method", [m for m in QUEUE_METHODS if m != "put"])
+@pytest.mark.parametrize("method", [m for m in QUEUE_METHODS
+                                    if m not in ("put", "pause", "resume")])
 @pytest.mark.parametrize(("name", "queue", "reader"), [
     ("q+r", "q", "r"),
     (b"q+r", "q", "r"),
@@ -1069,7 +1103,7 @@ def test_error_codes_are_stable() -> None:
         "QUEUE_FULL": 5, "ITEM_TOO_LARGE": 6, "TOO_LARGE": 7, "TOO_MANY_OPEN_READS": 8,
         "JOURNAL_FULL": 9, "SHUTTING_DOWN": 10, "SERVER_ERROR": 11, "BUSY": 12,
         "UNAUTHENTICATED": 13, "AUTH_FAILED": 14, "PERMISSION_DENIED": 15,
-        "TOO_MANY_QUEUES": 16,
+        "TOO_MANY_QUEUES": 16, "NOT_OPEN": 17,
     }
 
 

@@ -33,7 +33,16 @@ from queued.core import commands as c
 from queued.core.access import ANONYMOUS, Grant, Permission, needed
 from queued.server.app import check_exposure, is_loopback, open_security
 from queued.server.listeners import Server
-from tests.server_util import HOST, QUEUED, WAIT, Conn, ServerProcess, make_config, running
+from tests.server_util import (
+    HOST,
+    QUEUED,
+    WAIT,
+    Conn,
+    Rpc,
+    ServerProcess,
+    make_config,
+    running,
+)
 
 REFUSED = b"CLIENT_ERROR authentication failure"
 #: Cheap hashes for tests (the default cost is ~50 ms a check).
@@ -115,7 +124,8 @@ def test_every_command_needs_a_known_permission() -> None:
         c.Put("q", [b"x"]), c.Get("q"), c.Peek("q"), c.Confirm("q"), c.Abort("q"),
         c.Flush("q"), c.FlushAll(), c.FlushExpired("q"), c.FlushAllExpired(), c.Delete("q"),
         c.Stats(), c.Stats(dump=True), c.Version(), c.Reload(), c.Shutdown(), c.Quit(),
-        c.Monitor("q", None, 10), c.Auth("u", "p"),
+        c.Monitor("q", None, 10), c.Auth("u", "p"), c.Touch("q", None, 1000), c.Reject("q"),
+        c.Browse("q"), c.Pause("q"), c.Move("q", None, "d"),
     ]
     kinds = {type(e) for e in examples}
     assert kinds == set(c.Command.__args__)  # type: ignore[attr-defined]  # every command
@@ -123,6 +133,8 @@ def test_every_command_needs_a_known_permission() -> None:
              for e in examples}
     assert wants["Put"] == (Permission.PUT, "q")
     assert wants["Get"] == wants["Confirm"] == wants["Monitor"] == (Permission.GET, "q")
+    assert wants["Touch"] == wants["Reject"] == wants["Browse"] == (Permission.GET, "q")
+    assert wants["Pause"] == wants["Move"] == (Permission.ADMIN, "q")
     assert wants["Delete"] == (Permission.ADMIN, "q")
     assert wants["FlushAll"] == wants["Stats+dump"] == (Permission.ADMIN, None)
     assert wants["Stats"] is None and wants["Version"] is None and wants["Auth"] is None
@@ -264,35 +276,6 @@ async def test_text_protocol_auth(tmp_path: Path, users_file: Path) -> None:
             b"-permission denied: user 'alice' lacks 'admin' on queue 'orders'")
         assert await conn.cmd(b"version") != b""  # still usable
         await conn.aclose()
-
-
-class Rpc:
-    """Raw MessagePack-RPC over any trio stream."""
-
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self.stream = stream
-        self.unpacker = msgpack.Unpacker(raw=False)
-        self.msgid = 0
-
-    async def call(self, method: str, *params: Any) -> tuple[Any, Any]:
-        self.msgid += 1
-        with trio.fail_after(WAIT):
-            await self.stream.send_all(msgpack.packb([0, self.msgid, method, list(params)]))
-            while True:
-                for msg in self.unpacker:
-                    assert msg[1] == self.msgid
-                    return msg[2], msg[3]
-                data = await self.stream.receive_some(65536)
-                if not data:
-                    raise EOFError("closed")
-                self.unpacker.feed(data)
-
-    async def closed(self) -> bool:
-        with trio.fail_after(WAIT):
-            try:
-                return await self.stream.receive_some(65536) == b""
-            except trio.BrokenResourceError:
-                return True
 
 
 async def test_rpc_auth(tmp_path: Path, users_file: Path) -> None:
@@ -885,3 +868,43 @@ async def test_a_refused_connection_leaves_no_garbage_cycle(
             gc.set_debug(0)
             gc.garbage.clear()
         assert not kinds & {"Session", "RpcParser", "MemcacheCodec", "TextCodec", "frame"}
+
+
+async def test_consumer_commands_need_their_permissions(tmp_path: Path, users_file: Path) -> None:
+    """touch, reject and browse take `get` on the queue; pause, resume and move take admin.
+    Refused each way on each protocol that has them; allowed with the permission."""
+    async with secured(tmp_path, users_file) as server:
+        denied_get = b"CLIENT_ERROR permission denied: user 'alice' lacks 'get' on queue 'jobs-1'"
+        alice = await mc_login(server.ports["memcache"], "alice", "alice pw")  # no get jobs-*
+        assert await alice.cmd(b"touch jobs-1 1000") == denied_get
+        assert await alice.cmd(b"get jobs-1/reject") == denied_get
+        assert await alice.cmd(b"touch orders 1000") == b"NOT_FOUND"  # get on orders: allowed
+        for admin in (b"pause orders", b"resume orders"):
+            reply = await alice.cmd(admin)
+            assert reply.startswith(b"CLIENT_ERROR permission denied") and b"'admin'" in reply
+        root = await mc_login(server.ports["memcache"], "root", "root-pw")
+        assert await root.cmd(b"pause orders") == b"OK"
+        assert await root.cmd(b"resume orders") == b"OK"
+
+        text = await Conn.open(server.ports["text"], b"\n")
+        assert await text.cmd(b"auth alice alice pw") == b"+1"
+        assert await text.cmd(b"touch jobs-1 1000") == (
+            b"-permission denied: user 'alice' lacks 'get' on queue 'jobs-1'")
+        assert (await text.cmd(b"pause orders")).startswith(b"-permission denied")
+
+        rpc = Rpc(await trio.open_tcp_stream(HOST, server.ports["rpc"]))
+        assert await rpc.call("auth", "bob", "bob-pw") == (None, True)  # get jobs-*, no admin
+        assert await rpc.call("put", "jobs-1", [b"x"]) == (
+            [15, "permission denied: user 'bob' lacks 'put' on queue 'jobs-1'"], None)
+        assert await rpc.call("browse", "jobs-1") == (None, [])
+        assert await rpc.call("extend", "jobs-1", [1], 1000) == (
+            [17, "not open on this connection: jobs-1 id 1"], None)  # allowed, not held
+        for call in (("extend", "orders", [1], 1000), ("reject", "orders", [1]),
+                     ("browse", "orders")):
+            assert (await rpc.call(*call))[0][0] == 15
+        for call in (("pause", "jobs-1"), ("resume", "jobs-1"), ("move", "jobs-1", "jobs-2")):
+            err = (await rpc.call(*call))[0]
+            assert err[0] == 15 and "'admin'" in err[1]
+        await rpc.stream.aclose()
+        for c in (alice, root, text):
+            await c.aclose()

@@ -17,11 +17,13 @@ from queued.core.text_protocol import (
     Flush,
     Get,
     Monitor,
+    Pause,
     Peek,
     Put,
     Quit,
     Shutdown,
     TextParser,
+    Touch,
     Version,
 )
 from queued.core.wire import NEED_DATA, ConnectionClosed
@@ -91,6 +93,15 @@ TABLE: list[tuple[bytes, list[object]]] = [
     (b"shutdown\n", [Shutdown()]),
     (b"quit\n", [Quit()]),
     (b"\n\r\n  \nversion\n", [Version()]),
+    (b"get q deliveries\n", [Get("q", deliveries=True)]),
+    (b"get q 250 deliveries\n", [Get("q", 250, deliveries=True)]),
+    (b"get deliveries\n", [Get("deliveries")]),  # a queue of that name
+    (b"get deliveries deliveries\n", [Get("deliveries", deliveries=True)]),
+    (b"touch q+r 3000\n", [Touch("q", 3000, "r")]),
+    (b"pause q\n", [Pause("q")]),
+    (b"resume q\n", [Pause("q", False)]),
+    (b"touch q\n", [bad("Usage: touch <queue> <ms>")]),
+    (b"pause q+r\n", [bad("cannot write to a fanout reader; write to its queue")]),
     # errors that keep the connection
     (b"foo\n", [Err("UnknownCommand", b"-Unknown command: foo\n", False)]),
     (b"\xff\x01\n", [Err("UnknownCommand", b"-Unknown command: ??\n", False)]),

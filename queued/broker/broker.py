@@ -31,9 +31,11 @@ import trio
 from queued.broker import parking
 from queued.broker.handles import Handle, Waiter, Wake
 from queued.broker.queues import Background, PendingPut, QueueState
+from queued.broker.readback import read_live
 from queued.broker.registry import BrokerCounters, Registry
 from queued.broker.reliable import Owe, ReliableReads
-from queued.core.errors import JournalError, QueueFullError
+from queued.core import journal_format as jf
+from queued.core.errors import BadNameError, JournalError, QueueFullError
 from queued.core.open_reads import OpenReads, TimeoutHeapStatistics
 from queued.core.queue import Item
 from queued.core.stats import LATENCY_BUCKETS, Histogram
@@ -184,6 +186,7 @@ class Broker:
         #: Call to answer, per get that did not wait for an item to arrive.
         self.get_latency = Histogram(LATENCY_BUCKETS)
         self.start_time = time.time()
+        self._pause_lock = trio.Lock()  # (set_paused)
 
     def _now(self) -> int:
         return self.clock()
@@ -324,7 +327,12 @@ class Broker:
         while True:
             expired: list[Item] = []
             now = self.clock()
-            it = h.reader.peek(now, expired) if peek else h.reader.take(now, expired)
+            if peek:
+                it = h.reader.peek(now, expired)
+            elif qs.paused:
+                break  # (a long poll waits for `resume`)
+            else:
+                it = h.reader.take(now, expired)
             qs.dispose_expired(h, expired)
             if it is not None:
                 if not peek:
@@ -598,6 +606,117 @@ class Broker:
         return self.reads.abort(client, queue, reader or "", count, ids,
                                 count_error=count_error, owe=owe, delay_ms=delay_ms)
 
+    def extend(self, client: OpenReads, queue: str, reader: str | None,
+               ids: Sequence[int] | None, ms: int) -> int:
+        """Move the timeout of the client's open reads on queue/reader (`ids`, else all)
+        to `ms` from now (0: none); how many. NotOpenError for an id it does not hold."""
+        return self.reads.extend(client, queue, reader or "", ids, ms, trio.current_time())
+
+    def reject(self, client: OpenReads, queue: str, reader: str | None,
+               ids: Sequence[int] | None, *, owe: Owe | None = None) -> int:
+        """Give up on the client's open reads on queue/reader (`ids`, else all): to the
+        reader's error_queue at once, or dropped (journaled as a confirm; `owe` gets the
+        ticket); how many. NotOpenError for an id it does not hold."""
+        return self.reads.reject(client, queue, reader or "", ids, owe)
+
+    # -- pause, move, browse ----------------------------------------------------------------
+
+    @property
+    def paused(self) -> frozenset[str]:
+        """The paused queues, loaded or parked."""
+        return frozenset(self.registry.paused)
+
+    async def set_paused(self, queue: str, on: bool) -> bool:
+        """Pause (`on`) or resume `queue`, durably before it returns; whether that
+        changed anything. Resuming serves the gets that waited meanwhile."""
+        if not jf.valid_name(queue):
+            raise BadNameError(f"invalid queue name {queue!r}")
+        async with self._pause_lock:  # one write at a time, each of the whole list
+            paused = self.registry.paused
+            if (queue in paused) == on:
+                return False
+            await self.datadir.save_paused(paused | {queue} if on else paused - {queue})
+            if on:
+                paused.add(queue)
+            else:
+                paused.discard(queue)
+        qs = self.queues.get(queue)
+        if qs is not None:
+            qs.paused = on
+            if not on:
+                for h in list(qs.readers.values()):
+                    qs.serve(h)
+        log.info("queue %s: %s", queue, "paused" if on else "resumed")
+        return True
+
+    async def move(self, source: str, reader: str | None, destination: str, max_items: int = 0,
+                   rate: int = 0) -> int:
+        """Move up to `max_items` (0: until the source has none) of source's items, in
+        delivery order, to `destination`, at most `rate` a second (0: no limit); how
+        many. One at a time: each is durable in the destination (keeping its error count
+        and flags) before its removal from the source is journaled, and that removal is
+        durable before the next starts, so a crash duplicates at most the item in
+        flight and loses nothing. Works on a paused source (its consumers stay off)."""
+        if destination == source:
+            raise ValueError("move: the destination is the source")
+        if not jf.valid_name(destination):
+            raise BadNameError(f"invalid queue name {destination!r}")
+        qs = self.registry.queue(source)
+        rname = reader or ""
+        h = qs.readers.get(rname) or await self.registry.handle(qs, rname)
+        interval = 1 / rate if rate else 0.0
+        next_at = trio.current_time()
+        moved = 0
+        while (not max_items or moved < max_items) and not (self.closing or qs.deleted):
+            taken = await qs.take_now(h, 1, 0, even_paused=True)
+            if not taken:
+                break
+            it = taken[0]
+            del h.reader.open[it.id]  # held -> moving (an open read of nobody's)
+            h.reader.start_move(it)
+            try:
+                await self.put(destination, [it.data], error_count=it.error_count,
+                               flags=it.flags)
+            except BaseException:
+                qs.finish_move(h, [it], moved=False, keep_errors=True)
+                raise
+            h.reader.end_move(it.id, moved=True)
+            ticket = qs.note_read(h, done=[it.id])
+            moved += 1
+            self.counters.moved += 1
+            if ticket is not None:
+                with trio.CancelScope(shield=True):
+                    await ticket.event.wait()
+                if ticket.error is not None:
+                    raise ticket.error
+            if interval:
+                next_at += interval
+                await trio.sleep_until(next_at)
+        log.info("moved %d items from %s to %s", moved, source, destination)
+        return moved
+
+    async def browse(self, queue: str, reader: str | None, after_id: int, n: int) -> list[Item]:
+        """Up to `n` items of an existing reader in delivery order, after the item
+        `after_id` (0: from the head; an id no longer there: the items after it by id),
+        without taking them: those in memory, then those on disk (read in a worker
+        thread). Each carries its error count."""
+        found = self.registry.find(queue, reader)
+        if found is None or n <= 0:
+            return []
+        qs, h = found
+        r = h.reader
+        now = self.clock()
+        out = r.browse(now, after_id, n)
+        if len(out) < n and r.behind is not None:
+            start = max(r.behind, after_id + 1, out[-1].id + 1 if out else 0)
+            skip = frozenset(r.done) | frozenset(r.delays)
+            errors = dict(r.errors)
+            more = await trio.to_thread.run_sync(
+                read_live, qs.journal, start, r.tail, n - len(out), skip, now)
+            out += [dataclasses.replace(it, error_count=errors[it.id])
+                    if it.id in errors else it for it in more]
+        return out
+
     def next_due_ms(self) -> int | None:
         """When the next delayed item of any reader falls due (unix ms), if any."""
         return min((d for qs in self.queues.values() for h in qs.readers.values()
@@ -797,7 +916,8 @@ class Broker:
                for qs, rname, h in self.registry.all_readers()]
         if self.registry.parked:
             now = self.clock()
-            out += [(f"{name}+{r.name}" if r.name else name, parking.reader_fields(p, r, now))
+            out += [(f"{name}+{r.name}" if r.name else name, parking.reader_fields(
+                        p, r, now, name in self.registry.paused))
                     for name, p in self.registry.parked_views() for r in p.readers]
             out.sort(key=lambda pair: pair[0])
         return out
@@ -815,7 +935,8 @@ class Broker:
                     qs.journal.statistics())
         p = parking.unpack(self.registry.parked[name])
         now = self.clock()
-        return [(r.name, parking.reader_fields(p, r, now)) for r in p.readers], \
+        return [(r.name, parking.reader_fields(p, r, now, name in self.registry.paused))
+                for r in p.readers], \
             p.journal_stats(name)
 
     def reader_count(self, queue: str) -> int:

@@ -93,19 +93,21 @@ class Handle:
             r.flush_overflow = 0
         return n
 
-    def stats(self, now_ms: int, logsize: int) -> dict[str, int]:
-        """The `stats` fields of this reader (`logsize`: its queue's journal bytes)."""
+    def stats(self, now_ms: int, logsize: int, paused: bool = False) -> dict[str, int]:
+        """The `stats` fields of this reader (`logsize`: its queue's journal bytes;
+        `paused`: its queue's)."""
         r = self.reader
         oldest = r.oldest_add_time_ms()
         return stats_fields(
             r.items, r.bytes, r.counters, logsize, r.mem_count, r.mem_bytes, len(self.waiters),
             len(r.open), r.create_time_ms,
-            0 if oldest is None else max(0, now_ms - oldest), r.delayed_count)
+            0 if oldest is None else max(0, now_ms - oldest), r.delayed_count, paused)
 
 
 def stats_fields(
     items: int, nbytes: int, c: ReaderCounters, logsize: int, mem_items: int, mem_bytes: int,
     waiters: int, open_reads: int, create_time_ms: int, oldest_age_ms: int, delayed: int,
+    paused: bool = False,
 ) -> dict[str, int]:
     """A reader's `stats` fields (Kestrel's names), loaded or parked."""
     return {
@@ -128,4 +130,6 @@ def stats_fields(
         "gets": c.taken,
         "oldest_item_age_msec": oldest_age_ms,
         "delayed": delayed,
+        "rejected": c.rejected,
+        "paused": int(paused),
     }

@@ -138,8 +138,9 @@ def park_tick(park_after_ms: int) -> float:
     return min(1.0, max(0.01, park_after_ms / 10_000))
 
 
-def reader_fields(p: ParkedQueue, r: ParkedReader, now_ms: int) -> dict[str, int]:
+def reader_fields(p: ParkedQueue, r: ParkedReader, now_ms: int,
+                  paused: bool = False) -> dict[str, int]:
     """The `stats` fields of parked reader `r` of `p`: what they were when it parked, but
     memory (it holds none now) and the oldest item's age (it goes on ageing)."""
     return stats_fields(r.items, r.bytes, r.counters, p.logsize, 0, 0, 0, 0, r.create_time_ms,
-                        max(0, now_ms - r.oldest_add_ms) if r.oldest_add_ms else 0, 0)
+                        max(0, now_ms - r.oldest_add_ms) if r.oldest_add_ms else 0, 0, paused)

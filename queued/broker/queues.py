@@ -105,7 +105,8 @@ class QueueState:
 
     __slots__ = ("_reader_lock", "background", "busy", "clock", "config", "create_time_ms",
                  "deleted", "delivered", "idle_since", "inflight", "inflight_bytes",
-                 "inflight_items", "journal", "name", "readers", "unsaved_checkpoints", "used")
+                 "inflight_items", "journal", "name", "paused", "readers", "unsaved_checkpoints",
+                 "used")
 
     def __init__(
         self,
@@ -136,6 +137,8 @@ class QueueState:
         #: the registry handed it out since the parker last looked (queued.broker.parking)
         self.used = True
         self.idle_since = 0.0  # trio time the parker first saw it unused
+        #: paused (pause/resume): puts go on, gets take nothing and long polls wait
+        self.paused = False
 
     @property
     def reader_lock(self) -> trio.Lock:
@@ -307,6 +310,8 @@ class QueueState:
             now = self.clock()
             while h.waiters:
                 w = h.waiters[0]
+                if self.paused and not w.peek:
+                    break  # (they wait for `resume`)
                 it = h.reader.peek(now, expired) if w.peek else h.reader.take(now, expired)
                 if it is None:
                     break
@@ -355,12 +360,15 @@ class QueueState:
                     h.waiters.remove(w)
         return w.item
 
-    async def take_now(self, h: Handle, max_items: int, max_bytes: int) -> list[Item]:
-        """Items available now (read back from disk if need be), each held by `hold`."""
+    async def take_now(self, h: Handle, max_items: int, max_bytes: int, *,
+                       even_paused: bool = False) -> list[Item]:
+        """Items available now (read back from disk if need be), each held by `hold`;
+        none while paused, unless `even_paused` (a move)."""
         r = h.reader
         out: list[Item] = []
         try:
-            while (fetch := self._take_held(h, out, max_items, max_bytes)) is not None:
+            while (fetch := self._take_held(h, out, max_items, max_bytes,
+                                            even_paused)) is not None:
                 try:
                     await (self.fetch_once(h) if fetch else self.refill_once(h))
                 except JournalError:
@@ -389,11 +397,13 @@ class QueueState:
         return out
 
     def _take_held(self, h: Handle, out: list[Item], max_items: int,
-                   max_bytes: int) -> bool | None:
+                   max_bytes: int, even_paused: bool = False) -> bool | None:
         """Take (and hold) into `out` what memory has, up to the limits; None when done,
         else what must be read back before more can come: True a due item's data
         (fetch), False the next run of the backlog (refill)."""
         r = h.reader
+        if self.paused and not even_paused:
+            return None
         nbytes = sum([len(it.data) for it in out])
         expired: list[Item] = []
         now = self.clock()
@@ -475,21 +485,42 @@ class QueueState:
         return None
 
     def return_read(self, h: Handle, item_id: int, *, count_error: bool,
-                    due_ms: int | None = None) -> Item | None:
-        """An open read goes back to the head (or waits until `due_ms`), or to the error
-        queue past max_errors; the item as returned (None if it was not open)."""
+                    due_ms: int | None = None) -> tuple[Item, int | None] | None:
+        """An open read goes back to the head (or waits until `due_ms`; with no `due_ms`,
+        an error counted waits the reader's `retry_backoff` step), or to the error queue
+        past max_errors; the item as returned and the due time it got (None if it was
+        not open)."""
         it = h.reader.abort(item_id, count_error=count_error)
         if it is None:
             return None
         cfg = h.config
+        if due_ms is None and count_error and cfg.retry_backoff:
+            due_ms = self.clock() + cfg.backoff_ms(it.error_count)
         if cfg.error_queue and cfg.max_errors and it.error_count >= cfg.max_errors:
             h.reader.start_move(it)
             self.background.start_move(self, h, [it], cfg.error_queue, True)
-        elif due_ms is not None:
+            return it, None
+        if due_ms is not None:
             h.reader.delay_back(it, due_ms)
             self.background.delays_changed(due_ms)
         else:
             h.reader.put_back(it)
+        return it, due_ms
+
+    def reject_read(self, h: Handle, item_id: int) -> Item | None:
+        """An open read given up on: to the error queue at once (keeping its error count),
+        or consumed when the reader has none; the item (None if it was not open)."""
+        it = h.reader.open.get(item_id)
+        if it is None:
+            return None
+        h.reader.counters.rejected += 1
+        target = h.config.error_queue
+        if target and target != self.name:
+            del h.reader.open[item_id]
+            h.reader.start_move(it)
+            self.background.start_move(self, h, [it], target, True)
+        else:
+            h.reader.confirm(item_id)
         return it
 
     def note_read(
@@ -609,4 +640,4 @@ class QueueState:
     # -- statistics --------------------------------------------------------------------------
 
     def reader_stats(self, h: Handle) -> dict[str, int]:
-        return h.stats(self.clock(), self.journal.total_bytes)
+        return h.stats(self.clock(), self.journal.total_bytes, self.paused)

@@ -95,6 +95,21 @@ def find_delayed(
     return list(out.values())
 
 
+def read_live(journal: QueueJournal, start: int, end: int, n: int, skip: frozenset[int],
+              now_ms: int) -> list[Item]:
+    """Up to `n` items with ids in [start, end], in id order, but those in `skip`
+    (consumed, or delayed by an abort), delayed puts and expired items (for browse)."""
+    out: list[Item] = []
+    for put in journal.iter_puts(start, end):
+        if put.id in skip or type(put) is DelayedPut or (
+                put.expire_time_ms is not None and put.expire_time_ms <= now_ms):
+            continue
+        out.append(put)
+        if len(out) >= n:
+            break
+    return out
+
+
 def read_range(
     journal: QueueJournal, start: int, end: int, budget: int
 ) -> tuple[list[Item], int]:

@@ -53,6 +53,7 @@ class BrokerCounters:
     queue_creates: int = 0
     queue_deletes: int = 0
     queue_expires: int = 0
+    moved: int = 0  # items moved by `move` (redrive)
 
 
 class Registry:
@@ -72,6 +73,8 @@ class Registry:
         self.background = background
         self.counters = counters
         self.queues: dict[str, QueueState] = {}
+        #: queues paused (durable in the data dir: DataDir.save_paused), loaded or not
+        self.paused: set[str] = datadir.paused_queues()
         #: parked queues: name -> packed parking.ParkedQueue (never a name in `queues`)
         self.parked: dict[str, bytes] = {}
         self.closing = False
@@ -114,6 +117,7 @@ class Registry:
         # since may have changed them (as `reconfigure` does for the queues there then).
         journal.config = cfg.journal_config()
         qs = QueueState(name, journal, cfg, self.clock, self.background)
+        qs.paused = name in self.paused
         self.queues[name] = qs
         return qs
 

@@ -19,7 +19,7 @@ import trio
 
 from queued.broker.handles import Handle
 from queued.broker.queues import Background, QueueState
-from queued.core.errors import ReadStateError
+from queued.core.errors import NotOpenError, ReadStateError
 from queued.core.open_reads import OpenReads, TimeoutHeap
 from queued.core.queue import Item
 from queued.storage.journal import Ticket
@@ -28,6 +28,17 @@ log = logging.getLogger("queued.broker")
 
 #: Takes the ticket of a journal write that an acknowledgement must wait for.
 Owe = Callable[[Ticket], None]
+
+
+def _held(client: OpenReads, queue: str, rname: str, ids: Sequence[int] | None) -> list[int]:
+    """`client`'s open reads on queue/reader among `ids` (None: all); NotOpenError when
+    `ids` names one it does not hold (a touch or reject of someone else's read)."""
+    chosen = client.choose(queue, rname, None, ids)
+    if ids is not None and len(chosen) != len(set(ids)):
+        missing = sorted(set(ids) - set(chosen))
+        shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+        raise NotOpenError(f"not open on this connection: {queue} id {shown}")
+    return chosen
 
 
 class ReliableReads:
@@ -176,18 +187,61 @@ class ReliableReads:
         for i in sorted(ids, reverse=True):
             h = qs.owner(rname, i)
             if h is not None:
-                it = qs.return_read(h, i, count_error=count_error, due_ms=due_ms)
+                back = qs.return_read(h, i, count_error=count_error, due_ms=due_ms)
                 _, errors, delays = served.setdefault(id(h), (h, [], []))
-                if it is not None and count_error:
+                if back is None:
+                    continue
+                it, due = back
+                if count_error:
                     errors.append((i, it.error_count))
-                if it is not None and due_ms is not None and i in h.reader.delays:
-                    delays.append((i, due_ms))
+                if due is not None:  # (an abort's delay, or the retry_backoff step)
+                    delays.append((i, due))
         for h, errors, delays in served.values():
             if errors or delays:
                 ticket = qs.note_read(h, errors=errors, delays=delays)
                 if ticket is not None and owe is not None:
                     owe(ticket)
             qs.serve(h)
+
+    def extend(self, client: OpenReads, queue: str, rname: str, ids: Sequence[int] | None,
+               ms: int, now: float) -> int:
+        """Move the deadline of `client`'s open reads on queue/reader (`ids`, else all) to
+        `ms` from `now` (trio time; 0: no deadline); how many. NotOpenError (nothing
+        changed) if `ids` names a read the client does not hold."""
+        chosen = _held(client, queue, rname, ids)
+        if not chosen:
+            return 0
+        deadline = now + ms / 1000 if ms else None
+        client.add_many(queue, rname, chosen, deadline)
+        if deadline is not None and self.timeouts.push(deadline, client, queue, rname, chosen):
+            self.background.timeouts_changed()
+        return len(chosen)
+
+    def reject(self, client: OpenReads, queue: str, rname: str, ids: Sequence[int] | None,
+               owe: Owe | None = None) -> int:
+        """Give up on `client`'s open reads on queue/reader (`ids`, else all): each goes
+        to the reader's error_queue at once, or is consumed (journaled as a confirm is)
+        when it has none. NotOpenError (nothing changed) for an id not held."""
+        chosen = _held(client, queue, rname, ids)
+        if not chosen:
+            return 0
+        client.remove_many(queue, rname, chosen)
+        qs = self.queues.get(queue)
+        if qs is None:
+            return len(chosen)
+        dropped: dict[int, tuple[Handle, list[int]]] = {}
+        for i in chosen:
+            h = qs.owner(rname, i)
+            if h is None:
+                continue
+            target = h.config.error_queue
+            if qs.reject_read(h, i) is not None and not (target and target != qs.name):
+                dropped.setdefault(id(h), (h, []))[1].append(i)
+        for h, done in dropped.values():
+            ticket = qs.note_read(h, done=done)
+            if ticket is not None and owe is not None:
+                owe(ticket)
+        return len(chosen)
 
     def expire(self, now: float) -> int:
         """Return every open read whose deadline (trio time) is <= now; how many."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterable
 from concurrent.futures import Future
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from types import TracebackType
 from typing import Any
 
@@ -46,6 +46,7 @@ from queued.client.io_trio import (
     call_gate,
     checkpoint,
     now,
+    repeating,
     shielded,
     wait_for,
 )
@@ -54,6 +55,9 @@ from queued.client.tls import TlsOption, login, tls_context
 from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 
 __all__ = ["AsyncClient", "AsyncConsumer"]
+
+#: Seconds a `move` without both max_items and a rate may take before the client gives up.
+MOVE_WAIT = 24 * 3600.0
 
 
 class AsyncClient:
@@ -390,44 +394,50 @@ class AsyncClient:
         return (await self._failover(fresh, method, params, self.read_timeout))[2]
 
     async def get(self, queue: str, max_items: int = 1, timeout_ms: int = 0,
-                  auto_abort_ms: int = 0, *, with_flags: bool = False) -> list[Item]:
+                  auto_abort_ms: int = 0, *, with_flags: bool = False,
+                  with_deliveries: bool = False) -> list[Item]:
         """Up to max_items items, waiting up to timeout_ms for the first; [] if none came.
 
         auto_abort_ms > 0 makes each item an open read held by this client's connection
         to its server: confirm() it, or it returns to the queue after auto_abort_ms or
         when the connection closes. 0 removes the items at once (at most once).
-        with_flags: fill each Item's flags (memcache flags) too.
+        with_flags: fill each Item's flags (memcache flags) too. with_deliveries: fill
+        its flags and `deliveries` (how many times it has been delivered, this time too).
         """
         check_get(max_items, timeout_ms, auto_abort_ms)
+        if with_deliveries:
+            with_flags = True
         with self._gate:
             deadline = now() + timeout_ms / 1000
             order = await self._order("get")
+            form = 2 if with_deliveries else 1 if with_flags else 0
             if len(order) == 1:
                 return await self._get_from(order, queue, max_items, timeout_ms,
-                                            auto_abort_ms, with_flags, first_answer=True)
+                                            auto_abort_ms, form, first_answer=True)
             while True:
                 items = await self._get_from(order, queue, max_items, 0, auto_abort_ms,
-                                             with_flags, first_answer=False)
+                                             form, first_answer=False)
                 left_ms = int((deadline - now()) * 1000)
                 if items or left_ms <= 0:
                     return items
                 wait_ms = min(left_ms, int(self.poll_slice * 1000))
                 order = await self._order("get")  # skips any just failed
                 items = await self._get_from(order, queue, max_items, wait_ms, auto_abort_ms,
-                                             with_flags, first_answer=True)
+                                             form, first_answer=True)
                 if items:
                     return items
                 order = await self._order("get")
 
     async def _get_from(self, order: list[ServerState], queue: str, max_items: int,
-                        timeout_ms: int, auto_abort_ms: int, with_flags: bool, *,
+                        timeout_ms: int, auto_abort_ms: int, form: int, *,
                         first_answer: bool) -> list[Item]:
-        """Ask the servers in order until one has items (or, first_answer, until one answers)."""
+        """Ask the servers in order until one has items (or, first_answer, until one
+        answers). `form`: 0 [id, data], 1 with flags, 2 with flags and deliveries."""
         errors: list[ClientError] = []
         wait = timeout_ms / 1000 + self.read_timeout
         params: list[Any] = [queue, max_items, timeout_ms, auto_abort_ms]
-        if with_flags:  # (servers before flags take four params)
-            params.append(True)
+        if form:  # (servers before flags take four params, before deliveries five)
+            params += [True] if form == 1 else [True, True]
         for server in order:
             started = now()
             try:
@@ -437,7 +447,8 @@ class AsyncClient:
                 errors.append(exc)
                 continue
             self._pool.ok(server)
-            items = to_items(result, queue, server.address, serial if auto_abort_ms else 0)
+            items = to_items(result, queue, server.address, serial if auto_abort_ms else 0,
+                             self)
             if items and auto_abort_ms:
                 held, until = self._held.get(server.address, (0, 0.0))
                 self._held[server.address] = (held + len(items),
@@ -462,6 +473,19 @@ class AsyncClient:
         check_delay(delay_ms)
         return await self._settle("abort", items, [delay_ms] if delay_ms else [])
 
+    async def extend(self, items: Item | Iterable[Item], ms: int) -> int:
+        """Extend open reads to `ms` from now (0: no timeout), past their first timeout
+        if need be; returns how many counted (items whose connection has closed count 0:
+        the server has returned them). NotOpen for a read its connection no longer holds."""
+        if type(ms) is not int or ms < 0:
+            raise ValueError(f"ms must be an integer >= 0, not {ms!r}")
+        return await self._settle("extend", items, [ms])
+
+    async def reject(self, items: Item | Iterable[Item]) -> int:
+        """Give up on open reads now: each goes to its queue's error_queue, or is dropped
+        when the queue has none; returns how many counted (see confirm)."""
+        return await self._settle("reject", items)
+
     async def _settle(self, method: str, items: Item | Iterable[Item],
                       extra: list[Any] | None = None) -> int:
         """Each (server, queue, connection) group in one call; a group whose connection
@@ -484,6 +508,45 @@ class AsyncClient:
                     continue
                 total += int_result(result, method)
         return total
+
+    async def pause(self, queue: str) -> None:
+        """Pause the queue on every server (admin): puts go on, gets wait for resume."""
+        await self._everyone("pause", [queue])
+
+    async def resume(self, queue: str) -> None:
+        """Resume a paused queue on every server (admin)."""
+        await self._everyone("resume", [queue])
+
+    async def move(self, source: str, destination: str, max_items: int = 0, rate: int = 0, *,
+                   server: str | None = None) -> int:
+        """Move items from `source` to `destination` (admin; redrive a dead-letter queue):
+        up to max_items (0: all), at most `rate` a second (0: no limit), each kept with its
+        error count and flags; on `server`, else on every server. Returns how many moved."""
+        params: list[Any] = [source, destination, max_items, rate]
+        # The server answers once it has moved them all: wait as long as the rate needs.
+        wait = self.read_timeout + (max_items / rate if max_items and rate else MOVE_WAIT)
+        with self._gate:
+            if server is None and self._pool.names:
+                await self._discover()
+            order = ([lookup(self._pool, server)] if server is not None
+                     else list(self._pool.require()))
+            moved = 0
+            for state in order:
+                _, result = await self._on(state, "move", params, wait)
+                moved += int_result(result, "move")
+        return moved
+
+    async def browse(self, queue: str, after_id: int = 0, n: int = 100, *,
+                     server: str | None = None) -> list[Item]:
+        """Up to n items of the queue in delivery order after item `after_id` (0: from the
+        head), taken from nobody (`deliveries`: so far); on `server`, else the first in
+        the rotation. Page with the last item's id."""
+        with self._gate:
+            order = ([lookup(self._pool, server)] if server is not None
+                     else await self._order("get"))
+            state, _, result = await self._failover(order, "browse", [queue, after_id, n],
+                                                    self.read_timeout)
+        return to_items(result, queue, state.address, 0)
 
     async def peek(self, queue: str) -> QueueInfo:
         return queue_info(queue, await self._everyone("peek", [queue]))
@@ -515,26 +578,41 @@ class AsyncClient:
 
     @asynccontextmanager
     async def reserve(self, queue: str, timeout_ms: int = 0, auto_abort_ms: int = 60_000, *,
-                      with_flags: bool = False) -> AsyncGenerator[Item | None, None]:
+                      with_flags: bool = False, heartbeat: bool = False,
+                      ) -> AsyncGenerator[Item | None, None]:
         """Get one item as an open read; confirm it if the body ends normally, abort if it raises.
 
         `async with client.reserve(queue) as item:` yields None when no item came within
         timeout_ms: the body always runs, so check. A confirm or abort that cannot reach
         the server (the connection is gone) is not an error: the server returns the item
-        to the queue, and it will be delivered again.
+        to the queue, and it will be delivered again. The item carries its `deliveries`.
+        heartbeat: while the body runs, the read is extended to auto_abort_ms from now
+        every auto_abort_ms / 3, so a long job keeps its item (in a thread of its own
+        for the blocking Client); the item still returns if this process dies.
         """
         if auto_abort_ms <= 0:
             raise ValueError("reserve needs auto_abort_ms > 0")
-        got = await self.get(queue, 1, timeout_ms, auto_abort_ms, with_flags=with_flags)
+        got = await self.get(queue, 1, timeout_ms, auto_abort_ms, with_flags=with_flags,
+                             with_deliveries=True)
         item = got[0] if got else None
         try:
-            yield item
+            if heartbeat and item is not None:
+                async with repeating(auto_abort_ms / 3000, self._beat, item, auto_abort_ms):
+                    yield item
+            else:
+                yield item
         except BaseException:
             if item is not None:
                 await self._settle_quietly([], [item])
             raise
         if item is not None:
             await self._settle_quietly([item], [])
+
+    async def _beat(self, item: Item, ms: int) -> None:
+        """One heartbeat of `reserve`: the read extended, or left be if that fails (the
+        body learns of a lost item when its confirm counts 0)."""
+        with suppress(ClientError):
+            await self.extend(item, ms)
 
     def consume(self, queue: str, *, batch: int = 100, timeout_ms: int = 1000,
                 auto_abort_ms: int = 0, max_items: int | None = None,

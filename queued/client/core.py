@@ -8,7 +8,7 @@ internal to the clients.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
 from queued.core.errors import QueuedError
@@ -128,6 +128,11 @@ class TooManyQueues(RpcCallError):
     """The server's max_queues is reached: the call would have created a queue."""
 
 
+class NotOpen(RpcCallError):
+    """An extend or reject named a read that is not open on its connection (confirmed,
+    aborted, timed out, or never this connection's)."""
+
+
 ERRORS: Final[Mapping[ErrorCode, type[RpcCallError]]] = {
     ErrorCode.MALFORMED: Malformed,
     ErrorCode.UNKNOWN_METHOD: UnknownMethod,
@@ -145,6 +150,7 @@ ERRORS: Final[Mapping[ErrorCode, type[RpcCallError]]] = {
     ErrorCode.AUTH_FAILED: AuthFailed,
     ErrorCode.PERMISSION_DENIED: PermissionDenied,
     ErrorCode.TOO_MANY_QUEUES: TooManyQueues,
+    ErrorCode.NOT_OPEN: NotOpen,
 }
 #: Errors after which the call is tried on another server (the server is skipped a while).
 FAILOVER: Final = (ConnectionFailed, Timeout, ShuttingDown, Busy)
@@ -179,8 +185,21 @@ class Item:
     #: Client-local serial of the connection holding its open read; 0 for a plain get.
     connection: int = 0
     #: Its memcache flags (u32): from a memcache `set`, or a put with flags. Only a get
-    #: with `with_flags=True` reads them; 0 otherwise.
+    #: with `with_flags=True` (or `with_deliveries=True`) reads them; 0 otherwise.
     flags: int = 0
+    #: How many times it has been delivered, this time included (its error count + 1),
+    #: from a get with `with_deliveries=True`; from `browse`, the deliveries so far. 0
+    #: when not asked for.
+    deliveries: int = 0
+    #: The client that got it (what `extend` goes through).
+    client: Any = field(default=None, repr=False, compare=False)
+
+    def extend(self, ms: int) -> Any:
+        """Extend this open read to `ms` from now: `client.extend(item, ms)` of the client
+        that got it (a coroutine from an AsyncClient: await it)."""
+        if self.client is None or not self.connection:
+            raise ValueError("extend needs an open read (a get with auto_abort_ms > 0)")
+        return self.client.extend(self, ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,19 +268,24 @@ def int_result(result: Any, method: str) -> int:
     return result
 
 
-def to_items(result: Any, queue: str, server: str, serial: int) -> list[Item]:
-    """A get's items: [id, data] each, or [id, data, flags] when it asked for flags."""
+def to_items(result: Any, queue: str, server: str, serial: int,
+             client: Any = None) -> list[Item]:
+    """A get's items: [id, data] each, [id, data, flags] when it asked for flags, or
+    [id, data, flags, deliveries] when it asked for delivery counts (and a browse's)."""
     if not isinstance(result, list):
         raise BadResponse(f"get answered {type(result).__name__}, not an array")
     out = []
     for pair in result:
-        if (not isinstance(pair, list) or not 2 <= len(pair) <= 3 or type(pair[0]) is not int
+        if (not isinstance(pair, list) or not 2 <= len(pair) <= 4 or type(pair[0]) is not int
                 or not isinstance(pair[1], bytes | str)
-                or (len(pair) == 3 and (type(pair[2]) is not int
-                                        or not 0 <= pair[2] <= MAX_FLAGS))):
-            raise BadResponse(f"get answered an item {pair!r:.80}, not [id, data(, flags)]")
+                or (len(pair) >= 3 and (type(pair[2]) is not int
+                                        or not 0 <= pair[2] <= MAX_FLAGS))
+                or (len(pair) == 4 and (type(pair[3]) is not int or pair[3] < 0))):
+            raise BadResponse(f"get answered an item {pair!r:.80}, not [id, data(, flags"
+                              "(, deliveries))]")
         data = pair[1].encode() if isinstance(pair[1], str) else pair[1]
-        out.append(Item(pair[0], data, queue, server, serial, pair[2] if len(pair) == 3 else 0))
+        out.append(Item(pair[0], data, queue, server, serial, pair[2] if len(pair) >= 3 else 0,
+                        pair[3] if len(pair) == 4 else 0, client))
     return out
 
 

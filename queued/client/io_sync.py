@@ -12,7 +12,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -44,6 +44,25 @@ def wait_for(lookups: Collection[concurrent.futures.Future[Any]],
     """Until every look-up (discovery.resolve_soon) is done, or `patience` seconds (None:
     no limit) have passed."""
     concurrent.futures.wait(lookups, patience)
+
+
+@contextmanager
+def repeating(interval: float, fn: Callable[..., None], *args: Any) -> Iterator[None]:
+    """Call `fn(*args)` every `interval` seconds while the body runs (a daemon thread;
+    the Client's gate serializes its calls with the body's)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            fn(*args)
+
+    thread = threading.Thread(target=loop, name="queued-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 @contextmanager

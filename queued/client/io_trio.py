@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import ssl
-from collections.abc import Collection, Iterator
-from contextlib import AbstractContextManager, AsyncExitStack, contextmanager, nullcontext
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
+from contextlib import (
+    AbstractContextManager,
+    AsyncExitStack,
+    asynccontextmanager,
+    contextmanager,
+    nullcontext,
+)
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +55,23 @@ async def wait_for(lookups: Collection[concurrent.futures.Future[Any]],
     if not all(f.done() for f in lookups):
         await trio.to_thread.run_sync(concurrent.futures.wait, lookups, patience,
                                       abandon_on_cancel=True)
+
+
+@asynccontextmanager
+async def repeating(interval: float, fn: Callable[..., Awaitable[None]],
+                    *args: Any) -> AsyncIterator[None]:
+    """Run `await fn(*args)` every `interval` seconds while the body runs (a task)."""
+    async def loop() -> None:
+        while True:
+            await trio.sleep(interval)
+            await fn(*args)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loop)
+        try:
+            yield
+        finally:
+            nursery.cancel_scope.cancel()
 
 
 @contextmanager

@@ -144,6 +144,16 @@ def _duration(value: object, text: bool) -> int:
     return parse_duration(value)
 
 
+def _durations(value: object, text: bool) -> tuple[int, ...]:
+    """A list of durations (`["1s", "10s", "1m"]`), or in the environment a comma-separated
+    string ("1s,10s,1m"); at most 64 steps."""
+    if text and isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list | tuple) or len(value) > 64:
+        raise ValueError(f"expected a list of at most 64 durations, got {value!r}")
+    return tuple(_positive_duration(v, text) for v in value)
+
+
 def _positive_duration(value: object, text: bool) -> int:
     ms = parse_duration(value)
     if ms == 0:
@@ -293,6 +303,7 @@ QUEUE_KEYS: Final[Mapping[str, Parser]] = {
     "open_transaction_timeout": _duration,
     "error_queue": _optional(parse_queue_name),
     "max_errors": _count,
+    "retry_backoff": _durations,
 }
 #: Keys of the queue's journal, which its fanout readers share: not settable per reader.
 JOURNAL_KEYS: Final = frozenset(

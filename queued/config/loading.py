@@ -315,6 +315,8 @@ def _toml_value(key: str, value: object) -> str:
         if key in durations and value:
             return _quote(format_duration(value))
         return str(value)
+    if isinstance(value, tuple):  # retry_backoff: durations
+        return "[" + ", ".join(_quote(format_duration(v)) for v in value) + "]"
     if isinstance(value, FsyncPolicy):
         text = f"{value.interval_ms}ms" if value.mode is FsyncMode.PERIODIC else value.mode.value
         return _quote(text)

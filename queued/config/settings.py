@@ -45,6 +45,16 @@ class QueueConfig:
     open_transaction_timeout: int = 0  # ms; an open read not closed in time is aborted
     error_queue: str | None = None
     max_errors: int = 0  # aborts before an item moves to error_queue; 0 = never
+    #: ms an aborted or timed-out read waits before it is delivered again: the n-th
+    #: return waits step n (the last step for every later one); () = back at once
+    retry_backoff: tuple[int, ...] = ()
+
+    def backoff_ms(self, error_count: int) -> int:
+        """How long an item returned with `error_count` errors (>= 1) waits first."""
+        steps = self.retry_backoff
+        if not steps or error_count <= 0:
+            return 0
+        return steps[min(error_count, len(steps)) - 1]
 
     def journal_config(self) -> JournalConfig:
         """The storage policies of these settings: one object for equal settings (every

@@ -21,15 +21,16 @@ from queued.core import commands as c
 
 class Permission(enum.Enum):
     PUT = "put"
-    GET = "get"  # get, peek, open/close/abort, confirm, monitor
-    ADMIN = "admin"  # flush, flush_all, delete, shutdown, reload, dump_stats, flush_expired
+    GET = "get"  # get, peek, open/close/abort, confirm, monitor, touch, reject, browse
+    ADMIN = "admin"  # flush, flush_all, delete, shutdown, reload, dump_stats, flush_expired,
+    # pause, resume, move
 
 
 #: Commands every authenticated user may run (stats shows only the queues one may use).
 _OPEN: Final = (c.Stats, c.Version, c.Quit, c.Auth)
-_GET: Final = (c.Get, c.Peek, c.Confirm, c.Abort, c.Monitor)
+_GET: Final = (c.Get, c.Peek, c.Confirm, c.Abort, c.Monitor, c.Touch, c.Reject, c.Browse)
 _ADMIN: Final = (c.Flush, c.FlushAll, c.FlushExpired, c.FlushAllExpired, c.Delete,
-                 c.Reload, c.Shutdown)
+                 c.Reload, c.Shutdown, c.Pause, c.Move)
 #: Results a grant remembers per queue and permission before it starts again.
 _CACHE: Final = 1024
 #: The server figures of `stats` a user who is not an admin sees: they count no queue

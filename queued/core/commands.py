@@ -24,6 +24,7 @@ from queued.core.errors import (
     JournalClosedError,
     JournalError,
     JournalFullError,
+    NotOpenError,
     ProtocolError,
     QueueClosedError,
     QueueError,
@@ -81,6 +82,7 @@ class Get:
     line_safe: bool = False
     max_bytes: int = 0  # stop adding items past this much data (0: no cap; one at least)
     delay_ms: int = 0  # with `abort`: the returned items wait that long (retry back-off)
+    reject: bool = False  # the open reads on the queue give up now (see Reject); takes nothing
 
 
 @dataclass(slots=True)
@@ -109,6 +111,57 @@ class Abort:
     reader: str | None = None
     ids: Sequence[int] | None = None
     delay_ms: int = 0  # > 0: the returned items wait that long first (retry back-off)
+
+
+@dataclass(slots=True)
+class Touch:
+    """Extend the connection's open reads on the queue (`ids`, else all) to `ms` from now
+    (0: no timeout). Naming an id the connection does not hold open is refused."""
+
+    queue: str
+    reader: str | None = None
+    ms: int = 0
+    ids: Sequence[int] | None = None
+
+
+@dataclass(slots=True)
+class Reject:
+    """Give up on the connection's open reads (`ids`, else all): each goes to the
+    reader's error_queue at once, or is dropped when it has none."""
+
+    queue: str
+    reader: str | None = None
+    ids: Sequence[int] | None = None
+
+
+@dataclass(slots=True)
+class Pause:
+    """Pause (`on`) or resume a queue: while paused it takes puts, and its gets wait."""
+
+    queue: str
+    on: bool = True
+
+
+@dataclass(slots=True)
+class Move:
+    """Move up to `max_items` (0: all there now) of `source`'s items to `destination`,
+    each durable there before it leaves here, at most `rate` a second (0: no limit)."""
+
+    queue: str  # the source
+    reader: str | None
+    destination: str
+    max_items: int = 0
+    rate: int = 0
+
+
+@dataclass(slots=True)
+class Browse:
+    """Up to `n` items after id `after_id`, in delivery order, without taking them."""
+
+    queue: str
+    reader: str | None = None
+    after_id: int = 0
+    n: int = 100
 
 
 @dataclass(slots=True)
@@ -184,7 +237,8 @@ class Monitor:
 
 Command: TypeAlias = (
     Put | Get | Peek | Confirm | Abort | Flush | FlushAll | FlushExpired | FlushAllExpired
-    | Delete | Stats | Version | Reload | Shutdown | Quit | Monitor | Auth
+    | Delete | Stats | Version | Reload | Shutdown | Quit | Monitor | Auth | Touch | Reject
+    | Pause | Move | Browse
 )
 
 # -- replies --------------------------------------------------------------------------------
@@ -209,6 +263,7 @@ class ErrorKind(enum.Enum):
     AUTH_FAILED = "auth_failed"
     PERMISSION_DENIED = "permission_denied"  # the connection stays usable
     TOO_MANY_QUEUES = "too_many_queues"  # max_queues reached: no new queue or reader
+    NOT_OPEN = "not_open"  # a touch or reject of a read the connection does not hold
 
 
 @dataclass(slots=True)
@@ -269,6 +324,7 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (ItemTooLargeError, ErrorKind.ITEM_TOO_LARGE),
     (JournalFullError, ErrorKind.JOURNAL_FULL),
     (ReadStateError, ErrorKind.TOO_MANY_OPEN_READS),
+    (NotOpenError, ErrorKind.NOT_OPEN),
     (QueueClosedError, ErrorKind.SHUTTING_DOWN),
     (JournalClosedError, ErrorKind.SHUTTING_DOWN),
     (ValueError, ErrorKind.BAD_PARAMS),

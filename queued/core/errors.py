@@ -80,6 +80,10 @@ class ReadStateError(QueueError):
     """A reliable-read rule was broken (too many open reads, plain get with one open)."""
 
 
+class NotOpenError(QueueError):
+    """A touch or reject named a read this connection does not hold open."""
+
+
 class TooManyQueuesError(QueueError):
     """Creating a queue or fanout reader would pass the server's max_queues."""
 

@@ -13,6 +13,9 @@ from typing import Final
 from queued.core.wire import is_valid_name
 
 TEMP_MARK: Final = "~~"
+#: The data dir's list of paused queues, one name a line. No "." in it: never a
+#: journal file name, nor is its temp file.
+PAUSED_FILE: Final = "queued-paused"
 
 
 class FileRole(enum.Enum):

@@ -80,7 +80,8 @@ def login_of(data: bytes, known: Callable[[str], bool]) -> c.Auth | None:
 
 def get_of(ev: mc.Get) -> c.Get:
     return c.Get(ev.queue, ev.reader, timeout_ms=ev.timeout_ms, open=ev.open, close=ev.close,
-                 abort=ev.abort, peek=ev.peek, exclusive=True, delay_ms=ev.delay_ms)
+                 abort=ev.abort, peek=ev.peek, exclusive=True, delay_ms=ev.delay_ms,
+                 reject=ev.reject)
 
 
 COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
@@ -99,6 +100,8 @@ COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
     mc.Quit: lambda ev: c.Quit(),
     mc.Monitor: lambda ev: c.Monitor(ev.queue, ev.reader, ev.timeout_s * 1000, ev.max_items),
     mc.Confirm: lambda ev: c.Confirm(ev.queue, ev.reader, count=ev.count),
+    mc.Touch: lambda ev: c.Touch(ev.queue, ev.reader, ms=ev.ms),
+    mc.Pause: lambda ev: c.Pause(ev.queue, ev.on),
 }
 
 
@@ -144,6 +147,9 @@ REPLIES: Final[dict[type, Callable[[Any, Any], bytes]]] = {
     mc.Quit: lambda ev, r: b"",
     mc.Monitor: lambda ev, r: mc.end(),
     mc.Confirm: lambda ev, r: mc.end(),
+    # memcached's answers: TOUCHED, or NOT_FOUND when no read is open on the queue
+    mc.Touch: lambda ev, r: b"" if ev.noreply else mc.touched() if r.n else mc.not_found(),
+    mc.Pause: lambda ev, r: mc.ok(),
 }
 
 K = c.ErrorKind
@@ -165,6 +171,7 @@ FAILURES: Final[dict[c.ErrorKind, Callable[[str], bytes]]] = {
     K.AUTH_FAILED: lambda msg: mc.client_error("authentication failure"),
     K.PERMISSION_DENIED: mc.client_error,
     K.TOO_MANY_QUEUES: mc.server_error,
+    K.NOT_OPEN: lambda msg: mc.not_found(),
 }
 
 
@@ -178,7 +185,7 @@ def _joins_set(a: object, b: mc.Set) -> bool:
 
 def _plain(ev: mc.Get) -> bool:
     """A get without options: pipelined ones may be run as one Get of many items."""
-    return not (ev.timeout_ms or ev.open or ev.close or ev.abort or ev.peek)
+    return not (ev.timeout_ms or ev.open or ev.close or ev.abort or ev.peek or ev.reject)
 
 
 class MemcacheCodec(c.LineCodec):

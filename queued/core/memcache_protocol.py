@@ -68,6 +68,7 @@ class Get:
     abort: bool = False
     peek: bool = False
     delay_ms: int = 0  # `get <queue>/abort/delay=<ms>`: the aborted items wait that long
+    reject: bool = False  # `get <queue>/reject`: the open read gives up (error_queue or drop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +146,27 @@ class Confirm:
     reader: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Touch:
+    """`touch <queue> <ms> [noreply]`: memcached's command name, our queue's meaning."""
+
+    queue: str
+    ms: int
+    reader: str | None = None
+    noreply: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """`pause <queue>` (on) or `resume <queue>`."""
+
+    queue: str
+    on: bool = True
+
+
 Command: TypeAlias = (
     Set | Get | Delete | Flush | FlushAll | FlushExpired | FlushAllExpired | Stats | DumpStats
-    | Version | Reload | Shutdown | Quit | Monitor | Confirm
+    | Version | Reload | Shutdown | Quit | Monitor | Confirm | Touch | Pause
 )
 Event: TypeAlias = Command | ConnectionClosed
 
@@ -205,6 +224,10 @@ def deleted() -> bytes:
 
 def not_found() -> bytes:
     return b"NOT_FOUND\r\n"
+
+
+def touched() -> bytes:
+    return b"TOUCHED\r\n"
 
 
 def ok() -> bytes:
@@ -288,7 +311,7 @@ _TO_DATA: Final = object()  # _fast switched to the DATA state
 LINE_CACHE: Final = 64
 LINE_CACHE_MAX_LINE: Final = 280
 _STORAGE: Final = frozenset({b"set", b"add", b"replace", b"append", b"prepend", b"cas"})
-_NOREPLY: Final = frozenset({b"delete", b"flush_all"})  # besides the storage commands
+_NOREPLY: Final = frozenset({b"delete", b"flush_all", b"touch"})  # besides the storage commands
 _Handler: TypeAlias = Callable[["MemcacheParser", list[bytes]], Command]
 
 
@@ -518,7 +541,8 @@ class MemcacheParser(LineParser["Command"]):
         address, *options = key.split(b"/")
         queue, reader = parse_address(address)
         timeout_ms = delay_ms = 0
-        flags = {b"open": False, b"close": False, b"abort": False, b"peek": False}
+        flags = {b"open": False, b"close": False, b"abort": False, b"peek": False,
+                 b"reject": False}
         for opt in options:
             if opt.startswith(b"t="):
                 timeout_ms = parse_int(opt[2:], "timeout", 0, MAX_TIMEOUT_MS)
@@ -533,10 +557,12 @@ class MemcacheParser(LineParser["Command"]):
         # Kestrel's rule: peek and abort exclude each other and exclude open/close.
         if ((peeking or aborting) and (opening or closing)) or (peeking and aborting):
             raise ArgumentError("invalid combination of get options")
+        if flags[b"reject"] and (len(options) != 1):
+            raise ArgumentError("reject goes alone")
         if delay_ms and not aborting:
             raise ArgumentError("delay=<ms> goes only with abort")
         return Get(key.decode("ascii"), queue, reader, timeout_ms,
-                   opening, closing, aborting, peeking, delay_ms)
+                   opening, closing, aborting, peeking, delay_ms, flags[b"reject"])
 
     def _delete(self, args: list[bytes]) -> Delete:
         noreply = _noreply(args)
@@ -567,6 +593,16 @@ class MemcacheParser(LineParser["Command"]):
         timeout_s = parse_int(args[1], "timeout", 0, MAX_TIMEOUT_MS)
         max_items = parse_int(args[2], "max_items", 1, MAX_TIMEOUT_MS) if len(args) > 2 else None
         return Monitor(queue, timeout_s, max_items, reader)
+
+    def _touch(self, args: list[bytes]) -> Touch:
+        noreply = _noreply(args)
+        _arity(args, 2, 2, "touch <queue> <ms> [noreply]")
+        queue, reader = parse_address(args[0])
+        return Touch(queue, parse_int(args[1], "ms", 0, MAX_TIMEOUT_MS), reader, noreply)
+
+    def _pause(self, args: list[bytes], on: bool) -> Pause:
+        _arity(args, 1, 1, f"{'pause' if on else 'resume'} <queue>")
+        return Pause(parse_queue(args[0]), on)
 
     def _confirm(self, args: list[bytes]) -> Confirm:
         _arity(args, 2, 2, "confirm <queue> <count>")
@@ -611,4 +647,7 @@ _HANDLERS: Final[dict[bytes, _Handler]] = {
     b"quit": _no_args(Quit()),
     b"monitor": MemcacheParser._monitor,
     b"confirm": MemcacheParser._confirm,
+    b"touch": MemcacheParser._touch,
+    b"pause": lambda parser, args: parser._pause(args, True),
+    b"resume": lambda parser, args: parser._pause(args, False),
 }

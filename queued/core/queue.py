@@ -160,6 +160,7 @@ class ReaderCounters:
     transactions: int = 0  # reliable reads opened
     canceled_transactions: int = 0  # aborted, timed out or returned on disconnect
     flushes: int = 0
+    rejected: int = 0  # open reads given up on (reject): to error_queue, or dropped
     age_ms: int = 0  # how long the last item taken had waited
 
 
@@ -649,15 +650,28 @@ class Reader:
         (items read behind on disk are not read for it, nor are due items whose data
         waits on disk; delayed items not yet due are not live). Changes nothing: an
         expired item is skipped, not removed (for the console's look at a queue's head)."""
-        found: list[Item] = []
+        return list(islice(self._live(now_ms), limit))
+
+    def _live(self, now_ms: int) -> Iterator[Item]:
+        """Live items in memory in the order gets would take them (see `first_items`)."""
         queues: tuple[Iterable[Item | int], ...] = (self.front, self.due, self._held())
         for dq in queues:
             for it in dq:
-                if len(found) >= limit:
-                    return found
                 if not isinstance(it, int) and not self._expired(it, now_ms):  # int: on disk
-                    found.append(it)
-        return found
+                    yield it
+
+    def browse(self, now_ms: int, after_id: int, n: int) -> list[Item]:
+        """Up to `n` live items in memory in delivery order after the item `after_id`
+        (0: from the head; an id not among them: those with higher ids). Changes nothing."""
+        live = self._live(now_ms)
+        if after_id:
+            if any(it.id == after_id for it in self._live(now_ms)):
+                for it in live:
+                    if it.id == after_id:
+                        break
+            else:
+                live = (it for it in live if it.id > after_id)
+        return list(islice(live, n))
 
     def expire_head(self, now_ms: int, limit: int, expired: list[Item]) -> None:
         """Remove expired items from the head (Kestrel's sweep), at most `limit` (0 = all)."""

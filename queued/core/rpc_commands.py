@@ -19,7 +19,7 @@ from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData
 
 #: Notifications are run without a reply, except these: without a reply they would
 #: only lose items (get) or do nothing (peek, stats, version).
-NOTIFY_REFUSED: Final = frozenset({"get", "peek", "stats", "version", "auth"})
+NOTIFY_REFUSED: Final = frozenset({"get", "peek", "stats", "version", "auth", "browse"})
 
 
 def _get(call: rp.Get, max_bytes: int) -> c.Get:
@@ -35,6 +35,16 @@ class WithFlags:
     msgid: int
 
 
+@dataclass(frozen=True, slots=True)
+class WithDeliveries:
+    """The context of a get that asked for delivery counts, or of a browse: [id, data,
+    flags, deliveries] each; deliveries = the error count + `extra` (a get's: 1, this
+    delivery; a browse's: 0, the deliveries so far)."""
+
+    msgid: int
+    extra: int
+
+
 COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
     rp.Put: lambda call: c.Put(call.queue, call.items, ttl_ms=call.expiration_ms or None,
                                flags=call.flags, delay_ms=call.delay_ms),
@@ -48,11 +58,19 @@ COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
     rp.Stats: lambda call: c.Stats(),
     rp.Version: lambda call: c.Version(),
     rp.Auth: lambda call: c.Auth(call.user, call.password),
+    rp.Extend: lambda call: c.Touch(call.queue, call.reader, ms=call.ms, ids=call.ids),
+    rp.Reject: lambda call: c.Reject(call.queue, call.reader, ids=call.ids),
+    rp.Pause: lambda call: c.Pause(call.queue, call.on),
+    rp.Move: lambda call: c.Move(call.queue, call.reader, call.destination, call.max_items,
+                                 call.rate),
+    rp.Browse: lambda call: c.Browse(call.queue, call.reader, call.after_id, call.n),
 }
 
 
-def _result(reply: c.Reply, with_flags: bool = False) -> Any:
+def _result(reply: c.Reply, with_flags: bool = False, extra: int | None = None) -> Any:
     if isinstance(reply, c.Items):
+        if extra is not None:
+            return [[it.id, it.data, it.flags, it.error_count + extra] for it in reply.items]
         if with_flags:
             return [[it.id, it.data, it.flags] for it in reply.items]
         return [[it.id, it.data] for it in reply.items]
@@ -67,6 +85,8 @@ def _result(reply: c.Reply, with_flags: bool = False) -> Any:
         return reply.existed
     if isinstance(reply, c.Value):
         return reply.value  # (auth: true)
+    if isinstance(reply, c.Done) and extra is None:
+        return True  # (pause, resume)
     return None
 
 
@@ -88,6 +108,7 @@ CODES: Final[dict[c.ErrorKind, rp.ErrorCode]] = {
     K.AUTH_FAILED: E.AUTH_FAILED,
     K.PERMISSION_DENIED: E.PERMISSION_DENIED,
     K.TOO_MANY_QUEUES: E.TOO_MANY_QUEUES,
+    K.NOT_OPEN: E.NOT_OPEN,
 }
 
 
@@ -136,13 +157,17 @@ class RpcCodec:
             if msgid is None and not exc.close:  # a notification's error has nobody to go to
                 raise ProtocolError(str(exc), reply=b"", close=False) from None
             raise
-        context: int | WithFlags | None = msgid
+        context: int | WithFlags | WithDeliveries | None = msgid
         if isinstance(call, rp.Get):
             command: c.Command = _get(call, self.max_frame // 2)
-            if call.with_flags and msgid is not None:
+            if call.with_deliveries and msgid is not None:
+                context = WithDeliveries(msgid, 1)
+            elif call.with_flags and msgid is not None:
                 context = WithFlags(msgid)
         else:
             command = COMMANDS[type(call)](call)
+            if type(call) is rp.Browse and msgid is not None:
+                context = WithDeliveries(msgid, 0)
         return c.Request(command, context, ev.method)
 
     def next_requests(self, limit: int) -> list[c.Parsed]:
@@ -164,11 +189,14 @@ class RpcCodec:
         if msgid is None:
             return b""
         with_flags = type(msgid) is WithFlags
-        if with_flags:
+        extra = None
+        if type(msgid) is WithDeliveries:
+            extra = msgid.extra
+        if with_flags or extra is not None:
             msgid = msgid.msgid
         if isinstance(reply, c.Failure):
             return rp.encode_error(msgid, CODES[reply.kind], reply.message)
-        return rp.encode_response(msgid, _result(reply, with_flags))
+        return rp.encode_response(msgid, _result(reply, with_flags, extra))
 
     def encode_item(self, request: c.Request, item: Item) -> bytes:
         raise NotImplementedError("RPC has no monitor")

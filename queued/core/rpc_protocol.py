@@ -96,6 +96,7 @@ class ErrorCode(enum.IntEnum):
     AUTH_FAILED = 14  #: wrong user or password; closes
     PERMISSION_DENIED = 15  #: the user lacks the permission on that queue
     TOO_MANY_QUEUES = 16  #: max_queues reached: the call would create a queue or reader
+    NOT_OPEN = 17  #: extend or reject of a read this connection does not hold open
 
 
 class RpcError(ProtocolError):
@@ -347,6 +348,7 @@ class Get:
     timeout_ms: int
     auto_abort_ms: int  # 0 = items are removed; > 0 = open reads, aborted if not confirmed
     with_flags: bool = False  # items as [id, data, flags] rather than [id, data]
+    with_deliveries: bool = False  # items as [id, data, flags, deliveries]
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,6 +366,49 @@ class Abort:
     reader: str | None
     ids: list[int]
     delay_ms: int = 0  # abort only: the returned items wait that long first
+
+
+@dataclass(frozen=True, slots=True)
+class Extend:
+    msgid: int
+    queue: str
+    reader: str | None
+    ids: list[int]
+    ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    msgid: int
+    queue: str
+    reader: str | None
+    ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    msgid: int
+    queue: str
+    on: bool  # pause (True) or resume
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    msgid: int
+    queue: str  # the source
+    reader: str | None
+    destination: str
+    max_items: int
+    rate: int
+
+
+@dataclass(frozen=True, slots=True)
+class Browse:
+    msgid: int
+    queue: str
+    reader: str | None
+    after_id: int
+    n: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,7 +455,8 @@ class Auth:
 
 
 Call: TypeAlias = (
-    Put | Get | Confirm | Abort | Peek | Flush | Delete | FlushAll | Stats | Version | Auth)
+    Put | Get | Confirm | Abort | Peek | Flush | Delete | FlushAll | Stats | Version | Auth
+    | Extend | Reject | Pause | Move | Browse)
 
 
 def _bad(msgid: int, message: str) -> RpcError:
@@ -484,7 +530,7 @@ def _put(r: Request, max_batch: int) -> Put:
 
 def _get(r: Request, max_batch: int) -> Get:
     p = r.params
-    _arity(r.msgid, "get", p, 2, 5)
+    _arity(r.msgid, "get", p, 2, 6)
     queue, reader = _address(r.msgid, p[0])
     max_items = _int(r.msgid, p[1], "max_items", 1, 2**63)
     if max_items > max_batch:
@@ -493,9 +539,11 @@ def _get(r: Request, max_batch: int) -> Get:
     timeout = _int(r.msgid, p[2], "timeout_ms", 0, MAX_MS) if len(p) > 2 else 0
     auto_abort = _int(r.msgid, p[3], "auto_abort_ms", 0, MAX_MS) if len(p) > 3 else 0
     with_flags = p[4] if len(p) > 4 else False
-    if type(with_flags) is not bool:
-        raise _bad(r.msgid, "with_flags must be true or false")
-    return Get(r.msgid, queue, reader, max_items, timeout, auto_abort, with_flags)
+    with_deliveries = p[5] if len(p) > 5 else False
+    if type(with_flags) is not bool or type(with_deliveries) is not bool:
+        raise _bad(r.msgid, "with_flags and with_deliveries must be true or false")
+    return Get(r.msgid, queue, reader, max_items, timeout, auto_abort, with_flags,
+               with_deliveries)
 
 
 def _ids_call(cls: type[Confirm] | type[Abort]) -> Callable[[Request, int], Confirm | Abort]:
@@ -509,6 +557,57 @@ def _ids_call(cls: type[Confirm] | type[Abort]) -> Callable[[Request, int], Conf
                                                            MAX_DELAY_MS))
         return cls(r.msgid, queue, reader, ids)
     return parse
+
+
+def _extend(r: Request, max_batch: int) -> Extend:
+    """extend [queue, ids, ms]"""
+    p = r.params
+    _arity(r.msgid, "extend", p, 3, 3)
+    queue, reader = _address(r.msgid, p[0])
+    return Extend(r.msgid, queue, reader, _ids(r.msgid, p[1], max_batch),
+                  _int(r.msgid, p[2], "ms", 0, MAX_MS))
+
+
+def _reject(r: Request, max_batch: int) -> Reject:
+    """reject [queue, ids]"""
+    _arity(r.msgid, "reject", r.params, 2, 2)
+    queue, reader = _address(r.msgid, r.params[0])
+    return Reject(r.msgid, queue, reader, _ids(r.msgid, r.params[1], max_batch))
+
+
+def _pause(on: bool) -> Callable[[Request, int], Pause]:
+    def parse(r: Request, max_batch: int) -> Pause:
+        _arity(r.msgid, r.method, r.params, 1, 1)
+        queue, reader = _address(r.msgid, r.params[0])
+        if reader is not None:
+            raise RpcError(ErrorCode.BAD_QUEUE_NAME, f"{r.method} takes a queue, not a "
+                           "fanout reader", r.msgid)
+        return Pause(r.msgid, queue, on)
+    return parse
+
+
+def _move(r: Request, max_batch: int) -> Move:
+    """move [source, destination, max_items=0, rate=0]"""
+    p = r.params
+    _arity(r.msgid, "move", p, 2, 4)
+    queue, reader = _address(r.msgid, p[0])
+    destination, into = _address(r.msgid, p[1])
+    if into is not None:
+        raise RpcError(ErrorCode.BAD_QUEUE_NAME,
+                       "cannot move to a fanout reader; move to its queue", r.msgid)
+    most = _int(r.msgid, p[2], "max_items", 0, 2**63) if len(p) > 2 else 0
+    rate = _int(r.msgid, p[3], "rate", 0, 2**31) if len(p) > 3 else 0
+    return Move(r.msgid, queue, reader, destination, most, rate)
+
+
+def _browse(r: Request, max_batch: int) -> Browse:
+    """browse [queue, after_id=0, n=100]"""
+    p = r.params
+    _arity(r.msgid, "browse", p, 1, 3)
+    queue, reader = _address(r.msgid, p[0])
+    after = _int(r.msgid, p[1], "after_id", 0, 2**63) if len(p) > 1 else 0
+    n = _int(r.msgid, p[2], "n", 1, min(max_batch, 10_000)) if len(p) > 2 else 100
+    return Browse(r.msgid, queue, reader, after, n)
 
 
 def _queue_call(cls: type[Peek] | type[Flush] | type[Delete]) -> Callable[[Request, int], Call]:
@@ -547,6 +646,12 @@ METHODS: Final[dict[str, Callable[[Request, int], Call]]] = {
     "stats": _no_params(Stats),
     "version": _no_params(Version),
     "auth": _auth,
+    "extend": _extend,
+    "reject": _reject,
+    "pause": _pause(True),
+    "resume": _pause(False),
+    "move": _move,
+    "browse": _browse,
 }
 
 

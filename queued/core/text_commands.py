@@ -30,20 +30,26 @@ COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
     tp.Auth: lambda ev: c.Auth(ev.user, ev.password),
     tp.Shutdown: lambda ev: c.Shutdown(),
     tp.Quit: lambda ev: c.Quit(),
+    tp.Touch: lambda ev: c.Touch(ev.queue, ev.reader, ms=ev.ms),
+    tp.Pause: lambda ev: c.Pause(ev.queue, ev.on),
 }
 
 
-def _item(reply: c.Items) -> bytes:
+def _item(reply: c.Items, deliveries: bool = False) -> bytes:
+    """`:<item>`, or with `deliveries` `:<count> <item>`: how many times it has been
+    delivered, this time included (its error count + 1)."""
     if not reply.items:
         return tp.empty()
-    data = reply.items[0].data
-    return tp.error(NEWLINE_ERROR) if b"\n" in data else tp.item(data)
+    it = reply.items[0]
+    if b"\n" in it.data:
+        return tp.error(NEWLINE_ERROR)
+    return tp.item(b"%d %s" % (it.error_count + 1, it.data) if deliveries else it.data)
 
 
 #: parser event type -> the bytes of its successful reply
 REPLIES: Final[dict[type, Callable[[Any, Any], bytes]]] = {
     tp.Put: lambda ev, r: tp.count(r.count),
-    tp.Get: lambda ev, r: _item(r),
+    tp.Get: lambda ev, r: _item(r, ev.deliveries),
     tp.Peek: lambda ev, r: _item(r),
     tp.Monitor: lambda ev, r: tp.empty(),
     tp.Confirm: lambda ev, r: tp.count(r.n),
@@ -53,6 +59,8 @@ REPLIES: Final[dict[type, Callable[[Any, Any], bytes]]] = {
     tp.Auth: lambda ev, r: tp.count(1),
     tp.Shutdown: lambda ev, r: b"",
     tp.Quit: lambda ev, r: b"",
+    tp.Touch: lambda ev, r: tp.count(r.n),
+    tp.Pause: lambda ev, r: tp.count(1),
 }
 
 #: a put refused for one of these says so with the queue's name

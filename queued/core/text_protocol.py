@@ -54,6 +54,7 @@ class Get:
     queue: str
     timeout_ms: int = 0
     reader: str | None = None
+    deliveries: bool = False  # `get <q> [timeout_ms] deliveries`: `:<count> <item>`
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +114,26 @@ class Quit:
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class Touch:
+    """`touch <queue> <ms>`: the connection's open reads on it (a monitor's) get `ms` more."""
+
+    queue: str
+    ms: int
+    reader: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """`pause <queue>` (on) or `resume <queue>`."""
+
+    queue: str
+    on: bool = True
+
+
 Command: TypeAlias = (
     Put | Get | Peek | Monitor | Confirm | Flush | Delete | Version | Shutdown | Quit | Auth
+    | Touch | Pause
 )
 Event: TypeAlias = Command | ConnectionClosed
 
@@ -272,11 +291,23 @@ class TextParser(LineParser["Command"]):
         self._state = _State.PUT
 
     def _simple(self, name: bytes, args: list[bytes]) -> Command:
+        if name == b"get" and len(args) > 1 and args[-1] == b"deliveries":
+            _arity(args, 2, 3, "get <queue> [timeout_ms] deliveries")
+            queue, reader = parse_address(args[0])
+            timeout = parse_int(args[1], "timeout", 0, MAX_TIMEOUT_MS) if len(args) > 2 else 0
+            return Get(queue, timeout, reader, deliveries=True)
         if name in (b"get", b"peek"):
             _arity(args, 1, 2, f"{name.decode()} <queue> [timeout_ms]")
             queue, reader = parse_address(args[0])
             timeout = parse_int(args[1], "timeout", 0, MAX_TIMEOUT_MS) if len(args) > 1 else 0
             return (Get if name == b"get" else Peek)(queue, timeout, reader)
+        if name == b"touch":
+            _arity(args, 2, 2, "touch <queue> <ms>")
+            queue, reader = parse_address(args[0])
+            return Touch(queue, parse_int(args[1], "ms", 0, MAX_TIMEOUT_MS), reader)
+        if name in (b"pause", b"resume"):
+            _arity(args, 1, 1, f"{name.decode()} <queue>")
+            return Pause(parse_queue(args[0]), name == b"pause")
         if name == b"monitor":
             _arity(args, 2, 3, "monitor <queue> <timeout_ms> [max_items]")
             queue, reader = parse_address(args[0])

@@ -1,5 +1,5 @@
 """The web console on the operations port: its pages, its one JSON view of a queue's head
-items, and its two admin actions (flush, delete).
+items, and its admin actions (flush, delete, pause, resume, and a redrive: move).
 
 Owns the console's routes, what each needs (the pages and the head view: a user who
 may see the queue, as `stats` filters; the head view: `get` on it; the actions: an admin,
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import string
+import time
 from collections.abc import Mapping
 from importlib import resources
 from typing import TYPE_CHECKING, Final
@@ -22,6 +23,7 @@ from urllib.parse import unquote
 from queued.core.access import Grant, Permission
 from queued.core.errors import JournalError
 from queued.core.wire import ArgumentError, parse_address
+from queued.server.history import History
 from queued.server.replies import JSON, Reply, json_reply
 
 if TYPE_CHECKING:
@@ -56,7 +58,12 @@ _STATIC: Final = {
 }
 _PAGES: Final = {"index": "index.html", "queue": "queue.html"}
 _HTML: Final = "text/html; charset=utf-8"
-_ACTIONS: Final = ("flush", "delete")
+_ACTIONS: Final = ("flush", "delete", "pause", "resume", "move")
+#: The charts' data: every queue the user may see, the last 15 minutes (server/history.py).
+HISTORY_PATH: Final = "/api/history"
+#: Items one redrive from the console moves at most (the page says so; `queued move` and
+#: the RPC `move` have no such cap), so an HTTP request never runs for long.
+CONSOLE_MOVE_MAX: Final = 10_000
 #: Characters a preview shows as they are; the rest (controls, DEL) become \\xNN.
 _SHOWN: Final = frozenset(string.printable) - frozenset("\x0b\x0c\r")
 
@@ -67,7 +74,7 @@ def static_file(name: str) -> bytes:
 
 
 def is_console_path(path: str) -> bool:
-    return path.startswith(("/queues/", "/api/queues/", "/console/"))
+    return path.startswith(("/queues/", "/api/queues/", "/console/")) or path == HISTORY_PATH
 
 
 def wants_html(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -125,8 +132,9 @@ def _not_found(what: str) -> Reply:
 class Console:
     """The console's routes. `users`: a users file is configured (else read-only)."""
 
-    def __init__(self, *, users: bool) -> None:
+    def __init__(self, *, users: bool, history: History | None = None) -> None:
         self.users = users
+        self.history = history if history is not None else History()
 
     async def respond(self, method: bytes, path: str, headers: list[tuple[bytes, bytes]],
                       grant: Grant | None, broker: Broker | None, *, scheme: str
@@ -141,6 +149,14 @@ class Console:
                 return _method_not_allowed()
             name, ctype = _STATIC[path]
             return Reply(200, static_file(name), (("Content-Type", ctype),))
+        if path == HISTORY_PATH:
+            if method == b"POST":
+                return _method_not_allowed()
+            if broker is None:
+                return json_reply(503, {"error": "recovering the journals"})
+            return json_reply(200, self.history.view(
+                (lambda _: True) if grant is None else grant.may_see, time.time(),
+                dict(broker.queue_stats())))
         if not path.startswith(("/queues/", "/api/queues/")):
             return _not_found("no such page") if is_console_path(path) else None
         api = path.startswith("/api/")
@@ -164,7 +180,8 @@ class Console:
             if method == b"POST" or action:
                 return _method_not_allowed()
             return self._head(name, grant, broker) if api else self._page("queue")
-        if action not in _ACTIONS:
+        action, _, target = action.partition("/")
+        if action not in _ACTIONS or bool(target) != (action == "move"):
             return _not_found("no such page")
         if method != b"POST":
             return Reply(405, b'{"error": "POST only"}\n', (("Content-Type", JSON),
@@ -172,7 +189,7 @@ class Console:
         refused = self.refuse_action(headers, grant, scheme)
         if refused is not None:
             return refused
-        return await self._act(name, action, grant, broker)
+        return await self._act(name, action, grant, broker, target)
 
     @staticmethod
     def _page(page: str) -> Reply:
@@ -233,11 +250,24 @@ class Console:
         return None
 
     @staticmethod
-    async def _act(name: str, action: str, grant: Grant | None, broker: Broker) -> Reply:
-        """A flush or delete of `name` that `refuse_action` cleared: what the `flush` and
-        `delete` commands do (`q`: its default reader / the whole queue; `q+r`: reader r)."""
+    async def _act(name: str, action: str, grant: Grant | None, broker: Broker,
+                   target: str = "") -> Reply:
+        """An action on `name` that `refuse_action` cleared: what the `flush`, `delete`,
+        `pause`, `resume` and `move` commands do (`q`: its default reader / the whole
+        queue; `q+r`: reader r; pause and resume take the queue of `q+r`)."""
         queue, _, reader = name.partition("+")
         who = grant.user if grant is not None else "?"
+        if action in ("pause", "resume"):
+            await broker.set_paused(queue, action == "pause")
+            log.info("console: user %r %sd %s", who, action, queue)
+            return json_reply(200, {"paused": action == "pause"})
+        if action == "move":
+            try:
+                moved = await broker.move(queue, reader or None, target, CONSOLE_MOVE_MAX)
+            except ValueError as exc:  # a bad destination name, or the queue itself
+                return json_reply(400, {"error": str(exc)})
+            log.info("console: user %r moved %d items from %s to %s", who, moved, name, target)
+            return json_reply(200, {"moved": moved, "limit": CONSOLE_MOVE_MAX})
         if action == "flush":
             n = broker.flush(queue, reader or None)
             log.info("console: user %r flushed %s (%d items)", who, name, n)

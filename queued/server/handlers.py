@@ -71,6 +71,9 @@ class Conn(Protocol):
 
 async def get(conn: Conn, cmd: c.Get, req: c.Request) -> c.Reply | None:
     b, reads, reader = conn.broker, conn.reads, cmd.reader or ""
+    if cmd.reject:
+        b.reject(reads, cmd.queue, reader, None, owe=conn.owe)
+        return c.Done()
     if cmd.abort:
         b.abort(reads, cmd.queue, reader, owe=conn.owe, delay_ms=cmd.delay_ms)
         return c.Done()
@@ -107,6 +110,29 @@ async def confirm(conn: Conn, cmd: c.Confirm, req: c.Request) -> c.Reply:
 async def abort(conn: Conn, cmd: c.Abort, req: c.Request) -> c.Reply:
     return c.Count(conn.broker.abort(conn.reads, cmd.queue, cmd.reader, ids=cmd.ids,
                                      owe=conn.owe, delay_ms=cmd.delay_ms))
+
+
+async def touch(conn: Conn, cmd: c.Touch, req: c.Request) -> c.Reply:
+    return c.Count(conn.broker.extend(conn.reads, cmd.queue, cmd.reader, cmd.ids, cmd.ms))
+
+
+async def reject(conn: Conn, cmd: c.Reject, req: c.Request) -> c.Reply:
+    return c.Count(conn.broker.reject(conn.reads, cmd.queue, cmd.reader, cmd.ids,
+                                      owe=conn.owe))
+
+
+async def pause(conn: Conn, cmd: c.Pause, req: c.Request) -> c.Reply:
+    await conn.broker.set_paused(cmd.queue, cmd.on)
+    return c.Done()
+
+
+async def move(conn: Conn, cmd: c.Move, req: c.Request) -> c.Reply:
+    return c.Count(await conn.broker.move(cmd.queue, cmd.reader, cmd.destination,
+                                          cmd.max_items, cmd.rate))
+
+
+async def browse(conn: Conn, cmd: c.Browse, req: c.Request) -> c.Reply:
+    return c.Items(await conn.broker.browse(cmd.queue, cmd.reader, cmd.after_id, cmd.n))
 
 
 async def flush(conn: Conn, cmd: c.Flush, req: c.Request) -> c.Reply:
@@ -206,4 +232,9 @@ HANDLERS: Final[dict[type, Handler]] = {
     c.Quit: quit,
     c.Monitor: monitor,
     c.Auth: auth,
+    c.Touch: touch,
+    c.Reject: reject,
+    c.Pause: pause,
+    c.Move: move,
+    c.Browse: browse,
 }

@@ -18,6 +18,7 @@ import base64
 import binascii
 import email.utils
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
 from typing import Protocol, runtime_checkable
@@ -31,6 +32,7 @@ from queued.core.access import Grant, sees_everything, visible
 from queued.core.stats import ProtocolStats
 from queued.server.auth import Authenticator
 from queued.server.console import SECURITY_HEADERS, Console, is_console_path, wants_html
+from queued.server.history import SAMPLE_S, History
 from queued.server.metrics import StatsSource, disk_usage, render, take_snapshot
 from queued.server.replies import JSON, TEXT, Reply, json_reply
 from queued.server.replies import text as _text
@@ -93,7 +95,8 @@ class Ops:
         self.tls = tls
         self.server: OpsServer | None = None  # set when recovery has finished
         self.stats = ProtocolStats()  # this port's connections and refusals
-        self.console = Console(users=login is not None)
+        self.history = History(config.metrics_max_queues)
+        self.console = Console(users=login is not None, history=self.history)
         self._render_limiter = trio.CapacityLimiter(1)
 
     @property
@@ -215,7 +218,17 @@ async def serve_http(
     """Serve the operations port until cancelled; reports the bound port when started."""
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, _handler(ops), listeners)
+        nursery.start_soon(_sample_history, ops)
         task_status.started(listeners[0].socket.getsockname()[1])
+
+
+async def _sample_history(ops: Ops) -> None:
+    """The console charts' samples: every SAMPLE_S once recovery has finished."""
+    while True:
+        server = ops.server
+        if server is not None:
+            ops.history.sample(time.time(), server.broker.queue_stats())
+        await trio.sleep(SAMPLE_S)
 
 
 def _handler(ops: Ops) -> Callable[[trio.SocketStream], Awaitable[None]]:

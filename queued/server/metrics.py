@@ -191,6 +191,8 @@ _READER_GAUGES = (
     ("queued_queue_open_reads", "Reliable reads open (taken, not confirmed or aborted).",
      "open_transactions", 1),
     ("queued_queue_waiters", "Gets waiting for an item.", "waiters", 1),
+    ("queued_queue_paused", "1 while the queue is paused (pause/resume): its gets wait.",
+     "paused", 1),
     ("queued_queue_oldest_item_age_seconds",
      "Age of the oldest item waiting in memory (0 when none is).", "oldest_item_age_msec",
      0.001),
@@ -204,6 +206,8 @@ _READER_COUNTERS = (
     ("queued_queue_aborted", "Open reads returned to the queue (abort, timeout, disconnect).",
      "canceled_transactions"),
     ("queued_queue_flushes", "Flushes of the queue.", "total_flushes"),
+    ("queued_queue_rejected", "Open reads given up on (reject): sent to error_queue, or "
+     "dropped.", "rejected"),
 )
 
 

@@ -821,8 +821,8 @@ class Session:
         assert type(r) is c.Request
         cmd = r.command
         assert type(cmd) is c.Get
-        if cmd.peek:
-            return False
+        if cmd.peek or cmd.reject:
+            return False  # (handlers.get)
         b, reads, reader = self.broker, self.reads, cmd.reader or ""
         try:
             if cmd.abort:

@@ -27,6 +27,7 @@ from queued.core.errors import (
     JournalClosedError,
     NotSavedError,
 )
+from queued.core.journal_names import PAUSED_FILE
 from queued.core.stats import HistogramSnapshot
 from queued.storage import fileio
 from queued.storage.files import (
@@ -36,6 +37,7 @@ from queued.storage.files import (
     decode_checkpoint,
     fsync_dir,
     write_checkpoint,
+    write_file_atomic,
 )
 from queued.storage.journal import Planned, QueueJournal, ReaderWork
 from queued.storage.recovery import Damage, scan_segment
@@ -144,6 +146,8 @@ class DataDir:
         for entry in sorted(os.listdir(dd.path)):
             parsed = jf.parse_file_name(entry)
             if parsed is None:
+                if entry.startswith(PAUSED_FILE):
+                    continue  # (read by `paused_queues`; a temp of it, by its next write)
                 if (dd.path / entry).is_file():
                     log.warning("data dir: ignoring %s (not a journal file name)", entry)
                 continue
@@ -355,6 +359,20 @@ class DataDir:
                 return
             async with j.exclusive():
                 await trio.to_thread.run_sync(remove)
+
+    def paused_queues(self) -> set[str]:
+        """The queues paused durably (`save_paused`); synchronous, for the start-up."""
+        try:
+            text = (self.path / PAUSED_FILE).read_text("ascii")
+        except FileNotFoundError:
+            return set()
+        return {line for line in text.split() if jf.valid_name(line)}
+
+    async def save_paused(self, names: set[str]) -> None:
+        """Make `names` the paused queues, durably (temp, fsync, rename, directory fsync),
+        in a worker thread: a pause is answered once it would survive a crash."""
+        data = "".join(f"{n}\n" for n in sorted(names)).encode("ascii")
+        await trio.to_thread.run_sync(write_file_atomic, self.path / PAUSED_FILE, data)
 
     def retire_segments(self, segs: list[SegmentInfo]) -> None:
         """Retire dead segments, durably: with archive_dir, originals move there and

@@ -202,12 +202,79 @@ def test_screenshots(secured: Served, browser: Any) -> None:
     target = os.environ.get("QUEUED_CONSOLE_SCREENSHOT")
     where = Path(target) if target else secured.proc.data_dir.parent / "screenshots"
     where.mkdir(parents=True, exist_ok=True)
-    browser.driver.set_window_size(1100, 420)
+    browser.driver.set_window_size(1400, 420)
     assert browser.driver.save_screenshot(str(where / "console.png"))
     browser.open(secured.url + "/queues/jobs")
     browser.wait("the head items", lambda: len(browser.all("#peek tbody tr")) == 3)
-    browser.driver.set_window_size(1100, 720)
+    browser.driver.set_window_size(1400, 820)
     assert browser.driver.save_screenshot(str(where / "console-queue.png"))
     for name in ("console.png", "console-queue.png"):
         assert (where / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    no_csp_violations(browser)
+
+
+def test_a_paused_queue_shows_as_paused(server: Served, browser: Any) -> None:
+    server.client.put("held", [b"x"])
+    browser.open(server.url + "/")
+    browser.wait("the queue's row", lambda: browser.cell("queues", "held", "items") == "1")
+    assert browser.cell("queues", "held", "state") == ""
+    server.client.pause("held")
+    try:
+        browser.wait("paused", lambda: browser.cell("queues", "held", "state") == "paused")
+        browser.open(server.url + "/queues/held")
+        browser.wait("the reader's state",
+                     lambda: browser.cell("readers", "held", "state") == "paused")
+    finally:
+        server.client.resume("held")
+    browser.wait("resumed", lambda: browser.cell("readers", "held", "state") == "")
+    no_csp_violations(browser)
+
+
+def test_pause_resume_and_redrive_through_the_confirmation(
+        secured: Served, browser: Any) -> None:
+    secured.client.put("dlq", [b"a", b"b"])
+    [got] = secured.client.get("dlq", 1, 0, 30_000)
+    secured.client.abort(got)  # one delivery so far: the head view says so
+    browser.login("root", USERS["root"]["password"])
+    browser.open(secured.url + "/queues/dlq")
+    browser.wait("the head items", lambda: len(browser.all("#peek tbody tr")) == 2)
+    assert [c.text for c in browser.all('#peek td[data-col="deliveries"]')] == ["1", "0"]
+    browser.find("#pause").click()
+    assert "Pause dlq?" in browser.find("#confirm-text").text
+    browser.find("#confirm-no").click()
+    browser.settle(0.5)
+    assert secured.client.peek("dlq").stats["paused"] == 0  # cancelled: not paused
+    browser.find("#pause").click()
+    browser.find("#confirm-yes").click()
+    browser.wait("paused", lambda: browser.find("#action-result").text == "Paused.")
+    assert secured.client.peek("dlq").stats["paused"] == 1
+    browser.wait("the state column", lambda: browser.cell("readers", "dlq", "state") == "paused")
+    browser.find("#resume").click()
+    browser.find("#confirm-yes").click()
+    browser.wait("resumed", lambda: browser.find("#action-result").text == "Resumed.")
+    assert secured.client.peek("dlq").stats["paused"] == 0
+    browser.find("#move").click()  # no destination yet: nothing asked, nothing moved
+    assert not browser.find("#confirm").is_displayed()
+    browser.find("#move-to").send_keys("work")
+    browser.find("#move").click()
+    assert "Redrive dlq to work?" in browser.find("#confirm-text").text
+    browser.find("#confirm-yes").click()
+    browser.wait("moved", lambda: browser.find("#action-result").text == "Moved 2 items.")
+    assert secured.client.peek("work").items == 2 and secured.client.peek("dlq").items == 0
+    no_csp_violations(browser)
+
+
+def test_charts_of_the_last_fifteen_minutes_on_both_pages(server: Served, browser: Any) -> None:
+    server.client.put("charted", [b"x"] * 7)
+    browser.open(server.url + "/")
+    browser.wait("the depth chart", lambda: browser.all(
+        '#queues tr[data-name="charted"] td[data-chart="depth"] svg'))
+    depth = browser.find('#queues tr[data-name="charted"] td[data-chart="depth"] svg')
+    assert depth.get_attribute("data-max") == "7"  # (the point of now, at least)
+    assert browser.all('#queues tr[data-name="charted"] td[data-chart="rates"] svg')
+    assert browser.js('return document.querySelector('
+                      '\'#queues tr[data-name="charted"] svg polyline.depth\') !== null;')
+    browser.open(server.url + "/queues/charted")
+    browser.wait("the page's charts", lambda: len(browser.all("#charts svg")) == 2)
+    assert browser.all("#charts svg")[0].get_attribute("data-max") == "7"
     no_csp_violations(browser)

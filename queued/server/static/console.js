@@ -91,12 +91,15 @@ function render(tbody, entries, columns) {
   }
 }
 
-const COLUMNS = ["items", "bytes", "delayed", "open", "readers", "oldest", "puts", "gets"];
-const READER_COLUMNS = ["items", "bytes", "delayed", "open", "waiters", "oldest", "puts", "gets"];
+const COLUMNS = ["state", "items", "bytes", "delayed", "open", "readers", "oldest", "puts",
+                 "gets"];
+const READER_COLUMNS = ["state", "items", "bytes", "delayed", "open", "waiters", "oldest",
+                        "puts", "gets"];
 
 function figures(name, f, readers, now) {
   const r = rates(name, f, now);
   return {
+    state: f.paused ? "paused" : "",  // (pause/resume: its gets wait)
     items: fmtInt(f.items),
     bytes: fmtBytes(f.bytes),
     delayed: fmtInt(f.delayed ?? 0),  // reported by servers with delayed delivery
@@ -110,6 +113,75 @@ function figures(name, f, readers, now) {
 }
 
 const queueOf = (name) => name.split("+")[0];
+
+// -- charts: the last 15 minutes, from /api/history (inline SVG, no library) -----------
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+const HISTORY_MS = 10000;  // the server samples every 10 s
+let history = { queues: {} };
+
+// One small chart: each series a polyline, all scaled to the largest value among them.
+function chart(series, w, h, label) {
+  const svg = document.createElementNS(SVG_NS, "svg");
+  svg.setAttribute("width", w);
+  svg.setAttribute("height", h);
+  svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+  svg.setAttribute("class", "chart");
+  let max = 0;
+  for (const s of series) for (const v of s.values) max = Math.max(max, v);
+  svg.dataset.max = String(max);
+  const title = document.createElementNS(SVG_NS, "title");
+  title.textContent = `${label}, last 15 min (max ${fmtRate(max)})`;
+  svg.appendChild(title);
+  for (const s of series) {
+    // One point so far (a page opened soon after the start): a flat line at its value.
+    const values = s.values.length === 1 ? [s.values[0], s.values[0]] : s.values;
+    const n = values.length;
+    if (n === 0) continue;
+    const x = (i) => ((i * w) / (n - 1)).toFixed(1);
+    const y = (v) => (h - 1 - (max > 0 ? (v / max) * (h - 2) : 0)).toFixed(1);
+    const line = document.createElementNS(SVG_NS, "polyline");
+    line.setAttribute("points", values.map((v, i) => `${x(i)},${y(v)}`).join(" "));
+    line.setAttribute("class", s.cls);
+    svg.appendChild(line);
+  }
+  return svg;
+}
+
+function charts(name, w, h) {
+  const q = history.queues[name];
+  if (!q) return [];
+  return [
+    chart([{ values: q.items, cls: "depth" }], w, h, `${name}: items waiting`),
+    chart([{ values: q.puts, cls: "puts" }, { values: q.gets, cls: "gets" }], w, h,
+          `${name}: puts/s (green) and gets/s (orange)`),
+  ];
+}
+
+// The chart cells of every row of `tbody` (made once per row, redrawn from `history`).
+function drawRowCharts(tbody) {
+  for (const row of Array.from(tbody.rows)) {
+    let cells = row.querySelectorAll("td[data-chart]");
+    if (cells.length === 0) {
+      for (const kind of ["depth", "rates"]) cell(row, "", "chart").dataset.chart = kind;
+      cells = row.querySelectorAll("td[data-chart]");
+    }
+    const drawn = charts(row.dataset.name, 120, 24);
+    cells.forEach((td, i) => td.replaceChildren(...(drawn[i] ? [drawn[i]] : [])));
+  }
+}
+
+async function pollHistory(draw) {
+  try {
+    const { status, body } = await getJson("/api/history");
+    if (status === 200 && body) {
+      history = body;
+      draw();
+    }
+  } catch (e) {
+    // the stats poll reports the server unreachable
+  }
+}
 
 // -- polling ---------------------------------------------------------------------------
 
@@ -154,6 +226,7 @@ function drawIndex(queues, now) {
   for (const name of names) readers.set(queueOf(name), (readers.get(queueOf(name)) || 0) + 1);
   render($("queues").tBodies[0],
          names.map((n) => [n, figures(n, queues[n], readers.get(queueOf(n)), now)]), COLUMNS);
+  drawRowCharts($("queues").tBodies[0]);
   $("empty").hidden = names.length > 0;
 }
 
@@ -177,7 +250,7 @@ function drawItem(tbody, item) {
   cell(row, fmtInt(item.id));
   cell(row, fmtBytes(item.size));
   cell(row, fmtAge(item.age_ms));
-  cell(row, fmtInt(item.error_count));
+  cell(row, fmtInt(item.error_count)).dataset.col = "deliveries";  // so far: its error count
   const data = cell(row, "", "data");
   if (item.binary) {
     const kind = document.createElement("span");
@@ -237,14 +310,26 @@ async function pollHead() {
 // cross-site form cannot send (the server refuses actions without it).
 let pending = null;
 
+const QUEUE_NAME = /^[A-Za-z0-9_:-]{1,250}$/;
+
 function ask(action) {
   const name = pageName();
-  const what = action === "flush"
-    ? `Flush ${name}? Every waiting item of ${name.includes("+") ? "this reader" : "its default reader"} is discarded.`
-    : `Delete ${name}? ${name.includes("+") ? "The reader" : "The queue, every reader and its journal files"} will be removed.`;
-  pending = action;
+  const queue = queueOf(name);
+  const to = $("move-to").value.trim();
+  if (action === "move" && !QUEUE_NAME.test(to)) {
+    $("action-result").textContent = "Redrive: type the queue to move the items to first.";
+    return;
+  }
+  const what = {
+    flush: `Flush ${name}? Every waiting item of ${name.includes("+") ? "this reader" : "its default reader"} is discarded.`,
+    delete: `Delete ${name}? ${name.includes("+") ? "The reader" : "The queue, every reader and its journal files"} will be removed.`,
+    pause: `Pause ${queue}? Puts go on; its consumers get nothing until it is resumed.`,
+    resume: `Resume ${queue}? Its consumers get items again.`,
+    move: `Redrive ${name} to ${to}? Up to 10,000 of its items move there, each kept with its error count.`,
+  }[action];
+  pending = action === "move" ? `move/${encodeURIComponent(to)}` : action;
   $("confirm-text").textContent = what;
-  $("confirm-yes").textContent = action === "flush" ? "Yes, flush" : "Yes, delete";
+  $("confirm-yes").textContent = `Yes, ${action === "move" ? "redrive" : action}`;
   $("confirm").hidden = false;
 }
 
@@ -269,7 +354,9 @@ async function confirmAction() {
     location.assign("/");
     return;
   }
-  result.textContent = `Flushed ${body.flushed} items.`;
+  if (action === "flush") result.textContent = `Flushed ${body.flushed} items.`;
+  else if (action.startsWith("move/")) result.textContent = `Moved ${body.moved} items.`;
+  else result.textContent = body.paused ? "Paused." : "Resumed.";
   pollHead();
 }
 
@@ -279,13 +366,22 @@ function startQueue() {
   document.title = `queued console: ${name}`;
   $("flush").addEventListener("click", () => ask("flush"));
   $("delete").addEventListener("click", () => ask("delete"));
+  $("pause").addEventListener("click", () => ask("pause"));
+  $("resume").addEventListener("click", () => ask("resume"));
+  $("move").addEventListener("click", () => ask("move"));
   $("confirm-yes").addEventListener("click", confirmAction);
   $("confirm-no").addEventListener("click", () => { pending = null; $("confirm").hidden = true; });
   every(() => { pollStats(drawQueue); pollHead(); });
+  const drawBig = () => $("charts").replaceChildren(...charts(name, 360, 80));
+  pollHistory(drawBig);
+  setInterval(() => pollHistory(drawBig), HISTORY_MS);
 }
 
 if (document.body.dataset.page === "queue") {
   startQueue();
 } else {
   every(() => pollStats(drawIndex));
+  const drawCharts = () => drawRowCharts($("queues").tBodies[0]);
+  pollHistory(drawCharts);
+  setInterval(() => pollHistory(drawCharts), HISTORY_MS);
 }
