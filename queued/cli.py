@@ -51,7 +51,7 @@ from queued.core import journal_format as jf
 from queued.core.errors import CorruptRecordError, NotSavedError, QueuedError
 from queued.logs import setup_logging
 from queued.server.app import serve
-from queued.storage.files import read_checkpoint
+from queued.storage.files import read_checkpoint, read_producers
 from queued.storage.recovery import Inspection, TailState, inspect_segment
 
 PREVIEW = 40
@@ -100,6 +100,9 @@ def describe(rec: jf.Record) -> str:
         return f"READ_DELAYS id:due=[{shown}{more}]"
     if isinstance(rec, jf.Incarnation):
         return f"INCARNATION {rec.incarnation}"
+    if isinstance(rec, jf.ProducerMark):
+        return (f"PRODUCER id={_preview(rec.producer)} sequence={rec.sequence} "
+                f"first_id={rec.first_id} count={rec.count} at={_ms(rec.time_ms)}")
     kind = f" kind={rec.kind}" if rec.kind else ""  # an extension record of a later release
     return (f"UNKNOWN command={rec.command}{kind} header_words={rec.header_words} "
             f"data={rec.data_size}")
@@ -199,6 +202,18 @@ def check(directory: Path, out: TextIO, *,
                           f"reader from the oldest segment", file=out)
                 else:
                     print(f"ok    {name}: head={cp.head} done={len(cp.done)} ids", file=out)
+                continue
+            if parsed.role is jf.FileRole.PRODUCERS:
+                try:
+                    marks = read_producers(path)
+                except FileNotFoundError:
+                    raise
+                except (CorruptRecordError, OSError) as exc:
+                    problems += 1
+                    print(f"BAD   {name}: unreadable producer snapshot ({exc}); its producers "
+                          f"fall back to at-least-once", file=out)
+                else:
+                    print(f"ok    {name}: {len(marks)} producers", file=out)
                 continue
             found, growing = _look(path, parsed.number, pause)
         except FileNotFoundError:

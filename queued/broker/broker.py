@@ -229,8 +229,12 @@ class Broker:
         error_count: int = 0,
         flags: int = 0,
         delay_ms: int = 0,
+        producer: bytes | None = None,
+        sequence: int = 0,
     ) -> PendingPut:
         """First half of `put`: checks, limits, ids; hands the items to the writer.
+        With a `producer` (exactly-once puts), see `QueueState.begin_put`: a repeat of
+        its last put stores nothing (`PendingPut.answer`), a gap raises ProducerGapError.
 
         Every PendingPut must be passed to `end_put`. A session begins each put of
         a pipelined batch before ending any, so they share one write and one fsync.
@@ -239,7 +243,8 @@ class Broker:
         """
         started = time.perf_counter()
         pending = await self.registry.queue(queue).begin_put(
-            datas, expire_ms=expire_ms, error_count=error_count, flags=flags, delay_ms=delay_ms)
+            datas, expire_ms=expire_ms, error_count=error_count, flags=flags, delay_ms=delay_ms,
+            producer=producer, sequence=sequence)
         pending.started = started
         return pending
 
@@ -251,12 +256,15 @@ class Broker:
         expire_ms: int | None = None,
         flags: int = 0,
         delay_ms: int = 0,
+        producer: bytes | None = None,
+        sequence: int = 0,
     ) -> PendingPut:
         """`begin_put` that never waits: trio.WouldBlock (nothing changed) when the
         queue must make room first (a parked queue loads here, synchronously)."""
         started = time.perf_counter()
         pending = self.registry.queue(queue).begin_put_nowait(
-            datas, expire_ms=expire_ms, error_count=0, flags=flags, delay_ms=delay_ms)
+            datas, expire_ms=expire_ms, error_count=0, flags=flags, delay_ms=delay_ms,
+            producer=producer, sequence=sequence)
         pending.started = started
         return pending
 

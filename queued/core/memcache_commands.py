@@ -165,6 +165,7 @@ FAILURES: Final[dict[c.ErrorKind, Callable[[str], bytes]]] = {
     K.AUTH_FAILED: lambda msg: mc.client_error("authentication failure"),
     K.PERMISSION_DENIED: mc.client_error,
     K.TOO_MANY_QUEUES: mc.server_error,
+    K.PRODUCER_GAP: mc.client_error,  # (memcache puts carry no producer: never given)
 }
 
 

@@ -68,6 +68,8 @@ DEFAULT_MAX_BATCH: Final = 100_000
 #: Timeouts and auto-abort delays are capped (about 24.8 days), as Kestrel's are i32.
 MAX_MS: Final = 2**31 - 1
 MAX_FLAGS: Final = 2**32 - 1  # memcache flags: 32-bit unsigned
+MAX_PRODUCER_ID: Final = 64  # bytes of a producer id (journal_records.MAX_PRODUCER_ID)
+MAX_SEQUENCE: Final = 2**64 - 1  # a producer's sequence is a u64 from 1
 #: Maps are only small option/stat tables; a request never needs a big one.
 MAX_MAP_LEN: Final = 1024
 #: msgid is a 32-bit unsigned integer in the spec.
@@ -96,6 +98,7 @@ class ErrorCode(enum.IntEnum):
     AUTH_FAILED = 14  #: wrong user or password; closes
     PERMISSION_DENIED = 15  #: the user lacks the permission on that queue
     TOO_MANY_QUEUES = 16  #: max_queues reached: the call would create a queue or reader
+    PRODUCER_GAP = 17  #: a put's producer sequence skipped ahead of the next; nothing stored
 
 
 class RpcError(ProtocolError):
@@ -336,6 +339,8 @@ class Put:
     expiration_ms: int  # relative; 0 = never
     flags: int = 0  # memcache flags of every item (u32), as a memcache `set` gives them
     delay_ms: int = 0  # > 0: the items stay invisible that long (delayed delivery)
+    producer: bytes | None = None  # exactly-once puts: 1..64 bytes naming the producer
+    sequence: int = 0  # with a producer: this put's number, 1..2**64-1
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,7 +466,7 @@ def _arity(msgid: int, method: str, params: list[Any], lo: int, hi: int) -> None
 
 def _put(r: Request, max_batch: int) -> Put:
     p = r.params
-    _arity(r.msgid, "put", p, 2, 5)
+    _arity(r.msgid, "put", p, 2, 7)
     queue, reader = _address(r.msgid, p[0])
     if reader is not None:
         raise RpcError(ErrorCode.BAD_QUEUE_NAME,
@@ -479,7 +484,19 @@ def _put(r: Request, max_batch: int) -> Put:
     expiration = _int(r.msgid, p[2], "expiration_ms", 0, 2**53) if len(p) > 2 else 0
     flags = _int(r.msgid, p[3], "flags", 0, MAX_FLAGS) if len(p) > 3 else 0
     delay = _int(r.msgid, p[4], "delay_ms", 0, MAX_DELAY_MS) if len(p) > 4 else 0
-    return Put(r.msgid, queue, items, expiration, flags, delay)
+    if len(p) < 6 or p[5] is None:
+        return Put(r.msgid, queue, items, expiration, flags, delay)
+    producer = p[5]
+    if type(producer) is str:
+        producer = producer.encode()
+    if type(producer) is not bytes or not 0 < len(producer) <= MAX_PRODUCER_ID:
+        raise _bad(r.msgid, f"producer must be 1 to {MAX_PRODUCER_ID} bytes")
+    if len(p) < 7:
+        raise _bad(r.msgid, "a put with a producer takes its sequence too")
+    sequence = _int(r.msgid, p[6], "sequence", 1, MAX_SEQUENCE)
+    if not items:
+        raise _bad(r.msgid, "a put with a producer takes at least one item")
+    return Put(r.msgid, queue, items, expiration, flags, delay, producer, sequence)
 
 
 def _get(r: Request, max_batch: int) -> Get:

@@ -1,0 +1,177 @@
+"""Exactly-once puts through the server: RPC puts with a producer id and a sequence.
+
+A real server on free 127.0.0.1 ports, the spec-only msgpack client of
+test_rpc_server.py: the next sequence is stored, a repeat is answered as the original
+and stores nothing, a gap is refused; the table is durable with the items (restart,
+after the items were consumed and their segments compacted away); `delete` drops it,
+`flush` keeps it; the bounds and their counters. The pure table is tested in
+test_producer_table.py, the record in test_journal_format.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+from server_util import WAIT, make_config, running
+from test_rpc_server import Rpc
+
+from queued.config import ServerConfig
+from queued.core import journal_format as jf
+from queued.core.rpc_protocol import ErrorCode
+
+E = ErrorCode
+P = b"producer-1"
+
+
+def cfg(tmp_path: Path, toml: str | None = None, **settings: object) -> ServerConfig:
+    return make_config(tmp_path / "data", toml, **settings)
+
+
+async def drain(c: Rpc, queue: str) -> list[bytes]:
+    return [data for _, data in await c.call("get", queue, 1000)]
+
+
+async def test_next_sequence_stored_repeat_answered_as_original_gap_refused(
+        tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "q", [b"a", b"b"], 0, 0, 0, P, 1) == [2, 1, False]
+        assert await c.call("put", "q", [b"c"], 0, 0, 0, P, 2) == [1, 3, False]
+        # The last put again: its answer, flagged, nothing stored.
+        assert await c.call("put", "q", [b"c"], 0, 0, 0, P, 2) == [1, 3, True]
+        # An older one: a duplicate too (only the last answer is kept).
+        assert await c.call("put", "q", [b"a", b"b"], 0, 0, 0, P, 1) == [0, 0, True]
+        code, message = await c.error("put", "q", [b"e"], 0, 0, 0, P, 4)
+        assert code == E.PRODUCER_GAP and "3 is next" in message
+        # Another producer has its own sequence; a plain put is not counted.
+        assert await c.call("put", "q", [b"x"], 0, 0, 0, b"other", 7) == [1, 4, False]
+        assert await c.call("put", "q", [b"y"]) == 1
+        assert await c.call("put", "q", [b"d"], 0, 0, 0, P, 3) == [1, 6, False]
+        assert await drain(c, "q") == [b"a", b"b", b"c", b"x", b"y", b"d"]
+        await c.aclose()
+
+
+async def test_producer_params_checked(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert (await c.error("put", "q", [b"a"], 0, 0, 0, b"p" * 65, 1))[0] == E.BAD_PARAMS
+        assert (await c.error("put", "q", [b"a"], 0, 0, 0, b"", 1))[0] == E.BAD_PARAMS
+        assert (await c.error("put", "q", [b"a"], 0, 0, 0, P))[0] == E.BAD_PARAMS
+        assert (await c.error("put", "q", [b"a"], 0, 0, 0, P, 0))[0] == E.BAD_PARAMS
+        assert (await c.error("put", "q", [b"a"], 0, 0, 0, P, -1))[0] == E.BAD_PARAMS
+        assert (await c.error("put", "q", [], 0, 0, 0, P, 1))[0] == E.BAD_PARAMS
+        # A nil producer is a plain put; a str id is its UTF-8 bytes.
+        assert await c.call("put", "q", [b"a"], 0, 0, 0, None) == 1
+        assert await c.call("put", "q", [b"b"], 0, 0, 0, "p\u00e9", 2**64 - 1) == [1, 2, False]
+        assert await c.call("put", "q", [b"b"], 0, 0, 0, "p\u00e9".encode(), 5) == [0, 0, True]
+        assert await drain(c, "q") == [b"a", b"b"]
+        await c.aclose()
+
+
+async def test_pipelined_puts_of_one_producer_keep_their_order(tmp_path: Path) -> None:
+    """100 puts sent at once, then all sent again: each stored once, in order, and
+    every repeat flagged."""
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        for repeat in (False, True):
+            wire = b"".join(c.request("put", "q", [b"%d" % i], 0, 0, 0, P, i)[1]
+                            for i in range(1, 101))
+            first = c.msgid - 99
+            await c.send(wire)
+            replies = [await c.response(first + i) for i in range(100)]
+            assert all(r[2] is None for r in replies), replies
+            assert [r[3][2] for r in replies] == [repeat] * 100
+        assert await drain(c, "q") == [b"%d" % i for i in range(1, 101)]
+        await c.aclose()
+
+
+async def test_concurrent_connections_resending_one_put_store_it_once(tmp_path: Path) -> None:
+    """The same put (a re-send on a new connection while the first is in flight) from
+    8 connections at once: one is stored, the others are answered as it was."""
+    async with running(cfg(tmp_path)) as server:
+        conns = [await Rpc.open(server.ports["rpc"]) for _ in range(8)]
+        answers: list[list[object]] = []
+
+        async def put(c: Rpc) -> None:
+            answers.append(await c.call("put", "q", [b"once", b"twice"], 0, 0, 0, P, 1))
+
+        async with trio.open_nursery() as nursery:
+            for c in conns:
+                nursery.start_soon(put, c)
+        assert sorted(a[2] for a in answers) == [False] + [True] * 7  # type: ignore[type-var]
+        assert all(a[:2] == [2, 1] for a in answers)
+        assert await drain(conns[0], "q") == [b"once", b"twice"]
+        for c in conns:
+            await c.aclose()
+
+
+async def test_table_survives_restart_consumption_and_compaction(tmp_path: Path) -> None:
+    """Marks in segments that compaction removed are in the snapshot file (q.producers),
+    written before the segments went; after a restart a repeat is still a repeat."""
+    toml = """
+[server]
+checkpoint_interval = "20ms"
+
+[default]
+journal_size = "1KiB"
+"""
+    config = cfg(tmp_path, toml)
+    data = tmp_path / "data"
+    async with running(config) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        for seq in range(1, 41):
+            assert await c.call("put", "q", [b"x" * 100], 0, 0, 0, P, seq) == [1, seq, False]
+        assert await c.call("put", "q", [b"y"], 0, 0, 0, b"early", 1) == [1, 41, False]
+        for seq in range(41, 61):
+            assert await c.call("put", "q", [b"x" * 100], 0, 0, 0, P, seq) == [1, seq + 1,
+                                                                               False]
+        assert len(await drain(c, "q")) == 61
+        with trio.fail_after(WAIT):  # the checkpoint, then the compaction it starts
+            while len([f for f in data.iterdir() if f.name.startswith("q.")
+                       and f.name[2:].isdigit()]) > 1:
+                await trio.sleep(0.02)
+        assert (data / jf.producers_name("q")).exists()
+        await c.aclose()
+    async with running(config) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "q", [b"x" * 100], 0, 0, 0, P, 60) == [1, 61, True]
+        assert await c.call("put", "q", [b"y"], 0, 0, 0, b"early", 1) == [1, 41, True]
+        assert (await c.error("put", "q", [b"z"], 0, 0, 0, P, 62))[0] == E.PRODUCER_GAP
+        assert await c.call("put", "q", [b"z"], 0, 0, 0, P, 61) == [1, 62, False]
+        assert await drain(c, "q") == [b"z"]
+        await c.aclose()
+
+
+async def test_flush_keeps_the_table_delete_drops_it(tmp_path: Path) -> None:
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "q", [b"a"], 0, 0, 0, P, 1) == [1, 1, False]
+        assert await c.call("flush", "q") == 1
+        assert await c.call("put", "q", [b"a"], 0, 0, 0, P, 1) == [1, 1, True]
+        assert await c.call("delete", "q") is True
+        # A new queue: the producer is unknown, so its put is stored (ids start again).
+        assert await c.call("put", "q", [b"a"], 0, 0, 0, P, 1) == [1, 1, False]
+        assert await drain(c, "q") == [b"a"]
+        await c.aclose()
+
+
+async def test_least_recently_used_producer_evicted_and_counted(tmp_path: Path) -> None:
+    toml = """
+[queues.q]
+max_producers = 2
+"""
+    async with running(cfg(tmp_path, toml)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        for p in (b"a", b"b"):
+            await c.call("put", "q", [p], 0, 0, 0, p, 1)
+        assert await c.call("put", "q", [b"a"], 0, 0, 0, b"a", 1) == [1, 1, True]  # a: recent
+        await c.call("put", "q", [b"c"], 0, 0, 0, b"c", 1)  # evicts b
+        counters = server.broker.registry.producer_counters
+        assert counters.evicted == 1 and counters.duplicates == 1
+        # b is forgotten: its repeat is stored again (at-least-once, never lost).
+        assert await c.call("put", "q", [b"b"], 0, 0, 0, b"b", 1) == [1, 4, False]
+        # ... which evicted a, the least recently used now.
+        assert await c.call("put", "q", [b"a"], 0, 0, 0, b"a", 1) == [1, 5, False]
+        assert counters.evicted == 3
+        await c.aclose()
