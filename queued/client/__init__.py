@@ -8,6 +8,7 @@ pure parts they share (errors, values, addresses, back-off, replies) are core's.
 from queued.client.aio import AsyncClient, AsyncConsumer
 from queued.client.core import (
     DEFAULT_PORT,
+    AmbiguousPut,
     AuthFailed,
     BadParams,
     BadQueueName,
@@ -22,6 +23,7 @@ from queued.client.core import (
     JournalFull,
     Malformed,
     PermissionDenied,
+    ProducerGap,
     QueueFull,
     QueueInfo,
     RpcCallError,
@@ -40,6 +42,7 @@ from queued.client.sync import Client, Consumer
 
 __all__ = [
     "DEFAULT_PORT",
+    "AmbiguousPut",
     "AsyncClient",
     "AsyncConsumer",
     "AuthFailed",
@@ -58,6 +61,7 @@ __all__ = [
     "JournalFull",
     "Malformed",
     "PermissionDenied",
+    "ProducerGap",
     "QueueFull",
     "QueueInfo",
     "RpcCallError",

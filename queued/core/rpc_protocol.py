@@ -181,7 +181,7 @@ class RpcParser:
         self.max_frame = max_frame
         self.max_batch = max_batch
         self._limits: dict[str, Any] = dict(
-            max_str_len=max_frame, max_bin_len=max_frame, max_array_len=max(max_batch, 4),
+            max_str_len=max_frame, max_bin_len=max_frame, max_array_len=max(max_batch, 8),
             max_map_len=max_map_len, max_ext_len=0,
         )
         # read_size: the buffer it starts with (it grows to max_buffer_size as frames
@@ -210,7 +210,7 @@ class RpcParser:
         self.max_frame = min(max(64, max_frame), self._scanner_frame)
         self.max_batch = max(1, max_batch)
         self._limits.update(max_str_len=self.max_frame, max_bin_len=self.max_frame,
-                            max_array_len=max(self.max_batch, 4))
+                            max_array_len=max(self.max_batch, 8))
 
     def receive_data(self, data: bytes | bytearray) -> None:
         if not data:
