@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from server_util import WAIT, make_config, running
 from test_rpc_server import Rpc
 
@@ -45,7 +48,7 @@ async def test_next_sequence_stored_repeat_answered_as_original_gap_refused(
         code, message = await c.error("put", "q", [b"e"], 0, 0, 0, P, 4)
         assert code == E.PRODUCER_GAP and "3 is next" in message
         # Another producer has its own sequence; a plain put is not counted.
-        assert await c.call("put", "q", [b"x"], 0, 0, 0, b"other", 7) == [1, 4, False]
+        assert await c.call("put", "q", [b"x"], 0, 0, 0, b"other", 1) == [1, 4, False]
         assert await c.call("put", "q", [b"y"]) == 1
         assert await c.call("put", "q", [b"d"], 0, 0, 0, P, 3) == [1, 6, False]
         assert await drain(c, "q") == [b"a", b"b", b"c", b"x", b"y", b"d"]
@@ -63,8 +66,11 @@ async def test_producer_params_checked(tmp_path: Path) -> None:
         assert (await c.error("put", "q", [], 0, 0, 0, P, 1))[0] == E.BAD_PARAMS
         # A nil producer is a plain put; a str id is its UTF-8 bytes.
         assert await c.call("put", "q", [b"a"], 0, 0, 0, None) == 1
-        assert await c.call("put", "q", [b"b"], 0, 0, 0, "p\u00e9", 2**64 - 1) == [1, 2, False]
-        assert await c.call("put", "q", [b"b"], 0, 0, 0, "p\u00e9".encode(), 5) == [0, 0, True]
+        assert await c.call("put", "q", [b"b"], 0, 0, 0, "p\u00e9", 1) == [1, 2, False]
+        assert await c.call("put", "q", [b"b"], 0, 0, 0, "p\u00e9".encode(), 1) == [1, 2, True]
+        # A producer the queue does not know starts at 1; the largest sequence is u64's.
+        assert (await c.error("put", "q", [b"c"], 0, 0, 0, b"new", 2**64 - 1))[0] == (
+            E.PRODUCER_GAP)
         assert await drain(c, "q") == [b"a", b"b"]
         await c.aclose()
 
@@ -175,3 +181,54 @@ max_producers = 2
         assert await c.call("put", "q", [b"a"], 0, 0, 0, b"a", 1) == [1, 5, False]
         assert counters.evicted == 3
         await c.aclose()
+
+
+# -- any interleaving stores each sequence once ------------------------------------------------
+
+OPS = st.lists(st.one_of(st.tuples(st.just("put"), st.integers(1, 6)),
+                         st.tuples(st.sampled_from(["reconnect", "restart", "wait"]),
+                                   st.just(0))), max_size=20)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_any_interleaving_of_resends_reconnects_and_restarts_stores_each_sequence_once(
+        tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, int]]) -> None:
+    """Puts of sequences 1..6 sent in any order, any number of times, pipelined (no reply
+    awaited), with connections dropped (their replies lost) and the server restarted
+    between them; then every sequence sent once more, in order. The queue then holds each
+    sequence's item exactly once, in sequence order."""
+    config = cfg(tmp_path_factory.mktemp("interleaving"))
+
+    async def main() -> None:
+        highest, sent, todo = 0, 0, list(ops)
+        while True:  # one life of the server per turn: a restart ends it
+            async with running(config) as server:
+                c = await Rpc.open(server.ports["rpc"])
+                while todo:
+                    op, seq = todo.pop(0)
+                    if op == "put":
+                        await c.send(c.request("put", "q", [b"%d" % seq], 0, 0, 0, P, seq)[1])
+                        highest, sent = max(highest, seq), sent + 1
+                    elif op == "wait":  # the replies so far (some may be gaps)
+                        for msgid in range(c.msgid - sent + 1, c.msgid + 1):
+                            await c.response(msgid)
+                        sent = 0
+                    else:
+                        await c.aclose()  # (in-flight replies lost)
+                        sent = 0
+                        if op == "restart":
+                            break
+                        c = await Rpc.open(server.ports["rpc"])
+                else:
+                    await c.aclose()
+                    c = await Rpc.open(server.ports["rpc"])
+                    for seq in range(1, highest + 1):  # stored now, or a repeat: no gap
+                        count, _, _ = await c.call("put", "q", [b"%d" % seq], 0, 0, 0, P, seq)
+                        assert count in (0, 1)  # (0: a repeat of an older put)
+                    assert await drain(c, "q") == [b"%d" % s for s in range(1, highest + 1)]
+                    await c.aclose()
+                    return
+
+    trio.run(main)

@@ -255,10 +255,11 @@ class QueueState:
         verdict, e = t.check(producer, sequence, now)
         if verdict is Verdict.STORE:
             return t, None
-        assert e is not None
         if verdict is Verdict.GAP:
             raise ProducerGapError(f"producer sequence {sequence} skips ahead: "
-                                   f"{e.sequence + 1} is next on queue {self.name!r}")
+                                   f"{1 if e is None else e.sequence + 1} is next on queue "
+                                   f"{self.name!r}")
+        assert e is not None
         same = sequence == e.sequence
         ticket = e.pending if isinstance(e.pending, Ticket) else None
         return t, PendingPut(self, Inflight([], done=True), ticket,

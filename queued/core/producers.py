@@ -2,8 +2,10 @@
 
 Owns the rule a put with a producer id meets: the next sequence is stored; one at or
 below the last is a duplicate (answered as the last was when it is the last); one
-further ahead is a gap. Bounded by a least-recently-used cap and an expiry: a producer
-forgotten starts again wherever it is (at-least-once, never a loss). PURE: the caller
+further ahead is a gap. A producer the table does not know starts at 1 (anything else is
+a gap: else a later put arriving first would make the first look like a repeat). Bounded
+by a least-recently-used cap and an expiry: a producer forgotten must start again at 1
+as a new producer (at-least-once, never a loss). PURE: the caller
 passes the time and keeps the durability (`pending` is its opaque ticket).
 """
 
@@ -22,7 +24,7 @@ DEFAULT_PRODUCER_EXPIRY_MS = 7 * 24 * 3600 * 1000
 
 
 class Verdict(enum.Enum):
-    STORE = "store"  # a producer unknown (new, evicted, expired) or the next sequence
+    STORE = "store"  # the next sequence (1 for a producer unknown: new, evicted, expired)
     DUPLICATE = "duplicate"  # at or below the last stored: store nothing
     GAP = "gap"  # past the next: refused, store nothing
 
@@ -78,8 +80,11 @@ class ProducerTable:
             del self.entries[producer]
             self.counters.expired += 1
             e = None
-        if e is None or sequence == e.sequence + 1:
+        if sequence == (1 if e is None else e.sequence + 1):
             return Verdict.STORE, e
+        if e is None:  # (a later put before the first would make the first a "repeat")
+            self.counters.gaps += 1
+            return Verdict.GAP, None
         if sequence <= e.sequence:
             self.counters.duplicates += 1
             e.used_ms = now_ms
@@ -91,7 +96,9 @@ class ProducerTable:
     def verdict(self, producer: bytes, sequence: int, now_ms: int) -> Verdict:
         """What `check` would say, changing nothing (counting nothing)."""
         e = self.entries.get(producer)
-        if e is None or now_ms - e.used_ms > self.expiry_ms or sequence == e.sequence + 1:
+        if e is None or now_ms - e.used_ms > self.expiry_ms:
+            return Verdict.STORE if sequence == 1 else Verdict.GAP
+        if sequence == e.sequence + 1:
             return Verdict.STORE
         return Verdict.DUPLICATE if sequence <= e.sequence else Verdict.GAP
 
