@@ -10,15 +10,18 @@ test_producer_table.py, the record in test_journal_format.py.
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_util import WAIT, make_config, running
+from server_util import WAIT, ServerProcess, make_config, running
 from test_rpc_server import Rpc
 
+from queued.client import AsyncClient, ClientError
 from queued.config import ServerConfig
 from queued.core import journal_format as jf
 from queued.core.rpc_protocol import ErrorCode
@@ -232,3 +235,108 @@ def test_any_interleaving_of_resends_reconnects_and_restarts_stores_each_sequenc
                     return
 
     trio.run(main)
+
+
+# -- SIGKILL -----------------------------------------------------------------------------------
+
+
+async def reply_dropping_proxy(target: int, task_status: trio.TaskStatus[int]) -> None:
+    """A TCP proxy to 127.0.0.1:`target` that passes every request on, but on every 5th
+    chunk of replies closes both ends instead: the server ran the puts, their replies are
+    lost (what a network cut or a server killed after its fsync does)."""
+    chunks = 0
+
+    async def pipe(client: trio.SocketStream) -> None:
+        nonlocal chunks
+        try:
+            server = await trio.open_tcp_stream("127.0.0.1", target)
+        except OSError:
+            await client.aclose()
+            return
+        async with client, server, trio.open_nursery() as nursery:
+            async def up() -> None:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    async for data in client:
+                        await server.send_all(data)
+                nursery.cancel_scope.cancel()
+
+            async def down() -> None:
+                nonlocal chunks
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    async for data in server:
+                        chunks += 1
+                        if chunks % 5 == 0:
+                            break  # the reply is lost
+                        await client.send_all(data)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(up)
+            nursery.start_soon(down)
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(pipe, listeners)
+
+
+async def test_idempotent_puts_with_lost_replies_and_sigkill_are_stored_once(
+        tmp_path: Path) -> None:
+    """Idempotent puts (4 tasks pipelined on one client) through a proxy that loses every
+    5th reply, while the server is SIGKILLed twice and restarted on its port: every
+    acknowledged put is there exactly once, and no put is there twice: the unanswered ones
+    were re-sent to the same server and answered as repeats. (With idempotent=False this
+    stores duplicates: re-sent puts whose first send was stored.)"""
+    config = tmp_path / "queued.toml"
+    config.write_text('[default]\nfsync = "always"\n')
+    proc = ServerProcess(tmp_path / "data", tmp_path / "server.log", config)
+    acked: list[bytes] = []
+    failed = 0
+    try:
+        await trio.to_thread.run_sync(proc.start)
+        port = proc.rpc
+        async with trio.open_nursery() as outer:
+            proxy = await outer.start(reply_dropping_proxy, port)
+            async with AsyncClient(f"127.0.0.1:{proxy}", read_timeout=2.0, backoff=0.05,
+                                   max_backoff=0.2) as c:
+                stop = trio.Event()
+
+                async def produce(who: int) -> None:
+                    nonlocal failed
+                    n = 0
+                    while not stop.is_set():
+                        data = b"%d-%d" % (who, n)
+                        try:
+                            await c.put("q", [data, data + b"+"])
+                        except ClientError:
+                            failed += 1  # not acknowledged: stored once or not at all
+                        else:
+                            acked.append(data)
+                        n += 1
+
+                async def more(n: int) -> None:
+                    seen = len(acked)
+                    with trio.fail_after(WAIT):
+                        while len(acked) < seen + n:
+                            await trio.sleep(0.005)
+
+                async with trio.open_nursery() as nursery:
+                    for who in range(4):
+                        nursery.start_soon(produce, who)
+                    for _ in range(2):
+                        await more(100)
+                        proc.kill()
+                        await trio.to_thread.run_sync(lambda: proc.start(rpc_port=port))
+                    await more(100)
+                    stop.set()
+                retries = c.statistics().retries
+                got: list[bytes] = []
+                while batch := await c.get("q", 1000):
+                    got += [i.data for i in batch]
+            outer.cancel_scope.cancel()
+    finally:
+        proc.kill()
+    assert retries > 20  # many puts were re-sent
+    counts = Counter(got)
+    assert not [d for d, n in counts.items() if n > 1], "a put was stored twice"
+    assert all(counts[d] == 1 and counts[d + b"+"] == 1 for d in acked)
+    pairs = [d for d in got if not d.endswith(b"+")]
+    assert len(got) == 2 * len(pairs) and len(pairs) <= len(acked) + failed
