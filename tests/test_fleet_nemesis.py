@@ -4,8 +4,9 @@ confirm through another. Nothing acknowledged may be lost.
 
 Pass: every acknowledged item is delivered; duplicates come only from reads not
 confirmed before a kill, none from puts re-sent after their server died mid-call (the
-producer's puts are idempotent: re-sent to the same server, stored once); no gap of more than 2 s without an acknowledged put;
-items stranded on a killed server are delivered within 10 s of its restart. The figures
+producer's puts are idempotent: re-sent to the same server, stored once); no gap of
+more than 2 s without an acknowledged put; items stranded on a killed server are
+delivered within 10 s of its restart. The figures
 are printed (pytest -s) and quoted in the README ("Run as a fleet").
 """
 

@@ -203,17 +203,21 @@ class Broker:
         error_count: int = 0,
         flags: int = 0,
         delay_ms: int = 0,
+        producer: bytes | None = None,
+        sequence: int = 0,
     ) -> int:
         """Journal `datas`; returns once durable under the queue's fsync policy.
 
         `expire_ms` is absolute unix milliseconds; `flags` are the items' memcache
-        flags (u32); `delay_ms` > 0 keeps the items invisible that long. Raises
+        flags (u32); `delay_ms` > 0 keeps the items invisible that long; `producer` and
+        `sequence`: an exactly-once put (a repeat stores nothing and returns 0). Raises
         QueueFullError, ItemTooLargeError, JournalError (write failures, journal full),
-        ValueError.
+        ProducerGapError, ValueError.
         """
         self.counters.cmd_set += 1
         entry = await self.begin_put(queue, datas, expire_ms=expire_ms, error_count=error_count,
-                                     flags=flags, delay_ms=delay_ms)
+                                     flags=flags, delay_ms=delay_ms, producer=producer,
+                                     sequence=sequence)
         # Shielded: the readers must hear about every durable put, in id order,
         # even if the caller is cancelled. The wait is one writer round.
         with trio.CancelScope(shield=True):

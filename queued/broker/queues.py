@@ -158,6 +158,7 @@ class QueueState:
         if journal.producer_marks:
             self.producer_table().restore(journal.producer_marks, clock())
             journal.producer_marks = NO_ITEMS
+            self.producers_saved = -1  # (marks read from segments: in no snapshot yet)
 
     @property
     def reader_lock(self) -> trio.Lock:

@@ -285,18 +285,26 @@ class QueueJournal:
             if puts:
                 datas = ()  # done in bulk
                 next_id = puts[-1].id
+        # A put with a producer stays in one segment and one batch (it rotates or starts a
+        # batch before its first item, never within): else a cut could keep its first
+        # items without its mark.
+        whole = 0 if producer is None or not datas else (
+            sum(map(len, datas)) + len(pack_head(0, 1)) * len(datas)
+            + jf.PRODUCER_FIXED_DATA + 5 + len(producer[0]))
         for data in datas:
             next_id += 1
             head = pack_head(len(data), next_id)
             size = len(head) + len(data)
             chunk = self._pending[-1] if self._pending else None
+            # (0: a later item of a put with a producer, which never rotates or splits)
+            size_now = 0 if whole and next_id > self.last_id + 1 else whole or size
             if self._proj_size is None or (
-                self._proj_count and self._proj_size + size > limit
+                self._proj_count and size_now and self._proj_size + size_now > limit
             ):
                 chunk = self._new_chunk(rotate=True)
                 self._proj_size = len(jf.segment_head(self.file.incarnation)) + jf.CHECK_RECORD_SIZE
                 self._proj_count = 0
-            elif chunk is None or chunk.nbytes + size > MAX_BATCH_BYTES:
+            elif chunk is None or (size_now and chunk.nbytes + size_now > MAX_BATCH_BYTES):
                 if chunk is not None:  # a split batch gets a check record of its own
                     self._proj_size += jf.CHECK_RECORD_SIZE
                 chunk = self._new_chunk(rotate=False)
