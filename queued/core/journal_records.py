@@ -294,7 +294,7 @@ class ProducerMark:
 
 
 def producer_record(mark: ProducerMark) -> bytes:
-    """The PRODUCER record of `mark` (extension kind 6, 36 + id length bytes)."""
+    """The PRODUCER record of `mark` (extension kind 6, 35 + id length bytes)."""
     n = len(mark.producer)
     if not 0 < n <= MAX_PRODUCER_ID:
         raise ValueError(f"producer id of {n} bytes (1..{MAX_PRODUCER_ID})")
