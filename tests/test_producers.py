@@ -11,6 +11,7 @@ test_producer_table.py, the record in test_journal_format.py.
 from __future__ import annotations
 
 import contextlib
+import io
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from server_util import WAIT, ServerProcess, make_config, running
 from test_rpc_server import Rpc
 
+from queued.cli import check, dump
 from queued.client import AsyncClient, ClientError
 from queued.config import ServerConfig
 from queued.core import journal_format as jf
@@ -142,6 +144,14 @@ journal_size = "1KiB"
                 await trio.sleep(0.02)
         assert (data / jf.producers_name("q")).exists()
         await c.aclose()
+    # `queued check` reads the snapshot; `queued dump` shows a segment's PRODUCER records.
+    report = io.StringIO()
+    assert check(data, report) == 0
+    assert "ok    q.producers: 2 producers" in report.getvalue()
+    (segment,) = (f for f in data.iterdir() if f.name[2:].isdigit())
+    dumped = io.StringIO()
+    dump(segment, dumped)
+    assert "PRODUCER id=b'producer-1' sequence=60 first_id=61 count=1" in dumped.getvalue()
     async with running(config) as server:
         c = await Rpc.open(server.ports["rpc"])
         assert await c.call("put", "q", [b"x" * 100], 0, 0, 0, P, 60) == [1, 61, True]

@@ -86,7 +86,20 @@ def read_segment(seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[
     the file was replaced under a stale `seg` (compaction), JournalError on a record
     cut short. Synchronous file I/O.
     """
-    offset = seg.seek_offset(from_id)
+    for rec in _records(seg, seg.seek_offset(from_id)):
+        if isinstance(rec, jf.Put) and rec.id >= from_id:
+            if to_id is not None and rec.id > to_id:
+                return
+            yield rec
+
+
+def segment_marks(seg: SegmentInfo) -> list[jf.ProducerMark]:
+    """The PRODUCER records of one segment, in order (synchronous file I/O)."""
+    return [rec for rec in _records(seg, jf.MAGIC_SIZE) if isinstance(rec, jf.ProducerMark)]
+
+
+def _records(seg: SegmentInfo, offset: int) -> Iterator[jf.Record]:
+    """The records of `seg` from `offset` (a batch start) up to seg.size, streamed."""
     limit = seg.size
     with seg.path.open("rb") as f:
         if seg.inode and os.fstat(f.fileno()).st_ino != seg.inode:
@@ -102,11 +115,7 @@ def read_segment(seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[
                 dec.receive_data(data)
                 continue
             if isinstance(ev, jf.Decoded):
-                rec = ev.record
-                if isinstance(rec, jf.Put) and rec.id >= from_id:
-                    if to_id is not None and rec.id > to_id:
-                        return
-                    yield rec
+                yield ev.record
                 continue
             if isinstance(ev, jf.TornTail):
                 raise JournalError(f"{seg.path}: record cut short at {ev.offset}")
@@ -214,26 +223,6 @@ def read_producers(path: Path) -> list[jf.ProducerMark]:
 def write_producers(path: Path, marks: Sequence[jf.ProducerMark]) -> None:
     """Replace the snapshot durably (temp + fsync + rename + directory fsync)."""
     write_file_atomic(path, encode_producers(marks))
-
-
-def segment_marks(seg: SegmentInfo) -> list[jf.ProducerMark]:
-    """The PRODUCER records of one segment, in order (synchronous file I/O)."""
-    out: list[jf.ProducerMark] = []
-    with seg.path.open("rb") as f:
-        dec = jf.RecordDecoder(jf.FileKind.WRITER)
-        remaining = seg.size
-        while True:
-            ev = dec.next_event()
-            if ev is jf.NEED_DATA:
-                data = f.read(min(remaining, READ_BACK_CHUNK)) if remaining > 0 else b""
-                remaining -= len(data)
-                dec.receive_data(data)
-                continue
-            if isinstance(ev, jf.Decoded):
-                if isinstance(ev.record, jf.ProducerMark):
-                    out.append(ev.record)
-                continue
-            return out
 
 
 # -- checkpoints ----------------------------------------------------------------
