@@ -58,6 +58,7 @@ import queued
 from queued.client import AsyncClient, Client, Item
 
 REPO = Path(__file__).resolve().parent.parent
+IDEMPOTENT_ENV = "QUEUED_BENCH_IDEMPOTENT"
 QUEUED = REPO / ".venv" / "bin" / "queued"
 HOST = "127.0.0.1"
 KiB = 1 << 10
@@ -152,10 +153,14 @@ def run_blocking(c: Client, t: Task, p: Part) -> None:
         p.t1 = clock()
 
 
-def client_tls(ca: str | None) -> dict[str, Any]:
+def client_options(ca: str | None) -> dict[str, Any]:
     """The clients' TLS argument: verify the bench's CA (a context does not pickle, so each
-    process makes its own from the file)."""
-    return {"tls": ssl.create_default_context(cafile=ca)} if ca else {}
+    process makes its own from the file); and idempotent puts on or off (--idempotent,
+    through the environment, which the workers inherit)."""
+    opts: dict[str, Any] = {"idempotent": os.environ.get(IDEMPOTENT_ENV, "on") == "on"}
+    if ca:
+        opts["tls"] = ssl.create_default_context(cafile=ca)
+    return opts
 
 
 async def run_async(address: str, ca: str | None, t: Task, p: Part) -> None:
@@ -185,7 +190,7 @@ async def run_async(address: str, ca: str | None, t: Task, p: Part) -> None:
             p.items += n
 
     try:
-        async with AsyncClient(address, read_timeout=READ_TIMEOUT, **client_tls(ca)) as c, \
+        async with AsyncClient(address, read_timeout=READ_TIMEOUT, **client_options(ca)) as c, \
                 trio.open_nursery() as nursery:
             for _ in range(t.tasks):
                 nursery.start_soon(one, c)
@@ -197,7 +202,7 @@ def worker_main(address: str, ca: str | None,
                 pipe: multiprocessing.connection.Connection) -> None:
     client: Client | None = None
     try:
-        client = Client(address, read_timeout=READ_TIMEOUT, **client_tls(ca))
+        client = Client(address, read_timeout=READ_TIMEOUT, **client_options(ca))
         client.version()  # connect now, not inside the first timed call
         pipe.send({"ready": True})
         while pipe.poll(IDLE_LIMIT):
@@ -211,7 +216,7 @@ def worker_main(address: str, ca: str | None,
                     trio.run(run_async, address, ca, task, part)
                 else:
                     if client is None:
-                        client = Client(address, read_timeout=READ_TIMEOUT, **client_tls(ca))
+                        client = Client(address, read_timeout=READ_TIMEOUT, **client_options(ca))
                     run_blocking(client, task, part)
             except Exception as exc:  # report it; a fresh client for the next task
                 part.error = f"{exc!r}"
@@ -481,7 +486,7 @@ class Bench:
             log(f"## fsync {fsync}{over}: server pid {server.pid}, rpc port {server.port}")
             workers = Workers(server.address, ca, max(a.conns))
             with Client(server.address, read_timeout=READ_TIMEOUT,
-                        **client_tls(ca)) as control:
+                        **client_options(ca)) as control:
                 for size in a.sizes:
                     for batch in a.batches:
                         for conns in a.conns:
@@ -525,7 +530,7 @@ class Bench:
                         f"{server.pid}, rpc port {server.port}")
                     pools.append(Workers(server.address, ca, max(a.conns)))
                     controls.append(stack.enter_context(
-                        Client(server.address, read_timeout=READ_TIMEOUT, **client_tls(ca))))
+                        Client(server.address, read_timeout=READ_TIMEOUT, **client_options(ca))))
                 for size in a.sizes:
                     for batch in a.batches:
                         for conns in a.conns:
@@ -765,7 +770,11 @@ def main() -> None:
     ap.add_argument("--tree-clients", action="store_true",
                     help="with --queued-tree: the clients (worker processes) from that tree "
                          "too (the bench runs itself again with PYTHONPATH set to it)")
+    ap.add_argument("--idempotent", choices=("on", "off"), default="on",
+                    help="the clients' idempotent puts (producer id and sequence; default on, "
+                         "as the client's default)")
     a = ap.parse_args()
+    os.environ[IDEMPOTENT_ENV] = a.idempotent
     if a.queued_tree is not None:
         a.queued_tree = a.queued_tree.resolve()
         if not (a.queued_tree / "queued" / "__init__.py").is_file():

@@ -11,6 +11,7 @@ import argparse
 import ctypes
 import datetime as _dt
 import difflib
+import functools
 import gc
 import getpass
 import io
@@ -26,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO, TextIO
+from typing import Any, BinaryIO, TextIO, TypeVar
 
 import trio
 
@@ -51,7 +52,7 @@ from queued.core import journal_format as jf
 from queued.core.errors import CorruptRecordError, NotSavedError, QueuedError
 from queued.logs import setup_logging
 from queued.server.app import serve
-from queued.storage.files import read_checkpoint
+from queued.storage.files import read_checkpoint, read_producers
 from queued.storage.recovery import Inspection, TailState, inspect_segment
 
 PREVIEW = 40
@@ -100,6 +101,9 @@ def describe(rec: jf.Record) -> str:
         return f"READ_DELAYS id:due=[{shown}{more}]"
     if isinstance(rec, jf.Incarnation):
         return f"INCARNATION {rec.incarnation}"
+    if isinstance(rec, jf.ProducerMark):
+        return (f"PRODUCER id={_preview(rec.producer)} sequence={rec.sequence} "
+                f"first_id={rec.first_id} count={rec.count} at={_ms(rec.time_ms)}")
     kind = f" kind={rec.kind}" if rec.kind else ""  # an extension record of a later release
     return (f"UNKNOWN command={rec.command}{kind} header_words={rec.header_words} "
             f"data={rec.data_size}")
@@ -147,6 +151,24 @@ UNFINISHED = (TailState.TORN_TAIL, TailState.GARBAGE_TAIL, TailState.ZERO_TAIL,
 EXIT_HEALTHY, EXIT_DAMAGE, EXIT_CANNOT_CHECK = 0, 1, 2
 
 
+T = TypeVar("T")
+
+
+def _check_small_file(name: str, out: TextIO, read: Callable[[], T], ok: Callable[[T], str],
+                      bad: str) -> int:
+    """`queued check` of a file read whole (a checkpoint, a producer snapshot): 1 when it
+    is unreadable (FileNotFoundError goes up: removed while checking)."""
+    try:
+        value = read()
+    except FileNotFoundError:
+        raise
+    except (CorruptRecordError, OSError) as exc:
+        print(f"BAD   {name}: " + bad.format(exc), file=out)
+        return 1
+    print(f"ok    {name}: {ok(value)}", file=out)
+    return 0
+
+
 def _look(path: Path, number: int, pause: Callable[[float], object]) -> tuple[Inspection, bool]:
     """inspect_segment, again while the tail is unfinished: (the last verdict, whether
     the file kept changing between looks, i.e. a server is appending to it)."""
@@ -189,16 +211,18 @@ def check(directory: Path, out: TextIO, *,
             continue
         try:
             if parsed.role is jf.FileRole.CHECKPOINT:
-                try:
-                    cp = read_checkpoint(path)
-                except FileNotFoundError:
-                    raise
-                except (CorruptRecordError, OSError) as exc:
-                    problems += 1
-                    print(f"BAD   {name}: unreadable checkpoint ({exc}); recovery replays this "
-                          f"reader from the oldest segment", file=out)
-                else:
-                    print(f"ok    {name}: head={cp.head} done={len(cp.done)} ids", file=out)
+                problems += _check_small_file(
+                    name, out, functools.partial(read_checkpoint, path),
+                    lambda cp: f"head={cp.head} done={len(cp.done)} ids",
+                    "unreadable checkpoint ({}); recovery replays this reader from the "
+                    "oldest segment")
+                continue
+            if parsed.role is jf.FileRole.PRODUCERS:
+                problems += _check_small_file(
+                    name, out, functools.partial(read_producers, path),
+                    lambda marks: f"{len(marks)} producers",
+                    "unreadable producer snapshot ({}); its producers fall back to "
+                    "at-least-once")
                 continue
             found, growing = _look(path, parsed.number, pause)
         except FileNotFoundError:

@@ -6,7 +6,8 @@ rotated segment, a compaction's output, a queue's new incarnation after a delete
 checkpoint written whole and one with appended batches. It must return every item, in
 order, with its id, data, add time, expiry and error count, and each reader's head and
 out-of-order confirms, under both of libkestrel's rules for skipping a record it does not
-know (its released one, and the first one, which skips by data size alone).
+know (its released one, and the first one, which skips by data size alone), PRODUCER
+records (exactly-once puts) included.
 
 Then a data directory in the format of earlier releases, made here from fixed bytes
 (the older forms: command 7 checks, command 4 FLAGS, 5 DELAY, 6 COMPACTED, 12
@@ -86,6 +87,11 @@ async def test_libkestrel_reads_every_kind_of_file_we_write(tmp_path: Path) -> N
         puts, ticket = q.append_nowait([b"delayed, flagged"], T0 + 3, flags=7, due_ms=T0 + 60_000)
         await wait_durable(ticket)
         sent += puts
+        # Puts of producers (exactly-once): a PRODUCER record after each one's last item.
+        for seq, batch in enumerate(([b"produced-1", b"produced-2"], [b"produced-3"]), 1):
+            puts, ticket = q.append_nowait(batch, T0 + 3, flags=5, producer=(b"p-1", seq))
+            await wait_durable(ticket)
+            sent += puts
         for i in range(10):  # rotation: several segments
             sent += await q.append([BIG + data_for(i)], T0 + 4 + i)
         # A checkpoint written whole: head, out-of-order confirms, an abort's error count,
@@ -121,6 +127,10 @@ async def test_libkestrel_reads_every_kind_of_file_we_write(tmp_path: Path) -> N
     ours = [p for path in q_segments for p in our_puts(path.read_bytes())]
     assert [p.flags for p in ours[:5]] == [0, 0, 16, 0, 7]  # (what libkestrel does not see)
     assert [type(p) for p in ours[:5]] == [jf.Put] * 4 + [jf.DelayedPut]
+    marks = [d.record for path in q_segments for d in jf.decode_all(path.read_bytes())
+             if isinstance(d.record, jf.ProducerMark)]
+    assert marks == [jf.ProducerMark(b"p-1", 1, 6, 2, T0 + 3),
+                     jf.ProducerMark(b"p-1", 2, 8, 1, T0 + 3)]
 
     # The compaction's output holds the stragglers; the last segment the one after them.
     c_segments = segment_paths(data, "c")

@@ -736,7 +736,8 @@ def test_a_map_over_max_map_len_is_too_large() -> None:
 
 
 @pytest.mark.parametrize("follow", [
-    pytest.param(lambda: encode_request(9, "put", ["q", [b"x"] * 5]), id="long array"),
+    # (arrays of up to 8 pass the parser whatever max_batch: a put's params are 7)
+    pytest.param(lambda: encode_request(9, "put", ["q", [b"x"] * 9]), id="long array"),
     pytest.param(lambda: encode_request(9, "m", [{str(i): 0 for i in range(5)}]), id="big map"),
 ])
 def test_a_pipelined_request_over_max_batch_is_answered_by_msgid(follow: Any) -> None:
@@ -752,7 +753,7 @@ def test_a_pipelined_request_over_max_batch_is_answered_by_msgid(follow: Any) ->
 
 #: Every method with a full set of valid params (all optional ones given).
 FULL: dict[str, list[Any]] = {
-    "put": ["q", [b"a"], 0, 0, 0],
+    "put": ["q", [b"a"], 0, 0, 0, None, 1],  # (a nil producer: a plain put)
     "get": ["q", 1, 0, 0, False, False],
     "confirm": ["q", [1]],
     "abort": ["q", [1], 0],
@@ -771,7 +772,7 @@ FULL: dict[str, list[Any]] = {
     "browse": ["q", 0, 10],
 }
 ARITY: dict[str, tuple[int, int]] = {
-    "put": (2, 5), "get": (2, 6), "confirm": (2, 2), "abort": (2, 3), "peek": (1, 1),
+    "put": (2, 7), "get": (2, 6), "confirm": (2, 2), "abort": (2, 3), "peek": (1, 1),
     "flush": (1, 1), "delete": (1, 1), "flush_all": (0, 0), "stats": (0, 0), "version": (0, 0),
     "auth": (2, 2), "extend": (3, 3), "reject": (2, 2), "pause": (1, 1), "resume": (1, 1),
     "move": (2, 4), "browse": (1, 3),
@@ -1103,7 +1104,7 @@ def test_error_codes_are_stable() -> None:
         "QUEUE_FULL": 5, "ITEM_TOO_LARGE": 6, "TOO_LARGE": 7, "TOO_MANY_OPEN_READS": 8,
         "JOURNAL_FULL": 9, "SHUTTING_DOWN": 10, "SERVER_ERROR": 11, "BUSY": 12,
         "UNAUTHENTICATED": 13, "AUTH_FAILED": 14, "PERMISSION_DENIED": 15,
-        "TOO_MANY_QUEUES": 16, "NOT_OPEN": 17,
+        "TOO_MANY_QUEUES": 16, "NOT_OPEN": 17, "PRODUCER_GAP": 18,
     }
 
 

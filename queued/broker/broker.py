@@ -215,17 +215,21 @@ class Broker:
         error_count: int = 0,
         flags: int = 0,
         delay_ms: int = 0,
+        producer: bytes | None = None,
+        sequence: int = 0,
     ) -> int:
         """Journal `datas`; returns once durable under the queue's fsync policy.
 
         `expire_ms` is absolute unix milliseconds; `flags` are the items' memcache
-        flags (u32); `delay_ms` > 0 keeps the items invisible that long. Raises
+        flags (u32); `delay_ms` > 0 keeps the items invisible that long; `producer` and
+        `sequence`: an exactly-once put (a repeat stores nothing and returns 0). Raises
         QueueFullError, ItemTooLargeError, JournalError (write failures, journal full),
-        ValueError.
+        ProducerGapError, ValueError.
         """
         self.counters.cmd_set += 1
         entry = await self.begin_put(queue, datas, expire_ms=expire_ms, error_count=error_count,
-                                     flags=flags, delay_ms=delay_ms)
+                                     flags=flags, delay_ms=delay_ms, producer=producer,
+                                     sequence=sequence)
         # Shielded: the readers must hear about every durable put, in id order,
         # even if the caller is cancelled. The wait is one writer round.
         with trio.CancelScope(shield=True):
@@ -241,8 +245,12 @@ class Broker:
         error_count: int = 0,
         flags: int = 0,
         delay_ms: int = 0,
+        producer: bytes | None = None,
+        sequence: int = 0,
     ) -> PendingPut:
         """First half of `put`: checks, limits, ids; hands the items to the writer.
+        With a `producer` (exactly-once puts), see `QueueState.begin_put`: a repeat of
+        its last put stores nothing (`PendingPut.answer`), a gap raises ProducerGapError.
 
         Every PendingPut must be passed to `end_put`. A session begins each put of
         a pipelined batch before ending any, so they share one write and one fsync.
@@ -251,7 +259,8 @@ class Broker:
         """
         started = time.perf_counter()
         pending = await self.registry.queue(queue).begin_put(
-            datas, expire_ms=expire_ms, error_count=error_count, flags=flags, delay_ms=delay_ms)
+            datas, expire_ms=expire_ms, error_count=error_count, flags=flags, delay_ms=delay_ms,
+            producer=producer, sequence=sequence)
         pending.started = started
         return pending
 
@@ -263,12 +272,15 @@ class Broker:
         expire_ms: int | None = None,
         flags: int = 0,
         delay_ms: int = 0,
+        producer: bytes | None = None,
+        sequence: int = 0,
     ) -> PendingPut:
         """`begin_put` that never waits: trio.WouldBlock (nothing changed) when the
         queue must make room first (a parked queue loads here, synchronously)."""
         started = time.perf_counter()
         pending = self.registry.queue(queue).begin_put_nowait(
-            datas, expire_ms=expire_ms, error_count=0, flags=flags, delay_ms=delay_ms)
+            datas, expire_ms=expire_ms, error_count=0, flags=flags, delay_ms=delay_ms,
+            producer=producer, sequence=sequence)
         pending.started = started
         return pending
 

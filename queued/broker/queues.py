@@ -26,9 +26,11 @@ from queued.core.errors import (
     ItemTooLargeError,
     JournalClosedError,
     JournalError,
+    ProducerGapError,
     QueueClosedError,
     QueueFullError,
 )
+from queued.core.producers import ProducerCounters, ProducerEntry, ProducerTable, Verdict
 from queued.core.queue import NO_ENTRIES, NO_ITEMS, Item, pack_max_for
 from queued.storage.journal import QueueJournal, Ticket, put_overhead
 from queued.storage.recovery import SegmentInfo
@@ -50,12 +52,23 @@ class Inflight:
 
 @dataclass(eq=False, slots=True)
 class PendingPut:
-    """A put handed to the writer, not yet known durable (see Broker.begin_put)."""
+    """A put handed to the writer, not yet known durable (see Broker.begin_put).
+
+    A put with a producer id has an `answer`: (first id, count, duplicate); a duplicate
+    stores nothing and waits for the ticket of the put it repeats, if that is in flight.
+    """
 
     qs: QueueState
     entry: Inflight
     ticket: Ticket | None
     started: float = 0.0  # time.perf_counter() when begin_put was called
+    answer: tuple[int, int, bool] | None = None
+    producer: ProducerEntry | None = None  # the entry this put stored
+
+
+def durable(pending: object) -> bool:
+    """A producer entry's ticket says its put is durable."""
+    return isinstance(pending, Ticket) and pending.event.is_set() and pending.error is None
 
 
 class Runner(Protocol):
@@ -105,8 +118,8 @@ class QueueState:
 
     __slots__ = ("_reader_lock", "background", "busy", "clock", "config", "create_time_ms",
                  "deleted", "delivered", "idle_since", "inflight", "inflight_bytes",
-                 "inflight_items", "journal", "name", "paused", "readers", "unsaved_checkpoints",
-                 "used")
+                 "inflight_items", "journal", "name", "paused", "producer_counters", "producers",
+                 "producers_saved", "readers", "unsaved_checkpoints", "used")
 
     def __init__(
         self,
@@ -115,6 +128,7 @@ class QueueState:
         config: QueueConfig,
         clock: Callable[[], int],
         background: Background,
+        producer_counters: ProducerCounters | None = None,
     ) -> None:
         self.name = name
         self.journal = journal
@@ -139,6 +153,14 @@ class QueueState:
         self.idle_since = 0.0  # trio time the parker first saw it unused
         #: paused (pause/resume): puts go on, gets take nothing and long polls wait
         self.paused = False
+        #: exactly-once puts: each producer's last put (None until the first, or recovered)
+        self.producers: ProducerTable | None = None
+        self.producers_saved = 0  # producers.changes the snapshot file holds
+        self.producer_counters = producer_counters
+        if journal.producer_marks:
+            self.producer_table().restore(journal.producer_marks, clock())
+            journal.producer_marks = NO_ITEMS
+            self.producers_saved = -1  # (marks read from segments: in no snapshot yet)
 
     @property
     def reader_lock(self) -> trio.Lock:
@@ -164,7 +186,7 @@ class QueueState:
 
     async def begin_put(
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
-        delay_ms: int = 0,
+        delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
     ) -> PendingPut:
         """Checks, limits, ids; hands the items to the writer (see Broker.begin_put)."""
         if not datas:
@@ -175,17 +197,21 @@ class QueueState:
         # leave the readers' counts and the files apart (the session does not shield a put
         # whose write is done when its begin returns: see Session._puts).
         room = self.needs_room()
-        if room or self.journal.config.max_journal_size:
+        if producer is not None and self.producers is not None and self.producers.verdict(
+                producer, sequence, now) is not Verdict.STORE:
+            room = False  # (a repeat or a gap stores nothing: it makes no room either)
+        elif room or self.journal.config.max_journal_size:
             self.busy += 1  # (these awaits show in no other way: the queue must not park)
             try:
                 await self._make_room(room, n, nbytes, put_overhead(flags, delay_ms > 0) * n)
             finally:
                 self.busy -= 1
-        return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes)
+        return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
+                             producer, sequence)
 
     def begin_put_nowait(
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
-        delay_ms: int = 0,
+        delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
     ) -> PendingPut:
         """`begin_put` without waiting: trio.WouldBlock (nothing changed) when the put
         must first make room (per-reader limits, max_journal_size)."""
@@ -194,7 +220,53 @@ class QueueState:
         now, expire_ms, nbytes = self._check_put(datas, expire_ms)
         if self.needs_room() or self.journal.config.max_journal_size:
             raise trio.WouldBlock
-        return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes)
+        return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
+                             producer, sequence)
+
+    def producer_table(self) -> ProducerTable:
+        t = self.producers
+        if t is None:
+            cfg = self.config
+            t = self.producers = ProducerTable(cfg.max_producers, cfg.producer_expiry,
+                                               self.producer_counters)
+            self.journal.before_compact = self.save_producers
+        return t
+
+    async def save_producers(self) -> None:
+        """Write the producer snapshot (`q.producers`) if it changed: before a compaction
+        or a drop removes segments, whose PRODUCER records it then stands for. Marks of
+        puts not yet durable are left out: they are in the newest segment, which stays."""
+        t = self.producers
+        if t is None or t.changes == self.producers_saved or self.deleted:
+            return
+        changes, complete = t.changes, t.all_durable(durable)
+        await self.journal.write_producers(t.marks(durable))
+        if complete:
+            self.producers_saved = changes
+
+    def _producer_check(self, producer: bytes, sequence: int, now: int,
+                        ) -> tuple[ProducerTable, PendingPut | None]:
+        """A repeat's answer (a PendingPut storing nothing), or None: store it. Raises
+        ProducerGapError for a gap."""
+        t = self.producer_table()
+        e = t.entries.get(producer)
+        if e is not None and isinstance(e.pending, Ticket) and e.pending.event.is_set():
+            if e.pending.error is not None:
+                t.forget(producer, e)  # its put failed: never stored
+            else:
+                e.pending = None
+        verdict, e = t.check(producer, sequence, now)
+        if verdict is Verdict.STORE:
+            return t, None
+        if verdict is Verdict.GAP:
+            raise ProducerGapError(f"producer sequence {sequence} skips ahead: "
+                                   f"{1 if e is None else e.sequence + 1} is next on queue "
+                                   f"{self.name!r}")
+        assert e is not None
+        same = sequence == e.sequence
+        ticket = e.pending if isinstance(e.pending, Ticket) else None
+        return t, PendingPut(self, Inflight([], done=True), ticket,
+                             answer=(e.first_id if same else 0, e.count if same else 0, True))
 
     def needs_room(self) -> bool:
         """A put must check (and maybe make) room under item or size limits first."""
@@ -216,18 +288,36 @@ class QueueState:
         return now, expire_ms, sum(map(len, datas))
 
     def _reserve(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
-                 error_count: int, flags: int, delay_ms: int, nbytes: int) -> PendingPut:
-        """Ids and the journal append (the writer makes it durable); in flight until ended."""
+                 error_count: int, flags: int, delay_ms: int, nbytes: int,
+                 producer: bytes | None = None, sequence: int = 0) -> PendingPut:
+        """Ids and the journal append (the writer makes it durable); in flight until ended.
+        With a producer: a repeat answered as the original, a gap refused, else the
+        append carries the producer's mark."""
         if self.deleted:
             raise QueueClosedError(f"queue {self.name!r} was deleted")
         due_ms = now + delay_ms if delay_ms > 0 else None
+        if producer is not None:
+            table, repeat = self._producer_check(producer, sequence, now)
+            if repeat is not None:
+                return repeat
+            puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count,
+                                                      flags, due_ms, (producer, sequence))
+            mark = table.store(producer, sequence, puts[0].id, len(puts), now, ticket)
+            pending = self._inflight(puts, ticket, nbytes, due_ms, len(datas))
+            pending.answer = (puts[0].id, len(puts), False)
+            pending.producer = mark
+            return pending
         puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
                                                   due_ms)
+        return self._inflight(puts, ticket, nbytes, due_ms, len(datas))
+
+    def _inflight(self, puts: list[jf.Put], ticket: Ticket, nbytes: int, due_ms: int | None,
+                  n: int) -> PendingPut:
         entry = Inflight(puts, nbytes, due_ms)
         if self.inflight is NO_ITEMS:
             self.inflight = deque()
         self.inflight.append(entry)
-        self.inflight_items += len(datas)
+        self.inflight_items += n
         self.inflight_bytes += nbytes
         return PendingPut(self, entry, ticket)
 
@@ -247,6 +337,18 @@ class QueueState:
         error = ticket.error
         if error is not None and not isinstance(error, Exception):
             raise error  # (as wait_durable would: not a write's failure)
+        mark = pending.producer
+        if mark is not None and mark.pending is ticket:
+            if error is None:
+                mark.pending = None  # durable: the entry keeps no ticket
+            elif self.producers is not None:
+                for p, e in list(self.producers.entries.items()):
+                    if e is mark:
+                        self.producers.forget(p, e)  # never stored: forget it
+        if not entry.puts:
+            if error is not None:
+                raise error  # (a repeat of a put that failed)
+            return 0
         entry.error = error
         entry.done = True
         self.inflight_items -= len(entry.puts)
@@ -619,8 +721,10 @@ class QueueState:
         """drop_oldest is about to remove `seg`: take its items out of every reader.
 
         The segment is read (in a thread) so items that were only on disk are
-        subtracted exactly; ids in a reader's `done` were never counted.
+        subtracted exactly; ids in a reader's `done` were never counted. The producer
+        snapshot is written first: the segment's PRODUCER records go with it.
         """
+        await self.save_producers()
         sizes: list[tuple[int, int, bool]] = []
         if any(h.reader.behind is not None and h.reader.behind <= seg.last_id
                for h in self.readers.values()):

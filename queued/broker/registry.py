@@ -31,6 +31,7 @@ from queued.core.errors import (
     QueuedError,
     TooManyQueuesError,
 )
+from queued.core.producers import ProducerCounters
 from queued.core.queue import Reader
 from queued.storage.datadir import DataDir
 from queued.storage.files import Checkpoint
@@ -72,6 +73,8 @@ class Registry:
         self.clock = clock
         self.background = background
         self.counters = counters
+        #: what every queue's producer table did (exactly-once puts), for the metrics
+        self.producer_counters = ProducerCounters()
         self.queues: dict[str, QueueState] = {}
         #: queues paused (durable in the data dir: DataDir.save_paused), loaded or not
         self.paused: set[str] = datadir.paused_queues()
@@ -116,7 +119,8 @@ class Registry:
         # The data dir makes a new queue's journal with the start-up settings: a reload
         # since may have changed them (as `reconfigure` does for the queues there then).
         journal.config = cfg.journal_config()
-        qs = QueueState(name, journal, cfg, self.clock, self.background)
+        qs = QueueState(name, journal, cfg, self.clock, self.background,
+                        self.producer_counters)
         qs.paused = name in self.paused
         self.queues[name] = qs
         return qs
@@ -274,6 +278,9 @@ class Registry:
         for name, qs in self.queues.items():
             qs.config = config.queue_config(name)
             qs.journal.config = qs.config.journal_config()
+            if qs.producers is not None:
+                qs.producers.max_producers = qs.config.max_producers
+                qs.producers.expiry_ms = qs.config.producer_expiry
             for rname, h in qs.readers.items():
                 h.config = self.reader_config(name, rname)
                 h.reader.limits = h.config

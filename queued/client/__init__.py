@@ -8,6 +8,7 @@ pure parts they share (errors, values, addresses, back-off, replies) are core's.
 from queued.client.aio import AsyncClient, AsyncConsumer
 from queued.client.core import (
     DEFAULT_PORT,
+    AmbiguousPut,
     AuthFailed,
     BadParams,
     BadQueueName,
@@ -23,6 +24,7 @@ from queued.client.core import (
     Malformed,
     NotOpen,
     PermissionDenied,
+    ProducerGap,
     QueueFull,
     QueueInfo,
     RpcCallError,
@@ -41,6 +43,7 @@ from queued.client.sync import Client, Consumer
 
 __all__ = [
     "DEFAULT_PORT",
+    "AmbiguousPut",
     "AsyncClient",
     "AsyncConsumer",
     "AuthFailed",
@@ -60,6 +63,7 @@ __all__ = [
     "Malformed",
     "NotOpen",
     "PermissionDenied",
+    "ProducerGap",
     "QueueFull",
     "QueueInfo",
     "RpcCallError",

@@ -9,7 +9,8 @@ twins differ by tokens alone: never import trio, socket or time here.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterable
+import secrets
+from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager, suppress
 from types import TracebackType
@@ -18,6 +19,7 @@ from typing import Any
 from queued.client.core import (
     DEFAULT_PORT,
     FAILOVER,
+    AmbiguousPut,
     BadResponse,
     ClientClosed,
     ClientError,
@@ -25,8 +27,12 @@ from queued.client.core import (
     ConnectionFailed,
     Data,
     Item,
+    ProducerGap,
+    ProducerState,
     QueueInfo,
+    RpcCallError,
     Servers,
+    Timeout,
     all_failed,
     check_delay,
     check_flags,
@@ -34,6 +40,7 @@ from queued.client.core import (
     check_timeouts,
     encode_items,
     int_result,
+    producer_result,
     queue_info,
     settle_groups,
     to_items,
@@ -48,6 +55,7 @@ from queued.client.io_trio import (
     now,
     repeating,
     shielded,
+    sleep,
     wait_for,
 )
 from queued.client.servers import LOOKUP_PATIENCE, Discovery, Pool, ServerState, lookup
@@ -90,6 +98,15 @@ class AsyncClient:
     server, so delivery is at-least-once: such a put may be stored twice. Open reads
     stay with the connection that got them: confirm and abort go there.
 
+    Idempotent puts (`idempotent=True`, the default): each put carries a producer id
+    (random, one per server and queue) and the next sequence, so a server stores it
+    once however often it arrives. A put whose reply never came is re-sent to the SAME
+    server (on a new connection, as often as needed) until `delivery_timeout` seconds
+    from its first send, then fails with AmbiguousPut (stored once or not at all, never
+    twice); a put certainly not stored (the connection refused before it was sent,
+    SHUTTING_DOWN, BUSY) still fails over at once. A refused put makes the client start
+    a new producer id for that server and queue.
+
     Discovery: a server `dns://NAME:PORT` stands for every address NAME resolves to (A
     and AAAA: a Kubernetes headless Service), `dns+srv://_service._proto.NAME` for its SRV
     records; `?refresh=SECONDS` (default 30) and `?nameserver=HOST:PORT` (default: the
@@ -124,8 +141,15 @@ class AsyncClient:
                  backoff: float = 1.0, max_backoff: float = 30.0, poll_slice: float = 0.5,
                  max_frame: int = DEFAULT_MAX_FRAME, max_batch: int = DEFAULT_MAX_BATCH,
                  tls: TlsOption = None, user: str | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None, idempotent: bool = True,
+                 delivery_timeout: float = 120.0) -> None:
         check_timeouts(connect_timeout, read_timeout, poll_slice)
+        if not delivery_timeout > 0:
+            raise ValueError("delivery_timeout must be > 0 seconds")
+        self.idempotent = idempotent
+        self.delivery_timeout = delivery_timeout
+        #: (server address, queue) -> this client's producer there (idempotent puts)
+        self._producers: dict[tuple[str, str], ProducerState] = {}
         self._login = login(user, password)
         self._pool = Pool(servers, backoff, max_backoff)
         self.connect_timeout = connect_timeout
@@ -238,19 +262,21 @@ class AsyncClient:
             raise
 
     async def _on(self, server: ServerState, method: str, params: list[Any],
-                  wait: float) -> tuple[int, Any]:
-        """(connection serial, result) of one call on one server."""
+                  wait: float, prepare: Callable[[list[Any]], None] | None = None,
+                  ) -> tuple[int, Any]:
+        """(connection serial, result) of one call on one server (`prepare`: see
+        Connection.call)."""
         conn, fresh = await self._connection(server)
         self._calls += 1
         try:
-            return conn.serial, await conn.call(method, params, wait)
+            return conn.serial, await conn.call(method, params, wait, prepare)
         except ConnectionFailed:
             if fresh:
                 raise
         self._retries += 1  # the server may have closed an idle connection: once more
         conn, _ = await self._connection(server)
         self._calls += 1
-        return conn.serial, await conn.call(method, params, wait)
+        return conn.serial, await conn.call(method, params, wait, prepare)
 
     async def _order(self, kind: str) -> list[ServerState]:
         """The servers to try for a call of `kind` ("put" or "get"), names resolved first."""
@@ -373,15 +399,92 @@ class AsyncClient:
         if delay_ms:  # (servers before delays take four)
             params.append(delay_ms)
         with self._gate:
+            if self.idempotent:
+                params += [0, 0, 0][len(params) - 2:]  # (expiration_ms, flags, delay_ms)
+                params += [None, 0]  # producer, sequence: set when sent (`prepare`)
+                result = await self._put_rotation("put", params, queue)
+                return producer_result(result, len(batch))
             result = await self._put_rotation("put", params)
         return int_result(result, "put")
 
-    async def _put_rotation(self, method: str, params: list[Any]) -> Any:
+    async def _idempotent_failover(self, order: list[ServerState], queue: str,
+                                   params: list[Any]) -> Any:
+        """put with a producer id and sequence (see the class docstring): the first server
+        of `order` that takes it; once sent, that server only, until answered or
+        delivery_timeout."""
+        errors: list[ClientError] = []
+        for server in order:
+            key = (server.address, queue)
+            state = self._producers.get(key)
+            if state is None:
+                state = self._producers[key] = ProducerState(secrets.token_bytes(16))
+            taken: list[tuple[bytes, int]] = []
+
+            def prepare(p: list[Any], state: ProducerState = state,
+                        taken: list[tuple[bytes, int]] = taken) -> None:
+                if not taken:  # the first send takes the sequence; re-sends repeat it
+                    taken.append(state.take())
+                p[5], p[6] = taken[0]
+
+            started = now()
+            deadline = started + self.delivery_timeout
+            pause, gaps, ambiguous = 0.05, 0, False
+            while True:
+                try:
+                    _, result = await self._on(server, "put", params, self.read_timeout,
+                                               prepare)
+                except ProducerGap:
+                    # A put before it was not stored: a new producer, and this one again.
+                    state.renew(taken[0] if taken else None, secrets.token_bytes(16))
+                    taken.clear()
+                    gaps += 1
+                    if gaps > 3:
+                        raise
+                    continue
+                except FAILOVER as exc:
+                    # Sent and unanswered: maybe stored. Refused (SHUTTING_DOWN, BUSY), or
+                    # never sent: certainly not, so the next server may take it.
+                    ambiguous = ambiguous or (bool(taken) and (isinstance(exc, Timeout) or (
+                        isinstance(exc, ConnectionFailed) and not exc.refused)))
+                    if not ambiguous:
+                        if taken:
+                            state.renew(taken[0], secrets.token_bytes(16))
+                        if isinstance(exc, ConnectionFailed) and exc.refused:
+                            raise  # (sent, but the server turned the connection down)
+                        self._pool.failed(server, now(), started)
+                        errors.append(exc)
+                        if len(errors) < len(order):
+                            self._retries += 1
+                        break
+                    if now() >= deadline:
+                        state.renew(taken[0] if taken else None, secrets.token_bytes(16))
+                        raise AmbiguousPut(
+                            f"{server.address}: put to {queue!r} sent, and no reply to it or "
+                            f"its re-sends within delivery_timeout ({self.delivery_timeout} s):"
+                            f" stored once or not at all ({exc})", server.address) from exc
+                    if pause == 0.05:  # (other calls skip it meanwhile)
+                        self._pool.failed(server, now(), started)
+                    self._retries += 1  # sent, unanswered: the same server, same sequence
+                    await sleep(min(pause, max(0.0, deadline - now())))
+                    pause = min(pause * 2, 1.0)
+                    continue
+                except RpcCallError:
+                    state.renew(taken[0] if taken else None, secrets.token_bytes(16))
+                    raise
+                self._pool.ok(server)
+                return result
+        raise all_failed(errors)
+
+    async def _put_rotation(self, method: str, params: list[Any],
+                            idempotent: str | None = None) -> Any:
         """The call on the next server of the put rotation, with failover. When every
         server failed and a DNS name then gives servers not tried yet (the fleet moved:
-        pods rescheduled to new addresses), those are tried too."""
+        pods rescheduled to new addresses), those are tried too. `idempotent`: the queue
+        of an idempotent put (`_idempotent_failover`)."""
         order = await self._order("put")
         try:
+            if idempotent is not None:
+                return await self._idempotent_failover(order, idempotent, params)
             return (await self._failover(order, method, params, self.read_timeout))[2]
         except FAILOVER:
             if not self._pool.names:
@@ -391,6 +494,8 @@ class AsyncClient:
             fresh = [s for s in self._pool.servers if s.address not in tried]
             if not fresh:
                 raise
+        if idempotent is not None:
+            return await self._idempotent_failover(fresh, idempotent, params)
         return (await self._failover(fresh, method, params, self.read_timeout))[2]
 
     async def get(self, queue: str, max_items: int = 1, timeout_ms: int = 0,

@@ -34,11 +34,15 @@ class ClientClosed(ClientError):
 
 
 class ConnectionFailed(ClientError):
-    """Cannot connect (refused, timed out), or the connection broke or closed mid-call."""
+    """Cannot connect (refused, timed out), or the connection broke or closed mid-call.
+    `refused`: the server turned the connection itself down (a TLS alert that it wants a
+    client certificate), so no call on it was run."""
 
-    def __init__(self, message: str, server: str | None = None) -> None:
+    def __init__(self, message: str, server: str | None = None, *,
+                 refused: bool = False) -> None:
         super().__init__(message)
         self.server = server
+        self.refused = refused
 
 
 class Timeout(ClientError):
@@ -131,6 +135,18 @@ class TooManyQueues(RpcCallError):
 class NotOpen(RpcCallError):
     """An extend or reject named a read that is not open on its connection (confirmed,
     aborted, timed out, or never this connection's)."""
+class ProducerGap(RpcCallError):
+    """An idempotent put skipped ahead of its producer's next sequence: nothing stored
+    (the client starts a new producer and sends it again by itself)."""
+
+
+class AmbiguousPut(ClientError):
+    """An idempotent put sent to `server` got no reply, and none came to its re-sends
+    within delivery_timeout: it may or may not be stored (at most once, never twice)."""
+
+    def __init__(self, message: str, server: str | None = None) -> None:
+        super().__init__(message)
+        self.server = server
 
 
 ERRORS: Final[Mapping[ErrorCode, type[RpcCallError]]] = {
@@ -151,6 +167,7 @@ ERRORS: Final[Mapping[ErrorCode, type[RpcCallError]]] = {
     ErrorCode.PERMISSION_DENIED: PermissionDenied,
     ErrorCode.TOO_MANY_QUEUES: TooManyQueues,
     ErrorCode.NOT_OPEN: NotOpen,
+    ErrorCode.PRODUCER_GAP: ProducerGap,
 }
 #: Errors after which the call is tried on another server (the server is skipped a while).
 FAILOVER: Final = (ConnectionFailed, Timeout, ShuttingDown, Busy)
@@ -260,6 +277,36 @@ def encode_items(items: Data | Iterable[Data]) -> list[bytes]:
         else:
             raise TypeError(f"an item must be bytes or str, not {type(it).__name__}")
     return out
+
+
+class ProducerState:
+    """This client's producer for one (server, queue): its id and next sequence. A new
+    id (`renew`) whenever a sequence may have been lost: a put refused, or given up."""
+
+    __slots__ = ("next", "producer")
+
+    def __init__(self, producer: bytes) -> None:
+        self.producer = producer
+        self.next = 1
+
+    def take(self) -> tuple[bytes, int]:
+        seq = self.next
+        self.next += 1
+        return self.producer, seq
+
+    def renew(self, used: tuple[bytes, int] | None, producer: bytes) -> None:
+        """Start afresh as `producer`, unless that happened since `used` was taken."""
+        if used is None or used[0] == self.producer:
+            self.producer, self.next = producer, 1
+
+
+def producer_result(result: Any, count: int) -> int:
+    """An idempotent put's [count, first_id, duplicate]: how many items are stored (a
+    repeat of an older put is answered [0, 0, true]: its `count` items)."""
+    if (not isinstance(result, list) or len(result) != 3 or type(result[0]) is not int
+            or type(result[2]) is not bool):
+        raise BadResponse(f"put answered {result!r}, not [count, first_id, duplicate]")
+    return count if result[2] and not result[0] else result[0]
 
 
 def int_result(result: Any, method: str) -> int:

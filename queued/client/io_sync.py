@@ -8,6 +8,7 @@ Client's calls; never chooses servers or fails over (that is the client's, in ai
 from __future__ import annotations
 
 import concurrent.futures
+import select
 import socket
 import ssl
 import threading
@@ -28,6 +29,7 @@ from queued.core.rpc_protocol import Response
 
 Lock = threading.Lock
 now = time.monotonic
+sleep = time.sleep
 
 
 def call_gate() -> AbstractContextManager[Any]:
@@ -102,6 +104,7 @@ class Connection(ClientConnection):
             raise ConnectionFailed(f"{server.address}: cannot connect: {exc}",
                                    server.address) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.tcp = sock
         self.sock = sock if tls is None else _handshake(sock, tls, server, deadline)
 
     #: A blocking connection holds no call between calls (the client's gate serializes them).
@@ -111,9 +114,34 @@ class Connection(ClientConnection):
         self.end(error)
         self.sock.close()
 
-    def call(self, method: str, params: list[Any], wait: float) -> Any:
+    def _still_open(self) -> None:
+        """ConnectionFailed if the server closed (or reset) this idle connection before
+        this call: then nothing sent now can reach it (the trio client's reader task
+        notices the same by itself)."""
+        try:
+            if not select.select([self.tcp], [], [], 0)[0]:
+                return  # (nothing to read: open; a recv would wait out the socket's timeout)
+            peeked = self.tcp.recv(1, socket.MSG_PEEK)
+        except OSError as exc:
+            peeked = b""
+            why = str(exc)
+        else:
+            why = "closed by the server"
+        if not peeked:
+            error = ConnectionFailed(f"{self.address}: connection {why} while idle",
+                                     self.address)
+            self.close(error)
+            raise error
+
+    def call(self, method: str, params: list[Any], wait: float,
+             prepare: Callable[[list[Any]], None] | None = None) -> Any:
+        """The call's result; `prepare(params)` runs just before the frame is encoded
+        (not at all when the call fails before that)."""
         if self.closed:
             raise ConnectionFailed(f"{self.address}: connection closed", self.address)
+        if prepare is not None:
+            self._still_open()
+            prepare(params)
         msgid, frame = self.request(method, params)
         deadline = time.monotonic() + wait
         try:

@@ -40,6 +40,7 @@ from queued.core.rpc_protocol import Response
 Lock = trio.Lock
 now = trio.current_time
 checkpoint = trio.lowlevel.checkpoint
+sleep = trio.sleep
 
 
 def call_gate() -> AbstractContextManager[Any]:
@@ -263,18 +264,32 @@ class Connection(ClientConnection):
             return Timeout(str(error), self.address)
         if isinstance(error, BadResponse | ClientClosed):
             return type(error)(str(error))
-        return ConnectionFailed(str(error), self.address)
+        return ConnectionFailed(str(error), self.address,
+                                refused=isinstance(error, ConnectionFailed) and error.refused)
 
-    async def call(self, method: str, params: list[Any], wait: float) -> Any:
+    async def call(self, method: str, params: list[Any], wait: float,
+                   prepare: Callable[[list[Any]], None] | None = None) -> Any:
+        """The call's result. `prepare(params)` runs just before the frame is encoded,
+        in the order calls are sent on this connection (an idempotent put takes its
+        sequence there), or not at all when the call fails before that."""
         if self.error is not None:
             raise ConnectionFailed(f"{self.address}: connection closed ({self.error})",
                                    self.address)
-        msgid, frame = self.request(method, params)
         slot = _Slot()
-        self.pending[msgid] = slot
+        msgid = 0
+        if prepare is None:
+            msgid, frame = self.request(method, params)
+            self.pending[msgid] = slot
         sent = answered = False
         try:
             async with self.send_lock:
+                if prepare is not None:
+                    if self.error is not None:
+                        raise ConnectionFailed(f"{self.address}: connection closed "
+                                               f"({self.error})", self.address)
+                    prepare(params)
+                    msgid, frame = self.request(method, params)
+                    self.pending[msgid] = slot
                 sent = True
                 try:
                     await self.stream.send_all(frame)

@@ -66,7 +66,10 @@ class ClientConnection:
         if not self.answered:
             message += (" (before any reply: does the server want a client certificate?)"
                         if self.tls else _TLS_PORT_HINT)
-        return ConnectionFailed(message, self.address)
+        # A TLS 1.3 server refuses a missing client certificate after the handshake (an
+        # alert, or just its end of the stream): a TLS connection that ends before any
+        # reply counts as refused (so an idempotent put is not sent there again).
+        return ConnectionFailed(message, self.address, refused=self.tls and not self.answered)
 
     def no_reply(self, method: str, wait: float) -> Timeout:
         """The Timeout of a call not answered within `wait` seconds (a TLS port waits for

@@ -304,10 +304,13 @@ QUEUE_KEYS: Final[Mapping[str, Parser]] = {
     "error_queue": _optional(parse_queue_name),
     "max_errors": _count,
     "retry_backoff": _durations,
+    "max_producers": _positive,
+    "producer_expiry": _positive_duration,
 }
 #: Keys of the queue's journal, which its fanout readers share: not settable per reader.
 JOURNAL_KEYS: Final = frozenset(
-    {"journal_size", "max_journal_size", "journal_full_policy", "fsync"}
+    {"journal_size", "max_journal_size", "journal_full_policy", "fsync", "max_producers",
+     "producer_expiry"}
 )
 
 #: Command-line flags of `serve` (a subset of the server keys, plus --config).

@@ -45,6 +45,8 @@ class QueueConfig:
     open_transaction_timeout: int = 0  # ms; an open read not closed in time is aborted
     error_queue: str | None = None
     max_errors: int = 0  # aborts before an item moves to error_queue; 0 = never
+    max_producers: int = 10_000  # producers (exactly-once puts) remembered, LRU beyond
+    producer_expiry: int = 7 * 24 * 3600 * 1000  # ms; a producer unused this long is forgotten
     #: ms an aborted or timed-out read waits before it is delivered again: the n-th
     #: return waits step n (the last step for every later one); () = back at once
     retry_backoff: tuple[int, ...] = ()

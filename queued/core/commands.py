@@ -25,6 +25,7 @@ from queued.core.errors import (
     JournalError,
     JournalFullError,
     NotOpenError,
+    ProducerGapError,
     ProtocolError,
     QueueClosedError,
     QueueError,
@@ -50,6 +51,9 @@ class Put:
     expire_at_ms: int | None = None
     flags: int = 0
     delay_ms: int = 0  # > 0: the items stay invisible that long (delayed delivery)
+    #: exactly-once puts (RPC): the producer id and this put's sequence (from 1)
+    producer: bytes | None = None
+    sequence: int = 0
 
     def expire_ms(self, now_ms: int) -> int | None:
         if self.expire_at_ms is not None:
@@ -264,6 +268,7 @@ class ErrorKind(enum.Enum):
     PERMISSION_DENIED = "permission_denied"  # the connection stays usable
     TOO_MANY_QUEUES = "too_many_queues"  # max_queues reached: no new queue or reader
     NOT_OPEN = "not_open"  # a touch or reject of a read the connection does not hold
+    PRODUCER_GAP = "producer_gap"  # a producer's put skipped ahead of its next sequence
 
 
 @dataclass(slots=True)
@@ -275,6 +280,16 @@ class Failure:
 @dataclass(slots=True)
 class Stored:
     count: int
+
+
+@dataclass(slots=True)
+class ProducerStored:
+    """A put with a producer id: stored (or a repeat, `duplicate`, storing nothing) as
+    items first_id .. first_id + count - 1 (0, 0 for a repeat older than the last)."""
+
+    count: int
+    first_id: int
+    duplicate: bool
 
 
 @dataclass(slots=True)
@@ -314,7 +329,8 @@ class Peeked:
     info: dict[str, int]
 
 
-Reply: TypeAlias = Failure | Stored | Items | Count | Deleted | Value | Done | Peeked
+Reply: TypeAlias = (Failure | Stored | ProducerStored | Items | Count | Deleted | Value | Done
+                    | Peeked)
 
 #: Exception types to error kinds, most specific first (BadNameError is also a ValueError).
 _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
@@ -326,6 +342,7 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (ReadStateError, ErrorKind.TOO_MANY_OPEN_READS),
     (NotOpenError, ErrorKind.NOT_OPEN),
     (QueueClosedError, ErrorKind.SHUTTING_DOWN),
+    (ProducerGapError, ErrorKind.PRODUCER_GAP),
     (JournalClosedError, ErrorKind.SHUTTING_DOWN),
     (ValueError, ErrorKind.BAD_PARAMS),
     (JournalError, ErrorKind.SERVER_ERROR),

@@ -92,6 +92,11 @@ class QueueClosedError(QueueError):
     """The queue was deleted, or the server is shutting down."""
 
 
+class ProducerGapError(QueueError):
+    """A put of a producer skipped ahead of its next sequence: refused, nothing stored
+    (a put before it was lost; the producer starts afresh or re-sends it)."""
+
+
 # -- the wire: what a peer got wrong ---------------------------------------------------------
 
 

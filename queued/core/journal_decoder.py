@@ -37,6 +37,7 @@ from queued.core.journal_records import (
     EXT_FLAGS,
     EXT_HEAD_SIZE,
     EXT_INCARNATION,
+    EXT_PRODUCER,
     FLAGS_RECORD_SIZE,
     FLAGS_STRUCT,
     I32_STRUCT,
@@ -92,6 +93,7 @@ from queued.core.journal_records import (
     Unknown,
     check_at,
     crc_seed,
+    decode_producer,
     sealed_start,
 )
 from queued.core.wire import NEED_DATA
@@ -356,6 +358,12 @@ class RecordDecoder:
                 record = Compacted(*COMPACTED_STRUCT.unpack_from(buf, pos)[3:])
             elif kind == EXT_INCARNATION:
                 record = Incarnation(INCARNATION_STRUCT.unpack_from(buf, pos)[3])
+            elif kind == EXT_PRODUCER:
+                mark = decode_producer(buf, pos, size)
+                if mark is None:
+                    raise CorruptRecordError(start, f"PRODUCER record of {size} data bytes "
+                                             "that do not add up")
+                record = mark
             else:  # a kind of a later release: skipped, as an unknown command is
                 record = Unknown(command, 1, size, kind)
         elif command == OLD_CMD_CHECK:
@@ -543,7 +551,7 @@ class RecordDecoder:
         mark = len(offsets)
         note = offsets.append
         data_bytes = 0
-        delayed = 0
+        delayed = marks = 0
         cap = self.max_data_size
         unpack_i32 = I32_STRUCT.unpack_from
         unpack_size_id = SIZE_ID_STRUCT.unpack_from
@@ -623,11 +631,11 @@ class RecordDecoder:
                 self.sealed = True
                 count = len(offsets) - mark
                 if not count:
-                    return Batch(base + start, base + end, 0, 0, 0, 0, 0, check_size)
+                    return Batch(base + start, base + end, 0, 0, 0, 0, 0, marks, check_size)
                 first = I64_STRUCT.unpack_from(buf, offsets[mark] - base + PUT_ID_AT)[0]
                 last = I64_STRUCT.unpack_from(buf, offsets[-1] - base + PUT_ID_AT)[0]
                 return Batch(base + start, base + end, count, first, last, data_bytes, delayed,
-                             check_size)
+                             marks, check_size)
             hdr, problem = _need(cmd)
             if problem is not None:
                 raise CorruptRecordError(base + pos, problem)
@@ -639,8 +647,14 @@ class RecordDecoder:
                 if size < 0 or size > cap:
                     raise CorruptRecordError(base + pos, f"bad data size {size}")
                 # (Every valid PUT took the fast path above: _need refuses other sizes.)
-                if cmd == EXT_BYTE:  # a COMPACTED, INCARNATION or a later release's kind
-                    _ext_kind(buf, pos, size, base + pos)
+                # a COMPACTED, INCARNATION, PRODUCER or a later release's kind
+                if cmd == EXT_BYTE and _ext_kind(buf, pos, size, base + pos) == EXT_PRODUCER:
+                    if pos + hdr + size > n:
+                        return self._short_batch(start, n)
+                    if decode_producer(buf, pos, size) is None:
+                        raise CorruptRecordError(base + pos, f"PRODUCER record of {size} "
+                                                 "data bytes that do not add up")
+                    marks += 1
                 if cmd >> 4 == CMD_READ_DONE and size % 8:
                     raise CorruptRecordError(
                         base + pos, f"READ_DONE data size {size} not a multiple of 8"

@@ -22,6 +22,7 @@ class FileRole(enum.Enum):
     SEGMENT = "segment"
     CHECKPOINT = "checkpoint"
     TEMP = "temp"
+    PRODUCERS = "producers"  # q.producers: the snapshot of the queue's producer marks
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,11 @@ def checkpoint_name(queue: str, reader: str = "") -> str:
     return f"{queue}.read.{reader}"
 
 
+def producers_name(queue: str) -> str:
+    """The file holding a snapshot of the queue's producer marks (exactly-once puts)."""
+    return f"{queue}.producers"
+
+
 def temp_name(final_name: str) -> str:
     return final_name + TEMP_MARK
 
@@ -74,6 +80,8 @@ def parse_file_name(name: str) -> JournalFileName | None:
         return JournalFileName(queue, FileRole.TEMP)
     if rest.isdigit() and rest.isascii() and (rest == "0" or rest[0] != "0"):
         return JournalFileName(queue, FileRole.SEGMENT, number=int(rest))
+    if rest == "producers":
+        return JournalFileName(queue, FileRole.PRODUCERS)
     if rest.startswith("read."):
         reader = rest[5:]
         if reader == "" or valid_name(reader):

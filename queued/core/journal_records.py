@@ -54,7 +54,7 @@ EXT_FLAGS: Final = 2  # u32 memcache flags of the PUT that follows
 EXT_DELAY: Final = 3  # i64 due time (unix ms) of the PUT that follows (after FLAGS)
 EXT_COMPACTED: Final = 4  # i64 first, i64 last segment number a compaction replaced
 EXT_INCARNATION: Final = 5  # i64: which life of its queue a segment belongs to
-EXT_PRODUCER: Final = 6  # reserved: a producer's last sequence and answer (exactly-once)
+EXT_PRODUCER: Final = 6  # u8 id length, id, u64 sequence, i64 first id, u32 count, i64 ms
 EXT_HEADERS: Final = 7  # reserved: the headers of the PUT that follows
 
 # The older forms of the same records (written by releases before the envelope): a
@@ -85,6 +85,8 @@ FLAGS_STRUCT = struct.Struct("<BiBI")  # EXT_BYTE, 5, EXT_FLAGS, flags
 DELAY_STRUCT = struct.Struct("<BiBq")  # EXT_BYTE, 9, EXT_DELAY, due ms
 COMPACTED_STRUCT = struct.Struct("<BiBqq")  # EXT_BYTE, 17, EXT_COMPACTED, first, last
 INCARNATION_STRUCT = struct.Struct("<BiBq")  # EXT_BYTE, 9, EXT_INCARNATION, incarnation
+PRODUCER_HEAD_STRUCT = struct.Struct("<BiBB")  # EXT_BYTE, size, EXT_PRODUCER, id length
+PRODUCER_TAIL_STRUCT = struct.Struct("<QqIq")  # sequence, first id, count, time ms
 OLD_CHECK_STRUCT = struct.Struct("<BII")
 OLD_COMPACTED_STRUCT = struct.Struct("<Bqq")
 OLD_FLAGS_STRUCT = struct.Struct("<BI")
@@ -270,6 +272,49 @@ class Incarnation:
     incarnation: int
 
 
+#: Longest producer id (bytes) a PRODUCER record holds; sequences are u64 from 1.
+MAX_PRODUCER_ID: Final = 64
+MAX_SEQUENCE: Final = (1 << 64) - 1
+#: A PRODUCER record's data size without its id: kind, id length, the tail.
+PRODUCER_FIXED_DATA: Final = 2 + PRODUCER_TAIL_STRUCT.size  # 30
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerMark:
+    """Ours (exactly-once puts): producer `producer` of this queue stored the put with
+    sequence `sequence` as items `first_id` .. `first_id + count - 1` at `time_ms`.
+    Journaled after the put's last PUT record, in the same batch; also what a queue's
+    producer snapshot file (`q.producers`) holds, one per producer."""
+
+    producer: bytes
+    sequence: int
+    first_id: int
+    count: int
+    time_ms: int
+
+
+def producer_record(mark: ProducerMark) -> bytes:
+    """The PRODUCER record of `mark` (extension kind 6, 35 + id length bytes)."""
+    n = len(mark.producer)
+    if not 0 < n <= MAX_PRODUCER_ID:
+        raise ValueError(f"producer id of {n} bytes (1..{MAX_PRODUCER_ID})")
+    return (PRODUCER_HEAD_STRUCT.pack(EXT_BYTE, PRODUCER_FIXED_DATA + n, EXT_PRODUCER, n)
+            + mark.producer + PRODUCER_TAIL_STRUCT.pack(mark.sequence, mark.first_id,
+                                                        mark.count, mark.time_ms))
+
+
+def decode_producer(buf: bytes | bytearray | memoryview, pos: int, size: int,
+                    ) -> ProducerMark | None:
+    """The PRODUCER record at buf[pos] whose data size is `size`; None when its fields
+    do not add up (the caller reports corruption)."""
+    n = buf[pos + EXT_HEAD_SIZE] if size >= PRODUCER_FIXED_DATA else -1
+    if n <= 0 or n > MAX_PRODUCER_ID or size != PRODUCER_FIXED_DATA + n:
+        return None
+    start = pos + PRODUCER_HEAD_STRUCT.size
+    return ProducerMark(bytes(buf[start:start + n]),
+                        *PRODUCER_TAIL_STRUCT.unpack_from(buf, start + n))
+
+
 @dataclass(frozen=True, slots=True)
 class Unknown:
     """A record with a command number (or, command EXT_BYTE's, a kind) we do not know;
@@ -282,7 +327,7 @@ class Unknown:
 
 
 Record = (Put | ReadHead | ReadDone | ReadErrors | ReadDelays | Check | Compacted | Incarnation
-          | Unknown)
+          | ProducerMark | Unknown)
 
 
 def flags_record(flags: int) -> bytes:
@@ -418,6 +463,8 @@ def encode_record(record: Record) -> bytes:
                                      record.last_number)
     if isinstance(record, Incarnation):
         return incarnation_record(record.incarnation)
+    if isinstance(record, ProducerMark):
+        return producer_record(record)
     raise TypeError(f"cannot encode {record!r}")
 
 
@@ -508,6 +555,7 @@ class Batch:
     last_id: int
     data_bytes: int = field(default=0, compare=False)  # item data in its PUT records
     delayed: int = field(default=0, compare=False)  # PUT records led by a DELAY record
+    marks: int = field(default=0, compare=False)  # PRODUCER records in it
     #: size of its check record (the records end at end - check_size): 9 for the old form
     check_size: int = field(default=CHECK_RECORD_SIZE, compare=False)
 

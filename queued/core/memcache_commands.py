@@ -172,6 +172,7 @@ FAILURES: Final[dict[c.ErrorKind, Callable[[str], bytes]]] = {
     K.PERMISSION_DENIED: mc.client_error,
     K.TOO_MANY_QUEUES: mc.server_error,
     K.NOT_OPEN: lambda msg: mc.not_found(),
+    K.PRODUCER_GAP: mc.client_error,  # (memcache puts carry no producer: never given)
 }
 
 

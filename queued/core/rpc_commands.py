@@ -47,7 +47,8 @@ class WithDeliveries:
 
 COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
     rp.Put: lambda call: c.Put(call.queue, call.items, ttl_ms=call.expiration_ms or None,
-                               flags=call.flags, delay_ms=call.delay_ms),
+                               flags=call.flags, delay_ms=call.delay_ms,
+                               producer=call.producer, sequence=call.sequence),
     rp.Confirm: lambda call: c.Confirm(call.queue, call.reader, ids=call.ids),
     rp.Abort: lambda call: c.Abort(call.queue, call.reader, ids=call.ids,
                                    delay_ms=call.delay_ms),
@@ -79,6 +80,8 @@ def _result(reply: c.Reply, with_flags: bool = False, extra: int | None = None) 
         return {"head": head, **reply.info}
     if isinstance(reply, c.Stored):
         return reply.count
+    if isinstance(reply, c.ProducerStored):
+        return [reply.count, reply.first_id, reply.duplicate]
     if isinstance(reply, c.Count):
         return reply.n
     if isinstance(reply, c.Deleted):
@@ -109,6 +112,7 @@ CODES: Final[dict[c.ErrorKind, rp.ErrorCode]] = {
     K.PERMISSION_DENIED: E.PERMISSION_DENIED,
     K.TOO_MANY_QUEUES: E.TOO_MANY_QUEUES,
     K.NOT_OPEN: E.NOT_OPEN,
+    K.PRODUCER_GAP: E.PRODUCER_GAP,
 }
 
 

@@ -68,6 +68,8 @@ DEFAULT_MAX_BATCH: Final = 100_000
 #: Timeouts and auto-abort delays are capped (about 24.8 days), as Kestrel's are i32.
 MAX_MS: Final = 2**31 - 1
 MAX_FLAGS: Final = 2**32 - 1  # memcache flags: 32-bit unsigned
+MAX_PRODUCER_ID: Final = 64  # bytes of a producer id (journal_records.MAX_PRODUCER_ID)
+MAX_SEQUENCE: Final = 2**64 - 1  # a producer's sequence is a u64 from 1
 #: Maps are only small option/stat tables; a request never needs a big one.
 MAX_MAP_LEN: Final = 1024
 #: msgid is a 32-bit unsigned integer in the spec.
@@ -97,6 +99,7 @@ class ErrorCode(enum.IntEnum):
     PERMISSION_DENIED = 15  #: the user lacks the permission on that queue
     TOO_MANY_QUEUES = 16  #: max_queues reached: the call would create a queue or reader
     NOT_OPEN = 17  #: extend or reject of a read this connection does not hold open
+    PRODUCER_GAP = 18  #: a put's producer sequence skipped ahead of the next; nothing stored
 
 
 class RpcError(ProtocolError):
@@ -179,7 +182,7 @@ class RpcParser:
         self.max_frame = max_frame
         self.max_batch = max_batch
         self._limits: dict[str, Any] = dict(
-            max_str_len=max_frame, max_bin_len=max_frame, max_array_len=max(max_batch, 4),
+            max_str_len=max_frame, max_bin_len=max_frame, max_array_len=max(max_batch, 8),
             max_map_len=max_map_len, max_ext_len=0,
         )
         # read_size: the buffer it starts with (it grows to max_buffer_size as frames
@@ -208,7 +211,7 @@ class RpcParser:
         self.max_frame = min(max(64, max_frame), self._scanner_frame)
         self.max_batch = max(1, max_batch)
         self._limits.update(max_str_len=self.max_frame, max_bin_len=self.max_frame,
-                            max_array_len=max(self.max_batch, 4))
+                            max_array_len=max(self.max_batch, 8))
 
     def receive_data(self, data: bytes | bytearray) -> None:
         if not data:
@@ -337,6 +340,8 @@ class Put:
     expiration_ms: int  # relative; 0 = never
     flags: int = 0  # memcache flags of every item (u32), as a memcache `set` gives them
     delay_ms: int = 0  # > 0: the items stay invisible that long (delayed delivery)
+    producer: bytes | None = None  # exactly-once puts: 1..64 bytes naming the producer
+    sequence: int = 0  # with a producer: this put's number, 1..2**64-1
 
 
 @dataclass(frozen=True, slots=True)
@@ -507,7 +512,7 @@ def _arity(msgid: int, method: str, params: list[Any], lo: int, hi: int) -> None
 
 def _put(r: Request, max_batch: int) -> Put:
     p = r.params
-    _arity(r.msgid, "put", p, 2, 5)
+    _arity(r.msgid, "put", p, 2, 7)
     queue, reader = _address(r.msgid, p[0])
     if reader is not None:
         raise RpcError(ErrorCode.BAD_QUEUE_NAME,
@@ -525,7 +530,19 @@ def _put(r: Request, max_batch: int) -> Put:
     expiration = _int(r.msgid, p[2], "expiration_ms", 0, 2**53) if len(p) > 2 else 0
     flags = _int(r.msgid, p[3], "flags", 0, MAX_FLAGS) if len(p) > 3 else 0
     delay = _int(r.msgid, p[4], "delay_ms", 0, MAX_DELAY_MS) if len(p) > 4 else 0
-    return Put(r.msgid, queue, items, expiration, flags, delay)
+    if len(p) < 6 or p[5] is None:
+        return Put(r.msgid, queue, items, expiration, flags, delay)
+    producer = p[5]
+    if type(producer) is str:
+        producer = producer.encode()
+    if type(producer) is not bytes or not 0 < len(producer) <= MAX_PRODUCER_ID:
+        raise _bad(r.msgid, f"producer must be 1 to {MAX_PRODUCER_ID} bytes")
+    if len(p) < 7:
+        raise _bad(r.msgid, "a put with a producer takes its sequence too")
+    sequence = _int(r.msgid, p[6], "sequence", 1, MAX_SEQUENCE)
+    if not items:
+        raise _bad(r.msgid, "a put with a producer takes at least one item")
+    return Put(r.msgid, queue, items, expiration, flags, delay, producer, sequence)
 
 
 def _get(r: Request, max_batch: int) -> Get:

@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from queued import __version__
 from queued.broker.broker import Broker
+from queued.core.producers import ProducerCounters
 from queued.core.stats import HistogramSnapshot, ProtocolStats
 from queued.storage.journal import JournalStats
 
@@ -112,6 +113,9 @@ class Snapshot:
     truncated_bytes: int = 0
     disk: DiskUsage | None = None
     server_wide: bool = True
+    #: exactly-once puts: producers remembered now (loaded queues), and what the tables did
+    producers: int = 0
+    producer_counters: ProducerCounters | None = None
 
 
 def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
@@ -153,6 +157,9 @@ def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
         recovery_seconds=dd.recovery_seconds,
         truncated_bytes=dd.truncated_bytes,
         disk=disk_usage(broker.datadir.path),
+        producers=sum(len(qs.producers) for qs in broker.queues.values()
+                      if qs.producers is not None),
+        producer_counters=dataclasses.replace(broker.registry.producer_counters),
     )
 
 
@@ -288,8 +295,25 @@ class SnapshotCollector(Collector):
                 family.add_metric([j.queue], int(getattr(j, field)))
             yield family
 
+    def _producers(self) -> Iterator[Metric]:
+        s = self.snapshot
+        yield GaugeMetricFamily("queued_producers", "Producers (exactly-once puts) the loaded "
+                                "queues remember.", value=s.producers)
+        pc = s.producer_counters or ProducerCounters()
+        for name, doc, value in (
+                ("queued_producer_evictions", "Producers forgotten for max_producers (least "
+                 "recently used first); their puts fall back to at-least-once.", pc.evicted),
+                ("queued_producer_expiries", "Producers forgotten after producer_expiry "
+                 "without a put.", pc.expired),
+                ("queued_producer_duplicates", "Puts answered as repeats of a stored put "
+                 "(nothing stored).", pc.duplicates),
+                ("queued_producer_gaps", "Puts refused because their sequence skipped "
+                 "ahead (PRODUCER_GAP).", pc.gaps)):
+            yield CounterMetricFamily(name, doc, value=value)
+
     def _server(self) -> Iterator[Metric]:
         s = self.snapshot
+        yield from self._producers()
         proto = ["protocol"]
         # Not "queued_connections": that is the counter's family name (OpenMetrics).
         conns = GaugeMetricFamily("queued_open_connections", "Open client connections.",

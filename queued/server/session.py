@@ -575,13 +575,18 @@ class Session:
         for r, put in group:
             if isinstance(result, Exception):
                 self._answer(r, self._failure(r, result))
+            elif result.answer is not None:  # (a put with a producer: alone in its group)
+                self.out += encode(r, c.ProducerStored(result.answer[1], result.answer[0],
+                                                       result.answer[2]))
             else:
                 self.out += encode(r, c.Stored(len(put.items)))
 
     async def _begin_put(self, group: list[tuple[c.Request, c.Put]]) -> PendingPut:
         queue, items, expire_ms, flags, delay_ms = self._put_of(group)
+        first = group[0][1]
         return await self.broker.begin_put(queue, items, expire_ms=expire_ms, flags=flags,
-                                           delay_ms=delay_ms)
+                                           delay_ms=delay_ms, producer=first.producer,
+                                           sequence=first.sequence)
 
     def _put_of(self, group: list[tuple[c.Request, c.Put]],
                 ) -> tuple[str, Sequence[bytes], int | None, int, int]:
@@ -796,11 +801,14 @@ class Session:
             try:
                 queue, items, expire_ms, flags, delay_ms = self._put_of(group)
                 joined = self.joined
-                if joined is not None and joined.can_join(queue):
+                producer = group[0][1].producer
+                if producer is None and joined is not None and joined.can_join(queue):
                     result = joined.add(queue, items, expire_ms, flags, delay_ms)
-                else:
+                else:  # (a put with a producer is never joined: its mark is its own)
                     result = b.begin_put_nowait(queue, items, expire_ms=expire_ms,
-                                                flags=flags, delay_ms=delay_ms)
+                                                flags=flags, delay_ms=delay_ms,
+                                                producer=producer,
+                                                sequence=group[0][1].sequence)
             except trio.WouldBlock:
                 return began
             except Exception as exc:
@@ -1048,6 +1056,8 @@ def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c
 
 
 def _same_append(a: c.Put, b: c.Put) -> bool:
-    """Puts that may share one journal append: same queue, expiry, flags and delay."""
+    """Puts that may share one journal append: same queue, expiry, flags and delay, and
+    no producer (a put with one has its own append, its mark after its items)."""
     return (a.queue == b.queue and a.ttl_ms == b.ttl_ms and a.expire_at_ms == b.expire_at_ms
-            and a.flags == b.flags and a.delay_ms == b.delay_ms)
+            and a.flags == b.flags and a.delay_ms == b.delay_ms and a.producer is None
+            and b.producer is None)

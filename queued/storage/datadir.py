@@ -36,6 +36,8 @@ from queued.storage.files import (
     SegmentInfo,
     decode_checkpoint,
     fsync_dir,
+    read_producers,
+    segment_marks,
     write_checkpoint,
     write_file_atomic,
 )
@@ -238,7 +240,31 @@ class DataDir:
         rep.segments = len(segments)
         rep.records = sum(s.count for s in segments)
         rep.bytes = sum(s.size for s in segments)
-        return self._journal(name, config, segments, readers, last_id)
+        j = self._journal(name, config, segments, readers, last_id)
+        marks = self._producer_marks(name, files, segments, last_id)
+        if marks:
+            j.producer_marks = marks
+        return j
+
+    def _producer_marks(self, name: str, files: list[jf.JournalFileName],
+                        segments: list[SegmentInfo], last_id: int) -> list[jf.ProducerMark]:
+        """The queue's producer marks: its snapshot, then every PRODUCER record of its
+        segments (the queue keeps the newest per producer). A mark naming ids above the
+        last one recovered is dropped: its put was torn, never acknowledged."""
+        marks: list[jf.ProducerMark] = []
+        if any(f.role is jf.FileRole.PRODUCERS for f in files):
+            path = self.path / jf.producers_name(name)
+            try:
+                marks = read_producers(path)
+            except (CorruptRecordError, OSError) as exc:
+                # Never a loss: the producers it named fall back to at-least-once.
+                log.error("recovery: producer snapshot %s unreadable (%s): its producers "
+                          "start afresh", path.name, exc,
+                          extra={"event": "recovery_producers_unreadable"})
+        for seg in segments:
+            if seg.marks:
+                marks.extend(segment_marks(seg))
+        return [m for m in marks if m.first_id + m.count - 1 <= last_id]
 
     def _finish_compactions(self, name: str, segments: list[SegmentInfo]) -> list[SegmentInfo]:
         """Remove segments a completed compaction replaced (crash before their removal)."""
@@ -304,6 +330,9 @@ class DataDir:
             if (self.path / file_name).exists():
                 entries.append((file_name, jf.JournalFileName(name, jf.FileRole.CHECKPOINT,
                                                               reader=reader)))
+        if (self.path / jf.producers_name(name)).exists():
+            entries.append((jf.producers_name(name), jf.JournalFileName(
+                name, jf.FileRole.PRODUCERS)))
         j = self._recover_queue(name, entries, report=False)
         j.last_id = max(j.last_id, last_id)
         self.queues[name] = j

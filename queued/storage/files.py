@@ -10,7 +10,7 @@ Synchronous file I/O only; callers on the event loop run it in a worker thread.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,14 +44,18 @@ class SegmentInfo:
     #: PUT records led by a DELAY record, as recovery counted them (startup looks for
     #: delayed items only where > 0; appends made since start are not counted)
     delayed: int = 0
+    #: PRODUCER records, as recovery counted them (start-up reads producer marks back
+    #: only where > 0; appends made since start are counted by the journal)
+    marks: int = 0
     #: the queue's life this segment belongs to (its head's INCARNATION record; 0 = none)
     incarnation: int = 0
 
     def note_batch(
         self, offset: int, end: int, count: int, first_id: int, last_id: int,
-        data_bytes: int | None = None, delayed: int = 0,
+        data_bytes: int | None = None, delayed: int = 0, marks: int = 0,
     ) -> None:
         self.delayed += delayed
+        self.marks += marks
         if count:
             if data_bytes is None or self.data_bytes is None:
                 self.data_bytes = None
@@ -82,7 +86,20 @@ def read_segment(seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[
     the file was replaced under a stale `seg` (compaction), JournalError on a record
     cut short. Synchronous file I/O.
     """
-    offset = seg.seek_offset(from_id)
+    for rec in _records(seg, seg.seek_offset(from_id)):
+        if isinstance(rec, jf.Put) and rec.id >= from_id:
+            if to_id is not None and rec.id > to_id:
+                return
+            yield rec
+
+
+def segment_marks(seg: SegmentInfo) -> list[jf.ProducerMark]:
+    """The PRODUCER records of one segment, in order (synchronous file I/O)."""
+    return [rec for rec in _records(seg, jf.MAGIC_SIZE) if isinstance(rec, jf.ProducerMark)]
+
+
+def _records(seg: SegmentInfo, offset: int) -> Iterator[jf.Record]:
+    """The records of `seg` from `offset` (a batch start) up to seg.size, streamed."""
     limit = seg.size
     with seg.path.open("rb") as f:
         if seg.inode and os.fstat(f.fileno()).st_ino != seg.inode:
@@ -98,11 +115,7 @@ def read_segment(seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[
                 dec.receive_data(data)
                 continue
             if isinstance(ev, jf.Decoded):
-                rec = ev.record
-                if isinstance(rec, jf.Put) and rec.id >= from_id:
-                    if to_id is not None and rec.id > to_id:
-                        return
-                    yield rec
+                yield ev.record
                 continue
             if isinstance(ev, jf.TornTail):
                 raise JournalError(f"{seg.path}: record cut short at {ev.offset}")
@@ -173,6 +186,43 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     """temp + fsync + rename + directory fsync: the file is old or new, never half."""
     fileio.replace(write_temp(path, data), path)
     fsync_dir(path.parent)
+
+
+# -- producer snapshots (exactly-once puts) -----------------------------------------
+
+
+def encode_producers(marks: Sequence[jf.ProducerMark]) -> bytes:
+    """A producer snapshot file: the writer magic, the empty seal, then one sealed batch
+    of PRODUCER records (the file is read only by us: no seed reader looks at it)."""
+    head = jf.WRITER_MAGIC + jf.EMPTY_CHECK
+    body = b"".join(map(jf.producer_record, marks))
+    return head + jf.seal(body, len(head)) if body else head
+
+
+def read_producers(path: Path) -> list[jf.ProducerMark]:
+    """The marks of a producer snapshot file; [] if there is none. A snapshot is written
+    whole (temp, fsync, rename), so a torn or corrupt one is damage:
+    CorruptRecordError."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    marks: list[jf.ProducerMark] = []
+    checked = 0
+    for ev in jf.decode_all(data, jf.FileKind.WRITER):
+        rec = ev.record
+        if isinstance(rec, jf.ProducerMark):
+            marks.append(rec)
+        elif isinstance(rec, jf.Check):
+            checked = ev.end
+    if checked != len(data):
+        raise CorruptRecordError(checked, f"{path.name}: producer snapshot cut short")
+    return marks
+
+
+def write_producers(path: Path, marks: Sequence[jf.ProducerMark]) -> None:
+    """Replace the snapshot durably (temp + fsync + rename + directory fsync)."""
+    write_file_atomic(path, encode_producers(marks))
 
 
 # -- checkpoints ----------------------------------------------------------------

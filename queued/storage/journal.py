@@ -39,6 +39,7 @@ from queued.storage.files import (
     SegmentInfo,
     encode_checkpoint,
     read_segment,
+    write_producers,
 )
 from queued.storage.writer import (
     ZERO_COPY_BYTES,
@@ -123,6 +124,7 @@ class Planned(Chunk):
     """A chunk waiting for the writer, with the tickets of the appends it carries."""
 
     tickets: list[Ticket] = field(default_factory=list)
+    marks: int = 0  # PRODUCER records in it
 
 
 @dataclass(eq=False, slots=True)
@@ -189,6 +191,11 @@ class QueueJournal:
         #: awaited with a segment about to be dropped under drop_oldest (file still there),
         #: after every reader's checkpoint has moved past it
         self.before_drop: Callable[[SegmentInfo], Awaitable[None]] | None = None
+        #: awaited before a compaction that removes or rewrites segments (the queue's
+        #: producer snapshot is written there: compaction keeps no PRODUCER record)
+        self.before_compact: Callable[[], Awaitable[None]] | None = None
+        #: the producer marks recovery read (snapshot and segments), for the queue to take
+        self.producer_marks: list[jf.ProducerMark] = NO_CHUNKS
         self._pending: list[Planned] = NO_CHUNKS  # a list from the first append on
         self._pending_bytes = 0
         self._reader_ops: dict[str, list[PlannedOp]] = NO_ENTRIES  # a dict from the first op
@@ -243,11 +250,14 @@ class QueueJournal:
         error_count: int = 0,
         flags: int = 0,
         due_ms: int | None = None,
+        producer: tuple[bytes, int] | None = None,
     ) -> tuple[list[jf.Put], Ticket]:
         """Queue `datas` for the writer; ids are assigned here, in order. Non-zero
         `flags` (memcache flags, the same for every item) lead each PUT with a FLAGS
         record; flags 0 write nothing more. `due_ms` (unix ms) leads each PUT with a
-        DELAY record and makes the records DelayedPuts; None writes nothing more."""
+        DELAY record and makes the records DelayedPuts; None writes nothing more.
+        `producer` (id, sequence): a PRODUCER record follows the last PUT, in its batch,
+        so the mark is durable exactly when the whole put is."""
         if self._closed:
             raise JournalClosedError(f"journal of queue {self.name!r} is closed")
         if self.file.failed is not None:
@@ -275,18 +285,26 @@ class QueueJournal:
             if puts:
                 datas = ()  # done in bulk
                 next_id = puts[-1].id
+        # A put with a producer stays in one segment and one batch (it rotates or starts a
+        # batch before its first item, never within): else a cut could keep its first
+        # items without its mark.
+        whole = 0 if producer is None or not datas else (
+            sum(map(len, datas)) + len(pack_head(0, 1)) * len(datas)
+            + jf.PRODUCER_FIXED_DATA + 5 + len(producer[0]))
         for data in datas:
             next_id += 1
             head = pack_head(len(data), next_id)
             size = len(head) + len(data)
             chunk = self._pending[-1] if self._pending else None
+            # (0: a later item of a put with a producer, which never rotates or splits)
+            size_now = 0 if whole and next_id > self.last_id + 1 else whole or size
             if self._proj_size is None or (
-                self._proj_count and self._proj_size + size > limit
+                self._proj_count and size_now and self._proj_size + size_now > limit
             ):
                 chunk = self._new_chunk(rotate=True)
                 self._proj_size = len(jf.segment_head(self.file.incarnation)) + jf.CHECK_RECORD_SIZE
                 self._proj_count = 0
-            elif chunk is None or chunk.nbytes + size > MAX_BATCH_BYTES:
+            elif chunk is None or (size_now and chunk.nbytes + size_now > MAX_BATCH_BYTES):
                 if chunk is not None:  # a split batch gets a check record of its own
                     self._proj_size += jf.CHECK_RECORD_SIZE
                 chunk = self._new_chunk(rotate=False)
@@ -305,6 +323,15 @@ class QueueJournal:
                         jf.DelayedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
                                       flags, due_ms))
         self.last_id = next_id
+        if producer is not None and puts:
+            mark = jf.producer_record(jf.ProducerMark(producer[0], producer[1], puts[0].id,
+                                                      len(puts), add_time_ms))
+            chunk = self._pending[-1]  # the one holding the last PUT
+            chunk.add(mark, b"")
+            chunk.marks += 1
+            if self._proj_size is not None:
+                self._proj_size += len(mark)
+            self._pending_bytes += len(mark)
         self._appends += 1
         self._items += len(puts)
         if not puts:
@@ -498,12 +525,13 @@ class QueueJournal:
 
     def finish_round(self, chunks: list[Planned], result: WriteResult) -> None:
         """Back on the event loop: note what the writer wrote, resolve the tickets."""
-        for w in result.written:
+        for i, w in enumerate(result.written):
             if w.created:  # the writer only ever appends to the newest segment
                 path = self.host.path / jf.segment_name(self.name, w.number)
                 self.segments.append(SegmentInfo(w.number, path, size=w.offset, inode=w.inode,
                                                  incarnation=self.file.incarnation))
-            self.segments[-1].note_batch(w.offset, w.end, w.count, w.first_id, w.last_id)
+            self.segments[-1].note_batch(w.offset, w.end, w.count, w.first_id, w.last_id,
+                                         marks=chunks[i].marks if i < len(chunks) else 0)
             self._batches += 1
         # One append's chunks are always taken in the same round, so every ticket
         # here is resolved now; it fails if any of its chunks failed.
@@ -583,6 +611,11 @@ class QueueJournal:
         self.host.note_pending(self)
         return op.ticket
 
+    async def write_producers(self, marks: list[jf.ProducerMark]) -> None:
+        """Replace the queue's producer snapshot (`q.producers`) durably."""
+        path = self.host.path / jf.producers_name(self.name)
+        await trio.to_thread.run_sync(write_producers, path, marks)
+
     async def write_checkpoint(
         self, reader: str, head: int, done: Sequence[int] = (),
         errors: Sequence[tuple[int, int]] = (), delays: Sequence[tuple[int, int]] = (),
@@ -639,6 +672,11 @@ class QueueJournal:
     async def compact(self) -> CompactionResult:
         """Remove dead segments, rewrite straggler-pinned ones; see queued.storage.compaction."""
         async with self.maintenance_lock:
+            if self.before_compact is not None:
+                plan = compaction.plan_compaction(self.segments, dict(self.readers),
+                                                  self.config.compact_live_ratio)
+                if plan.dead or plan.runs:
+                    await self.before_compact()
             return await compaction.compact(
                 self.segments, dict(self.readers), self.config.compact_live_ratio,
                 self.iter_segment, self.host,

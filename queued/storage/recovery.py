@@ -226,7 +226,7 @@ def _scan_sealed(
             if ev.count:
                 prev_last = ev.last_id
             info.note_batch(ev.offset, ev.end, ev.count, ev.first_id, ev.last_id, ev.data_bytes,
-                            ev.delayed)
+                            ev.delayed, ev.marks)
             continue
         assert isinstance(ev, jf.EndOfData | jf.TornTail)
         return ev
