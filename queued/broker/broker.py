@@ -127,7 +127,7 @@ class JoinedPuts:
             error: Exception | None = None
             if pending is not None:
                 try:
-                    self.broker.end_put_nowait(pending)
+                    self.broker.end_put_nowait(pending, len(parts))
                 except Exception as exc:
                     error = exc
             for part in parts:
@@ -284,12 +284,15 @@ class Broker:
         pending.started = started
         return pending
 
-    def end_put_nowait(self, pending: PendingPut) -> int:
-        """`end_put` once the put's write is done (its ticket set)."""
+    def end_put_nowait(self, pending: PendingPut, puts: int = 1) -> int:
+        """`end_put` once the put's write is done (its ticket set); `puts`: how many
+        puts it stands for (joined: each is one observation of the put latency)."""
         n = pending.qs.end_put_nowait(pending)
         if pending.ticket is not None:
             self.counters.total_items += n
-            self.put_latency.observe(time.perf_counter() - pending.started)
+            elapsed = time.perf_counter() - pending.started
+            for _ in range(puts):
+                self.put_latency.observe(elapsed)
         return n
 
     async def end_put(self, pending: PendingPut) -> int:
