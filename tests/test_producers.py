@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -193,6 +194,12 @@ max_producers = 2
         # ... which evicted a, the least recently used now.
         assert await c.call("put", "q", [b"a"], 0, 0, 0, b"a", 1) == [1, 5, False]
         assert counters.evicted == 3
+        url = f"http://127.0.0.1:{server.ports['http']}/metrics"
+        metrics = (await trio.to_thread.run_sync(
+            lambda: urllib.request.urlopen(url, timeout=WAIT).read())).decode()
+        for line in ("queued_producers 2.0", "queued_producer_evictions_total 3.0",
+                     "queued_producer_duplicates_total 1.0", "queued_producer_gaps_total 0.0"):
+            assert line in metrics.splitlines(), line
         await c.aclose()
 
 
