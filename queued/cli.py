@@ -36,6 +36,7 @@ from queued import config as qconfig
 from queued.cli_stdout import Stdout
 from queued.client import (
     DEFAULT_PORT,
+    AmbiguousPut,
     AuthFailed,
     Client,
     ClientError,
@@ -598,7 +599,7 @@ def client_command(args: argparse.Namespace) -> int:
                     read_timeout=seconds, tls=tls, user=args.user,
                     password=password) as client:
             return CLIENT_COMMANDS[args.command](client, args)
-    except (ConnectionFailed, Timeout) as exc:
+    except (ConnectionFailed, Timeout, AmbiguousPut) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_CONNECT
     except AuthFailed as exc:

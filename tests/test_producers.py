@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -193,6 +194,12 @@ max_producers = 2
         # ... which evicted a, the least recently used now.
         assert await c.call("put", "q", [b"a"], 0, 0, 0, b"a", 1) == [1, 5, False]
         assert counters.evicted == 3
+        url = f"http://127.0.0.1:{server.ports['http']}/metrics"
+        metrics = (await trio.to_thread.run_sync(
+            lambda: urllib.request.urlopen(url, timeout=WAIT).read())).decode()
+        for line in ("queued_producers 2.0", "queued_producer_evictions_total 3.0",
+                     "queued_producer_duplicates_total 1.0", "queued_producer_gaps_total 0.0"):
+            assert line in metrics.splitlines(), line
         await c.aclose()
 
 
@@ -338,13 +345,11 @@ async def test_idempotent_puts_with_lost_replies_and_sigkill_are_stored_once(
                     await more(100)
                     stop.set()
                 retries = c.statistics().retries
-            # Read back past the proxy: a plain get whose reply it dropped would take
-            # its items with it.
-            got: list[bytes] = []
-            async with AsyncClient(f"127.0.0.1:{port}", read_timeout=WAIT) as direct:
-                while batch := await direct.get("q", 1000):
-                    got += [i.data for i in batch]
             outer.cancel_scope.cancel()
+        got: list[bytes] = []
+        async with AsyncClient(f"127.0.0.1:{port}") as direct:  # (not through the proxy)
+            while batch := await direct.get("q", 1000):
+                got += [i.data for i in batch]
     finally:
         proc.kill()
     assert retries > 20  # many puts were re-sent
@@ -353,3 +358,24 @@ async def test_idempotent_puts_with_lost_replies_and_sigkill_are_stored_once(
     assert all(counts[d] == 1 and counts[d + b"+"] == 1 for d in acked)
     pairs = [d for d in got if not d.endswith(b"+")]
     assert len(got) == 2 * len(pairs) and len(pairs) <= len(acked) + failed
+
+
+async def test_puts_with_and_without_a_producer_on_one_connection_keep_their_order(
+        tmp_path: Path) -> None:
+    """Plain puts of a pass are joined (JoinedPuts) into one append made after every
+    connection ran, a put with a producer never is: pipelined on one connection, plain,
+    producer, plain, producer, ... are still stored in the order sent."""
+    async with running(cfg(tmp_path)) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "q", [b"first"]) == 1  # (a loaded queue: joins happen)
+        wire = b""
+        for i in range(20):
+            if i % 2:
+                wire += c.request("put", "q", [b"%d" % i], 0, 0, 0, P, i // 2 + 1)[1]
+            else:
+                wire += c.request("put", "q", [b"%d" % i])[1]
+        await c.send(wire)
+        for msgid in range(c.msgid - 19, c.msgid + 1):
+            assert (await c.response(msgid))[2] is None
+        assert await drain(c, "q") == [b"first"] + [b"%d" % i for i in range(20)]
+        await c.aclose()

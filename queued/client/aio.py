@@ -10,7 +10,7 @@ twins differ by tokens alone: never import trio, socket or time here.
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager, suppress
 from types import TracebackType
@@ -27,6 +27,7 @@ from queued.client.core import (
     ConnectionFailed,
     Data,
     Item,
+    Prepare,
     ProducerGap,
     ProducerState,
     QueueInfo,
@@ -262,7 +263,7 @@ class AsyncClient:
             raise
 
     async def _on(self, server: ServerState, method: str, params: list[Any],
-                  wait: float, prepare: Callable[[list[Any]], None] | None = None,
+                  wait: float, prepare: Prepare | None = None,
                   ) -> tuple[int, Any]:
         """(connection serial, result) of one call on one server (`prepare`: see
         Connection.call)."""

@@ -20,6 +20,8 @@ DEFAULT_PORT: Final = 2229
 ServerSpec: TypeAlias = str | tuple[str, int]
 Servers: TypeAlias = ServerSpec | Sequence[ServerSpec]
 Data: TypeAlias = bytes | bytearray | memoryview | str
+#: What a call runs on its params just before they are sent (Connection.call's `prepare`).
+Prepare: TypeAlias = Callable[[list[Any]], None]
 
 
 # -- errors -------------------------------------------------------------------------------------

@@ -128,8 +128,7 @@ class Connection(ClientConnection):
         else:
             why = "closed by the server"
         if not peeked:
-            error = ConnectionFailed(f"{self.address}: connection {why} while idle",
-                                     self.address)
+            error = self.lost(f"{self.address}: connection {why} while idle")
             self.close(error)
             raise error
 

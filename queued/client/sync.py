@@ -8,7 +8,7 @@ Every behaviour and its documentation live in aio.py; import from queued.client.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Generator, Callable, Iterable
+from collections.abc import Generator, Iterable
 from concurrent.futures import Future
 from contextlib import contextmanager, suppress
 from types import TracebackType
@@ -25,6 +25,7 @@ from queued.client.core import (
     ConnectionFailed,
     Data,
     Item,
+    Prepare,
     ProducerGap,
     ProducerState,
     QueueInfo,
@@ -260,7 +261,7 @@ class Client:
             raise
 
     def _on(self, server: ServerState, method: str, params: list[Any],
-            wait: float, prepare: Callable[[list[Any]], None] | None = None,
+            wait: float, prepare: Prepare | None = None,
             ) -> tuple[int, Any]:
         """(connection serial, result) of one call on one server (`prepare`: see
         Connection.call)."""

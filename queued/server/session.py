@@ -798,10 +798,14 @@ class Session:
                     group[0][1], run[began + len(group)][1]):
                 group.append(run[began + len(group)])
             result: PendingPut | JoinedPut | Exception
+            producer = group[0][1].producer
+            if producer is not None and any(type(p) is JoinedPut for _, p in self.begun):
+                # Not begun before the joined puts sent ahead of it (begun after every
+                # connection ran): it waits for the next pass, so ids keep the order sent.
+                return began
             try:
                 queue, items, expire_ms, flags, delay_ms = self._put_of(group)
                 joined = self.joined
-                producer = group[0][1].producer
                 if producer is None and joined is not None and joined.can_join(queue):
                     result = joined.add(queue, items, expire_ms, flags, delay_ms)
                 else:  # (a put with a producer is never joined: its mark is its own)
