@@ -225,16 +225,21 @@ class PowerCuts(RuleBasedStateMachine):
         assert got.error_count == it.errors
         it.id, it.state, it.client = got.id, state, client
 
+    def _new_items(self, sizes: list[int], tag: bytes = b"") -> list[bytes]:
+        """Items of these sizes to put, known to the model from now on."""
+        datas = []
+        for size in sizes:
+            data = b"%06d:" % self.seq + tag + b"x" * size
+            datas.append(data)
+            self.items[data] = Item(self.seq)
+            self.seq += 1
+        return datas
+
     # -- rules -------------------------------------------------------------------------
 
     @rule(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=4))
     def put(self, sizes: list[int]) -> None:
-        datas = []
-        for size in sizes:
-            data = b"%06d:" % self.seq + b"x" * size
-            datas.append(data)
-            self.items[data] = Item(self.seq)
-            self.seq += 1
+        datas = self._new_items(sizes)
         assert self.host.run(lambda: self.broker.put("q", datas)) == len(datas)
         for data in datas:
             self.items[data].put_durable = self._durable_now()
@@ -243,12 +248,7 @@ class PowerCuts(RuleBasedStateMachine):
     def put_in_a_pass(self, sizes: list[int]) -> None:
         # As the reactor's pass puts: joined, begun, one commit for every queue touched
         # (here q and three others: one durable point for them all, fileio.sync_files).
-        datas = []
-        for size in sizes:
-            data = b"%06d:" % self.seq + b"x" * size
-            datas.append(data)
-            self.items[data] = Item(self.seq)
-            self.seq += 1
+        datas = self._new_items(sizes)
 
         async def one_pass() -> JoinedPut:
             b = self.broker
@@ -274,12 +274,7 @@ class PowerCuts(RuleBasedStateMachine):
     def produce(self, sizes: list[int], again: bool) -> None:
         """An exactly-once put of producer P with its next sequence; `again`: then the
         same put re-sent, which stores nothing."""
-        datas = []
-        for size in sizes:
-            data = b"%06d:P" % self.seq + b"x" * size
-            datas.append(data)
-            self.items[data] = Item(self.seq)
-            self.seq += 1
+        datas = self._new_items(sizes, b"P")
         seq = self.produced + 1
         for data in datas:
             self.sequence_of[data] = seq
