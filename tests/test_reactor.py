@@ -35,6 +35,9 @@ async def test_a_pass_serves_many_connections_with_one_commit(tmp_path: Path) ->
         commits = server.broker.datadir.statistics().rounds - rounds
         # Fewer commits than puts: the sets that arrived together shared one.
         assert 0 < commits < 20
+        assert server.reactor is not None
+        stats = server.reactor.statistics()
+        assert stats.connections == 20 and stats.requests >= 20 and stats.passes >= commits
         reader = await Conn.open(server.ports["memcache"])
         got = [await reader.get("q") for _ in range(20)]
         assert sorted(got) == sorted(b"%d" % (i % 10) for i in range(20))  # type: ignore[type-var]

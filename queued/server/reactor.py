@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import select
+from dataclasses import dataclass
 from itertools import count
 
 import trio
@@ -47,6 +48,13 @@ _GONE = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOU
                    errno.EBADF, errno.ESHUTDOWN, errno.ECONNABORTED})
 _IN = select.EPOLLIN | select.EPOLLRDHUP
 _OUT = select.EPOLLOUT
+
+
+@dataclass(frozen=True, slots=True)
+class ReactorStatistics:
+    passes: int  # wake-ups that looked for work (since start)
+    requests: int  # requests taken from the codecs by passes
+    connections: int  # plain connections it serves now
 
 
 class Link:
@@ -201,6 +209,9 @@ class Reactor:
         """The server stops: every connection ends once its running turn is done."""
         self.closing = True
         self.wake()
+
+    def statistics(self) -> ReactorStatistics:
+        return ReactorStatistics(self.passes, self.requests, len(self.links))
 
     def close(self) -> None:
         self.epoll.close()
