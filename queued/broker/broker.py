@@ -485,7 +485,7 @@ class Broker:
         if not taken and not (h.closed or self.closing):
             if wait:
                 raise MustWait
-            if defer is not None and (qs.inflight or defer.has(queue)):
+            if defer is not None and self.puts_pending(queue, defer):
                 raise AfterCommit
         counters = self.counters
         counters.get_hits += len(taken)

@@ -263,13 +263,10 @@ class Session:
                     self.batches += 1
                     self.busy = False
         if scope.cancelled_caught and not self.hub.closing and not self.done:
-            self._timed_out()
+            self.time_out()
 
     def time_out(self) -> None:
-        """The login, or a request begun, took too long (the reactor's deadline)."""
-        self._timed_out()
-
-    def _timed_out(self) -> None:
+        """The login, or a request begun, took too long: count it, log it, stop."""
         if self.login_by is not None:
             self.stats.auth_failures += 1
             log.info("%s: closed: no login within auth_timeout", self.name,
