@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from disk_util import tmpfs_mount
+from security_util import USERS, users_toml
+from server_util import ServerProcess
 
 
 @pytest.fixture
@@ -21,11 +23,19 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
 @pytest.fixture
 def users_file(tmp_path: Path) -> Path:
     """A users file of test_security's USERS (alice, bob, root), with cheap hashes."""
-    from tests.test_security import USERS, users_toml
-
     path = tmp_path / "users.toml"
     path.write_text(users_toml(**USERS))
     return path
+
+
+@pytest.fixture
+def server_proc(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A `queued serve` subprocess on tmp_path/data (not started yet), killed at the end."""
+    proc = ServerProcess(tmp_path / "data", tmp_path / "server.log")
+    try:
+        yield proc
+    finally:
+        proc.kill()
 
 
 @pytest.fixture(scope="session")

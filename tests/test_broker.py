@@ -18,13 +18,24 @@ import gc
 import tempfile
 import threading
 import tracemalloc
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
+from broker_util import (
+    T0,
+    FakeClock,
+    advance,
+    datas,
+    frozen_clock,
+    get_all,
+    make_config,
+    settle,
+    stats,
+    with_default,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,99 +43,17 @@ import queued.broker.queues
 import queued.storage.journal as journal_module
 from queued.broker.broker import Broker
 from queued.broker.upkeep import Upkeep, open_broker
-from queued.config import ServerConfig, load_config
 from queued.errors import ItemTooLargeError, QueueFullError, ReadStateError
 from queued.journal import format as jf
 from queued.reader.open_reads import OpenReads
 from queued.reader.state import NO_ENTRIES, NO_IDS
 from queued.storage.datadir import open_data_dir
 
-T0 = 1_700_000_000_000
-HOUR = 3_600_000
-#: Real seconds with every task blocked after which the test clock jumps to the next
-#: deadline anyway: a long poll nothing answers then times out and its test fails,
-#: instead of hanging. A passing test never waits that long.
-HANG_GUARD_S = 10.0
-
-
-def frozen_clock() -> trio.testing.MockClock:
-    return trio.testing.MockClock(autojump_threshold=HANG_GUARD_S)
-
 
 @pytest.fixture
 def trio_clock() -> trio.testing.MockClock:
     """trio time for the test (pytest-trio runs the test on it): see the module docstring."""
     return frozen_clock()
-
-
-async def advance(trio_clock: trio.testing.MockClock, seconds: float) -> None:
-    """Once every task waits, `seconds` of trio time pass at once; then every task they
-    made due runs."""
-    await trio.testing.wait_all_tasks_blocked()
-    trio_clock.jump(seconds)
-    await trio.testing.wait_all_tasks_blocked()
-
-
-async def settle(done: Callable[[], bool]) -> None:
-    """Run the other tasks until `done()`: for background work that ends in a worker
-    thread, which neither trio time nor wait_all_tasks_blocked waits for."""
-    for _ in range(1_000_000):
-        if done():
-            return
-        await trio.sleep(0)
-    raise AssertionError("background work never finished")
-
-
-class FakeClock:
-    """The broker's wall clock (ms); trio's clock still drives timeouts."""
-
-    def __init__(self, now: int = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> int:
-        return self.now
-
-
-def make_config(
-    tmp: Path, toml: str = "", *, fsync: str = "never", **server: Any
-) -> ServerConfig:
-    """Config for data dir tmp/data; `toml` holds [default] / [queues.x] tables."""
-    flags: dict[str, object] = {
-        "data_dir": str(tmp / "data"),
-        "memcache_port": 0,
-        "text_port": 0,
-        "rpc_port": 0,
-        "http_port": 0,
-        "fsync": fsync,
-        # Background work only when a test asks for it.
-        "checkpoint_interval": HOUR,
-        "expiration_timer": HOUR,
-    }
-    flags.update(server)
-    if toml:
-        path = tmp / "queued.toml"
-        path.write_text(toml)
-        flags["config"] = str(path)
-    return load_config(flags, env={})
-
-
-def with_default(cfg: ServerConfig, **kw: Any) -> ServerConfig:
-    return dataclasses.replace(cfg, default=dataclasses.replace(cfg.default, **kw))
-
-
-def stats(broker: Broker, name: str = "q") -> dict[str, int]:
-    return dict(broker.queue_stats())[name]
-
-
-def datas(items: list[jf.Put | None]) -> list[bytes | None]:
-    return [None if it is None else it.data for it in items]
-
-
-async def get_all(broker: Broker, queue: str = "q", reader: str | None = None) -> list[bytes]:
-    out = []
-    while (it := await broker.get(queue, reader)) is not None:
-        out.append(it.data)
-    return out
 
 
 # -- a model test over random operation sequences ---------------------------------------------

@@ -25,6 +25,7 @@ import trio
 import trustme
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from security_util import Pki, users_toml
 from server_util import HOST, QUEUED, WAIT, ServerProcess, make_config, running
 
 from queued.client import (
@@ -38,7 +39,6 @@ from queued.client import (
 )
 from queued.client.credentials import TlsChannel, handshake_failure
 from queued.server.listeners import Server
-from tests.test_security import Pki, users_toml
 
 T = TypeVar("T")
 

@@ -7,7 +7,6 @@ the standard library's http.client.
 
 from __future__ import annotations
 
-import base64
 import http.client
 import json
 import re
@@ -17,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from ops_util import cfg, get, put
+from ops_util import basic, cfg, get, put
+from security_util import users_toml
 from server_util import HOST, running
-from test_security import users_toml
 
 from queued.reader.open_reads import OpenReads
 from queued.server import http as qhttp
@@ -36,10 +35,6 @@ USERS = dict(
     root={"password": "root-pw", "admin": True, "put": ["*"], "get": ["*"]},
     ops={"password": "ops-pw", "admin": True},  # admin, but no get: may act, may not peek
 )
-
-
-def basic(user: str, password: str) -> dict[str, str]:
-    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
 
 
 def as_(user: str) -> dict[str, str]:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import trio
 from disk_util import fill_completely
-from ops_util import NONE, cfg, get, lab, put, q, samples, scrape
+from ops_util import NONE, cfg, get, lab, put, q, raw, samples, scrape
 from server_util import HOST, WAIT, Conn, ServerProcess, http_get, make_config, running
 
 from queued import __version__
@@ -75,22 +75,6 @@ async def test_methods_and_paths(tmp_path: Path) -> None:
         assert status == 404 and b"/readyz" in body
         status, headers, body = await get(port, "/metrics", method="HEAD")
         assert status == 200 and body == b"" and int(headers["content-length"]) > 1000
-
-
-def raw_http(port: int, data: bytes, timeout: float = WAIT, *, eof: bool = False) -> bytes:
-    """Blocking: send raw bytes (then EOF if `eof`), read until the server closes."""
-    with socket.create_connection((HOST, port), timeout=timeout) as s:
-        s.sendall(data)
-        if eof:
-            s.shutdown(socket.SHUT_WR)
-        chunks = []
-        while chunk := s.recv(65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-
-async def raw(port: int, data: bytes, *, eof: bool = False) -> bytes:
-    return await trio.to_thread.run_sync(lambda: raw_http(port, data, eof=eof))
 
 
 async def test_malformed_requests_get_4xx_and_a_closed_connection(tmp_path: Path) -> None:

@@ -19,14 +19,14 @@ from typing import Any
 import msgpack
 import pytest
 import trio
+from security_util import REFUSED, mc_login, secured
+from server_util import HOST, QUEUED, WAIT, Conn, Rpc, pymc
 
 from queued.config.users import hash_password
 from queued.server.auth import Authenticator
 from queued.wire import commands as c
 from queued.wire.access import MAX_PASSWORD
 from queued.wire.memcache_commands import login_of
-from tests.server_util import HOST, QUEUED, WAIT, Conn, pymc
-from tests.test_security import REFUSED, Rpc, mc_login, secured
 
 DENIED = "permission denied: user 'bob' lacks 'admin' on queue 'scratch'"
 

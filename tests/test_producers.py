@@ -20,8 +20,8 @@ import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rpc_util import Rpc
 from server_util import WAIT, ServerProcess, make_config, running
-from test_rpc_server import Rpc
 
 from queued.cli import check, dump
 from queued.client import AsyncClient, ClientError

@@ -8,13 +8,10 @@ from pathlib import Path
 
 import pytest
 import trio.testing
+from broker_util import T0, FakeClock, advance, datas, frozen_clock, make_config
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from server_util import running
-from test_broker import T0, FakeClock, advance, datas, frozen_clock, make_config
-from test_parking import cfg as park_cfg
-from test_parking import park_each, stats_of
-from test_queue import Limits, SmallPackReader, held, read_range, reader, replay, take_open
+from reader_util import Limits, SmallPackReader, held, read_range, reader, replay, take_open
 
 from queued.broker.upkeep import open_broker
 from queued.journal.format import DelayedPut, Put
@@ -296,42 +293,3 @@ async def test_a_get_confirm_loop_keeps_the_timeout_heap_bounded(
         assert c.open_total == 0
         assert datas(await broker.get_many("q", max_items=5)) == [b"stay"]  # type: ignore[arg-type]
         assert stay.data == b"stay"
-
-
-# -- flush_all yielding between loads ---------------------------------------------------------
-
-
-async def test_flush_all_racing_a_delete_and_a_put_of_parked_queues(tmp_path: Path) -> None:
-    """While flush_all yields between the parked queues it loads, one it has not reached
-    is deleted and another gets a put: the deleted queue stays deleted (flush_all does
-    not load it back), the others are flushed, and nothing raises."""
-    names = [f"f{i}" for i in range(8)]
-    async with running(park_cfg(tmp_path)) as server:
-        conn = await park_each(server, names)
-        broker = server.broker
-        flushed: list[int] = []
-
-        async def flush() -> None:
-            flushed.append(await broker.flush_all())
-
-        async def put() -> None:
-            await broker.put(names[-2], [b"late"])
-
-        async def delete() -> None:
-            assert await broker.delete(names[-1])
-
-        async def other(nursery: trio.Nursery) -> None:
-            # Each starts at the flush's first yield: before it reaches either queue.
-            nursery.start_soon(put)
-            nursery.start_soon(delete)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(flush)
-            nursery.start_soon(other, nursery)
-        stats = stats_of(server)
-        assert names[-1] not in stats and names[-1] not in broker.registry.parked
-        assert all(stats[q]["items"] == 0 for q in names[:-2])
-        # the late put was flushed or came after the flush reached its queue
-        late = stats[names[-2]]["items"]
-        assert late in (0, 1) and flushed == [len(names) - 1 + 1 - late]
-        await conn.aclose()

@@ -12,11 +12,11 @@ import tracemalloc
 from array import array
 from pathlib import Path
 
+from broker_util import get_all, make_config, stats
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_broker import get_all, make_config, stats
-from test_queue import Limits, held, read_range
+from reader_util import Limits, held, read_range
 
 from queued.broker.upkeep import open_broker
 from queued.journal.format import DelayedPut, Put

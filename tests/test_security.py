@@ -16,8 +16,6 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +24,8 @@ import pytest
 import trio
 import trustme
 from pymemcache.client.base import Client as MemcacheClient
-
-from queued.config import ConfigError
-from queued.config.users import PasswordHash, UsersError, hash_password, parse_users
-from queued.server.app import check_exposure, is_loopback, open_security
-from queued.server.listeners import Server
-from queued.wire import commands as c
-from queued.wire.access import ANONYMOUS, Grant, Permission, needed
-from tests.server_util import (
+from security_util import FAST, REFUSED, Pki, mc_login, secured, users_toml
+from server_util import (
     HOST,
     QUEUED,
     WAIT,
@@ -44,31 +36,11 @@ from tests.server_util import (
     running,
 )
 
-REFUSED = b"CLIENT_ERROR authentication failure"
-#: Cheap hashes for tests (the default cost is ~50 ms a check).
-FAST = 4
-
-
-def users_toml(**users: dict[str, Any]) -> str:
-    lines = []
-    for name, spec in users.items():
-        lines.append(f"[users.{name}]")
-        lines.append(f'password = "{hash_password(spec["password"], log_n=FAST)}"')
-        for key in ("put", "get"):
-            if key in spec:
-                lines.append(f"{key} = {spec[key]!r}".replace("'", '"'))
-        for flag in ("admin", "metrics"):
-            if spec.get(flag):
-                lines.append(f"{flag} = true")
-    return "\n".join(lines) + "\n"
-
-
-USERS = dict(
-    alice={"password": "alice pw", "put": ["orders", "jobs-*"], "get": ["orders"]},
-    bob={"password": "bob-pw", "get": ["jobs-*"]},
-    root={"password": "root-pw", "admin": True, "put": ["*"], "get": ["*"]},
-)
-
+from queued.config import ConfigError
+from queued.config.users import PasswordHash, UsersError, hash_password, parse_users
+from queued.server.app import check_exposure, is_loopback, open_security
+from queued.wire import commands as c
+from queued.wire.access import ANONYMOUS, Grant, Permission, needed
 
 # -- the users file and the hashes ---------------------------------------------------------
 
@@ -154,20 +126,6 @@ def test_grant_patterns_and_fanout_names() -> None:
 
 
 # -- authentication on each protocol -------------------------------------------------------
-
-
-@asynccontextmanager
-async def secured(tmp_path: Path, users_file: Path, **settings: object,
-                  ) -> AsyncIterator[Server]:
-    config = make_config(tmp_path / "data", users_file=str(users_file), **settings)
-    async with running(config) as server:
-        yield server
-
-
-async def mc_login(port: int, user: str, password: str) -> Conn:
-    conn = await Conn.open(port)
-    assert await conn.set("auth", f"{user} {password}".encode()) == b"STORED"
-    return conn
 
 
 async def test_memcache_command_before_login_is_refused_and_closes(
@@ -362,30 +320,6 @@ async def test_http_needs_basic_auth_except_probes(tmp_path: Path, users_file: P
 
 
 # -- TLS -------------------------------------------------------------------------------------
-
-
-class Pki:
-    """A CA, a server certificate for 127.0.0.1 in files, and client contexts."""
-
-    def __init__(self, where: Path) -> None:
-        self.ca = trustme.CA()
-        self.dir = where
-        self.cert, self.key, self.ca_file = where / "server.crt", where / "server.key", \
-            where / "ca.crt"
-        self.issue(self.ca)
-        self.ca.cert_pem.write_to_path(str(self.ca_file))
-
-    def issue(self, ca: trustme.CA) -> None:
-        leaf = ca.issue_cert("127.0.0.1", "localhost")
-        leaf.private_key_pem.write_to_path(str(self.key))
-        self.cert.write_bytes(b"".join(p.bytes() for p in leaf.cert_chain_pems))
-
-    def client(self, ca: trustme.CA | None = None, *, cert: bool = False) -> ssl.SSLContext:
-        ctx = ssl.create_default_context()
-        (ca or self.ca).configure_trust(ctx)
-        if cert:
-            self.ca.issue_cert("client.example").configure_cert(ctx)
-        return ctx
 
 
 async def tls_open(port: int, ctx: ssl.SSLContext) -> trio.SSLStream[trio.SocketStream]:

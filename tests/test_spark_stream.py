@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import trio
 from server_util import ServerProcess
+from spark_util import SMALL, T0, item, journal_rows, rows, write_items
 
 from queued.client import Client
 from queued.config import JournalConfig
 from queued.storage import journal_scan as js
 from queued.storage.datadir import open_data_dir
-from tests.test_spark import SMALL, T0, item, journal_rows, rows, write_items
 
 try:
     from queued.spark.stream import QueuedStreamReader

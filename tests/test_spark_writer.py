@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import trio
+from security_util import Pki, users_toml
 from server_util import ServerProcess
 
 from queued.client import Client
 from queued.storage.datadir import open_data_dir
-from tests.test_security import Pki, users_toml
 
 try:
     import pyarrow as pa

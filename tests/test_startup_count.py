@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_broker import make_config, stats, with_default
+from broker_util import make_config, stats, with_default
 
 import queued.broker.registry
 from queued.broker.upkeep import open_broker
