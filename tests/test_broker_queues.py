@@ -1,10 +1,11 @@
-"""Review of branch `qmem` (an idle queue's memory halved): containers made on first use
-or shared while empty, the reader lock dropped after a checkpoint, `before_drop` and
-`unsaved_checkpoints` set when first needed, one JournalConfig for equal settings.
+"""One queue's state (queued.broker.queues.QueueState) and what an idle one holds:
+containers made on first use or shared while empty, the reader lock dropped after a
+checkpoint, `before_drop` and `unsaved_checkpoints` set when first needed, one
+JournalConfig for equal settings, reloads that change only the queue they name.
 
 Each test drives the real broker on a real data directory (open_broker, restarts
-included), the way tests/test_broker.py does: no mocks. What each one guards against is
-in its docstring.
+included), as tests/test_broker.py does: no mocks. What each one guards against is in
+its docstring.
 """
 
 from __future__ import annotations

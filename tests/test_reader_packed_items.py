@@ -1,7 +1,7 @@
 """PackedItems (queued.reader.packed_items) against a model, a deque of blocks of Puts:
 pack, unpack_next, iteration, len, truth and clear, with plain items (packed) and every
 kind it keeps as objects (DelayedPut, error counts, big data, values its columns cannot
-hold). A Reader packing its backlog is tested in test_queue.py."""
+hold). A Reader packing its backlog is tested in test_reader_state.py."""
 
 from __future__ import annotations
 

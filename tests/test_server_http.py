@@ -1,5 +1,5 @@
 """The operations port over real HTTP: /livez, /readyz, /stats.json, and how it treats
-methods, malformed requests, stalls and crowds (/metrics' content: test_metrics.py).
+methods, malformed requests, stalls and crowds (/metrics' content: test_server_metrics.py).
 
 Requests go through the standard library's http.client (in a worker thread) or a
 raw socket for malformed input. Each test runs its own server on free 127.0.0.1 ports.

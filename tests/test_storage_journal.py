@@ -1,7 +1,7 @@
 """The journal of one queue against real files in a temp dir: appends, read-back,
 checkpoints, size limits, and the `queued dump` / `queued check` tools.
 
-Recovery and writer rounds: test_datadir.py; compaction: test_compaction.py."""
+Recovery and writer rounds: test_storage_datadir.py; compaction: test_storage_compaction.py."""
 
 from __future__ import annotations
 
