@@ -45,7 +45,7 @@ from queued.broker.broker import Broker
 from queued.broker.upkeep import Upkeep, open_broker
 from queued.errors import ItemTooLargeError, QueueFullError, ReadStateError
 from queued.journal import format as jf
-from queued.reader.open_reads import OpenReads
+from queued.reader.open_reads import TIMEOUT_HEAP_MIN, OpenReads
 from queued.reader.state import NO_ENTRIES, NO_IDS
 from queued.storage.datadir import open_data_dir
 
@@ -1196,3 +1196,85 @@ async def test_a_get_reads_back_a_due_item_whose_data_is_on_disk(tmp_path: Path)
         assert datas([await broker.get("q")]) == [b"later"]
         c = broker.register(OpenReads())
         assert datas([await broker.get("r", client=c, open=True)]) == [b"later"]
+
+
+# -- batched gets and confirms -----------------------------------------------------------------
+
+
+async def test_confirmed_due_item_is_not_delivered_again_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    # A due item is delivered before a plain item with a lower id still held. A
+    # checkpoint while it is open finds nothing delayed any more; its confirm then
+    # moved the reader's head past the held item and listed it nowhere, so the next
+    # checkpoint (head below the held item) forgot it was consumed.
+    cfg = make_config(tmp_path)
+    clock = FakeClock(T0)
+    async with open_broker(cfg, clock=clock) as broker:
+        await broker.put("q", [b"plain"])
+        await broker.put("q", [b"delayed"], delay_ms=10)
+        clock.now += 20
+        c = broker.register(OpenReads())
+        assert datas(await broker.get_many("q", max_items=1, client=c, open=True)) == [b"delayed"]
+        await broker.checkpoint_all(force=True)
+        assert broker.confirm(c, "q") == 1
+        await broker.put("q", [b"later"])  # (a writer round: the confirm is journaled)
+        await broker.checkpoint_all(force=True)
+    async with open_broker(cfg, clock=clock) as broker:
+        got = datas(await broker.get_many("q", max_items=10))
+        got += datas(await broker.get_many("q", max_items=10))
+        assert sorted(got) == [b"later", b"plain"]
+
+
+async def test_a_batch_partly_confirmed_times_out_the_rest_once(
+    tmp_path: Path, trio_clock: trio.testing.MockClock
+) -> None:
+    """One timeout-heap entry stands for a get's batch: the reads confirmed (in any
+    order) stay confirmed, the rest come back once each, the heap is emptied, and a
+    restart delivers exactly the unconfirmed ones."""
+    toml = "[queues.q]\nopen_transaction_timeout = 1000\n"
+    cfg = make_config(tmp_path, toml)
+    async with open_broker(cfg) as broker:
+        await broker.put("q", [b"%d" % i for i in range(1, 7)])
+        c = broker.register(OpenReads())
+        got = await broker.get_many("q", max_items=5, client=c, open=True)
+        assert datas(got) == [b"1", b"2", b"3", b"4", b"5"]  # type: ignore[arg-type]
+        assert broker.statistics().timeouts.entries == 5
+        assert broker.confirm(c, "q", ids=[got[3].id, got[0].id]) == 2
+        await advance(trio_clock, 1.5)
+        s = broker.statistics()
+        assert (s.open_reads, s.timeouts.entries, c.open_total) == (0, 0, 0)
+        back = await broker.get_many("q", max_items=10)
+        assert datas(back) == [b"2", b"3", b"5", b"6"]  # type: ignore[arg-type]
+        assert [it.error_count for it in back] == [1, 1, 1, 0]
+        await advance(trio_clock, 5)  # nothing is due twice
+        assert await broker.get_many("q", max_items=10) == []
+    async with open_broker(cfg) as broker:
+        assert await broker.get_many("q", max_items=10) == []
+
+
+async def test_a_get_confirm_loop_keeps_the_timeout_heap_bounded(
+    tmp_path: Path, trio_clock: trio.testing.MockClock
+) -> None:
+    """Batches opened and confirmed at once leave closed reads in the heap; compaction
+    keeps them within twice the open reads (never under TIMEOUT_HEAP_MIN), and keeps the
+    deadline of a read still open: it times out."""
+    toml = "[queues.q]\nopen_transaction_timeout = 60000\n"
+    async with open_broker(make_config(tmp_path, toml)) as broker:
+        c = broker.register(OpenReads())
+        await broker.put("q", [b"stay"])
+        (stay,) = await broker.get_many("q", max_items=1, client=c, open=True)
+        biggest = 0
+        for _ in range(120):  # 120 x 100 reads: three times TIMEOUT_HEAP_MIN
+            await broker.put("q", [b"x"] * 100)
+            got = await broker.get_many("q", max_items=100, client=c, open=True)
+            assert len(got) == 100
+            assert broker.confirm(c, "q", ids=[it.id for it in got]) == 100
+            biggest = max(biggest, broker.statistics().timeouts.entries)
+        s = broker.statistics()
+        assert s.timeouts.compactions >= 2 and biggest <= TIMEOUT_HEAP_MIN
+        assert c.open_total == 1
+        await advance(trio_clock, 61)
+        assert c.open_total == 0
+        assert datas(await broker.get_many("q", max_items=5)) == [b"stay"]  # type: ignore[arg-type]
+        assert stay.data == b"stay"

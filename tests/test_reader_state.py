@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -34,7 +34,7 @@ from reader_util import (
     take_open,
 )
 
-from queued.journal.format import Put
+from queued.journal.format import DelayedPut, Put
 from queued.reader.open_reads import OpenReads, TimeoutHeap
 from queued.reader.packed_items import BLOCK_ITEMS
 from queued.reader.state import NO_ITEMS, PACK_AT, Reader, key_id
@@ -1032,3 +1032,192 @@ def test_a_consumer_that_keeps_up_packs_nothing() -> None:
         r.add([packable(i)])
         assert r.take(T0, []) == packable(i - PACK_AT + 2)
         assert r.packed is NO_ITEMS
+
+
+# -- batched takes and confirms against the per-item paths -------------------------------------
+
+
+def _due_before_plain(bulk: bool) -> tuple[dict[int, Put], Reader]:
+    store: dict[int, Put] = {
+        1: Put(1, b"a" * 10, T0, None),
+        2: DelayedPut(2, b"b" * 10, T0, None, due_ms=T0 + 5),
+        3: DelayedPut(3, b"c" * 10, T0, None, due_ms=T0 + 5),
+    }
+    r = reader()
+    r.add(list(store.values()))
+    a, b = take_open(r, T0 + 10), take_open(r, T0 + 10)
+    assert (a.id, b.id) == (2, 3)  # due first, ahead of the plain item 1
+    assert (r.confirm_many([2]) if bulk else [2] * r.confirm(2)) == [2]
+    r.checkpoint()  # finds nothing delayed any more
+    assert (r.confirm_many([3]) if bulk else [3] * r.confirm(3)) == [3]
+    return store, r
+
+
+@pytest.mark.parametrize("bulk", [False, True], ids=["confirm", "confirm_many"])
+def test_reader_confirm_of_a_due_item_ahead_of_a_held_one_is_checkpointed(bulk: bool) -> None:
+    store, r = _due_before_plain(bulk)
+    head, done = r.checkpoint()
+    assert replay(store, head, done) == {1}
+
+
+_ops = st.lists(st.tuples(
+    st.sampled_from(["put", "put", "put", "get", "get", "open", "confirm", "abort", "tick",
+                     "checkpoint", "restart"]),
+    st.integers(0, 40), st.integers(0, 40), st.integers(0, 7)), max_size=50)
+
+
+class _Pair:
+    """Two readers fed the same items: `bulk` takes as QueueState.take_now does
+    (take_held first) and confirms with confirm_many; `single` takes and confirms one at
+    a time. Small packing blocks, so packed blocks are met often."""
+
+    def __init__(self, cap: int) -> None:
+        self.limits = Limits(max_memory_size=cap)
+        self.bulk = SmallPackReader("q", "", self.limits)
+        self.single = SmallPackReader("q", "", self.limits)
+        self.store: dict[int, Put] = {}
+        self.consumed: set[int] = set()
+
+    def read_back(self, r: Reader) -> None:
+        ids = r.fetch_ids(100)
+        if ids:
+            r.fetched([self.store[i] for i in ids], ids)
+        elif r.behind is not None:
+            start = r.behind
+            got, next_id = read_range(self.store, start, r.tail, r.refill_budget())
+            r.load(start, got, next_id)
+
+    def take(self, r: Reader, now: int, limit: int, max_bytes: int, *,
+             bulk: bool) -> tuple[list[Put], list[Put]]:
+        out: list[Put] = []
+        expired: list[Put] = []
+        nbytes = 0
+        try_bulk = bulk
+        for _ in range(200):
+            if len(out) >= limit or (max_bytes and nbytes >= max_bytes):
+                break
+            want = limit - len(out)
+            if try_bulk and want > 1:
+                run = r.take_held(now, want, max_bytes - nbytes if max_bytes else 0)
+                if run:
+                    out += run
+                    nbytes += sum(len(it.data) for it in run)
+                    continue
+                try_bulk = False
+            it = r.take(now, expired)
+            if it is None:
+                if not (r.wants_fetch() or r.behind is not None):
+                    break
+                self.read_back(r)
+                try_bulk = bulk
+                continue
+            r.hold(it)
+            out.append(it)
+            nbytes += len(it.data)
+        for it in expired:
+            r.consume(it.id)
+        return out, expired
+
+    def confirm(self, r: Reader, ids: list[int], *, bulk: bool) -> list[int]:
+        if bulk:
+            return r.confirm_many(ids)
+        return [i for i in ids if r.confirm(i)]
+
+    def state(self, r: Reader) -> tuple[object, ...]:
+        return (r.items, r.bytes, r.mem_bytes, sorted(r.open), r.counters.taken,
+                r.counters.expired, r.counters.age_ms, r.counters.total_items, r.tail,
+                r.behind, [it.id for it in held(r)], r.delayed_count)
+
+    def check_checkpoint(self, r: Reader) -> None:
+        head, done = r.checkpoint()
+        assert replay(self.store, head, done) == set(self.store) - self.consumed
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_ops, cap=st.sampled_from([120, 1 << 20]))
+@example(ops=[("put", 1, 0, 0), ("put", 3, 5, 0), ("tick", 10, 0, 0), ("open", 0, 0, 0),
+              ("checkpoint", 0, 0, 0), ("confirm", 0, 0, 0), ("checkpoint", 0, 0, 0)],
+         cap=1 << 20)
+def test_bulk_take_and_confirm_match_the_per_item_paths(
+    ops: list[tuple[str, int, int, int]], cap: int,
+) -> None:
+    """Bulk (take_held, confirm_many, Reader.add's bulk path) and per-item (take,
+    confirm, add one at a time) readers deliver the same items in the same order with
+    the same counters, and each one's checkpoint names exactly the consumed ids --
+    with delayed items, expiry, aborts (back to the head or delayed), read-behind and
+    clean restarts among them."""
+    p = _Pair(cap)
+    now = T0
+    next_id = 0
+    opened: list[int] = []
+    for op, a, b, c in ops:
+        if op == "put":
+            puts: list[Put] = []
+            for _ in range(c % 4 + 1):
+                next_id += 1
+                data = bytes([next_id % 256]) * (a % 50 + 1)
+                exp = now + b if b % 5 == 1 else None
+                if a % 3 == 0:
+                    puts.append(DelayedPut(next_id, data, now, exp, due_ms=now + b))
+                else:
+                    puts.append(Put(next_id, data, now, exp))
+            p.store.update((it.id, it) for it in puts)
+            p.bulk.add(puts)
+            for it in puts:
+                p.single.add([it])
+        elif op == "tick":
+            now += a
+        elif op in ("get", "open"):
+            limit, max_bytes = c + 1, (0, 1, 30, 100)[b % 4]
+            got_b, exp_b = p.take(p.bulk, now, limit, max_bytes, bulk=True)
+            got_s, exp_s = p.take(p.single, now, limit, max_bytes, bulk=False)
+            assert [it.id for it in got_b] == [it.id for it in got_s]
+            assert [it.id for it in exp_b] == [it.id for it in exp_s]
+            p.consumed.update(it.id for it in exp_b)
+            ids = [it.id for it in got_b]
+            if op == "get":
+                assert p.confirm(p.bulk, ids, bulk=True) == ids
+                assert p.confirm(p.single, ids, bulk=False) == ids
+                p.consumed.update(ids)
+            else:
+                opened += ids
+        elif op == "confirm" and opened:
+            ids = opened[a % len(opened):][: c + 1]
+            if b % 2:
+                ids.reverse()
+            assert p.confirm(p.bulk, ids, bulk=True) == ids
+            assert p.confirm(p.single, ids, bulk=False) == ids
+            p.consumed.update(ids)
+            opened = [i for i in opened if i not in ids]
+        elif op == "abort" and opened:
+            i = opened.pop(a % len(opened))
+            for r in (p.bulk, p.single):
+                back = r.abort(i, count_error=True)
+                assert back is not None
+                if b % 3 == 0:
+                    r.delay_back(back, now + c)
+                else:
+                    r.put_back(back)
+        elif op == "checkpoint":
+            p.check_checkpoint(p.bulk)
+            p.check_checkpoint(p.single)
+        elif op == "restart":
+            opened = []
+            for name in ("bulk", "single"):
+                r = getattr(p, name)
+                for i in sorted(r.open, reverse=True):
+                    back = r.abort(i, count_error=False)
+                    assert back is not None
+                    r.put_back(back)
+                head, done = r.checkpoint()
+                assert replay(p.store, head, done) == set(p.store) - p.consumed
+                fresh = SmallPackReader("q", "", p.limits, head=head, done=done,
+                                        tail=next_id, delays=r.delays.items())
+                left = sorted(replay(p.store, head, done))
+                fresh.restore([], left[0] if left else None, len(left),
+                              sum(len(p.store[i].data) for i in left))
+                fresh.restore_delayed(
+                    (r.delays.get(i, getattr(p.store[i], "due_ms", 0)), i, len(p.store[i].data))
+                    for i in left if type(p.store[i]) is DelayedPut or i in r.delays)
+                setattr(p, name, fresh)
+        assert p.state(p.bulk) == p.state(p.single), op
