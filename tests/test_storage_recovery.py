@@ -1,8 +1,8 @@
-"""Regression tests from a review: recovery paths that used to drop verified
-(acknowledged) data silently or crash on bad input.
+"""Recovery of journal files (queued.storage.recovery, through DataDir.open and `queued
+check`): no path drops verified (acknowledged) data silently or crashes on bad input.
 
 Each test asserts the behaviour DESIGN.md / README.md promise; its comment describes
-the bug it guards against (all fixed; these pass).
+the bug it guards against.
 """
 
 from __future__ import annotations
