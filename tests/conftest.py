@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from disk_util import tmpfs_mount
-from security_util import USERS, users_toml
+from security_util import USERS, Pki, users_toml
 from server_util import ServerProcess
 
 
@@ -18,6 +18,12 @@ from server_util import ServerProcess
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A fresh 2 MiB tmpfs (skips the test where it cannot be mounted)."""
     yield from tmpfs_mount(tmp_path)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    """A CA and a server certificate for 127.0.0.1 in tmp_path (security_util.Pki)."""
+    return Pki(tmp_path)
 
 
 @pytest.fixture

@@ -13,8 +13,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import trio
 import trustme
-from server_util import Conn, make_config, running
+from server_util import HOST, WAIT, Conn, make_config, running
 
 from queued.config.users import hash_password
 from queued.server.listeners import Server
@@ -81,3 +82,20 @@ class Pki:
         if cert:
             self.ca.issue_cert("client.example").configure_cert(ctx)
         return ctx
+
+
+def tls_settings(pki: Pki, **more: object) -> dict[str, object]:
+    """Server settings for TLS with `pki`'s certificate."""
+    return {"tls_cert": str(pki.cert), "tls_key": str(pki.key), **more}
+
+
+async def tls_open(port: int, ctx: ssl.SSLContext) -> trio.SSLStream[trio.SocketStream]:
+    with trio.fail_after(WAIT):
+        stream = trio.SSLStream(await trio.open_tcp_stream(HOST, port), ctx,
+                                server_hostname="127.0.0.1")
+        await stream.do_handshake()
+        return stream
+
+
+def tls_conn(stream: trio.SSLStream[trio.SocketStream], newline: bytes = b"\r\n") -> Conn:
+    return Conn(stream, newline)  # type: ignore[arg-type]  # any trio stream serves

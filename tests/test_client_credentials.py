@@ -61,9 +61,6 @@ async def in_thread(fn: Callable[[], T]) -> T:
         return await trio.to_thread.run_sync(fn)
 
 
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    return Pki(tmp_path)
 
 
 @pytest.fixture

@@ -9,12 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import re
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from config_util import INHERIT, NO_ENV, error_of, load_file, parse_flags, write
 
 from queued import config as cfg
 from queued.config import (
@@ -24,47 +22,16 @@ from queued.config import (
     FsyncMode,
     FsyncPolicy,
     FullPolicy,
-    JournalConfig,
     MiB,
     QueueConfig,
     ServerConfig,
     add_serve_arguments,
     describe,
-    format_duration,
-    format_size,
     keys,
     load_config,
-    parse_duration,
-    parse_size,
     reload_queue_configs,
 )
 from queued.errors import QueuedError
-
-NO_ENV: dict[str, str] = {}
-
-
-def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def load_file(path: Path, env: dict[str, str] | None = None) -> ServerConfig:
-    return load_config({"config": str(path)}, env=NO_ENV if env is None else env)
-
-
-def error_of(path_or_text: str, tmp_path: Path) -> str:
-    path = write(tmp_path, path_or_text)
-    with pytest.raises(ConfigError) as info:
-        load_file(path)
-    return str(info.value)
-
-
-def parse_flags(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
-    return parser.parse_args(list(argv))
-
 
 # -- defaults -------------------------------------------------------------------------------
 
@@ -239,86 +206,6 @@ def test_empty_string_clears_optional_settings(tmp_path: Path) -> None:
 
 
 # -- inheritance ----------------------------------------------------------------------------
-
-INHERIT = """
-[default]
-max_items = 100
-max_age = "1m"
-fsync = "never"
-
-[queues.jobs]
-max_items = 1000
-fsync = "20ms"
-journal_size = "1MiB"
-
-[queues."jobs+audit"]
-max_age = "1h"
-error_queue = "audit_errors"
-
-[queues."other+r1"]
-max_items = 1
-"""
-
-
-def test_inheritance_default_queue_reader(tmp_path: Path) -> None:
-    config = load_file(write(tmp_path, INHERIT))
-    unconfigured = config.queue_config("nothing")
-    assert unconfigured == dataclasses.replace(
-        QueueConfig(), max_items=100, max_age=60_000, fsync=FsyncPolicy(FsyncMode.NEVER)
-    )
-    jobs = config.queue_config("jobs")
-    assert jobs == dataclasses.replace(
-        unconfigured,
-        max_items=1000,
-        fsync=FsyncPolicy(FsyncMode.PERIODIC, 20),
-        journal_size=MiB,
-    )
-    audit = config.reader_config("jobs", "audit")
-    assert audit == dataclasses.replace(jobs, max_age=3_600_000, error_queue="audit_errors")
-    assert config.queue_config("jobs+audit") == audit
-    # a reader without a section, and the default reader, are their queue
-    assert config.reader_config("jobs", "other") == jobs
-    assert config.reader_config("jobs", "") == jobs
-    # a reader section of an unconfigured queue inherits from the default
-    assert config.reader_config("other", "r1") == dataclasses.replace(unconfigured, max_items=1)
-    # a reader section does not leak into its queue
-    assert config.queue_config("other") == unconfigured
-
-
-def test_queue_overrides_are_typed_and_read_only(tmp_path: Path) -> None:
-    config = load_file(write(tmp_path, INHERIT))
-    assert dict(config.queues["jobs"]) == {
-        "max_items": 1000,
-        "fsync": FsyncPolicy(FsyncMode.PERIODIC, 20),
-        "journal_size": MiB,
-    }
-    with pytest.raises(TypeError):
-        config.queues["new"] = {}  # type: ignore[index]
-    with pytest.raises(TypeError):
-        config.queues["jobs"]["max_items"] = 1  # type: ignore[index]
-
-
-def test_names_with_colons_and_dashes(tmp_path: Path) -> None:
-    text = '[queues."a:b-c_D9"]\nmax_items = 1\n[queues."a:b-c_D9+x:y"]\nmax_items = 2\n'
-    config = load_file(write(tmp_path, text))
-    assert config.reader_config("a:b-c_D9", "x:y").max_items == 2
-
-
-def test_journal_config_mapping() -> None:
-    queue = QueueConfig(
-        journal_size=3 * MiB,
-        max_journal_size=30 * MiB,
-        journal_full_policy=FullPolicy.DROP_OLDEST,
-        fsync=FsyncPolicy(FsyncMode.PERIODIC, 5),
-        max_items=9,
-    )
-    assert queue.journal_config() == JournalConfig(
-        journal_size=3 * MiB,
-        max_journal_size=30 * MiB,
-        full_policy=FullPolicy.DROP_OLDEST,
-        fsync=FsyncPolicy(FsyncMode.PERIODIC, 5),
-    )
-    assert QueueConfig().journal_config() == JournalConfig()
 
 
 # -- precedence -----------------------------------------------------------------------------
@@ -684,129 +571,6 @@ def test_env_bad_bool(value: str) -> None:
 # -- sizes and durations --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("text", "size"),
-    [
-        (0, 0),
-        (4096, 4096),
-        ("4096", 4096),
-        ("100B", 100),
-        ("64KiB", 64 * 1024),
-        ("16MiB", 16 * MiB),
-        ("1GiB", 1 << 30),
-        ("2TiB", 2 << 40),
-        ("10MB", 10_000_000),
-        ("10mb", 10_000_000),
-        ("3KB", 3000),
-        ("1GB", 10**9),
-        ("1TB", 10**12),
-        ("512k", 512 * 1024),
-        ("512K", 512 * 1024),
-        ("2m", 2 * MiB),
-        ("1g", 1 << 30),
-        ("1.5GiB", 3 << 29),
-        ("0.5KiB", 512),
-        (" 7 MiB ", 7 * MiB),
-    ],
-)
-def test_parse_size(text: object, size: int) -> None:
-    assert parse_size(text) == size
-
-
-@pytest.mark.parametrize(
-    "text", ["", "MiB", "1 2", "1PiB", "1.0.0", "-1", "0.1B", "1e3", True, None, 1.0, -1, 2**63]
-)
-def test_parse_size_errors(text: object) -> None:
-    with pytest.raises(ValueError, match="expected a size"):
-        parse_size(text)
-
-
-@pytest.mark.parametrize(
-    ("text", "ms"),
-    [
-        (0, 0),
-        (250, 250),
-        ("250", 250),
-        ("250ms", 250),
-        ("30s", 30_000),
-        ("5m", 300_000),
-        ("1h", 3_600_000),
-        ("1d", 86_400_000),
-        ("1.5s", 1500),
-        ("2H", 7_200_000),
-    ],
-)
-def test_parse_duration(text: object, ms: int) -> None:
-    assert parse_duration(text) == ms
-
-
-@pytest.mark.parametrize("text", ["", "s", "1w", "0.5ms", "1h30m", "-1s", False, 1.5, [1]])
-def test_parse_duration_errors(text: object) -> None:
-    with pytest.raises(ValueError, match="expected a duration"):
-        parse_duration(text)
-
-
-@given(st.integers(0, cfg.MAX_INT))
-def test_size_format_round_trip(size: int) -> None:
-    text = format_size(size)
-    assert parse_size(text) == size
-    assert len(text) <= len(str(size)) + 3
-
-
-@given(st.integers(0, cfg.MAX_INT))
-def test_duration_format_round_trip(ms: int) -> None:
-    assert parse_duration(format_duration(ms)) == ms
-
-
-@given(
-    st.integers(0, 10**6),
-    st.sampled_from(sorted(keys.SIZE_UNITS.items())),
-    st.sampled_from(["", " "]),
-)
-def test_size_units(amount: int, unit: tuple[str, int], space: str) -> None:
-    name, scale = unit
-    assert parse_size(f"{amount}{space}{name}") == amount * scale
-    assert parse_size(f"{amount}{name.upper()}") == amount * scale
-
-
-@given(st.integers(0, 10**6), st.sampled_from(sorted(keys.DURATION_UNITS.items())))
-def test_duration_units(amount: int, unit: tuple[str, int]) -> None:
-    name, scale = unit
-    assert parse_duration(f"{amount}{name}") == amount * scale
-
-
-@given(st.one_of(st.text(max_size=20), st.integers(), st.floats(), st.booleans(), st.none()))
-def test_parsers_raise_only_value_error(value: object) -> None:
-    for parse in (parse_size, parse_duration):
-        try:
-            result = parse(value)
-        except ValueError as exc:
-            assert str(exc).startswith("expected ")
-        else:
-            assert 0 <= result <= cfg.MAX_INT
-
-
-@pytest.mark.parametrize("digits", [31, 5000])
-def test_huge_numbers_are_plain_errors(digits: int) -> None:
-    with pytest.raises(ValueError, match="expected a size"):
-        parse_size("9" * digits + "MiB")
-    with pytest.raises(ValueError, match="expected a duration"):
-        parse_duration("9" * digits)
-    with pytest.raises(ConfigError, match="QUEUED_MAX_LINE: expected a positive integer"):
-        load_config(env={"QUEUED_MAX_LINE": "9" * digits})
-
-
-@given(st.text(max_size=30))
-def test_queue_name_rule_matches_regex(name: str) -> None:
-    ok = re.fullmatch(r"[A-Za-z0-9_:-]{1,250}", name) is not None
-    try:
-        keys.parse_queue_name(name, False)
-    except ValueError:
-        assert not ok
-    else:
-        assert ok
-
-
 # -- reload ---------------------------------------------------------------------------------
 
 
@@ -880,24 +644,3 @@ def test_describe_is_toml_that_loads_back(tmp_path: Path, text: str) -> None:
     config = load_file(write(tmp_path, text))
     again = load_file(write(tmp_path, describe(config), "described.toml"))
     assert dataclasses.replace(again, config_file=config.config_file) == config
-
-
-def test_fsync_policy_parse() -> None:
-    assert str(FsyncPolicy.parse("always")) == "always"
-    assert str(FsyncPolicy.parse("never")) == "never"
-    assert FsyncPolicy.parse("200ms").interval_ms == 200
-    assert FsyncPolicy.parse(15).interval_ms == 15
-    with pytest.raises(ValueError):
-        FsyncPolicy.parse("sometimes")
-
-
-def test_retry_backoff_steps_by_error_count() -> None:
-    config = cfg.load_config({}, env={"QUEUED_CONFIG": ""})
-    assert config.default.retry_backoff == () and config.default.backoff_ms(3) == 0
-    q = dataclasses.replace(config.default, retry_backoff=(1000, 10_000, 60_000))
-    assert [q.backoff_ms(n) for n in (1, 2, 3, 4, 50)] == [1000, 10_000, 60_000, 60_000, 60_000]
-    assert cfg.QUEUE_KEYS["retry_backoff"](["1s", "10s", "1m"], False) == (1000, 10_000, 60_000)
-    assert cfg.QUEUE_KEYS["retry_backoff"]("1s, 2s", True) == (1000, 2000)  # the environment
-    for bad in (["0s"], "1s", [["1s"]], ["1s"] * 65):
-        with pytest.raises(ValueError):
-            cfg.QUEUE_KEYS["retry_backoff"](bad, False)
