@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import tempfile
-import threading
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -32,22 +31,19 @@ from broker_util import (
     frozen_clock,
     get_all,
     make_config,
-    settle,
     stats,
     with_default,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import queued.broker.queues
 import queued.storage.journal as journal_module
 from queued.broker.broker import Broker
-from queued.broker.upkeep import Upkeep, open_broker
+from queued.broker.upkeep import open_broker
 from queued.errors import ItemTooLargeError, QueueFullError, ReadStateError
 from queued.journal import format as jf
 from queued.reader.open_reads import TIMEOUT_HEAP_MIN, OpenReads
 from queued.reader.state import NO_ENTRIES, NO_IDS
-from queued.storage.datadir import open_data_dir
 
 
 @pytest.fixture
@@ -923,31 +919,6 @@ async def test_deleting_the_last_reader_does_not_resurrect_consumed_items(
 # -- background work must not take the broker down ----------------------------------------------
 
 
-async def test_delete_during_background_refill_keeps_the_broker_alive(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trio_clock: trio.testing.MockClock
-) -> None:
-    entered, release = threading.Event(), threading.Event()
-    real = queued.broker.queues.read_range
-
-    def slow_read_range(*args: Any) -> Any:
-        entered.set()
-        release.wait(10)
-        return real(*args)
-
-    monkeypatch.setattr(queued.broker.queues, "read_range", slow_read_range)
-    cfg = with_default(make_config(tmp_path), max_memory_size=150)
-    async with open_broker(cfg) as broker:
-        await broker.put("q", [b"%03d" % i + b"." * 97 for i in range(20)])
-        h = broker.queues["q"].readers[""]
-        assert await broker.get("q") is not None  # memory is empty now: a refill starts
-        await trio.to_thread.run_sync(entered.wait, 5)
-        assert await broker.delete("q")
-        release.set()
-        await settle(lambda: not h.refilling)
-        await broker.put("other", [b"x"])
-        assert await get_all(broker, "other") == [b"x"]
-
-
 # -- max_journal_size with drop_oldest ----------------------------------------------------------
 
 DROP_OLDEST = """
@@ -1001,7 +972,6 @@ async def test_drop_oldest_after_out_of_order_confirms_keeps_items_right(tmp_pat
         assert (s["items"], s["bytes"]) == (0, 0)
 
 
-
 @pytest.mark.parametrize(("cap", "discard"), [(1 << 20, False), (150, False), (150, True)])
 async def test_puts_cancelled_while_making_room_leave_memory_and_files_agreeing(
     tmp_path: Path, cap: int, discard: bool,
@@ -1031,28 +1001,6 @@ async def test_puts_cancelled_while_making_room_leave_memory_and_files_agreeing(
     assert got == [p100(i) for i in range(100 - len(got), 100)]
 
 # -- background loops and restarts --------------------------------------------------------------
-
-
-async def test_background_checkpoint_and_sweep(
-    tmp_path: Path, trio_clock: trio.testing.MockClock
-) -> None:
-    clock = FakeClock()
-    cfg = make_config(tmp_path, checkpoint_interval=20, expiration_timer=20)
-    async with open_broker(cfg, clock=clock) as broker:
-        await broker.put("q", [b"a", b"b"])
-        await broker.put("q", [b"c"], expire_ms=T0 + 10)
-        await broker.get("q")
-        await broker.get("q")
-        journal = broker.queues["q"].journal
-        assert journal.readers[""].head == 0
-        await advance(trio_clock, 0.015625)
-        assert journal.readers[""].head == 0  # no round before 20 ms
-        await advance(trio_clock, 0.015625)  # the checkpoint timer writes (in a thread)...
-        await settle(lambda: journal.readers[""].head == 2)
-        assert stats(broker)["items"] == 1  # ...and the sweep finds nothing expired yet
-        clock.now += 10
-        await advance(trio_clock, 0.03125)  # the next sweep expires c
-        assert stats(broker)["items"] == 0 and stats(broker)["expired_items"] == 1
 
 
 async def test_clean_restart_returns_open_reads_and_forgets_confirmed(tmp_path: Path) -> None:
@@ -1105,31 +1053,6 @@ async def test_broker_statistics_count_open_reads_and_their_timers(
         s = broker.statistics()
         assert (s.open_reads, s.timeouts.entries) == (0, 0)
         assert await broker.get("q", "other") is None  # confirmed, not timed out
-
-
-async def test_upkeep_counts_its_rounds_and_outlives_a_failing_one(
-    tmp_path: Path, trio_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    async def failing_sweep(self: Broker) -> None:
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(Broker, "sweep", failing_sweep)
-    cfg = make_config(tmp_path, checkpoint_interval=1000, expiration_timer=1000)
-    async with open_data_dir(cfg.data_dir, cfg.data_dir_config(),
-                             lambda name: cfg.queue_config(name).journal_config()) as dd:
-        upkeep = Upkeep(Broker(dd, cfg))
-        assert not upkeep.statistics().running
-        async with trio.open_nursery() as nursery:
-            await nursery.start(upkeep.run)
-            await advance(trio_clock, 1.0)
-            await advance(trio_clock, 1.0)
-            s = upkeep.statistics()
-            assert s.running and (s.checkpoint_rounds, s.sweep_rounds, s.failed_rounds) == (
-                2, 0, 2)
-            nursery.cancel_scope.cancel()
-        assert not upkeep.statistics().running
-
-
 
 
 # -- what an idle queue costs ------------------------------------------------------------------

@@ -31,7 +31,6 @@ from queued.config import (
     load_config,
     reload_queue_configs,
 )
-from queued.errors import QueuedError
 
 # -- defaults -------------------------------------------------------------------------------
 
@@ -52,10 +51,6 @@ def test_defaults_without_any_source() -> None:
     assert config.default.max_memory_size == 128 * MiB
     assert config.default.fsync == FsyncPolicy(FsyncMode.ALWAYS)
     assert dict(config.queues) == {}
-
-
-def test_config_error_is_a_queued_error() -> None:
-    assert issubclass(ConfigError, QueuedError)
 
 
 def test_key_tables_cover_every_field() -> None:

@@ -5,7 +5,7 @@ test_rpc_server.py: the next sequence is stored, a repeat is answered as the ori
 and stores nothing, a gap is refused; the table is durable with the items (restart,
 after the items were consumed and their segments compacted away); `delete` drops it,
 `flush` keeps it; the bounds and their counters. The pure table is tested in
-test_reader_producers.py, the record in test_journal_format.py.
+test_reader_producers.py, the record in test_journal_records.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Spark sink (`queued.spark.sink`) against a real local SparkSession (local[2], the
-same session as tests/test_spark.py) and real `queued serve` subprocesses: each queue's
+same session as tests/test_spark_source.py) and real `queued serve` subprocesses: each queue's
 rows come out in partition order, routing by the queue column, null data refused or
 skipped, an item over the server's max_item_size, an unreachable server, failover to
 a second server when the first is killed between puts, and TLS with a login."""

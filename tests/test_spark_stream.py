@@ -1,5 +1,5 @@
 """The `queued` source's Kafka-style options, lost-data checks and lag, and the streaming
-sink, against the real local SparkSession of tests/test_spark.py (one for the whole run):
+sink, against the real local SparkSession of tests/test_spark_source.py (one for the whole run):
 a queue deleted and created again under a running stream, compaction without an archive,
 per-queue JSON offsets, timestamps, subscribePattern picking up a new queue, min and max
 items per trigger, lag in the progress, unknown options, and writeStream into a running

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from queued import errors
-from queued.errors import ProtocolError, QueuedError
+from queued.errors import ProtocolError
 from queued.wire import memcache_protocol as mp
 from queued.wire import parsing as wire
 from queued.wire.memcache_protocol import (
@@ -332,15 +332,6 @@ def test_longest_name_is_accepted() -> None:
     assert not wire.is_valid_name("é") and not wire.is_valid_name("")
 
 
-def test_errors_belong_to_the_tree() -> None:
-    for cls in [errors.ProtocolError, errors.LocalProtocolError, wire.ArgumentError,
-                wire.LineOverflow]:
-        assert issubclass(cls, QueuedError)
-    for cls in [errors.UnknownCommand, errors.BadCommand, errors.LineTooLong, errors.TooLarge,
-                errors.BadDataChunk]:
-        assert issubclass(cls, errors.ProtocolError)
-
-
 GOLDEN: list[tuple[Callable[[], bytes], bytes]] = [
     (mp.stored, b"STORED\r\n"),
     (mp.not_stored, b"NOT_STORED\r\n"),
@@ -420,12 +411,6 @@ def test_random_bytes_only_produce_events_or_protocol_errors(chunks: list[bytes]
 @given(st.lists(st.lists(st.sampled_from(SOUP), max_size=12).map(b"".join), max_size=8))
 def test_token_soup_only_produces_events_or_protocol_errors(chunks: list[bytes]) -> None:
     drain_only_events_or_protocol_errors(MemcacheParser(max_line=40, max_item_size=8), chunks)
-
-
-
-
-
-
 
 
 class FakeSocket:
