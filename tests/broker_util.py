@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 import trio.testing
+from wait_util import held_clock
 
 from queued.broker.broker import Broker
 from queued.config import ServerConfig, load_config
@@ -26,14 +27,11 @@ from queued.journal import format as jf
 
 T0 = 1_700_000_000_000
 HOUR = 3_600_000
-#: Real seconds with every task blocked after which the test clock jumps to the next
-#: deadline anyway: a long poll nothing answers then times out and its test fails,
-#: instead of hanging. A passing test never waits that long.
-HANG_GUARD_S = 10.0
-
-
 def frozen_clock() -> trio.testing.MockClock:
-    return trio.testing.MockClock(autojump_threshold=HANG_GUARD_S)
+    """trio time that moves only when a test jumps it (wait_util.held_clock: after
+    HANG_GUARD_S real seconds with every task blocked it jumps anyway, so a long poll
+    nothing answers times out and its test fails instead of hanging)."""
+    return held_clock()
 
 
 async def advance(trio_clock: trio.testing.MockClock, seconds: float) -> None:

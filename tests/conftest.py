@@ -9,15 +9,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio.testing
 from disk_util import tmpfs_mount
 from security_util import USERS, Pki, users_toml
 from server_util import ServerProcess
+from wait_util import held_clock
 
 
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A fresh 2 MiB tmpfs (skips the test where it cannot be mounted)."""
     yield from tmpfs_mount(tmp_path)
+
+
+@pytest.fixture
+def trio_clock() -> trio.testing.MockClock:
+    """trio time for the test that asks for it (pytest-trio runs the test on it): it
+    stands still until the test jumps it or lets it jump (wait_util.autojumping)."""
+    return held_clock()
 
 
 @pytest.fixture

@@ -45,13 +45,6 @@ from queued.journal import format as jf
 from queued.reader.open_reads import TIMEOUT_HEAP_MIN, OpenReads
 from queued.reader.state import NO_ENTRIES, NO_IDS
 
-
-@pytest.fixture
-def trio_clock() -> trio.testing.MockClock:
-    """trio time for the test (pytest-trio runs the test on it): see the module docstring."""
-    return frozen_clock()
-
-
 # -- a model test over random operation sequences ---------------------------------------------
 
 N_CLIENTS = 2

@@ -16,7 +16,6 @@ from broker_util import (
     T0,
     FakeClock,
     advance,
-    frozen_clock,
     get_all,
     make_config,
     settle,
@@ -28,12 +27,6 @@ import queued.broker.queues
 from queued.broker.broker import Broker
 from queued.broker.upkeep import Upkeep, open_broker
 from queued.storage.datadir import open_data_dir
-
-
-@pytest.fixture
-def trio_clock() -> trio.testing.MockClock:
-    """trio time for the test (pytest-trio runs the test on it): see broker_util."""
-    return frozen_clock()
 
 
 async def test_delete_during_background_refill_keeps_the_broker_alive(

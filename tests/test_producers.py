@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rpc_util import Rpc
 from server_util import WAIT, ServerProcess, make_config, running
+from wait_util import wait_until
 
 from queued.cli import check, dump
 from queued.client import AsyncClient, ClientError
@@ -331,9 +332,7 @@ async def test_idempotent_puts_with_lost_replies_and_sigkill_are_stored_once(
 
                 async def more(n: int) -> None:
                     seen = len(acked)
-                    with trio.fail_after(WAIT):
-                        while len(acked) < seen + n:
-                            await trio.sleep(0.005)
+                    await wait_until(lambda: len(acked) >= seen + n)
 
                 async with trio.open_nursery() as nursery:
                     for who in range(4):

@@ -16,7 +16,8 @@ import pytest
 import trio
 import trio.testing
 from rpc_util import Rpc
-from server_util import WAIT, make_config, running
+from server_util import make_config, running
+from wait_util import wait_for, wait_until
 
 from queued import __version__
 from queued.config import ServerConfig
@@ -83,7 +84,8 @@ async def test_fanout_readers_and_expiration(tmp_path: Path) -> None:
         # expiration_ms is relative: 1 ms has passed long before the get below.
         assert await c.call("put", "exp", [b"old"], 1) == 1
         assert await c.call("put", "exp", [b"new"]) == 1
-        await trio.sleep(0.05)  # real time is the point: the item must expire
+        # (the wall clock's: wait until the peek no longer shows the expired one)
+        await wait_for(lambda: c.call("peek", "exp"), lambda info: info["head"] == [2, b"new"])
         assert await c.call("get", "exp", 10) == [[2, b"new"]]
         await c.aclose()
 
@@ -217,9 +219,7 @@ async def test_a_waiting_get_of_a_closed_connection_takes_nothing(tmp_path: Path
         await trio.testing.wait_all_tasks_blocked()
         assert server.broker.reader_info("jobs")["waiters"] == 1
         await c.aclose()
-        with trio.fail_after(WAIT):
-            while server.broker.reader_info("jobs")["waiters"]:
-                await trio.sleep(0.01)
+        await wait_until(lambda: not server.broker.reader_info("jobs")["waiters"])
         other = await Rpc.open(server.ports["rpc"])
         assert await other.call("put", "jobs", [b"kept"]) == 1
         assert await other.call("get", "jobs", 1) == [[1, b"kept"]]

@@ -25,6 +25,7 @@ from typing import Any
 import msgpack
 import pytest
 import trio
+import trio.testing
 import trustme
 from pymemcache.client.base import Client as MemcacheClient
 from security_util import REFUSED, Pki, mc_login, secured, users_toml
@@ -38,6 +39,7 @@ from server_util import (
     make_config,
     running,
 )
+from wait_util import autojumping, wait_until
 
 from queued.config import ConfigError
 from queued.config.users import PasswordHash
@@ -242,42 +244,41 @@ async def test_http_needs_basic_auth_except_probes(tmp_path: Path, users_file: P
         assert (await run(fetch, "/stats.json", "bob", "bob-pw"))[0] == 200
 
 
-# -- TLS -------------------------------------------------------------------------------------
-
-
 # -- deadlines and limits ------------------------------------------------------------------
 
 
-async def test_trickling_request_is_closed_after_request_timeout(tmp_path: Path) -> None:
+async def test_trickling_request_is_closed_after_request_timeout(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     config = make_config(tmp_path / "data", request_timeout=400)
     async with running(config) as server:
-        port = server.ports["memcache"]
-        idle = await Conn.open(port)  # between requests: never timed out
-        assert await idle.set("q", b"0") == b"STORED"
-        slow = await Conn.open(port)
-        other = await Conn.open(port)
-        await slow.send(b"set q 0 0 10\r\nabc")
-        with trio.fail_after(5):
-            closed = trio.Event()
+        with autojumping(trio_clock):  # (no thread at work in this test)
+            port = server.ports["memcache"]
+            idle = await Conn.open(port)  # between requests: never timed out
+            assert await idle.set("q", b"0") == b"STORED"
+            slow = await Conn.open(port)
+            other = await Conn.open(port)
+            await slow.send(b"set q 0 0 10\r\nabc")
+            with trio.fail_after(5):
+                closed = trio.Event()
 
-            async def watch() -> None:
-                await slow.expect_closed()
-                closed.set()
+                async def watch() -> None:
+                    await slow.expect_closed()
+                    closed.set()
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(watch)
-                # meanwhile another client is served, byte by byte too but complete
-                for i in range(5):
-                    for b in b"set q 0 0 1\r\n%d\r\n" % i:
-                        await other.send(bytes([b]))
-                        await trio.sleep(0.005)
-                    assert await other.line() == b"STORED"
-                await closed.wait()
-        assert server.protocols["memcache"].request_timeouts == 1
-        await trio.sleep(0.5)  # past the deadline for an idle connection too
-        assert await idle.get("q") == b"0"  # the idle one is still served
-        for conn in (idle, other):
-            await conn.aclose()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch)
+                    # meanwhile another client is served, byte by byte too but complete
+                    for i in range(5):
+                        for b in b"set q 0 0 1\r\n%d\r\n" % i:
+                            await other.send(bytes([b]))
+                            await trio.sleep(0.005)
+                        assert await other.line() == b"STORED"
+                    await closed.wait()
+            assert server.protocols["memcache"].request_timeouts == 1
+            await trio.sleep(0.5)  # (trio time) past the deadline for an idle connection too
+            assert await idle.get("q") == b"0"  # the idle one is still served
+            for conn in (idle, other):
+                await conn.aclose()
 
 
 @pytest.mark.parametrize(("proto", "partial"), [
@@ -302,13 +303,16 @@ async def test_long_poll_is_not_a_half_sent_request(tmp_path: Path) -> None:
         await conn.aclose()
 
 
-async def test_login_must_come_within_auth_timeout(tmp_path: Path, users_file: Path) -> None:
+async def test_login_must_come_within_auth_timeout(
+        tmp_path: Path, users_file: Path, trio_clock: trio.testing.MockClock) -> None:
     async with secured(tmp_path, users_file, auth_timeout=300) as server:
         conn = await Conn.open(server.ports["memcache"])
-        await conn.expect_closed(timeout=5)
+        with autojumping(trio_clock):
+            await conn.expect_closed(timeout=5)
         assert server.protocols["memcache"].auth_failures == 1
-        ok = await mc_login(server.ports["memcache"], "alice", "alice pw")
-        await trio.sleep(0.5)  # logged in: the login deadline no longer applies
+        ok = await mc_login(server.ports["memcache"], "alice", "alice pw")  # (held: scrypt
+        with autojumping(trio_clock):                                       # in a thread)
+            await trio.sleep(0.5)  # logged in: the login deadline no longer applies
         assert await ok.set("orders", b"x") == b"STORED"
         await ok.aclose()
 
@@ -462,9 +466,7 @@ async def test_a_refused_connection_leaves_no_garbage_cycle(
                 conn = await Conn.open(server.ports[proto])
                 await conn.send(data)
                 await conn.expect_closed()
-            with trio.fail_after(WAIT):  # the sessions end (a refused login after its delay)
-                while server.connections():
-                    await trio.sleep(0.05)
+            await wait_until(lambda: not server.connections())
             gc.collect()
             kinds = {type(o).__name__ for o in gc.garbage}
         finally:

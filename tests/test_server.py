@@ -31,6 +31,7 @@ from server_util import (
     running,
     wait_for_stat,
 )
+from wait_util import wait_for
 
 from queued import __version__
 from queued.config import ServerConfig
@@ -375,7 +376,7 @@ async def test_disconnected_long_poller_does_not_swallow_an_item(tmp_path: Path)
         await gone.send(b"get q/t=3000\r\n")
         await wait_for_stat(port, "queue_q_waiters", 1)
         await gone.aclose()
-        await trio.sleep(0.1)  # the server has seen the FIN long before the set arrives
+        await wait_for_stat(port, "queue_q_waiters", 0)  # the server has seen the FIN
         c = await Conn.open(port)
         assert await c.set("q", b"for-a-live-client") == b"STORED"
         assert await c.get("q/t=1000") == b"for-a-live-client"
@@ -464,7 +465,8 @@ async def test_relative_exptime_expires(tmp_path: Path) -> None:
         c = await Conn.open(server.ports["memcache"])
         assert await c.set("q", b"short", exptime=1) == b"STORED"
         assert await c.set("q", b"long", exptime=100) == b"STORED"
-        await trio.sleep(1.1)
+        # exptime counts whole seconds of the wall clock: wait until the first has gone
+        await wait_for(lambda: c.get("q/peek"), lambda head: head == b"long")
         assert await c.get("q") == b"long"
         assert await c.get("q") is None
         stats = await c.stats()
@@ -499,7 +501,7 @@ async def test_max_age_expires_items(tmp_path: Path) -> None:
         assert await c.set("aged", b"a") == b"STORED"
         assert await c.set("fresh", b"f") == b"STORED"
         assert await c.get("aged/peek") == b"a"
-        await trio.sleep(0.4)
+        await wait_for(lambda: c.get("aged/peek"), lambda head: head is None)  # wall clock
         assert await c.get("aged") is None
         assert await c.get("fresh") == b"f"  # other queues keep the default (no max_age)
         await c.aclose()

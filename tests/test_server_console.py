@@ -19,6 +19,7 @@ import trio
 from ops_util import basic, cfg, get, put
 from security_util import users_toml
 from server_util import HOST, running
+from wait_util import wait_for
 
 from queued.reader.open_reads import OpenReads
 from queued.server import http as qhttp
@@ -366,8 +367,9 @@ async def test_head_items_leave_out_delayed_items_until_due(tmp_path: Path) -> N
         status, d = await doc(port, "/api/queues/jobs")
         assert status == 200 and [i["text"] for i in d["items"]] == ["now"]  # type: ignore
         assert await b.get("jobs", peek=True, timeout_ms=2000) is not None  # "now"
-        await trio.sleep(0.35)
-        assert (await b.get("jobs", peek=True)).data == b"later"  # type: ignore[union-attr]
+        # due by the wall clock: the peek shows it at the head once it is
+        await wait_for(lambda: b.get("jobs", peek=True),
+                       lambda head: head is not None and head.data == b"later")
         status, d = await doc(port, "/api/queues/jobs")
         assert [i["text"] for i in d["items"]] == ["later", "now"]  # type: ignore
 

@@ -21,6 +21,7 @@ import trio
 from disk_util import fill_completely
 from ops_util import NONE, cfg, get, lab, put, q, raw, samples, scrape
 from server_util import HOST, WAIT, Conn, ServerProcess, http_get, make_config, running
+from wait_util import wait_for, wait_until
 
 from queued import __version__
 from queued.server import http as qhttp
@@ -116,16 +117,16 @@ async def test_too_many_http_connections_are_closed(tmp_path: Path,
         port = server.ports["http"]
         held = [await trio.open_tcp_stream(HOST, port) for _ in range(3)]
         try:
-            await trio.sleep(0.1)  # let the server accept them
-            assert await raw(port, b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n") == (
-                qhttp.TOO_MANY_REPLY)
+            # refused once the server has taken the three in (a request before that is served)
+            await wait_for(lambda: raw(port, b"GET /livez HTTP/1.1\r\nHost: x\r\n"
+                                             b"Connection: close\r\n\r\n"),
+                           lambda reply: reply == qhttp.TOO_MANY_REPLY)
         finally:
             for s in held:
                 await s.aclose()
-        with trio.fail_after(WAIT):
-            while (await raw(port, b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close"
-                             b"\r\n\r\n")) == qhttp.TOO_MANY_REPLY:
-                await trio.sleep(0.05)
+        await wait_for(lambda: raw(port, b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close"
+                                         b"\r\n\r\n"),
+                       lambda reply: reply != qhttp.TOO_MANY_REPLY)
 
 
 # -- refused requests: a HEAD as a GET, without the body ------------------------------------
@@ -276,9 +277,8 @@ async def test_low_disk_warning_and_recovery(tmp_path: Path,
     huge = "1000TiB"
     with caplog.at_level(logging.INFO, logger="queued.server"):
         async with running(cfg(tmp_path, min_free_disk=huge)) as server:
-            with trio.fail_after(WAIT):
-                while not [r for r in caplog.records if getattr(r, "event", None) == "disk_low"]:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: any(getattr(r, "event", None) == "disk_low"
+                                         for r in caplog.records))
             server.config = dataclasses.replace(server.config, min_free_disk=1)
             server.check_disk()
             assert [r for r in caplog.records if getattr(r, "event", None) == "disk_ok"]

@@ -18,6 +18,7 @@ from server_util import (
     Conn,
     running,
 )
+from wait_util import wait_until
 
 from queued.server import memory
 
@@ -48,9 +49,8 @@ async def test_memory_is_given_back_once_a_backlog_drains(
         assert peak - before > 60 << 20
         for _ in range(n):
             assert await c.get("big") == block
-        with trio.fail_after(WAIT + memory.TRIM_CHECK_SECONDS):
-            while rss() - before > (peak - before) // 3:
-                await trio.sleep(0.2)
+        await wait_until(lambda: rss() - before <= (peak - before) // 3,
+                         timeout=WAIT + memory.TRIM_CHECK_SECONDS, poll=0.2)
         await c.aclose()
 
 
@@ -77,14 +77,10 @@ async def test_heap_is_trimmed_once_when_clients_go_quiet(monkeypatch: pytest.Mo
     async with trio.open_nursery() as nursery:
         nursery.start_soon(partial(memory.trim_when_drained, lambda: 0, 0.02,
                                    activity=activity))
-        with trio.fail_after(WAIT):
-            while looks[0] < 10:
-                await trio.sleep(0.01)
+        await wait_until(lambda: looks[0] >= 10)
         assert trims == []  # busy all along (and no growth of TRIM_STEP meanwhile)
         busy[0] = False
-        with trio.fail_after(WAIT):
-            while not trims:
-                await trio.sleep(0.01)
+        await wait_until(lambda: bool(trims))
         seen = looks[0]
         with trio.fail_after(WAIT):
             while looks[0] < seen + 10:  # quiet on: no second trim
@@ -92,13 +88,9 @@ async def test_heap_is_trimmed_once_when_clients_go_quiet(monkeypatch: pytest.Mo
         assert len(trims) == 1
         busy[0] = True  # busy again, then quiet: one more
         seen = looks[0]
-        with trio.fail_after(WAIT):
-            while looks[0] < seen + 3:
-                await trio.sleep(0.01)
+        await wait_until(lambda: looks[0] >= seen + 3)
         busy[0] = False
-        with trio.fail_after(WAIT):
-            while len(trims) < 2:
-                await trio.sleep(0.01)
+        await wait_until(lambda: len(trims) >= 2)
         nursery.cancel_scope.cancel()
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 from server_util import WAIT, Conn, make_config, running
+from wait_util import wait_until
 
 from queued.server.reactor import BUFFER_CAP, PASS_REQUESTS
 from queued.server.session import RECEIVE_SIZE
@@ -97,7 +98,8 @@ async def test_a_peer_that_never_reads_is_not_read_and_is_closed_at_the_deadline
                         pending = pending[hog.send(pending):]
                     except BlockingIOError:
                         await trio.sleep(0.01)
-            await trio.sleep(0.1)
+            # (the reactor has read what it will read of the hog's requests)
+            await wait_until(lambda: any(link.unsent for link in server.reactor.links.values()))
             # Replies wait in memory up to about a cap, not the 12 MB the requests ask for ...
             assert server.reactor is not None
             links = list(server.reactor.links.values())
@@ -106,9 +108,7 @@ async def test_a_peer_that_never_reads_is_not_read_and_is_closed_at_the_deadline
             if command == b"get big":
                 assert server.broker.reader_info("big")["items"] > 0  # ... nor run them all
             # ... and it is closed once its replies have waited unread for request_timeout.
-            with trio.fail_after(WAIT):
-                while server.connections():
-                    await trio.sleep(0.05)
+            await wait_until(lambda: not server.connections(), why="the hog closed")
         assert "replies unread within request_timeout" in caplog.text
         hog.close()
 
@@ -132,10 +132,9 @@ async def test_long_polls_wait_in_line_without_a_task(tmp_path: Path) -> None:
         port = server.ports["memcache"]
         first, second, producer = [await Conn.open(port) for _ in range(3)]
         await first.send(b"get q/t=5000\r\n")
-        await trio.sleep(0.05)
+        await wait_until(lambda: server.broker.reader_info("q").get("waiters") == 1)
         await second.send(b"get q/t=5000\r\n")
-        await trio.sleep(0.05)
-        assert server.broker.reader_info("q")["waiters"] == 2
+        await wait_until(lambda: server.broker.reader_info("q").get("waiters") == 2)
         assert await producer.set("q", b"1") == b"STORED"
         assert await producer.set("q", b"2") == b"STORED"
         assert await first.read_value("q/t=5000") == b"1"  # first come, first served

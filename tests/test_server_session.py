@@ -17,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 from server_util import WAIT, Conn, make_config, running
+from wait_util import wait_until
 
 from queued import __version__
 from queued.broker.upkeep import open_broker
@@ -66,9 +67,7 @@ async def test_rpc_calls_before_a_half_close_are_answered(tmp_path: Path) -> Non
         await conn.send(msgpack.packb([0, 1, "put", ["q", [b"x"]]])
                         + msgpack.packb([0, 3, "get", ["empty", 1, 60_000]])
                         + msgpack.packb([0, 2, "version", []]))
-        with trio.fail_after(WAIT):
-            while server.broker.reader_info("empty").get("waiters") != 1:
-                await trio.sleep(0.01)
+        await wait_until(lambda: server.broker.reader_info("empty").get("waiters") == 1)
         await conn.stream.send_eof()
         with trio.fail_after(WAIT / 2):  # well before the get's own 60 s
             replies = list(msgpack.Unpacker(io.BytesIO(await read_to_eof(conn))))
@@ -96,9 +95,7 @@ async def test_hang_up_during_a_long_poll_is_an_ordinary_event(
         conn.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
                                       struct.pack("ii", 1, 0))
         await conn.stream.aclose()
-        with trio.fail_after(WAIT):
-            while server.connections():
-                await trio.sleep(0.01)
+        await wait_until(lambda: not server.connections())
         other = await Conn.open(server.ports["memcache"])
         assert await other.set("q", b"item") == b"STORED"
         assert await other.get("q") == b"item"
@@ -165,9 +162,7 @@ async def test_a_monitor_stops_taking_items_once_its_peer_is_lost(
         conn.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
                                       struct.pack("ii", 1, 0))
         await conn.stream.aclose()
-        with trio.fail_after(WAIT):
-            while server.connections() > 1:
-                await trio.sleep(0.01)
+        await wait_until(lambda: server.connections() <= 1)
         # What the dead monitor held went back (with an error count: to merr); the rest
         # of the queue was never taken.
         with trio.fail_after(WAIT):

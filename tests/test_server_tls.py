@@ -25,6 +25,7 @@ from server_util import (
     make_config,
     running,
 )
+from wait_util import wait_until
 
 from queued.config import ConfigError
 
@@ -165,9 +166,7 @@ async def test_tls_transport_carries_big_items_and_many_records(tmp_path: Path,
         assert [data for _, data in got] == items
         await rpc.stream.aclose()  # sends close_notify
         await mc.stream.aclose()
-        with trio.fail_after(WAIT):
-            while server.connections():
-                await trio.sleep(0.01)
+        await wait_until(lambda: not server.connections())
 
 
 async def test_garbage_after_the_handshake_closes_only_that_connection(

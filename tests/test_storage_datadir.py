@@ -19,6 +19,7 @@ import pytest
 import trio
 import trio.testing
 from journal_util import T0, all_puts, cfg, data_for, fill, queue_files, segments
+from wait_util import wait_until
 
 from queued.cli import check
 from queued.config import CorruptionPolicy, DataDirConfig, FsyncPolicy, FullPolicy, JournalConfig
@@ -247,7 +248,8 @@ async def test_fsync_policies_store_everything(tmp_path: Path, policy: str) -> N
         q = dd.queue("q")
         for i in range(20):
             await q.append([data_for(i)], T0)
-        await trio.sleep(0.12)  # let a periodic fsync come due
+        if policy != "never":  # a periodic fsync comes due (time.monotonic: 50 ms)
+            await wait_until(lambda: dd.statistics().fsync.count >= 1)
         stats = dd.statistics()
     if policy == "never":
         assert stats.fsync.count == 0
@@ -348,23 +350,21 @@ async def test_a_periodic_fsync_is_owed_after_a_write_done_at_once(tmp_path: Pat
         q = dd.queue("q")
         rounds = dd.statistics().rounds
         await q.append([data_for(1)], T0)  # opens the segment: a round
-        with trio.fail_after(5):
-            # The periodic fsync of that round's write, in a round of its own that has
-            # ended (the count moves in the round's thread, before the round ends).
-            while q.statistics().fsyncs < 1 or dd.statistics().rounds < rounds + 2:
-                await trio.sleep(0.02)
+        # The periodic fsync of that round's write, in a round of its own that has
+        # ended (the count moves in the round's thread, before the round ends).
+        await wait_until(lambda: q.statistics().fsyncs >= 1
+                         and dd.statistics().rounds >= rounds + 2, timeout=5)
         await trio.testing.wait_all_tasks_blocked()  # the writer sleeps, nothing owed
         rounds = dd.statistics().rounds
         _, ticket = q.append_nowait([data_for(2)], T0)
         assert ticket.event.is_set()  # written at once: no fsync was due yet
         assert dd.statistics().rounds == rounds + 1
-        with trio.fail_after(5):  # real time is the point: the interval is 100 ms
-            while q.statistics().fsyncs < 2:
-                await trio.sleep(0.02)
-            await dd.wait_round()  # (the count moved in the round's thread: let it end)
+        # (time.monotonic's 100 ms: the writer's clock is the real one)
+        await wait_until(lambda: q.statistics().fsyncs >= 2, timeout=5)
+        await dd.wait_round()  # (the count moved in the round's thread: let it end)
         # ...and nothing more once nothing is owed (no empty rounds meanwhile)
         rounds = dd.statistics().rounds
-        await trio.sleep(0.3)
+        await trio.sleep(0.3)  # (a negative: three intervals pass with nothing owed)
         assert q.statistics().fsyncs == 2 and dd.statistics().rounds == rounds
 
 
@@ -489,7 +489,8 @@ async def test_delete_queue_during_a_round_leaves_no_segment_behind(
             nursery.start_soon(put)
             await trio.to_thread.run_sync(entered.wait, 5)
             nursery.start_soon(dd.delete_queue, "q")
-            await trio.sleep(0.05)  # delete_queue is now waiting for the round lock
+            # delete_queue waits for the round lock, the put for the round in its thread
+            await trio.testing.wait_all_tasks_blocked()
             release.set()
     assert queue_files(tmp_path) == [], "deleted queue left files behind"
     assert "q" not in DataDir.open(tmp_path).queues, "deleted queue resurrected at restart"
@@ -652,9 +653,7 @@ async def test_a_put_waiting_behind_a_failed_fsync_is_not_acknowledged(
         monkeypatch.setattr(logging.getLogger("queued.journal"), "disabled", True)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(put, q, b"b")
-            with trio.fail_after(10):
-                while not fake.held.is_set():
-                    await trio.sleep(0.01)
+            await wait_until(lambda: bool(fake.held.is_set()), timeout=10)
             nursery.start_soon(put, q, b"c")  # appended before the failure is known
             await trio.testing.wait_all_tasks_blocked(0.05)
             fake.release.set()
