@@ -65,6 +65,10 @@ def spark() -> Iterator[Any]:
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "2")
                .config("spark.driver.memory", "1g")
+               # Short-lived JVM on two shared cores: C1 only (no C2 compiler threads
+               # competing with the tests) and one GC thread.
+               .config("spark.driver.extraJavaOptions",
+                       "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Xss4m")
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
     yield session
