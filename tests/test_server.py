@@ -9,7 +9,6 @@ the point (relative expiry, open-read timeouts, long-poll timeouts).
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +22,6 @@ from pymemcache.exceptions import (
     MemcacheUnknownCommandError,
 )
 from server_util import (
-    WAIT,
     Conn,
     data_files,
     make_config,
@@ -722,31 +720,6 @@ async def test_stats_use_kestrel_names(tmp_path: Path) -> None:
         assert await c.expect_closed() == b""
 
 
-@pytest.mark.parametrize("proto", ["memcache", "text"])
-async def test_shutdown_command_stops_the_server(tmp_path: Path, proto: str) -> None:
-    config = cfg(tmp_path)
-    with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            server = await nursery.start(serve, config)
-            client = pymc(server.ports["memcache"])
-            try:
-                assert await in_thread(lambda: client.set("q", b"x"))
-                if proto == "memcache":
-                    await in_thread(client.shutdown)
-                else:
-                    t = await Conn.open(server.ports["text"], newline=b"\n")
-                    await t.send(b"shutdown\n")
-                    assert await t.expect_closed() == b""
-            finally:
-                client.close()
-        # Reaching here means serve() returned.
-        assert server.shutdown_requested.is_set()
-        async with running(config) as again:
-            c = await Conn.open(again.ports["memcache"])
-            assert await c.get("q") == b"x"
-            await c.aclose()
-
-
 async def test_reload_applies_queue_settings(tmp_path: Path) -> None:
     config = cfg(tmp_path, "[queues.r]\nmax_items = 1\n")
     assert config.config_file is not None
@@ -891,30 +864,6 @@ async def test_item_over_server_max_item_size_is_skipped(tmp_path: Path) -> None
         assert await c.get("q") == b"small"
         assert await c.get("q") is None
         await c.aclose()
-
-
-async def test_max_connections_refuses_more(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path, "[server]\nmax_connections = 2\n")) as server:
-        port = server.ports["memcache"]
-        a, b = await Conn.open(port), await Conn.open(port)
-        assert await a.cmd(b"version") == b"VERSION " + __version__.encode()
-        assert await b.cmd(b"version") == b"VERSION " + __version__.encode()
-        c = await Conn.open(port)
-        assert (await c.line()).startswith(b"SERVER_ERROR")
-        await c.expect_closed()
-        await b.aclose()
-        with trio.fail_after(WAIT):
-            while True:  # the freed slot is usable once the server has seen b go
-                d = await Conn.open(port)
-                try:
-                    reply = await d.cmd(b"version")
-                except (EOFError, trio.BrokenResourceError):
-                    reply = b""
-                await d.aclose()
-                if reply.startswith(b"VERSION"):
-                    break
-                await trio.sleep(0.02)
-        await a.aclose()
 
 
 async def test_read_behind_backlog_bigger_than_memory(tmp_path: Path) -> None:
@@ -1159,34 +1108,6 @@ async def test_one_byte_at_a_time(tmp_path: Path) -> None:
         assert await c.line() == b"STORED"
         assert await c.read_value("q/open") == b"abc"
         await c.aclose()
-
-
-async def test_a_thousand_idle_connections(tmp_path: Path) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < 4096:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
-    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 2200:
-        pytest.skip("cannot raise RLIMIT_NOFILE enough for 1000 connections")
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        idle: list[trio.SocketStream] = []
-        try:
-            with trio.fail_after(30):
-                for _ in range(1000):
-                    idle.append(await trio.open_tcp_stream("127.0.0.1", port))
-                await wait_for_stat(port, "curr_connections", 1001, timeout=20)
-            client = pymc(port)
-            try:
-                assert await in_thread(lambda: client.set("busy", b"still works"))
-                assert await in_thread(lambda: client.get("busy")) == b"still works"
-                stats = await in_thread(client.stats)
-                assert stats[b"curr_connections"] == 1001
-            finally:
-                client.close()
-        finally:
-            for s in idle:
-                s.socket.close()
-        await wait_for_stat(port, "curr_connections", 1, timeout=20)
 
 
 # -- text protocol -----------------------------------------------------------------------------
