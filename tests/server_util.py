@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import msgpack
 import trio
 from pymemcache.client.base import Client as MemcacheClient
-from wait_util import WAIT
+from wait_util import WAIT, wait_for
 
 from queued.config import ServerConfig, load_config
 from queued.server.app import serve
@@ -222,12 +222,7 @@ async def wait_for_stat(port: int, name: str, want: Any, timeout: float = WAIT) 
     """Poll `stats` on a fresh connection until stat `name` equals str(want)."""
     conn = await Conn.open(port)
     try:
-        with trio.fail_after(timeout):
-            while True:
-                stats = await conn.stats()
-                if stats.get(name) == str(want):
-                    return stats
-                await trio.sleep(0.01)
+        return await wait_for(conn.stats, lambda stats: stats.get(name) == str(want), timeout)
     finally:
         await conn.aclose()
 

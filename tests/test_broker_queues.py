@@ -20,6 +20,7 @@ import trio
 import trio.testing
 from server_util import Conn, running
 from server_util import make_config as server_config
+from wait_util import wait_until
 
 import queued.storage.journal as journal_module
 from queued.broker.broker import Broker
@@ -70,11 +71,7 @@ async def get_all(broker: Broker, queue: str, reader: str | None = None) -> list
 async def settle(done: Callable[[], bool]) -> None:
     """Let background work (a move to error_queue: a put, then a writer round in a
     thread) finish: bounded in count and time."""
-    for _ in range(500):
-        if done():
-            return
-        await trio.sleep(0.01)
-    raise AssertionError("background work never finished")
+    await wait_until(done, why="background work finished")
 
 
 def p100(i: int) -> bytes:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from server_util import HOST, QUEUED, WAIT, ServerProcess
+from wait_util import wait_until_blocking
 
 from queued.client import Client
 
@@ -105,9 +106,7 @@ def test_get_open_returns_items_when_stdout_fails(server: str) -> None:
 def settled(server: str, queue: str) -> tuple[int, int]:
     """(items, open reads) of `queue` once the open reads of a client that is gone are back."""
     with Client(server) as c:
-        deadline = time.monotonic() + WAIT
-        while c.peek(queue).open_transactions and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until_blocking(lambda: not c.peek(queue).open_transactions)
         info = c.peek(queue)
         return info.items, info.open_transactions
 

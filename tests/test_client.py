@@ -23,6 +23,7 @@ import pytest
 import trio
 import trio.testing
 from server_util import HOST, WAIT, ServerProcess, make_config, running
+from wait_util import wait_for
 
 from queued import __version__
 from queued.client import (
@@ -366,10 +367,7 @@ async def test_async_reserve_and_consume(tmp_path: Path) -> None:
                 assert item.data == b"x"
                 break
             gc.collect()
-        with trio.fail_after(WAIT):
-            while (await c.peek("bare")).open_transactions:
-                await trio.sleep(0.01)
-        info = await c.peek("bare")
+        info = await wait_for(lambda: c.peek("bare"), lambda i: not i.open_transactions)
         assert info.items == 3 and info.head is not None and info.head.data == b"x"
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 from server_util import HOST, WAIT, Conn, Rpc, make_config, pymc, running
+from wait_util import wait_for
 
 from queued.client import AsyncClient, Client, NotOpen
 from queued.config import ServerConfig
@@ -176,11 +177,8 @@ async def test_retry_backoff_applies_to_a_timed_out_read(tmp_path: Path) -> None
         c = await Conn.open(server.ports["memcache"])
         assert await c.set("r", b"slow") == b"STORED"
         assert await c.get("r/open") == b"slow"
-        for _ in range(200):  # until the timeout has returned it (delayed)
-            if (await c.stats())["queue_r_delayed"] == "1":
-                break
-            await trio.sleep(0.01)
-        assert (await c.stats())["queue_r_delayed"] == "1"
+        # until the timeout has returned it (delayed)
+        await wait_for(c.stats, lambda stats: stats["queue_r_delayed"] == "1")
         assert await c.get("r/t=500") is None
         await c.aclose()
 

@@ -18,7 +18,6 @@ import signal
 import socket
 import ssl
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from server_util import (
     make_config,
     running,
 )
-from wait_util import autojumping, wait_until
+from wait_util import autojumping, wait_until, wait_until_blocking
 
 from queued.config import ConfigError
 from queued.config.users import PasswordHash
@@ -395,10 +394,7 @@ def test_sighup_reloads_certificates_and_users_in_a_running_server(
         pki.issue(new_ca)
         users_file.write_text(users_toml(dave={"password": "d", "get": ["*"]}))
         server.signal(signal.SIGHUP)
-        deadline = time.monotonic() + WAIT
-        while b"reloaded (SIGHUP)" not in server.log():
-            assert time.monotonic() < deadline, server.log().decode()
-            time.sleep(0.05)
+        wait_until_blocking(lambda: b"reloaded (SIGHUP)" in server.log(), why="the reload")
         with pytest.raises(ssl.SSLError):
             login(pki.client(), "dave", "d")  # the old CA no longer vouches for it
         assert login(pki.client(new_ca), "dave", "d") == b"STORED\r\n"

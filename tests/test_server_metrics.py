@@ -23,6 +23,7 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 from server_util import HOST, WAIT, Conn, running
+from wait_util import wait_for
 
 from queued import __version__
 from queued.server import metrics as qmetrics
@@ -353,9 +354,8 @@ async def test_commands_errors_connections_and_latency(tmp_path: Path) -> None:
         finally:
             await text.aclose()
             await rpc.aclose()
-        with trio.fail_after(WAIT):
-            while (await scrape(server))[("queued_open_connections", lab(protocol="rpc"))]:
-                await trio.sleep(0.02)
+        await wait_for(lambda: scrape(server),
+                       lambda m: not m[("queued_open_connections", lab(protocol="rpc"))])
         m = await scrape(server)
         cmd = "queued_commands_total"
         assert m[(cmd, lab(protocol="memcache", command="set"))] == 3

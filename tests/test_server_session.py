@@ -86,10 +86,8 @@ async def test_hang_up_during_a_long_poll_is_an_ordinary_event(
     async with running(make_config(tmp_path / "data")) as server:
         conn = await Conn.open(server.ports[proto])
         await conn.send(line)
-        with trio.fail_after(WAIT):
-            while server.broker.queue_stats() == [] or \
-                    server.broker.reader_info("q").get("waiters") != 1:
-                await trio.sleep(0.01)
+        await wait_until(lambda: server.broker.queue_stats() != []
+                         and server.broker.reader_info("q").get("waiters") == 1)
         # SO_LINGER 0: the close sends RST, not FIN (the rudest hang-up)
         conn.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
                                       struct.pack("ii", 1, 0))
@@ -164,10 +162,9 @@ async def test_a_monitor_stops_taking_items_once_its_peer_is_lost(
         await wait_until(lambda: server.connections() <= 1)
         # What the dead monitor held went back (with an error count: to merr); the rest
         # of the queue was never taken.
-        with trio.fail_after(WAIT):
-            while (moved := server.broker.reader_info("merr").get("items", 0)) + \
-                    server.broker.reader_info("m")["items"] < 300:
-                await trio.sleep(0.01)
+        await wait_until(lambda: server.broker.reader_info("merr").get("items", 0)
+                         + server.broker.reader_info("m")["items"] >= 300)
+        moved = server.broker.reader_info("merr").get("items", 0)
         assert moved < 150, moved
         await producer.aclose()
 
