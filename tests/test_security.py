@@ -285,21 +285,25 @@ async def test_trickling_request_is_closed_after_request_timeout(
     ("rpc", msgpack.packb([0, 1, "put", ["q", [b"x" * 100]]])[:20]),
 ])
 async def test_half_sent_requests_time_out_on_every_protocol(
-        tmp_path: Path, proto: str, partial: bytes) -> None:
+
+        tmp_path: Path, proto: str, partial: bytes, trio_clock: trio.testing.MockClock) -> None:
     async with running(make_config(tmp_path / "data", request_timeout=300)) as server:
-        conn = await Conn.open(server.ports[proto])
-        await conn.send(partial)
-        await conn.expect_closed(timeout=5)
-        assert server.protocols[proto].request_timeouts == 1
+        with autojumping(trio_clock):  # (no thread works in this test)
+            conn = await Conn.open(server.ports[proto])
+            await conn.send(partial)
+            await conn.expect_closed(timeout=5)
+            assert server.protocols[proto].request_timeouts == 1
 
 
-async def test_long_poll_is_not_a_half_sent_request(tmp_path: Path) -> None:
+async def test_long_poll_is_not_a_half_sent_request(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     async with running(make_config(tmp_path / "data", request_timeout=200)) as server:
-        conn = await Conn.open(server.ports["memcache"])
-        await conn.send(b"get q/t=800\r\n")
-        assert await conn.line() == b"END"  # answered after 0.8 s, not closed at 0.2
-        assert server.protocols["memcache"].request_timeouts == 0
-        await conn.aclose()
+        with autojumping(trio_clock):  # (no thread works in this test)
+            conn = await Conn.open(server.ports["memcache"])
+            await conn.send(b"get q/t=800\r\n")
+            assert await conn.line() == b"END"  # answered after 0.8 s, not closed at 0.2
+            assert server.protocols["memcache"].request_timeouts == 0
+            await conn.aclose()
 
 
 async def test_login_must_come_within_auth_timeout(

@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import pytest
 import trio
+import trio.testing
 from pymemcache.exceptions import (
     MemcacheClientError,
     MemcacheServerError,
@@ -29,7 +30,7 @@ from server_util import (
     running,
     wait_for_stat,
 )
-from wait_util import wait_for
+from wait_util import autojumping, wait_for
 
 from queued import __version__
 from queued.config import ServerConfig
@@ -124,17 +125,19 @@ async def test_long_poll_waiters_are_served_first_come_first_served(tmp_path: Pa
             await c.aclose()
 
 
-async def test_long_poll_times_out_with_end(tmp_path: Path) -> None:
+async def test_long_poll_times_out_with_end(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
-        start = trio.current_time()
-        assert await c.get("q/t=300") is None
-        elapsed = trio.current_time() - start
-        assert 0.25 <= elapsed < 3.0
-        # The connection is still in step after the timeout.
-        assert await c.set("q", b"x") == b"STORED"
-        assert await c.get("q/t=300") == b"x"
-        await c.aclose()
+        with autojumping(trio_clock):  # (no thread works in this test)
+            c = await Conn.open(server.ports["memcache"])
+            start = trio.current_time()
+            assert await c.get("q/t=300") is None
+            elapsed = trio.current_time() - start
+            assert 0.25 <= elapsed < 3.0
+            # The connection is still in step after the timeout.
+            assert await c.set("q", b"x") == b"STORED"
+            assert await c.get("q/t=300") == b"x"
+            await c.aclose()
 
 
 async def test_long_poll_peek_and_get_waiters(tmp_path: Path) -> None:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from server_util import WAIT, Conn, make_config, running
-from wait_util import wait_until
+from wait_util import autojumping, wait_until
 
 from queued.server.reactor import BUFFER_CAP, PASS_REQUESTS
 from queued.server.session import RECEIVE_SIZE
@@ -114,17 +115,19 @@ async def test_a_peer_that_never_reads_is_not_read_and_is_closed_at_the_deadline
 
 
 async def test_a_trickled_request_completes_and_a_stalled_one_is_closed(
-        tmp_path: Path) -> None:
+
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     async with running(reactor_config(tmp_path, request_timeout=300)) as server:
-        conn = await Conn.open(server.ports["memcache"])
-        for byte in b"set q 0 0 2\r\nhi\r\n":
-            await conn.send(bytes([byte]))
-            await trio.sleep(0.005)
-        assert await conn.line() == b"STORED"
-        await conn.send(b"set q 0 0 5\r\nab")  # never finished
-        await conn.expect_closed()
-        assert server.protocols["memcache"].request_timeouts == 1
-        assert server.broker.reader_info("q")["items"] == 1
+        with autojumping(trio_clock):  # (no thread works in this test)
+            conn = await Conn.open(server.ports["memcache"])
+            for byte in b"set q 0 0 2\r\nhi\r\n":
+                await conn.send(bytes([byte]))
+                await trio.sleep(0.005)
+            assert await conn.line() == b"STORED"
+            await conn.send(b"set q 0 0 5\r\nab")  # never finished
+            await conn.expect_closed()
+            assert server.protocols["memcache"].request_timeouts == 1
+            assert server.broker.reader_info("q")["items"] == 1
 
 
 async def test_long_polls_wait_in_line_without_a_task(tmp_path: Path) -> None:
