@@ -55,7 +55,7 @@ def module_pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return Pki(tmp_path_factory.mktemp("pki"))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
           HealthCheck.function_scoped_fixture])
 @given(cuts=st.lists(st.integers(1, 9000), max_size=12))
 def test_every_byte_once_in_order_whatever_the_chunking(module_pki: Pki,
