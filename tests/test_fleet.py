@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from fleet_util import FLEET_HOSTS, common_free_port, fake_dns
 from server_util import QUEUED, WAIT, make_config, running
 
@@ -115,7 +116,8 @@ async def counts(servers: Sequence[str], queue: str) -> list[int]:
     return out
 
 
-async def test_a_dns_name_with_three_loopback_servers(tmp_path: Path) -> None:
+async def test_a_dns_name_with_three_loopback_servers(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     """One name resolves to 127.0.0.11, .12 and .13: puts spread over all three; a server
     the name stops giving leaves the rotation (its connection closed), and comes back
     when the name gives it again; blocking and trio clients alike."""
@@ -139,7 +141,7 @@ async def test_a_dns_name_with_three_loopback_servers(tmp_path: Path) -> None:
                 got = await client.get("spread", 1, auto_abort_ms=30_000)  # open, on .13
                 assert [(i.data, i.server) for i in got] == [(b"open", servers[2])]
                 dns_server.a = {NAME: list(FLEET_HOSTS[:2])}  # .13 goes away
-                await trio.sleep(0.3)
+                trio_clock.jump(0.3)  # (trio time: past the refresh)
                 for n in range(20):
                     await client.put("spread", b"%d" % n)
                 assert sorted(client.servers) == servers[:2]
@@ -159,7 +161,7 @@ async def test_a_dns_name_with_three_loopback_servers(tmp_path: Path) -> None:
                 assert await counts(servers, "spread") == [10, 10, 0]
 
                 dns_server.a = {NAME: list(FLEET_HOSTS)}  # and comes back
-                await trio.sleep(0.3)
+                trio_clock.jump(0.3)  # (trio time: past the refresh)
                 for n in range(30):
                     await client.put("spread", b"%d" % n)
                 assert sorted(client.servers) == servers
@@ -196,7 +198,8 @@ async def test_dns_srv_records(tmp_path: Path) -> None:
                 assert await counts(want, "srv") == [3, 3, 3]
 
 
-async def test_a_name_that_cannot_be_resolved(tmp_path: Path) -> None:
+async def test_a_name_that_cannot_be_resolved(tmp_path: Path,
+                                              trio_clock: trio.testing.MockClock) -> None:
     """No answer at first: calls fail with the reason. Once resolved, a nameserver that
     stops answering leaves the client with the servers it had."""
     with fake_dns() as dns_server:
@@ -210,23 +213,24 @@ async def test_a_name_that_cannot_be_resolved(tmp_path: Path) -> None:
                 with pytest.raises(ConnectionFailed, match="resolved to no address"):
                     await client.stats()  # (asks every server: there is none)
                 dns_server.silent = True
-                await trio.sleep(0.15)
+                trio_clock.jump(0.15)  # (trio time: refresh and back-off are 0.1 s)
                 with pytest.raises(ConnectionFailed, match="cannot resolve"):
                     await client.put("q", b"x")
                 dns_server.silent = False
                 dns_server.a = {NAME: [FLEET_HOSTS[0]]}
-                await trio.sleep(0.15)
+                trio_clock.jump(0.15)  # (trio time: refresh and back-off are 0.1 s)
                 assert await client.put("q", b"x") == 1
                 dns_server.silent = True
                 asked = dns_server.queries
-                await trio.sleep(0.15)
+                trio_clock.jump(0.15)  # (trio time: refresh and back-off are 0.1 s)
                 with trio.fail_after(WAIT):
                     assert await client.put("q", b"y") == 1  # the old answer holds
                 assert dns_server.queries > asked  # (it did ask)
                 assert client.servers == tuple(servers)
 
 
-async def test_a_fleet_that_moved_is_found_within_the_failing_call(tmp_path: Path) -> None:
+async def test_a_fleet_that_moved_is_found_within_the_failing_call(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     """Every server the client knows fails, and the name now gives new addresses (pods
     rescheduled): the same put re-resolves and lands there, the caller sees no error."""
     hosts = FLEET_HOSTS
@@ -241,7 +245,7 @@ async def test_a_fleet_that_moved_is_found_within_the_failing_call(tmp_path: Pat
             # next refresh is due).
             dns_server.a = {NAME: list(hosts[1:])}
             async with fleet(tmp_path / "new", hosts[1:], port) as new:
-                await trio.sleep(0.15)  # one back-off after the last look-up
+                trio_clock.jump(0.15)  # (trio time) one back-off after the last look-up
                 assert await client.put("moved", b"after") == 1
                 assert sum(await counts(new, "moved")) == 1
                 assert sorted(client.servers) == new
@@ -289,7 +293,8 @@ async def test_tls_checks_the_dns_name_not_the_address(tmp_path: Path) -> None:
 # -- failover -----------------------------------------------------------------------------------
 
 
-async def test_failover_puts_never_fail_and_never_double(tmp_path: Path) -> None:
+async def test_failover_puts_never_fail_and_never_double(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     """A server that refuses is passed over without the caller seeing it: every put
     lands exactly once (a refused connection is not ambiguous); once that server is up
     and its back-off is over, it gets its share again."""
@@ -307,7 +312,7 @@ async def test_failover_puts_never_fail_and_never_double(tmp_path: Path) -> None
             (tmp_path / "late").mkdir()
             async with running(make_config(tmp_path / "late" / "data", host=hosts[2],
                                            rpc_port=port)):
-                await trio.sleep(0.25)  # its back-off ends
+                trio_clock.jump(0.25)  # (trio time) its back-off ends
                 for n in range(30):
                     assert await client.put("fo", b"%d" % n) == 1
                 assert (await counts([down], "fo"))[0] >= 5
@@ -455,7 +460,8 @@ async def test_blackholed_server_costs_one_connect_timeout(tmp_path: Path) -> No
         hole.close()
 
 
-async def test_an_empty_answer_is_not_final_for_a_whole_refresh(tmp_path: Path) -> None:
+async def test_an_empty_answer_is_not_final_for_a_whole_refresh(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     """NXDOMAIN once (a headless Service with no ready pod for a moment): the client then
     has no server and does not ask DNS again for `refresh` (30 s), even though a failed
     look-up is retried after `backoff`; puts raise "no server" all that time."""
@@ -469,7 +475,7 @@ async def test_an_empty_answer_is_not_final_for_a_whole_refresh(tmp_path: Path) 
                 with pytest.raises(ConnectionFailed, match="resolved to no address"):
                     await client.put("q", b"x")  # no pod ready
                 dns_server.a = {NAME: [FLEET_HOSTS[0]]}  # the pod is ready again
-                await trio.sleep(1.0)  # ten back-offs
+                trio_clock.jump(1.0)  # (trio time) ten back-offs
                 asked = dns_server.queries
                 try:
                     assert await client.put("q", b"y") == 1
