@@ -12,6 +12,7 @@ and those inside functions too).
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,6 +72,17 @@ def layer(module: str) -> str:
 def imports(module: str) -> Iterator[tuple[str, int]]:
     """(imported module, line) of every import in `module`; `from pkg import sub` names the
     submodule when there is one."""
+    yield from _imports(module)
+
+
+@functools.cache
+def _imports(module: str) -> tuple[tuple[str, int], ...]:
+    """`imports`, each module's source parsed once per run (the checks below walk the
+    whole graph once per pure module)."""
+    return tuple(_parse_imports(module))
+
+
+def _parse_imports(module: str) -> Iterator[tuple[str, int]]:
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
