@@ -33,7 +33,7 @@ LAYERS = {
     "queued.journal.": "journal", "queued.wire.": "wire", "queued.reader.": "reader",
     "queued.config.": "config", "queued.storage.": "storage", "queued.broker.": "broker",
     "queued.server.": "server", "queued.client.": "client", "queued.spark.": "spark",
-    "queued.cli": "cli", "queued.cli_stdout": "cli", "queued.logs": "cli",
+    "queued.cli.": "cli",
 }
 #: The pure layers (base, journal, wire, reader) at the bottom; the broker knows no wire
 #: format, the client no journal, storage no protocol.

@@ -33,7 +33,7 @@ from queued.broker.broker import (
     MustWait,
     PendingPut,
 )
-from queued.broker.handles import Handle, Waiter
+from queued.broker.live_readers import LiveReader, Waiter
 from queued.broker.queues import QueueState
 from queued.errors import ItemTooLargeError, ProtocolError
 from queued.reader.open_reads import OpenReads
@@ -97,7 +97,7 @@ class LongPoll:
         self.woken = False
         self.owing: list[Ticket] = []  # of a /close that ran before it waited
         self.queue_state: QueueState | None = None
-        self.handle: Handle | None = None
+        self.handle: LiveReader | None = None
         self.waiter: Waiter | None = None
 
     def set(self) -> None:

@@ -1,116 +1,39 @@
-"""The writer: every queue's open segment file and the write + fsync rounds (group commit).
+"""The writer's files: every queue's open segment file and every reader's checkpoint file,
+writer side, each with its fsync policy's bookkeeping.
 
-Owns the file handles and their state (fd, size, unsynced bytes, last fsync,
-failure) and one round: for each queue with planned chunks one writev and one
-fsync, in a worker thread, or inline on the event loop for a small round that
-needs no fsync and opens no file. Never reports a chunk written unless the
-fsync policy's syncs covering it succeeded; after a failed fsync (or a write
-error it cannot trim away) that queue's file refuses writes for good.
-Knows nothing of tickets, readers or ids beyond what a chunk carries.
+Owns the file handles and their state (fd, size, unsynced bytes, last fsync, failure):
+a chunk written as one checked batch, a reader's ops carried out, and the syncs the
+queue's fsync policy asks for. Never reports a chunk written unless the fsync policy's
+syncs covering it succeeded; after a failed fsync (or a write error it cannot trim
+away) that file refuses writes for good. Which files a round writes, and on which
+thread, is the writer's (queued.storage.writer); one round touches a file at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import logging
 import os
-import queue
-import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, cast
-
-import trio
 
 from queued.config.policies import FsyncMode, FsyncPolicy
 from queued.errors import JournalWriteError
 from queued.journal import format as jf
-from queued.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
 from queued.storage import fileio
 from queued.storage.files import fsync_dir, write_file_atomic, write_temp
+from queued.storage.write_plans import Chunk, ReaderOp, WriteResult, Written
 
 # Failures are the queue's journal failing, as operators know it: log under its name.
 log = logging.getLogger("queued.journal")
 
 #: write() errors after which the file can be trimmed back and appends retried later.
 RECOVERABLE_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-#: Item data at least this large is written from the caller's buffer (writev), not copied.
-ZERO_COPY_BYTES = 4096
-T = TypeVar("T")
 #: Most iovecs one writev takes (IOV_MAX on Linux).
 IOV_MAX = 1024
-#: Threads that write and sync several queues' files of one round at once.
-ROUND_THREADS = 8
-#: A round this small, without fsync or new files, runs on the event loop itself.
-INLINE_ROUND_BYTES = 256 * 1024
-#: Segment files a round on the caller's thread syncs together (`fileio.sync_files`)
-#: rather than one fsync each, from this many on.
-SYNC_TOGETHER = 4
-
-
-@dataclass(slots=True)
-class Chunk:
-    """Records planned for the writer (by the journal); one chunk becomes one checked batch.
-
-    Small records are copied into `small`; large items are kept as references
-    in `pieces` so a batch of big items reaches the kernel with one copy.
-    """
-
-    rotate: bool  # start a new segment before writing this
-    pieces: list[bytes | bytearray] = field(default_factory=list)
-    small: bytearray = field(default_factory=bytearray)
-    nbytes: int = 0
-    count: int = 0
-    first_id: int = 0
-    last_id: int = 0
-
-    def add(self, head: bytes, data: bytes) -> None:
-        if len(data) >= ZERO_COPY_BYTES:
-            if self.small:
-                self.pieces.append(self.small)
-                self.small = bytearray()
-            self.pieces.append(head)
-            self.pieces.append(data)
-        else:
-            self.small += head
-            self.small += data
-        self.nbytes += len(head) + len(data)
-
-    def take_pieces(self) -> list[bytes | bytearray]:
-        if self.small:
-            self.pieces.append(self.small)
-            self.small = bytearray()
-        return self.pieces
-
-
-@dataclass(slots=True)
-class Written:
-    """What the writer did with one chunk: bytes [offset, end) of segment `number`."""
-
-    number: int
-    created: bool  # the segment was created for it
-    offset: int
-    end: int
-    count: int
-    first_id: int
-    last_id: int
-    inode: int  # of a created segment, else 0
-
-
-@dataclass(slots=True)
-class WriteResult:
-    """One queue's share of a round: the chunks written and durable, in order, and
-    the error that stopped the rest (chunks past len(written) were not stored)."""
-
-    written: list[Written]
-    error: BaseException | None = None
 
 
 class SyncedFile:
@@ -350,29 +273,6 @@ class SegmentFile(SyncedFile):
 
         return self._trimmed(exc, trim)
 
-
-@dataclass(eq=False, slots=True)
-class ReaderOp:
-    """One change to a reader's checkpoint file, planned by the journal and carried out
-    by a round in plan order: records appended as one checked batch (`head`: a
-    READ_HEAD, `done`: a READ_DONE, `errors`: a READ_ERRORS), or the whole file written
-    anew (`rewrite`: temp, fsync, rename, directory fsync, whatever the fsync policy), or
-    the file removed durably (`remove`). The round sets `failed` if it did not become
-    durable under the queue's fsync policy."""
-
-    rewrite: bytes | None = None
-    remove: bool = False
-    head: int | None = None
-    done: list[int] = field(default_factory=list)
-    errors: dict[int, int] = field(default_factory=dict)
-    delays: dict[int, int] = field(default_factory=dict)  # a READ_DELAYS
-    failed: BaseException | None = None
-
-    @property
-    def appends(self) -> bool:
-        return self.rewrite is None and not self.remove
-
-
 class ReaderFile(SyncedFile):
     """One reader's checkpoint file `q.read.<name>`, writer side (see SyncedFile).
 
@@ -499,237 +399,6 @@ class ReaderFile(SyncedFile):
                 fileio.ftruncate(self._fd, self._size)
 
         return self._trimmed(exc, trim)
-
-
-def run_round(
-    work: Sequence[tuple[SegmentFile, Sequence[Chunk]]], periodic: Sequence[SyncedFile],
-    pool: ThreadPoolExecutor | None = None,
-    readers: Sequence[tuple[ReaderFile, Sequence[ReaderOp]]] = (),
-) -> list[WriteResult]:
-    """The round itself (synchronous): write every queue's chunks and every reader's
-    ops, then the periodic fsyncs that fell due in files with nothing to write. With a
-    `pool`, several files are written and synced at once (their fsyncs share the file
-    system's journal commits: 100 files' fsyncs took 4 ms instead of 11 ms, measured);
-    a file is only ever touched by one thread. Reader ops report on themselves."""
-    if readers:
-        jobs: list[Callable[[], WriteResult | None]] = [
-            *(functools.partial(file.write, chunks) for file, chunks in work),
-            *(functools.partial(rfile.write, ops) for rfile, ops in readers)]
-        if pool is not None and len(jobs) > 1:
-            outs = list(pool.map(_call, jobs))
-        else:
-            outs = [job() for job in jobs]
-        results = cast(list[WriteResult], outs[: len(work)])
-    elif pool is not None and len(work) > 1:
-        results = list(pool.map(_write_one, work))
-    else:
-        results = [file.write(chunks) for file, chunks in work]
-    for file in periodic:
-        file.periodic_fsync()
-    return results
-
-
-def _write_one(entry: tuple[SegmentFile, Sequence[Chunk]]) -> WriteResult:
-    return entry[0].write(entry[1])
-
-
-def _call(job: Callable[[], T]) -> T:
-    return job()
-
-
-@dataclass(frozen=True, slots=True)
-class WriterStats:
-    rounds: int
-    fsync: HistogramSnapshot  # seconds per fsync (journal files; not directories)
-
-
-class RoundThread:
-    """One OS thread that runs the writer's rounds, started on first use.
-
-    A hand-off costs about 25 us here (a queue there, an eventfd back) against 75-95 us
-    for `trio.to_thread.run_sync` (measured on the benchmark machine), and a round under
-    fsync always is mostly hand-off and fsync. One job at a time (the writer's lock);
-    a job is never abandoned: the caller waits for it shielded, as a round must end.
-    Where there is no eventfd (not Linux) it falls back to `trio.to_thread`.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
-            queue.SimpleQueue())
-        self._done_fd = -1
-        self._result: tuple[Any, BaseException | None] = (None, None)
-        self._thread: threading.Thread | None = None
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        if not hasattr(os, "eventfd"):  # pragma: no cover (Linux has it)
-            return await trio.to_thread.run_sync(fn, *args)
-        if self._thread is None:
-            self._done_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            self._thread = threading.Thread(target=self._work, name="queued-writer",
-                                            daemon=True)
-            self._thread.start()
-        self._jobs.put((fn, args))
-        with trio.CancelScope(shield=True):
-            while True:
-                try:
-                    os.eventfd_read(self._done_fd)
-                    break
-                except BlockingIOError:
-                    await trio.lowlevel.wait_readable(self._done_fd)
-        value, error = self._result
-        self._result = (None, None)
-        if error is not None:
-            raise error
-        return cast(T, value)
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, args = job
-            try:
-                self._result = (fn(*args), None)
-            except BaseException as exc:  # handed to the caller, raised there
-                self._result = (None, exc)
-            del job, fn, args  # not kept until the next round: they hold its files and tickets
-            os.eventfd_write(self._done_fd, 1)
-
-    def close(self) -> None:
-        """Stop the thread (after the job it runs, if any) and close the eventfd."""
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
-            os.close(self._done_fd)
-            self._done_fd = -1
-
-
-class Writer:
-    """The rounds of one data directory; see the module docstring."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._lock = trio.Lock()
-        self._rounds = 0
-        self._fsync = Histogram(FSYNC_BUCKETS)
-        self._fsync_lock = threading.Lock()  # files sync from the pool's threads at once
-        self._thread = RoundThread()
-        self._pool: ThreadPoolExecutor | None = None
-
-    def close(self) -> None:
-        """Stop the round threads (no round may run: call it after the last one)."""
-        self._thread.close()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-
-    def segment_file(self, queue: str, fsync: FsyncPolicy, last_number: int) -> SegmentFile:
-        """The writer side of queue `queue`, whose newest segment number is `last_number`."""
-        return SegmentFile(self.directory, queue, fsync, last_number, self._observe_fsync)
-
-    def reader_file(self, queue: str, reader: str, fsync: FsyncPolicy) -> ReaderFile:
-        """The writer side of reader `reader`'s checkpoint file of queue `queue`."""
-        return ReaderFile(self.directory, queue, reader, fsync, self._observe_fsync)
-
-    def _observe_fsync(self, seconds: float) -> None:
-        with self._fsync_lock:
-            self._fsync.observe(seconds)
-
-    async def write_round(
-        self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
-        periodic: Sequence[SyncedFile] = (),
-        readers: Sequence[tuple[ReaderFile, Sequence[ReaderOp]]] = (),
-    ) -> list[WriteResult]:
-        """One round: each file's chunks written with one writev and one fsync, each
-        reader file's ops carried out (appends: one writev and one fsync), then the due
-        periodic fsyncs of `periodic`. Returns one result per `work` entry."""
-        async with self._lock:
-            if not periodic and all(f.can_write_inline(chunks) for f, chunks in work) and (
-                sum(c.nbytes for _, chunks in work for c in chunks) <= INLINE_ROUND_BYTES
-            ) and all(rf.can_write_inline(ops) for rf, ops in readers):
-                # A small round that needs no fsync and opens no file: a write()
-                # into the page cache is cheaper than a hand-off to a thread.
-                results = run_round(work, periodic, None, readers)
-            else:
-                if len(work) + len(readers) > 1 and self._pool is None:
-                    self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
-                results = await self._thread.run(run_round, work, periodic, self._pool, readers)
-        self._rounds += 1
-        return results
-
-    def write_round_now(
-        self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
-        readers: Sequence[tuple[ReaderFile, Sequence[ReaderOp]]] = (),
-    ) -> list[WriteResult]:
-        """A whole round (writes and the fsync policy's syncs) here and now, on the
-        caller's thread; not while a round or pause is under way (`busy`). For a
-        caller that answers only once the round is done anyway (the reactor's pass): a
-        hand-off to the round thread would only add its cost. Several files are synced
-        at once by the pool (their fsyncs share the file system's journal commits)."""
-        assert not self._lock.locked(), "a round or pause is under way"
-        pool = None
-        if len(work) + len(readers) > 1 and any(
-                f.fsync.mode is FsyncMode.ALWAYS for f in (*(f for f, _ in work),
-                                                            *(r for r, _ in readers))):
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
-            pool = self._pool
-        self._rounds += 1
-        together = [f for f, _ in work if f.fsync.mode is FsyncMode.ALWAYS]
-        if len(together) < SYNC_TOGETHER:
-            return run_round(work, (), pool, readers)
-        # Many segment files to sync: write them all, then one durable point for them
-        # (syncfs: one journal commit) rather than an fsync each.
-        results = [file.write(chunks, sync=file.fsync.mode is not FsyncMode.ALWAYS)
-                   for file, chunks in work]
-        if readers:
-            run_round([], (), pool, readers)
-        started = time.monotonic()
-        try:
-            fileio.sync_files([fd for f in together if (fd := f.fd) is not None],
-                              self.directory)
-        except OSError as exc:
-            failed = {id(f): f.set_failed(f"syncfs failed: {exc}") for f in together}
-            return [WriteResult([], failed[id(f)]) if id(f) in failed else r
-                    for (f, _), r in zip(work, results, strict=True)]
-        self._observe_fsync(time.monotonic() - started)
-        for f in together:
-            f.synced_with_others()
-        return results
-
-    async def wait_idle(self) -> None:
-        """Until the round or pause under way (if any) is over."""
-        async with self._lock:
-            pass
-
-    @property
-    def busy(self) -> bool:
-        """A round or a pause is under way."""
-        return self._lock.locked()
-
-    def write_now(
-        self, file: SegmentFile, chunks: Sequence[Chunk],
-        readers: Sequence[tuple[ReaderFile, Sequence[ReaderOp]]] = (),
-    ) -> WriteResult | None:
-        """Write `chunks` (and the reader files' `readers` appends) here and now if that
-        needs no fsync, opens no file, is small and no round or pause is under way; None
-        (nothing done) otherwise. The caller makes sure no earlier chunk of `file` or op
-        of those readers waits for a round."""
-        if (self._lock.locked() or sum(c.nbytes for c in chunks) > INLINE_ROUND_BYTES
-                or (chunks and not file.can_write_inline(chunks))
-                or (readers and not all(rf.can_write_inline(ops) for rf, ops in readers))):
-            return None
-        self._rounds += 1
-        for rfile, ops in readers:
-            rfile.write(ops)
-        return file.write(chunks) if chunks else WriteResult([])
-
-    @asynccontextmanager
-    async def paused(self) -> AsyncIterator[None]:
-        """No round runs inside this block (to remove a queue's files, say)."""
-        async with self._lock:
-            yield
-
-    def statistics(self) -> WriterStats:
-        return WriterStats(rounds=self._rounds, fsync=self._fsync.snapshot())
 
 
 def _writev_all(fd: int, pieces: list[bytes | bytearray]) -> None:
