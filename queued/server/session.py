@@ -35,7 +35,7 @@ from queued.broker.broker import (
 )
 from queued.broker.live_readers import LiveReader, Waiter
 from queued.broker.queues import QueueState
-from queued.errors import ItemTooLargeError, ProtocolError
+from queued.errors import ItemTooLargeError, RemoteProtocolError
 from queued.reader.open_reads import OpenReads
 from queued.reader.state import Item
 from queued.server.auth import Authenticator
@@ -772,7 +772,7 @@ class Session:
 
     def _refused(self, r: c.Parsed) -> None:
         """A protocol error's reply, or the end of the stream."""
-        if isinstance(r, ProtocolError):
+        if isinstance(r, RemoteProtocolError):
             log.debug("%s: %s", self.name, r)
             self.stats.protocol_errors += 1
             self.out += r.reply
