@@ -95,6 +95,11 @@ class SyncedFile:
         except OSError as exc:
             self.set_failed(f"fsync failed: {exc}")
 
+    def sync_now(self) -> None:
+        """fsync what this file has unsynced now, whatever its policy (for a file about to
+        be stood for by another: a snapshot of what it holds)."""
+        self._fsync()
+
     def fsync_deadline(self) -> float | None:
         """When a periodic fsync falls due (time.monotonic()), if one is owed."""
         if self.fsync.mode is FsyncMode.PERIODIC and self._unsynced and not self._failed:
