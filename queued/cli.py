@@ -49,6 +49,7 @@ from queued.client import (
 from queued.client.credentials import tls_files_context
 from queued.config import ConfigError, add_serve_arguments, load_config
 from queued.config.users import hash_password
+from queued.journal.headers import headers_text
 from queued.errors import CorruptRecordError, NotSavedError, QueuedError
 from queued.journal import format as jf
 from queued.logs import setup_logging
@@ -78,6 +79,8 @@ def describe(rec: jf.Record) -> str:
         flags = f" flags={rec.flags}" if rec.flags else ""  # a FLAGS record led the PUT
         if isinstance(rec, jf.DelayedPut):  # a DELAY record led the PUT
             flags += f" due={_ms(rec.due_ms)}"
+        if rec.headers:  # a HEADERS record led the PUT
+            flags += f" headers=[{headers_text(rec.headers)}]"
         return (
             f"PUT id={rec.id} size={len(rec.data)} errors={rec.error_count} "
             f"added={_ms(rec.add_time_ms)}{exp}{flags} data={_preview(rec.data)}"
@@ -510,6 +513,9 @@ def add_client_commands(sub: Any) -> None:
                    help="items expire MS milliseconds from now (default 0: never)")
     p.add_argument("--delay", type=_delay, default=0, metavar="MS",
                    help="items stay invisible for MS milliseconds (default 0: none)")
+    p.add_argument("--header", action="append", type=_header, default=[],
+                   metavar="KEY=VALUE", dest="headers",
+                   help="a header every item carries (repeat for more; the value a string)")
     p = add("get", "get items and print each on its own line",
             description="Print up to N items, each followed by a newline (raw bytes; an item "
                         "containing a newline is ambiguous). Stops early when the queue "
@@ -525,6 +531,9 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--timeout", type=_non_negative, default=0, metavar="MS",
                    help="wait up to MS milliseconds for items to arrive (default 0: "
                         "only what is there now); connecting and replies get 10 s more")
+    p.add_argument("--headers", action="store_true",
+                   help="print each item's headers before it, as one line of JSON (an "
+                        "object; {} for none; bytes that are not UTF-8 \\x-escaped)")
     p = add("peek", "show a queue's head item and numbers (summed over servers)", timeout)
     p.add_argument("queue", help="QUEUE, or QUEUE+READER for a fanout reader")
     p = add("stats", "show server and queue statistics", timeout)
@@ -577,6 +586,20 @@ def _delay(text: str) -> int:
 
 def _positive(text: str) -> int:
     return _whole(text, 1)
+
+
+def _header(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def _headers_line(item: Item) -> bytes:
+    """An item's headers as `get --headers` prints them: one line of JSON."""
+    shown = {k: v if isinstance(v, str) else v.decode(errors="backslashreplace")
+             for k, v in (item.headers or {}).items()}
+    return json.dumps(shown, ensure_ascii=False).encode() + b"\n"
 
 
 def client_command(args: argparse.Namespace) -> int:
@@ -677,7 +700,8 @@ def put_command(client: Client, args: argparse.Namespace) -> int:
     stored = 0
     with _progress(None, "item") as bar:
         for batch in batches:
-            stored += client.put(args.queue, batch, args.expiration, delay_ms=args.delay)
+            stored += client.put(args.queue, batch, args.expiration, delay_ms=args.delay,
+                                 headers=dict(args.headers) or None)
             bar.update(len(batch))
     print(f"stored {stored} item{'s' if stored != 1 else ''}", file=sys.stderr)
     return EXIT_OK
@@ -699,7 +723,7 @@ def get_command(client: Client, args: argparse.Namespace) -> int:
         while got < args.n and end == "read":
             wait = max(0, int((deadline - time.monotonic()) * 1000))
             items: list[Item] = client.get(args.queue, min(args.n - got, BATCH), wait,
-                                           OPEN_READ_MS)
+                                           OPEN_READ_MS, with_headers=args.headers)
             if not items:
                 break
             got += len(items)
@@ -709,13 +733,15 @@ def get_command(client: Client, args: argparse.Namespace) -> int:
                 part = items[at:at + lot]
                 at += len(part)
                 offset = out.written
+                lines = [(_headers_line(item) if args.headers else b"") + item.data + b"\n"
+                         for item in part]
                 try:
-                    out.write(b"".join(item.data + b"\n" for item in part))
+                    out.write(b"".join(lines))
                 except BrokenPipeError:
                     end = "gone"
                     break
-                for item in part:
-                    offset += len(item.data) + 1
+                for item, line in zip(part, lines, strict=True):
+                    offset += len(line)
                     sent.append((item, offset))
                 end, n = _confirm_taken(client, out, sent, give_up, bar)
                 refused += n
