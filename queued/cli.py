@@ -49,9 +49,9 @@ from queued.client import (
 from queued.client.credentials import tls_files_context
 from queued.config import ConfigError, add_serve_arguments, load_config
 from queued.config.users import hash_password
-from queued.journal.headers import headers_text
 from queued.errors import CorruptRecordError, NotSavedError, QueuedError
 from queued.journal import format as jf
+from queued.journal.headers import headers_text
 from queued.logs import setup_logging
 from queued.server.app import serve
 from queued.storage.files import read_checkpoint, read_producers

@@ -1,7 +1,8 @@
 """Journal records and their bytes: magic, command bytes, layouts, encoding, decoder events.
 
 Owns the byte layout of seed 002 (Kestrel's journal) plus ours: the extension envelope
-(command 13: check, FLAGS, DELAY, COMPACTED, INCARNATION, PRODUCER, HEADERS), the older forms of those
+(command 13: check, FLAGS, DELAY, COMPACTED, INCARNATION, PRODUCER, HEADERS), the older
+forms of those
 records (still read, never written), and READ_ERRORS / READ_DELAYS (reader files); and
 the values decoding yields. PURE: no file, clock, socket or trio access;
 queued.journal.format is the one import for users.

@@ -47,11 +47,11 @@ _ZERO = pa.scalar(0, pa.int64())
 
 
 def chunk_to_arrow(queue: str, chunk: PutChunk, live_at_ms: int = 0,
-                   flags: bool = False, headers: bool = False) -> pa.RecordBatch:
+                   flags: bool = False, include_headers: bool = False) -> pa.RecordBatch:
     """The chunk's records as rows of ARROW_SCHEMA (ARROW_SCHEMA_FLAGS with `flags`, and a
-    headers column with `headers`); with `live_at_ms`, only the items not expired at that
-    time (an item expires when its expire time is <= now)."""
-    if headers:
+    headers column with `include_headers`); with `live_at_ms`, only the items not expired
+    at that time (an item expires when its expire time is <= now)."""
+    if include_headers:
         return _with_headers(queue, chunk, live_at_ms, flags)
     n = len(chunk)
     empty = _EMPTY_FLAGS if flags else _EMPTY
