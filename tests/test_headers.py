@@ -370,6 +370,23 @@ async def test_headers_survive_read_behind_parking_and_a_restart(tmp_path: Path)
     assert [(it.data, it.headers) for it in got] == sent
 
 
+async def test_max_memory_size_counts_headers(tmp_path: Path) -> None:
+    """Items of 1 byte with 8 KiB of headers each: a 64 KiB queue holds about eight in
+    memory (mem_bytes counts the headers), the rest is read back from the journal."""
+    toml = '[queues.heavy]\nmax_memory_size = "64KiB"\n'
+    big = [{"h": f"{i:03d}" + "x" * 8189} for i in range(60)]
+    async with running(make_config(tmp_path / "data", toml)) as server, AsyncClient(
+            f"{HOST}:{server.ports['rpc']}") as c:
+        for h in big:
+            await c.put("heavy", [b"d"], headers=h)
+        stats = (await c.stats())[f"{HOST}:{server.ports['rpc']}"]["queues"]["heavy"]
+        assert stats["mem_items"] <= 9 and stats["mem_bytes"] <= 64 * 1024 + 8200
+        assert stats["bytes"] == 60  # (the queue's bytes are its items' data)
+        got = await c.get("heavy", 100, with_headers=True)
+        got += await c.get("heavy", 100, with_headers=True)
+    assert [it.headers for it in got] == big
+
+
 async def test_memcache_and_text_gets_return_the_data_alone(tmp_path: Path) -> None:
     async with running(make_config(tmp_path / "data")) as server:
         c = await Rpc.open(server.ports["rpc"])
