@@ -295,18 +295,21 @@ def headers_param(headers: Headers | Sequence[Headers | None] | None, n: int) ->
     if headers is None:
         return None
     if isinstance(headers, Mapping):
-        return dict(_entries(headers)) or None
+        return _checked(headers)
     if isinstance(headers, str | bytes) or not isinstance(headers, Sequence):
         raise ValueError("headers must be a map (every item's), or a list of one map (or "
                          "None) per item")
     if len(headers) != n:
         raise ValueError(f"{len(headers)} headers maps for {n} items")
-    out = [None if h is None else dict(_entries(h)) or None for h in headers]
+    out = [None if h is None else _checked(h) for h in headers]
     return out if any(out) else None
 
 
-def _entries(headers: Any) -> list[tuple[str, HeaderValue]]:
-    return [(key, raw.decode() if text else raw) for key, raw, text in header_entries(headers)]
+def _checked(headers: Any) -> dict[str, HeaderValue] | None:
+    """One item's headers as sent (bytes-like values as bytes), once the rule passed."""
+    header_entries(headers)
+    return {k: v if type(v) is str or type(v) is bytes else bytes(v)
+            for k, v in headers.items()} or None
 
 
 class ProducerState:

@@ -157,7 +157,6 @@ from queued.journal.records import (
     seal,
     sealed_start,
     segment_head,
-    with_headers,
 )
 from queued.sansio import NEED_DATA
 
@@ -306,5 +305,4 @@ __all__ = [
     "segment_name",
     "temp_name",
     "valid_name",
-    "with_headers",
 ]

@@ -379,18 +379,6 @@ def headers_record(block: bytes) -> bytes:
     return EXT_HEAD_STRUCT.pack(EXT_BYTE, 1 + len(block), EXT_HEADERS) + block
 
 
-def with_headers(put: Put, block: bytes) -> Put:
-    """`put` carrying headers `block` (a HeadedPut, or the DelayedPut with it): how a
-    reader of records puts together what a HEADERS record and its PUT say."""
-    if not block:
-        return put
-    if type(put) is DelayedPut:
-        return DelayedPut(put.id, put.data, put.add_time_ms, put.expire_time_ms,
-                          put.error_count, put.flags, put.due_ms, block)
-    return HeadedPut(put.id, put.data, put.add_time_ms, put.expire_time_ms, put.error_count,
-                     put.flags, block)
-
-
 def encode_put(put: Put) -> bytes:
     data = put.data
     if not 0 < put.id <= MAX_ID:

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -288,8 +289,12 @@ class QueueJournal:
         if headers is not None:
             if len(headers) != len(datas):
                 raise ValueError(f"{len(headers)} headers for {len(datas)} items")
-            if any(headers):
-                leads = list(map(jf.headers_record, headers))
+            if any(headers):  # (a put's items often share one block: one record for it)
+                memo: dict[bytes, bytes] = {}
+                leads = [memo[h] if h in memo else memo.setdefault(h, jf.headers_record(h))
+                         for h in headers]
+            else:
+                headers = None
         puts: list[jf.Put] = []
         limit = self.config.journal_size
         next_id = self.last_id
@@ -298,7 +303,7 @@ class QueueJournal:
             self._proj_size += jf.CHECK_RECORD_SIZE
         if datas and largest < ZERO_COPY_BYTES and self._proj_size is not None:
             puts = self._append_small(datas, pack_head, ticket, add_time_ms, expire_time_ms,
-                                      error_count, flags, due_ms, leads)
+                                      error_count, flags, due_ms, leads, headers)
             if puts:
                 datas = ()  # done in bulk
                 next_id = puts[-1].id
@@ -338,12 +343,12 @@ class QueueJournal:
             self._proj_size += size
             self._proj_count += 1
             self._pending_bytes += size
-            puts.append(jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count, flags)
-                        if due_ms is None else
-                        jf.DelayedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
-                                      flags, due_ms))
-        if headers is not None and leads is not None:
-            puts = list(map(jf.with_headers, puts, headers))
+            block = b"" if headers is None else headers[next_id - self.last_id - 1]
+            puts.append(jf.DelayedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
+                                      flags, due_ms, block) if due_ms is not None else
+                        jf.HeadedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
+                                     flags, block) if block else
+                        jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count, flags))
         self.last_id = next_id
         if producer is not None and puts:
             mark = jf.producer_record(jf.ProducerMark(producer[0], producer[1], puts[0].id,
@@ -373,10 +378,11 @@ class QueueJournal:
         flags: int = 0,
         due_ms: int | None = None,
         leads: list[bytes] | None = None,
+        headers: Sequence[bytes] | None = None,
     ) -> list[jf.Put]:
         """append_nowait's fast path: small items that fit the current segment and
         batch, encoded in bulk. [] if they don't (the general loop handles it).
-        `leads`: each item's HEADERS record (b"": none)."""
+        `leads`: each item's HEADERS record and `headers` its block (b"": none)."""
         assert self._proj_size is not None
         n = len(datas)
         total = sum(map(len, datas)) + len(pack_head(0, 1)) * n
@@ -407,8 +413,13 @@ class QueueJournal:
         self._proj_count += n
         self._pending_bytes += total
         if due_ms is not None:
-            return [jf.DelayedPut(i, d, add_time_ms, expire_time_ms, error_count, flags, due_ms)
-                    for i, d in zip(ids, datas, strict=True)]
+            return [jf.DelayedPut(i, d, add_time_ms, expire_time_ms, error_count, flags, due_ms,
+                                  h) for i, d, h in zip(ids, datas, headers or repeat(b"", n),
+                                                        strict=True)]
+        if headers is not None:
+            return [jf.HeadedPut(i, d, add_time_ms, expire_time_ms, error_count, flags, h) if h
+                    else jf.Put(i, d, add_time_ms, expire_time_ms, error_count, flags)
+                    for i, d, h in zip(ids, datas, headers, strict=True)]
         put = jf.Put
         return [put(i, d, add_time_ms, expire_time_ms, error_count, flags)
                 for i, d in zip(ids, datas, strict=True)]
