@@ -116,7 +116,7 @@ def measure(mode: str, n: int, tree: Path | None) -> tuple[float, float]:
                 if mode == "none":
                     c.call("put", "held", [item] * k)
                 else:
-                    c.call("put", "held", [item] * k, 0, 0, 0, None, 0,
+                    c.call("put", "held", [item] * k, 0, 0, 0, None, 0, None,
                            [headers_for(mode, start_at + j) for j in range(k)])
             time.sleep(2.0)  # idle: the checkpoint round and packing are done
             after = rss_kib(proc.pid)

@@ -231,10 +231,11 @@ async def test_old_clients_wire_shapes_are_unchanged(tmp_path: Path) -> None:
     answer items with headers exactly as before (their bytes); only with_headers adds them."""
     async with running(make_config(tmp_path / "data")) as server:
         c = await RawRpc.open(server.ports["rpc"])
-        assert await c.call("put", "q", [b"h1", b"h2"], 0, 0, 0, None, 0, TRACE) == 2
+        assert await c.call("put", "q", [b"h1", b"h2"], 0, 0, 0, None, 0, None, TRACE) == 2
         for params in (["q", [b"a"]], ["q", [b"b"], 0], ["q", [b"c"], 0, 5],
                        ["q", [b"d"], 0, 0, 0], ["q", [b"e"], 0, 0, 0, None],
-                       ["q", [b"f"], 0, 0, 0, None, 0], ["q", [b"g"], 0, 0, 0, None, 0, None]):
+                       ["q", [b"f"], 0, 0, 0, None, 0], ["q", [b"g"], 0, 0, 0, None, 0, None],
+                       ["q", [b"h"], 0, 0, 0, None, 0, None, None]):
             assert await c.raw("put", *params) == msgpack.packb([1, c.msgid, None, 1])
         assert await c.raw("browse", "q", 0, 2) == msgpack.packb(
             [1, c.msgid, None, [[1, b"h1", 0, 0], [2, b"h2", 0, 0]]])
@@ -248,7 +249,7 @@ async def test_old_clients_wire_shapes_are_unchanged(tmp_path: Path) -> None:
         assert await c.raw("get", "q", 2, 0, 0, False, False, True) == msgpack.packb(
             [1, c.msgid, None, [[4, b"b", 0, 1, {}], [5, b"c", 5, 1, {}]]])
         # per item: a map or nil each
-        assert await c.call("put", "r", [b"x", b"y", b"z"], 0, 0, 0, None, 0,
+        assert await c.call("put", "r", [b"x", b"y", b"z"], 0, 0, 0, None, 0, None,
                             [None, {"k": "v"}, {}]) == 3
         assert await c.call("get", "r", 3, 0, 0, False, False, True) == [
             [1, b"x", 0, 1, {}], [2, b"y", 0, 1, {"k": "v"}], [3, b"z", 0, 1, {}]]
@@ -268,12 +269,16 @@ async def test_headers_past_the_limits_are_refused_and_nothing_is_stored(
             ([{"k": "v"}, 7], "headers must be a map"),
             ("k=v", "headers must be a map"),
         ]:
-            code, message = await c.error("put", "q", [b"a", b"b"], 0, 0, 0, None, 0, headers)
+            code, message = await c.error("put", "q", [b"a", b"b"], 0, 0, 0, None, 0, None, headers)
             assert code == ErrorCode.BAD_PARAMS and why in message, message
-        # the same refused with a producer: nothing stored, the sequence not taken
-        code, _ = await c.error("put", "q", [b"a", b"b"], 0, 0, 0, b"p", 1, {"k": 2})
+        code, message = await c.error("put", "q", [b"a"], 0, 0, 0, None, 0, b"k", None)
+        assert code == ErrorCode.BAD_PARAMS and "eighth param must be nil" in message
+        # the same refused with a producer: nothing stored, the sequence not taken (the
+        # eighth param, nil, is the deduplication key's)
+        code, _ = await c.error("put", "q", [b"a", b"b"], 0, 0, 0, b"p", 1, None, {"k": 2})
         assert code == ErrorCode.BAD_PARAMS
-        assert await c.call("put", "q", [b"ok"], 0, 0, 0, b"p", 1, {"k": "v"}) == [1, 1, False]
+        assert await c.call("put", "q", [b"ok"], 0, 0, 0, b"p", 1, None, {"k": "v"}) == [
+            1, 1, False]
         assert await c.call("get", "q", 100, 0, 0, False, False, True) == [
             [1, b"ok", 0, 1, {"k": "v"}]]
         await c.aclose()
@@ -390,7 +395,7 @@ async def test_max_memory_size_counts_headers(tmp_path: Path) -> None:
 async def test_memcache_and_text_gets_return_the_data_alone(tmp_path: Path) -> None:
     async with running(make_config(tmp_path / "data")) as server:
         c = await Rpc.open(server.ports["rpc"])
-        assert await c.call("put", "q", [b"one", b"two"], 0, 0, 0, None, 0, TRACE) == 2
+        assert await c.call("put", "q", [b"one", b"two"], 0, 0, 0, None, 0, None, TRACE) == 2
         await c.aclose()
         mc = await Conn.open(server.ports["memcache"])
         assert await mc.get("q") == b"one"
@@ -403,7 +408,7 @@ async def test_memcache_and_text_gets_return_the_data_alone(tmp_path: Path) -> N
 async def test_the_console_head_view_shows_headers(tmp_path: Path) -> None:
     async with running(make_config(tmp_path / "data")) as server:
         c = await Rpc.open(server.ports["rpc"])
-        await c.call("put", "q", [b"one", b"two"], 0, 0, 0, None, 0, [TRACE, None])
+        await c.call("put", "q", [b"one", b"two"], 0, 0, 0, None, 0, None, [TRACE, None])
         await c.aclose()
         status, _, body = await http_get(server.ports["http"], "/api/queues/q")
         assert status == 200

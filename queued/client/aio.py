@@ -406,8 +406,8 @@ class AsyncClient:
             params.append(flags)
         if delay_ms:  # (servers before delays take four)
             params.append(delay_ms)
-        if sent_headers is not None:  # (servers before headers take seven)
-            params += [*[0, 0, 0][len(params) - 2:], None, 0, sent_headers]
+        if sent_headers is not None:  # (servers before headers take eight: the ninth)
+            params += [*[0, 0, 0][len(params) - 2:], None, 0, None, sent_headers]
         with self._gate:
             if self.idempotent:
                 params += [0, 0, 0][len(params) - 2:]  # (expiration_ms, flags, delay_ms)

@@ -183,7 +183,7 @@ class RpcParser:
         self.max_frame = max_frame
         self.max_batch = max_batch
         self._limits: dict[str, Any] = dict(
-            max_str_len=max_frame, max_bin_len=max_frame, max_array_len=max(max_batch, 8),
+            max_str_len=max_frame, max_bin_len=max_frame, max_array_len=max(max_batch, 9),
             max_map_len=max_map_len, max_ext_len=0,
         )
         # read_size: the buffer it starts with (it grows to max_buffer_size as frames
@@ -212,7 +212,7 @@ class RpcParser:
         self.max_frame = min(max(64, max_frame), self._scanner_frame)
         self.max_batch = max(1, max_batch)
         self._limits.update(max_str_len=self.max_frame, max_bin_len=self.max_frame,
-                            max_array_len=max(self.max_batch, 8))
+                            max_array_len=max(self.max_batch, 9))
 
     def receive_data(self, data: bytes | bytearray) -> None:
         if not data:
@@ -516,8 +516,8 @@ def _arity(msgid: int, method: str, params: list[Any], lo: int, hi: int) -> None
 
 
 def _headers(msgid: int, value: Any, n: int) -> list[bytes] | None:
-    """put's headers param: nil, one map (every item's), or an array of one map (or nil)
-    per item; as a block per item, or None when no item has any."""
+    """put's headers param (its ninth): nil, one map (every item's), or an array of one
+    map (or nil) per item; as a block per item, or None when no item has any."""
     if value is None:
         return None
     try:
@@ -538,7 +538,7 @@ def _headers(msgid: int, value: Any, n: int) -> list[bytes] | None:
 
 def _put(r: Request, max_batch: int) -> Put:
     p = r.params
-    _arity(r.msgid, "put", p, 2, 8)
+    _arity(r.msgid, "put", p, 2, 9)
     queue, reader = _address(r.msgid, p[0])
     if reader is not None:
         raise RpcError(ErrorCode.BAD_QUEUE_NAME,
@@ -556,7 +556,9 @@ def _put(r: Request, max_batch: int) -> Put:
     expiration = _int(r.msgid, p[2], "expiration_ms", 0, 2**53) if len(p) > 2 else 0
     flags = _int(r.msgid, p[3], "flags", 0, MAX_FLAGS) if len(p) > 3 else 0
     delay = _int(r.msgid, p[4], "delay_ms", 0, MAX_DELAY_MS) if len(p) > 4 else 0
-    headers = _headers(r.msgid, p[7], len(items)) if len(p) > 7 else None
+    if len(p) > 7 and p[7] is not None:  # (the eighth is the deduplication key's)
+        raise _bad(r.msgid, "put's eighth param must be nil")
+    headers = _headers(r.msgid, p[8], len(items)) if len(p) > 8 else None
     if len(p) < 6 or p[5] is None:
         return Put(r.msgid, queue, items, expiration, flags, delay, headers=headers)
     producer = p[5]
