@@ -32,7 +32,7 @@ from queued.errors import (
 from queued.journal import format as jf
 from queued.reader.producers import ProducerCounters, ProducerEntry, ProducerTable, Verdict
 from queued.reader.state import NO_ENTRIES, NO_ITEMS, Item, pack_max_for
-from queued.storage.journal import QueueJournal, Ticket, put_overhead
+from queued.storage.journal import QueueJournal, Ticket, headers_overhead, put_overhead
 from queued.storage.recovery import SegmentInfo
 
 if TYPE_CHECKING:
@@ -187,6 +187,7 @@ class QueueState:
     async def begin_put(
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
         delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
+        headers: Sequence[bytes] | None = None,
     ) -> PendingPut:
         """Checks, limits, ids; hands the items to the writer (see Broker.begin_put)."""
         if not datas:
@@ -203,15 +204,17 @@ class QueueState:
         elif room or self.journal.config.max_journal_size:
             self.busy += 1  # (these awaits show in no other way: the queue must not park)
             try:
-                await self._make_room(room, n, nbytes, put_overhead(flags, delay_ms > 0) * n)
+                await self._make_room(room, n, nbytes, put_overhead(flags, delay_ms > 0) * n
+                                      + headers_overhead(headers))
             finally:
                 self.busy -= 1
         return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
-                             producer, sequence)
+                             producer, sequence, headers)
 
     def begin_put_nowait(
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
         delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
+        headers: Sequence[bytes] | None = None,
     ) -> PendingPut:
         """`begin_put` without waiting: trio.WouldBlock (nothing changed) when the put
         must first make room (per-reader limits, max_journal_size)."""
@@ -221,7 +224,7 @@ class QueueState:
         if self.needs_room() or self.journal.config.max_journal_size:
             raise trio.WouldBlock
         return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
-                             producer, sequence)
+                             producer, sequence, headers)
 
     def producer_table(self) -> ProducerTable:
         t = self.producers
@@ -289,10 +292,11 @@ class QueueState:
 
     def _reserve(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
                  error_count: int, flags: int, delay_ms: int, nbytes: int,
-                 producer: bytes | None = None, sequence: int = 0) -> PendingPut:
+                 producer: bytes | None = None, sequence: int = 0,
+                 headers: Sequence[bytes] | None = None) -> PendingPut:
         """Ids and the journal append (the writer makes it durable); in flight until ended.
         With a producer: a repeat answered as the original, a gap refused, else the
-        append carries the producer's mark."""
+        append carries the producer's mark. `headers`: a block per item (b"": none)."""
         if self.deleted:
             raise QueueClosedError(f"queue {self.name!r} was deleted")
         due_ms = now + delay_ms if delay_ms > 0 else None
@@ -301,14 +305,15 @@ class QueueState:
             if repeat is not None:
                 return repeat
             puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count,
-                                                      flags, due_ms, (producer, sequence))
+                                                      flags, due_ms, (producer, sequence),
+                                                      headers)
             mark = table.store(producer, sequence, puts[0].id, len(puts), now, ticket)
             pending = self._inflight(puts, ticket, nbytes, due_ms, len(datas))
             pending.answer = (puts[0].id, len(puts), False)
             pending.producer = mark
             return pending
         puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
-                                                  due_ms)
+                                                  due_ms, headers=headers)
         return self._inflight(puts, ticket, nbytes, due_ms, len(datas))
 
     def _inflight(self, puts: list[jf.Put], ticket: Ticket, nbytes: int, due_ms: int | None,

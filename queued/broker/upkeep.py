@@ -197,18 +197,22 @@ class Upkeep:
     ) -> None:
         """Error-queue moves keep each item's error count (one put each); expiry moves
         are one put per run of items with the same flags (one in all, usually). Every
-        item keeps its memcache flags. Then the items are consumed here, or go back /
-        are dropped."""
+        item keeps its memcache flags and headers. Then the items are consumed here, or
+        go back / are dropped."""
         self._moves += 1
         moved = False
         try:
             if keep_errors:
                 for it in items:
                     await self.broker.put(target, [it.data], error_count=it.error_count,
-                                          flags=it.flags)
+                                          flags=it.flags,
+                                          headers=[it.headers] if it.headers else None)
             else:
-                for flags, run in itertools.groupby(items, key=attrgetter("flags")):
-                    await self.broker.put(target, [it.data for it in run], flags=flags)
+                for flags, group in itertools.groupby(items, key=attrgetter("flags")):
+                    run = list(group)
+                    headers = [it.headers for it in run]
+                    await self.broker.put(target, [it.data for it in run], flags=flags,
+                                          headers=headers if any(headers) else None)
             moved = True
         except MOVE_ERRORS as exc:
             log.error("queue %s: could not move %d items to %s: %s",

@@ -60,6 +60,9 @@ def add_client_commands(sub: Any) -> None:
                    help="items expire MS milliseconds from now (default 0: never)")
     p.add_argument("--delay", type=delay, default=0, metavar="MS",
                    help="items stay invisible for MS milliseconds (default 0: none)")
+    p.add_argument("--header", action="append", type=header, default=[],
+                   metavar="KEY=VALUE", dest="headers",
+                   help="a header every item carries (repeat for more; the value a string)")
     p = add("get", "get items and print each on its own line",
             description="Print up to N items, each followed by a newline (raw bytes; an item "
                         "containing a newline is ambiguous). Stops early when the queue "
@@ -75,6 +78,9 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--timeout", type=non_negative, default=0, metavar="MS",
                    help="wait up to MS milliseconds for items to arrive (default 0: "
                         "only what is there now); connecting and replies get 10 s more")
+    p.add_argument("--headers", action="store_true",
+                   help="print each item's headers before it, as one line of JSON (an "
+                        "object; {} for none; bytes that are not UTF-8 \\x-escaped)")
     p = add("peek", "show a queue's head item and numbers (summed over servers)", timeout)
     p.add_argument("queue", help="QUEUE, or QUEUE+READER for a fanout reader")
     p = add("stats", "show server and queue statistics", timeout)
@@ -127,6 +133,21 @@ def _stdin_lines(stream: BinaryIO) -> Iterator[list[bytes]]:
         yield batch
 
 
+def header(text: str) -> tuple[str, str]:
+    """`--header KEY=VALUE`."""
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def headers_line(item: Item) -> bytes:
+    """An item's headers as `get --headers` prints them: one line of JSON."""
+    shown = {k: v if isinstance(v, str) else v.decode(errors="backslashreplace")
+             for k, v in (item.headers or {}).items()}
+    return json.dumps(shown, ensure_ascii=False).encode() + b"\n"
+
+
 def put_command(client: Client, args: argparse.Namespace) -> int:
     if args.data:
         data = [os.fsencode(d) for d in args.data]
@@ -136,7 +157,8 @@ def put_command(client: Client, args: argparse.Namespace) -> int:
     stored = 0
     with _progress(None, "item") as bar:
         for batch in batches:
-            stored += client.put(args.queue, batch, args.expiration, delay_ms=args.delay)
+            stored += client.put(args.queue, batch, args.expiration, delay_ms=args.delay,
+                                 headers=dict(args.headers) or None)
             bar.update(len(batch))
     print(f"stored {stored} item{'s' if stored != 1 else ''}", file=sys.stderr)
     return EXIT_OK
@@ -158,7 +180,7 @@ def get_command(client: Client, args: argparse.Namespace) -> int:
         while got < args.n and end == "read":
             wait = max(0, int((deadline - time.monotonic()) * 1000))
             items: list[Item] = client.get(args.queue, min(args.n - got, BATCH), wait,
-                                           OPEN_READ_MS)
+                                           OPEN_READ_MS, with_headers=args.headers)
             if not items:
                 break
             got += len(items)
@@ -168,13 +190,15 @@ def get_command(client: Client, args: argparse.Namespace) -> int:
                 part = items[at:at + lot]
                 at += len(part)
                 offset = out.written
+                lines = [(headers_line(item) if args.headers else b"") + item.data + b"\n"
+                         for item in part]
                 try:
-                    out.write(b"".join(item.data + b"\n" for item in part))
+                    out.write(b"".join(lines))
                 except BrokenPipeError:
                     end = "gone"
                     break
-                for item in part:
-                    offset += len(item.data) + 1
+                for item, line in zip(part, lines, strict=True):
+                    offset += len(line)
                     sent.append((item, offset))
                 end, n = _confirm_taken(client, out, sent, give_up, bar)
                 refused += n

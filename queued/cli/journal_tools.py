@@ -17,6 +17,7 @@ from typing import TextIO, TypeVar
 
 from queued.errors import CorruptRecordError
 from queued.journal import format as jf
+from queued.journal.headers import headers_text
 from queued.storage.files import read_checkpoint, read_producers
 from queued.storage.recovery import Inspection, TailState, inspect_segment
 
@@ -43,6 +44,8 @@ def describe(rec: jf.Record) -> str:
         flags = f" flags={rec.flags}" if rec.flags else ""  # a FLAGS record led the PUT
         if isinstance(rec, jf.DelayedPut):  # a DELAY record led the PUT
             flags += f" due={_ms(rec.due_ms)}"
+        if rec.headers:  # a HEADERS record led the PUT
+            flags += f" headers=[{headers_text(rec.headers)}]"
         return (
             f"PUT id={rec.id} size={len(rec.data)} errors={rec.error_count} "
             f"added={_ms(rec.add_time_ms)}{exp}{flags} data={preview(rec.data)}"

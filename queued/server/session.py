@@ -579,22 +579,27 @@ class Session:
                 self.out += encode(r, c.Stored(len(put.items)))
 
     async def _begin_put(self, group: list[tuple[c.Request, c.Put]]) -> PendingPut:
-        queue, items, expire_ms, flags, delay_ms = self._put_of(group)
+        queue, items, expire_ms, flags, delay_ms, headers = self._put_of(group)
         first = group[0][1]
         return await self.broker.begin_put(queue, items, expire_ms=expire_ms, flags=flags,
                                            delay_ms=delay_ms, producer=first.producer,
-                                           sequence=first.sequence)
+                                           sequence=first.sequence, headers=headers)
 
     def _put_of(self, group: list[tuple[c.Request, c.Put]],
-                ) -> tuple[str, Sequence[bytes], int | None, int, int]:
-        """A group's put as the broker takes it: queue, items, expiry, flags, delay."""
+                ) -> tuple[str, Sequence[bytes], int | None, int, int, Sequence[bytes] | None]:
+        """A group's put as the broker takes it: queue, items, expiry, flags, delay,
+        headers (a block per item, or None)."""
         first = group[0][1]
         items = first.items if len(group) == 1 else [d for _, put in group for d in put.items]
+        headers = first.headers
+        if len(group) > 1 and any(put.headers is not None for _, put in group):
+            headers = [h for _, put in group
+                       for h in (put.headers or [b""] * len(put.items))]
         limit = self.max_item_size
         if items and max(map(len, items)) > limit:
             raise ItemTooLargeError(f"item over the server's max_item_size ({limit} bytes)")
         return (first.queue, items, first.expire_ms(self.broker.clock()), first.flags,
-                first.delay_ms)
+                first.delay_ms, headers)
 
     # -- gets (see handlers.Conn) --------------------------------------------------------------
 
@@ -801,15 +806,16 @@ class Session:
                 # connection ran): it waits for the next pass, so ids keep the order sent.
                 return began
             try:
-                queue, items, expire_ms, flags, delay_ms = self._put_of(group)
+                queue, items, expire_ms, flags, delay_ms, headers = self._put_of(group)
                 joined = self.joined
                 if producer is None and joined is not None and joined.can_join(queue):
-                    result = joined.add(queue, items, expire_ms, flags, delay_ms)
+                    result = joined.add(queue, items, expire_ms, flags, delay_ms, headers)
                 else:  # (a put with a producer is never joined: its mark is its own)
                     result = b.begin_put_nowait(queue, items, expire_ms=expire_ms,
                                                 flags=flags, delay_ms=delay_ms,
                                                 producer=producer,
-                                                sequence=group[0][1].sequence)
+                                                sequence=group[0][1].sequence,
+                                                headers=headers)
             except trio.WouldBlock:
                 return began
             except Exception as exc:

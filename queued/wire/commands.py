@@ -58,6 +58,9 @@ class Put:
     #: exactly-once puts (RPC): the producer id and this put's sequence (from 1)
     producer: bytes | None = None
     sequence: int = 0
+    #: item headers (RPC): one block per item (queued.journal.headers; b"": none), or
+    #: None when no item has any
+    headers: Sequence[bytes] | None = None
 
     def expire_ms(self, now_ms: int) -> int | None:
         if self.expire_at_ms is not None:
