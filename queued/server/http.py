@@ -150,7 +150,7 @@ class Ops:
 
     async def respond(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
                       peer: str = "?") -> Reply:
-        path = target.partition(b"?")[0].decode("ascii", "replace")
+        path, _, query = target.decode("ascii", "replace").partition("?")
         console = is_console_path(path) or (path == "/" and wants_html(headers))
         if method not in (b"GET", b"HEAD") and not (method == b"POST" and console):
             return Reply(405, b"only GET and HEAD\n", (("Content-Type", TEXT),
@@ -165,7 +165,7 @@ class Ops:
             server = self.server
             reply = await self.console.respond(
                 method, path, headers, grant, None if server is None else server.broker,
-                scheme="http" if self.tls is None else "https")
+                scheme="http" if self.tls is None else "https", query=query)
             assert reply is not None
             return reply
         if path == "/livez":

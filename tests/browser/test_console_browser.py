@@ -278,3 +278,44 @@ def test_charts_of_the_last_fifteen_minutes_on_both_pages(server: Served, browse
     browser.wait("the page's charts", lambda: len(browser.all("#charts svg")) == 2)
     assert browser.all("#charts svg")[0].get_attribute("data-max") == "7"
     no_csp_violations(browser)
+
+
+def test_paging_through_a_queue_past_its_head_takes_nothing(
+        small_memory: Served, browser: Any) -> None:
+    """Next and Previous page through the queue with browse, 10 items a page in delivery
+    order, the items waiting on disk included; the queue keeps every item."""
+    c = small_memory.client
+    c.put("paged", [b"item %02d " % i + b"x" * 100 for i in range(25)])
+    assert c.peek("paged").stats["mem_items"] < 25  # the later pages come from disk
+    browser.open(small_memory.url + "/queues/paged")
+
+    def page(first: int, count: int) -> bool:
+        rows = browser.all("#peek tbody td.data")
+        return [r.text[:7] for r in rows] == [f"item {i:02d}" for i in range(first,
+                                                                           first + count)]
+
+    def buttons() -> tuple[bool, bool]:
+        return (browser.find("#page-prev").is_enabled(),
+                browser.find("#page-next").is_enabled())
+
+    browser.wait("the first page", lambda: page(0, 10))
+    assert buttons() == (False, True)
+    assert browser.find("#page-label").text == "page 1 (the head)"
+    browser.find("#page-next").click()
+    browser.wait("the second page", lambda: page(10, 10))
+    assert buttons() == (True, True)
+    assert browser.find("#page-label").text.startswith("page 2 (after item ")
+    browser.settle(1.6)  # a poll redraws the page it is on, not the head
+    assert page(10, 10)
+    browser.find("#page-next").click()
+    browser.wait("the last page", lambda: page(20, 5))
+    browser.wait("no next page", lambda: buttons() == (True, False))
+    browser.find("#page-prev").click()
+    browser.wait("the second page again", lambda: page(10, 10))
+    browser.find("#page-prev").click()
+    browser.wait("the head again", lambda: page(0, 10))
+    assert buttons() == (False, True)
+    info = c.peek("paged")
+    assert (info.items, info.open_transactions) == (25, 0)  # nothing taken, nothing open
+    assert [it.data[:7] for it in c.get("paged", 3)] == [b"item 00", b"item 01", b"item 02"]
+    no_csp_violations(browser)

@@ -1,5 +1,5 @@
-// The queued web console: reads /stats.json (and, on a queue's page, the queue's head view
-// /api/queues/<name>) every POLL_MS and redraws. Everything from the server, queue names
+// The queued web console: reads /stats.json (and, on a queue's page, a page of the queue's
+// items, /api/queues/<name>?after=<id>) every POLL_MS and redraws. Everything from the server, queue names
 // and item bytes above all, goes into the page through textContent, never innerHTML.
 // No inline script or style: the Content-Security-Policy allows only this file.
 "use strict";
@@ -270,14 +270,27 @@ function drawItem(tbody, item) {
 
 let admin = false;
 
+// Paging through the reader's items with browse: `pages` holds the `after` of each page
+// opened so far (0: the head); Next adds the last id shown, Previous drops one. Each poll
+// redraws the page it is on; a reply to an older request (the page changed meanwhile)
+// is dropped.
+const pages = [0];
+let lastShown = 0;
+let more = false;
+let headSeq = 0;
+
 async function pollHead() {
   const name = pageName();
+  const seq = ++headSeq;
+  const after = pages[pages.length - 1];
   let status, body;
   try {
-    ({ status, body } = await getJson("/api/queues/" + encodeURIComponent(name)));
+    ({ status, body } = await getJson("/api/queues/" + encodeURIComponent(name) +
+                                      (after ? `?after=${after}` : "")));
   } catch (e) {
     return;  // the stats poll reports the server unreachable
   }
+  if (seq !== headSeq) return;  // a newer request is on its way
   const tbody = $("peek").tBodies[0];
   if (status === 404) {
     $("gone").hidden = false;
@@ -288,22 +301,41 @@ async function pollHead() {
   if (!body) return;
   admin = Boolean(body.admin);
   $("admin").hidden = !admin;
-  if (status === 403) {
+  if (status === 403 || status === 400) {
     $("peek-denied").textContent = `Cannot show the items: ${body.error}.`;
     $("peek-denied").hidden = false;
     tbody.replaceChildren();
     return;
   }
+  if (status !== 200) return;
   $("peek-denied").hidden = true;
   tbody.replaceChildren();
   for (const item of body.items) drawItem(tbody, item);
-  $("peek-empty").textContent = body.reader
-    ? "No items waiting in memory."
-    : `${name} has no default reader (a fanout reader took it over): pick one of its readers above.`;
+  lastShown = body.items.length ? body.items[body.items.length - 1].id : 0;
+  more = Boolean(body.more);
+  $("page-next").disabled = !more;
+  $("page-prev").disabled = pages.length < 2;
+  $("page-label").textContent = pages.length < 2 ? "page 1 (the head)"
+    : `page ${pages.length} (after item ${fmtInt(after)})`;
+  $("peek-empty").textContent = !body.reader
+    ? `${name} has no default reader (a fanout reader took it over): pick one of its readers above.`
+    : pages.length > 1 ? "No more items on this page: they were taken meanwhile." : "No items waiting.";
   $("peek-empty").hidden = body.items.length > 0;
   $("peek-note").textContent =
-    `(the first ${body.limit} in delivery order, ${body.preview_bytes} bytes each; ` +
+    `(${body.limit} a page in delivery order, ${body.preview_bytes} bytes each; ` +
     "looking removes nothing)";
+}
+
+function nextPage() {
+  if (!more || !lastShown) return;
+  pages.push(lastShown);
+  pollHead();
+}
+
+function previousPage() {
+  if (pages.length < 2) return;
+  pages.pop();
+  pollHead();
 }
 
 // Admin actions: a button asks, a second click confirms; the POST carries the header a
@@ -371,6 +403,8 @@ function startQueue() {
   $("move").addEventListener("click", () => ask("move"));
   $("confirm-yes").addEventListener("click", confirmAction);
   $("confirm-no").addEventListener("click", () => { pending = null; $("confirm").hidden = true; });
+  $("page-next").addEventListener("click", nextPage);
+  $("page-prev").addEventListener("click", previousPage);
   every(() => { pollStats(drawQueue); pollHead(); });
   const drawBig = () => $("charts").replaceChildren(...charts(name, 360, 80));
   pollHistory(drawBig);
