@@ -319,3 +319,22 @@ def test_paging_through_a_queue_past_its_head_takes_nothing(
     assert (info.items, info.open_transactions) == (25, 0)  # nothing taken, nothing open
     assert [it.data[:7] for it in c.get("paged", 3)] == [b"item 00", b"item 01", b"item 02"]
     no_csp_violations(browser)
+
+
+def test_a_chart_places_samples_by_time_and_breaks_at_a_gap(
+        server: Served, browser: Any) -> None:
+    """Samples kept across a clean restart leave a gap (the server was down): the chart
+    places each sample by its time and draws no line across the gap."""
+    browser.open(server.url + "/")
+    browser.wait("the first poll", lambda: "updated" in browser.find("#status").text)
+    lines = browser.js(
+        "const svg = chart([{values: [1, 2, 3, 4, 5], times: [300, 310, 320, 900, 910],"
+        " cls: 'depth'}], 90, 20, 'test');"
+        "return Array.from(svg.querySelectorAll('polyline'),"
+        " (p) => p.getAttribute('points'));")
+    assert len(lines) == 2  # 300-320 s, then 900-910 s
+    first = [float(p.split(",")[0]) for p in lines[0].split()]
+    second = [float(p.split(",")[0]) for p in lines[1].split()]
+    # 90 px for the 900 s that end at the last sample (910 s): 10 s a pixel from 10 s
+    assert first == [29.0, 30.0, 31.0] and second == [89.0, 90.0]
+    no_csp_violations(browser)

@@ -118,32 +118,48 @@ const queueOf = (name) => name.split("+")[0];
 
 const SVG_NS = "http://www.w3.org/2000/svg";
 const HISTORY_MS = 10000;  // the server samples every 10 s
-let history = { queues: {} };
+let history = { queues: {}, interval_s: HISTORY_MS / 1000, window_s: 900 };
 
-// One small chart: each series a polyline, all scaled to the largest value among them.
+// One small chart: each series {values, times (unix s), cls} a polyline placed by time over
+// the window ending at its last sample, all scaled to the largest value among them. A gap
+// (the server was down: the samples of a clean restart come back) breaks the line.
 function chart(series, w, h, label) {
   const svg = document.createElementNS(SVG_NS, "svg");
   svg.setAttribute("width", w);
   svg.setAttribute("height", h);
   svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
   svg.setAttribute("class", "chart");
-  let max = 0;
-  for (const s of series) for (const v of s.values) max = Math.max(max, v);
+  let max = 0, end = -Infinity;
+  for (const s of series) {
+    for (const v of s.values) max = Math.max(max, v);
+    for (const t of s.times) end = Math.max(end, t);
+  }
   svg.dataset.max = String(max);
   const title = document.createElementNS(SVG_NS, "title");
   title.textContent = `${label}, last 15 min (max ${fmtRate(max)})`;
   svg.appendChild(title);
+  const windowS = history.window_s || 900;
+  const gapS = 2.5 * (history.interval_s || HISTORY_MS / 1000);
+  const x = (t) => Math.max(0, (w * (t - (end - windowS))) / windowS);
+  const y = (v) => (h - 1 - (max > 0 ? (v / max) * (h - 2) : 0)).toFixed(1);
   for (const s of series) {
-    // One point so far (a page opened soon after the start): a flat line at its value.
-    const values = s.values.length === 1 ? [s.values[0], s.values[0]] : s.values;
-    const n = values.length;
-    if (n === 0) continue;
-    const x = (i) => ((i * w) / (n - 1)).toFixed(1);
-    const y = (v) => (h - 1 - (max > 0 ? (v / max) * (h - 2) : 0)).toFixed(1);
-    const line = document.createElementNS(SVG_NS, "polyline");
-    line.setAttribute("points", values.map((v, i) => `${x(i)},${y(v)}`).join(" "));
-    line.setAttribute("class", s.cls);
-    svg.appendChild(line);
+    let points = [];
+    const flush = () => {
+      // One point alone (a page opened soon after the start): a short flat line.
+      if (points.length === 1) points = [[points[0][0] - 2, points[0][1]], points[0]];
+      if (points.length > 1) {
+        const line = document.createElementNS(SVG_NS, "polyline");
+        line.setAttribute("points", points.map(([px, py]) => `${px.toFixed(1)},${py}`).join(" "));
+        line.setAttribute("class", s.cls);
+        svg.appendChild(line);
+      }
+      points = [];
+    };
+    s.values.forEach((v, i) => {
+      if (i > 0 && s.times[i] - s.times[i - 1] > gapS) flush();
+      points.push([x(s.times[i]), y(v)]);
+    });
+    flush();
   }
   return svg;
 }
@@ -151,9 +167,11 @@ function chart(series, w, h, label) {
 function charts(name, w, h) {
   const q = history.queues[name];
   if (!q) return [];
+  const rateTimes = q.t.slice(1);  // a rate is of the interval ending at its sample
   return [
-    chart([{ values: q.items, cls: "depth" }], w, h, `${name}: items waiting`),
-    chart([{ values: q.puts, cls: "puts" }, { values: q.gets, cls: "gets" }], w, h,
+    chart([{ values: q.items, times: q.t, cls: "depth" }], w, h, `${name}: items waiting`),
+    chart([{ values: q.puts, times: rateTimes, cls: "puts" },
+           { values: q.gets, times: rateTimes, cls: "gets" }], w, h,
           `${name}: puts/s (green) and gets/s (orange)`),
   ];
 }
