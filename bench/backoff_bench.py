@@ -2,10 +2,11 @@
 
 Starts two `queued serve` (fsync never, temp data dirs, 127.0.0.1 on free ports), one
 with `retry_backoff = ["1s", "10s", "1m", "10m"]` on every queue and one without, fills
-queue `q` of each, then runs the same loop on each in turn, --pairs times: a memcache
-connection sending `get q/close/open` (confirm the last, open the next), one request at a
-time. Prints items/s and server CPU (user + system) per item for each run, and the median
-ratio of with / without (>= 1.0: no slower).
+queue `q` of each, then runs the same loop on each in turn, --pairs times (alternating
+which server goes first): a memcache connection sending `get q/close/open` (confirm the
+last, open the next), one request at a time. Prints items/s and server CPU (user +
+system) per item for each run, and the median ratios of with / without items/s and of
+without / with CPU per item (>= 1.0: no slower, no costlier).
 
     python bench/backoff_bench.py [--items 20000] [--pairs 5]
 """
@@ -59,10 +60,12 @@ def main() -> None:
                 (tmp / "backoff.toml").write_text(toml)
                 extra = ("--config", str(tmp / "backoff.toml"))
             servers[name] = start_server(tmp / name, tmp / f"{name}.log", extra_args=extra)
-        ratios = []
+        ratios, cpu_ratios = [], []
         for pair in range(args.pairs):
-            rate = {}
-            for name, (proc, ports) in servers.items():
+            rate, cpu_per = {}, {}
+            # Alternate which runs first (ABBA): on a shared machine the load drifts.
+            order = list(servers.items())
+            for name, (proc, ports) in order if pair % 2 == 0 else order[::-1]:
                 with Client(f"{HOST}:{ports['rpc']}") as c:
                     for start in range(0, args.items + 1, 10_000):
                         c.put("q", [b"x" * 64] * min(10_000, args.items + 1 - start))
@@ -70,11 +73,16 @@ def main() -> None:
                 took = loop(ports["memcache"], args.items)
                 cpu = proc_cpu_s(proc.pid) - cpu0
                 rate[name] = args.items / took
+                cpu_per[name] = cpu / args.items
                 print(f"pair {pair} {name:>7} backoff: {rate[name]:9,.0f} items/s, "
-                      f"server CPU {cpu / args.items * 1e6:6.1f} us/item")
+                      f"server CPU {cpu_per[name] * 1e6:6.1f} us/item", flush=True)
             ratios.append(rate["with"] / rate["without"])
+            cpu_ratios.append(cpu_per["without"] / cpu_per["with"])
         print(f"with / without, items/s: median {statistics.median(ratios):.3f} "
               f"(pairs {', '.join(f'{r:.3f}' for r in ratios)})")
+        print(f"without / with, server CPU per item: median "
+              f"{statistics.median(cpu_ratios):.3f} (>= 1.0: with costs no more; pairs "
+              f"{', '.join(f'{r:.3f}' for r in cpu_ratios)})")
     finally:
         for proc, _ in servers.values():
             proc.kill()
