@@ -11,6 +11,7 @@ never removes, opens or takes an item to show it (it pages with the broker's `br
 and never puts item bytes in HTML. `queued.server.http` parses the requests and logs in
 the user; this module only answers.
 """
+
 from __future__ import annotations
 
 import logging
