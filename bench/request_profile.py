@@ -52,14 +52,14 @@ LAYERS = [
       "trio/_highlevel_socket.py", "socket.py"]),
     ("trio: scheduler, cancel scopes, events", ["trio/", "outcome/", "contextlib.py"]),
     ("protocol: parse requests, encode replies",
-     ["queued/core/wire.py", "queued/core/memcache_", "queued/core/rpc_",
-      "queued/core/commands.py", "queued/core/text_protocol.py", "msgpack/"]),
+     ["queued/wire/parsing.py", "queued/wire/memcache_", "queued/wire/rpc_",
+      "queued/wire/commands.py", "queued/wire/text_protocol.py", "msgpack/"]),
     ("session: batches, replies, auth", ["queued/server/"]),
     ("broker: queues, reliable reads, limits", ["queued/broker/"]),
     ("queue: readers, held items, open reads",
-     ["queued/core/queue.py", "queued/core/packed_items.py", "queued/core/open_reads.py"]),
+     ["queued/reader/state.py", "queued/reader/packed_items.py", "queued/reader/open_reads.py"]),
     ("journal and writer: records, writes, fsync rounds",
-     ["queued/storage/", "queued/core/journal_"]),
+     ["queued/storage/", "queued/journal/"]),
 ]
 
 

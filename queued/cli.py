@@ -46,11 +46,11 @@ from queued.client import (
     Unauthenticated,
     parse_servers,
 )
-from queued.client.tls import tls_files_context
+from queued.client.credentials import tls_files_context
 from queued.config import ConfigError, add_serve_arguments, load_config
 from queued.config.users import hash_password
-from queued.core import journal_format as jf
-from queued.core.errors import CorruptRecordError, NotSavedError, QueuedError
+from queued.errors import CorruptRecordError, NotSavedError, QueuedError
+from queued.journal import format as jf
 from queued.logs import setup_logging
 from queued.server.app import serve
 from queued.storage.files import read_checkpoint, read_producers

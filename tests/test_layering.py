@@ -1,7 +1,8 @@
 """The package's layers, checked from the source (every import counts: TYPE_CHECKING ones
 and those inside functions too).
 
-- the pure layer (queued/core, the client's pure parts) imports no trio/socket/os/time;
+- the pure layers (queued.errors/sansio/stats, queued/journal, queued/wire, queued/reader, the
+  client's pure parts) import no trio/socket/os/time;
 - each layer imports only the layers below it (storage nothing of the broker or server,
   the client nothing but the core, ...);
 - no import cycles between modules;
@@ -22,26 +23,33 @@ import queued
 ROOT = Path(queued.__file__).resolve().parent
 #: Modules of the pure layer and what they may never import (directly or through another
 #: queued module).
-PURE = ("queued.core.", "queued.client.core", "queued.client.servers", "queued.client.wire")
+PURE = ("queued.errors", "queued.sansio", "queued.stats", "queued.wire.", "queued.journal.",
+        "queued.reader.", "queued.client.common", "queued.client.servers", "queued.client.framing")
 FORBIDDEN = {"trio", "socket", "os", "time", "prometheus_client", "select", "selectors",
              "threading", "asyncio", "subprocess", "importlib"}
 #: Layer of each module (by prefix, longest first) and the layers it may import.
 LAYERS = {
-    "queued.core.": "core", "queued": "core", "queued.config.": "config",
-    "queued.storage.": "storage",
-    "queued.broker.": "broker",
+    "queued": "base", "queued.errors": "base", "queued.sansio": "base", "queued.stats": "base",
+    "queued.journal.": "journal", "queued.wire.": "wire", "queued.reader.": "reader",
+    "queued.config.": "config", "queued.storage.": "storage", "queued.broker.": "broker",
     "queued.server.": "server", "queued.client.": "client", "queued.spark.": "spark",
     "queued.cli": "cli", "queued.cli_stdout": "cli", "queued.logs": "cli",
 }
+#: The pure layers (base, journal, wire, reader) at the bottom; the broker knows no wire
+#: format, the client no journal, storage no protocol.
 ALLOWED = {
-    "core": {"core"},
-    "config": {"core", "config"},
-    "storage": {"core", "config", "storage"},
-    "broker": {"core", "config", "storage", "broker"},
-    "server": {"core", "config", "storage", "broker", "server"},
-    "client": {"core", "client"},
-    "spark": {"core", "config", "storage", "client", "spark"},
-    "cli": {"core", "config", "storage", "broker", "server", "client", "cli"},
+    "base": {"base"},
+    "journal": {"base", "journal"},
+    "wire": {"base", "journal", "wire"},
+    "reader": {"base", "journal", "reader"},
+    "config": {"base", "journal", "wire", "config"},
+    "storage": {"base", "journal", "reader", "config", "storage"},
+    "broker": {"base", "journal", "reader", "config", "storage", "broker"},
+    "server": {"base", "journal", "wire", "reader", "config", "storage", "broker", "server"},
+    "client": {"base", "wire", "client"},
+    "spark": {"base", "journal", "config", "storage", "client", "spark"},
+    "cli": {"base", "journal", "wire", "reader", "config", "storage", "broker", "server",
+            "client", "cli"},
 }
 
 
@@ -178,4 +186,4 @@ def test_the_checks_can_fail() -> None:
     assert found and layer("queued.storage.journal") == "storage"
     assert "server" not in ALLOWED["storage"]
     assert "_secret" not in defined_names(cycle)
-    assert layer("queued.core.wire") == "core" and layer("queued.broker.broker") == "broker"
+    assert layer("queued.wire.parsing") == "wire" and layer("queued.broker.broker") == "broker"

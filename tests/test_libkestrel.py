@@ -29,8 +29,8 @@ from libkestrel_util import KPut, Skip, bookmark_state, journal_puts, open_journ
 
 from queued.cli import dump
 from queued.cli import main as cli_main
-from queued.core import journal_format as jf
-from queued.core.errors import CorruptJournalError
+from queued.errors import CorruptJournalError
+from queued.journal import format as jf
 from queued.storage.datadir import DataDir, open_data_dir
 from queued.storage.files import decode_checkpoint, read_checkpoint
 from queued.storage.journal import wait_durable

@@ -1,4 +1,4 @@
-"""PackedItems (queued.core.packed_items) against a model, a deque of blocks of Puts:
+"""PackedItems (queued.reader.packed_items) against a model, a deque of blocks of Puts:
 pack, unpack_next, iteration, len, truth and clear, with plain items (packed) and every
 kind it keeps as objects (DelayedPut, error counts, big data, values its columns cannot
 hold). A Reader packing its backlog is tested in test_queue.py."""
@@ -12,8 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from queued.core.journal_format import DelayedPut, Put
-from queued.core.packed_items import BLOCK_ITEMS, SMALL_MAX, PackedItems, PackedStats
+from queued.journal.format import DelayedPut, Put
+from queued.reader.packed_items import BLOCK_ITEMS, SMALL_MAX, PackedItems, PackedStats
 
 T0 = 1_700_000_000_000
 I64 = (1 << 63) - 1

@@ -49,7 +49,7 @@ from power_util import PowerLossFS
 from queued.broker.broker import Broker, JoinedPut, JoinedPuts
 from queued.broker.upkeep import open_broker
 from queued.config import ServerConfig, load_config
-from queued.core.open_reads import OpenReads
+from queued.reader.open_reads import OpenReads
 from queued.storage import fileio
 from queued.storage.files import Checkpoint
 from queued.storage.journal import Ticket, wait_durable

@@ -18,7 +18,7 @@ import trio
 from server_util import WAIT, Conn, ServerProcess, data_files, http_get, pymc, running
 from test_parking import VOLATILE, cfg, parked, wait_until
 
-from queued.core.open_reads import OpenReads
+from queued.reader.open_reads import OpenReads
 
 
 def open_files_under(path: Path) -> list[str]:

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from queued.core import rpc_protocol as rp
-from queued.core.errors import QueuedError
-from queued.core.rpc_protocol import (
+from queued.errors import QueuedError
+from queued.wire import rpc_protocol as rp
+from queued.wire.rpc_protocol import (
     DEFAULT_MAX_BATCH,
     MAX_MAP_LEN,
     MAX_MS,

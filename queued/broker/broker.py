@@ -8,7 +8,7 @@ background loops here: the sessions call these methods and `queued.broker.upkeep
 the periodic work (it may import this module; this module never imports it).
 The registry (`queued.broker.registry`) finds and creates queues and readers; each
 queue's own logic is `queued.broker.queues`; open reads across queues, `queued.broker.reliable`;
-the per-reader state machine is pure, in `queued.core.queue`.
+the per-reader state machine is pure, in `queued.reader.state`.
 
 Readers. `q` is reader "" of queue q; `q+name` is reader `name`. A new named
 reader starts at the tail (it sees items put after it was created), except the
@@ -34,11 +34,11 @@ from queued.broker.queues import Background, PendingPut, QueueState
 from queued.broker.readback import read_live
 from queued.broker.registry import BrokerCounters, Registry
 from queued.broker.reliable import Owe, ReliableReads
-from queued.core import journal_format as jf
-from queued.core.errors import BadNameError, JournalError, QueueFullError
-from queued.core.open_reads import OpenReads, TimeoutHeapStatistics
-from queued.core.queue import Item
-from queued.core.stats import LATENCY_BUCKETS, Histogram
+from queued.errors import BadNameError, JournalError, QueueFullError
+from queued.journal import format as jf
+from queued.reader.open_reads import OpenReads, TimeoutHeapStatistics
+from queued.reader.state import Item
+from queued.stats import LATENCY_BUCKETS, Histogram
 from queued.storage.datadir import DataDir
 from queued.storage.journal import JournalStats
 

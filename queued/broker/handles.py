@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from queued.core.queue import NO_ITEMS, Item, Reader, ReaderCounters
+from queued.reader.state import NO_ITEMS, Item, Reader, ReaderCounters
 
 if TYPE_CHECKING:
     from queued.config import QueueConfig

@@ -21,8 +21,7 @@ import trio
 
 from queued.broker.handles import Handle, Waiter, Wake
 from queued.broker.readback import FETCH_MAX_ITEMS, read_ids, read_range, segment_sizes
-from queued.core import journal_format as jf
-from queued.core.errors import (
+from queued.errors import (
     ItemTooLargeError,
     JournalClosedError,
     JournalError,
@@ -30,8 +29,9 @@ from queued.core.errors import (
     QueueClosedError,
     QueueFullError,
 )
-from queued.core.producers import ProducerCounters, ProducerEntry, ProducerTable, Verdict
-from queued.core.queue import NO_ENTRIES, NO_ITEMS, Item, pack_max_for
+from queued.journal import format as jf
+from queued.reader.producers import ProducerCounters, ProducerEntry, ProducerTable, Verdict
+from queued.reader.state import NO_ENTRIES, NO_ITEMS, Item, pack_max_for
 from queued.storage.journal import QueueJournal, Ticket, put_overhead
 from queued.storage.recovery import SegmentInfo
 

@@ -23,16 +23,16 @@ from queued.broker import parking
 from queued.broker.handles import Handle
 from queued.broker.queues import Background, QueueState
 from queued.broker.readback import count_unconsumed, find_delayed, read_range
-from queued.core import journal_format as jf
-from queued.core.errors import (
+from queued.errors import (
     BadNameError,
     JournalError,
     QueueClosedError,
     QueuedError,
     TooManyQueuesError,
 )
-from queued.core.producers import ProducerCounters
-from queued.core.queue import Reader
+from queued.journal import format as jf
+from queued.reader.producers import ProducerCounters
+from queued.reader.state import Reader
 from queued.storage.datadir import DataDir
 from queued.storage.files import Checkpoint
 from queued.storage.journal import QueueJournal

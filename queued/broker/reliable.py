@@ -1,7 +1,7 @@
 """Reliable reads across queues: every connection's open reads and their deadlines, and
 what a confirm, an abort, a timeout, a hang-up or a delete does to them.
 
-The ledgers and the deadline heap are pure (`queued.core.open_reads`); this module
+The ledgers and the deadline heap are pure (`queued.reader.open_reads`); this module
 applies them to the queues: an open read ends in its ledger first, then in the
 reader holding it (found under the name it was taken by, aliases included). A
 confirm, and the error count of an abort, is journaled in the reader's file (one
@@ -19,9 +19,9 @@ import trio
 
 from queued.broker.handles import Handle
 from queued.broker.queues import Background, QueueState
-from queued.core.errors import NotOpenError, ReadStateError
-from queued.core.open_reads import OpenReads, TimeoutHeap
-from queued.core.queue import Item
+from queued.errors import NotOpenError, ReadStateError
+from queued.reader.open_reads import OpenReads, TimeoutHeap
+from queued.reader.state import Item
 from queued.storage.journal import Ticket
 
 log = logging.getLogger("queued.broker")

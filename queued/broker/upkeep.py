@@ -27,14 +27,14 @@ from queued.broker.broker import Broker, wall_ms
 from queued.broker.handles import Handle
 from queued.broker.parking import park_tick
 from queued.broker.queues import QueueState
-from queued.core.errors import (
+from queued.errors import (
     ItemTooLargeError,
     JournalError,
     NotSavedError,
     QueueClosedError,
     QueueFullError,
 )
-from queued.core.queue import Item
+from queued.reader.state import Item
 from queued.storage.datadir import open_data_dir
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ pure parts they share (errors, values, addresses, back-off, replies) are core's.
 """
 
 from queued.client.aio import AsyncClient, AsyncConsumer
-from queued.client.core import (
+from queued.client.common import (
     DEFAULT_PORT,
     AmbiguousPut,
     AuthFailed,

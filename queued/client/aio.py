@@ -2,7 +2,7 @@
 
 Owns each call's choice of server, failover and retry, and the queue operations built on
 calls (get's long-poll rotation, confirm/abort routing, reserve, consume). sync.py is
-GENERATED from this file (python queued/client/unasync.py): edit here, then regenerate.
+GENERATED from this file (python tools/unasync.py): edit here, then regenerate.
 All I/O goes through io_trio's names, which io_sync repeats for blocking sockets, so the
 twins differ by tokens alone: never import trio, socket or time here.
 """
@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager, suppress
 from types import TracebackType
 from typing import Any
 
-from queued.client.core import (
+from queued.client.common import (
     DEFAULT_PORT,
     FAILOVER,
     AmbiguousPut,
@@ -46,6 +46,7 @@ from queued.client.core import (
     settle_groups,
     to_items,
 )
+from queued.client.credentials import TlsOption, login, tls_context
 from queued.client.discovery import Found, resolve_soon
 from queued.client.io_trio import (
     Connection,
@@ -60,8 +61,7 @@ from queued.client.io_trio import (
     wait_for,
 )
 from queued.client.servers import LOOKUP_PATIENCE, Discovery, Pool, ServerState, lookup
-from queued.client.tls import TlsOption, login, tls_context
-from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
+from queued.wire.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 
 __all__ = ["AsyncClient", "AsyncConsumer"]
 

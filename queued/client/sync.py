@@ -1,4 +1,4 @@
-"""GENERATED from aio.py by queued/client/unasync.py: do not edit, regenerate.
+"""GENERATED from aio.py by tools/unasync.py: do not edit, regenerate.
 
 The blocking `Client`: `AsyncClient`'s code with its I/O (io_trio) swapped for blocking
 sockets (io_sync) and async/await removed, so both clients behave alike by construction.
@@ -14,7 +14,7 @@ from contextlib import contextmanager, suppress
 from types import TracebackType
 from typing import Any
 
-from queued.client.core import (
+from queued.client.common import (
     DEFAULT_PORT,
     FAILOVER,
     AmbiguousPut,
@@ -44,6 +44,7 @@ from queued.client.core import (
     settle_groups,
     to_items,
 )
+from queued.client.credentials import TlsOption, login, tls_context
 from queued.client.discovery import Found, resolve_soon
 from queued.client.io_sync import (
     Connection,
@@ -58,8 +59,7 @@ from queued.client.io_sync import (
     wait_for,
 )
 from queued.client.servers import LOOKUP_PATIENCE, Discovery, Pool, ServerState, lookup
-from queued.client.tls import TlsOption, login, tls_context
-from queued.core.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
+from queued.wire.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
 
 __all__ = ["Client", "Consumer"]
 

@@ -22,15 +22,15 @@ from importlib import resources
 from typing import TYPE_CHECKING, Final
 from urllib.parse import parse_qsl, unquote
 
-from queued.core.access import Grant, Permission
-from queued.core.errors import JournalError
-from queued.core.wire import ArgumentError, parse_address
+from queued.errors import JournalError
 from queued.server.history import History
 from queued.server.replies import JSON, Reply, json_reply
+from queued.wire.access import Grant, Permission
+from queued.wire.parsing import ArgumentError, parse_address
 
 if TYPE_CHECKING:
     from queued.broker.broker import Broker
-    from queued.core.queue import Item
+    from queued.reader.state import Item
 
 log = logging.getLogger("queued.console")
 

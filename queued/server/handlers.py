@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from queued import __version__
 from queued.config import ConfigError
-from queued.core import commands as c
-from queued.core.access import visible
+from queued.wire import commands as c
+from queued.wire.access import visible
 
 if TYPE_CHECKING:
     from queued.broker.broker import Broker
-    from queued.core.access import Grant
-    from queued.core.open_reads import OpenReads
-    from queued.core.queue import Item
+    from queued.reader.open_reads import OpenReads
+    from queued.reader.state import Item
     from queued.storage.journal import Ticket
+    from queued.wire.access import Grant
 
 log = logging.getLogger("queued.server")
 

@@ -6,7 +6,7 @@ rest to the connection's task (`serve_turns`); a TLS connection (or any other
 `trio.abc.Stream`) runs the receive loop of its own task (`run`). Owns that loop, the
 batching (every complete request in a chunk is run before one send; consecutive puts
 share one journal append and one fsync), long-poll gets with hang-up detection, the
-connection's open-read ledger and monitor. A codec (`queued.core.*_commands`) turns
+connection's open-read ledger and monitor. A codec (`queued.wire.*_commands`) turns
 bytes into protocol-neutral requests and replies into bytes; `handlers` says what each
 command does. Replies go out only once the confirms and aborts they acknowledge are
 durable (one wait per batch, the writer's round shared by all); one that could not be
@@ -35,17 +35,17 @@ from queued.broker.broker import (
 )
 from queued.broker.handles import Handle, Waiter
 from queued.broker.queues import QueueState
-from queued.core import commands as c
-from queued.core.access import Grant
-from queued.core.errors import ItemTooLargeError, ProtocolError
-from queued.core.open_reads import OpenReads
-from queued.core.queue import Item
-from queued.core.stats import ProtocolStats
-from queued.core.wire import ConnectionClosed
+from queued.errors import ItemTooLargeError, ProtocolError
+from queued.reader.open_reads import OpenReads
+from queued.reader.state import Item
 from queued.server.auth import Authenticator
 from queued.server.handlers import HANDLERS, Hub, not_durable
 from queued.server.transport import Transport, transport_of
+from queued.stats import ProtocolStats
 from queued.storage.journal import Ticket
+from queued.wire import commands as c
+from queued.wire.access import Grant
+from queued.wire.parsing import ConnectionClosed
 
 log = logging.getLogger("queued.server")
 

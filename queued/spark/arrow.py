@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.storage.journal_scan import PutChunk
 
 ARROW_SCHEMA = pa.schema([

@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from queued.core import journal_format as jf
-from queued.core.errors import QueuedError
+from queued.errors import QueuedError
+from queued.journal import format as jf
 
 
 class QueuedDataSourceError(QueuedError):

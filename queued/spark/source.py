@@ -1,5 +1,5 @@
 """The `queued` Spark data source: batch reads of journal directories here, streaming reads
-in `queued.spark.stream`, the sink (batch and streaming) in `queued.spark.writer`.
+in `queued.spark.stream`, the sink (batch and streaming) in `queued.spark.sink`.
 
 Owns the mapping between Spark's Python Data Source API and `queued.storage.journal_scan`
 for batch reads: which segments and ids a query reads, from the options (Kafka's names
@@ -41,8 +41,8 @@ from queued.spark.options import (
     timestamps_option,
 )
 from queued.spark.scan import DEFAULT_PARTITION_BYTES, SegmentPartition, SegmentRead
+from queued.spark.sink import QueuedStreamWriter, QueuedWriter
 from queued.spark.stream import QueuedStreamReader
-from queued.spark.writer import QueuedStreamWriter, QueuedWriter
 from queued.storage import journal_scan as js
 
 __all__ = [

@@ -20,15 +20,15 @@ from pathlib import Path
 import trio
 
 from queued.config.policies import DataDirConfig, FsyncMode, FsyncPolicy, JournalConfig
-from queued.core import journal_format as jf
-from queued.core.errors import (
+from queued.errors import (
     CorruptJournalError,
     CorruptRecordError,
     JournalClosedError,
     NotSavedError,
 )
-from queued.core.journal_names import PAUSED_FILE
-from queued.core.stats import HistogramSnapshot
+from queued.journal import format as jf
+from queued.journal.names import PAUSED_FILE
+from queued.stats import HistogramSnapshot
 from queued.storage import fileio
 from queued.storage.files import (
     NO_CHECKPOINT,

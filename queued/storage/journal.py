@@ -25,13 +25,13 @@ from typing import Any, Final, Protocol
 import trio
 
 from queued.config.policies import FsyncPolicy, FullPolicy, JournalConfig, MiB
-from queued.core import journal_format as jf
-from queued.core.errors import (
+from queued.errors import (
     JournalClosedError,
     JournalFullError,
     JournalWriteError,
 )
-from queued.core.queue import NO_ENTRIES, NO_ITEMS
+from queued.journal import format as jf
+from queued.reader.state import NO_ENTRIES, NO_ITEMS
 from queued.storage import compaction
 from queued.storage.compaction import CompactionResult, SegmentStore
 from queued.storage.files import (
@@ -58,7 +58,7 @@ MAX_BATCH_BYTES = 64 * MiB
 
 #: What a journal's planned chunks hold until the first (its reader ops and reader files
 #: hold NO_ENTRIES): a server may hold 10,000 idle queues, an empty list or dict each is
-#: ~60 B; shared and immutable, as a reader's empty containers are (queued.core.queue).
+#: ~60 B; shared and immutable, as a reader's empty containers are (queued.reader.state).
 NO_CHUNKS: Final[Any] = NO_ITEMS
 
 

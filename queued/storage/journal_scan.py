@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from queued.core import journal_format as jf
-from queued.core.errors import CorruptRecordError, QueuedError
+from queued.errors import CorruptRecordError, QueuedError
+from queued.journal import format as jf
 from queued.storage.files import Checkpoint, read_checkpoint
 
 #: Bytes read from a segment file per read call; bounds a scan's memory.

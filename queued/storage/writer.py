@@ -30,9 +30,9 @@ from typing import Any, TypeVar, cast
 import trio
 
 from queued.config.policies import FsyncMode, FsyncPolicy
-from queued.core import journal_format as jf
-from queued.core.errors import JournalWriteError
-from queued.core.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
+from queued.errors import JournalWriteError
+from queued.journal import format as jf
+from queued.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
 from queued.storage import fileio
 from queued.storage.files import fsync_dir, write_file_atomic, write_temp
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
-from queued.core.errors import (
+from queued.errors import (
     BadCommand,
     BadDataChunk,
     LineTooLong,
@@ -22,7 +22,7 @@ from queued.core.errors import (
     TooLarge,
     UnknownCommand,
 )
-from queued.core.wire import (
+from queued.wire.parsing import (
     MAX_DELAY_MS,
     MAX_TIMEOUT_MS,
     NEED_DATA,

@@ -7,30 +7,21 @@ by its caller; nothing allocates what a peer merely declares.
 
 from __future__ import annotations
 
-import enum
 import re
 from dataclasses import dataclass
-from typing import Final, Generic, Literal, TypeAlias, TypeVar
+from typing import Final, Generic, TypeVar
 
-from queued.core.errors import LocalProtocolError, ProtocolError, QueuedError
+from queued.errors import LocalProtocolError, ProtocolError, QueuedError
+from queued.sansio import MAX_DELAY_MS as MAX_DELAY_MS  # re-exported: what parsers share
+from queued.sansio import MAX_TIMEOUT_MS as MAX_TIMEOUT_MS
+from queued.sansio import NAME_PATTERN as NAME_PATTERN
+from queued.sansio import NAME_RE as NAME_RE
+from queued.sansio import NEED_DATA as NEED_DATA
+from queued.sansio import NeedData as NeedData
+from queued.sansio import Signal as Signal
+from queued.sansio import is_valid_name as is_valid_name
 
-#: Queue and reader names become file names: `[A-Za-z0-9_:-]{1,250}`.
-NAME_PATTERN: Final = rb"[A-Za-z0-9_:-]{1,250}"
-_NAME_RE: Final = re.compile(NAME_PATTERN)
 _INT_RE: Final = re.compile(rb"-?[0-9]+")
-#: Timeouts are capped as Kestrel's are: it parses them as a Java Int.
-MAX_TIMEOUT_MS: Final = (1 << 31) - 1
-#: Longest delay a put or an abort may ask for (memcache, text, RPC): 10 years, in ms;
-#: due times stay far inside the journal's i64 and inside what a client can mean.
-MAX_DELAY_MS: Final = 10 * 366 * 24 * 3600 * 1000
-
-
-class Signal(enum.Enum):
-    NEED_DATA = "NEED_DATA"
-
-
-NEED_DATA: Final = Signal.NEED_DATA
-NeedData: TypeAlias = Literal[Signal.NEED_DATA]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +49,8 @@ class LineOverflow(QueuedError):
 # -- names and numbers ------------------------------------------------------------------------
 
 
-def is_valid_name(name: str) -> bool:
-    """True if `name` may be a queue or reader name (they become file names)."""
-    return name.isascii() and _NAME_RE.fullmatch(name.encode("ascii")) is not None
-
-
 def parse_name(token: bytes, what: str) -> str:
-    if _NAME_RE.fullmatch(token) is None:
+    if NAME_RE.fullmatch(token) is None:
         raise ArgumentError(f"bad {what} name")
     return token.decode("ascii")
 

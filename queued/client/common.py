@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
-from queued.core.errors import QueuedError
-from queued.core.rpc_protocol import MAX_FLAGS, ErrorCode
-from queued.core.wire import MAX_DELAY_MS
+from queued.errors import QueuedError
+from queued.sansio import MAX_DELAY_MS
+from queued.wire.rpc_protocol import MAX_FLAGS, ErrorCode
 
 DEFAULT_PORT: Final = 2229
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
-from queued.core.errors import (
+from queued.errors import (
     BadNameError,
     ItemTooLargeError,
     JournalClosedError,
@@ -33,9 +33,13 @@ from queued.core.errors import (
     ReadStateError,
     TooManyQueuesError,
 )
-from queued.core.queue import Item
-from queued.core.stats import command_name
-from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData
+from queued.journal import records
+from queued.stats import command_name
+from queued.wire.parsing import NEED_DATA, ConnectionClosed, NeedData
+
+#: An item as a get returns it: the journal's PUT record (id, data, times, error count, flags).
+Item = records.Put
+
 
 # -- commands -----------------------------------------------------------------------------------
 

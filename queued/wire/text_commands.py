@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
-from queued.core import commands as c
-from queued.core import text_protocol as tp
-from queued.core.queue import Item
+from queued.wire import commands as c
+from queued.wire import text_protocol as tp
+from queued.wire.commands import Item
 
 NEWLINE_ERROR: Final = "Item contains a newline; use the memcache protocol."
 
@@ -69,7 +69,7 @@ _REFUSALS: Final = frozenset({c.ErrorKind.QUEUE_FULL, c.ErrorKind.ITEM_TOO_LARGE
 
 
 class TextCodec(c.LineCodec):
-    """One text connection's parser and tables (see `queued.core.commands.Codec`)."""
+    """One text connection's parser and tables (see `queued.wire.commands.Codec`)."""
 
     ordered = True
     closing: frozenset[c.ErrorKind] = frozenset()

@@ -1,7 +1,7 @@
 """Generates the blocking client (sync.py) from the trio client (aio.py) by token replacement.
 
 Owns the replacement rules and the generated file's docstring. Run it as a file, `python
-queued/client/unasync.py` (importing queued.client needs a whole sync.py); `--check` and
+tools/unasync.py` (importing queued.client needs a whole sync.py); `--check` and
 tests/test_client_unasync.py fail when sync.py has drifted. Its output must never need a
 hand edit: what differs beyond tokens belongs in io_trio / io_sync (httpcore's idea).
 """
@@ -16,8 +16,9 @@ import tokenize
 from pathlib import Path
 from typing import Final
 
-SOURCE: Final = Path(__file__).with_name("aio.py")
-TARGET: Final = Path(__file__).with_name("sync.py")
+CLIENT: Final = Path(__file__).resolve().parent.parent / "queued" / "client"
+SOURCE: Final = CLIENT / "aio.py"
+TARGET: Final = CLIENT / "sync.py"
 
 #: (pattern, replacement) per line, in this order (a rule sees the earlier rules' output);
 #: every rule must be used somewhere, so none outlives its purpose.
@@ -37,7 +38,7 @@ RULES: Final = tuple((re.compile(pattern), replacement) for pattern, replacement
 ))
 
 #: Replaces aio.py's module docstring, which describes the source, not this copy.
-DOCSTRING: Final = '''"""GENERATED from aio.py by queued/client/unasync.py: do not edit, regenerate.
+DOCSTRING: Final = '''"""GENERATED from aio.py by tools/unasync.py: do not edit, regenerate.
 
 The blocking `Client`: `AsyncClient`'s code with its I/O (io_trio) swapped for blocking
 sockets (io_sync) and async/await removed, so both clients behave alike by construction.
@@ -112,7 +113,7 @@ def main(argv: list[str]) -> int:
         sys.stdout.writelines(diff)
         return 1 if diff else 0
     if argv:
-        print("usage: python queued/client/unasync.py [--check]", file=sys.stderr)
+        print("usage: python tools/unasync.py [--check]", file=sys.stderr)
         return 2
     TARGET.write_text(generate(SOURCE.read_text()))
     return 0

@@ -4,7 +4,7 @@ Owns the byte layout of seed 002 (Kestrel's journal) plus ours: the extension en
 (command 13: check, FLAGS, DELAY, COMPACTED, INCARNATION), the older forms of those
 records (still read, never written), and READ_ERRORS / READ_DELAYS (reader files); and
 the values decoding yields. PURE: no file, clock, socket or trio access;
-queued.core.journal_format is the one import for users.
+queued.journal.format is the one import for users.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
-from queued.core.wire import MAX_DELAY_MS, NeedData
+from queued.sansio import MAX_DELAY_MS, NeedData
 
 __all__ = ["MAX_DELAY_MS"]  # (re-exported: journal_format lists every name)
 

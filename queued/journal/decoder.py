@@ -1,7 +1,7 @@
 """The incremental decoder of journal files (h11-style) and the search for check records.
 
 Owns telling records, torn tails and corruption apart in a stream of bytes.
-PURE: takes bytes and returns values (queued.core.journal_records); no file,
+PURE: takes bytes and returns values (queued.journal.records); no file,
 clock, socket or trio access.
 """
 
@@ -12,8 +12,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Final
 
-from queued.core.errors import BadMagicError, ChecksumMismatchError, CorruptRecordError
-from queued.core.journal_records import (
+from queued.errors import BadMagicError, ChecksumMismatchError, CorruptRecordError
+from queued.journal.records import (
     CHECK_MARK,
     CHECK_RECORD_SIZE,
     CHECK_STRUCT,
@@ -96,7 +96,7 @@ from queued.core.journal_records import (
     decode_producer,
     sealed_start,
 )
-from queued.core.wire import NEED_DATA
+from queued.sansio import NEED_DATA
 
 
 def record_length(buf: bytes | bytearray | memoryview, pos: int) -> int:

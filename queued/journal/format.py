@@ -1,6 +1,6 @@
 """The journal file format, in one import: records and their bytes, the decoder, file names.
 
-`from queued.core import journal_format as jf` gives every name of
+`from queued.journal import format as jf` gives every name of
 - journal_records: magic, command bytes (the extension envelope and the older forms),
   layouts, record values, encoding, decoder events;
 - journal_decoder: the incremental decoder (RecordDecoder), decode_all, find_valid_check_after,
@@ -9,7 +9,7 @@
 PURE, like its parts: no file, clock, socket or trio access.
 """
 
-from queued.core.journal_decoder import (
+from queued.journal.decoder import (
     CHECK_SEARCH_BUDGET,
     RecordDecoder,
     SegmentHead,
@@ -19,7 +19,7 @@ from queued.core.journal_decoder import (
     read_segment_head,
     record_length,
 )
-from queued.core.journal_names import (
+from queued.journal.names import (
     NAME_MAX,
     TEMP_MARK,
     FileRole,
@@ -32,7 +32,7 @@ from queued.core.journal_names import (
     temp_name,
     valid_name,
 )
-from queued.core.journal_records import (
+from queued.journal.records import (
     CHECK_MARK,
     CHECK_RECORD_SIZE,
     CHECK_STRUCT,
@@ -155,7 +155,7 @@ from queued.core.journal_records import (
     sealed_start,
     segment_head,
 )
-from queued.core.wire import NEED_DATA
+from queued.sansio import NEED_DATA
 
 __all__ = [
     "CHECK_MARK",

@@ -46,8 +46,8 @@ from itertools import islice
 from operator import attrgetter
 from typing import Any, Final, Protocol
 
-from queued.core.journal_format import DelayedPut, Put
-from queued.core.packed_items import BLOCK_ITEMS, SMALL_MAX, PackedItems
+from queued.journal.format import DelayedPut, Put
+from queued.reader.packed_items import BLOCK_ITEMS, SMALL_MAX, PackedItems
 
 Item = Put
 _PUT_ONLY: Final = frozenset({Put})  # (a DelayedPut is a Put subclass: not in it)

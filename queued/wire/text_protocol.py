@@ -11,14 +11,14 @@ import enum
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
-from queued.core.errors import (
+from queued.errors import (
     BadCommand,
     LineTooLong,
     LocalProtocolError,
     TooLarge,
     UnknownCommand,
 )
-from queued.core.wire import (
+from queued.wire.parsing import (
     MAX_DELAY_MS,
     MAX_TIMEOUT_MS,
     NEED_DATA,

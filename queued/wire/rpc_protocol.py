@@ -19,8 +19,8 @@ from typing import Any, Final, TypeAlias
 
 import msgpack
 
-from queued.core.errors import ProtocolError
-from queued.core.wire import (
+from queued.errors import ProtocolError
+from queued.wire.parsing import (
     MAX_DELAY_MS,
     NEED_DATA,
     ConnectionClosed,

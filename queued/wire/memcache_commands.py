@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-from queued.core import commands as c
-from queued.core import memcache_protocol as mc
-from queued.core.access import MAX_PASSWORD, MAX_USER_NAME
-from queued.core.errors import ProtocolError
-from queued.core.queue import Item
-from queued.core.stats import command_name
-from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData
+from queued.errors import ProtocolError
+from queued.stats import command_name
+from queued.wire import commands as c
+from queued.wire import memcache_protocol as mc
+from queued.wire.access import MAX_PASSWORD, MAX_USER_NAME
+from queued.wire.commands import Item
+from queued.wire.parsing import NEED_DATA, ConnectionClosed, NeedData
 
 #: memcache exptime values below this are relative seconds, as in memcached.
 RELATIVE_EXPTIME_LIMIT: Final = 1_000_000
@@ -65,7 +65,7 @@ def login_of(data: bytes, known: Callable[[str], bool]) -> c.Auth | None:
     A set is a login when its data has the shape of a credential pair of a configured
     user: a name `known` knows, a space, then at most MAX_PASSWORD bytes of UTF-8. That
     is enough: no pair outside this shape can be valid (names and passwords are capped,
-    see `queued.core.access`), so no password can be stored as an item, and only sets of
+    see `queued.wire.access`), so no password can be stored as an item, and only sets of
     this shape pay for a password check (scrypt); every other set costs a length test, or
     a split and a dict lookup when short.
     """
@@ -190,7 +190,7 @@ def _plain(ev: mc.Get) -> bool:
 
 
 class MemcacheCodec(c.LineCodec):
-    """One memcache connection's parser and tables (see `queued.core.commands.Codec`)."""
+    """One memcache connection's parser and tables (see `queued.wire.commands.Codec`)."""
 
     ordered = True
     closing = frozenset({K.READ_OPEN})

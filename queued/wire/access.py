@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Final
 
-from queued.core import commands as c
+from queued.wire import commands as c
 
 
 class Permission(enum.Enum):

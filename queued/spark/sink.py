@@ -24,7 +24,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import BinaryType, StringType, StructType
 
-from queued.client.core import (
+from queued.client.common import (
     AuthFailed,
     ClientError,
     ConnectionFailed,
@@ -36,9 +36,9 @@ from queued.client.core import (
     TooLarge,
     Unauthenticated,
 )
+from queued.client.credentials import tls_files_context
 from queued.client.servers import parse_servers
-from queued.client.tls import tls_files_context
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.spark.options import (
     WRITE_OPTIONS,
     Options,

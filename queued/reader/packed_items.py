@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import attrgetter
 
-from queued.core.journal_records import Put
+from queued.journal.records import Put
 
 #: Items per packed block: its fixed cost (~400 B: five objects and their headers) is
 #: ~3 B per item, and the memory a partly taken block keeps is at most this many items'.

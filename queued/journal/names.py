@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import Final
 
-from queued.core.wire import is_valid_name
+from queued.sansio import is_valid_name
 
 TEMP_MARK: Final = "~~"
 #: The data dir's list of paused queues, one name a line. No "." in it: never a

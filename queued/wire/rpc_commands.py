@@ -11,11 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from queued.core import commands as c
-from queued.core import rpc_protocol as rp
-from queued.core.errors import ProtocolError
-from queued.core.queue import Item
-from queued.core.wire import NEED_DATA, ConnectionClosed, NeedData
+from queued.errors import ProtocolError
+from queued.wire import commands as c
+from queued.wire import rpc_protocol as rp
+from queued.wire.commands import Item
+from queued.wire.parsing import NEED_DATA, ConnectionClosed, NeedData
 
 #: Notifications are run without a reply, except these: without a reply they would
 #: only lose items (get) or do nothing (peek, stats, version).
@@ -117,7 +117,7 @@ CODES: Final[dict[c.ErrorKind, rp.ErrorCode]] = {
 
 
 class RpcCodec:
-    """One RPC connection's parser and tables (see `queued.core.commands.Codec`).
+    """One RPC connection's parser and tables (see `queued.wire.commands.Codec`).
 
     A request's context is its msgid, or None for a notification (no reply is sent), or
     a `WithFlags` holding the msgid of a get that asked for its items' flags.

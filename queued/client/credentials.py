@@ -12,7 +12,7 @@ import ssl
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from queued.core.tls_records import read_records
+from queued.wire.tls_records import read_records
 
 #: `tls=`: None or False = plaintext; True = verify the server with the system's CAs;
 #: an `ssl.SSLContext` = as given (your CA, a client certificate for mutual TLS, ...).

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from queued.core.journal_records import ProducerMark
+from queued.journal.records import ProducerMark
 
 #: Defaults of the queue settings max_producers and producer_expiry.
 DEFAULT_MAX_PRODUCERS = 10_000

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Final
 
-from queued.client.core import (
+from queued.client.common import (
     CLOSING,
     BadResponse,
     ClientError,
@@ -18,7 +18,7 @@ from queued.client.core import (
     Timeout,
     call_error,
 )
-from queued.core.rpc_protocol import (
+from queued.wire.rpc_protocol import (
     MAX_MSGID,
     NEED_DATA,
     ConnectionClosed,
