@@ -61,10 +61,12 @@ async def wait_for(lookups: Collection[concurrent.futures.Future[Any]],
 @asynccontextmanager
 async def repeating(interval: float, fn: Callable[..., Awaitable[None]],
                     *args: Any) -> AsyncIterator[None]:
-    """Run `await fn(*args)` every `interval` seconds while the body runs (a task)."""
+    """Run `await fn(*args)` every `interval` seconds while the body runs (a task), at
+    the multiples of `interval` on trio's clock: loops with the same interval fall due
+    together (the first call comes within `interval`, not after exactly that)."""
     async def loop() -> None:
         while True:
-            await trio.sleep(interval)
+            await trio.sleep_until((trio.current_time() // interval + 1) * interval)
             await fn(*args)
 
     async with trio.open_nursery() as nursery:
