@@ -10,7 +10,6 @@ twins differ by tokens alone: never import trio, socket or time here.
 from __future__ import annotations
 
 import secrets
-import threading
 from collections.abc import AsyncGenerator, Iterable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
@@ -54,6 +53,7 @@ from queued.client.io_trio import (
     Connection,
     Lock,
     Network,
+    TableLock,
     call_gate,
     checkpoint,
     now,
@@ -172,7 +172,7 @@ class AsyncClient:
         self._beating: dict[int, list[Item]] = {}
         # reserve's reads found lost by a heartbeat (NotOpen): no more beats for them
         self._lost_reads: set[Item] = set()
-        self._beat_lock = threading.Lock()
+        self._beat_lock = TableLock()
         # Per server: the last failed connect (its number in _connect_failures, why), so
         # the calls that waited for that connect fail over at once instead of each
         # paying connect_timeout in turn.

@@ -28,6 +28,7 @@ from queued.client.servers import ServerState
 from queued.wire.rpc_protocol import Response
 
 Lock = threading.Lock
+TableLock = threading.Lock  # (see io_trio)
 now = time.monotonic
 sleep = time.sleep
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ssl
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from contextlib import (
     AbstractContextManager,
@@ -38,6 +39,9 @@ from queued.client.servers import ServerState
 from queued.wire.rpc_protocol import Response
 
 Lock = trio.Lock
+#: A lock held only around a table's update, never across a wait (the heartbeats' table):
+#: a thread lock in both clients (the blocking client's threads share the table).
+TableLock = threading.Lock
 now = trio.current_time
 checkpoint = trio.lowlevel.checkpoint
 sleep = trio.sleep

@@ -8,7 +8,6 @@ Every behaviour and its documentation live in aio.py; import from queued.client.
 from __future__ import annotations
 
 import secrets
-import threading
 from collections.abc import Generator, Iterable
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -52,6 +51,7 @@ from queued.client.io_sync import (
     Connection,
     Lock,
     Network,
+    TableLock,
     call_gate,
     checkpoint,
     now,
@@ -170,7 +170,7 @@ class Client:
         self._beating: dict[int, list[Item]] = {}
         # reserve's reads found lost by a heartbeat (NotOpen): no more beats for them
         self._lost_reads: set[Item] = set()
-        self._beat_lock = threading.Lock()
+        self._beat_lock = TableLock()
         # Per server: the last failed connect (its number in _connect_failures, why), so
         # the calls that waited for that connect fail over at once instead of each
         # paying connect_timeout in turn.
