@@ -4,8 +4,8 @@ Starts one `queued serve` (fsync never, a temp data dir, 127.0.0.1 on free ports
 --leases items (default 1,000) into queue `q`, and holds each in a reserve block of the
 async client with heartbeat=True, as a long job would: --conns clients (connections,
 default 10) share them evenly, and each item's heartbeat extends its read to
-auto_abort_ms from now every auto_abort_ms / 3 (the client's default; one RPC `extend` per
-item). While only heartbeats flow, the server's CPU time (user + system, /proc/<pid>/stat)
+auto_abort_ms from now every auto_abort_ms / 3 (the client's default; the beats of one
+client that fall due together go out as one RPC `extend` per connection). While only heartbeats flow, the server's CPU time (user + system, /proc/<pid>/stat)
 is read over a window of --intervals heartbeat intervals (default 3), placed so that
 each item beats exactly that many times in it. The same window is first measured with
 the server idle (no connection, nothing held), and again with the items held but no
