@@ -5,13 +5,15 @@ Starts one `queued serve` (fsync never, a temp data dir, 127.0.0.1 on free ports
 async client with heartbeat=True, as a long job would: --conns clients (connections,
 default 10) share them evenly, and each item's heartbeat extends its read to
 auto_abort_ms from now every auto_abort_ms / 3 (the client's default; the beats of one
-client that fall due together go out as one RPC `extend` per connection). While only heartbeats flow, the server's CPU time (user + system, /proc/<pid>/stat)
-is read over a window of --intervals heartbeat intervals (default 3), placed so that
-each item beats exactly that many times in it. The same window is first measured with
+client that fall due together go out as one RPC `extend` per connection). While only
+heartbeats flow, the server's CPU time (user + system, /proc/<pid>/stat) is read over a
+window of --intervals heartbeat intervals (default 3), placed so that each item beats
+exactly that many times in it. The same window is first measured with
 the server idle (no connection, nothing held), and again with the items held but no
 heartbeat: what the server spends anyway. Prints the share of one core for each, the
-extends the server counted (`queued_commands_total{protocol="rpc",command="extend"}`),
-and the heartbeats' own cost: (with heartbeats - held without) per second and per extend.
+extend calls the server counted (`queued_commands_total{protocol="rpc",command="extend"}`),
+and the heartbeats' own cost: (with heartbeats - held without) per second and per item
+beat.
 
     python bench/heartbeat_bench.py [--leases 1000] [--conns 10] [--lease-ms 60000,6000]
                                     [--intervals 3]
@@ -135,15 +137,16 @@ def main() -> None:
                 c.flush(QUEUE)
             print(f"\n{args.leases} leases of {lease_ms:,} ms over {args.conns} connections; "
                   f"window {window:.0f} s ({args.intervals} heartbeat intervals)")
-            print(f"{'':>20} {'server CPU':>10} {'% of a core':>11} {'extends':>8} "
+            print(f"{'':>20} {'server CPU':>10} {'% of a core':>11} {'extend calls':>12} "
                   f"{'held at end':>11}")
             for name, (cpu, n, still) in rows.items():
-                print(f"{name:>20} {cpu:9.2f}s {100 * cpu / window:10.2f}% {n:8,} {still:11,}")
+                print(f"{name:>20} {cpu:9.2f}s {100 * cpu / window:10.2f}% {n:12,} {still:11,}")
             beat_cpu = rows["heartbeats"][0] - rows["held, no heartbeat"][0]
             n = rows["heartbeats"][1]
+            beats = args.leases * args.intervals  # each item beats once an interval
             print(f"heartbeats alone: {100 * beat_cpu / window:.2f} % of a core "
-                  f"({n / window:,.0f} extends/s, "
-                  f"{beat_cpu / n * 1e6 if n else float('nan'):.0f} us of server CPU each)")
+                  f"({beats / window:,.0f} item beats/s in {n / window:,.1f} extend calls/s; "
+                  f"{beat_cpu / beats * 1e6:.1f} us of server CPU per item beat)")
     finally:
         proc.kill()
         proc.wait()
