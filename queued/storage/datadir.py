@@ -51,6 +51,7 @@ log = logging.getLogger("queued.datadir")
 #: removed when read back at start. No "." in it: never a journal file name.
 HISTORY_FILE = "queued-history"
 
+
 @dataclass(slots=True)
 class QueueRecovery:
     queue: str
