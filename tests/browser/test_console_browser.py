@@ -328,13 +328,17 @@ def test_a_chart_places_samples_by_time_and_breaks_at_a_gap(
     browser.open(server.url + "/")
     browser.wait("the first poll", lambda: "updated" in browser.find("#status").text)
     lines = browser.js(
-        "const svg = chart([{values: [1, 2, 3, 4, 5], times: [300, 310, 320, 900, 910],"
+        "const svg = chart([{values: [1, 2, 3, 4, 5], times: [100, 110, 120, 990, 1000],"
         " cls: 'depth'}], 90, 20, 'test');"
         "return Array.from(svg.querySelectorAll('polyline'),"
         " (p) => p.getAttribute('points'));")
-    assert len(lines) == 2  # 300-320 s, then 900-910 s
+    assert len(lines) == 2  # 100-120 s, then 990-1000 s
     first = [float(p.split(",")[0]) for p in lines[0].split()]
     second = [float(p.split(",")[0]) for p in lines[1].split()]
-    # 90 px for the 900 s that end at the last sample (910 s): 10 s a pixel from 10 s
-    assert first == [29.0, 30.0, 31.0] and second == [89.0, 90.0]
+    # 90 px for the 900 s from the first sample to the last: 10 s a pixel
+    assert first == [0.0, 1.0, 2.0] and second == [89.0, 90.0]
+    alone = browser.js(
+        "return chart([{values: [7], times: [5], cls: 'depth'}], 90, 20, 'one')"
+        ".querySelector('polyline').getAttribute('points');")
+    assert [p.split(",")[0] for p in alone.split()] == ["0.0", "90.0"]  # across the chart
     no_csp_violations(browser)

@@ -120,33 +120,35 @@ const SVG_NS = "http://www.w3.org/2000/svg";
 const HISTORY_MS = 10000;  // the server samples every 10 s
 let history = { queues: {}, interval_s: HISTORY_MS / 1000, window_s: 900 };
 
-// One small chart: each series {values, times (unix s), cls} a polyline placed by time over
-// the window ending at its last sample, all scaled to the largest value among them. A gap
-// (the server was down: the samples of a clean restart come back) breaks the line.
+// One small chart: each series {values, times (unix s), cls} a polyline placed by time, from
+// its first sample (at most 15 minutes back) to its last, all scaled to the largest value
+// among them. A gap (the server was down: the samples of a clean restart come back) breaks
+// the line. One point alone (a page opened soon after the start) is a flat line across.
 function chart(series, w, h, label) {
   const svg = document.createElementNS(SVG_NS, "svg");
   svg.setAttribute("width", w);
   svg.setAttribute("height", h);
   svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
   svg.setAttribute("class", "chart");
-  let max = 0, end = -Infinity;
+  let max = 0, begin = Infinity, end = -Infinity;
   for (const s of series) {
     for (const v of s.values) max = Math.max(max, v);
-    for (const t of s.times) end = Math.max(end, t);
+    for (const t of s.times) { begin = Math.min(begin, t); end = Math.max(end, t); }
   }
   svg.dataset.max = String(max);
   const title = document.createElementNS(SVG_NS, "title");
   title.textContent = `${label}, last 15 min (max ${fmtRate(max)})`;
   svg.appendChild(title);
-  const windowS = history.window_s || 900;
+  const start = Math.max(begin, end - (history.window_s || 900));
   const gapS = 2.5 * (history.interval_s || HISTORY_MS / 1000);
-  const x = (t) => Math.max(0, (w * (t - (end - windowS))) / windowS);
+  const x = (t) => (end > start ? Math.max(0, (w * (t - start)) / (end - start)) : w);
   const y = (v) => (h - 1 - (max > 0 ? (v / max) * (h - 2) : 0)).toFixed(1);
   for (const s of series) {
     let points = [];
     const flush = () => {
-      // One point alone (a page opened soon after the start): a short flat line.
-      if (points.length === 1) points = [[points[0][0] - 2, points[0][1]], points[0]];
+      if (points.length === 1) {  // alone in the chart: across it; after a gap: a dash
+        points = [[end > start ? Math.max(0, points[0][0] - 2) : 0, points[0][1]], points[0]];
+      }
       if (points.length > 1) {
         const line = document.createElementNS(SVG_NS, "polyline");
         line.setAttribute("points", points.map(([px, py]) => `${px.toFixed(1)},${py}`).join(" "));
