@@ -744,24 +744,27 @@ class AsyncClient:
                 batch.append(item)
                 return
             self._beating[ms] = batch = [item]
-        try:
-            await sleep(BEAT_GATHER)
-        finally:
-            with self._beat_lock:
-                del self._beating[ms]
-        try:
-            await self.extend(batch, ms)
-        except NotOpen:
-            for one in batch:
-                try:
-                    await self.extend(one, ms)
-                except NotOpen:
-                    with self._beat_lock:
-                        self._lost_reads.add(one)
-                except ClientError:
-                    pass
-        except ClientError:
-            pass
+        # The others' beats ride on this one: if its own block ends meanwhile, the beat
+        # still goes out (the block's exit waits that long, at most read_timeout).
+        with shielded(self.read_timeout):
+            try:
+                await sleep(BEAT_GATHER)
+            finally:
+                with self._beat_lock:
+                    del self._beating[ms]
+            try:
+                await self.extend(batch, ms)
+            except NotOpen:
+                for one in batch:
+                    try:
+                        await self.extend(one, ms)
+                    except NotOpen:
+                        with self._beat_lock:
+                            self._lost_reads.add(one)
+                    except ClientError:
+                        pass
+            except ClientError:
+                pass
 
     def consume(self, queue: str, *, batch: int = 100, timeout_ms: int = 1000,
                 auto_abort_ms: int = 0, max_items: int | None = None,
