@@ -533,3 +533,27 @@ def test_hang_up_error_count_durable_once_written_and_fsynced() -> None:
         assert counts == [[0], [1]]
     finally:
         m.teardown()
+
+
+def test_producer_snapshot_names_only_puts_on_disk() -> None:
+    """Found by the periodic machine: a checkpoint's compaction wrote the producer snapshot
+    with the mark of a put that was written but not yet fsynced (periodic), and dropped the
+    segment that held the producer's older mark. A power cut took the newer put; recovery
+    dropped its mark as torn, and the older put's items stayed without any mark, so a
+    re-send of it would have been stored twice. The snapshot now waits for an fsync of
+    what its marks name."""
+    m = PowerCutsPeriodic()
+    try:
+        m.counts_match()
+        m.produce(again=False, sizes=[0, 115, 200])
+        m.open(k=0)
+        m.open(k=1)
+        m.put(sizes=[91])
+        m.consume_batch(aborts=[False, False], k=0)
+        m.produce(again=False, sizes=[0])
+        m.checkpoint()
+        m.counts_match()
+        m.power_cut(tear=None)  # asserts: no put's items kept without its mark
+        m.counts_match()
+    finally:
+        m.teardown()

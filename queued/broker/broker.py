@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from queued.broker import parking
-from queued.broker.handles import Handle, Waiter, Wake
+from queued.broker.live_readers import LiveReader, Waiter, Wake
 from queued.broker.queues import Background, PendingPut, QueueState
 from queued.broker.readback import read_live
 from queued.broker.registry import BrokerCounters, Registry
@@ -334,7 +334,7 @@ class Broker:
             self.counters.cmd_get += 1
         qs = self.registry.queue(queue)
         rname = reader or ""
-        h = qs.readers.get(rname) or await self.registry.handle(qs, rname)
+        h = qs.readers.get(rname) or await self.registry.live_reader(qs, rname)
         if open:
             self.reads.room(client, self.config.max_open_reads)
         owner = client if open else None
@@ -375,7 +375,7 @@ class Broker:
         return it
 
     def _finish_get(
-        self, qs: QueueState, h: Handle, rname: str, it: Item, client: OpenReads | None,
+        self, qs: QueueState, h: LiveReader, rname: str, it: Item, client: OpenReads | None,
         open_timeout_ms: int | None = None,
     ) -> Item | None:
         """A held item becomes the client's open read (under the name the client used),
@@ -384,7 +384,7 @@ class Broker:
         return done[0] if done else None
 
     def _finish_many(
-        self, qs: QueueState, h: Handle, rname: str, items: list[Item],
+        self, qs: QueueState, h: LiveReader, rname: str, items: list[Item],
         client: OpenReads | None, open_timeout_ms: int | None,
     ) -> list[Item]:
         if client is None:
@@ -422,7 +422,7 @@ class Broker:
         started = time.perf_counter()
         qs = self.registry.queue(queue)
         rname = reader or ""
-        h = qs.readers.get(rname) or await self.registry.handle(qs, rname)
+        h = qs.readers.get(rname) or await self.registry.live_reader(qs, rname)
         if open:
             max_items = min(max_items, self.reads.room(client, self.config.max_open_reads))
         owner = client if open else None
@@ -478,7 +478,7 @@ class Broker:
         rname = reader or ""
         h = qs.readers.get(rname)
         if h is None:
-            raise trio.WouldBlock  # made durably, in `registry.handle`
+            raise trio.WouldBlock  # made durably, in `registry.live_reader`
         if open:
             max_items = min(max_items, self.reads.room(client, self.config.max_open_reads))
         taken = qs.take_nowait(h, max_items, max_bytes)
@@ -503,7 +503,7 @@ class Broker:
         return done
 
     def line_up(self, queue: str, reader: str | None, wake: Wake,
-                ) -> tuple[QueueState, Handle, Waiter]:
+                ) -> tuple[QueueState, LiveReader, Waiter]:
         """A get that waits without a task of its own (the reactor's long poll): in line
         with the other waiters of the reader, woken through `wake` when `serve` hands
         it an item (held for it) or the reader closes; then `end_wait`. Call it right
@@ -513,7 +513,7 @@ class Broker:
         self.counters.cmd_get += 1
         return qs, h, qs.line_up(h, False, wake)
 
-    def end_wait(self, qs: QueueState, h: Handle, rname: str, w: Waiter, *,
+    def end_wait(self, qs: QueueState, h: LiveReader, rname: str, w: Waiter, *,
                  client: OpenReads | None, open_timeout_ms: int | None,
                  take: bool = True) -> Item | None:
         """A lined-up get ends: the item it was handed (as a get's: consumed, or open
@@ -532,7 +532,7 @@ class Broker:
         qs = self.registry.queues.get(queue)
         return joined.has(queue) or (qs is not None and bool(qs.inflight))
 
-    def take_more(self, qs: QueueState, h: Handle, rname: str, max_items: int, max_bytes: int,
+    def take_more(self, qs: QueueState, h: LiveReader, rname: str, max_items: int, max_bytes: int,
                   nbytes: int, *, client: OpenReads | None,
                   open_timeout_ms: int | None) -> list[Item]:
         """After a waited get's first item: whatever more is in memory now (as
@@ -678,7 +678,7 @@ class Broker:
             raise BadNameError(f"invalid queue name {destination!r}")
         qs = self.registry.queue(source)
         rname = reader or ""
-        h = qs.readers.get(rname) or await self.registry.handle(qs, rname)
+        h = qs.readers.get(rname) or await self.registry.live_reader(qs, rname)
         interval = 1 / rate if rate else 0.0
         next_at = trio.current_time()
         moved = 0
@@ -824,7 +824,7 @@ class Broker:
             self.reads.forget(queue, reader, h)
             await qs.journal.remove_reader(reader)
             if not qs.readers and not qs.deleted:
-                await self.registry.handle(qs, "")
+                await self.registry.live_reader(qs, "")
             return True
         qs.deleted = True
         del self.queues[queue]
@@ -910,7 +910,7 @@ class Broker:
 
     # -- statistics ----------------------------------------------------------------------------
 
-    def reader_stats(self, qs: QueueState, h: Handle) -> dict[str, int]:
+    def reader_stats(self, qs: QueueState, h: LiveReader) -> dict[str, int]:
         return qs.reader_stats(h)
 
     def reader_info(self, queue: str, reader: str | None = None) -> dict[str, int]:

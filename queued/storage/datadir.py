@@ -343,6 +343,12 @@ class DataDir:
         self.queues[name] = j
         return j
 
+    async def sync_segment(self, journal: QueueJournal) -> None:
+        """fsync what `journal`'s segment has written and not synced, whatever its policy,
+        between rounds (a round may be writing it)."""
+        async with self._writer.paused():
+            await trio.to_thread.run_sync(journal.file.sync_now)
+
     async def park_queue(self, name: str, detach: Callable[[QueueJournal], bool]) -> bool:
         """Forget queue `name`'s journal and close its files (they stay) if it has
         nothing planned and nothing unsynced and `detach` agrees; True if it was parked.

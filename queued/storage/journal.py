@@ -160,6 +160,10 @@ class JournalHost(SegmentStore, Protocol):
         """The writer side of a reader's checkpoint file."""
         ...
 
+    async def sync_segment(self, journal: QueueJournal, /) -> None:
+        """fsync what `journal`'s segment has written and not synced, between rounds."""
+        ...
+
 
 class QueueJournal:
     """Segments and durable reader checkpoints of one queue.
@@ -612,7 +616,13 @@ class QueueJournal:
         return op.ticket
 
     async def write_producers(self, marks: list[jf.ProducerMark]) -> None:
-        """Replace the queue's producer snapshot (`q.producers`) durably."""
+        """Replace the queue's producer snapshot (`q.producers`) durably.
+
+        The puts its marks name must be on disk first, whatever the fsync policy: under
+        `periodic` a written put may not be yet, and a power cut that took it would make
+        recovery drop its mark as torn while the snapshot had replaced the producer's
+        older mark, whose put stayed (a re-send of it would then be stored twice)."""
+        await self.host.sync_segment(self)
         path = self.host.path / jf.producers_name(self.name)
         await trio.to_thread.run_sync(write_producers, path, marks)
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from queued.errors import ProtocolError
+from queued.errors import RemoteProtocolError
 from queued.wire import commands as c
 from queued.wire import rpc_protocol as rp
 from queued.wire.commands import Item
@@ -150,8 +150,8 @@ class RpcCodec:
         msgid: int | None
         if isinstance(ev, rp.Notification):
             if ev.method in NOTIFY_REFUSED:
-                raise ProtocolError(f"{ev.method} sent as a notification ignored (it needs a "
-                                    "reply)", reply=b"", close=False)
+                raise RemoteProtocolError(f"{ev.method} sent as a notification ignored (it "
+                                          "needs a reply)", reply=b"", close=False)
             ev, msgid = rp.Request(0, ev.method, ev.params), None
         else:
             msgid = ev.msgid
@@ -159,7 +159,7 @@ class RpcCodec:
             call = rp.parse_call(ev, self.max_batch)
         except rp.RpcError as exc:
             if msgid is None and not exc.close:  # a notification's error has nobody to go to
-                raise ProtocolError(str(exc), reply=b"", close=False) from None
+                raise RemoteProtocolError(str(exc), reply=b"", close=False) from None
             raise
         context: int | WithFlags | WithDeliveries | None = msgid
         if isinstance(call, rp.Get):

@@ -19,7 +19,7 @@ from typing import Any, Final, TypeAlias
 
 import msgpack
 
-from queued.errors import ProtocolError
+from queued.errors import RemoteProtocolError
 from queued.wire.parsing import (
     MAX_DELAY_MS,
     NEED_DATA,
@@ -102,7 +102,7 @@ class ErrorCode(enum.IntEnum):
     PRODUCER_GAP = 18  #: a put's producer sequence skipped ahead of the next; nothing stored
 
 
-class RpcError(ProtocolError):
+class RpcError(RemoteProtocolError):
     """A request the peer got wrong (or we refuse): its error reply and whether to close.
 
     The reply answers `msgid`, or is an `error` notification when the msgid is unknown.
