@@ -17,7 +17,7 @@ of what was acknowledged:
   acknowledged was written when it was answered; a disconnect's error counts are
   answered to nobody and written by the next writer round, so `sync` first waits for
   that round (the journal's tickets): "no unsynced byte" alone can also mean "not
-  written yet", and the count is then still lost by a cut (README, Durability).
+  written yet", and the count is then still lost by a cut (docs/durability.md).
 
 A cut drops everything unsynced, or (`tear`) keeps a random part of each file's unsynced
 appends, as pages written back before the power went out would: torn batches.

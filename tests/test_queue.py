@@ -683,7 +683,7 @@ class ReaderMachine(RuleBasedStateMachine):
 
     def expected_next(self, *, promoting: bool = True) -> list[int]:
         """In delivery order, but due items whose data is on disk: the items in memory
-        may come before those (the README's Delayed delivery says so); `_take` reads
+        may come before those (docs/queues.md, Delayed delivery, says so); `_take` reads
         them back once memory has nothing else. `promoting`: for a take or a peek, which
         first move what is due from the delay heap (a sweep or a discard does not)."""
         waiting = set(self.delays)

@@ -404,8 +404,8 @@ class Session:
             log.info("%s: %s before authenticating: closed", self.name, r.name,
                      extra={"event": "unauthenticated", "peer": self.name})
             self._answer(r, c.Failure(c.ErrorKind.UNAUTHENTICATED,
-                                      "unauthenticated: log in first (see the README's "
-                                      "Security section)"))
+                                      "unauthenticated: log in first (see "
+                                      "docs/security.md)"))
             self.done = True
             return True
         self._answer(r, await self.authenticate(auth))

@@ -684,7 +684,7 @@ def _auth(r: Request, max_batch: int) -> Auth:
     return Auth(r.msgid, user, password)
 
 
-#: method name -> parser of its params. The signatures are in the README.
+#: method name -> parser of its params. The signatures are in docs/protocols.md.
 METHODS: Final[dict[str, Callable[[Request, int], Call]]] = {
     "put": _put,
     "get": _get,
