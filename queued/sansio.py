@@ -1,5 +1,5 @@
 """What every sans-IO parser and file format shares: NEED_DATA, the name rule for queues and
-readers, and the limits on timeouts and delays.
+readers, and the limits on timeouts, delays and deduplication keys.
 
 PURE: no I/O. The wire codecs (queued.wire) and the journal format (queued.journal) both
 import it; it imports nothing of queued.
@@ -19,6 +19,8 @@ MAX_TIMEOUT_MS: Final = (1 << 31) - 1
 #: Longest delay a put or an abort may ask for (memcache, text, RPC): 10 years, in ms;
 #: due times stay far inside the journal's i64 and inside what a client can mean.
 MAX_DELAY_MS: Final = 10 * 366 * 24 * 3600 * 1000
+#: Longest deduplication key a put may carry (memcache, text, RPC; the DEDUP record's cap).
+MAX_DEDUP_KEY: Final = 64
 
 class Signal(enum.Enum):
     NEED_DATA = "NEED_DATA"

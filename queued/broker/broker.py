@@ -217,19 +217,22 @@ class Broker:
         delay_ms: int = 0,
         producer: bytes | None = None,
         sequence: int = 0,
+        key: bytes | None = None,
     ) -> int:
         """Journal `datas`; returns once durable under the queue's fsync policy.
 
         `expire_ms` is absolute unix milliseconds; `flags` are the items' memcache
         flags (u32); `delay_ms` > 0 keeps the items invisible that long; `producer` and
-        `sequence`: an exactly-once put (a repeat stores nothing and returns 0). Raises
+        `sequence`: an exactly-once put (a repeat stores nothing and returns 0); `key`: a
+        deduplication key (a put whose key was stored within the queue's dedup_window
+        stores nothing and returns 0). Raises
         QueueFullError, ItemTooLargeError, JournalError (write failures, journal full),
         ProducerGapError, ValueError.
         """
         self.counters.cmd_set += 1
         entry = await self.begin_put(queue, datas, expire_ms=expire_ms, error_count=error_count,
                                      flags=flags, delay_ms=delay_ms, producer=producer,
-                                     sequence=sequence)
+                                     sequence=sequence, key=key)
         # Shielded: the readers must hear about every durable put, in id order,
         # even if the caller is cancelled. The wait is one writer round.
         with trio.CancelScope(shield=True):
@@ -247,10 +250,12 @@ class Broker:
         delay_ms: int = 0,
         producer: bytes | None = None,
         sequence: int = 0,
+        key: bytes | None = None,
     ) -> PendingPut:
         """First half of `put`: checks, limits, ids; hands the items to the writer.
         With a `producer` (exactly-once puts), see `QueueState.begin_put`: a repeat of
         its last put stores nothing (`PendingPut.answer`), a gap raises ProducerGapError.
+        With a deduplication `key`, likewise a put whose key is in the window (no gap).
 
         Every PendingPut must be passed to `end_put`. A session begins each put of
         a pipelined batch before ending any, so they share one write and one fsync.
@@ -260,7 +265,7 @@ class Broker:
         started = time.perf_counter()
         pending = await self.registry.queue(queue).begin_put(
             datas, expire_ms=expire_ms, error_count=error_count, flags=flags, delay_ms=delay_ms,
-            producer=producer, sequence=sequence)
+            producer=producer, sequence=sequence, key=key)
         pending.started = started
         return pending
 
@@ -274,13 +279,14 @@ class Broker:
         delay_ms: int = 0,
         producer: bytes | None = None,
         sequence: int = 0,
+        key: bytes | None = None,
     ) -> PendingPut:
         """`begin_put` that never waits: trio.WouldBlock (nothing changed) when the
         queue must make room first (a parked queue loads here, synchronously)."""
         started = time.perf_counter()
         pending = self.registry.queue(queue).begin_put_nowait(
             datas, expire_ms=expire_ms, error_count=0, flags=flags, delay_ms=delay_ms,
-            producer=producer, sequence=sequence)
+            producer=producer, sequence=sequence, key=key)
         pending.started = started
         return pending
 

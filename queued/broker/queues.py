@@ -30,6 +30,7 @@ from queued.errors import (
     QueueFullError,
 )
 from queued.journal import format as jf
+from queued.reader.dedup import DedupCounters, DedupTable
 from queued.reader.producers import ProducerCounters, ProducerEntry, ProducerTable, Verdict
 from queued.reader.state import NO_ENTRIES, NO_ITEMS, Item, pack_max_for
 from queued.storage.journal import QueueJournal, Ticket, put_overhead
@@ -54,8 +55,9 @@ class Inflight:
 class PendingPut:
     """A put handed to the writer, not yet known durable (see Broker.begin_put).
 
-    A put with a producer id has an `answer`: (first id, count, duplicate); a duplicate
-    stores nothing and waits for the ticket of the put it repeats, if that is in flight.
+    A put with a producer id or a deduplication key has an `answer`: (first id, count,
+    duplicate); a duplicate stores nothing and waits for the ticket of the put it
+    repeats, if that is in flight.
     """
 
     qs: QueueState
@@ -64,6 +66,7 @@ class PendingPut:
     started: float = 0.0  # time.perf_counter() when begin_put was called
     answer: tuple[int, int, bool] | None = None
     producer: ProducerEntry | None = None  # the entry this put stored
+    key: bytes | None = None  # the deduplication key this put stored
 
 
 def durable(pending: object) -> bool:
@@ -117,9 +120,10 @@ class QueueState:
     """See the module docstring. `clock` is the broker's wall clock (unix ms)."""
 
     __slots__ = ("_reader_lock", "background", "busy", "clock", "config", "create_time_ms",
-                 "deleted", "delivered", "idle_since", "inflight", "inflight_bytes",
-                 "inflight_items", "journal", "name", "paused", "producer_counters", "producers",
-                 "producers_saved", "readers", "unsaved_checkpoints", "used")
+                 "dedup", "dedup_counters", "dedup_saved", "deleted", "delivered", "idle_since",
+                 "inflight", "inflight_bytes", "inflight_items", "journal", "name", "paused",
+                 "producer_counters", "producers", "producers_saved", "readers",
+                 "unsaved_checkpoints", "used")
 
     def __init__(
         self,
@@ -129,6 +133,7 @@ class QueueState:
         clock: Callable[[], int],
         background: Background,
         producer_counters: ProducerCounters | None = None,
+        dedup_counters: DedupCounters | None = None,
     ) -> None:
         self.name = name
         self.journal = journal
@@ -161,6 +166,14 @@ class QueueState:
             self.producer_table().restore(journal.producer_marks, clock())
             journal.producer_marks = NO_ITEMS
             self.producers_saved = -1  # (marks read from segments: in no snapshot yet)
+        #: deduplication keys stored within their window (None until the first, or recovered)
+        self.dedup: DedupTable | None = None
+        self.dedup_saved = 0  # dedup.changes the snapshot file holds
+        self.dedup_counters = dedup_counters
+        if journal.dedup_marks:
+            self.dedup_table().restore(journal.dedup_marks, clock())
+            journal.dedup_marks = NO_ITEMS
+            self.dedup_saved = -1
 
     @property
     def reader_lock(self) -> trio.Lock:
@@ -187,6 +200,7 @@ class QueueState:
     async def begin_put(
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
         delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
+        key: bytes | None = None,
     ) -> PendingPut:
         """Checks, limits, ids; hands the items to the writer (see Broker.begin_put)."""
         if not datas:
@@ -200,6 +214,8 @@ class QueueState:
         if producer is not None and self.producers is not None and self.producers.verdict(
                 producer, sequence, now) is not Verdict.STORE:
             room = False  # (a repeat or a gap stores nothing: it makes no room either)
+        elif key is not None and self.dedup is not None and self.dedup.seen(key, now):
+            room = False  # (likewise a duplicate key)
         elif room or self.journal.config.max_journal_size:
             self.busy += 1  # (these awaits show in no other way: the queue must not park)
             try:
@@ -207,11 +223,12 @@ class QueueState:
             finally:
                 self.busy -= 1
         return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
-                             producer, sequence)
+                             producer, sequence, key)
 
     def begin_put_nowait(
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
         delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
+        key: bytes | None = None,
     ) -> PendingPut:
         """`begin_put` without waiting: trio.WouldBlock (nothing changed) when the put
         must first make room (per-reader limits, max_journal_size)."""
@@ -221,7 +238,7 @@ class QueueState:
         if self.needs_room() or self.journal.config.max_journal_size:
             raise trio.WouldBlock
         return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
-                             producer, sequence)
+                             producer, sequence, key)
 
     def producer_table(self) -> ProducerTable:
         t = self.producers
@@ -229,8 +246,29 @@ class QueueState:
             cfg = self.config
             t = self.producers = ProducerTable(cfg.max_producers, cfg.producer_expiry,
                                                self.producer_counters)
-            self.journal.before_compact = self.save_producers
+            self.journal.before_compact = self.save_marks
         return t
+
+    def dedup_table(self) -> DedupTable:
+        t = self.dedup
+        if t is None:
+            cfg = self.config
+            t = self.dedup = DedupTable(cfg.max_dedup_keys, cfg.dedup_window,
+                                        self.dedup_counters)
+            self.journal.before_compact = self.save_marks
+        return t
+
+    async def save_marks(self) -> None:
+        """Write the producer and key snapshots that changed (see save_producers)."""
+        await self.save_producers()
+        t = self.dedup
+        if t is None or t.changes == self.dedup_saved or self.deleted:
+            return
+        t.trim(self.clock())  # (keys past the window need no saving)
+        changes, complete = t.changes, t.all_durable(durable)
+        await self.journal.write_dedup(t.marks(durable))
+        if complete:
+            self.dedup_saved = changes
 
     async def save_producers(self) -> None:
         """Write the producer snapshot (`q.producers`) if it changed: before a compaction
@@ -289,13 +327,19 @@ class QueueState:
 
     def _reserve(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
                  error_count: int, flags: int, delay_ms: int, nbytes: int,
-                 producer: bytes | None = None, sequence: int = 0) -> PendingPut:
+                 producer: bytes | None = None, sequence: int = 0,
+                 key: bytes | None = None) -> PendingPut:
         """Ids and the journal append (the writer makes it durable); in flight until ended.
         With a producer: a repeat answered as the original, a gap refused, else the
-        append carries the producer's mark."""
+        append carries the producer's mark. With a key: likewise (no gap)."""
         if self.deleted:
             raise QueueClosedError(f"queue {self.name!r} was deleted")
         due_ms = now + delay_ms if delay_ms > 0 else None
+        if key is not None:
+            if producer is not None:
+                raise ValueError("a put carries a producer or a deduplication key, not both")
+            return self._reserve_keyed(datas, now, expire_ms, error_count, flags, due_ms,
+                                       nbytes, key)
         if producer is not None:
             table, repeat = self._producer_check(producer, sequence, now)
             if repeat is not None:
@@ -310,6 +354,31 @@ class QueueState:
         puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
                                                   due_ms)
         return self._inflight(puts, ticket, nbytes, due_ms, len(datas))
+
+    def _reserve_keyed(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
+                       error_count: int, flags: int, due_ms: int | None, nbytes: int,
+                       key: bytes) -> PendingPut:
+        """_reserve of a put with a deduplication key: a duplicate answered as the put
+        that stored the key (once that is durable), else stored with a DEDUP record."""
+        t = self.dedup_table()
+        e = t.entries.get(key)
+        if e is not None and isinstance(e.pending, Ticket) and e.pending.event.is_set():
+            if e.pending.error is not None:
+                t.forget(key, e)  # its put failed: never stored
+            else:
+                e.pending = None
+        e = t.check(key, now)
+        if e is not None:
+            ticket = e.pending if isinstance(e.pending, Ticket) else None
+            return PendingPut(self, Inflight([], done=True), ticket,
+                              answer=(e.first_id, e.count, True))
+        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
+                                                  due_ms, dedup=key)
+        t.store(key, puts[0].id, len(puts), now, ticket)
+        pending = self._inflight(puts, ticket, nbytes, due_ms, len(datas))
+        pending.answer = (puts[0].id, len(puts), False)
+        pending.key = key
+        return pending
 
     def _inflight(self, puts: list[jf.Put], ticket: Ticket, nbytes: int, due_ms: int | None,
                   n: int) -> PendingPut:
@@ -345,6 +414,13 @@ class QueueState:
                 for p, e in list(self.producers.entries.items()):
                     if e is mark:
                         self.producers.forget(p, e)  # never stored: forget it
+        if pending.key is not None and self.dedup is not None:
+            kept = self.dedup.entries.get(pending.key)
+            if kept is not None and kept.pending is ticket:
+                if error is None:
+                    kept.pending = None  # durable: the entry keeps no ticket
+                else:
+                    self.dedup.forget(pending.key, kept)  # never stored: forget it
         if not entry.puts:
             if error is not None:
                 raise error  # (a repeat of a put that failed)
@@ -722,9 +798,10 @@ class QueueState:
 
         The segment is read (in a thread) so items that were only on disk are
         subtracted exactly; ids in a reader's `done` were never counted. The producer
-        snapshot is written first: the segment's PRODUCER records go with it.
+        snapshot is written first: the segment's PRODUCER records go with it (and the
+        key snapshot: its DEDUP records).
         """
-        await self.save_producers()
+        await self.save_marks()
         sizes: list[tuple[int, int, bool]] = []
         if any(h.reader.behind is not None and h.reader.behind <= seg.last_id
                for h in self.readers.values()):

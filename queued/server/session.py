@@ -572,7 +572,7 @@ class Session:
         for r, put in group:
             if isinstance(result, Exception):
                 self._answer(r, self._failure(r, result))
-            elif result.answer is not None:  # (a put with a producer: alone in its group)
+            elif result.answer is not None:  # (a put with a producer or key: alone in its group)
                 self.out += encode(r, c.ProducerStored(result.answer[1], result.answer[0],
                                                        result.answer[2]))
             else:
@@ -583,7 +583,7 @@ class Session:
         first = group[0][1]
         return await self.broker.begin_put(queue, items, expire_ms=expire_ms, flags=flags,
                                            delay_ms=delay_ms, producer=first.producer,
-                                           sequence=first.sequence)
+                                           sequence=first.sequence, key=first.key)
 
     def _put_of(self, group: list[tuple[c.Request, c.Put]],
                 ) -> tuple[str, Sequence[bytes], int | None, int, int]:
@@ -795,21 +795,23 @@ class Session:
                     group[0][1], run[began + len(group)][1]):
                 group.append(run[began + len(group)])
             result: PendingPut | JoinedPut | Exception
-            producer = group[0][1].producer
-            if producer is not None and any(type(p) is JoinedPut for _, p in self.begun):
+            first = group[0][1]
+            producer, key = first.producer, first.key
+            alone = producer is not None or key is not None  # (its mark is its own)
+            if alone and any(type(p) is JoinedPut for _, p in self.begun):
                 # Not begun before the joined puts sent ahead of it (begun after every
                 # connection ran): it waits for the next pass, so ids keep the order sent.
                 return began
             try:
                 queue, items, expire_ms, flags, delay_ms = self._put_of(group)
                 joined = self.joined
-                if producer is None and joined is not None and joined.can_join(queue):
+                if not alone and joined is not None and joined.can_join(queue):
                     result = joined.add(queue, items, expire_ms, flags, delay_ms)
-                else:  # (a put with a producer is never joined: its mark is its own)
+                else:  # (checked and recorded here, in the pass: a key's second put finds it)
                     result = b.begin_put_nowait(queue, items, expire_ms=expire_ms,
                                                 flags=flags, delay_ms=delay_ms,
-                                                producer=producer,
-                                                sequence=group[0][1].sequence)
+                                                producer=producer, sequence=first.sequence,
+                                                key=key)
             except trio.WouldBlock:
                 return began
             except Exception as exc:
@@ -1058,7 +1060,7 @@ def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c
 
 def _same_append(a: c.Put, b: c.Put) -> bool:
     """Puts that may share one journal append: same queue, expiry, flags and delay, and
-    no producer (a put with one has its own append, its mark after its items)."""
+    no producer or key (a put with one has its own append, its mark after its items)."""
     return (a.queue == b.queue and a.ttl_ms == b.ttl_ms and a.expire_at_ms == b.expire_at_ms
             and a.flags == b.flags and a.delay_ms == b.delay_ms and a.producer is None
-            and b.producer is None)
+            and b.producer is None and a.key is None and b.key is None)

@@ -39,6 +39,7 @@ from queued.storage.files import (
     SegmentInfo,
     encode_checkpoint,
     read_segment,
+    write_dedup,
     write_producers,
 )
 from queued.storage.writer import (
@@ -124,7 +125,7 @@ class Planned(Chunk):
     """A chunk waiting for the writer, with the tickets of the appends it carries."""
 
     tickets: list[Ticket] = field(default_factory=list)
-    marks: int = 0  # PRODUCER records in it
+    marks: int = 0  # PRODUCER and DEDUP records in it
 
 
 @dataclass(eq=False, slots=True)
@@ -196,6 +197,8 @@ class QueueJournal:
         self.before_compact: Callable[[], Awaitable[None]] | None = None
         #: the producer marks recovery read (snapshot and segments), for the queue to take
         self.producer_marks: list[jf.ProducerMark] = NO_CHUNKS
+        #: the deduplication keys recovery read (snapshot and segments), likewise
+        self.dedup_marks: list[jf.DedupMark] = NO_CHUNKS
         self._pending: list[Planned] = NO_CHUNKS  # a list from the first append on
         self._pending_bytes = 0
         self._reader_ops: dict[str, list[PlannedOp]] = NO_ENTRIES  # a dict from the first op
@@ -251,13 +254,15 @@ class QueueJournal:
         flags: int = 0,
         due_ms: int | None = None,
         producer: tuple[bytes, int] | None = None,
+        dedup: bytes | None = None,
     ) -> tuple[list[jf.Put], Ticket]:
         """Queue `datas` for the writer; ids are assigned here, in order. Non-zero
         `flags` (memcache flags, the same for every item) lead each PUT with a FLAGS
         record; flags 0 write nothing more. `due_ms` (unix ms) leads each PUT with a
         DELAY record and makes the records DelayedPuts; None writes nothing more.
         `producer` (id, sequence): a PRODUCER record follows the last PUT, in its batch,
-        so the mark is durable exactly when the whole put is."""
+        so the mark is durable exactly when the whole put is. `dedup` (a deduplication
+        key): likewise a DEDUP record."""
         if self._closed:
             raise JournalClosedError(f"journal of queue {self.name!r} is closed")
         if self.file.failed is not None:
@@ -288,9 +293,10 @@ class QueueJournal:
         # A put with a producer stays in one segment and one batch (it rotates or starts a
         # batch before its first item, never within): else a cut could keep its first
         # items without its mark.
-        whole = 0 if producer is None or not datas else (
-            sum(map(len, datas)) + len(pack_head(0, 1)) * len(datas)
-            + jf.PRODUCER_FIXED_DATA + 5 + len(producer[0]))
+        trailer = (0 if producer is None else jf.PRODUCER_FIXED_DATA + 5 + len(producer[0])) + (
+            0 if dedup is None else jf.DEDUP_FIXED_DATA + 5 + len(dedup))
+        whole = 0 if not trailer or not datas else (
+            sum(map(len, datas)) + len(pack_head(0, 1)) * len(datas) + trailer)
         for data in datas:
             next_id += 1
             head = pack_head(len(data), next_id)
@@ -324,14 +330,11 @@ class QueueJournal:
                                       flags, due_ms))
         self.last_id = next_id
         if producer is not None and puts:
-            mark = jf.producer_record(jf.ProducerMark(producer[0], producer[1], puts[0].id,
-                                                      len(puts), add_time_ms))
-            chunk = self._pending[-1]  # the one holding the last PUT
-            chunk.add(mark, b"")
-            chunk.marks += 1
-            if self._proj_size is not None:
-                self._proj_size += len(mark)
-            self._pending_bytes += len(mark)
+            self._add_mark(jf.producer_record(jf.ProducerMark(
+                producer[0], producer[1], puts[0].id, len(puts), add_time_ms)))
+        if dedup is not None and puts:
+            self._add_mark(jf.dedup_record(jf.DedupMark(dedup, puts[0].id, len(puts),
+                                                        add_time_ms)))
         self._appends += 1
         self._items += len(puts)
         if not puts:
@@ -339,6 +342,15 @@ class QueueJournal:
         else:
             self.host.note_pending(self)
         return puts, ticket
+
+    def _add_mark(self, mark: bytes) -> None:
+        """A PRODUCER or DEDUP record after the last PUT, in the chunk holding it."""
+        chunk = self._pending[-1]
+        chunk.add(mark, b"")
+        chunk.marks += 1
+        if self._proj_size is not None:
+            self._proj_size += len(mark)
+        self._pending_bytes += len(mark)
 
     def _append_small(
         self,
@@ -615,6 +627,11 @@ class QueueJournal:
         """Replace the queue's producer snapshot (`q.producers`) durably."""
         path = self.host.path / jf.producers_name(self.name)
         await trio.to_thread.run_sync(write_producers, path, marks)
+
+    async def write_dedup(self, marks: list[jf.DedupMark]) -> None:
+        """Replace the queue's key snapshot (`q.dedup`) durably."""
+        path = self.host.path / jf.dedup_name(self.name)
+        await trio.to_thread.run_sync(write_dedup, path, marks)
 
     async def write_checkpoint(
         self, reader: str, head: int, done: Sequence[int] = (),

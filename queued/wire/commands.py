@@ -58,6 +58,8 @@ class Put:
     #: exactly-once puts (RPC): the producer id and this put's sequence (from 1)
     producer: bytes | None = None
     sequence: int = 0
+    #: a deduplication key (memcache, text, RPC): stored once within the queue's window
+    key: bytes | None = None
 
     def expire_ms(self, now_ms: int) -> int | None:
         if self.expire_at_ms is not None:

@@ -33,6 +33,7 @@ from queued.wire.parsing import (
     NeedData,
     ParserStatistics,
     parse_address,
+    parse_dedup_key,
     parse_int,
     parse_name,
     parse_queue,
@@ -55,6 +56,7 @@ class Set:
     data: bytes
     noreply: bool = False
     delay_ms: int = 0  # `set <queue>/delay=<ms>`: invisible that long (a sixth slot: free)
+    key: bytes | None = None  # `set <queue>/key=<k>`: a deduplication key
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,6 +351,7 @@ class MemcacheParser(LineParser["Command"]):
         self._skip = 0
         self._pending: tuple[str, int, int, bool, int] | None = None
         self._pending_delay = 0  # the delay of the set whose data block is pending
+        self._pending_key: bytes | None = None  # its deduplication key
         #: line -> its Get, or (queue, flags, exptime, size) of a plain set
         self._lines: dict[bytes, Get | tuple[str, int, int, int]] = {}
 
@@ -401,9 +404,10 @@ class MemcacheParser(LineParser["Command"]):
                 assert data is not None
                 self._pending = None
                 self._state = _State.LINE
-                if self._pending_delay:
+                if self._pending_delay or self._pending_key is not None:
                     delay, self._pending_delay = self._pending_delay, 0
-                    return Set(queue, flags, exptime, data, noreply, delay)
+                    key, self._pending_key = self._pending_key, None
+                    return Set(queue, flags, exptime, data, noreply, delay, key)
                 return Set(queue, flags, exptime, data, noreply)
             elif self._state is _State.SKIP:
                 self._skip -= self.buffer.skip(self._skip)
@@ -514,14 +518,22 @@ class MemcacheParser(LineParser["Command"]):
         try:
             address, *options = core[0].split(b"/")
             queue = parse_queue(address)
-            if options:
-                if len(options) != 1 or not options[0].startswith(b"delay="):
-                    raise ArgumentError("unknown set option (only delay=<ms>)")
-                self._pending_delay = parse_int(options[0][6:], "delay", 0, MAX_DELAY_MS)
+            delay, seen = 0, set[bytes]()
+            key: bytes | None = None
+            for option in options:  # each once, in any order
+                opt, eq, value = option.partition(b"=")
+                if not eq or opt in seen or opt not in (b"delay", b"key"):
+                    raise ArgumentError("unknown or repeated set option (delay=<ms>, "
+                                        "key=<k>)")
+                seen.add(opt)
+                if opt == b"key":
+                    key = parse_dedup_key(value)
+                else:
+                    delay = parse_int(value, "delay", 0, MAX_DELAY_MS)
             flags = parse_int(core[1], "flags", 0, MAX_FLAGS)
             exptime = parse_int(core[2], "exptime", I64_MIN, I64_MAX)
+            self._pending_delay, self._pending_key = delay, key
         except ArgumentError as e:
-            self._pending_delay = 0
             self._begin_skip(size)
             raise BadCommand(str(e), reply=quiet if quiet is not None else client_error(str(e)),
                              close=False) from None

@@ -48,7 +48,7 @@ class WithDeliveries:
 COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
     rp.Put: lambda call: c.Put(call.queue, call.items, ttl_ms=call.expiration_ms or None,
                                flags=call.flags, delay_ms=call.delay_ms,
-                               producer=call.producer, sequence=call.sequence),
+                               producer=call.producer, sequence=call.sequence, key=call.key),
     rp.Confirm: lambda call: c.Confirm(call.queue, call.reader, ids=call.ids),
     rp.Abort: lambda call: c.Abort(call.queue, call.reader, ids=call.ids,
                                    delay_ms=call.delay_ms),

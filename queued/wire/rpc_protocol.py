@@ -21,6 +21,7 @@ import msgpack
 
 from queued.errors import ProtocolError
 from queued.wire.parsing import (
+    MAX_DEDUP_KEY,
     MAX_DELAY_MS,
     NEED_DATA,
     ConnectionClosed,
@@ -342,6 +343,7 @@ class Put:
     delay_ms: int = 0  # > 0: the items stay invisible that long (delayed delivery)
     producer: bytes | None = None  # exactly-once puts: 1..64 bytes naming the producer
     sequence: int = 0  # with a producer: this put's number, 1..2**64-1
+    key: bytes | None = None  # a deduplication key: 1..64 bytes naming the whole put
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,7 +514,7 @@ def _arity(msgid: int, method: str, params: list[Any], lo: int, hi: int) -> None
 
 def _put(r: Request, max_batch: int) -> Put:
     p = r.params
-    _arity(r.msgid, "put", p, 2, 7)
+    _arity(r.msgid, "put", p, 2, 8)
     queue, reader = _address(r.msgid, p[0])
     if reader is not None:
         raise RpcError(ErrorCode.BAD_QUEUE_NAME,
@@ -530,6 +532,8 @@ def _put(r: Request, max_batch: int) -> Put:
     expiration = _int(r.msgid, p[2], "expiration_ms", 0, 2**53) if len(p) > 2 else 0
     flags = _int(r.msgid, p[3], "flags", 0, MAX_FLAGS) if len(p) > 3 else 0
     delay = _int(r.msgid, p[4], "delay_ms", 0, MAX_DELAY_MS) if len(p) > 4 else 0
+    if len(p) > 7 and p[7] is not None:
+        return _keyed_put(r.msgid, p, queue, items, expiration, flags, delay)
     if len(p) < 6 or p[5] is None:
         return Put(r.msgid, queue, items, expiration, flags, delay)
     producer = p[5]
@@ -543,6 +547,21 @@ def _put(r: Request, max_batch: int) -> Put:
     if not items:
         raise _bad(r.msgid, "a put with a producer takes at least one item")
     return Put(r.msgid, queue, items, expiration, flags, delay, producer, sequence)
+
+
+def _keyed_put(msgid: int, p: list[Any], queue: str, items: list[bytes], expiration: int,
+               flags: int, delay: int) -> Put:
+    """A put with a deduplication key (the eighth param): not with a producer."""
+    key = p[7]
+    if type(key) is str:
+        key = key.encode()
+    if type(key) is not bytes or not 0 < len(key) <= MAX_DEDUP_KEY:
+        raise _bad(msgid, f"key must be 1 to {MAX_DEDUP_KEY} bytes")
+    if p[5] is not None:
+        raise _bad(msgid, "a put takes a producer or a key, not both")
+    if not items:
+        raise _bad(msgid, "a put with a key takes at least one item")
+    return Put(msgid, queue, items, expiration, flags, delay, key=key)
 
 
 def _get(r: Request, max_batch: int) -> Get:
