@@ -7,7 +7,7 @@ checkpoint written whole and one with appended batches. It must return every ite
 order, with its id, data, add time, expiry and error count, and each reader's head and
 out-of-order confirms, under both of libkestrel's rules for skipping a record it does not
 know (its released one, and the first one, which skips by data size alone), PRODUCER
-records (exactly-once puts) included.
+records (exactly-once puts) and DEDUP records (deduplication keys) included.
 
 Then a data directory in the format of earlier releases, made here from fixed bytes
 (the older forms: command 7 checks, command 4 FLAGS, 5 DELAY, 6 COMPACTED, 12
@@ -92,6 +92,11 @@ async def test_libkestrel_reads_every_kind_of_file_we_write(tmp_path: Path) -> N
             puts, ticket = q.append_nowait(batch, T0 + 3, flags=5, producer=(b"p-1", seq))
             await wait_durable(ticket)
             sent += puts
+        # Puts with deduplication keys: a DEDUP record after each one's last item.
+        for key, batch in ((b"order-1", [b"keyed-1", b"keyed-2"]), (b"order/2", [b"keyed-3"])):
+            puts, ticket = q.append_nowait(batch, T0 + 3, due_ms=T0 + 9, dedup=key)
+            await wait_durable(ticket)
+            sent += puts
         for i in range(10):  # rotation: several segments
             sent += await q.append([BIG + data_for(i)], T0 + 4 + i)
         # A checkpoint written whole: head, out-of-order confirms, an abort's error count,
@@ -131,6 +136,9 @@ async def test_libkestrel_reads_every_kind_of_file_we_write(tmp_path: Path) -> N
              if isinstance(d.record, jf.ProducerMark)]
     assert marks == [jf.ProducerMark(b"p-1", 1, 6, 2, T0 + 3),
                      jf.ProducerMark(b"p-1", 2, 8, 1, T0 + 3)]
+    keys = [d.record for path in q_segments for d in jf.decode_all(path.read_bytes())
+            if isinstance(d.record, jf.DedupMark)]
+    assert keys == [jf.DedupMark(b"order-1", 9, 2, T0 + 3), jf.DedupMark(b"order/2", 11, 1, T0 + 3)]
 
     # The compaction's output holds the stragglers; the last segment the one after them.
     c_segments = segment_paths(data, "c")

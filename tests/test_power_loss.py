@@ -178,6 +178,10 @@ class PowerCuts(RuleBasedStateMachine):
         #: exactly-once puts of producer P: the last sequence put, the last known durable
         self.produced = self.produced_durable = 0
         self.sequence_of: dict[bytes, int] = {}  # item -> the sequence of its put
+        #: puts with deduplication keys: key -> the items of the put that stored it, and
+        #: the keys whose put is known durable
+        self.keyed: dict[bytes, list[bytes]] = {}
+        self.keyed_durable: set[bytes] = set()
 
     def teardown(self) -> None:
         try:
@@ -288,6 +292,49 @@ class PowerCuts(RuleBasedStateMachine):
         if again:
             assert self.host.run(lambda: self.broker.put("q", datas, producer=P,
                                                          sequence=seq)) == 0
+
+    @rule(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=3), k=st.integers(0, 3),
+          again=st.booleans())
+    def put_keyed(self, sizes: list[int], k: int, again: bool) -> None:
+        """A put with deduplication key k: stored when the queue does not hold the key,
+        else nothing (its items, never known to the model, must never show up);
+        `again`: then the same put re-sent, which stores nothing."""
+        key = b"key-%d" % k
+        if key in self.keyed:
+            datas = [b"never stored %d" % i for i in range(len(sizes))]
+            assert self.host.run(lambda: self.broker.put("q", datas, key=key)) == 0
+            return
+        datas = self._new_items(sizes, b"K")
+        assert self.host.run(lambda: self.broker.put("q", datas, key=key)) == len(datas)
+        self.keyed[key] = datas
+        for data in datas:
+            self.items[data].put_durable = self._durable_now()
+        if self._durable_now():
+            self.keyed_durable.add(key)
+        if again:
+            assert self.host.run(lambda: self.broker.put("q", datas, key=key)) == 0
+
+    def _check_keys(self, recovered: dict[bytes, tuple[int, int]]) -> None:
+        """A key's DEDUP record is durable exactly when its put is: a key the recovered
+        table holds has its items kept (or consumed: under "always"), a key it does not
+        hold has none kept; every key known durable is held (under "always")."""
+        qs = self.broker.queues.get("q")
+        table = set() if qs is None or qs.dedup is None else set(qs.dedup.entries)
+        always = self.FSYNC == "always"
+        for key, datas in self.keyed.items():
+            if key in table:
+                for data in datas:
+                    it = self.items.get(data)
+                    assert not always or data in recovered or (
+                        it is not None and it.state in ("taken", "confirmed")), (
+                        f"key {key!r} is held, its item {data!r} is gone")
+            else:
+                assert not (always and key in self.keyed_durable), f"durable {key!r} lost"
+                kept = [d for d in datas if d in recovered]
+                assert not kept, f"the put of {key!r} is kept without its key: {kept}"
+        assert table <= set(self.keyed), f"keys never put: {table - set(self.keyed)}"
+        self.keyed = {k: d for k, d in self.keyed.items() if k in table}
+        self.keyed_durable = set(self.keyed)
 
     def _check_producer(self, recovered: dict[bytes, tuple[int, int]]) -> None:
         """The producer's mark is durable exactly when its put is: the recovered table
@@ -416,6 +463,7 @@ class PowerCuts(RuleBasedStateMachine):
         self.unwritten.clear()
         self._wait_fsynced()
         self.produced_durable = self.produced
+        self.keyed_durable = set(self.keyed)
         for it in self.items.values():
             it.put_durable = True
             it.confirm_durable = it.confirm_durable or it.state == "confirmed"
@@ -433,9 +481,11 @@ class PowerCuts(RuleBasedStateMachine):
         self.clients = [self._client() for _ in range(N_CLIENTS)]
         recovered = self.host.sync(self._recovered)
         self._check_producer(recovered)
+        self._check_keys(recovered)
         self._check_recovered(recovered)
         # (an item consumed before the cut is out of the model now: of its put too)
         self.sequence_of = {d: s for d, s in self.sequence_of.items() if d in self.items}
+        self.keyed = {k: [d for d in datas if d in self.items] for k, datas in self.keyed.items()}
 
     def _recovered(self) -> dict[bytes, tuple[int, int]]:
         """data -> (id, error count) of what the recovered journal holds unconsumed."""
