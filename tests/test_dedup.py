@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import signal
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -211,6 +212,50 @@ async def test_same_key_twice_in_one_pass_stores_one(tmp_path: Path) -> None:
         assert sorted(got[10:]) == [b"plain"] * 32 + [b"same"]
         for conn in (m, *conns):
             await conn.aclose()
+
+
+def read_socket(sock: socket.socket, end: bytes) -> bytes:
+    sock.settimeout(WAIT)
+    got = b""
+    while not got.endswith(end):
+        chunk = sock.recv(4096)
+        assert chunk
+        got += chunk
+    return got
+
+
+async def test_two_connections_one_key_one_pass_and_the_order_sent_kept(
+        tmp_path: Path) -> None:
+    """Both connections' sets arrive before the reactor runs (plain sockets, no await
+    between the sends): one pass holds them, and the synchronous core checks and records
+    the key there: one is stored. A keyed set sent after a plain one (joined with the other
+    connection's) keeps its place: ids follow the order each connection sent."""
+    async with running(cfg(tmp_path)) as server:
+        port = server.ports["memcache"]
+        a = socket.create_connection(("127.0.0.1", port))
+        b = socket.create_connection(("127.0.0.1", port))
+        try:
+            for sock in (a, b):  # both accepted and served by the reactor
+                sock.sendall(b"version\r\n")
+                assert (await trio.to_thread.run_sync(read_socket, sock, b"\r\n")).startswith(
+                    b"VERSION")
+            a.sendall(mc_set(b"q", b"a1") + mc_set(b"q/key=k", b"a2") + mc_set(b"q", b"a3"))
+            b.sendall(mc_set(b"q", b"b1") + mc_set(b"q/key=k", b"b2") + mc_set(b"q", b"b3"))
+            for sock in (a, b):
+                assert await trio.to_thread.run_sync(
+                    read_socket, sock, b"STORED\r\n" * 3) == b"STORED\r\n" * 3
+        finally:
+            a.close()
+            b.close()
+        c = await Rpc.open(server.ports["rpc"])
+        got = await drain(c, "q")
+        assert sorted(got) in ([b"a1", b"a2", b"a3", b"b1", b"b3"],
+                               [b"a1", b"a3", b"b1", b"b2", b"b3"])
+        for first, second, third in ((b"a1", b"a2", b"a3"), (b"b1", b"b2", b"b3")):
+            kept = [x for x in (first, second, third) if x in got]
+            assert [x for x in got if x in kept] == kept  # each connection's order
+        assert server.broker.registry.dedup_counters.duplicates == 1
+        await c.aclose()
 
 
 # -- durability --------------------------------------------------------------------------------
