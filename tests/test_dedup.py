@@ -258,6 +258,37 @@ async def test_two_connections_one_key_one_pass_and_the_order_sent_kept(
         await c.aclose()
 
 
+async def test_keyed_puts_that_wait_for_room_are_checked_when_they_begin(
+        tmp_path: Path) -> None:
+    """A queue with max_items: puts make room on the task path (not the pass). Keyed puts
+    pipelined there, a key three times over: each key stored once; a duplicate makes no
+    room (discard_old_when_full: a stored put would push the oldest item out)."""
+    toml = "[queues.q]\nmax_items = 4\ndiscard_old_when_full = true\n"
+    async with running(cfg(tmp_path, toml)) as server:
+        m = await Conn.open(server.ports["memcache"])
+        await m.send(b"".join(mc_set(b"q/key=k%d" % (i // 3), b"%d" % (i // 3))
+                              for i in range(12)))
+        assert [await m.line() for _ in range(12)] == [b"STORED"] * 12
+        await m.send(b"".join(mc_set(b"q/key=k%d" % i, b"again") for i in range(4)))
+        assert [await m.line() for _ in range(4)] == [b"STORED"] * 4
+        assert [await m.get("q") for _ in range(5)] == [b"0", b"1", b"2", b"3", None]
+        await m.aclose()
+
+
+async def test_a_parked_queue_keeps_its_keys(tmp_path: Path) -> None:
+    """A queue parked on disk (its state dropped) reads its keys back when it loads."""
+    config = cfg(tmp_path, park_after="100ms", checkpoint_interval="50ms")
+    async with running(config) as server:
+        c = await Rpc.open(server.ports["rpc"])
+        assert await c.call("put", "q", [b"a"], *keyed(b"k")) == [1, 1, False]
+        with trio.fail_after(WAIT):
+            while "q" not in server.broker.registry.parked:
+                await trio.sleep(0.01)
+        assert await c.call("put", "q", [b"a"], *keyed(b"k")) == [1, 1, True]
+        assert await drain(c, "q") == [b"a"]
+        await c.aclose()
+
+
 # -- durability --------------------------------------------------------------------------------
 
 
