@@ -789,6 +789,7 @@ class Session:
         joined one that failed and is retried one by one on the task path)."""
         began = 0
         b = self.broker
+        joined_ahead = any(type(p) is JoinedPut for _, p in self.begun)  # (once: not per put)
         while began < len(run):
             group = [run[began]]
             while began + len(group) < len(run) and _same_append(
@@ -798,7 +799,7 @@ class Session:
             first = group[0][1]
             producer, key = first.producer, first.key
             alone = producer is not None or key is not None  # (its mark is its own)
-            if alone and any(type(p) is JoinedPut for _, p in self.begun):
+            if alone and joined_ahead:
                 # Not begun before the joined puts sent ahead of it (begun after every
                 # connection ran): it waits for the next pass, so ids keep the order sent.
                 return began
@@ -822,6 +823,7 @@ class Session:
             b.counters.cmd_set += n
             self.stats.count(group[0][0].name, n)
             self.begun.append((group, result))
+            joined_ahead = joined_ahead or type(result) is JoinedPut
             began += len(group)
         return began
 
