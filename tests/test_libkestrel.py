@@ -92,11 +92,16 @@ async def test_libkestrel_reads_every_kind_of_file_we_write(tmp_path: Path) -> N
             puts, ticket = q.append_nowait(batch, T0 + 3, flags=5, producer=(b"p-1", seq))
             await wait_durable(ticket)
             sent += puts
-        # Puts with deduplication keys: a DEDUP record after each one's last item.
-        for key, batch in ((b"order-1", [b"keyed-1", b"keyed-2"]), (b"order/2", [b"keyed-3"])):
-            puts, ticket = q.append_nowait(batch, T0 + 3, due_ms=T0 + 9, dedup=key)
-            await wait_durable(ticket)
-            sent += puts
+        # Puts with deduplication keys: a DEDUP record after each one's last item (a put of
+        # its own; puts joined into one append, one without a key among them).
+        puts, ticket = q.append_nowait([b"keyed-0"], T0 + 3, dedup=[(0, 1, b"order-0")])
+        await wait_durable(ticket)
+        sent += puts
+        puts, ticket = q.append_nowait(
+            [b"keyed-1", b"keyed-2", b"not keyed", b"keyed-3"], T0 + 3, due_ms=T0 + 9,
+            dedup=[(0, 2, b"order-1"), (3, 4, b"order/2")])
+        await wait_durable(ticket)
+        sent += puts
         for i in range(10):  # rotation: several segments
             sent += await q.append([BIG + data_for(i)], T0 + 4 + i)
         # A checkpoint written whole: head, out-of-order confirms, an abort's error count,
@@ -138,7 +143,12 @@ async def test_libkestrel_reads_every_kind_of_file_we_write(tmp_path: Path) -> N
                      jf.ProducerMark(b"p-1", 2, 8, 1, T0 + 3)]
     keys = [d.record for path in q_segments for d in jf.decode_all(path.read_bytes())
             if isinstance(d.record, jf.DedupMark)]
-    assert keys == [jf.DedupMark(b"order-1", 9, 2, T0 + 3), jf.DedupMark(b"order/2", 11, 1, T0 + 3)]
+    assert keys == [jf.DedupMark(b"order-0", 9, 1, T0 + 3), jf.DedupMark(b"order-1", 10, 2, T0 + 3),
+                    jf.DedupMark(b"order/2", 13, 1, T0 + 3)]
+    records = [d.record for path in q_segments for d in jf.decode_all(path.read_bytes())]
+    after = {r.data: records[i + 1] for i, r in enumerate(records) if isinstance(r, jf.Put)}
+    assert after[b"keyed-2"] == keys[1] and after[b"keyed-3"] == keys[2]  # each part's last
+    assert isinstance(after[b"keyed-1"], jf.Put) and isinstance(after[b"not keyed"], jf.Put)
 
     # The compaction's output holds the stragglers; the last segment the one after them.
     c_segments = segment_paths(data, "c")

@@ -373,7 +373,7 @@ class QueueState:
             return PendingPut(self, Inflight([], done=True), ticket,
                               answer=(e.first_id, e.count, True))
         puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
-                                                  due_ms, dedup=key)
+                                                  due_ms, dedup=((0, len(datas), key),))
         t.store(key, puts[0].id, len(puts), now, ticket)
         pending = self._inflight(puts, ticket, nbytes, due_ms, len(datas))
         pending.answer = (puts[0].id, len(puts), False)

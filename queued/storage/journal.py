@@ -254,15 +254,17 @@ class QueueJournal:
         flags: int = 0,
         due_ms: int | None = None,
         producer: tuple[bytes, int] | None = None,
-        dedup: bytes | None = None,
+        dedup: Sequence[tuple[int, int, bytes]] = (),
     ) -> tuple[list[jf.Put], Ticket]:
         """Queue `datas` for the writer; ids are assigned here, in order. Non-zero
         `flags` (memcache flags, the same for every item) lead each PUT with a FLAGS
         record; flags 0 write nothing more. `due_ms` (unix ms) leads each PUT with a
         DELAY record and makes the records DelayedPuts; None writes nothing more.
         `producer` (id, sequence): a PRODUCER record follows the last PUT, in its batch,
-        so the mark is durable exactly when the whole put is. `dedup` (a deduplication
-        key): likewise a DEDUP record."""
+        so the mark is durable exactly when the whole put is. `dedup`: (start, end, key) of
+        each part of `datas` put with a deduplication key (a put, or the puts of a pass
+        joined into this append): a DEDUP record naming datas[start:end] follows the PUT of
+        datas[end - 1], and the whole append stays in one batch likewise."""
         if self._closed:
             raise JournalClosedError(f"journal of queue {self.name!r} is closed")
         if self.file.failed is not None:
@@ -284,7 +286,9 @@ class QueueJournal:
         if self._proj_size is not None and not self._pending:
             # This call opens a new round's batch, which a check record will seal.
             self._proj_size += jf.CHECK_RECORD_SIZE
-        if datas and largest < ZERO_COPY_BYTES and self._proj_size is not None:
+        # (one DEDUP record, after the last item: the bulk path's; more: item by item)
+        bulk = not dedup or (len(dedup) == 1 and dedup[0][:2] == (0, len(datas)))
+        if datas and largest < ZERO_COPY_BYTES and self._proj_size is not None and bulk:
             puts = self._append_small(datas, pack_head, ticket, add_time_ms, expire_time_ms,
                                       error_count, flags, due_ms)
             if puts:
@@ -294,10 +298,15 @@ class QueueJournal:
         # batch before its first item, never within): else a cut could keep its first
         # items without its mark.
         trailer = (0 if producer is None else jf.PRODUCER_FIXED_DATA + 5 + len(producer[0])) + (
-            0 if dedup is None else jf.DEDUP_FIXED_DATA + 5 + len(dedup))
+            sum(jf.DEDUP_FIXED_DATA + 5 + len(k) for _, _, k in dedup))
         whole = 0 if not trailer or not datas else (
             sum(map(len, datas)) + len(pack_head(0, 1)) * len(datas) + trailer)
-        for data in datas:
+        first = self.last_id + 1  # the id of datas[0]
+        after: dict[int, list[tuple[int, int, bytes]]] = {}  # last item -> its DEDUP records
+        if not bulk:
+            for part in dedup:
+                after.setdefault(part[1] - 1, []).append(part)
+        for i, data in enumerate(datas):
             next_id += 1
             head = pack_head(len(data), next_id)
             size = len(head) + len(data)
@@ -328,12 +337,15 @@ class QueueJournal:
                         if due_ms is None else
                         jf.DelayedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
                                       flags, due_ms))
+            for start, end, key in after.get(i, ()):
+                self._add_mark(jf.dedup_record(jf.DedupMark(key, first + start, end - start,
+                                                            add_time_ms)))
         self.last_id = next_id
         if producer is not None and puts:
             self._add_mark(jf.producer_record(jf.ProducerMark(
                 producer[0], producer[1], puts[0].id, len(puts), add_time_ms)))
-        if dedup is not None and puts:
-            self._add_mark(jf.dedup_record(jf.DedupMark(dedup, puts[0].id, len(puts),
+        if dedup and bulk and puts:
+            self._add_mark(jf.dedup_record(jf.DedupMark(dedup[0][2], puts[0].id, len(puts),
                                                         add_time_ms)))
         self._appends += 1
         self._items += len(puts)
