@@ -52,14 +52,16 @@ log = logging.getLogger("queued.broker")
 
 class JoinedPut:
     """One connection's part of a put joined with others (`JoinedPuts`): ended, or why
-    it failed."""
+    it failed; a part with a deduplication key has its own `answer` (first id, count,
+    duplicate)."""
 
-    __slots__ = ("ended", "error", "pending")
+    __slots__ = ("answer", "ended", "error", "pending")
 
     def __init__(self) -> None:
         self.pending: PendingPut | None = None
         self.error: Exception | None = None
         self.ended = False
+        self.answer: tuple[int, int, bool] | None = None
 
 
 class JoinedPuts:
@@ -68,14 +70,19 @@ class JoinedPuts:
     hand-off to the readers), begun after every connection has run (`begin_all`) and
     ended after the pass's commit (`end_all`). A queue that must make room first (or is
     not loaded) is not joined: its puts begin on their own. A joined append that is
-    refused is retried part by part, so each connection gets its own answer."""
+    refused is retried part by part, so each connection gets its own answer.
+
+    A put with a deduplication key is joined too: its key is checked and reserved when it
+    is added (`QueueState.join_key`), so a second put of the key in the pass follows the
+    first (answered as it, storing nothing), and its DEDUP record goes after its items."""
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
-        #: (queue, expire_ms, flags, delay_ms) -> (the items, [(part, how many), ...])
+        #: (queue, expire_ms, flags, delay_ms) -> (the items, [(part, how many, key), ...])
         self._joins: dict[tuple[str, int | None, int, int],
-                          tuple[list[bytes], list[tuple[JoinedPut, int]]]] = {}
+                          tuple[list[bytes], list[tuple[JoinedPut, int, bytes | None]]]] = {}
         self._begun: list[tuple[PendingPut | None, list[JoinedPut]]] = []
+        self._followers: list[tuple[JoinedPut, JoinedPut]] = []  # (a duplicate, its leader)
 
     def has(self, queue: str) -> bool:
         """Puts to `queue` are joined, not yet begun."""
@@ -86,29 +93,48 @@ class JoinedPuts:
         return qs is not None and not (qs.needs_room() or qs.journal.config.max_journal_size)
 
     def add(self, queue: str, items: Sequence[bytes], expire_ms: int | None, flags: int,
-            delay_ms: int) -> JoinedPut:
+            delay_ms: int, key: bytes | None = None) -> JoinedPut | PendingPut:
+        """The part of a put in the pass; with a `key` already stored before the pass, the
+        duplicate's PendingPut instead (not joined: it stores nothing)."""
         part = JoinedPut()
-        key = (queue, expire_ms, flags, delay_ms)
-        join = self._joins.get(key)
+        if key is not None:
+            seen = self.broker.registry.queues[queue].join_key(key, part)
+            if isinstance(seen, PendingPut):
+                return seen
+            if seen is not None:  # an earlier part of this pass stored it
+                assert isinstance(seen.pending, JoinedPut)
+                self._followers.append((part, seen.pending))
+                return part
+        join_as = (queue, expire_ms, flags, delay_ms)
+        join = self._joins.get(join_as)
         if join is None:
-            join = self._joins[key] = ([], [])
+            join = self._joins[join_as] = ([], [])
         join[0].extend(items)
-        join[1].append((part, len(items)))
+        join[1].append((part, len(items), key))
         return part
 
     def begin_all(self) -> None:
         b = self.broker
         for (queue, expire_ms, flags, delay_ms), (items, parts) in self._joins.items():
+            keys, start = [], 0  # (start, end, key) of the keyed parts
+            for _, n, key in parts:
+                if key is not None:
+                    keys.append((start, start + n, key))
+                start += n
             try:
                 pending = b.begin_put_nowait(queue, items, expire_ms=expire_ms, flags=flags,
-                                             delay_ms=delay_ms)
+                                             delay_ms=delay_ms, keys=keys)
             except Exception:  # (WouldBlock included) each part on its own, then
                 start = 0
-                for part, n in parts:
+                qs = b.registry.queues.get(queue)
+                for part, n, key in parts:
+                    if key is not None and qs is not None:
+                        qs.unjoin_key(key, part)
                     try:
                         part.pending = b.begin_put_nowait(
                             queue, items[start:start + n], expire_ms=expire_ms, flags=flags,
-                            delay_ms=delay_ms)
+                            delay_ms=delay_ms, key=key)
+                        part.answer = part.pending.answer
                     except trio.WouldBlock:
                         part.error = QueueFullError(f"queue {queue!r} is full")
                     except Exception as exc:
@@ -116,9 +142,13 @@ class JoinedPuts:
                     self._begun.append((part.pending, [part]))
                     start += n
                 continue
-            self._begun.append((pending, [part for part, _ in parts]))
-            for part, _ in parts:
+            self._begun.append((pending, [part for part, _, _ in parts]))
+            for part, _, _ in parts:
                 part.pending = pending
+            puts = pending.entry.puts
+            for (start, end, _), part in zip(keys, (p for p, _, k in parts if k is not None),
+                                             strict=True):
+                part.answer = (puts[start].id, end - start, False)
         self._joins.clear()
 
     def end_all(self) -> None:
@@ -134,7 +164,12 @@ class JoinedPuts:
                 part.ended = True
                 if part.error is None:
                     part.error = error
+        for follower, leader in self._followers:  # answered as the part they repeat
+            follower.ended, follower.error, follower.pending = True, leader.error, leader.pending
+            if leader.answer is not None:
+                follower.answer = (leader.answer[0], leader.answer[1], True)
         self._begun.clear()
+        self._followers.clear()
 
 
 class MustWait(trio.WouldBlock):
@@ -280,13 +315,15 @@ class Broker:
         producer: bytes | None = None,
         sequence: int = 0,
         key: bytes | None = None,
+        keys: Sequence[tuple[int, int, bytes]] = (),
     ) -> PendingPut:
         """`begin_put` that never waits: trio.WouldBlock (nothing changed) when the
-        queue must make room first (a parked queue loads here, synchronously)."""
+        queue must make room first (a parked queue loads here, synchronously). `keys`:
+        see `QueueState.begin_put_nowait` (JoinedPuts)."""
         started = time.perf_counter()
         pending = self.registry.queue(queue).begin_put_nowait(
             datas, expire_ms=expire_ms, error_count=0, flags=flags, delay_ms=delay_ms,
-            producer=producer, sequence=sequence, key=key)
+            producer=producer, sequence=sequence, key=key, keys=keys)
         pending.started = started
         return pending
 

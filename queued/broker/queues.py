@@ -30,7 +30,7 @@ from queued.errors import (
     QueueFullError,
 )
 from queued.journal import format as jf
-from queued.reader.dedup import DedupCounters, DedupTable
+from queued.reader.dedup import DedupCounters, DedupEntry, DedupTable
 from queued.reader.producers import ProducerCounters, ProducerEntry, ProducerTable, Verdict
 from queued.reader.state import NO_ENTRIES, NO_ITEMS, Item, pack_max_for
 from queued.storage.journal import QueueJournal, Ticket, put_overhead
@@ -66,7 +66,7 @@ class PendingPut:
     started: float = 0.0  # time.perf_counter() when begin_put was called
     answer: tuple[int, int, bool] | None = None
     producer: ProducerEntry | None = None  # the entry this put stored
-    key: bytes | None = None  # the deduplication key this put stored
+    keys: Sequence[bytes] = ()  # the deduplication keys this put stored (its parts')
 
 
 def durable(pending: object) -> bool:
@@ -228,15 +228,19 @@ class QueueState:
     def begin_put_nowait(
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
         delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
-        key: bytes | None = None,
+        key: bytes | None = None, keys: Sequence[tuple[int, int, bytes]] = (),
     ) -> PendingPut:
         """`begin_put` without waiting: trio.WouldBlock (nothing changed) when the put
-        must first make room (per-reader limits, max_journal_size)."""
+        must first make room (per-reader limits, max_journal_size). `keys`: the parts of
+        puts joined in a pass that carry a key, (start, end, key), each reserved by
+        `join_key`."""
         if not datas:
             return PendingPut(self, Inflight([], done=True), None)
         now, expire_ms, nbytes = self._check_put(datas, expire_ms)
         if self.needs_room() or self.journal.config.max_journal_size:
             raise trio.WouldBlock
+        if keys:
+            return self._reserve_joined(datas, now, expire_ms, flags, delay_ms, nbytes, keys)
         return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
                              producer, sequence, key)
 
@@ -360,6 +364,36 @@ class QueueState:
                        key: bytes) -> PendingPut:
         """_reserve of a put with a deduplication key: a duplicate answered as the put
         that stored the key (once that is durable), else stored with a DEDUP record."""
+        t, e = self._key_check(key, now)
+        if e is not None:
+            if not (e.pending is None or isinstance(e.pending, Ticket)):
+                raise trio.WouldBlock  # a put joined in this pass holds it: after its commit
+            return PendingPut(self, Inflight([], done=True), e.pending,
+                              answer=(e.first_id, e.count, True))
+        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
+                                                  due_ms, dedup=((0, len(datas), key),))
+        t.store(key, puts[0].id, len(puts), now, ticket)
+        pending = self._inflight(puts, ticket, nbytes, due_ms, len(datas))
+        pending.answer = (puts[0].id, len(puts), False)
+        pending.keys = (key,)
+        return pending
+
+    @staticmethod
+    def _keys_ended(table: DedupTable, keys: Sequence[bytes], ticket: Ticket,
+                    error: BaseException | None) -> None:
+        """The put that stored `keys` is durable (their entries keep no ticket), or failed
+        (never stored: forgotten)."""
+        for key in keys:
+            kept = table.entries.get(key)
+            if kept is not None and kept.pending is ticket:
+                if error is None:
+                    kept.pending = None
+                else:
+                    table.forget(key, kept)
+
+    def _key_check(self, key: bytes, now: int) -> tuple[DedupTable, DedupEntry | None]:
+        """The table and the entry of the put that stored `key` in the window (this put is
+        a duplicate), or None; an entry whose put failed is forgotten first."""
         t = self.dedup_table()
         e = t.entries.get(key)
         if e is not None and isinstance(e.pending, Ticket) and e.pending.event.is_set():
@@ -367,17 +401,47 @@ class QueueState:
                 t.forget(key, e)  # its put failed: never stored
             else:
                 e.pending = None
-        e = t.check(key, now)
-        if e is not None:
-            ticket = e.pending if isinstance(e.pending, Ticket) else None
-            return PendingPut(self, Inflight([], done=True), ticket,
+        return t, t.check(key, now)
+
+    def join_key(self, key: bytes, part: object) -> PendingPut | DedupEntry | None:
+        """A keyed put about to be joined in the reactor's pass: None, the key is new and
+        now reserved for `part` (its entry holds `part` until the joined append, or
+        `unjoin_key`); the entry reserved by an earlier part of this pass (a duplicate of
+        it); or a duplicate's PendingPut (the key was stored before this pass)."""
+        now = self.clock()
+        t, e = self._key_check(key, now)
+        if e is None:
+            t.store(key, 0, 0, now, part)
+            return None
+        if e.pending is None or isinstance(e.pending, Ticket):
+            return PendingPut(self, Inflight([], done=True), e.pending,
                               answer=(e.first_id, e.count, True))
-        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
-                                                  due_ms, dedup=((0, len(datas), key),))
-        t.store(key, puts[0].id, len(puts), now, ticket)
+        return e
+
+    def unjoin_key(self, key: bytes, part: object) -> None:
+        """`part` is not joined after all: drop its reservation (it begins on its own)."""
+        t = self.dedup
+        e = None if t is None else t.entries.get(key)
+        if t is not None and e is not None and e.pending is part:
+            t.forget(key, e)
+
+    def _reserve_joined(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
+                        flags: int, delay_ms: int, nbytes: int,
+                        keys: Sequence[tuple[int, int, bytes]]) -> PendingPut:
+        """_reserve of puts joined in a pass, some with keys reserved by `join_key`: one
+        append, a DEDUP record after each keyed part; the reservations become entries."""
+        if self.deleted:
+            raise QueueClosedError(f"queue {self.name!r} was deleted")
+        due_ms = now + delay_ms if delay_ms > 0 else None
+        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, 0, flags, due_ms,
+                                                  dedup=keys)
+        t = self.dedup_table()
+        for start, end, key in keys:
+            e = t.entries.get(key)
+            if e is not None and not (e.pending is None or isinstance(e.pending, Ticket)):
+                e.first_id, e.count, e.pending = puts[start].id, end - start, ticket
         pending = self._inflight(puts, ticket, nbytes, due_ms, len(datas))
-        pending.answer = (puts[0].id, len(puts), False)
-        pending.key = key
+        pending.keys = [key for _, _, key in keys]
         return pending
 
     def _inflight(self, puts: list[jf.Put], ticket: Ticket, nbytes: int, due_ms: int | None,
@@ -414,13 +478,8 @@ class QueueState:
                 for p, e in list(self.producers.entries.items()):
                     if e is mark:
                         self.producers.forget(p, e)  # never stored: forget it
-        if pending.key is not None and self.dedup is not None:
-            kept = self.dedup.entries.get(pending.key)
-            if kept is not None and kept.pending is ticket:
-                if error is None:
-                    kept.pending = None  # durable: the entry keeps no ticket
-                else:
-                    self.dedup.forget(pending.key, kept)  # never stored: forget it
+        if pending.keys and self.dedup is not None:
+            self._keys_ended(self.dedup, pending.keys, ticket, error)
         if not entry.puts:
             if error is not None:
                 raise error  # (a repeat of a put that failed)

@@ -94,7 +94,8 @@ class DedupTable:
         self.entries[key] = e
         self.entries.move_to_end(key)  # (a stale one goes to the end: its new time)
         self.changes += 1
-        self._trim(now_ms)
+        if len(self.entries) > self.max_keys or not self.changes & 63:
+            self._trim(now_ms)  # (keys past the window: every 64 stores, not each)
         return e
 
     def forget(self, key: bytes, entry: DedupEntry) -> None:

@@ -566,15 +566,19 @@ class Session:
             self._answer_puts(group, pending)
 
     def _answer_puts(self, group: list[tuple[c.Request, c.Put]],
-                     result: PendingPut | Exception) -> None:
-        """A put's replies: stored (`result` ended well), or its failure."""
+                     result: PendingPut | Exception | None,
+                     answer: tuple[int, int, bool] | None = None) -> None:
+        """A put's replies: stored (`result` ended well), or its failure. `answer` (first
+        id, count, duplicate): a joined part's own, for a put with a key."""
         encode = self.codec.encode
         for r, put in group:
             if isinstance(result, Exception):
                 self._answer(r, self._failure(r, result))
-            elif result.answer is not None:  # (a put with a producer or key: alone in its group)
-                self.out += encode(r, c.ProducerStored(result.answer[1], result.answer[0],
-                                                       result.answer[2]))
+                continue
+            if answer is None and result is not None:
+                answer = result.answer  # (a put with a producer or key: alone in its group)
+            if answer is not None:
+                self.out += encode(r, c.ProducerStored(answer[1], answer[0], answer[2]))
             else:
                 self.out += encode(r, c.Stored(len(put.items)))
 
@@ -798,7 +802,7 @@ class Session:
             result: PendingPut | JoinedPut | Exception
             first = group[0][1]
             producer, key = first.producer, first.key
-            alone = producer is not None or key is not None  # (its mark is its own)
+            alone = producer is not None  # (its mark is its own: never joined)
             if alone and joined_ahead:
                 # Not begun before the joined puts sent ahead of it (begun after every
                 # connection ran): it waits for the next pass, so ids keep the order sent.
@@ -807,8 +811,10 @@ class Session:
                 queue, items, expire_ms, flags, delay_ms = self._put_of(group)
                 joined = self.joined
                 if not alone and joined is not None and joined.can_join(queue):
-                    result = joined.add(queue, items, expire_ms, flags, delay_ms)
-                else:  # (checked and recorded here, in the pass: a key's second put finds it)
+                    # (a key is checked and reserved here, in the pass: its second put
+                    # in the pass, from any connection, finds it)
+                    result = joined.add(queue, items, expire_ms, flags, delay_ms, key)
+                else:
                     result = b.begin_put_nowait(queue, items, expire_ms=expire_ms,
                                                 flags=flags, delay_ms=delay_ms,
                                                 producer=producer, sequence=first.sequence,
@@ -1035,9 +1041,11 @@ class Session:
             return False
         begun, self.begun = self.begun, []
         for group, pending in begun:
-            result: PendingPut | Exception
+            result: PendingPut | Exception | None
+            answer = None
             if type(pending) is JoinedPut:
-                result = pending.error or pending.pending  # type: ignore[assignment]
+                result = pending.error or pending.pending
+                answer = pending.answer
             elif type(pending) is PendingPut:
                 result = pending
                 try:
@@ -1046,7 +1054,7 @@ class Session:
                     result = exc
             else:
                 result = pending  # type: ignore[assignment]
-            self._answer_puts(group, result)
+            self._answer_puts(group, result, answer)
         if self.owed:
             owed, self.owed = self.owed, []
             self._place_owed(owed)

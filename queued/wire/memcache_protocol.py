@@ -307,6 +307,12 @@ _FAST_GET: Final = re.compile(rb"get ([A-Za-z0-9_:-]{1,250})")
 _FAST_SET: Final = re.compile(
     rb"set ([A-Za-z0-9_:-]{1,250}) ([0-9]{1,10}) ([0-9]{1,10}) ([0-9]{1,10})"
 )
+#: `set <q>/key=<k> <flags> <exptime> <bytes>`: each line differs (its key), so it is
+#: matched, never cached
+_FAST_KEYED_SET: Final = re.compile(
+    rb"set ([A-Za-z0-9_:-]{1,250})/key=([!-.0-~]{1,64}) ([0-9]{1,10}) ([0-9]{1,10}) "
+    rb"([0-9]{1,10})"
+)
 _TO_DATA: Final = object()  # _fast switched to the DATA state
 #: Command lines a parser remembers parsed (then it starts again), and the longest it keeps:
 #: a client repeats the same few lines, and a repeated line costs one dict lookup.
@@ -432,7 +438,7 @@ class MemcacheParser(LineParser["Command"]):
         if hit is None:
             hit = self._fast_line(line)
             if hit is None:
-                return None
+                return self._fast_keyed(line)
             if len(line) <= LINE_CACHE_MAX_LINE:
                 if len(self._lines) >= LINE_CACHE:
                     self._lines.clear()
@@ -445,6 +451,24 @@ class MemcacheParser(LineParser["Command"]):
             return Set(queue, flags, exptime, data)
         self._pending = (queue, flags, exptime, False, size)
         self._state = _State.DATA  # _next's loop finishes (or waits for) the block
+        return _TO_DATA
+
+    def _fast_keyed(self, line: bytes) -> Set | object | None:
+        """`set <q>/key=<k> <flags> <exptime> <bytes>` (the key already valid by the
+        pattern), as `_fast` does a plain set; None: the general path."""
+        m = _FAST_KEYED_SET.fullmatch(line)
+        if m is None:
+            return None
+        flags, size = int(m[3]), int(m[5])
+        if flags > MAX_FLAGS or size > self.max_item_size:
+            return None
+        queue, key, exptime = m[1].decode("ascii"), m[2], int(m[4])
+        data = self.buffer.take_block(size)
+        if data is not None:
+            return Set(queue, flags, exptime, data, False, 0, key)
+        self._pending = (queue, flags, exptime, False, size)
+        self._pending_key = key
+        self._state = _State.DATA
         return _TO_DATA
 
     def _fast_line(self, line: bytes) -> Get | tuple[str, int, int, int] | None:
