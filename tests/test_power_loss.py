@@ -260,6 +260,7 @@ class PowerCuts(RuleBasedStateMachine):
             b.defer_writes(True)
             try:
                 part = joined.add("q", datas, None, 0, 0)
+                assert isinstance(part, JoinedPut)
                 for side in ("side1", "side2", "side3"):
                     joined.add(side, [b"s"], None, 0, 0)
                 joined.begin_all()
@@ -313,6 +314,48 @@ class PowerCuts(RuleBasedStateMachine):
             self.keyed_durable.add(key)
         if again:
             assert self.host.run(lambda: self.broker.put("q", datas, key=key)) == 0
+
+    @rule(ks=st.lists(st.integers(0, 3), min_size=1, max_size=4))
+    def put_keyed_in_a_pass(self, ks: list[int]) -> None:
+        """Puts with keys (some repeated) joined in one pass, as the reactor joins them:
+        each key not held is stored once, by its first put; the others store nothing."""
+        first: dict[bytes, bytes] = {}  # key -> the item of its first put in the pass
+        puts: list[tuple[bytes, bytes]] = []
+        for k in ks:
+            key = b"key-%d" % k
+            if key in self.keyed or key in first:
+                puts.append((key, b"never stored"))
+            else:
+                first[key] = self._new_items([10], b"J")[0]
+                puts.append((key, first[key]))
+
+        async def one_pass() -> list[JoinedPut | Any]:
+            b = self.broker
+            joined = JoinedPuts(b)
+            b.defer_writes(True)
+            try:
+                parts = [joined.add("q", [data], None, 0, 0, key) for key, data in puts]
+                joined.begin_all()
+            finally:
+                b.defer_writes(False)
+            while not b.commit_now():
+                await b.wait_round()
+            joined.end_all()
+            for p in parts:  # a duplicate of a key held before the pass: a PendingPut
+                if not isinstance(p, JoinedPut):
+                    assert b.end_put_nowait(p) == 0 and p.answer is not None and p.answer[2]
+            return parts
+
+        parts = self.host.run(one_pass)
+        for (key, data), part in zip(puts, parts, strict=True):
+            if isinstance(part, JoinedPut):
+                assert part.ended and part.error is None and part.answer is not None
+                assert part.answer[2] == (first.get(key) != data)  # a duplicate?
+        for key, data in first.items():
+            self.keyed[key] = [data]
+            self.items[data].put_durable = self._durable_now()
+            if self._durable_now():
+                self.keyed_durable.add(key)
 
     def _check_keys(self, recovered: dict[bytes, tuple[int, int]]) -> None:
         """A key's DEDUP record is durable exactly when its put is: a key the recovered

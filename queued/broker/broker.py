@@ -98,7 +98,7 @@ class JoinedPuts:
         duplicate's PendingPut instead (not joined: it stores nothing)."""
         part = JoinedPut()
         if key is not None:
-            seen = self.broker.registry.queues[queue].join_key(key, part)
+            seen = self.broker.registry.queue(queue).join_key(key, part)
             if isinstance(seen, PendingPut):
                 return seen
             if seen is not None:  # an earlier part of this pass stored it
