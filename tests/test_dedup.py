@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from disk_util import fill
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_util import WAIT, Conn, killed_at_end, make_config, pymc, running
@@ -330,6 +331,38 @@ journal_size = "1KiB"
         assert await c.call("put", "q", [b"z"], *keyed(b"key-61")) == [1, 61, False]
         assert await drain(c, "q") == [b"z"]
         await c.aclose()
+
+
+async def test_a_key_whose_put_failed_is_forgotten(tmpfs: Path) -> None:
+    """A full disk refuses keyed sets (nothing stored); the same sets sent again once
+    there is room are stored, once each: a refused put's key was never remembered, and a
+    repeat in the refused pass was answered with the refusal, not STORED."""
+    data = tmpfs / "data"
+    async with running(make_config(data, fsync="always")) as server:
+        m = await Conn.open(server.ports["memcache"])
+        filler = tmpfs / "filler"
+        fill(filler, leave=400 * 1024)
+        item = b"x" * 1500
+        stored, refused = 0, None
+        for i in range(2000):
+            await m.send(mc_set(b"q/key=k%d" % i, item) * 2)  # a repeat in the same pass
+            first, second = await m.line(), await m.line()
+            if first != b"STORED":
+                assert second == first and first.startswith(b"SERVER_ERROR"), (first, second)
+                refused = i
+                break
+            assert second == b"STORED"
+            stored += 1
+        assert refused is not None and stored > 10, "the tmpfs never filled up"
+        filler.unlink()
+        for i in (0, refused, refused):
+            await m.send(mc_set(b"q/key=k%d" % i, item))
+            assert await m.line() == b"STORED"
+        got = 0
+        while await m.get("q") is not None:
+            got += 1
+        assert got == stored + 1
+        await m.aclose()
 
 
 async def test_flush_keeps_the_keys_delete_drops_them(tmp_path: Path) -> None:
