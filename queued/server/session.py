@@ -1070,7 +1070,8 @@ def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c
 
 def _same_append(a: c.Put, b: c.Put) -> bool:
     """Puts that may share one journal append: same queue, expiry, flags and delay, and
-    no producer or key (a put with one has its own append, its mark after its items)."""
+    no producer or key (a put with a producer has its own append, its mark after its items;
+    a keyed put is a part of its own in the pass's joined append, its key checked alone)."""
     return (a.queue == b.queue and a.ttl_ms == b.ttl_ms and a.expire_at_ms == b.expire_at_ms
             and a.flags == b.flags and a.delay_ms == b.delay_ms and a.producer is None
             and b.producer is None and a.key is None and b.key is None)
