@@ -101,7 +101,7 @@ async def test_memcache_get_abort_with_delay_and_bad_delays(tmp_path: Path) -> N
             reply = await conn.cmd(b"set q/delay=%s 0 0 1\r\nz" % bad)
             assert reply == b"CLIENT_ERROR " + why, reply
         assert await conn.cmd(b"set q/later=5 0 0 1\r\nz") == (
-            b"CLIENT_ERROR unknown set option (only delay=<ms>)")
+            b"CLIENT_ERROR unknown or repeated set option (delay=<ms>, key=<k>)")
         assert await get_value(conn, "q") is None  # the refused sets stored nothing
         # delay= on a get only goes with abort (Kestrel closes on bad get options)
         assert await conn.cmd(b"get q/delay=5") == b"CLIENT_ERROR delay=<ms> goes only with abort"
