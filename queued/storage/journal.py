@@ -692,7 +692,9 @@ class QueueJournal:
         await trio.to_thread.run_sync(write_producers, path, marks)
 
     async def write_dedup(self, marks: list[jf.DedupMark]) -> None:
-        """Replace the queue's key snapshot (`q.dedup`) durably."""
+        """Replace the queue's key snapshot (`q.dedup`) durably, the puts its keys name on
+        disk first (see write_producers)."""
+        await self.host.sync_segment(self)
         path = self.host.path / jf.dedup_name(self.name)
         await trio.to_thread.run_sync(write_dedup, path, marks)
 
