@@ -90,6 +90,16 @@ def chunk_digest(items: list[bytes]) -> bytes:
     return h.digest()
 
 
+def content_id(group: bytes, number: int, items: list[bytes]) -> bytes:
+    """The producer id of chunk `number` of a group, holding `items`."""
+    return _h(b"rows", group, b"%d" % number, chunk_digest(items))
+
+
+def position_id(group: bytes, number: int) -> bytes:
+    """The producer id of the last row of chunk `number` of a group, whatever it holds."""
+    return _h(b"last", group, b"%d" % number)
+
+
 class ExactlyOnceSender:
     """Puts chunks of one task's rows so that each is stored once however often the task
     runs: chunk `number` of a (queue, delay) group is two puts, each under a producer id of
@@ -128,12 +138,12 @@ class ExactlyOnceSender:
 
     def send(self, queue: str, delay_ms: int, group: bytes, number: int,
              items: list[bytes]) -> None:
-        content = _h(b"rows", group, b"%d" % number, chunk_digest(items))
+        content = content_id(group, number, items)
         if len(items) == 1:
             self._put(queue, items, content, delay_ms)
             return
         rows = self._put(queue, items[:-1], content, delay_ms)
-        last = self._put(queue, items[-1:], _h(b"last", group, b"%d" % number), delay_ms)
+        last = self._put(queue, items[-1:], position_id(group, number), delay_ms)
         if last.duplicate and not rows.duplicate:
             self.diverged += 1
             self.found -= 1  # (that row was not the one found: it is put now)

@@ -51,6 +51,7 @@ from queued.spark.partition_write import (
     PutFailed,
     Sender,
 )
+from queued.spark.task_input import InputEnd
 
 __all__ = ["PutFailed", "QueuedStreamWriter", "QueuedWriter", "WriteCommit"]
 
@@ -205,8 +206,14 @@ class QueuedWriter(DataSourceArrowWriter):
             else:
                 sender = ExactlyOnceSender(client, run, self.expiration_ms)
                 state = PartitionWrite(self.layout(), sender, run.group)
+            end = InputEnd(iterator) if run is not None else None
             for batch in iterator:
                 state.add_batch(batch)
+            if end is not None and end.truncated():
+                # Its last chunks would be cut shorter than the re-run's (stored twice).
+                raise QueuedDataSourceError(
+                    "the queued sink's input ended early (the task failed before the sink): "
+                    "its last rows are not put; the task's re-run puts them")
             state.finish()
         return WriteCommit(sender.stored, sender.puts, state.skipped, sender.found,
                            sender.diverged)
@@ -223,7 +230,8 @@ class QueuedWriter(DataSourceArrowWriter):
 
 def _report_rerun(what: str, found: int, diverged: int) -> None:
     if found:
-        log.warning("queued sink: %s had run before: %d rows it had stored were not put "
+        log.warning("queued sink: %s: %d rows were stored before (by an earlier run of it, "
+                    "or by a put sent again after its server restarted) and were not stored "
                     "again", what, found)
     if diverged:
         log.warning("queued sink: %s had run before with other rows in %d chunks (a plan "
