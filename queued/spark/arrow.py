@@ -49,20 +49,22 @@ def chunk_to_arrow(queue: str, chunk: PutChunk, live_at_ms: int = 0,
     # with the record offsets gathers every field of every record, one field at a time.
     headers = np.ndarray(shape=(len(chunk.buf) - _HEADER.itemsize + 1,), dtype=_HEADER,
                          buffer=chunk.buf, strides=(1,))
-    at = np.fromiter(chunk.offsets, dtype=np.int64, count=n)
+    at = np.array(chunk.offsets, dtype=np.int64)
     flag_values = _flags(chunk, at) if flags else None
     at -= chunk.base
-    has_expire = headers["cmd"][at] == jf.PUT_EXPIRE_BYTE
+    recs = headers[at]  # every header, in one gather (one pass over the records)
+    del headers  # (the chunk's bytes are a view of the scan's: let them go)
+    has_expire = recs["cmd"] == jf.PUT_EXPIRE_BYTE
     if live_at_ms and has_expire.any():
-        expired = has_expire & (headers["expire"][at] <= live_at_ms)
+        expired = has_expire & (recs["expire"] <= live_at_ms)
         if expired.any():
             live = ~expired
-            at, has_expire = at[live], has_expire[live]
+            at, has_expire, recs = at[live], has_expire[live], recs[live]
             flag_values = None if flag_values is None else flag_values[live]
             n = len(at)
             if n == 0:
                 return empty
-    sizes = headers["size"][at]
+    sizes = recs["size"]
     starts = at + np.where(has_expire, jf.PUT_EXPIRE_HEADER_SIZE, jf.PUT_HEADER_SIZE)
 
     # Elements 0, 2, 4, ... are the items' data; 1, 3, ... the bytes between two items.
@@ -75,10 +77,10 @@ def chunk_to_arrow(queue: str, chunk: PutChunk, live_at_ms: int = 0,
 
     columns = [
         pa.repeat(pa.scalar(queue, pa.string()), n),
-        pa.array(headers["id"][at]),
-        pa.array(headers["added"][at], _MS).cast(_US),  # the cast refuses to overflow
-        pa.array(headers["expire"][at], _MS, mask=~has_expire).cast(_US),
-        pa.array(headers["errors"][at], pa.int32()),
+        pa.array(recs["id"]),
+        pa.array(recs["added"], _MS).cast(_US),  # the cast refuses to overflow
+        pa.array(recs["expire"], _MS, mask=~has_expire).cast(_US),
+        pa.array(recs["errors"], pa.int32()),
         data,
     ]
     if not flags:
