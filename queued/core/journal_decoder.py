@@ -98,6 +98,11 @@ from queued.core.journal_records import (
 )
 from queued.core.wire import NEED_DATA
 
+try:  # ISA-L's CRC-32 (the same sums as zlib's, 10x as fast here): the spark extra has it
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    from zlib import crc32 as _crc32
+
 #: What a decoder walks: the bytes it received, or a whole file it reads in place.
 Buffer = bytearray | memoryview
 
@@ -675,7 +680,7 @@ class RecordDecoder:
                 self._done = TornTail(base + start, pos - start)
                 return self._done
             if check_size:
-                found = zlib.crc32(memoryview(buf)[start:pos], crc_seed(base + start))
+                found = _crc32(memoryview(buf)[start:pos], crc_seed(base + start))
                 if length != pos - start or crc != found:
                     raise ChecksumMismatchError(
                         base + pos,
