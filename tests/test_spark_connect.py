@@ -30,7 +30,7 @@ from queued.storage.datadir import open_data_dir
 
 try:
     import pyspark
-    from pyspark.sql.connect.session import SparkSession as ConnectSession  # noqa: F401
+    import pyspark.sql.connect.session
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"the Spark Connect client is not installed ({exc}); pip install -e "
                 "'.[spark]'", allow_module_level=True)
@@ -77,13 +77,15 @@ def connect_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
 @pytest.fixture(scope="module")
 def remote(connect_port: int) -> Iterator[Any]:
-    """A Spark Connect client session. Creating one sets SPARK_CONNECT_MODE_ENABLED in this
-    process, which makes PySpark build Connect plans everywhere: put back afterwards, for
-    the classic session of the other Spark tests."""
-    from pyspark.sql import SparkSession
+    """A Spark Connect client session. Through Connect's own builder: PySpark's
+    `SparkSession.builder.remote(...)` refuses while this process runs the classic session
+    of the other Spark tests (a user with Connect alone calls that one), and sets
+    SPARK_CONNECT_MODE_ENABLED, which would make PySpark build Connect plans everywhere here
+    (put back afterwards, in case)."""
+    from pyspark.sql.connect.session import SparkSession as RemoteSession
 
     saved = {k: os.environ.get(k) for k in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE")}
-    session = SparkSession.builder.remote(f"sc://127.0.0.1:{connect_port}").getOrCreate()
+    session = RemoteSession.builder.remote(f"sc://127.0.0.1:{connect_port}").getOrCreate()
     try:
         yield session
     finally:
