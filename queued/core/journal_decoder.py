@@ -104,7 +104,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     from zlib import crc32 as _crc32
 
 #: What a decoder walks: the bytes it received, or a whole file it reads in place.
-Buffer = bytearray | memoryview
+Buffer = bytearray | bytes | memoryview
 
 
 def record_length(buf: bytes | bytearray | memoryview, pos: int) -> int:
@@ -327,7 +327,7 @@ class RecordDecoder:
             self._pos = 0
         self._buf += data
 
-    def receive_all(self, data: bytearray | memoryview) -> None:
+    def receive_all(self, data: bytes | bytearray | memoryview) -> None:
         """The whole file (from `start_offset`) at once, read in place, never copied: no
         bytes may come before it, and it is the end of the file."""
         if self._eof or len(self._buf):

@@ -355,7 +355,7 @@ class _Scanner:
         if whole is None:
             return self.dec.copy_received(start, end, pad)
         if end + pad <= len(whole):
-            return whole[start:end + pad].toreadonly()
+            return whole[start:end + pad]
         return b"".join((whole[start:end], bytes(end + pad - len(whole))))
 
     def _chunk(self, end: int) -> PutChunk:
@@ -367,21 +367,12 @@ class _Scanner:
     def _read_whole(self, f: BinaryIO) -> bytes | None:
         """Read a file of up to `whole_max` bytes whole into the decoder (its first
         bytes returned), else None."""
-        size = os.fstat(f.fileno()).st_size
-        if size > self.whole_max:
+        if os.fstat(f.fileno()).st_size > self.whole_max:
             return None
-        whole = bytearray(size)
-        got = 0
-        with memoryview(whole) as view:
-            while got < size:
-                n = f.readinto(view[got:])  # type: ignore[attr-defined]
-                if not n:
-                    break
-                got += n
-        del whole[got:]  # (the file was cut meanwhile)
-        self.dec.receive_all(whole)  # (a bytearray: the decoder slices it fastest)
+        whole = f.read()  # (one call, no zero-filled buffer first; may be cut meanwhile)
+        self.dec.receive_all(whole)
         self.whole = memoryview(whole)
-        return bytes(whole[:jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE])
+        return whole[:jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE]
 
     def run(self, f: BinaryIO, chunk_size: int) -> Iterator[PutChunk]:
         read = f.read
