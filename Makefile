@@ -30,8 +30,9 @@ run: $(RUN_STAMP)
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q
-	$(PY) -m ruff check queued tests bench deploy/spark pyspark_queued.py
+	$(PY) -m ruff check queued tests bench tools deploy/spark pyspark_queued.py
 	$(PY) -m mypy
+	$(PY) -m mypy --strict tools/unasync.py
 
 # The Docker image end to end (tests/docker): setup.sh makes sure a dockerd runs (installs
 # docker.io and starts dockerd in the background if none answers; it is left running) and
@@ -56,8 +57,9 @@ test-browser: $(BROWSER_STAMP)
 	timeout -s INT -k 60 900 $(PY) -m pytest -m browser -v tests/browser
 
 lint: $(TEST_STAMP)
-	$(PY) -m ruff check queued tests bench deploy/spark pyspark_queued.py
+	$(PY) -m ruff check queued tests bench tools deploy/spark pyspark_queued.py
 	$(PY) -m mypy
+	$(PY) -m mypy --strict tools/unasync.py
 
 bench: $(RUN_STAMP)
 	$(PY) bench/journal_bench.py

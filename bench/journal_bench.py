@@ -48,7 +48,7 @@ import trio
 from benchlib import kib_field
 
 from queued.config import FsyncMode, FsyncPolicy, JournalConfig
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.storage.datadir import DataDir, open_data_dir
 
 KiB = 1 << 10

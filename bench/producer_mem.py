@@ -14,7 +14,7 @@ import os
 import sys
 import tracemalloc
 
-from queued.core.producers import ProducerTable
+from queued.reader.producers import ProducerTable
 
 
 def main() -> None:

@@ -15,6 +15,8 @@ workload runs twice, once measured, once profiled).
 Workloads (64 B items, queue `q`; every connection has one request in flight):
 
   set             memcache `set`, one item per request
+  fanin           memcache `set`s, 8 pipelined per connection, each to the next of 100
+                  queues (`f0`..`f99`): vs_darner's fan-in shape
   get             memcache `get` (the queue is filled first)
   rpc-put         MessagePack-RPC `put` of 100 items per request
   rpc-getconfirm  RPC `get` of 100 items (auto_abort 30 s) then `confirm` of them
@@ -52,14 +54,14 @@ LAYERS = [
       "trio/_highlevel_socket.py", "socket.py"]),
     ("trio: scheduler, cancel scopes, events", ["trio/", "outcome/", "contextlib.py"]),
     ("protocol: parse requests, encode replies",
-     ["queued/core/wire.py", "queued/core/memcache_", "queued/core/rpc_",
-      "queued/core/commands.py", "queued/core/text_protocol.py", "msgpack/"]),
+     ["queued/wire/parsing.py", "queued/wire/memcache_", "queued/wire/rpc_",
+      "queued/wire/commands.py", "queued/wire/text_protocol.py", "msgpack/"]),
     ("session: batches, replies, auth", ["queued/server/"]),
     ("broker: queues, reliable reads, limits", ["queued/broker/"]),
     ("queue: readers, held items, open reads",
-     ["queued/core/queue.py", "queued/core/packed_items.py", "queued/core/open_reads.py"]),
+     ["queued/reader/state.py", "queued/reader/packed_items.py", "queued/reader/open_reads.py"]),
     ("journal and writer: records, writes, fsync rounds",
-     ["queued/storage/", "queued/core/journal_"]),
+     ["queued/storage/", "queued/journal/"]),
 ]
 
 
@@ -114,8 +116,20 @@ def run_rounds(conns: list[Conn], workload: str, requests: int) -> int:
     items = 0
     rounds = max(1, requests // len(conns))
     set_req = b"set q 0 0 %d\r\n%s\r\n" % (len(ITEM), ITEM)
-    for _ in range(rounds):
-        if workload == "set":
+    fan = [b"".join(b"set f%d 0 0 %d\r\n%s\r\n" % ((8 * k + j) % 100, len(ITEM), ITEM)
+                    for j in range(8)) for k in range(25)]
+    if workload == "fanin":
+        rounds = max(1, rounds // 8)
+    for r in range(rounds):
+        if workload == "fanin":
+            for i, c in enumerate(conns):
+                c.sock.sendall(fan[(r + i) % 25])
+            for c in conns:
+                while c.buf.count(b"STORED\r\n") < 8:
+                    c.buf += c.sock.recv(65536)
+                c.buf = b""
+            items += 8 * len(conns)
+        elif workload == "set":
             for c in conns:
                 c.sock.sendall(set_req)
             for c in conns:
@@ -195,7 +209,7 @@ def py_spy() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="set",
-                    choices=["set", "get", "rpc-put", "rpc-getconfirm"])
+                    choices=["set", "fanin", "get", "rpc-put", "rpc-getconfirm"])
     ap.add_argument("--conns", type=int, default=32)
     ap.add_argument("--requests", type=int, default=None,
                     help="requests per phase (default 64,000; RPC 4,000, of 100 items each: "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from queued.config import JournalConfig
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.storage.datadir import DataDir, open_data_dir
 
 T0 = 1_700_000_000_000

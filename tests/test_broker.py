@@ -33,10 +33,10 @@ import queued.storage.journal as journal_module
 from queued.broker.broker import Broker
 from queued.broker.upkeep import Upkeep, open_broker
 from queued.config import ServerConfig, load_config
-from queued.core import journal_format as jf
-from queued.core.errors import ItemTooLargeError, QueueFullError, ReadStateError
-from queued.core.open_reads import OpenReads
-from queued.core.queue import NO_ENTRIES, NO_IDS
+from queued.errors import ItemTooLargeError, QueueFullError, ReadStateError
+from queued.journal import format as jf
+from queued.reader.open_reads import OpenReads
+from queued.reader.state import NO_ENTRIES, NO_IDS
 from queued.storage.datadir import open_data_dir
 
 T0 = 1_700_000_000_000

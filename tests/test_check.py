@@ -23,7 +23,7 @@ from server_util import HOST, QUEUED, WAIT, ServerProcess
 from queued import cli
 from queued.cli import check
 from queued.client import Client
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.storage.datadir import open_data_dir
 
 #: Small segments and frequent checkpoints: files are created, grown, retired and

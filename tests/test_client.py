@@ -48,9 +48,9 @@ from queued.client import (
     UnknownMethod,
     parse_servers,
 )
-from queued.client.core import ERRORS, call_error
+from queued.client.common import ERRORS, call_error
 from queued.client.servers import Pool
-from queued.core.rpc_protocol import (
+from queued.wire.rpc_protocol import (
     NEED_DATA,
     ErrorCode,
     Request,

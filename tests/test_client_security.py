@@ -36,7 +36,7 @@ from queued.client import (
     Timeout,
     Unauthenticated,
 )
-from queued.client.tls import TlsChannel, handshake_failure
+from queued.client.credentials import TlsChannel, handshake_failure
 from queued.server.listeners import Server
 from tests.test_security import Pki, users_toml
 

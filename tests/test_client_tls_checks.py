@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import trustme
 
-from queued.client.core import ConnectionFailed, Timeout
+from queued.client.common import ConnectionFailed, Timeout
+from queued.client.credentials import TlsChannel
 from queued.client.io_sync import Connection
 from queued.client.servers import ServerState
-from queued.client.tls import TlsChannel
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The blocking client is generated from the trio client: tests of that generation.
 
-The committed queued/client/sync.py must be exactly what queued/client/unasync.py makes of
+The committed queued/client/sync.py must be exactly what tools/unasync.py makes of
 aio.py now (the drift check), and the generator must refuse output it cannot vouch for.
 """
 
@@ -10,7 +10,7 @@ import ast
 
 import pytest
 
-from queued.client.unasync import SOURCE, TARGET, drift, generate
+from tools.unasync import SOURCE, TARGET, drift, generate
 
 #: Modules that do I/O: aio.py reaches them only through io_trio, which the generator swaps.
 IO_MODULES = {"trio", "socket", "time", "threading", "selectors", "asyncio"}
@@ -19,7 +19,7 @@ IO_MODULES = {"trio", "socket", "time", "threading", "selectors", "asyncio"}
 def test_sync_client_is_generated_from_aio() -> None:
     diff = drift(SOURCE.read_text(), TARGET.read_text())
     assert not diff, ("queued/client/sync.py differs from what aio.py generates; edit aio.py "
-                      "and run `python queued/client/unasync.py`:\n" + "".join(diff))
+                      "and run `python tools/unasync.py`:\n" + "".join(diff))
 
 
 def test_drift_is_detected_either_way() -> None:

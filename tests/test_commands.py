@@ -1,5 +1,5 @@
-"""The protocol-neutral commands and each protocol's tables (queued.core.commands and
-queued.core.{memcache,text,rpc}_commands): complete, and mapping what they should."""
+"""The protocol-neutral commands and each protocol's tables (queued.wire.commands and
+queued.wire.{memcache,text,rpc}_commands): complete, and mapping what they should."""
 
 from __future__ import annotations
 
@@ -10,14 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from queued.core import commands as c
-from queued.core import memcache_commands as mcc
-from queued.core import memcache_protocol as mc
-from queued.core import rpc_commands as rpcc
-from queued.core import rpc_protocol as rp
-from queued.core import text_commands as tc
-from queued.core import text_protocol as tp
-from queued.core.errors import (
+from queued.errors import (
     BadNameError,
     ItemTooLargeError,
     JournalClosedError,
@@ -28,8 +21,15 @@ from queued.core.errors import (
     QueueFullError,
     ReadStateError,
 )
-from queued.core.queue import Item
-from queued.core.wire import NEED_DATA
+from queued.reader.state import Item
+from queued.wire import commands as c
+from queued.wire import memcache_commands as mcc
+from queued.wire import memcache_protocol as mc
+from queued.wire import rpc_commands as rpcc
+from queued.wire import rpc_protocol as rp
+from queued.wire import text_commands as tc
+from queued.wire import text_protocol as tp
+from queued.wire.parsing import NEED_DATA
 
 LIMITS = c.Limits(max_line=2048, max_item_size=1 << 20, max_frame=1 << 20, max_batch=1000)
 

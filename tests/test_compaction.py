@@ -10,7 +10,7 @@ from pathlib import Path
 from journal_util import T0, cfg, data_for, segments
 
 from queued.config import DataDirConfig
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.storage import compaction
 from queued.storage.compaction import CompactionResult, live_upper_bound, plan_compaction
 from queued.storage.datadir import DataDir, open_data_dir

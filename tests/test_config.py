@@ -38,7 +38,7 @@ from queued.config import (
     parse_size,
     reload_queue_configs,
 )
-from queued.core.errors import QueuedError
+from queued.errors import QueuedError
 
 NO_ENV: dict[str, str] = {}
 

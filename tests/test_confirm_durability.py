@@ -33,7 +33,7 @@ from server_util import (
 
 from queued.client import Client
 from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
-from queued.core.errors import JournalWriteError
+from queued.errors import JournalWriteError
 from queued.storage import fileio
 from queued.storage.datadir import open_data_dir
 from queued.storage.files import read_checkpoint

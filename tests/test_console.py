@@ -21,7 +21,7 @@ from ops_util import cfg, get, put
 from server_util import HOST, running
 from test_security import users_toml
 
-from queued.core.open_reads import OpenReads
+from queued.reader.open_reads import OpenReads
 from queued.server import http as qhttp
 from queued.server.console import HEAD_ITEMS, PREVIEW_BYTES, preview, static_file
 

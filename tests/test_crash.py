@@ -26,7 +26,7 @@ import crash_driver as drv
 import pytest
 
 from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.storage import fileio
 from queued.storage.datadir import DataDir, open_data_dir
 from queued.storage.journal import QueueJournal, wait_durable

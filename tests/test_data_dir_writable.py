@@ -22,7 +22,7 @@ from server_util import HOST, QUEUED, WAIT, ServerProcess, make_config, running
 
 from queued.client import Client
 from queued.config import FsyncPolicy, JournalConfig
-from queued.core.errors import NotSavedError
+from queued.errors import NotSavedError
 from queued.storage import fileio
 from queued.storage.datadir import open_data_dir
 from queued.storage.files import PROBE_NAME, probe_writable

@@ -18,8 +18,8 @@ from journal_util import T0, all_puts, cfg, data_for, fill, queue_files, segment
 
 from queued.cli import check
 from queued.config import CorruptionPolicy, DataDirConfig, FsyncPolicy
-from queued.core import journal_format as jf
-from queued.core.errors import CorruptJournalError, JournalClosedError
+from queued.errors import CorruptJournalError, JournalClosedError
+from queued.journal import format as jf
 from queued.storage import writer
 from queued.storage.datadir import DataDir, open_data_dir
 from queued.storage.files import Checkpoint, SegmentInfo

@@ -31,9 +31,9 @@ from test_flags import (
 )
 
 from queued.client import Client
-from queued.core import journal_format as jf
-from queued.core.errors import CorruptRecordError
-from queued.core.queue import Reader
+from queued.errors import CorruptRecordError
+from queued.journal import format as jf
+from queued.reader.state import Reader
 from queued.storage.files import decode_checkpoint
 from queued.storage.journal_scan import scan_segment
 
@@ -458,7 +458,7 @@ async def test_spark_writer_option_delay_ms(tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
     types = pytest.importorskip("pyspark.sql.types")
     from queued.spark import QueuedDataSourceError
-    from queued.spark.writer import QueuedWriter
+    from queued.spark.sink import QueuedWriter
 
     schema = types.StructType([types.StructField("data", types.BinaryType())])
     async with running(make_config(tmp_path / "data")) as server:

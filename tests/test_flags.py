@@ -29,7 +29,7 @@ from pymemcache.client.base import Client as MemcacheClient
 from server_util import HOST, QUEUED, WAIT, Conn, ServerProcess, make_config, running
 
 from queued.client import Client, Item
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 
 T = TypeVar("T")
 

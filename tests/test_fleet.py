@@ -378,7 +378,7 @@ async def test_spark_writer_takes_a_dns_name(tmp_path: Path) -> None:
     directly, as a Spark task does) spreads its puts over every server of the name."""
     pa = pytest.importorskip("pyarrow")
     types = pytest.importorskip("pyspark.sql.types")
-    from queued.spark.writer import QueuedWriter
+    from queued.spark.sink import QueuedWriter
 
     with fake_dns() as dns_server:
         async with fleet(tmp_path) as servers:

@@ -18,8 +18,8 @@ import trio
 from disk_util import fill, fill_completely
 
 from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
-from queued.core import journal_format as jf
-from queued.core.errors import JournalWriteError
+from queued.errors import JournalWriteError
+from queued.journal import format as jf
 from queued.storage import fileio
 from queued.storage import journal as journal_module
 from queued.storage.datadir import DataDir, open_data_dir

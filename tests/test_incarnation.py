@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from queued.config import JournalConfig
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.storage import journal_scan as js
 from queued.storage.datadir import DataDir, open_data_dir
 from tests.test_flags import seed_reader

@@ -13,8 +13,8 @@ from journal_util import T0, all_puts, cfg, data_for, fill, segments
 
 from queued.cli import check, dump
 from queued.config import FullPolicy
-from queued.core import journal_format as jf
-from queued.core.errors import JournalFullError
+from queued.errors import JournalFullError
+from queued.journal import format as jf
 from queued.storage.datadir import DataDir, open_data_dir
 from queued.storage.files import Checkpoint, SegmentInfo
 

@@ -1,4 +1,4 @@
-"""Tests for queued.core.journal_format: seed-002 golden bytes, codec properties, damage handling.
+"""Tests for queued.journal.format: seed-002 golden bytes, codec properties, damage handling.
 
 Golden bytes are written out by hand from the seed (and DESIGN.md for our check and
 compaction records); the only computed values are check crcs of hand-written bytes, by
@@ -19,14 +19,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from queued.core import journal_format as jf
-from queued.core.errors import (
+from queued.errors import (
     BadMagicError,
     ChecksumMismatchError,
     CorruptRecordError,
     QueuedError,
 )
-from queued.core.journal_format import (
+from queued.journal import format as jf
+from queued.journal.format import (
     NEED_DATA,
     READER_MAGIC,
     WRITER_MAGIC,

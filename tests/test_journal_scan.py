@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from queued.config import JournalConfig
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.storage import journal_scan as js
 from queued.storage.datadir import DataDir, open_data_dir
 

@@ -21,10 +21,10 @@ import pytest
 import trio
 
 from queued.config.users import hash_password
-from queued.core import commands as c
-from queued.core.access import MAX_PASSWORD
-from queued.core.memcache_commands import login_of
 from queued.server.auth import Authenticator
+from queued.wire import commands as c
+from queued.wire.access import MAX_PASSWORD
+from queued.wire.memcache_commands import login_of
 from tests.server_util import HOST, QUEUED, WAIT, Conn, pymc
 from tests.test_security import REFUSED, Rpc, mc_login, secured
 

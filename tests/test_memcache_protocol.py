@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from queued.core import errors, wire
-from queued.core import memcache_protocol as mp
-from queued.core.errors import ProtocolError, QueuedError
-from queued.core.memcache_protocol import (
+from queued import errors
+from queued.errors import ProtocolError, QueuedError
+from queued.wire import memcache_protocol as mp
+from queued.wire import parsing as wire
+from queued.wire.memcache_protocol import (
     Confirm,
     Delete,
     DumpStats,
@@ -33,7 +34,7 @@ from queued.core.memcache_protocol import (
     Touch,
     Version,
 )
-from queued.core.wire import NEED_DATA, ConnectionClosed
+from queued.wire.parsing import NEED_DATA, ConnectionClosed
 
 
 @dataclass(frozen=True)

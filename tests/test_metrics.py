@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 from server_util import HOST, WAIT, Conn, running
 
 from queued import __version__
-from queued.core.stats import FSYNC_BUCKETS, LATENCY_BUCKETS, Histogram
 from queued.server import metrics as qmetrics
 from queued.server.listeners import Server
 from queued.server.metrics import Snapshot, disk_usage, render, take_snapshot
+from queued.stats import FSYNC_BUCKETS, LATENCY_BUCKETS, Histogram
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 

@@ -1,4 +1,4 @@
-"""The pure open-read ledger and timeout heap (queued.core.open_reads): a hypothesis state
+"""The pure open-read ledger and timeout heap (queued.reader.open_reads): a hypothesis state
 machine checks them together against a plain dict model (opening, closing, forgetting,
 expiring and compacting never lose or duplicate an open read; due reads come out in
 deadline order), plus a few targeted cases."""
@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from queued.core.open_reads import OpenReads, TimedOut, TimeoutHeap
+from queued.reader.open_reads import OpenReads, TimedOut, TimeoutHeap
 
 QUEUES = ["q", "r"]
 READERS = ["", "a"]

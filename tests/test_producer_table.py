@@ -1,4 +1,4 @@
-"""The producer table (queued.core.producers) and the PRODUCER record, pure.
+"""The producer table (queued.reader.producers) and the PRODUCER record, pure.
 
 The rule (next: store; at or below the last: a repeat; ahead, or not 1 for a producer
 unknown: a gap), the least-recently-used bound and the expiry with their counters,
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from queued.core import journal_format as jf
-from queued.core.errors import CorruptRecordError
-from queued.core.producers import ProducerCounters, ProducerTable, Verdict
+from queued.errors import CorruptRecordError
+from queued.journal import format as jf
+from queued.reader.producers import ProducerCounters, ProducerTable, Verdict
 
 DAY = 86_400_000
 

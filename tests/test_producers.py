@@ -26,8 +26,8 @@ from test_rpc_server import Rpc
 from queued.cli import check, dump
 from queued.client import AsyncClient, ClientError
 from queued.config import ServerConfig
-from queued.core import journal_format as jf
-from queued.core.rpc_protocol import ErrorCode
+from queued.journal import format as jf
+from queued.wire.rpc_protocol import ErrorCode
 
 E = ErrorCode
 P = b"producer-1"

@@ -1,4 +1,4 @@
-"""The pure per-reader state machine (queued.core.queue.Reader): ordering, read-behind,
+"""The pure per-reader state machine (queued.reader.state.Reader): ordering, read-behind,
 checkpoints, expiry, limits, drop_through, and a hypothesis state machine checking that a
 checkpoint (head, done) always describes exactly the outstanding items, with lease
 timeouts and their extension (core.open_reads), the retry back-off and reject."""
@@ -19,10 +19,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from queued.core.journal_format import Put
-from queued.core.open_reads import OpenReads, TimeoutHeap
-from queued.core.packed_items import BLOCK_ITEMS
-from queued.core.queue import NO_ITEMS, PACK_AT, Reader, key_id
+from queued.journal.format import Put
+from queued.reader.open_reads import OpenReads, TimeoutHeap
+from queued.reader.packed_items import BLOCK_ITEMS
+from queued.reader.state import NO_ITEMS, PACK_AT, Reader, key_id
 
 T0 = 1_700_000_000_000
 
@@ -1056,7 +1056,7 @@ def test_restore_then_refill_order(cap: int) -> None:
 
 
 def test_flush_with_an_open_read_lists_at_most_the_cap_of_done_ids() -> None:
-    from queued.core.queue import FLUSH_DONE_CAP
+    from queued.reader.state import FLUSH_DONE_CAP
 
     r = reader(max_memory_size=100)
     r.add(items(range(1, 11), 10))  # ids 1..10 in memory

@@ -16,8 +16,8 @@ import trio
 from journal_util import T0, cfg, data_for
 
 from queued.config import FsyncPolicy
-from queued.core import journal_format as jf
-from queued.core.errors import JournalWriteError
+from queued.errors import JournalWriteError
+from queued.journal import format as jf
 from queued.storage import fileio
 from queued.storage.datadir import DataDir, open_data_dir
 from queued.storage.files import Checkpoint, decode_checkpoint

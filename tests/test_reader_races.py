@@ -22,7 +22,7 @@ from server_util import WAIT, Conn, make_config, running
 
 from queued.broker.upkeep import open_broker
 from queued.config import ServerConfig
-from queued.core.open_reads import OpenReads
+from queued.reader.open_reads import OpenReads
 from queued.storage import fileio
 
 MiB = 1 << 20

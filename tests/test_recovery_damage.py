@@ -14,8 +14,8 @@ import pytest
 
 from queued.cli import check
 from queued.config import CorruptionPolicy, JournalConfig
-from queued.core import journal_format as jf
-from queued.core.errors import CorruptJournalError
+from queued.errors import CorruptJournalError
+from queued.journal import format as jf
 from queued.storage.datadir import DataDir, open_data_dir
 from queued.storage.recovery import inspect_segment, scan_segment
 

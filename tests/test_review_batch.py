@@ -17,9 +17,9 @@ from test_parking import park_each, stats_of
 from test_queue import Limits, SmallPackReader, held, read_range, reader, replay, take_open
 
 from queued.broker.upkeep import open_broker
-from queued.core.journal_format import DelayedPut, Put
-from queued.core.open_reads import TIMEOUT_HEAP_MIN, OpenReads
-from queued.core.queue import Reader
+from queued.journal.format import DelayedPut, Put
+from queued.reader.open_reads import TIMEOUT_HEAP_MIN, OpenReads
+from queued.reader.state import Reader
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""Review of packed item storage (queued/core/packed_items.py and its use in
-queued/core/queue.py): a reader that packs in tiny blocks must behave exactly as one that
+"""Review of packed item storage (queued/reader/packed_items.py and its use in
+queued/reader/state.py): a reader that packs in tiny blocks must behave exactly as one that
 never packs (a differential state machine over every Reader operation the broker uses,
 delays, read-behind, drop_through and restarts included), edge-case items keep every
 field through a block, and the paths that walk a whole backlog (drop_through, flush) do
@@ -19,10 +19,10 @@ from test_broker import get_all, make_config, stats
 from test_queue import Limits, held, read_range
 
 from queued.broker.upkeep import open_broker
-from queued.core.journal_format import DelayedPut, Put
-from queued.core.open_reads import OpenReads
-from queued.core.packed_items import SMALL_MAX, PackedItems
-from queued.core.queue import PACK_AT, Reader
+from queued.journal.format import DelayedPut, Put
+from queued.reader.open_reads import OpenReads
+from queued.reader.packed_items import SMALL_MAX, PackedItems
+from queued.reader.state import PACK_AT, Reader
 
 T0 = 1_700_000_000_000
 I64 = (1 << 63) - 1

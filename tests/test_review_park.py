@@ -18,7 +18,7 @@ import trio
 from server_util import WAIT, Conn, ServerProcess, data_files, http_get, pymc, running
 from test_parking import VOLATILE, cfg, parked, wait_until
 
-from queued.core.open_reads import OpenReads
+from queued.reader.open_reads import OpenReads
 
 
 def open_files_under(path: Path) -> list[str]:
@@ -38,7 +38,7 @@ def alive(ids: set[int]) -> list[str]:
     """Which of the objects `ids` names are still there (QueueState and co. have
     __slots__ without __weakref__: looked for among the objects gc tracks)."""
     gc.collect()
-    kinds = {"QueueState", "QueueJournal", "Handle", "Reader"}
+    kinds = {"QueueState", "QueueJournal", "LiveReader", "Reader"}
     return [type(o).__name__ for o in gc.get_objects()
             if id(o) in ids and type(o).__name__ in kinds]
 

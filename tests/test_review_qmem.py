@@ -26,8 +26,8 @@ from queued.broker.queues import QueueState
 from queued.broker.upkeep import open_broker
 from queued.config import FsyncPolicy, ServerConfig, load_config
 from queued.config.loading import reload_queue_configs
-from queued.core.open_reads import OpenReads
-from queued.core.queue import NO_ENTRIES, NO_IDS, NO_ITEMS
+from queued.reader.open_reads import OpenReads
+from queued.reader.state import NO_ENTRIES, NO_IDS, NO_ITEMS
 from queued.storage.files import NO_CHECKPOINT, Checkpoint
 
 HOUR = 3_600_000

@@ -29,10 +29,10 @@ from pymemcache.client.base import Client as MemcacheClient
 
 from queued.config import ConfigError
 from queued.config.users import PasswordHash, UsersError, hash_password, parse_users
-from queued.core import commands as c
-from queued.core.access import ANONYMOUS, Grant, Permission, needed
 from queued.server.app import check_exposure, is_loopback, open_security
 from queued.server.listeners import Server
+from queued.wire import commands as c
+from queued.wire.access import ANONYMOUS, Grant, Permission, needed
 from tests.server_util import (
     HOST,
     QUEUED,

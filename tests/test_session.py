@@ -20,14 +20,14 @@ from server_util import WAIT, Conn, make_config, running
 
 from queued import __version__
 from queued.broker.upkeep import open_broker
-from queued.core import commands as c
-from queued.core.memcache_commands import MemcacheCodec
-from queued.core.rpc_commands import RpcCodec
-from queued.core.stats import ProtocolStats
-from queued.core.text_commands import TextCodec
 from queued.server.listeners import Server
 from queued.server.session import ServerCounters, Session
 from queued.server.transport import YIELD_EVERY, SocketTransport
+from queued.stats import ProtocolStats
+from queued.wire import commands as c
+from queued.wire.memcache_commands import MemcacheCodec
+from queued.wire.rpc_commands import RpcCodec
+from queued.wire.text_commands import TextCodec
 
 
 async def read_to_eof(conn: Conn) -> bytes:

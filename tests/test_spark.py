@@ -16,7 +16,7 @@ from server_util import ServerProcess
 
 from queued.client import Client
 from queued.config import DataDirConfig, JournalConfig
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.storage import journal_scan as js
 from queued.storage.datadir import DataDir, open_data_dir
 

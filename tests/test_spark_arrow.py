@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.storage import journal_scan as js
 
 try:

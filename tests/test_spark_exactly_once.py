@@ -45,8 +45,8 @@ try:
     from queued.spark import QueuedDataSourceError
     from queued.spark.exactly_once import ExactlyOnceSender, RunKey, content_id
     from queued.spark.partition_write import Layout, PartitionWrite
+    from queued.spark.sink import QueuedWriter
     from queued.spark.task_input import InputEnd
-    from queued.spark.writer import QueuedWriter
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"pyspark/pyarrow not installed ({exc}); pip install -e '.[spark]'",
                 allow_module_level=True)
@@ -107,7 +107,7 @@ class Recorder:
         self.stored = self.found = self.puts = self.diverged = 0
 
     def send(self, queue: str, delay_ms: int, group: bytes, number: int,
-             items: list[bytes]) -> None:
+             items: list[bytes], headers: list[Any] | None = None) -> None:
         self.sent.append((queue, delay_ms, group, number, items))
 
 

@@ -284,7 +284,7 @@ def test_write_stream_stopped_midway_and_restarted_stores_each_row_once(
 def test_segments_naming_no_incarnation_belong_to_the_life_before_them(tmp_path: Path) -> None:
     # q.1000: written before incarnations (ids 1-3); q.2000: the queue created again
     # (incarnation 777, ids 1-2); q.3000: a header recovery rewrote (names none).
-    from queued.core import journal_format as jf
+    from queued.journal import format as jf
 
     def segment(number: int, head: bytes, ids: range) -> None:
         body = b"".join(jf.encode_put(jf.Put(i, b"d%d" % i, T0)) for i in ids)

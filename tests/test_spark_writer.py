@@ -1,4 +1,4 @@
-"""The Spark sink (`queued.spark.writer`) against a real local SparkSession (local[2], the
+"""The Spark sink (`queued.spark.sink`) against a real local SparkSession (local[2], the
 same session as tests/test_spark.py) and real `queued serve` subprocesses: each queue's
 rows come out in partition order, routing by the queue column, null data refused or
 skipped, an item over the server's max_item_size, an unreachable server, failover to
@@ -26,7 +26,7 @@ try:
     from pyspark.sql.types import BinaryType, StringType, StructField, StructType
 
     from queued.spark import QueuedDataSourceError
-    from queued.spark.writer import QueuedWriter, WriteCommit
+    from queued.spark.sink import QueuedWriter, WriteCommit
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"pyspark/pyarrow not installed ({exc}); pip install -e '.[spark]'",
                 allow_module_level=True)

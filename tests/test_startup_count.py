@@ -14,7 +14,7 @@ from test_broker import make_config, stats, with_default
 
 import queued.broker.registry
 from queued.broker.upkeep import open_broker
-from queued.core.open_reads import OpenReads
+from queued.reader.open_reads import OpenReads
 from queued.storage.journal import QueueJournal
 
 

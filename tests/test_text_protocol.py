@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from queued.core import text_protocol as tp
-from queued.core.errors import LineTooLong, LocalProtocolError, ProtocolError, TooLarge
-from queued.core.text_protocol import (
+from queued.errors import LineTooLong, LocalProtocolError, ProtocolError, TooLarge
+from queued.wire import text_protocol as tp
+from queued.wire.parsing import NEED_DATA, ConnectionClosed
+from queued.wire.text_protocol import (
     Confirm,
     Delete,
     Flush,
@@ -26,7 +27,6 @@ from queued.core.text_protocol import (
     Touch,
     Version,
 )
-from queued.core.wire import NEED_DATA, ConnectionClosed
 
 
 @dataclass(frozen=True)

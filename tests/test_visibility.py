@@ -24,8 +24,8 @@ from test_security import Rpc, mc_login, users_toml
 
 from queued import __version__
 from queued.config.users import UsersError, hash_password, parse_users
-from queued.core.access import Grant
 from queued.server.listeners import Server
+from queued.wire.access import Grant
 
 USERS = dict(
     alice={"password": "alice-pw", "put": ["orders"], "get": ["orders"]},

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from queued.config import FsyncPolicy
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.storage import writer as writer_module
 from queued.storage.writer import Chunk, RoundThread, Writer, WriteResult
 

@@ -15,8 +15,8 @@ import trio.testing
 from journal_util import queue_files
 
 from queued.config import DataDirConfig, FsyncPolicy, FullPolicy, JournalConfig
-from queued.core import journal_format as jf
-from queued.core.errors import JournalClosedError, JournalFullError, JournalWriteError
+from queued.errors import JournalClosedError, JournalFullError, JournalWriteError
+from queued.journal import format as jf
 from queued.storage import fileio
 from queued.storage import writer as writer_module
 from queued.storage.datadir import DataDir, open_data_dir

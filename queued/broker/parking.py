@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from queued.broker.handles import stats_fields
-from queued.core.queue import ReaderCounters
+from queued.broker.live_readers import stats_fields
+from queued.reader.state import ReaderCounters
 from queued.storage.journal import JournalStats
 
 if TYPE_CHECKING:

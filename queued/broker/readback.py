@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import bisect
 
-from queued.core.journal_format import DelayedPut
-from queued.core.queue import Item
+from queued.journal.format import DelayedPut
+from queued.reader.state import Item
 from queued.storage.journal import QueueJournal
 from queued.storage.recovery import SegmentInfo
 

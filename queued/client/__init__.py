@@ -6,7 +6,7 @@ pure parts they share (errors, values, addresses, back-off, replies) are core's.
 """
 
 from queued.client.aio import AsyncClient, AsyncConsumer
-from queued.client.core import (
+from queued.client.common import (
     DEFAULT_PORT,
     AmbiguousPut,
     AuthFailed,
@@ -18,6 +18,7 @@ from queued.client.core import (
     ClientError,
     ClientStatistics,
     ConnectionFailed,
+    Headers,
     Item,
     ItemTooLarge,
     JournalFull,
@@ -58,6 +59,7 @@ __all__ = [
     "ClientStatistics",
     "ConnectionFailed",
     "Consumer",
+    "Headers",
     "Item",
     "ItemTooLarge",
     "JournalFull",

@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from queued.client.core import ConnectionFailed
+from queued.client.common import ConnectionFailed
 from queued.client.servers import Discovery
 
 if TYPE_CHECKING:  # imported when used: plain dns:// (and every CLI run) needs none of it

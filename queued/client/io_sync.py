@@ -17,15 +17,15 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-from queued.client.core import (
+from queued.client.common import (
     ClientError,
     ConnectionFailed,
     call_error,
 )
+from queued.client.credentials import TlsChannel, handshake_failure
+from queued.client.framing import RECV, ClientConnection, closes
 from queued.client.servers import ServerState
-from queued.client.tls import TlsChannel, handshake_failure
-from queued.client.wire import RECV, ClientConnection, closes
-from queued.core.rpc_protocol import Response
+from queued.wire.rpc_protocol import Response
 
 Lock = threading.Lock
 now = time.monotonic

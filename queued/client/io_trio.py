@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from queued.client.core import (
+from queued.client.common import (
     BadResponse,
     ClientClosed,
     ClientError,
@@ -32,10 +32,10 @@ from queued.client.core import (
     Timeout,
     call_error,
 )
+from queued.client.credentials import TlsChannel, handshake_failure
+from queued.client.framing import RECV, ClientConnection, closes
 from queued.client.servers import ServerState
-from queued.client.tls import TlsChannel, handshake_failure
-from queued.client.wire import RECV, ClientConnection, closes
-from queued.core.rpc_protocol import Response
+from queued.wire.rpc_protocol import Response
 
 Lock = trio.Lock
 now = trio.current_time

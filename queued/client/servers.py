@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from queued.client.core import (
+from queued.client.common import (
     DEFAULT_PORT,
     ConnectionFailed,
     Servers,

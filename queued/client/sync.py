@@ -1,4 +1,4 @@
-"""GENERATED from aio.py by queued/client/unasync.py: do not edit, regenerate.
+"""GENERATED from aio.py by tools/unasync.py: do not edit, regenerate.
 
 The blocking `Client`: `AsyncClient`'s code with its I/O (io_trio) swapped for blocking
 sockets (io_sync) and async/await removed, so both clients behave alike by construction.
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager, suppress
 from types import TracebackType
 from typing import Any
 
-from queued.client.core import (
+from queued.client.common import (
     DEFAULT_PORT,
     FAILOVER,
     AmbiguousPut,
@@ -25,6 +25,7 @@ from queued.client.core import (
     ClientStatistics,
     ConnectionFailed,
     Data,
+    Headers,
     Item,
     Prepare,
     ProducerGap,
@@ -40,6 +41,7 @@ from queued.client.core import (
     check_get,
     check_timeouts,
     encode_items,
+    headers_param,
     int_result,
     producer_result,
     queue_info,
@@ -47,6 +49,7 @@ from queued.client.core import (
     settle_groups,
     to_items,
 )
+from queued.client.credentials import TlsOption, login, tls_context
 from queued.client.discovery import Found, resolve_soon
 from queued.client.io_sync import (
     Connection,
@@ -61,8 +64,7 @@ from queued.client.io_sync import (
     wait_for,
 )
 from queued.client.servers import LOOKUP_PATIENCE, Discovery, Pool, ServerState, lookup
-from queued.client.tls import TlsOption, login, tls_context
-from queued.core.rpc_protocol import (
+from queued.wire.rpc_protocol import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_FRAME,
     MAX_PRODUCER_ID,
@@ -390,25 +392,32 @@ class Client:
         return result
 
     def put(self, queue: str, items: Data | Iterable[Data], expiration_ms: int = 0,
-            flags: int = 0, *, delay_ms: int = 0) -> int:
+            flags: int = 0, *, delay_ms: int = 0,
+            headers: Headers | Sequence[Headers | None] | None = None) -> int:
         """Store items (bytes, or str as UTF-8; a single one or an iterable) on one server.
 
         Returns how many were stored. expiration_ms is relative; 0 = never. flags: every
         item's memcache flags (u32), what a memcache get answers with them. delay_ms: the
-        items stay invisible that long (delayed delivery; 0 = none).
+        items stay invisible that long (delayed delivery; 0 = none). headers: a map of
+        string keys to bytes or string values that every item carries, or a list of one
+        map (or None) per item; at most 64 headers and 16 KiB of keys and values an item
+        (ValueError, nothing sent). A get with `with_headers=True` returns them.
         """
         batch = encode_items(items)
         check_flags(flags)
         check_delay(delay_ms)
+        sent_headers = headers_param(headers, len(batch))
         params: list[Any] = [queue, batch, expiration_ms]
         if flags or delay_ms:  # (servers before flags take three params)
             params.append(flags)
         if delay_ms:  # (servers before delays take four)
             params.append(delay_ms)
+        if sent_headers is not None:  # (servers before headers take eight: the ninth)
+            params += [*[0, 0, 0][len(params) - 2:], None, 0, None, sent_headers]
         with self._gate:
             if self.idempotent:
                 params += [0, 0, 0][len(params) - 2:]  # (expiration_ms, flags, delay_ms)
-                params += [None, 0]  # producer, sequence: set when sent (`prepare`)
+                params += [None, 0][len(params) - 5:]  # producer, sequence: set when sent
                 result = self._put_rotation("put", params, queue)
                 return producer_result(result, len(batch))
             result = self._put_rotation("put", params)
@@ -416,7 +425,9 @@ class Client:
 
     def put_sequenced(self, queue: str, items: Data | Iterable[Data], producer: bytes,
                       sequence: int, expiration_ms: int = 0, flags: int = 0, *,
-                      delay_ms: int = 0) -> PutAnswer:
+                      delay_ms: int = 0,
+                      headers: Headers | Sequence[Headers | None] | None = None,
+                      ) -> PutAnswer:
         """An exactly-once put under the caller's own producer id (1 to 64 bytes) and
         sequence (1, 2, ... one number per put; see the README's Exactly-once puts), for a
         caller that derives both from what it writes, so that writing it again meets the
@@ -427,14 +438,18 @@ class Client:
         never came, or that could not be sent (the server restarting), is sent again with
         the same producer and sequence until `delivery_timeout`, then raises AmbiguousPut
         (stored once or not at all). A sequence past the producer's next raises ProducerGap.
+        `headers` as `put` takes them.
         """
         batch = encode_items(items)
         check_flags(flags)
         check_delay(delay_ms)
+        sent_headers = headers_param(headers, len(batch))
         if not 0 < len(producer) <= MAX_PRODUCER_ID or not 0 < sequence <= MAX_SEQUENCE:
             raise ValueError(f"a producer id has 1 to {MAX_PRODUCER_ID} bytes and a sequence "
                              f"is 1 to {MAX_SEQUENCE}")
         params: list[Any] = [queue, batch, expiration_ms, flags, delay_ms, producer, sequence]
+        if sent_headers is not None:  # (the ninth param; the eighth is a dedup key's)
+            params += [None, sent_headers]
         with self._gate:
             self._order("put")  # (resolves DNS names)
             servers = sorted(self._pool.require(), key=lambda s: s.address)
@@ -554,7 +569,7 @@ class Client:
 
     def get(self, queue: str, max_items: int = 1, timeout_ms: int = 0,
             auto_abort_ms: int = 0, *, with_flags: bool = False,
-            with_deliveries: bool = False) -> list[Item]:
+            with_deliveries: bool = False, with_headers: bool = False) -> list[Item]:
         """Up to max_items items, waiting up to timeout_ms for the first; [] if none came.
 
         auto_abort_ms > 0 makes each item an open read held by this client's connection
@@ -562,6 +577,7 @@ class Client:
         when the connection closes. 0 removes the items at once (at most once).
         with_flags: fill each Item's flags (memcache flags) too. with_deliveries: fill
         its flags and `deliveries` (how many times it has been delivered, this time too).
+        with_headers: fill all of those and its `headers` ({} for an item without).
         """
         check_get(max_items, timeout_ms, auto_abort_ms)
         if with_deliveries:
@@ -569,7 +585,7 @@ class Client:
         with self._gate:
             deadline = now() + timeout_ms / 1000
             order = self._order("get")
-            form = 2 if with_deliveries else 1 if with_flags else 0
+            form = 3 if with_headers else 2 if with_deliveries else 1 if with_flags else 0
             if len(order) == 1:
                 return self._get_from(order, queue, max_items, timeout_ms,
                                       auto_abort_ms, form, first_answer=True)
@@ -591,12 +607,13 @@ class Client:
                   timeout_ms: int, auto_abort_ms: int, form: int, *,
                   first_answer: bool) -> list[Item]:
         """Ask the servers in order until one has items (or, first_answer, until one
-        answers). `form`: 0 [id, data], 1 with flags, 2 with flags and deliveries."""
+        answers). `form`: 0 [id, data], 1 with flags, 2 with flags and deliveries, 3 with
+        headers too."""
         errors: list[ClientError] = []
         wait = timeout_ms / 1000 + self.read_timeout
         params: list[Any] = [queue, max_items, timeout_ms, auto_abort_ms]
-        if form:  # (servers before flags take four params, before deliveries five)
-            params += [True] if form == 1 else [True, True]
+        if form:  # (servers before flags take four params, before deliveries five, ...)
+            params += [True] * form
         for server in order:
             started = now()
             try:
@@ -696,14 +713,15 @@ class Client:
         return moved
 
     def browse(self, queue: str, after_id: int = 0, n: int = 100, *,
-               server: str | None = None) -> list[Item]:
+               server: str | None = None, with_headers: bool = False) -> list[Item]:
         """Up to n items of the queue in delivery order after item `after_id` (0: from the
         head), taken from nobody (`deliveries`: so far); on `server`, else the first in
-        the rotation. Page with the last item's id."""
+        the rotation. Page with the last item's id. with_headers: fill their headers."""
+        params: list[Any] = [queue, after_id, n] + ([True] if with_headers else [])
         with self._gate:
             order = ([lookup(self._pool, server)] if server is not None
                      else self._order("get"))
-            state, _, result = self._failover(order, "browse", [queue, after_id, n],
+            state, _, result = self._failover(order, "browse", params,
                                               self.read_timeout)
         return to_items(result, queue, state.address, 0)
 
@@ -738,7 +756,7 @@ class Client:
     @contextmanager
     def reserve(self, queue: str, timeout_ms: int = 0, auto_abort_ms: int = 60_000, *,
                 with_flags: bool = False, heartbeat: bool = False,
-                ) -> Generator[Item | None, None, None]:
+                with_headers: bool = False) -> Generator[Item | None, None, None]:
         """Get one item as an open read; confirm it if the body ends normally, abort if it raises.
 
         `with client.reserve(queue) as item:` yields None when no item came within
@@ -752,7 +770,7 @@ class Client:
         if auto_abort_ms <= 0:
             raise ValueError("reserve needs auto_abort_ms > 0")
         got = self.get(queue, 1, timeout_ms, auto_abort_ms, with_flags=with_flags,
-                       with_deliveries=True)
+                       with_deliveries=True, with_headers=with_headers)
         item = got[0] if got else None
         try:
             if heartbeat and item is not None:
@@ -775,7 +793,8 @@ class Client:
 
     def consume(self, queue: str, *, batch: int = 100, timeout_ms: int = 1000,
                 auto_abort_ms: int = 0, max_items: int | None = None,
-                stop_when_empty: bool = False, with_flags: bool = False) -> Consumer:
+                stop_when_empty: bool = False, with_flags: bool = False,
+                with_headers: bool = False) -> Consumer:
         """Items, fetched `batch` at a time, until max_items or (stop_when_empty) an empty
         get; otherwise forever. `with client.consume(queue) as items:`, then
         `for item in items:`; a bare `for` works too.
@@ -791,16 +810,16 @@ class Client:
         if batch < 1 or (max_items is not None and max_items < 0):
             raise ValueError("want batch >= 1 and max_items >= 0")
         return Consumer(self._consume(queue, batch, timeout_ms, auto_abort_ms, max_items,
-                                      stop_when_empty, with_flags))
+                                      stop_when_empty, with_flags, with_headers))
 
     def _consume(self, queue: str, batch: int, timeout_ms: int, auto_abort_ms: int,
                  max_items: int | None, stop_when_empty: bool,
-                 with_flags: bool) -> Generator[Item, None, None]:
+                 with_flags: bool, with_headers: bool) -> Generator[Item, None, None]:
         got = 0
         while max_items is None or got < max_items:
             want = batch if max_items is None else min(batch, max_items - got)
             items = self.get(queue, want, timeout_ms, auto_abort_ms,
-                             with_flags=with_flags)
+                             with_flags=with_flags, with_headers=with_headers)
             if not items:
                 if stop_when_empty:
                     return

@@ -5,7 +5,8 @@
 - settings: ServerConfig and QueueConfig, the per-queue inheritance
 - loading: file < environment < flags, reload, describe
 
-Imports only queued.core; storage imports the policies from here, never the reverse.
+Imports only the pure layers (queued.journal, queued.wire); storage imports the policies
+from here, never the reverse.
 """
 
 from queued.config.keys import (

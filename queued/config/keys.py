@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Final
 
 from queued.config.policies import CorruptionPolicy, FsyncPolicy, FullPolicy
-from queued.core.journal_format import valid_name
+from queued.journal.format import valid_name
 
 ENV_PREFIX: Final = "QUEUED_"
 CONFIG_ENV: Final = "QUEUED_CONFIG"

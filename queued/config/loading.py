@@ -42,8 +42,8 @@ from queued.config.policies import (
     FullPolicy,
 )
 from queued.config.settings import QueueConfig, ServerConfig, no_queue_sections, override
-from queued.core.errors import QueuedError
-from queued.core.journal_format import valid_name
+from queued.errors import QueuedError
+from queued.journal.format import valid_name
 
 log = logging.getLogger("queued.config")
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from queued.core.access import MAX_PASSWORD, MAX_USER_NAME, Grant
-from queued.core.errors import QueuedError
+from queued.errors import QueuedError
+from queued.wire.access import MAX_PASSWORD, MAX_USER_NAME, Grant
 
 #: scrypt cost: N = 2**LOG_N, r, p. 2**14 x 8 x 128 B = 16 MiB and ~50 ms per check.
 LOG_N: Final = 14

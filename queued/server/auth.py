@@ -21,7 +21,7 @@ from typing import Final
 import trio
 
 from queued.config.users import DUMMY, User, load_users
-from queued.core.access import MAX_PASSWORD, Grant
+from queued.wire.access import MAX_PASSWORD, Grant
 
 log = logging.getLogger("queued.auth")
 

@@ -20,15 +20,16 @@ from importlib import resources
 from typing import TYPE_CHECKING, Final
 from urllib.parse import unquote
 
-from queued.core.access import Grant, Permission
-from queued.core.errors import JournalError
-from queued.core.wire import ArgumentError, parse_address
+from queued.errors import JournalError
+from queued.journal.headers import header_pairs
 from queued.server.history import History
 from queued.server.replies import JSON, Reply, json_reply
+from queued.wire.access import Grant, Permission
+from queued.wire.parsing import ArgumentError, parse_address
 
 if TYPE_CHECKING:
     from queued.broker.broker import Broker
-    from queued.core.queue import Item
+    from queued.reader.state import Item
 
 log = logging.getLogger("queued.console")
 
@@ -122,7 +123,9 @@ def _item(it: Item, now_ms: int) -> dict[str, object]:
     return {"id": it.id, "age_ms": max(0, now_ms - it.add_time_ms),
             "expires_in_ms": (None if it.expire_time_ms is None
                               else max(0, it.expire_time_ms - now_ms)),
-            "error_count": it.error_count, "flags": it.flags, **preview(it.data)}
+            "error_count": it.error_count, "flags": it.flags, **preview(it.data),
+            "headers": [{"key": _escape(k, _SHOWN - frozenset("\n\t")), **preview(v)}
+                        for k, v in header_pairs(it.headers)] if it.headers else []}
 
 
 def _not_found(what: str) -> Reply:

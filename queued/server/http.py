@@ -28,8 +28,6 @@ import trio
 
 from queued import __version__
 from queued.config import ServerConfig
-from queued.core.access import Grant, sees_everything, visible
-from queued.core.stats import ProtocolStats
 from queued.server.auth import Authenticator
 from queued.server.console import SECURITY_HEADERS, Console, is_console_path, wants_html
 from queued.server.history import SAMPLE_S, History
@@ -38,6 +36,8 @@ from queued.server.replies import JSON, TEXT, Reply, json_reply
 from queued.server.replies import text as _text
 from queued.server.tls import ServerTls
 from queued.server.transport import peer_name
+from queued.stats import ProtocolStats
+from queued.wire.access import Grant, sees_everything, visible
 
 log = logging.getLogger("queued.http")
 

@@ -23,12 +23,7 @@ import trio
 from queued import __version__
 from queued.broker.broker import Broker
 from queued.config import ConfigError, ServerConfig, reload_queue_configs
-from queued.core import commands as c
-from queued.core.errors import DataDirError
-from queued.core.memcache_commands import MemcacheCodec
-from queued.core.rpc_commands import RpcCodec
-from queued.core.stats import ProtocolStats
-from queued.core.text_commands import TextCodec
+from queued.errors import DataDirError
 from queued.server.auth import Authenticator
 from queued.server.memory import pin_mmap_threshold, trim_when_drained
 from queued.server.metrics import disk_usage
@@ -36,7 +31,12 @@ from queued.server.reactor import Reactor, ReactorTransport
 from queued.server.session import Guard, ServerCounters, Session
 from queued.server.tls import ServerTls, accept_transport
 from queued.server.transport import Transport, peer_name
+from queued.stats import ProtocolStats
 from queued.storage.files import probe_writable
+from queued.wire import commands as c
+from queued.wire.memcache_commands import MemcacheCodec
+from queued.wire.rpc_commands import RpcCodec
+from queued.wire.text_commands import TextCodec
 
 log = logging.getLogger("queued.server")
 

@@ -37,8 +37,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from queued import __version__
 from queued.broker.broker import Broker
-from queued.core.producers import ProducerCounters
-from queued.core.stats import HistogramSnapshot, ProtocolStats
+from queued.reader.producers import ProducerCounters
+from queued.stats import HistogramSnapshot, ProtocolStats
 from queued.storage.journal import JournalStats
 
 #: Bodies at least this big are gzipped when the scraper accepts it.

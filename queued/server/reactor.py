@@ -27,9 +27,9 @@ from itertools import count
 import trio
 
 from queued.broker.broker import Broker, JoinedPuts
-from queued.core import commands as c
 from queued.server.session import Session
 from queued.server.transport import SocketTransport
+from queued.wire import commands as c
 
 log = logging.getLogger("queued.server")
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import trio
 
-from queued.core.tls_records import read_records
 from queued.server.transport import SocketTransport
+from queued.wire.tls_records import read_records
 
 log = logging.getLogger("queued.server")
 

@@ -1,7 +1,7 @@
 """queued as a PySpark data source: `spark.read/readStream.format("queued")`, `df.write`.
 
 Owns nothing but the import check. The source lives in `queued.spark.source`, the sink
-in `queued.spark.writer`, option parsing in `queued.spark.options`, and the file
+in `queued.spark.sink`, option parsing in `queued.spark.options`, and the file
 scanning (no pyspark) in `queued.storage.journal_scan`. Needs `pip install 'queued[spark]'`.
 """
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from queued.spark.options import QueuedDataSourceError
+from queued.spark.partition_write import RowHeaders
 
 if TYPE_CHECKING:
     from queued.client import Client, PutAnswer
@@ -83,16 +84,26 @@ def task_run_key(stream: bool, idempotency_key: str | None) -> RunKey:
     return RunKey.for_stream(query, batch, tc.partitionId())
 
 
-def chunk_digest(items: list[bytes]) -> bytes:
-    """What a chunk's rows are, in order (their lengths, then their bytes)."""
+def chunk_digest(items: list[bytes], headers: list[RowHeaders] | None = None) -> bytes:
+    """What a chunk's rows are, in order (their lengths, then their bytes; then each row's
+    headers, if any row has some)."""
     h = hashlib.sha256(np.fromiter(map(len, items), dtype="<u4", count=len(items)).tobytes())
     h.update(b"".join(items))
+    if headers:
+        for row in headers:
+            h.update(b"%d;" % len(row or {}))
+            for key, value in sorted((row or {}).items()):
+                raw = value if isinstance(value, bytes) else value.encode()
+                h.update(b"%d:%s%c%d:" % (len(key.encode()), key.encode(),
+                                          98 if isinstance(value, bytes) else 115, len(raw)))
+                h.update(raw)
     return h.digest()
 
 
-def content_id(group: bytes, number: int, items: list[bytes]) -> bytes:
-    """The producer id of chunk `number` of a group, holding `items`."""
-    return _h(b"rows", group, b"%d" % number, chunk_digest(items))
+def content_id(group: bytes, number: int, items: list[bytes],
+               headers: list[RowHeaders] | None = None) -> bytes:
+    """The producer id of chunk `number` of a group, holding `items` (with `headers`)."""
+    return _h(b"rows", group, b"%d" % number, chunk_digest(items, headers))
 
 
 def position_id(group: bytes, number: int) -> bytes:
@@ -126,9 +137,10 @@ class ExactlyOnceSender:
         self.puts = 0
         self.diverged = 0  # chunks an earlier run stored with other rows
 
-    def _put(self, queue: str, items: list[bytes], producer: bytes, delay_ms: int) -> PutAnswer:
+    def _put(self, queue: str, items: list[bytes], producer: bytes, delay_ms: int,
+             headers: list[RowHeaders] | None) -> PutAnswer:
         answer = self.client.put_sequenced(queue, items, producer, 1, self.expiration_ms,
-                                           delay_ms=delay_ms)
+                                           delay_ms=delay_ms, headers=headers)
         self.puts += 1
         if answer.duplicate:
             self.found += len(items)
@@ -137,13 +149,14 @@ class ExactlyOnceSender:
         return answer
 
     def send(self, queue: str, delay_ms: int, group: bytes, number: int,
-             items: list[bytes]) -> None:
-        content = content_id(group, number, items)
+             items: list[bytes], headers: list[RowHeaders] | None = None) -> None:
+        content = content_id(group, number, items, headers)
         if len(items) == 1:
-            self._put(queue, items, content, delay_ms)
+            self._put(queue, items, content, delay_ms, headers)
             return
-        rows = self._put(queue, items[:-1], content, delay_ms)
-        last = self._put(queue, items[-1:], position_id(group, number), delay_ms)
+        first, tail = (None, None) if headers is None else (headers[:-1], headers[-1:])
+        rows = self._put(queue, items[:-1], content, delay_ms, first)
+        last = self._put(queue, items[-1:], position_id(group, number), delay_ms, tail)
         if last.duplicate and not rows.duplicate:
             self.diverged += 1
             self.found -= 1  # (that row was not the one found: it is put now)
@@ -151,4 +164,4 @@ class ExactlyOnceSender:
                         "earlier run of this write with other rows: this run's are stored "
                         "now (rows of the earlier run may be there twice)", number, queue,
                         self.run.partition)
-            self._put(queue, items[-1:], _h(b"again", content), delay_ms)
+            self._put(queue, items[-1:], _h(b"again", content), delay_ms, tail)

@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from queued.core import journal_format as jf
-from queued.core.errors import QueuedError
+from queued.errors import QueuedError
+from queued.journal import format as jf
 
 
 class QueuedDataSourceError(QueuedError):
@@ -45,6 +45,7 @@ READ_OPTIONS: dict[str, tuple[str, ...]] = {
     "pending": (),
     "reader": (),
     "include_flags": (),
+    "includeHeaders": (),
 }
 #: Options of `spark.readStream`.
 STREAM_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -62,6 +63,7 @@ STREAM_OPTIONS: dict[str, tuple[str, ...]] = {
     "archive_dir": (),
     "max_partition_bytes": (),
     "include_flags": (),
+    "includeHeaders": (),
 }
 #: Options of `df.write` (the sink).
 WRITE_OPTIONS: dict[str, tuple[str, ...]] = {

@@ -1,7 +1,8 @@
 """One write task of the `queued` sink: its rows grouped, cut into chunks, and put.
 
 Owns turning a partition's Arrow batches into puts: rows grouped by queue (the `queue`
-column or option) and delay (the `delay` column or the `delay_ms` option) with Arrow
+column or option) and delay (the `delay` column or the `delay_ms` option), each row's
+`headers` (a column, optional) going along with it, with Arrow
 compute and numpy, each group keeping the partition's row order; every group cut into
 chunks of `batch_size` rows or `batch_bytes` bytes where the rows alone say (never where a
 batch of Arrow happens to end, so that a re-run cuts the same chunks); bad rows refused
@@ -13,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from queued.client.core import (
+from queued.client.common import (
     AmbiguousPut,
     AuthFailed,
     ClientError,
@@ -33,7 +34,7 @@ from queued.client.core import (
     TooLarge,
     Unauthenticated,
 )
-from queued.core import journal_format as jf
+from queued.journal import format as jf
 from queued.spark.options import QueuedDataSourceError
 
 if TYPE_CHECKING:
@@ -79,8 +80,27 @@ def refused(queue: str, items: list[bytes], servers: str, exc: ClientError) -> P
     return PutFailed(f"{where} on {servers} was refused: {exc} ({hint})")
 
 
+#: One row's headers as put takes them (None: none).
+RowHeaders = dict[str, bytes | str] | None
+
+
+def headers_of(rows: list[Any]) -> list[RowHeaders]:
+    """The `headers` column's values as put takes them (a map or None per row)."""
+    out: list[RowHeaders] = []
+    for pairs in rows:
+        if not pairs:
+            out.append(None)
+            continue
+        headers = {p["key"]: p["value"] for p in pairs}
+        if len(headers) != len(pairs):
+            raise QueuedDataSourceError("the queued sink's column `headers`: a row gives a "
+                                        "key twice (an item's headers are a map)")
+        out.append(headers)
+    return out
+
+
 class Sender(Protocol):
-    """Puts one chunk of a group's rows; counts what it did."""
+    """Puts one chunk of a group's rows (and their headers, if any); counts what it did."""
 
     stored: int  # rows stored
     found: int  # rows an earlier run of the write had stored (exactly-once only)
@@ -88,7 +108,7 @@ class Sender(Protocol):
     diverged: int  # chunks an earlier run stored with other rows (exactly-once only)
 
     def send(self, queue: str, delay_ms: int, group: bytes, number: int,
-             items: list[bytes]) -> None: ...
+             items: list[bytes], headers: list[RowHeaders] | None = None) -> None: ...
 
 
 class AtLeastOnceSender:
@@ -101,8 +121,9 @@ class AtLeastOnceSender:
         self.stored = self.found = self.puts = self.diverged = 0
 
     def send(self, queue: str, delay_ms: int, group: bytes, number: int,
-             items: list[bytes]) -> None:
-        self.stored += self.client.put(queue, items, self.expiration_ms, delay_ms=delay_ms)
+             items: list[bytes], headers: list[RowHeaders] | None = None) -> None:
+        self.stored += self.client.put(queue, items, self.expiration_ms, delay_ms=delay_ms,
+                                       headers=headers)
         self.puts += 1
 
 
@@ -118,6 +139,7 @@ class Layout:
     batch: int
     batch_bytes: int
     skip_null_data: bool
+    has_headers_column: bool = False
 
 
 @dataclass(slots=True)
@@ -125,7 +147,7 @@ class _Group:
     """Rows of one (queue, delay) waiting for a full chunk."""
 
     seed: bytes  # the sender's name for the group (producer ids)
-    parts: list[pa.Array] = field(default_factory=list)
+    parts: list[tuple[pa.Array, pa.Array | None]] = field(default_factory=list)  # (data, headers)
     rows: int = 0
     nbytes: int = 0
     chunks: int = 0  # chunks sent
@@ -152,6 +174,7 @@ class PartitionWrite:
         data = _as_binary(batch.column("data"))
         queues = batch.column("queue") if w.has_queue_column else None
         delays = batch.column("delay") if w.has_delay_column else None
+        headers = batch.column("headers") if w.has_headers_column else None
         if data.null_count:
             if not w.skip_null_data:
                 first = self.rows + data.is_null().to_pylist().index(True)
@@ -165,11 +188,12 @@ class PartitionWrite:
             data = data.filter(valid)
             queues = None if queues is None else queues.filter(valid)
             delays = None if delays is None else delays.filter(valid)
+            headers = None if headers is None else headers.filter(valid)
         self.rows += n
         names, queue_of = self._queues(queues)
         delay_of = self._delays(delays)
         if queue_of is None and delay_of is None:
-            self._add((names[0], w.delay_ms), data)
+            self._add((names[0], w.delay_ms), data, headers)
             return
         # Group numbers: queue index, then delay; a stable sort keeps each group's rows in
         # their order.
@@ -177,14 +201,16 @@ class PartitionWrite:
         di = np.full(len(data), w.delay_ms, np.int64) if delay_of is None else delay_of
         keys, key_of = np.unique(np.stack([qi, di], axis=1), axis=0, return_inverse=True)
         if len(keys) == 1:
-            self._add((names[int(keys[0][0])], int(keys[0][1])), data)
+            self._add((names[int(keys[0][0])], int(keys[0][1])), data, headers)
             return
         key_of = key_of.reshape(-1)
-        order = np.argsort(key_of, kind="stable")
-        grouped = data.take(pa.array(order))
+        order = pa.array(np.argsort(key_of, kind="stable"))
+        grouped = data.take(order)
+        grouped_headers = None if headers is None else headers.take(order)
         start = 0
         for k, count in enumerate(np.bincount(key_of, minlength=len(keys)).tolist()):
-            self._add((names[int(keys[k][0])], int(keys[k][1])), grouped.slice(start, count))
+            self._add((names[int(keys[k][0])], int(keys[k][1])), grouped.slice(start, count),
+                      None if grouped_headers is None else grouped_headers.slice(start, count))
             start += count
 
     def _queues(self, queues: pa.Array | None) -> tuple[list[str], np.ndarray | None]:
@@ -226,7 +252,8 @@ class PartitionWrite:
                 f"whole number of ms in [0, {jf.MAX_DELAY_MS}] (null: option delay_ms)")
         return out
 
-    def _add(self, key: tuple[str, int], data: pa.Array) -> None:
+    def _add(self, key: tuple[str, int], data: pa.Array,
+             headers: pa.Array | None = None) -> None:
         """A group's rows; every full chunk is sent. A chunk ends at its `batch_size`-th
         row, or at the row that brings it to `batch_bytes` bytes."""
         group = self.groups.get(key)
@@ -242,26 +269,35 @@ class PartitionWrite:
             by_bytes = int(np.searchsorted(ends, w.batch_bytes - group.nbytes + before))
             last = min(start + room - 1, by_bytes)  # the chunk's last row, if here
             if last >= n:
-                group.parts.append(data.slice(start))
+                group.parts.append((data.slice(start),
+                                    None if headers is None else headers.slice(start)))
                 group.rows += n - start
                 group.nbytes += int(ends[-1]) - before
                 return
-            group.parts.append(data.slice(start, last + 1 - start))
+            count = last + 1 - start
+            group.parts.append((data.slice(start, count),
+                                None if headers is None else headers.slice(start, count)))
             self._send(key, group)
             before = int(ends[last])
             start, room = last + 1, w.batch
 
     def _send(self, key: tuple[str, int], group: _Group) -> None:
         items: list[bytes] = []
-        for part in group.parts:
+        headers: list[RowHeaders] | None = [] if self.w.has_headers_column else None
+        for part, part_headers in group.parts:
             items += part.to_pylist()
+            if headers is not None and part_headers is not None:
+                headers += headers_of(part_headers.to_pylist())
         group.parts, group.rows, group.nbytes = [], 0, 0
         if not items:
             return
         group.chunks += 1
         queue, delay = key
         try:
-            self.sender.send(queue, delay, group.seed, group.chunks, items)
+            self.sender.send(queue, delay, group.seed, group.chunks, items,
+                             headers if headers and any(headers) else None)
+        except ValueError as exc:  # (headers the client refuses before sending)
+            raise QueuedDataSourceError(f"the queued sink's column `headers`: {exc}") from exc
         except ClientError as exc:
             raise refused(queue, items, self.w.servers, exc) from exc
 

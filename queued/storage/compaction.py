@@ -22,8 +22,8 @@ from typing import Protocol
 import trio
 
 from queued.config.policies import DataDirConfig
-from queued.core import journal_format as jf
-from queued.core.errors import JournalError
+from queued.errors import JournalError
+from queued.journal import format as jf
 from queued.storage import fileio
 from queued.storage.files import Checkpoint, SegmentInfo, fsync_dir
 

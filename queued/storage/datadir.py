@@ -20,15 +20,15 @@ from pathlib import Path
 import trio
 
 from queued.config.policies import DataDirConfig, FsyncMode, FsyncPolicy, JournalConfig
-from queued.core import journal_format as jf
-from queued.core.errors import (
+from queued.errors import (
     CorruptJournalError,
     CorruptRecordError,
     JournalClosedError,
     NotSavedError,
 )
-from queued.core.journal_names import PAUSED_FILE
-from queued.core.stats import HistogramSnapshot
+from queued.journal import format as jf
+from queued.journal.names import PAUSED_FILE
+from queued.stats import HistogramSnapshot
 from queued.storage import fileio
 from queued.storage.files import (
     NO_CHECKPOINT,
@@ -337,6 +337,12 @@ class DataDir:
         j.last_id = max(j.last_id, last_id)
         self.queues[name] = j
         return j
+
+    async def sync_segment(self, journal: QueueJournal) -> None:
+        """fsync what `journal`'s segment has written and not synced, whatever its policy,
+        between rounds (a round may be writing it)."""
+        async with self._writer.paused():
+            await trio.to_thread.run_sync(journal.file.sync_now)
 
     async def park_queue(self, name: str, detach: Callable[[QueueJournal], bool]) -> bool:
         """Forget queue `name`'s journal and close its files (they stay) if it has

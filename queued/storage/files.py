@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from queued.core import journal_format as jf
-from queued.core.errors import CorruptRecordError, DataDirError, JournalError
+from queued.errors import CorruptRecordError, DataDirError, JournalError
+from queued.journal import format as jf
 from queued.storage import fileio
 
 #: Sparse index stride: one (first_id, offset) entry per this many bytes.

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from queued.config.policies import CorruptionPolicy
-from queued.core import journal_format as jf
-from queued.core.errors import BadMagicError, CorruptJournalError, CorruptRecordError
+from queued.errors import BadMagicError, CorruptJournalError, CorruptRecordError
+from queued.journal import format as jf
 from queued.storage import fileio
 from queued.storage.files import SegmentInfo, fsync_dir, write_file_atomic
 

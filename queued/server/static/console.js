@@ -265,6 +265,12 @@ function drawItem(tbody, item) {
     hex.textContent = item.hex + (item.truncated ? " …" : "");
     data.appendChild(hex);
   }
+  for (const h of item.headers || []) {  // its headers, one line each: key: value
+    const line = document.createElement("span");
+    line.className = "header";
+    line.textContent = `${h.key}: ${h.text}${h.truncated ? " …" : ""}`;
+    data.appendChild(line);
+  }
   tbody.appendChild(row);
 }
 

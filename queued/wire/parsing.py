@@ -1,0 +1,201 @@
+"""What every protocol's parser shares: the receive buffer, NEED_DATA, ConnectionClosed,
+queue-name and integer parsing, and the line-parser base with its sticky failure.
+
+PURE: bytes in, values out; no sockets, clocks or trio. Every buffer here has a cap set
+by its caller; nothing allocates what a peer merely declares.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final, Generic, TypeVar
+
+from queued.errors import LocalProtocolError, QueuedError, RemoteProtocolError
+from queued.sansio import MAX_DELAY_MS as MAX_DELAY_MS  # re-exported: what parsers share
+from queued.sansio import MAX_TIMEOUT_MS as MAX_TIMEOUT_MS
+from queued.sansio import NAME_PATTERN as NAME_PATTERN
+from queued.sansio import NAME_RE as NAME_RE
+from queued.sansio import NEED_DATA as NEED_DATA
+from queued.sansio import NeedData as NeedData
+from queued.sansio import Signal as Signal
+from queued.sansio import is_valid_name as is_valid_name
+
+_INT_RE: Final = re.compile(rb"-?[0-9]+")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionClosed:
+    """The peer ended the stream (receive_data(b"")); `unparsed` bytes of a command were lost."""
+
+    unparsed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ParserStatistics:
+    buffered_bytes: int  # received, not yet parsed
+    skipping_bytes: int  # still to be discarded for a refused value
+    failed: bool  # a closing error happened; the parser only re-raises it
+
+
+class ArgumentError(QueuedError):
+    """One argument failed validation; each parser turns it into its own wire reply."""
+
+
+class LineOverflow(QueuedError):
+    """No line end within the cap (raised by ReceiveBuffer.take_line)."""
+
+
+# -- names and numbers ------------------------------------------------------------------------
+
+
+def parse_name(token: bytes, what: str) -> str:
+    if NAME_RE.fullmatch(token) is None:
+        raise ArgumentError(f"bad {what} name")
+    return token.decode("ascii")
+
+
+def parse_address(token: bytes) -> tuple[str, str | None]:
+    """`q` -> (q, None); `q+r` -> (q, r), fanout reader r of queue q. Raises ArgumentError."""
+    queue, plus, reader = token.partition(b"+")
+    return parse_name(queue, "queue"), (parse_name(reader, "reader") if plus else None)
+
+
+def parse_queue(token: bytes) -> str:
+    """A plain queue name (no reader), as writes need. Raises ArgumentError."""
+    queue, reader = parse_address(token)
+    if reader is not None:
+        raise ArgumentError("cannot write to a fanout reader; write to its queue")
+    return queue
+
+
+def parse_int(token: bytes, what: str, lo: int, hi: int) -> int:
+    """A decimal integer in [lo, hi]; never int()'s leniency (`_`, `+`, spaces, unicode)."""
+    if _INT_RE.fullmatch(token) is None:
+        raise ArgumentError(f"bad {what}")
+    if len(token) > 20 or not lo <= int(token) <= hi:  # length first: int() of huge strings
+        raise ArgumentError(f"{what} out of range")
+    return int(token)
+
+
+# -- the receive buffer -------------------------------------------------------------------------
+
+
+class ReceiveBuffer:
+    """Bytes received but not yet parsed. Consumed from the front without O(n) shifts."""
+
+    __slots__ = ("_buf", "_pos", "_scanned", "eof")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+        self._scanned = 0  # bytes after _pos known to hold no b"\n"
+        self.eof = False
+
+    def __len__(self) -> int:
+        return len(self._buf) - self._pos
+
+    def append(self, data: bytes | bytearray | memoryview) -> None:
+        if self._pos:
+            del self._buf[: self._pos]  # once per received chunk, not once per command
+            self._pos = 0
+        self._buf += data
+
+    def take_line(self, limit: int) -> bytes | None:
+        """The next line without its `\\n` or `\\r\\n`, or None if incomplete.
+
+        Raises LineOverflow when more than `limit` bytes precede the line end.
+        """
+        start = self._pos + self._scanned
+        end = self._pos + limit + 2
+        i = self._buf.find(b"\n", start, end)
+        if i < 0:
+            if len(self) >= limit + 2:
+                raise LineOverflow(f"line longer than {limit} bytes")
+            self._scanned = len(self)
+            return None
+        line = bytes(self._buf[self._pos : i])
+        self._pos = i + 1
+        self._scanned = 0
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if len(line) > limit:
+            raise LineOverflow(f"line longer than {limit} bytes")
+        return line
+
+    def take(self, n: int) -> bytes | None:
+        """Exactly `n` bytes, or None if fewer are buffered."""
+        if len(self) < n:
+            return None
+        data = bytes(self._buf[self._pos : self._pos + n])
+        self._pos += n
+        self._scanned = 0
+        return data
+
+    def take_block(self, n: int) -> bytes | None:
+        """`n` bytes followed by CRLF (both consumed; the data returned), None if fewer
+        than n + 2 are buffered or the CRLF is not there (nothing consumed then)."""
+        pos = self._pos
+        end = pos + n
+        buf = self._buf
+        if len(buf) < end + 2 or buf[end] != 13 or buf[end + 1] != 10:
+            return None
+        self._pos = end + 2
+        self._scanned = 0
+        return bytes(buf[pos:end])
+
+    def peek(self, start: int, end: int) -> bytes:
+        """Buffered bytes [start, end) counted from the first unread byte, left unread."""
+        return bytes(self._buf[self._pos + start : self._pos + min(end, len(self))])
+
+    def skip(self, n: int) -> int:
+        """Drop up to `n` bytes; returns how many were dropped."""
+        n = min(n, len(self))
+        self._pos += n
+        self._scanned = 0
+        return n
+
+
+# -- the line-parser base ---------------------------------------------------------------------
+
+E = TypeVar("E")
+
+
+class LineParser(Generic[E]):
+    """h11's shape for a line protocol: receive_data(bytes), next_event() -> event or
+    NEED_DATA. A closing RemoteProtocolError is sticky: every later next_event() raises it
+    again and received bytes are dropped. Subclasses implement `_next`."""
+
+    def __init__(self) -> None:
+        self.buffer = ReceiveBuffer()
+        self.failure: RemoteProtocolError | None = None
+
+    def receive_data(self, data: bytes | bytearray) -> None:
+        """Append received bytes; b"" means the peer closed (feed it once)."""
+        if self.buffer.eof:
+            raise LocalProtocolError("receive_data() after end of stream")
+        if not data:
+            self.buffer.eof = True
+        elif self.failure is None:
+            self._accept(data)
+
+    def _accept(self, data: bytes | bytearray) -> None:
+        self.buffer.append(data)
+
+    def in_request(self) -> bool:
+        """A request has begun to arrive and is not complete."""
+        return len(self.buffer) > 0
+
+    def next_event(self) -> E | ConnectionClosed | NeedData:
+        """The next command, ConnectionClosed, or NEED_DATA; raises RemoteProtocolError."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            return self._next()
+        except RemoteProtocolError as e:
+            if e.close:
+                self.failure = e
+            raise
+
+    def _next(self) -> E | ConnectionClosed | NeedData:
+        raise NotImplementedError
