@@ -274,7 +274,9 @@ def test_idempotency_key_makes_a_batch_write_run_again_store_nothing_twice(
         spark: Any, server: ServerProcess) -> None:
     addr = address(server)
     df = spark.range(1000, numPartitions=2).selectExpr(
-        "cast(concat('k-', cast(id as string)) as binary) as data")
+        "cast(concat('k-', cast(id as string)) as binary) as data",
+        "if(id % 2 = 0, array(named_struct('key', 'n', 'value', cast(cast(id as string) "
+        "as binary))), null) as headers")  # (the chunks' digests count them)
 
     def save(key: str) -> None:
         (df.write.format("queued").mode("append").option("server", addr)
@@ -284,7 +286,12 @@ def test_idempotency_key_makes_a_batch_write_run_again_store_nothing_twice(
     save("nightly-2026-11-28")
     save("nightly-2026-11-28")  # the same job again: nothing stored
     expected = {b"k-%d" % i for i in range(1000)}
-    assert tally(expected, drain(addr, "idem"), "idempotency_key, job run twice")[2] == 0
+    with Client(addr) as c:
+        items = c.get("idem", 5000, with_headers=True)
+    assert all(it.headers == ({"n": str(int(it.data[2:])).encode()}
+                              if int(it.data[2:]) % 2 == 0 else {}) for it in items)
+    assert tally(expected, [it.data for it in items] + drain(addr, "idem"),
+                 "idempotency_key, job run twice")[2] == 0
     save("nightly-2026-11-29")  # another key: stored again
     assert Counter(drain(addr, "idem")) == Counter(expected)
 
