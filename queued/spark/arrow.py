@@ -122,9 +122,13 @@ def _data_by_runs(buf: bytes | memoryview, starts: np.ndarray,
     total = int(sizes.sum(dtype=np.int64))
     if len(first) * RUN_ROWS > n or total >= 2**31:
         return None
-    offsets = np.zeros(n + 1, dtype=np.int32)
+    # Arrow's memory pool, not numpy's malloc: it reuses what earlier batches freed, where
+    # a fresh allocation of that size costs a page fault every 4 KiB.
+    offsets_buffer, values_buffer = pa.allocate_buffer(4 * (n + 1)), pa.allocate_buffer(total)
+    offsets = np.frombuffer(offsets_buffer, dtype=np.int32)
+    offsets[0] = 0
     np.cumsum(sizes, out=offsets[1:])
-    values = np.empty(total, dtype=np.uint8)
+    values = np.frombuffer(values_buffer, dtype=np.uint8)
     source = np.frombuffer(buf, dtype=np.uint8)
     for a, b in zip(first.tolist(), [*first[1:].tolist(), n], strict=True):
         size, at, out = int(sizes[a]), int(starts[a]), int(offsets[a])
@@ -134,9 +138,8 @@ def _data_by_runs(buf: bytes | memoryview, starts: np.ndarray,
         rows = np.lib.stride_tricks.as_strided(source[at:], shape=(b - a, size),
                                                strides=(int(step[a]), 1), writeable=False)
         values[out:int(offsets[b])].reshape(b - a, size)[...] = rows
-    del source
-    return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets),
-                                                  pa.py_buffer(values)])
+    del source, offsets, values
+    return pa.Array.from_buffers(pa.binary(), n, [None, offsets_buffer, values_buffer])
 
 
 def _flags(chunk: PutChunk, offsets: np.ndarray) -> np.ndarray | None:
