@@ -1,10 +1,10 @@
 """A Spark driver for the streaming sink's fault tests (tests/test_spark_exactly_once.py):
-one query, `spark.readStream.format("queued")` over a journal directory of 2000 rows into
+one query, `spark.readStream.format("queued")` over a journal directory of 1500 rows into
 `writeStream.format("queued")`, with faults injected into its micro-batches.
 
     python tests/spark_sink_driver.py JOURNAL SERVER WORKDIR [--pause]
 
-Trigger.AvailableNow, 4 micro-batches of 500 rows, 2 partitions each, 50-row chunks,
+Trigger.AvailableNow, 3 micro-batches of 500 rows, 2 partitions each, 50-row chunks,
 local[2,4] (a failed task runs again, up to 4 attempts). Each row goes to the queue named
 after the fault its micro-batch and partition meet, once the server holds that
 partition's first two chunks (the sink stored some of its rows, not all):
@@ -16,8 +16,8 @@ partition's first two chunks (the sink stored some of its rows, not all):
   expression).
 - micro-batch 2, queue `killed`: with `--pause`, partition 0 writes WORKDIR/killed.paused
   and sleeps, for the test to SIGKILL this driver; run again without it, the query goes
-  on from its checkpoint (micro-batch 2 again, then 3).
-- micro-batches 0 and 3, queue `steady`: no fault.
+  on from its checkpoint (micro-batch 2 again).
+- micro-batch 0, queue `steady`: no fault.
 
 Each partition that gives all its rows writes them to WORKDIR/QUEUE.BATCH.PARTITION.rows
 (what the queue must hold once); `retry` and `diverge` write WORKDIR/QUEUE.failed-once
@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROWS = 2000
+ROWS = 1500
 ROWS_PER_BATCH = 500
 CHUNK = 50
 

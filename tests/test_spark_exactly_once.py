@@ -331,7 +331,7 @@ def faults(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> P
     """One run of tests/spark_sink_driver.py (its docstring says what it does) killed with
     SIGKILL inside micro-batch 2, then its query restarted in a new process: WORKDIR."""
     root = tmp_path_factory.mktemp("sink-faults")
-    trio.run(write_journal, root / "journal", [b"row-%05d" % i for i in range(2000)], 100)
+    trio.run(write_journal, root / "journal", [b"row-%05d" % i for i in range(1500)], 100)
     work = root / "work"
     work.mkdir()
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
@@ -377,7 +377,7 @@ def test_a_driver_killed_mid_batch_and_restarted_from_its_checkpoint_stores_each
     expected = expected_rows(faults, "killed")
     assert tally(expected, drain(address(server), "killed"), "driver SIGKILL")[2] == 0
     steady = expected_rows(faults, "steady")
-    assert tally(steady, drain(address(server), "steady"), "micro-batches 0 and 3")[2] == 0
+    assert tally(steady, drain(address(server), "steady"), "micro-batch 0")[2] == 0
 
 
 def test_a_rerun_with_other_rows_is_detected_and_loses_no_row(
