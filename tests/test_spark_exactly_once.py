@@ -43,7 +43,13 @@ try:
     from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType
 
     from queued.spark import QueuedDataSourceError
-    from queued.spark.exactly_once import ExactlyOnceSender, RunKey, content_id
+    from queued.spark.exactly_once import (
+        ExactlyOnceSender,
+        RunKey,
+        arrow_digest,
+        chunk_digest,
+        content_id,
+    )
     from queued.spark.partition_write import Layout, PartitionWrite
     from queued.spark.sink import QueuedWriter
     from queued.spark.task_input import InputEnd
@@ -107,7 +113,9 @@ class Recorder:
         self.stored = self.found = self.puts = self.diverged = 0
 
     def send(self, queue: str, delay_ms: int, group: bytes, number: int,
-             items: list[bytes], headers: list[Any] | None = None) -> None:
+             items: list[bytes], headers: list[Any] | None = None,
+             arrow: list[Any] | None = None) -> None:
+        assert arrow is not None and chunk_digest(items, headers) == arrow_digest(arrow, headers)
         self.sent.append((queue, delay_ms, group, number, items))
 
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
 from queued.spark.options import QueuedDataSourceError
 from queued.spark.partition_write import RowHeaders
@@ -85,10 +86,33 @@ def task_run_key(stream: bool, idempotency_key: str | None) -> RunKey:
 
 
 def chunk_digest(items: list[bytes], headers: list[RowHeaders] | None = None) -> bytes:
-    """What a chunk's rows are, in order (their lengths, then their bytes; then each row's
-    headers, if any row has some)."""
-    h = hashlib.sha256(np.fromiter(map(len, items), dtype="<u4", count=len(items)).tobytes())
-    h.update(b"".join(items))
+    """What a chunk's rows are, in order: a SHA-256 of the SHA-256s of their lengths (u32
+    each) and of their bytes, then of each row's headers if any row has some. The same as
+    `arrow_digest` of the same rows."""
+    lengths = hashlib.sha256(
+        np.fromiter(map(len, items), dtype="<u4", count=len(items)).tobytes())
+    return _digest(lengths, hashlib.sha256(b"".join(items)), headers)
+
+
+def arrow_digest(parts: list[pa.Array], headers: list[RowHeaders] | None = None) -> bytes:
+    """`chunk_digest` of the rows of binary arrays, read from their buffers (no copy)."""
+    lengths, values = hashlib.sha256(), hashlib.sha256()
+    for part in parts:
+        if not len(part):
+            continue
+        wide = pa.types.is_large_binary(part.type)
+        offsets = np.frombuffer(part.buffers()[1], dtype=np.int64 if wide else np.int32)
+        offsets = offsets[part.offset:part.offset + len(part) + 1]
+        lengths.update(np.diff(offsets).astype("<u4").tobytes())
+        data = part.buffers()[2]
+        if data is not None and offsets[-1] > offsets[0]:
+            with memoryview(data) as view:
+                values.update(view[int(offsets[0]):int(offsets[-1])])
+    return _digest(lengths, values, headers)
+
+
+def _digest(lengths: Any, values: Any, headers: list[RowHeaders] | None) -> bytes:
+    h = hashlib.sha256(lengths.digest() + values.digest())
     if headers:
         for row in headers:
             h.update(b"%d;" % len(row or {}))
@@ -101,9 +125,10 @@ def chunk_digest(items: list[bytes], headers: list[RowHeaders] | None = None) ->
 
 
 def content_id(group: bytes, number: int, items: list[bytes],
-               headers: list[RowHeaders] | None = None) -> bytes:
-    """The producer id of chunk `number` of a group, holding `items` (with `headers`)."""
-    return _h(b"rows", group, b"%d" % number, chunk_digest(items, headers))
+               headers: list[RowHeaders] | None = None, digest: bytes | None = None) -> bytes:
+    """The producer id of chunk `number` of a group, holding `items` (with `headers`;
+    `digest`: their `chunk_digest`, when known)."""
+    return _h(b"rows", group, b"%d" % number, digest or chunk_digest(items, headers))
 
 
 def position_id(group: bytes, number: int) -> bytes:
@@ -152,8 +177,11 @@ class ExactlyOnceSender:
         return answer
 
     def send(self, queue: str, delay_ms: int, group: bytes, number: int,
-             items: list[bytes], headers: list[RowHeaders] | None = None) -> None:
-        content = content_id(group, number, items, headers)
+             items: list[bytes], headers: list[RowHeaders] | None = None,
+             arrow: list[pa.Array] | None = None) -> None:
+        """`arrow`: the same rows as binary arrays (their digest is read from there)."""
+        digest = None if arrow is None else arrow_digest(arrow, headers)
+        content = content_id(group, number, items, headers, digest)
         if number > 1 or len(items) == 1:
             self._put(queue, items, content, delay_ms, headers)
             return

@@ -108,7 +108,8 @@ class Sender(Protocol):
     diverged: int  # chunks an earlier run stored with other rows (exactly-once only)
 
     def send(self, queue: str, delay_ms: int, group: bytes, number: int,
-             items: list[bytes], headers: list[RowHeaders] | None = None) -> None: ...
+             items: list[bytes], headers: list[RowHeaders] | None = None,
+             arrow: list[pa.Array] | None = None) -> None: ...
 
 
 class AtLeastOnceSender:
@@ -121,7 +122,8 @@ class AtLeastOnceSender:
         self.stored = self.found = self.puts = self.diverged = 0
 
     def send(self, queue: str, delay_ms: int, group: bytes, number: int,
-             items: list[bytes], headers: list[RowHeaders] | None = None) -> None:
+             items: list[bytes], headers: list[RowHeaders] | None = None,
+             arrow: list[pa.Array] | None = None) -> None:
         self.stored += self.client.put(queue, items, self.expiration_ms, delay_ms=delay_ms,
                                        headers=headers)
         self.puts += 1
@@ -284,6 +286,7 @@ class PartitionWrite:
     def _send(self, key: tuple[str, int], group: _Group) -> None:
         items: list[bytes] = []
         headers: list[RowHeaders] | None = [] if self.w.has_headers_column else None
+        arrow = [part for part, _ in group.parts]
         for part, part_headers in group.parts:
             items += part.to_pylist()
             if headers is not None and part_headers is not None:
@@ -295,7 +298,7 @@ class PartitionWrite:
         queue, delay = key
         try:
             self.sender.send(queue, delay, group.seed, group.chunks, items,
-                             headers if headers and any(headers) else None)
+                             headers if headers and any(headers) else None, arrow)
         except ValueError as exc:  # (headers the client refuses before sending)
             raise QueuedDataSourceError(f"the queued sink's column `headers`: {exc}") from exc
         except ClientError as exc:
