@@ -13,7 +13,7 @@ import hashlib
 import secrets
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from concurrent.futures import Future
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any
 
@@ -29,6 +29,7 @@ from queued.client.common import (
     Data,
     Headers,
     Item,
+    NotOpen,
     Prepare,
     ProducerGap,
     ProducerState,
@@ -57,6 +58,7 @@ from queued.client.io_trio import (
     Connection,
     Lock,
     Network,
+    TableLock,
     call_gate,
     checkpoint,
     now,
@@ -77,6 +79,8 @@ __all__ = ["AsyncClient", "AsyncConsumer"]
 
 #: Seconds a `move` without both max_items and a rate may take before the client gives up.
 MOVE_WAIT = 24 * 3600.0
+#: Seconds a reserve's heartbeat waits for the others of its client due at the same moment.
+BEAT_GATHER = 0.005
 
 
 class AsyncClient:
@@ -174,6 +178,11 @@ class AsyncClient:
         # client's is always open (its calls are pipelined).
         self._gate = call_gate()
         self._connect_locks: dict[str, Lock] = {}
+        # reserve's heartbeats due now, by lease (ms), gathered to go out together
+        self._beating: dict[int, list[Item]] = {}
+        # reserve's reads found lost by a heartbeat (NotOpen): no more beats for them
+        self._lost_reads: set[Item] = set()
+        self._beat_lock = TableLock()
         # Per server: the last failed connect (its number in _connect_failures, why), so
         # the calls that waited for that connect fail over at once instead of each
         # paying connect_timeout in turn.
@@ -776,8 +785,13 @@ class AsyncClient:
         item = got[0] if got else None
         try:
             if heartbeat and item is not None:
-                async with repeating(auto_abort_ms / 3000, self._beat, item, auto_abort_ms):
-                    yield item
+                try:
+                    async with repeating(auto_abort_ms / 3000, self._beat, item,
+                                         auto_abort_ms):
+                        yield item
+                finally:
+                    with self._beat_lock:
+                        self._lost_reads.discard(item)
             else:
                 yield item
         except BaseException:
@@ -789,9 +803,41 @@ class AsyncClient:
 
     async def _beat(self, item: Item, ms: int) -> None:
         """One heartbeat of `reserve`: the read extended, or left be if that fails (the
-        body learns of a lost item when its confirm counts 0)."""
-        with suppress(ClientError):
-            await self.extend(item, ms)
+        body learns of a lost item when its confirm counts 0). The beats of this client's
+        reserves with the same lease fall due together (`repeating` runs on a shared
+        grid): the first gathers the others for BEAT_GATHER seconds, then sends them as
+        one extend per connection and queue. A lost read among them (NotOpen refuses its
+        extend whole: it timed out, or the body confirmed or aborted it) has the others of
+        that batch sent again one by one, and is left out of its later beats."""
+        with self._beat_lock:  # (held for these sets only: one lock serves both clients)
+            if item in self._lost_reads:
+                return
+            batch = self._beating.get(ms)
+            if batch is not None:
+                batch.append(item)
+                return
+            self._beating[ms] = batch = [item]
+        # The others' beats ride on this one: if its own block ends meanwhile, the beat
+        # still goes out (the block's exit waits that long, at most read_timeout).
+        with shielded(self.read_timeout):
+            try:
+                await sleep(BEAT_GATHER)
+            finally:
+                with self._beat_lock:
+                    del self._beating[ms]
+            try:
+                await self.extend(batch, ms)
+            except NotOpen:
+                for one in batch:
+                    try:
+                        await self.extend(one, ms)
+                    except NotOpen:
+                        with self._beat_lock:
+                            self._lost_reads.add(one)
+                    except ClientError:
+                        pass
+            except ClientError:
+                pass
 
     def consume(self, queue: str, *, batch: int = 100, timeout_ms: int = 1000,
                 auto_abort_ms: int = 0, max_items: int | None = None,

@@ -11,7 +11,7 @@ import hashlib
 import secrets
 from collections.abc import Generator, Iterable, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
@@ -27,6 +27,7 @@ from queued.client.common import (
     Data,
     Headers,
     Item,
+    NotOpen,
     Prepare,
     ProducerGap,
     ProducerState,
@@ -55,6 +56,7 @@ from queued.client.io_sync import (
     Connection,
     Lock,
     Network,
+    TableLock,
     call_gate,
     checkpoint,
     now,
@@ -75,6 +77,8 @@ __all__ = ["Client", "Consumer"]
 
 #: Seconds a `move` without both max_items and a rate may take before the client gives up.
 MOVE_WAIT = 24 * 3600.0
+#: Seconds a reserve's heartbeat waits for the others of its client due at the same moment.
+BEAT_GATHER = 0.005
 
 
 class Client:
@@ -172,6 +176,11 @@ class Client:
         # client's is always open (its calls are pipelined).
         self._gate = call_gate()
         self._connect_locks: dict[str, Lock] = {}
+        # reserve's heartbeats due now, by lease (ms), gathered to go out together
+        self._beating: dict[int, list[Item]] = {}
+        # reserve's reads found lost by a heartbeat (NotOpen): no more beats for them
+        self._lost_reads: set[Item] = set()
+        self._beat_lock = TableLock()
         # Per server: the last failed connect (its number in _connect_failures, why), so
         # the calls that waited for that connect fail over at once instead of each
         # paying connect_timeout in turn.
@@ -774,8 +783,13 @@ class Client:
         item = got[0] if got else None
         try:
             if heartbeat and item is not None:
-                with repeating(auto_abort_ms / 3000, self._beat, item, auto_abort_ms):
-                    yield item
+                try:
+                    with repeating(auto_abort_ms / 3000, self._beat, item,
+                                   auto_abort_ms):
+                        yield item
+                finally:
+                    with self._beat_lock:
+                        self._lost_reads.discard(item)
             else:
                 yield item
         except BaseException:
@@ -787,9 +801,41 @@ class Client:
 
     def _beat(self, item: Item, ms: int) -> None:
         """One heartbeat of `reserve`: the read extended, or left be if that fails (the
-        body learns of a lost item when its confirm counts 0)."""
-        with suppress(ClientError):
-            self.extend(item, ms)
+        body learns of a lost item when its confirm counts 0). The beats of this client's
+        reserves with the same lease fall due together (`repeating` runs on a shared
+        grid): the first gathers the others for BEAT_GATHER seconds, then sends them as
+        one extend per connection and queue. A lost read among them (NotOpen refuses its
+        extend whole: it timed out, or the body confirmed or aborted it) has the others of
+        that batch sent again one by one, and is left out of its later beats."""
+        with self._beat_lock:  # (held for these sets only: one lock serves both clients)
+            if item in self._lost_reads:
+                return
+            batch = self._beating.get(ms)
+            if batch is not None:
+                batch.append(item)
+                return
+            self._beating[ms] = batch = [item]
+        # The others' beats ride on this one: if its own block ends meanwhile, the beat
+        # still goes out (the block's exit waits that long, at most read_timeout).
+        with shielded(self.read_timeout):
+            try:
+                sleep(BEAT_GATHER)
+            finally:
+                with self._beat_lock:
+                    del self._beating[ms]
+            try:
+                self.extend(batch, ms)
+            except NotOpen:
+                for one in batch:
+                    try:
+                        self.extend(one, ms)
+                    except NotOpen:
+                        with self._beat_lock:
+                            self._lost_reads.add(one)
+                    except ClientError:
+                        pass
+            except ClientError:
+                pass
 
     def consume(self, queue: str, *, batch: int = 100, timeout_ms: int = 1000,
                 auto_abort_ms: int = 0, max_items: int | None = None,

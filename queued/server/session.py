@@ -756,17 +756,20 @@ class Session:
             if t is c.Get:
                 if not self._get_nowait(requests, i):
                     return i
-            elif t is c.Confirm or t is c.Abort:
+            elif t is c.Confirm or t is c.Abort or t is c.Touch:
                 self.stats.count(r.name, r.count)
                 try:
                     b = self.broker
                     if t is c.Confirm:
                         count = b.confirm(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
                                           cmd.count, cmd.ids, owe=self.reply_after)  # type: ignore[union-attr]
-                    else:
+                    elif t is c.Abort:
                         count = b.abort(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
                                         ids=cmd.ids, owe=self.reply_after,  # type: ignore[union-attr]
                                         delay_ms=cmd.delay_ms)  # type: ignore[union-attr]
+                    else:  # touch / extend (handlers.touch): a lease moved, nothing journaled
+                        count = b.extend(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
+                                         cmd.ids, cmd.ms)  # type: ignore[union-attr]
                     self._reply(r, c.Count(count))
                 except Exception as exc:
                     self._reply(r, self._failure(r, exc))
