@@ -3,7 +3,7 @@ against the bare client doing the same puts without Spark (the ceiling).
 
     .venv/bin/python bench/spark_write_bench.py [--rows 400000] [--item 200]
         [--batch-size 5000] [--batch-bytes N] [--option key=value ...] [--fsync never]
-        [--repeat 3] [--skip-spark] [--skip-bare] [--py-spy-server out.txt]
+        [--repeat 3] [--exactly-once] [--skip-spark] [--skip-bare] [--py-spy-server out.txt]
 
 Prints numbers, never asserts. Spark runs local[2] (UI off) on 2 partitions of a cached
 DataFrame of `--rows` rows of `--item` bytes, written with the `queue` option and with a
@@ -18,6 +18,9 @@ Bare client phases (the ceiling, no Spark): `Client.put` in a loop of `--batch-s
 puts, each waiting for its reply, in one process and in two at once (as two Spark tasks).
 The processes build their items and connect before the clock starts. The sink's
 batch_size is set to `--batch-size` too.
+
+`--exactly-once`: each Spark phase also with exactly-once puts (a new `idempotency_key`
+per write), in turns with the at-least-once one, and the ratio of their medians.
 
 The server is started with the default config (fsync "always") unless `--fsync` is given;
 it is stopped by PID (SIGTERM, then SIGKILL) and its temp data dir removed.
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -225,11 +229,13 @@ def bench_spark(server: Server, a: argparse.Namespace) -> None:
             options[k] = v
         routed_queues = [f"r{k}" for k in range(a.queues)]
 
-        def write(df: Any, queue: str | None) -> Callable[[], None]:
+        def write(df: Any, queue: str | None, exactly_once: bool = False) -> Callable[[], None]:
             def run() -> None:
                 w = df.write.format("queued").mode("append").options(**options)
                 if queue:
                     w = w.option("queue", queue)
+                if exactly_once:  # a new key each time: a repeated key stores nothing
+                    w = w.option("idempotency_key", uuid.uuid4().hex)
                 w.save()
             return run
 
@@ -242,11 +248,24 @@ def bench_spark(server: Server, a: argparse.Namespace) -> None:
         fixed = min(measure_quiet(write(tiny, "w")) for _ in range(3))
         stored_and_flush(server.address, ["w"])
         print(f"spark, a write of 10 rows (fixed cost of a job): {fixed:.3f} s", flush=True)
+        modes = (False, True) if a.exactly_once else (False,)
         for label, df, queue, queues in (
                 ("spark, option queue", plain, "w", ["w"]),
                 (f"spark, queue column ({a.queues} queues)", routed, None, routed_queues)):
-            summary([measure(label, server, a.rows, a.item, queues, write(df, queue))
-                     for _ in range(a.repeat)])
+            rates: dict[bool, list[float]] = {m: [] for m in modes}
+            for _ in range(a.repeat):  # on and off in turns, so that load drifts hit both
+                for mode in modes:
+                    name = label + (", exactly-once" if mode else "")
+                    rates[mode].append(measure(name, server, a.rows, a.item, queues,
+                                               write(df, queue, mode)))
+            for mode in modes:
+                print(label + (", exactly-once" if mode else ", at-least-once") + ":",
+                      end="")
+                summary(rates[mode])
+            if a.exactly_once:
+                med = {m: sorted(r)[len(r) // 2] for m, r in rates.items()}
+                print(f"  exactly-once / at-least-once (medians): {med[True] / med[False]:.2f}",
+                      flush=True)
     finally:
         spark.stop()
 
@@ -261,6 +280,8 @@ def main() -> None:
     ap.add_argument("--option", action="append", default=[], help="extra sink option k=v")
     ap.add_argument("--fsync", default=None, help="server --fsync (default: its default)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--exactly-once", action="store_true",
+                    help="also time each Spark write with exactly-once puts (idempotency_key)")
     ap.add_argument("--skip-spark", action="store_true")
     ap.add_argument("--skip-bare", action="store_true")
     ap.add_argument("--py-spy-server", default=None,

@@ -342,6 +342,25 @@ def producer_result(result: Any, count: int) -> int:
     return count if result[2] and not result[0] else result[0]
 
 
+@dataclass(frozen=True, slots=True)
+class PutAnswer:
+    """A put's answer under a producer id the caller chose (`put_sequenced`): how many items
+    it stored, the id of the first, and whether it was a repeat (then nothing was stored
+    now: `count` and `first_id` are the first time's, or 0 and 0 for a repeat of an older
+    put than the producer's last)."""
+
+    count: int
+    first_id: int
+    duplicate: bool
+
+
+def sequenced_result(result: Any) -> PutAnswer:
+    if (not isinstance(result, list) or len(result) != 3 or type(result[0]) is not int
+            or type(result[1]) is not int or type(result[2]) is not bool):
+        raise BadResponse(f"put answered {result!r}, not [count, first_id, duplicate]")
+    return PutAnswer(result[0], result[1], result[2])
+
+
 def int_result(result: Any, method: str) -> int:
     if type(result) is not int:
         raise BadResponse(f"{method} answered {result!r}, not an integer")

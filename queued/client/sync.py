@@ -7,6 +7,7 @@ Every behaviour and its documentation live in aio.py; import from queued.client.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Generator, Iterable, Sequence
 from concurrent.futures import Future
@@ -30,6 +31,7 @@ from queued.client.common import (
     Prepare,
     ProducerGap,
     ProducerState,
+    PutAnswer,
     QueueInfo,
     RpcCallError,
     Servers,
@@ -44,6 +46,7 @@ from queued.client.common import (
     int_result,
     producer_result,
     queue_info,
+    sequenced_result,
     settle_groups,
     to_items,
 )
@@ -63,7 +66,12 @@ from queued.client.io_sync import (
     wait_for,
 )
 from queued.client.servers import LOOKUP_PATIENCE, Discovery, Pool, ServerState, lookup
-from queued.wire.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
+from queued.wire.rpc_protocol import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_FRAME,
+    MAX_PRODUCER_ID,
+    MAX_SEQUENCE,
+)
 
 __all__ = ["Client", "Consumer"]
 
@@ -423,6 +431,59 @@ class Client:
                 return producer_result(result, len(batch))
             result = self._put_rotation("put", params)
         return int_result(result, "put")
+
+    def put_sequenced(self, queue: str, items: Data | Iterable[Data], producer: bytes,
+                      sequence: int, expiration_ms: int = 0, flags: int = 0, *,
+                      delay_ms: int = 0,
+                      headers: Headers | Sequence[Headers | None] | None = None,
+                      ) -> PutAnswer:
+        """An exactly-once put under the caller's own producer id (1 to 64 bytes) and
+        sequence (1, 2, ... one number per put; see the README's Exactly-once puts), for a
+        caller that derives both from what it writes, so that writing it again meets the
+        first time's answer (the Spark sink). `put` chooses them itself.
+
+        It goes to one server, the one `producer` hashes to among the client's servers (by
+        address), never another: the producer's table is that server's. A put whose reply
+        never came, or that could not be sent (the server restarting), is sent again with
+        the same producer and sequence until `delivery_timeout`, then raises AmbiguousPut
+        (stored once or not at all). A sequence past the producer's next raises ProducerGap.
+        `headers` as `put` takes them.
+        """
+        batch = encode_items(items)
+        check_flags(flags)
+        check_delay(delay_ms)
+        sent_headers = headers_param(headers, len(batch))
+        if not 0 < len(producer) <= MAX_PRODUCER_ID or not 0 < sequence <= MAX_SEQUENCE:
+            raise ValueError(f"a producer id has 1 to {MAX_PRODUCER_ID} bytes and a sequence "
+                             f"is 1 to {MAX_SEQUENCE}")
+        params: list[Any] = [queue, batch, expiration_ms, flags, delay_ms, producer, sequence]
+        if sent_headers is not None:  # (the ninth param; the eighth is a dedup key's)
+            params += [None, sent_headers]
+        with self._gate:
+            self._order("put")  # (resolves DNS names)
+            servers = sorted(self._pool.require(), key=lambda s: s.address)
+            pick = int.from_bytes(hashlib.blake2b(producer, digest_size=8).digest(), "big")
+            server = servers[pick % len(servers)]
+            deadline = now() + self.delivery_timeout
+            pause = 0.05
+            while True:
+                started = now()
+                try:
+                    _, result = self._on(server, "put", params, self.read_timeout)
+                except FAILOVER as exc:
+                    self._pool.failed(server, now(), started)
+                    if now() >= deadline:
+                        raise AmbiguousPut(
+                            f"{server.address}: put to {queue!r} under a producer of the "
+                            f"caller's, no reply to it or its re-sends within delivery_timeout "
+                            f"({self.delivery_timeout} s): stored once or not at all ({exc})",
+                            server.address) from exc
+                    self._retries += 1
+                    sleep(min(pause, max(0.0, deadline - now())))
+                    pause = min(pause * 2, 1.0)
+                    continue
+                self._pool.ok(server)
+                return sequenced_result(result)
 
     def _idempotent_failover(self, order: list[ServerState], queue: str,
                              params: list[Any]) -> Any:

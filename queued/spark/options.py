@@ -82,9 +82,13 @@ WRITE_OPTIONS: dict[str, tuple[str, ...]] = {
     "tls_key": (),
     "user": (),
     "password": (),
+    "delivery_timeout": (),
+    "idempotency_key": (),
 }
 #: Options of `df.writeStream` (Spark passes its own checkpointLocation and path along).
-WRITE_STREAM_OPTIONS: dict[str, tuple[str, ...]] = WRITE_OPTIONS | {
+WRITE_STREAM_OPTIONS: dict[str, tuple[str, ...]] = {
+    k: v for k, v in WRITE_OPTIONS.items() if k != "idempotency_key"} | {
+    "exactly_once": (),
     "checkpointLocation": (),
     "path": (),
 }
