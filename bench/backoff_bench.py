@@ -20,8 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import proc_cpu_s
-from fuzz_rss import HOST, start_server
+from benchlib import HOST, proc_cpu_s, recording, start_server
 
 from queued.client import Client
 
@@ -83,4 +82,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("backoff_bench"):
+        main()
