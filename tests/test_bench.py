@@ -170,8 +170,8 @@ def test_every_script_has_a_smoke_run() -> None:
 
 
 def test_only_the_harness_starts_servers() -> None:
-    """No script starts `queued serve` (or a peer) by itself: bench/benchlib/servers.py
-    does, for all of them."""
+    """No script starts `queued serve` (or redis) by itself: bench/benchlib/ does, for
+    all of them."""
     for p in BENCH.glob("*.py"):
         text = p.read_text()
         assert not re.search(r"""["']serve["']|["']redis-server["']\s*,\s*["']--port""",

@@ -2,8 +2,8 @@
 keeps its output through this package (scripts run as `python bench/x.py`, so bench/ is on
 sys.path, in spawned workers too, and `import benchlib` finds it).
 
-- servers.py: `queued serve` (any build, config, flags, TLS) and the peers, darner and
-  redis-server, started and stopped by PID in one place;
+- servers.py: `queued serve` (any build, config, flags, TLS), started and stopped by PID
+  in one place; peers.py: darner and redis-server, on the same base;
 - measure.py: latency histograms, CPU (user and system, from /proc) and RSS readings, an
   RSS sampler;
 - results.py: a run's output kept outside git (bench/results/, or $QUEUED_BENCH_RESULTS);
@@ -26,6 +26,16 @@ from .measure import (
     rss_kib,
     system_busy_s,
 )
+from .peers import (
+    DARNER,
+    DARNER_BUILD,
+    PEERS,
+    DarnerServer,
+    RedisServer,
+    ensure_darner,
+    redis_available,
+    resp_command,
+)
 from .results import (
     measured_tree,
     recording,
@@ -35,23 +45,15 @@ from .results import (
     tree_commit,
 )
 from .servers import (
-    DARNER,
-    DARNER_BUILD,
     HOST,
-    PEERS,
     QUEUED,
     QUEUED_CMD,
     BenchCerts,
-    DarnerServer,
     MemcacheServer,
     QueuedServer,
-    RedisServer,
     Server,
-    ensure_darner,
     free_port,
     queued_available,
-    redis_available,
-    resp_command,
     start_server,
     stop_all,
     tls_connect,

@@ -1,6 +1,6 @@
 """The servers a benchmark runs against, started in one place: `queued serve` (this build or
-any other, any config file, flags, environment, TLS), and the peers it is compared with,
-darner (built from ../shared/peers when missing) and Debian's redis-server.
+any other, any config file, flags, environment, TLS) here, and the peers it is compared
+with (peers.py) on the same base class.
 
 Each is a process on a fresh temp data dir (or one the caller owns) and 127.0.0.1 ports,
 stopped by PID (SIGTERM, then SIGKILL) with its dir and log removed; any still running
@@ -35,9 +35,6 @@ QUEUED = Path(sys.executable).with_name("queued")  # the tree of the venv runnin
 QUEUED_CMD = (f"{QUEUED} serve --data-dir {{data_dir}} --host {HOST} "
               "--memcache-port {memcache_port} --text-port {text_port} --rpc-port {rpc_port} "
               "--http-port {http_port} --fsync {fsync}")
-PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))
-DARNER = PEERS / "darner" / "build" / "darner"
-DARNER_BUILD = Path("/work/shared/peers/build-darner.sh")
 LISTENING = re.compile(rb"listening for (\w+) on [^\s:]+:(\d+)")
 READY = re.compile(rb"\bready: \w+ on port \d+")
 
@@ -78,11 +75,6 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float) -> bool:
 def tls_connect(sock: socket.socket, ca: str) -> ssl.SSLSocket:
     """`sock` after a blocking client handshake, verifying the server with `ca`."""
     return ssl.create_default_context(cafile=ca).wrap_socket(sock, server_hostname=HOST)
-
-
-def resp_command(*args: bytes) -> bytes:
-    """One redis command in RESP."""
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
 class Server:
@@ -356,69 +348,6 @@ def start_server(data_dir: Path, log: Path, max_queues: int | None = None,
     server.start()
     assert server.proc is not None
     return server.proc, server.ports
-
-
-class RedisServer(Server):
-    """redis-server (Debian's package) with its AOF: fsync `always` is appendfsync always,
-    anything else appendfsync no."""
-
-    name = "redis"
-    protocol = "resp"
-
-    def command(self) -> list[str]:
-        self.port = free_port()
-        return ["redis-server", "--port", str(self.port), "--bind", HOST, "--save", "",
-                "--appendonly", "yes",
-                "--appendfsync", "always" if self.fsync == "always" else "no",
-                "--dir", str(self.dir), "--daemonize", "no"]
-
-    def request(self, data: bytes) -> bytes:
-        with socket.create_connection((HOST, self.port), timeout=10) as s:
-            s.sendall(data)
-            buf = b""
-            while b"\r\n" not in buf:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                buf += chunk
-            return buf
-
-    def backlog(self, queue: str) -> int | None:
-        reply = self.request(resp_command(b"LLEN", queue.encode()))
-        return int(reply[1:reply.index(b"\r\n")]) if reply.startswith(b":") else None
-
-    def delete(self, queue: str) -> None:
-        self.request(resp_command(b"DEL", queue.encode()))
-
-
-def redis_available() -> bool:
-    return shutil.which("redis-server") is not None
-
-
-class DarnerServer(MemcacheServer):
-    """darner (C++, Kestrel's memcache protocol; never fsyncs a plain set)."""
-
-    name = "darner"
-
-    def __init__(self, root: Path | str | None = None, binary: Path = DARNER,
-                 **kw: Any) -> None:
-        super().__init__(root, "none", **kw)
-        self.binary = binary
-
-    def command(self) -> list[str]:
-        self.port = free_port()
-        return [str(self.binary), "-p", str(self.port), "-d", str(self.dir)]
-
-
-def ensure_darner(binary: Path = DARNER, script: Path = DARNER_BUILD) -> str:
-    """Builds darner with the peers script if the binary is missing; returns its version."""
-    if not binary.exists():
-        print(f"darner not found at {binary}: building it with {script} (PEERS={PEERS})",
-              flush=True)
-        subprocess.run(["bash", str(script)], env={**os.environ, "PEERS": str(PEERS)},
-                       check=True, timeout=1800)
-    p = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=10)
-    return (p.stdout or p.stderr).strip() or "?"
 
 
 class BenchCerts:
