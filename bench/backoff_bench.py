@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import HOST, proc_cpu_s, recording, start_server
+from benchlib import proc_cpu_s
+from fuzz_rss import HOST, start_server
 
 from queued.client import Client
 
@@ -82,5 +83,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from benchlib import recording
+
     with recording("backoff_bench"):
         main()
