@@ -231,6 +231,9 @@ def report(raw: Path, top: int) -> None:
     layers: Counter[str] = Counter()
     funcs: Counter[str] = Counter()
     total = 0
+    if not raw.exists():
+        print("py-spy recorded no samples (it wrote nothing: may it ptrace the server?)")
+        return
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
