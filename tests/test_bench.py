@@ -47,9 +47,16 @@ class Smoke:
 SMOKE = {s.name or s.script: s for s in [
     Smoke("backoff_bench", ("--items", "200", "--pairs", "1"),
           r"with / without, items/s: median"),
+    Smoke("backoff_bench", ("--in-process", "--items", "200", "--pairs", "2"),
+          r"without / with, CPU per item: median [0-9.]+", name="backoff_bench --in-process"),
     Smoke("delay_bench", ("--items", "2000", "--late-items", "3"), r"lateness of 3 items due"),
     Smoke("fuzz_rss", ("--inputs", "2000", "--per-conn", "100", "--idle", "0"),
           r"after 0 s idle .*: [0-9.]+ \(target <= 1.10\)"),
+    Smoke("headers_mem", ("--items", "2000", "--modes", "2"),
+          r"2 headers: RSS idle [0-9.]+ MiB, -?[0-9.]+ B per held item"),
+    Smoke("heartbeat_bench", ("--leases", "20", "--conns", "2", "--lease-ms", "600",
+                              "--intervals", "1"),
+          r"heartbeats alone: [0-9.]+ % of a core"),
     Smoke("journal_bench", ("--quick", "--sizes", "64", "--recovery-sizes", "64",
                             "--recovery-bytes", "2MiB", "--max-bytes", "1MiB", "--seconds",
                             "0.1", "--pairs", "1"),
@@ -75,6 +82,9 @@ SMOKE = {s.name or s.script: s for s in [
     Smoke("rpc_bench", ("--seconds", "0.2", "--fsync", "never", "--sizes", "64", "--batches",
                         "100", "--conns", "1", "--tasks", "2", "--tls"),
           r"\| never \| yes \| 64 B \| 100 \| 1 \| get\+confirm \| [0-9,]+ \|"),
+    Smoke("rpc_bench", ("--put-variants", "1", "--seconds", "0.2", "--fsync", "never",
+                        "--conns", "1"),
+          r"### fsync never: medians of 1 rounds", name="rpc_bench --put-variants"),
     Smoke("spark_write_bench", ("--rows", "1000", "--repeat", "1", "--skip-spark"),
           r"bare Client.put loop, 2 proc, batch 5000 +[0-9,]+ rows/s"),
     Smoke("vs_darner", ("--quick", "--runs", "1", "--scale", "0.05", "--seconds", "0.3",
@@ -86,7 +96,7 @@ SMOKE = {s.name or s.script: s for s in [
           needs="darner", name="vs_darner with darner"),
 ]}
 #: started first, so that the pool is not left with one long run at the end
-SLOWEST = ("load", "vs_darner", "backoff_bench", "rpc_bench")
+SLOWEST = ("load", "vs_darner", "headers_mem", "backoff_bench", "rpc_bench")
 #: run in the suite's process, on its SparkSession: tests/test_spark_bench.py
 IN_PROCESS = {"spark_bench"}
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from queued.broker import parking
-from queued.broker.handles import Handle, Waiter, Wake
+from queued.broker.live_readers import LiveReader, Waiter, Wake
 from queued.broker.queues import Background, PendingPut, QueueState
 from queued.broker.readback import read_live
 from queued.broker.registry import BrokerCounters, Registry
@@ -62,6 +62,18 @@ class JoinedPut:
         self.ended = False
 
 
+class _Join:
+    """Puts joined into one append: the items, [(part, how many), ...], and the items'
+    headers blocks (a list once a part has any, b"" for an item without)."""
+
+    __slots__ = ("headers", "items", "parts")
+
+    def __init__(self) -> None:
+        self.items: list[bytes] = []
+        self.parts: list[tuple[JoinedPut, int]] = []
+        self.headers: list[bytes] | None = None
+
+
 class JoinedPuts:
     """The puts of one pass (the reactor's), joined: every connection's put to a queue
     with the same expiry, flags and delay becomes one journal append (one id range, one
@@ -72,9 +84,8 @@ class JoinedPuts:
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
-        #: (queue, expire_ms, flags, delay_ms) -> (the items, [(part, how many), ...])
-        self._joins: dict[tuple[str, int | None, int, int],
-                          tuple[list[bytes], list[tuple[JoinedPut, int]]]] = {}
+        #: (queue, expire_ms, flags, delay_ms) -> the puts joined
+        self._joins: dict[tuple[str, int | None, int, int], _Join] = {}
         self._begun: list[tuple[PendingPut | None, list[JoinedPut]]] = []
 
     def has(self, queue: str) -> bool:
@@ -86,29 +97,35 @@ class JoinedPuts:
         return qs is not None and not (qs.needs_room() or qs.journal.config.max_journal_size)
 
     def add(self, queue: str, items: Sequence[bytes], expire_ms: int | None, flags: int,
-            delay_ms: int) -> JoinedPut:
+            delay_ms: int, headers: Sequence[bytes] | None = None) -> JoinedPut:
         part = JoinedPut()
         key = (queue, expire_ms, flags, delay_ms)
         join = self._joins.get(key)
         if join is None:
-            join = self._joins[key] = ([], [])
-        join[0].extend(items)
-        join[1].append((part, len(items)))
+            join = self._joins[key] = _Join()
+        if headers is not None or join.headers is not None:
+            if join.headers is None:
+                join.headers = [b""] * len(join.items)
+            join.headers += [b""] * len(items) if headers is None else headers
+        join.items += items
+        join.parts.append((part, len(items)))
         return part
 
     def begin_all(self) -> None:
         b = self.broker
-        for (queue, expire_ms, flags, delay_ms), (items, parts) in self._joins.items():
+        for (queue, expire_ms, flags, delay_ms), join in self._joins.items():
+            items, parts, headers = join.items, join.parts, join.headers
             try:
                 pending = b.begin_put_nowait(queue, items, expire_ms=expire_ms, flags=flags,
-                                             delay_ms=delay_ms)
+                                             delay_ms=delay_ms, headers=headers)
             except Exception:  # (WouldBlock included) each part on its own, then
                 start = 0
                 for part, n in parts:
                     try:
                         part.pending = b.begin_put_nowait(
                             queue, items[start:start + n], expire_ms=expire_ms, flags=flags,
-                            delay_ms=delay_ms)
+                            delay_ms=delay_ms,
+                            headers=None if headers is None else headers[start:start + n])
                     except trio.WouldBlock:
                         part.error = QueueFullError(f"queue {queue!r} is full")
                     except Exception as exc:
@@ -217,19 +234,21 @@ class Broker:
         delay_ms: int = 0,
         producer: bytes | None = None,
         sequence: int = 0,
+        headers: Sequence[bytes] | None = None,
     ) -> int:
         """Journal `datas`; returns once durable under the queue's fsync policy.
 
         `expire_ms` is absolute unix milliseconds; `flags` are the items' memcache
         flags (u32); `delay_ms` > 0 keeps the items invisible that long; `producer` and
-        `sequence`: an exactly-once put (a repeat stores nothing and returns 0). Raises
+        `sequence`: an exactly-once put (a repeat stores nothing and returns 0);
+        `headers`: each item's headers block (queued.journal.headers; b"": none). Raises
         QueueFullError, ItemTooLargeError, JournalError (write failures, journal full),
         ProducerGapError, ValueError.
         """
         self.counters.cmd_set += 1
         entry = await self.begin_put(queue, datas, expire_ms=expire_ms, error_count=error_count,
                                      flags=flags, delay_ms=delay_ms, producer=producer,
-                                     sequence=sequence)
+                                     sequence=sequence, headers=headers)
         # Shielded: the readers must hear about every durable put, in id order,
         # even if the caller is cancelled. The wait is one writer round.
         with trio.CancelScope(shield=True):
@@ -247,6 +266,7 @@ class Broker:
         delay_ms: int = 0,
         producer: bytes | None = None,
         sequence: int = 0,
+        headers: Sequence[bytes] | None = None,
     ) -> PendingPut:
         """First half of `put`: checks, limits, ids; hands the items to the writer.
         With a `producer` (exactly-once puts), see `QueueState.begin_put`: a repeat of
@@ -260,7 +280,7 @@ class Broker:
         started = time.perf_counter()
         pending = await self.registry.queue(queue).begin_put(
             datas, expire_ms=expire_ms, error_count=error_count, flags=flags, delay_ms=delay_ms,
-            producer=producer, sequence=sequence)
+            producer=producer, sequence=sequence, headers=headers)
         pending.started = started
         return pending
 
@@ -274,13 +294,14 @@ class Broker:
         delay_ms: int = 0,
         producer: bytes | None = None,
         sequence: int = 0,
+        headers: Sequence[bytes] | None = None,
     ) -> PendingPut:
         """`begin_put` that never waits: trio.WouldBlock (nothing changed) when the
         queue must make room first (a parked queue loads here, synchronously)."""
         started = time.perf_counter()
         pending = self.registry.queue(queue).begin_put_nowait(
             datas, expire_ms=expire_ms, error_count=0, flags=flags, delay_ms=delay_ms,
-            producer=producer, sequence=sequence)
+            producer=producer, sequence=sequence, headers=headers)
         pending.started = started
         return pending
 
@@ -334,7 +355,7 @@ class Broker:
             self.counters.cmd_get += 1
         qs = self.registry.queue(queue)
         rname = reader or ""
-        h = qs.readers.get(rname) or await self.registry.handle(qs, rname)
+        h = qs.readers.get(rname) or await self.registry.live_reader(qs, rname)
         if open:
             self.reads.room(client, self.config.max_open_reads)
         owner = client if open else None
@@ -375,7 +396,7 @@ class Broker:
         return it
 
     def _finish_get(
-        self, qs: QueueState, h: Handle, rname: str, it: Item, client: OpenReads | None,
+        self, qs: QueueState, h: LiveReader, rname: str, it: Item, client: OpenReads | None,
         open_timeout_ms: int | None = None,
     ) -> Item | None:
         """A held item becomes the client's open read (under the name the client used),
@@ -384,7 +405,7 @@ class Broker:
         return done[0] if done else None
 
     def _finish_many(
-        self, qs: QueueState, h: Handle, rname: str, items: list[Item],
+        self, qs: QueueState, h: LiveReader, rname: str, items: list[Item],
         client: OpenReads | None, open_timeout_ms: int | None,
     ) -> list[Item]:
         if client is None:
@@ -422,7 +443,7 @@ class Broker:
         started = time.perf_counter()
         qs = self.registry.queue(queue)
         rname = reader or ""
-        h = qs.readers.get(rname) or await self.registry.handle(qs, rname)
+        h = qs.readers.get(rname) or await self.registry.live_reader(qs, rname)
         if open:
             max_items = min(max_items, self.reads.room(client, self.config.max_open_reads))
         owner = client if open else None
@@ -478,7 +499,7 @@ class Broker:
         rname = reader or ""
         h = qs.readers.get(rname)
         if h is None:
-            raise trio.WouldBlock  # made durably, in `registry.handle`
+            raise trio.WouldBlock  # made durably, in `registry.live_reader`
         if open:
             max_items = min(max_items, self.reads.room(client, self.config.max_open_reads))
         taken = qs.take_nowait(h, max_items, max_bytes)
@@ -503,7 +524,7 @@ class Broker:
         return done
 
     def line_up(self, queue: str, reader: str | None, wake: Wake,
-                ) -> tuple[QueueState, Handle, Waiter]:
+                ) -> tuple[QueueState, LiveReader, Waiter]:
         """A get that waits without a task of its own (the reactor's long poll): in line
         with the other waiters of the reader, woken through `wake` when `serve` hands
         it an item (held for it) or the reader closes; then `end_wait`. Call it right
@@ -513,7 +534,7 @@ class Broker:
         self.counters.cmd_get += 1
         return qs, h, qs.line_up(h, False, wake)
 
-    def end_wait(self, qs: QueueState, h: Handle, rname: str, w: Waiter, *,
+    def end_wait(self, qs: QueueState, h: LiveReader, rname: str, w: Waiter, *,
                  client: OpenReads | None, open_timeout_ms: int | None,
                  take: bool = True) -> Item | None:
         """A lined-up get ends: the item it was handed (as a get's: consumed, or open
@@ -532,7 +553,7 @@ class Broker:
         qs = self.registry.queues.get(queue)
         return joined.has(queue) or (qs is not None and bool(qs.inflight))
 
-    def take_more(self, qs: QueueState, h: Handle, rname: str, max_items: int, max_bytes: int,
+    def take_more(self, qs: QueueState, h: LiveReader, rname: str, max_items: int, max_bytes: int,
                   nbytes: int, *, client: OpenReads | None,
                   open_timeout_ms: int | None) -> list[Item]:
         """After a waited get's first item: whatever more is in memory now (as
@@ -668,8 +689,8 @@ class Broker:
                    rate: int = 0) -> int:
         """Move up to `max_items` (0: until the source has none) of source's items, in
         delivery order, to `destination`, at most `rate` a second (0: no limit); how
-        many. One at a time: each is durable in the destination (keeping its error count
-        and flags) before its removal from the source is journaled, and that removal is
+        many. One at a time: each is durable in the destination (keeping its error count,
+        flags and headers) before its removal from the source is journaled, and that removal is
         durable before the next starts, so a crash duplicates at most the item in
         flight and loses nothing. Works on a paused source (its consumers stay off)."""
         if destination == source:
@@ -678,7 +699,7 @@ class Broker:
             raise BadNameError(f"invalid queue name {destination!r}")
         qs = self.registry.queue(source)
         rname = reader or ""
-        h = qs.readers.get(rname) or await self.registry.handle(qs, rname)
+        h = qs.readers.get(rname) or await self.registry.live_reader(qs, rname)
         interval = 1 / rate if rate else 0.0
         next_at = trio.current_time()
         moved = 0
@@ -691,7 +712,7 @@ class Broker:
             h.reader.start_move(it)
             try:
                 await self.put(destination, [it.data], error_count=it.error_count,
-                               flags=it.flags)
+                               flags=it.flags, headers=[it.headers] if it.headers else None)
             except BaseException:
                 qs.finish_move(h, [it], moved=False, keep_errors=True)
                 raise
@@ -824,7 +845,7 @@ class Broker:
             self.reads.forget(queue, reader, h)
             await qs.journal.remove_reader(reader)
             if not qs.readers and not qs.deleted:
-                await self.registry.handle(qs, "")
+                await self.registry.live_reader(qs, "")
             return True
         qs.deleted = True
         del self.queues[queue]
@@ -910,7 +931,7 @@ class Broker:
 
     # -- statistics ----------------------------------------------------------------------------
 
-    def reader_stats(self, qs: QueueState, h: Handle) -> dict[str, int]:
+    def reader_stats(self, qs: QueueState, h: LiveReader) -> dict[str, int]:
         return qs.reader_stats(h)
 
     def reader_info(self, queue: str, reader: str | None = None) -> dict[str, int]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from queued.broker.handles import Handle, Waiter, Wake
+from queued.broker.live_readers import LiveReader, Waiter, Wake
 from queued.broker.readback import FETCH_MAX_ITEMS, read_ids, read_range, segment_sizes
 from queued.errors import (
     ItemTooLargeError,
@@ -32,7 +32,7 @@ from queued.errors import (
 from queued.journal import format as jf
 from queued.reader.producers import ProducerCounters, ProducerEntry, ProducerTable, Verdict
 from queued.reader.state import NO_ENTRIES, NO_ITEMS, Item, pack_max_for
-from queued.storage.journal import QueueJournal, Ticket, put_overhead
+from queued.storage.journal import QueueJournal, Ticket, headers_overhead, put_overhead
 from queued.storage.recovery import SegmentInfo
 
 if TYPE_CHECKING:
@@ -74,10 +74,10 @@ def durable(pending: object) -> bool:
 class Runner(Protocol):
     """What runs a queue's background work (`queued.broker.upkeep.Upkeep`)."""
 
-    def refill(self, qs: QueueState, h: Handle) -> None: ...
+    def refill(self, qs: QueueState, h: LiveReader) -> None: ...
 
     def move(
-        self, qs: QueueState, h: Handle, items: list[Item], target: str, keep_errors: bool
+        self, qs: QueueState, h: LiveReader, items: list[Item], target: str, keep_errors: bool
     ) -> None: ...
 
     def timeouts_changed(self) -> None: ...
@@ -92,12 +92,12 @@ class Background:
     def __init__(self) -> None:
         self.runner: Runner | None = None
 
-    def start_refill(self, qs: QueueState, h: Handle) -> None:
+    def start_refill(self, qs: QueueState, h: LiveReader) -> None:
         if self.runner is not None and not h.closed:
             self.runner.refill(qs, h)
 
     def start_move(
-        self, qs: QueueState, h: Handle, items: list[Item], target: str, keep_errors: bool
+        self, qs: QueueState, h: LiveReader, items: list[Item], target: str, keep_errors: bool
     ) -> None:
         if self.runner is None:
             raise RuntimeError("broker is not running")
@@ -135,7 +135,7 @@ class QueueState:
         self.config = config
         self.clock = clock
         self.background = background
-        self.readers: dict[str, Handle] = {}
+        self.readers: dict[str, LiveReader] = {}
         self.inflight: deque[Inflight] = NO_ITEMS  # a deque from the first put on
         self.inflight_items = 0
         self.inflight_bytes = 0
@@ -187,6 +187,7 @@ class QueueState:
     async def begin_put(
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
         delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
+        headers: Sequence[bytes] | None = None,
     ) -> PendingPut:
         """Checks, limits, ids; hands the items to the writer (see Broker.begin_put)."""
         if not datas:
@@ -203,15 +204,17 @@ class QueueState:
         elif room or self.journal.config.max_journal_size:
             self.busy += 1  # (these awaits show in no other way: the queue must not park)
             try:
-                await self._make_room(room, n, nbytes, put_overhead(flags, delay_ms > 0) * n)
+                await self._make_room(room, n, nbytes, put_overhead(flags, delay_ms > 0) * n
+                                      + headers_overhead(headers))
             finally:
                 self.busy -= 1
         return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
-                             producer, sequence)
+                             producer, sequence, headers)
 
     def begin_put_nowait(
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
         delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
+        headers: Sequence[bytes] | None = None,
     ) -> PendingPut:
         """`begin_put` without waiting: trio.WouldBlock (nothing changed) when the put
         must first make room (per-reader limits, max_journal_size)."""
@@ -221,7 +224,7 @@ class QueueState:
         if self.needs_room() or self.journal.config.max_journal_size:
             raise trio.WouldBlock
         return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
-                             producer, sequence)
+                             producer, sequence, headers)
 
     def producer_table(self) -> ProducerTable:
         t = self.producers
@@ -289,10 +292,11 @@ class QueueState:
 
     def _reserve(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
                  error_count: int, flags: int, delay_ms: int, nbytes: int,
-                 producer: bytes | None = None, sequence: int = 0) -> PendingPut:
+                 producer: bytes | None = None, sequence: int = 0,
+                 headers: Sequence[bytes] | None = None) -> PendingPut:
         """Ids and the journal append (the writer makes it durable); in flight until ended.
         With a producer: a repeat answered as the original, a gap refused, else the
-        append carries the producer's mark."""
+        append carries the producer's mark. `headers`: a block per item (b"": none)."""
         if self.deleted:
             raise QueueClosedError(f"queue {self.name!r} was deleted")
         due_ms = now + delay_ms if delay_ms > 0 else None
@@ -301,14 +305,15 @@ class QueueState:
             if repeat is not None:
                 return repeat
             puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count,
-                                                      flags, due_ms, (producer, sequence))
+                                                      flags, due_ms, (producer, sequence),
+                                                      headers)
             mark = table.store(producer, sequence, puts[0].id, len(puts), now, ticket)
             pending = self._inflight(puts, ticket, nbytes, due_ms, len(datas))
             pending.answer = (puts[0].id, len(puts), False)
             pending.producer = mark
             return pending
         puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
-                                                  due_ms)
+                                                  due_ms, headers=headers)
         return self._inflight(puts, ticket, nbytes, due_ms, len(datas))
 
     def _inflight(self, puts: list[jf.Put], ticket: Ticket, nbytes: int, due_ms: int | None,
@@ -405,7 +410,7 @@ class QueueState:
 
     # -- gets --------------------------------------------------------------------------------
 
-    def serve(self, h: Handle) -> None:
+    def serve(self, h: LiveReader) -> None:
         """Hand available items to waiting gets, first come first served."""
         if h.waiters:
             expired: list[Item] = []
@@ -426,7 +431,7 @@ class QueueState:
         if h.reader.wants_refill() or h.reader.wants_fetch():
             self.background.start_refill(self, h)
 
-    def line_up(self, h: Handle, peek: bool, wake: Wake) -> Waiter:
+    def line_up(self, h: LiveReader, peek: bool, wake: Wake) -> Waiter:
         """A waiter at the end of `h`'s line, woken through `wake` (see `serve`)."""
         w = Waiter(peek, wake)
         if h.waiters is NO_ITEMS:
@@ -434,7 +439,7 @@ class QueueState:
         h.waiters.append(w)
         return w
 
-    def leave_line(self, h: Handle, w: Waiter) -> None:
+    def leave_line(self, h: LiveReader, w: Waiter) -> None:
         """`w` gives up: out of the line, and an item it was handed goes back unharmed."""
         if w.item is None:
             with suppress(ValueError):
@@ -443,7 +448,7 @@ class QueueState:
             w.item = None
             self.serve(h)
 
-    async def wait(self, h: Handle, *, peek: bool, deadline: float) -> Item | None:
+    async def wait(self, h: LiveReader, *, peek: bool, deadline: float) -> Item | None:
         """Wait in line until `deadline` (trio time) for the next item: held for the
         caller unless `peek`, None if none came. If the wait is cancelled after an
         item was handed over, the item goes back unharmed."""
@@ -462,7 +467,7 @@ class QueueState:
                     h.waiters.remove(w)
         return w.item
 
-    async def take_now(self, h: Handle, max_items: int, max_bytes: int, *,
+    async def take_now(self, h: LiveReader, max_items: int, max_bytes: int, *,
                        even_paused: bool = False) -> list[Item]:
         """Items available now (read back from disk if need be), each held by `hold`;
         none while paused, unless `even_paused` (a move)."""
@@ -485,7 +490,7 @@ class QueueState:
             self.background.start_refill(self, h)
         return out
 
-    def take_nowait(self, h: Handle, max_items: int, max_bytes: int) -> list[Item]:
+    def take_nowait(self, h: LiveReader, max_items: int, max_bytes: int) -> list[Item]:
         """`take_now` without reading back from disk: trio.WouldBlock (every item put
         back unharmed) when it would have to."""
         r = h.reader
@@ -498,7 +503,7 @@ class QueueState:
             self.background.start_refill(self, h)
         return out
 
-    def _take_held(self, h: Handle, out: list[Item], max_items: int,
+    def _take_held(self, h: LiveReader, out: list[Item], max_items: int,
                    max_bytes: int, even_paused: bool = False) -> bool | None:
         """Take (and hold) into `out` what memory has, up to the limits; None when done,
         else what must be read back before more can come: True a due item's data
@@ -533,7 +538,7 @@ class QueueState:
         finally:
             self.dispose_expired(h, expired)
 
-    async def refill_once(self, h: Handle) -> None:
+    async def refill_once(self, h: LiveReader) -> None:
         """Read the next run of on-disk items back into memory (in a worker thread)."""
         async with h.refill_lock:
             r = h.reader
@@ -553,7 +558,7 @@ class QueueState:
             r.load(start, items, next_id)
             self.serve(h)
 
-    async def fetch_once(self, h: Handle) -> None:
+    async def fetch_once(self, h: LiveReader) -> None:
         """Read the data of the next due items that wait on disk (in a worker thread)."""
         async with h.refill_lock:
             r = h.reader
@@ -576,7 +581,7 @@ class QueueState:
 
     # -- open reads, expiry, moves ---------------------------------------------------------
 
-    def owner(self, rname: str, item_id: int) -> Handle | None:
+    def owner(self, rname: str, item_id: int) -> LiveReader | None:
         """The reader holding open read `item_id` taken under the name `rname`."""
         h = self.readers.get(rname)
         if h is not None and item_id in h.reader.open:
@@ -586,7 +591,7 @@ class QueueState:
                 return other
         return None
 
-    def return_read(self, h: Handle, item_id: int, *, count_error: bool,
+    def return_read(self, h: LiveReader, item_id: int, *, count_error: bool,
                     due_ms: int | None = None) -> tuple[Item, int | None] | None:
         """An open read goes back to the head (or waits until `due_ms`; with no `due_ms`,
         an error counted waits the reader's `retry_backoff` step), or to the error queue
@@ -609,7 +614,7 @@ class QueueState:
             h.reader.put_back(it)
         return it, due_ms
 
-    def reject_read(self, h: Handle, item_id: int) -> Item | None:
+    def reject_read(self, h: LiveReader, item_id: int) -> Item | None:
         """An open read given up on: to the error queue at once (keeping its error count),
         or consumed when the reader has none; the item (None if it was not open)."""
         it = h.reader.open.get(item_id)
@@ -626,7 +631,7 @@ class QueueState:
         return it
 
     def note_read(
-        self, h: Handle, done: Sequence[int] = (), errors: Sequence[tuple[int, int]] = (),
+        self, h: LiveReader, done: Sequence[int] = (), errors: Sequence[tuple[int, int]] = (),
         delays: Sequence[tuple[int, int]] = (),
     ) -> Ticket | None:
         """Journal what reader `h` consumed (`done`), the error counts aborts gave
@@ -640,7 +645,7 @@ class QueueState:
         except JournalClosedError:
             return None
 
-    def dispose_expired(self, h: Handle, items: list[Item]) -> None:
+    def dispose_expired(self, h: LiveReader, items: list[Item]) -> None:
         """Expired items leave: moved to expire_to_queue if set, else consumed."""
         if not items:
             return
@@ -653,14 +658,15 @@ class QueueState:
             for it in items:
                 h.reader.consume(it.id)
 
-    def expire_head(self, h: Handle, now_ms: int, limit: int) -> int:
+    def expire_head(self, h: LiveReader, now_ms: int, limit: int) -> int:
         """Expired items at the head of `h` leave (at most `limit`, 0 = all); how many."""
         expired: list[Item] = []
         h.reader.expire_head(now_ms, limit, expired)
         self.dispose_expired(h, expired)
         return len(expired)
 
-    def finish_move(self, h: Handle, items: list[Item], *, moved: bool, keep_errors: bool) -> None:
+    def finish_move(self, h: LiveReader, items: list[Item], *, moved: bool,
+                    keep_errors: bool) -> None:
         """Items sent to another queue arrived (consume them here) or did not: a failed
         error-queue move puts them back; an expired item that cannot move is dropped,
         as Kestrel drops it."""
@@ -743,5 +749,5 @@ class QueueState:
 
     # -- statistics --------------------------------------------------------------------------
 
-    def reader_stats(self, h: Handle) -> dict[str, int]:
+    def reader_stats(self, h: LiveReader) -> dict[str, int]:
         return h.stats(self.clock(), self.journal.total_bytes, self.paused)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from queued.errors import BadMagicError, ChecksumMismatchError, CorruptRecordError
+from queued.journal.headers import check_headers_block
 from queued.journal.records import (
     CHECK_MARK,
     CHECK_RECORD_SIZE,
@@ -36,6 +37,7 @@ from queued.journal.records import (
     EXT_DELAY,
     EXT_FLAGS,
     EXT_HEAD_SIZE,
+    EXT_HEADERS,
     EXT_INCARNATION,
     EXT_PRODUCER,
     FLAGS_RECORD_SIZE,
@@ -81,6 +83,7 @@ from queued.journal.records import (
     EndOfData,
     Event,
     FileKind,
+    HeadedPut,
     Incarnation,
     Put,
     ReadDelays,
@@ -170,6 +173,53 @@ def _lead_at(buf: bytearray, at: int, end: int) -> tuple[int, int, int] | None:
     return None
 
 
+def _headers_at(buf: bytearray, pos: int, end: int, cap: int, start: int) -> int:
+    """The size of the HEADERS record at buf[pos] (its kind byte is there), when all of it
+    and the first byte after it lie before `end`; 0 when they do not. Raises for a size
+    that cannot be (`start`: its file offset)."""
+    size = I32_STRUCT.unpack_from(buf, pos + 1)[0]
+    if not 1 <= size <= cap:
+        raise CorruptRecordError(start, f"HEADERS record with {size} data bytes")
+    total = 1 + 4 + size
+    return total if pos + total < end else 0
+
+
+def _put_after(buf: bytearray, at: int, n: int, what: str, start: int) -> int:
+    """Where the PUT led by the record that ends at `at` starts, past a FLAGS and a DELAY
+    record if they follow (either form); -1 when the bytes end first. Anything else there
+    is corrupt (reported at `start`, where the first lead starts)."""
+    for _ in range(2):
+        if at >= n:
+            return -1
+        lead = _lead_at(buf, at, n)
+        if lead is None:
+            break
+        if not lead[2]:
+            return -1
+        at += lead[2]
+    if at >= n:
+        return -1
+    if buf[at] != PUT_BYTE and buf[at] != PUT_EXPIRE_BYTE:
+        raise CorruptRecordError(start, f"{what} record followed by command byte "
+                                        f"{buf[at]:#04x}, not a PUT")
+    return at
+
+
+def _batch_headers(buf: bytearray, pos: int, n: int, base: int, cap: int,
+                   headers: dict[int, bytes] | None) -> int:
+    """The HEADERS record at buf[pos] (before n), for RecordDecoder.next_batch: notes its
+    block under the file offset of the PUT it leads, and returns where the next record (a
+    FLAGS, DELAY or that PUT) starts; -1 when the bytes end first."""
+    size = _headers_at(buf, pos, n, cap, base + pos)
+    if not size:
+        return -1
+    at = pos + size
+    put_at = _put_after(buf, at, n, "HEADERS", base + pos)
+    if put_at >= 0 and headers is not None:
+        headers[base + put_at] = bytes(buf[pos + EXT_HEAD_SIZE:at])
+    return at if put_at >= 0 else -1
+
+
 def _batch_lead(buf: bytearray, pos: int, n: int, base: int, flags: dict[int, int] | None,
                 delays: dict[int, int] | None) -> tuple[int, int]:
     """The FLAGS or DELAY record at buf[pos] (before n), for RecordDecoder.next_batch:
@@ -238,7 +288,8 @@ class RecordDecoder:
     A FLAGS record and the PUT it leads are one `Put` (with `flags`), decoded from
     the FLAGS record's offset; a FLAGS record followed by anything else is corrupt.
     Likewise a DELAY record (after the FLAGS record, if any) and its PUT are one
-    `DelayedPut`; a DELAY record followed by anything but a PUT is corrupt. Every
+    `DelayedPut`; a DELAY record followed by anything but a PUT is corrupt. A HEADERS
+    record leads them all: with its PUT, a `HeadedPut` (or the `DelayedPut` with it). Every
     record we add comes in two forms (journal_records): the extension envelope, and the
     older one; both decode to the same values, in any mix.
     """
@@ -331,7 +382,7 @@ class RecordDecoder:
         if cmd == EXT_BYTE:
             if avail < EXT_HEAD_SIZE:
                 return self._short(avail)
-            if buf[pos + EXT_HEAD_SIZE - 1] in (EXT_FLAGS, EXT_DELAY):
+            if buf[pos + EXT_HEAD_SIZE - 1] in (EXT_FLAGS, EXT_DELAY, EXT_HEADERS):
                 return self._flagged_put(avail)
         elif cmd in (OLD_FLAGS_BYTE, OLD_DELAY_BYTE):  # another command 5 shape is not ours
             return self._flagged_put(avail)
@@ -418,21 +469,36 @@ class RecordDecoder:
         return Decoded(record, start, start + total)
 
     def _flagged_put(self, avail: int) -> Event:
-        """A FLAGS and/or DELAY record and the PUT after them, as one Put carrying the
-        flags (a DelayedPut carrying the due time too)."""
+        """A HEADERS, FLAGS and/or DELAY record (in that order) and the PUT after them,
+        as one Put carrying the flags (a DelayedPut carrying the due time too, a HeadedPut
+        or DelayedPut the headers block)."""
         buf, pos, start = self._buf, self._pos, self.offset
         end = pos + avail
         at = pos
         flags = 0
         due: int | None = None
-        lead = _lead_at(buf, at, end)
-        if lead is None:  # an envelope FLAGS or DELAY kind with another data size
-            _ext_kind(buf, pos, I32_STRUCT.unpack_from(buf, pos + 1)[0], start)
-            raise CorruptRecordError(start, "malformed FLAGS or DELAY record")
-        if not lead[2]:
+        block = b""
+        name = "HEADERS"  # the record right before the PUT, for an error
+        if buf[pos] == EXT_BYTE and buf[pos + EXT_HEAD_SIZE - 1] == EXT_HEADERS:
+            size = _headers_at(buf, pos, end, self.max_data_size, start)
+            if not size:
+                return self._short(avail)
+            block = bytes(buf[pos + EXT_HEAD_SIZE:pos + size])
+            try:
+                check_headers_block(block)
+            except ValueError as exc:
+                raise CorruptRecordError(start, f"HEADERS record: {exc}") from None
+            at += size
+            lead = _lead_at(buf, at, end)
+        else:
+            lead = _lead_at(buf, at, end)
+            if lead is None:  # an envelope FLAGS or DELAY kind with another data size
+                _ext_kind(buf, pos, I32_STRUCT.unpack_from(buf, pos + 1)[0], start)
+                raise CorruptRecordError(start, "malformed FLAGS or DELAY record")
+        if lead is not None and not lead[2]:
             return self._short(avail)
-        if lead[0] == EXT_FLAGS:
-            flags = lead[1]
+        if lead is not None and lead[0] == EXT_FLAGS:
+            flags, name = lead[1], "FLAGS"
             at += lead[2]
             if at >= end:
                 return self._short(avail)
@@ -440,11 +506,10 @@ class RecordDecoder:
             if lead is not None and not lead[2]:
                 return self._short(avail)
         if lead is not None and lead[0] == EXT_DELAY:
-            due = lead[1]
+            due, name = lead[1], "DELAY"
             at += lead[2]
             if at >= end:
                 return self._short(avail)
-        name = "DELAY" if due is not None else "FLAGS"
         cmd = buf[at]
         if cmd == PUT_BYTE:
             hdr = PUT_HEADER_SIZE
@@ -469,8 +534,9 @@ class RecordDecoder:
         if xid <= 0:
             raise CorruptRecordError(start + leads, f"PUT with non-positive id {xid}")
         data = bytes(buf[at + hdr : pos + total])
-        record = (Put(xid, data, added, expire, errs, flags) if due is None
-                  else DelayedPut(xid, data, added, expire, errs, flags, due))
+        record = (DelayedPut(xid, data, added, expire, errs, flags, due, block)
+                  if due is not None else HeadedPut(xid, data, added, expire, errs, flags, block)
+                  if block else Put(xid, data, added, expire, errs, flags))
         self._crc = zlib.crc32(memoryview(buf)[pos : pos + total], self._crc)
         self._pos = pos + total
         return Decoded(record, start, start + total)
@@ -503,7 +569,7 @@ class RecordDecoder:
 
     def next_batch(
         self, puts: list[int] | None = None, flags: dict[int, int] | None = None,
-        delays: dict[int, int] | None = None,
+        delays: dict[int, int] | None = None, headers: dict[int, bytes] | None = None,
     ) -> Batch | EndOfData | TornTail | Sentinel:
         """Fast path for sealed files: skip to the end of the next checked batch.
 
@@ -517,7 +583,9 @@ class RecordDecoder:
         is appended when anything else is returned. With `flags`, the flags of each
         PUT led by a FLAGS record are set there under the PUT's offset (it may also
         get offsets of a batch not yet returned: look up only offsets in `puts`).
-        With `delays`, likewise the due time of each PUT led by a DELAY record.
+        With `delays`, likewise the due time of each PUT led by a DELAY record; with
+        `headers`, the headers block of each PUT led by a HEADERS record (not checked
+        here: `journal.headers` raises on a malformed one when it is read).
         """
         if self._error is not None:
             raise self._error
@@ -525,7 +593,7 @@ class RecordDecoder:
             return self._done
         mark = len(puts) if puts is not None else 0
         try:
-            ev = self._batch(puts, flags, delays)
+            ev = self._batch(puts, flags, delays, headers)
         except CorruptRecordError as exc:
             self._error = exc
             if puts is not None:
@@ -537,7 +605,7 @@ class RecordDecoder:
 
     def _batch(
         self, puts: list[int] | None, flags: dict[int, int] | None,
-        delays: dict[int, int] | None = None,
+        delays: dict[int, int] | None = None, headers: dict[int, bytes] | None = None,
     ) -> Batch | EndOfData | TornTail | Sentinel:
         if self._magic_pending and not self._take_magic():
             return NEED_DATA
@@ -594,6 +662,12 @@ class RecordDecoder:
                     if size != EXT_CHECK_DATA_SIZE:
                         _ext_kind(buf, pos, size, base + pos)  # raises
                     check_size = CHECK_RECORD_SIZE
+                elif kind == EXT_HEADERS:
+                    at = _batch_headers(buf, pos, n, base, cap, headers)
+                    if at < 0:
+                        return self._short_batch(start, n)
+                    pos = at
+                    continue
                 else:
                     lead = kind in (EXT_FLAGS, EXT_DELAY)
             elif cmd == OLD_CHECK_BYTE:

@@ -1,7 +1,8 @@
 """Journal records and their bytes: magic, command bytes, layouts, encoding, decoder events.
 
 Owns the byte layout of seed 002 (Kestrel's journal) plus ours: the extension envelope
-(command 13: check, FLAGS, DELAY, COMPACTED, INCARNATION), the older forms of those
+(command 13: check, FLAGS, DELAY, COMPACTED, INCARNATION, PRODUCER, HEADERS), the older
+forms of those
 records (still read, never written), and READ_ERRORS / READ_DELAYS (reader files); and
 the values decoding yields. PURE: no file, clock, socket or trio access;
 queued.journal.format is the one import for users.
@@ -55,7 +56,7 @@ EXT_DELAY: Final = 3  # i64 due time (unix ms) of the PUT that follows (after FL
 EXT_COMPACTED: Final = 4  # i64 first, i64 last segment number a compaction replaced
 EXT_INCARNATION: Final = 5  # i64: which life of its queue a segment belongs to
 EXT_PRODUCER: Final = 6  # u8 id length, id, u64 sequence, i64 first id, u32 count, i64 ms
-EXT_HEADERS: Final = 7  # reserved: the headers of the PUT that follows
+EXT_HEADERS: Final = 7  # the headers block (journal.headers) of the PUT that follows
 
 # The older forms of the same records (written by releases before the envelope): a
 # command byte with its fields as header words. Read everywhere, forever; never written.
@@ -103,6 +104,7 @@ I32_STRUCT = struct.Struct("<i")
 PUT_HEADER_SIZE: Final = PUT_STRUCT.size  # 25
 PUT_EXPIRE_HEADER_SIZE: Final = PUT_EXPIRE_STRUCT.size  # 33
 EXT_HEAD_SIZE: Final = EXT_HEAD_STRUCT.size  # 6: what tells one envelope kind from another
+HEADERS_HEAD_SIZE: Final = EXT_HEAD_SIZE  # a HEADERS record: EXT_BYTE, 1 + block size, kind
 CHECK_RECORD_SIZE: Final = CHECK_STRUCT.size  # 14
 FLAGS_RECORD_SIZE: Final = FLAGS_STRUCT.size  # 10
 DELAY_RECORD_SIZE: Final = DELAY_STRUCT.size  # 14
@@ -191,6 +193,8 @@ class Put:
     record right before the PUT (seed readers skip it as an unknown record); flags 0
     write nothing. The field costs no memory: an object of five slots already takes
     the allocator's 80-byte size class, which holds a sixth.
+
+    `headers`: b"" here; a HeadedPut (or a DelayedPut) holds an item's headers block.
     """
 
     id: int
@@ -199,6 +203,12 @@ class Put:
     expire_time_ms: int | None = None
     error_count: int = 0
     flags: int = 0
+
+    @property
+    def headers(self) -> bytes:
+        """The item's headers block (queued.journal.headers); b"": none. Not a slot:
+        a seventh slot moves every Put to the allocator's next size class."""
+        return b""
 
 
 @dataclass(slots=True)
@@ -209,9 +219,23 @@ class DelayedPut(Put):
     seed readers skip it as an unknown record and see a plain PUT. A subclass rather
     than a seventh slot on Put: a seventh slot moves every Put to the next allocator
     size class (+8 bytes per item held), and puts without a delay must pay nothing.
+    `headers` (b"": none) is its eighth slot, in the same size class as seven.
     """
 
     due_ms: int = 0
+    headers: bytes = b""
+
+
+@dataclass(slots=True)
+class HeadedPut(Put):
+    """A Put with headers (and no delay: a delayed one is a DelayedPut with headers).
+
+    Journaled as a HEADERS record leading the PUT (before its FLAGS and DELAY records);
+    seed readers skip it. A subclass for the reason DelayedPut is one: items without
+    headers pay nothing, not a slot, not a byte.
+    """
+
+    headers: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +369,16 @@ def delay_record(due_ms: int) -> bytes:
         raise ValueError(f"due time out of range: {due_ms}") from None
 
 
+def headers_record(block: bytes) -> bytes:
+    """The HEADERS record that leads a PUT (before its FLAGS and DELAY records): the
+    envelope around a headers block; b"" (no record) for an empty block."""
+    if not block:
+        return b""
+    if len(block) >= MAX_DATA_SIZE:
+        raise ValueError("headers block larger than 2 GiB")
+    return EXT_HEAD_STRUCT.pack(EXT_BYTE, 1 + len(block), EXT_HEADERS) + block
+
+
 def encode_put(put: Put) -> bytes:
     data = put.data
     if not 0 < put.id <= MAX_ID:
@@ -364,7 +398,9 @@ def encode_put(put: Put) -> bytes:
     if type(put) is DelayedPut:
         head = delay_record(put.due_ms) + head
     if put.flags:
-        return flags_record(put.flags) + head + data
+        head = flags_record(put.flags) + head
+    if put.headers:
+        return headers_record(put.headers) + head + data
     return head + data
 
 

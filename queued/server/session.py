@@ -33,13 +33,13 @@ from queued.broker.broker import (
     MustWait,
     PendingPut,
 )
-from queued.broker.handles import Handle, Waiter
+from queued.broker.live_readers import LiveReader, Waiter
 from queued.broker.queues import QueueState
-from queued.errors import ItemTooLargeError, ProtocolError
+from queued.errors import ItemTooLargeError, RemoteProtocolError
 from queued.reader.open_reads import OpenReads
 from queued.reader.state import Item
 from queued.server.auth import Authenticator
-from queued.server.handlers import HANDLERS, Hub, not_durable
+from queued.server.handlers import HANDLERS, ServerControl, not_durable
 from queued.server.transport import Transport, transport_of
 from queued.stats import ProtocolStats
 from queued.storage.journal import Ticket
@@ -97,7 +97,7 @@ class LongPoll:
         self.woken = False
         self.owing: list[Ticket] = []  # of a /close that ran before it waited
         self.queue_state: QueueState | None = None
-        self.handle: Handle | None = None
+        self.handle: LiveReader | None = None
         self.waiter: Waiter | None = None
 
     def set(self) -> None:
@@ -124,11 +124,11 @@ class ServerCounters:
 class Session:
     """A connection's loop; the listener's handler does the bookkeeping around it."""
 
-    def __init__(self, hub: Hub, broker: Broker, stream: trio.abc.Stream, codec: c.Codec, *,
-                 name: str, max_item_size: int, counters: ServerCounters,
+    def __init__(self, server: ServerControl, broker: Broker, stream: trio.abc.Stream,
+                 codec: c.Codec, *, name: str, max_item_size: int, counters: ServerCounters,
                  stats: ProtocolStats, guard: Guard | None = None,
                  started: float | None = None, transport: Transport | None = None) -> None:
-        self.hub = hub
+        self.server = server
         self.broker = broker
         self.max_item_size = max_item_size
         self.counters = counters
@@ -198,7 +198,7 @@ class Session:
 
     def _end(self, nursery: trio.Nursery) -> None:
         """The connection stops reading: what becomes of the gets still waiting."""
-        if self.hub.closing:
+        if self.server.closing:
             return  # the broker answers waiting gets empty; they send themselves
         if self.eof and not self.lost:
             # The peer ended its side but may still read: its waiting gets answer now
@@ -238,7 +238,7 @@ class Session:
         with trio.CancelScope() as scope:
             self.receive_scope = scope
             guard = self.guard
-            while not (self.done or self.eof or self.hub.closing):
+            while not (self.done or self.eof or self.server.closing):
                 fresh = False  # the bytes to come begin a request
                 if self.login_by is not None:
                     deadline: float | None = self.login_by
@@ -262,7 +262,7 @@ class Session:
                 finally:
                     self.batches += 1
                     self.busy = False
-        if scope.cancelled_caught and not self.hub.closing and not self.done:
+        if scope.cancelled_caught and not self.server.closing and not self.done:
             self.time_out()
 
     def time_out(self) -> None:
@@ -323,8 +323,8 @@ class Session:
                 self.sent.set()
                 self.sent = None
 
-    def owe(self, ticket: Ticket) -> None:
-        """See handlers.Conn.owe."""
+    def reply_after(self, ticket: Ticket) -> None:
+        """See handlers.Conn.reply_after."""
         if not ticket.event.is_set() or ticket.error is not None:
             self.owing.append(ticket)
 
@@ -579,22 +579,27 @@ class Session:
                 self.out += encode(r, c.Stored(len(put.items)))
 
     async def _begin_put(self, group: list[tuple[c.Request, c.Put]]) -> PendingPut:
-        queue, items, expire_ms, flags, delay_ms = self._put_of(group)
+        queue, items, expire_ms, flags, delay_ms, headers = self._put_of(group)
         first = group[0][1]
         return await self.broker.begin_put(queue, items, expire_ms=expire_ms, flags=flags,
                                            delay_ms=delay_ms, producer=first.producer,
-                                           sequence=first.sequence)
+                                           sequence=first.sequence, headers=headers)
 
     def _put_of(self, group: list[tuple[c.Request, c.Put]],
-                ) -> tuple[str, Sequence[bytes], int | None, int, int]:
-        """A group's put as the broker takes it: queue, items, expiry, flags, delay."""
+                ) -> tuple[str, Sequence[bytes], int | None, int, int, Sequence[bytes] | None]:
+        """A group's put as the broker takes it: queue, items, expiry, flags, delay,
+        headers (a block per item, or None)."""
         first = group[0][1]
         items = first.items if len(group) == 1 else [d for _, put in group for d in put.items]
+        headers = first.headers
+        if len(group) > 1 and any(put.headers is not None for _, put in group):
+            headers = [h for _, put in group
+                       for h in (put.headers or [b""] * len(put.items))]
         limit = self.max_item_size
         if items and max(map(len, items)) > limit:
             raise ItemTooLargeError(f"item over the server's max_item_size ({limit} bytes)")
         return (first.queue, items, first.expire_ms(self.broker.clock()), first.flags,
-                first.delay_ms)
+                first.delay_ms, headers)
 
     # -- gets (see handlers.Conn) --------------------------------------------------------------
 
@@ -685,7 +690,7 @@ class Session:
         sent = 0
         while cmd.max_items is None or sent < cmd.max_items:
             left = deadline - trio.current_time()
-            if left <= 0 or self.hub.closing or self.done:  # done: the peer is lost
+            if left <= 0 or self.server.closing or self.done:  # done: the peer is lost
                 break
             items = await self.take(c.Get(cmd.queue, cmd.reader,
                                           timeout_ms=max(1, int(left * 1000)), open=True))
@@ -751,17 +756,20 @@ class Session:
             if t is c.Get:
                 if not self._get_nowait(requests, i):
                     return i
-            elif t is c.Confirm or t is c.Abort:
+            elif t is c.Confirm or t is c.Abort or t is c.Touch:
                 self.stats.count(r.name, r.count)
                 try:
                     b = self.broker
                     if t is c.Confirm:
                         count = b.confirm(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
-                                          cmd.count, cmd.ids, owe=self.owe)  # type: ignore[union-attr]
-                    else:
+                                          cmd.count, cmd.ids, owe=self.reply_after)  # type: ignore[union-attr]
+                    elif t is c.Abort:
                         count = b.abort(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
-                                        ids=cmd.ids, owe=self.owe,  # type: ignore[union-attr]
+                                        ids=cmd.ids, owe=self.reply_after,  # type: ignore[union-attr]
                                         delay_ms=cmd.delay_ms)  # type: ignore[union-attr]
+                    else:  # touch / extend (handlers.touch): a lease moved, nothing journaled
+                        count = b.extend(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
+                                         cmd.ids, cmd.ms)  # type: ignore[union-attr]
                     self._reply(r, c.Count(count))
                 except Exception as exc:
                     self._reply(r, self._failure(r, exc))
@@ -772,7 +780,7 @@ class Session:
 
     def _refused(self, r: c.Parsed) -> None:
         """A protocol error's reply, or the end of the stream."""
-        if isinstance(r, ProtocolError):
+        if isinstance(r, RemoteProtocolError):
             log.debug("%s: %s", self.name, r)
             self.stats.protocol_errors += 1
             self.out += r.reply
@@ -801,15 +809,16 @@ class Session:
                 # connection ran): it waits for the next pass, so ids keep the order sent.
                 return began
             try:
-                queue, items, expire_ms, flags, delay_ms = self._put_of(group)
+                queue, items, expire_ms, flags, delay_ms, headers = self._put_of(group)
                 joined = self.joined
                 if producer is None and joined is not None and joined.can_join(queue):
-                    result = joined.add(queue, items, expire_ms, flags, delay_ms)
+                    result = joined.add(queue, items, expire_ms, flags, delay_ms, headers)
                 else:  # (a put with a producer is never joined: its mark is its own)
                     result = b.begin_put_nowait(queue, items, expire_ms=expire_ms,
                                                 flags=flags, delay_ms=delay_ms,
                                                 producer=producer,
-                                                sequence=group[0][1].sequence)
+                                                sequence=group[0][1].sequence,
+                                                headers=headers)
             except trio.WouldBlock:
                 return began
             except Exception as exc:
@@ -835,14 +844,14 @@ class Session:
         b, reads, reader = self.broker, self.reads, cmd.reader or ""
         try:
             if cmd.abort:
-                b.abort(reads, cmd.queue, reader, owe=self.owe, delay_ms=cmd.delay_ms)
+                b.abort(reads, cmd.queue, reader, owe=self.reply_after, delay_ms=cmd.delay_ms)
                 reply: c.Reply = c.Done()
             elif cmd.close and not cmd.open:
-                b.confirm(reads, cmd.queue, reader, owe=self.owe)
+                b.confirm(reads, cmd.queue, reader, owe=self.reply_after)
                 reply = c.Done()
             else:
                 if cmd.close:
-                    b.confirm(reads, cmd.queue, reader, owe=self.owe)
+                    b.confirm(reads, cmd.queue, reader, owe=self.reply_after)
                     cmd = replace(cmd, close=False)
                     requests[i] = c.Request(cmd, r.context, r.name, r.count)
                 if cmd.exclusive and reads.open_ids(cmd.queue, reader):
@@ -953,7 +962,7 @@ class Session:
         the server stopping. False: it waits on."""
         poll = self.long_poll
         assert poll is not None and poll.waiter is not None
-        if not (poll.woken or now >= poll.deadline or self.eof or self.hub.closing):
+        if not (poll.woken or now >= poll.deadline or self.eof or self.server.closing):
             return False
         self.long_poll = None
         r = poll.request
@@ -983,7 +992,7 @@ class Session:
         keep: list[LongPoll] = []
         b = self.broker
         for poll in self.polls:
-            if not (poll.woken or now >= poll.deadline or self.eof or self.hub.closing):
+            if not (poll.woken or now >= poll.deadline or self.eof or self.server.closing):
                 keep.append(poll)
                 continue
             r = poll.request

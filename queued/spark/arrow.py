@@ -4,9 +4,10 @@ Owns the Arrow schema of the source's rows and the vectorised decoding of a
 `journal_scan.PutChunk`: numpy gathers each header field of every record from the
 chunk's bytes in one indexing step, and Arrow copies the item data out of the same bytes
 (`take` over an array whose elements alternate between data and the bytes in
-between); the optional flags column places the flags the scan found by offset. No
-per-record Python: a scan's cost is the decoder's walk that verifies the batches and
-finds the records.
+between); the optional flags column places the flags the scan found by offset, the
+optional headers column the headers blocks likewise. No per-record Python (but for items
+with headers): a scan's cost is the decoder's walk that verifies the batches and finds
+the records.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from queued.journal import format as jf
+from queued.journal.headers import header_pairs
 from queued.storage.journal_scan import PutChunk
 
 ARROW_SCHEMA = pa.schema([
@@ -24,6 +26,14 @@ ARROW_SCHEMA = pa.schema([
 ])
 #: With the `include_flags` option: each item's memcache flags (u32) as one more column.
 ARROW_SCHEMA_FLAGS = ARROW_SCHEMA.append(pa.field("flags", pa.int64()))
+#: With `includeHeaders`: each item's headers, as the Kafka source's column (null for none).
+HEADERS_TYPE = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
+
+
+def arrow_schema(flags: bool = False, headers: bool = False) -> pa.Schema:
+    """The rows' schema: ARROW_SCHEMA, then flags and headers columns as asked."""
+    schema = ARROW_SCHEMA_FLAGS if flags else ARROW_SCHEMA
+    return schema.append(pa.field("headers", HEADERS_TYPE)) if headers else schema
 
 #: A PUT_EXPIRE header (a PUT's is the same without `expire`), little-endian, packed.
 _HEADER = np.dtype([("cmd", "u1"), ("size", "<i4"), ("errors", "<i4"), ("id", "<i8"),
@@ -37,10 +47,12 @@ _ZERO = pa.scalar(0, pa.int64())
 
 
 def chunk_to_arrow(queue: str, chunk: PutChunk, live_at_ms: int = 0,
-                   flags: bool = False) -> pa.RecordBatch:
-    """The chunk's records as rows of ARROW_SCHEMA (ARROW_SCHEMA_FLAGS with `flags`); with
-    `live_at_ms`, only the items not expired at that time (an item expires when its
-    expire time is <= now)."""
+                   flags: bool = False, include_headers: bool = False) -> pa.RecordBatch:
+    """The chunk's records as rows of ARROW_SCHEMA (ARROW_SCHEMA_FLAGS with `flags`, and a
+    headers column with `include_headers`); with `live_at_ms`, only the items not expired
+    at that time (an item expires when its expire time is <= now)."""
+    if include_headers:
+        return _with_headers(queue, chunk, live_at_ms, flags)
     n = len(chunk)
     empty = _EMPTY_FLAGS if flags else _EMPTY
     if n == 0:
@@ -99,3 +111,28 @@ def _flags(chunk: PutChunk, offsets: np.ndarray) -> np.ndarray | None:
     out = np.zeros(len(offsets), dtype=np.int64)
     out[where[hit]] = values[hit]
     return out
+
+
+def _with_headers(queue: str, chunk: PutChunk, live_at_ms: int, flags: bool,
+                  ) -> pa.RecordBatch:
+    """chunk_to_arrow's rows with the headers column: the headers blocks placed by file
+    offset, as the flags are (the rows' ids tell which survived the expiry filter)."""
+    rows = chunk_to_arrow(queue, chunk, live_at_ms, flags)
+    schema = arrow_schema(flags, True)
+    if not chunk.headers:
+        column = pa.nulls(rows.num_rows, HEADERS_TYPE)
+    else:
+        ids = _ids_by_offset(chunk)
+        blocks = {ids[off]: block for off, block in chunk.headers.items() if off in ids}
+        column = pa.array([[{"key": k, "value": v} for k, v in header_pairs(blocks[i])]
+                           if i in blocks else None
+                           for i in rows.column(1).to_pylist()], HEADERS_TYPE)
+    return pa.RecordBatch.from_arrays([*rows.columns, column], schema=schema)
+
+
+def _ids_by_offset(chunk: PutChunk) -> dict[int, int]:
+    """The id of each record, by its file offset."""
+    at = np.fromiter(chunk.offsets, dtype=np.int64, count=len(chunk)) - chunk.base
+    ids = np.ndarray(shape=(len(chunk.buf) - _HEADER.itemsize + 1,), dtype=_HEADER,
+                     buffer=chunk.buf, strides=(1,))["id"][at]
+    return dict(zip(chunk.offsets, ids.tolist(), strict=True))

@@ -45,6 +45,7 @@ READ_OPTIONS: dict[str, tuple[str, ...]] = {
     "pending": (),
     "reader": (),
     "include_flags": (),
+    "includeHeaders": (),
 }
 #: Options of `spark.readStream`.
 STREAM_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -62,6 +63,7 @@ STREAM_OPTIONS: dict[str, tuple[str, ...]] = {
     "archive_dir": (),
     "max_partition_bytes": (),
     "include_flags": (),
+    "includeHeaders": (),
 }
 #: Options of `df.write` (the sink).
 WRITE_OPTIONS: dict[str, tuple[str, ...]] = {

@@ -22,7 +22,7 @@ from pyspark.sql.datasource import (
     DataSourceStreamArrowWriter,
     WriterCommitMessage,
 )
-from pyspark.sql.types import BinaryType, StringType, StructType
+from pyspark.sql.types import ArrayType, BinaryType, StringType, StructType
 
 from queued.client.common import (
     AuthFailed,
@@ -116,6 +116,33 @@ def _as_binary(column: pa.Array) -> pa.Array:
     return column
 
 
+def _check_headers_type(t: Any) -> None:
+    """The optional `headers` column: array<struct<key: string, value: binary or string>>,
+    the Kafka source's (includeHeaders gives it)."""
+    element = t.elementType if isinstance(t, ArrayType) else None
+    if not (isinstance(element, StructType) and element.fieldNames() == ["key", "value"]
+            and isinstance(element["key"].dataType, StringType)
+            and isinstance(element["value"].dataType, BinaryType | StringType)):
+        raise QueuedDataSourceError(
+            "the queued sink's column `headers` must be array<struct<key: string, value: "
+            f"binary>> (as the Kafka source's; value may be a string), not {t.simpleString()}")
+
+
+def _headers_of(rows: list[Any]) -> list[dict[str, bytes | str] | None]:
+    """The `headers` column's values as put takes them (a map or None per row)."""
+    out: list[dict[str, bytes | str] | None] = []
+    for pairs in rows:
+        if not pairs:
+            out.append(None)
+            continue
+        headers = {p["key"]: p["value"] for p in pairs}
+        if len(headers) != len(pairs):
+            raise QueuedDataSourceError("the queued sink's column `headers`: a row gives a "
+                                        "key twice (an item's headers are a map)")
+        out.append(headers)
+    return out
+
+
 class QueuedWriter(DataSourceArrowWriter):
     """Each partition opens a client and puts its rows in batches (at-least-once: a
     retried task puts its rows again)."""
@@ -152,6 +179,9 @@ class QueuedWriter(DataSourceArrowWriter):
                 'the queued sink needs a `queue` column or .option("queue", name)')
         if self.queue and not jf.valid_name(self.queue):
             raise QueuedDataSourceError(f"bad queue name {self.queue!r} in option queue")
+        self.has_headers_column = "headers" in names
+        if self.has_headers_column:
+            _check_headers_type(schema["headers"].dataType)
         self.batch = int_option(options, "batch_size", DEFAULT_WRITE_BATCH)
         self.batch_bytes = int_option(options, "batch_bytes", DEFAULT_WRITE_BATCH_BYTES)
         raw_expiration = options.get("expiration_ms") or "0"
@@ -253,6 +283,8 @@ class _PartitionWrite:
         self.puts = 0
         self.pending: dict[str, list[bytes]] = {}
         self.pending_bytes: dict[str, int] = {}
+        #: with a `headers` column: each pending item's headers (None: none)
+        self.pending_headers: dict[str, list[dict[str, bytes | str] | None]] = {}
         self.checked: set[str] = set()  # queue names of the queue column found valid
         self.skipped = 0
         self.rows = 0  # rows seen (for error messages)
@@ -264,6 +296,7 @@ class _PartitionWrite:
             return
         data = _as_binary(batch.column("data"))
         queues = batch.column("queue") if w.has_queue_column else None
+        headers = batch.column("headers") if w.has_headers_column else None
         if data.null_count:
             if not w.skip_null_data:
                 first = self.rows + data.is_null().to_pylist().index(True)
@@ -277,10 +310,12 @@ class _PartitionWrite:
             data = data.filter(valid)
             if queues is not None:
                 queues = queues.filter(valid)
+            if headers is not None:
+                headers = headers.filter(valid)
         self.rows += n
         if queues is None:
             assert w.queue is not None
-            self._add(w.queue, data)
+            self._add(w.queue, data, headers)
             return
         if queues.null_count:
             if not w.queue:
@@ -296,23 +331,27 @@ class _PartitionWrite:
                     raise QueuedDataSourceError(f"bad queue name {name!r} in column `queue`")
                 self.checked.add(name)
         if len(names) == 1:
-            self._add(names[0], data)
+            self._add(names[0], data, headers)
             return
         # A stable sort by queue keeps each queue's rows in their order.
         order = pc.array_sort_indices(encoded.indices)
         grouped = data.take(order)
+        grouped_headers = None if headers is None else headers.take(order)
         counts = pc.value_counts(encoded.indices)
         per_index = dict(zip(counts.field("values").to_pylist(),
                              counts.field("counts").to_pylist(), strict=True))
         start = 0
         for k, name in enumerate(names):
             count = per_index[k]
-            self._add(name, grouped.slice(start, count))
+            self._add(name, grouped.slice(start, count),
+                      None if grouped_headers is None else grouped_headers.slice(start, count))
             start += count
 
-    def _add(self, queue: str, data: pa.Array) -> None:
+    def _add(self, queue: str, data: pa.Array, headers: pa.Array | None = None) -> None:
         """Queue rows' items, sending every full put."""
         w = self.w
+        if headers is not None:  # (each pending item's headers beside it, in a list apart)
+            self.pending_headers.setdefault(queue, []).extend(_headers_of(headers.to_pylist()))
         items: list[bytes] = data.to_pylist()
         nbytes = pc.sum(pc.binary_length(data)).as_py() or 0
         pending = self.pending.setdefault(queue, [])
@@ -340,9 +379,15 @@ class _PartitionWrite:
 
     def _send(self, queue: str, items: list[bytes]) -> None:
         if items:
+            headers = None
+            if queue in self.pending_headers:  # the first len(items) are these items'
+                waiting = self.pending_headers[queue]
+                headers, waiting[:len(items)] = waiting[:len(items)], []
             try:
                 self.stored += self.client.put(queue, items, self.w.expiration_ms,
-                                               delay_ms=self.w.delay_ms)
+                                               delay_ms=self.w.delay_ms, headers=headers)
+            except ValueError as exc:  # (headers the client refuses before sending)
+                raise QueuedDataSourceError(f"the queued sink's column `headers`: {exc}") from exc
             except ClientError as exc:
                 raise _refused(queue, items, self.w.servers, exc) from exc
             self.puts += 1

@@ -94,7 +94,7 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     Options (README, Spark): subscribe / subscribePattern, startingOffsets (alias
     starting), startingTimestamp, startingOffsetsByTimestamp, maxOffsetsPerTrigger (alias
     max_items_per_trigger), minOffsetsPerTrigger with maxTriggerDelay, failOnDataLoss,
-    minPartitions, archive_dir, max_partition_bytes, include_flags.
+    minPartitions, archive_dir, max_partition_bytes, include_flags, includeHeaders.
     """
 
     def __init__(self, options: Any) -> None:
@@ -304,9 +304,9 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     sizes.append(seg.size)
         o = self.o
         parts = scan.pack([(r, n) for (r, _), n in zip(reads, sizes, strict=True)],
-                          o.partition_bytes, flags=o.flags)
+                          o.partition_bytes, flags=o.flags, headers=o.headers)
         if len(parts) < o.min_partitions:
-            return scan.split(reads, o.min_partitions, flags=o.flags)
+            return scan.split(reads, o.min_partitions, flags=o.flags, headers=o.headers)
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

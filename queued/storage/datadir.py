@@ -47,6 +47,11 @@ from queued.storage.writer import ReaderFile, Writer, WriteResult
 
 log = logging.getLogger("queued.datadir")
 
+#: The console's chart history (queued.server.history), written at a clean shutdown and
+#: removed when read back at start. No "." in it: never a journal file name.
+HISTORY_FILE = "queued-history"
+
+
 @dataclass(slots=True)
 class QueueRecovery:
     queue: str
@@ -148,7 +153,7 @@ class DataDir:
         for entry in sorted(os.listdir(dd.path)):
             parsed = jf.parse_file_name(entry)
             if parsed is None:
-                if entry.startswith(PAUSED_FILE):
+                if entry.startswith((PAUSED_FILE, HISTORY_FILE)):
                     continue  # (read by `paused_queues`; a temp of it, by its next write)
                 if (dd.path / entry).is_file():
                     log.warning("data dir: ignoring %s (not a journal file name)", entry)
@@ -337,6 +342,12 @@ class DataDir:
         j.last_id = max(j.last_id, last_id)
         self.queues[name] = j
         return j
+
+    async def sync_segment(self, journal: QueueJournal) -> None:
+        """fsync what `journal`'s segment has written and not synced, whatever its policy,
+        between rounds (a round may be writing it)."""
+        async with self._writer.paused():
+            await trio.to_thread.run_sync(journal.file.sync_now)
 
     async def park_queue(self, name: str, detach: Callable[[QueueJournal], bool]) -> bool:
         """Forget queue `name`'s journal and close its files (they stay) if it has

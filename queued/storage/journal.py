@@ -15,10 +15,12 @@ Knows nothing of sockets or protocols, and of its data directory only what
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -82,6 +84,13 @@ def put_overhead(flags: int, delayed: bool = False) -> int:
     """Most journal bytes one item takes beyond its data (for room checks)."""
     return (jf.PUT_EXPIRE_HEADER_SIZE + (jf.FLAGS_RECORD_SIZE if flags else 0)
             + (jf.DELAY_RECORD_SIZE if delayed else 0))
+
+
+def headers_overhead(headers: Sequence[bytes] | None) -> int:
+    """Journal bytes the HEADERS records of items with `headers` (blocks) take."""
+    if not headers:
+        return 0
+    return sum(map(len, headers)) + jf.HEADERS_HEAD_SIZE * sum(map(bool, headers))
 
 
 class Ticket:
@@ -158,6 +167,10 @@ class JournalHost(SegmentStore, Protocol):
 
     def reader_file(self, queue: str, reader: str, fsync: FsyncPolicy, /) -> ReaderFile:
         """The writer side of a reader's checkpoint file."""
+        ...
+
+    async def sync_segment(self, journal: QueueJournal, /) -> None:
+        """fsync what `journal`'s segment has written and not synced, between rounds."""
         ...
 
 
@@ -251,13 +264,16 @@ class QueueJournal:
         flags: int = 0,
         due_ms: int | None = None,
         producer: tuple[bytes, int] | None = None,
+        headers: Sequence[bytes] | None = None,
     ) -> tuple[list[jf.Put], Ticket]:
         """Queue `datas` for the writer; ids are assigned here, in order. Non-zero
         `flags` (memcache flags, the same for every item) lead each PUT with a FLAGS
         record; flags 0 write nothing more. `due_ms` (unix ms) leads each PUT with a
         DELAY record and makes the records DelayedPuts; None writes nothing more.
         `producer` (id, sequence): a PRODUCER record follows the last PUT, in its batch,
-        so the mark is durable exactly when the whole put is."""
+        so the mark is durable exactly when the whole put is. `headers`: one headers
+        block per item (queued.journal.headers; b"" for none), each non-empty one a
+        HEADERS record leading its PUT; None: no item has any."""
         if self._closed:
             raise JournalClosedError(f"journal of queue {self.name!r} is closed")
         if self.file.failed is not None:
@@ -273,6 +289,16 @@ class QueueJournal:
             raise ValueError("item data larger than 2 GiB - 1")
         if self.last_id + len(datas) > jf.MAX_ID:
             raise ValueError("item ids exhausted")
+        leads: list[bytes] | None = None  # the HEADERS records, one per item (b"": none)
+        if headers is not None:
+            if len(headers) != len(datas):
+                raise ValueError(f"{len(headers)} headers for {len(datas)} items")
+            if any(headers):  # (a put's items often share one block: one record for it)
+                memo: dict[bytes, bytes] = {}
+                leads = [memo[h] if h in memo else memo.setdefault(h, jf.headers_record(h))
+                         for h in headers]
+            else:
+                headers = None
         puts: list[jf.Put] = []
         limit = self.config.journal_size
         next_id = self.last_id
@@ -281,7 +307,7 @@ class QueueJournal:
             self._proj_size += jf.CHECK_RECORD_SIZE
         if datas and largest < ZERO_COPY_BYTES and self._proj_size is not None:
             puts = self._append_small(datas, pack_head, ticket, add_time_ms, expire_time_ms,
-                                      error_count, flags, due_ms)
+                                      error_count, flags, due_ms, leads, headers)
             if puts:
                 datas = ()  # done in bulk
                 next_id = puts[-1].id
@@ -290,10 +316,13 @@ class QueueJournal:
         # items without its mark.
         whole = 0 if producer is None or not datas else (
             sum(map(len, datas)) + len(pack_head(0, 1)) * len(datas)
+            + (sum(map(len, leads)) if leads else 0)
             + jf.PRODUCER_FIXED_DATA + 5 + len(producer[0]))
         for data in datas:
             next_id += 1
             head = pack_head(len(data), next_id)
+            if leads is not None:
+                head = leads[next_id - self.last_id - 1] + head
             size = len(head) + len(data)
             chunk = self._pending[-1] if self._pending else None
             # (0: a later item of a put with a producer, which never rotates or splits)
@@ -318,10 +347,12 @@ class QueueJournal:
             self._proj_size += size
             self._proj_count += 1
             self._pending_bytes += size
-            puts.append(jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count, flags)
-                        if due_ms is None else
-                        jf.DelayedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
-                                      flags, due_ms))
+            block = b"" if headers is None else headers[next_id - self.last_id - 1]
+            puts.append(jf.DelayedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
+                                      flags, due_ms, block) if due_ms is not None else
+                        jf.HeadedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
+                                     flags, block) if block else
+                        jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count, flags))
         self.last_id = next_id
         if producer is not None and puts:
             mark = jf.producer_record(jf.ProducerMark(producer[0], producer[1], puts[0].id,
@@ -350,12 +381,17 @@ class QueueJournal:
         error_count: int,
         flags: int = 0,
         due_ms: int | None = None,
+        leads: list[bytes] | None = None,
+        headers: Sequence[bytes] | None = None,
     ) -> list[jf.Put]:
         """append_nowait's fast path: small items that fit the current segment and
-        batch, encoded in bulk. [] if they don't (the general loop handles it)."""
+        batch, encoded in bulk. [] if they don't (the general loop handles it).
+        `leads`: each item's HEADERS record and `headers` its block (b"": none)."""
         assert self._proj_size is not None
         n = len(datas)
         total = sum(map(len, datas)) + len(pack_head(0, 1)) * n
+        if leads is not None:
+            total += sum(map(len, leads))
         chunk = self._pending[-1] if self._pending else None
         if (self._proj_size + total > self.config.journal_size
                 or (chunk is not None and chunk.nbytes + total > MAX_BATCH_BYTES)):
@@ -366,6 +402,8 @@ class QueueJournal:
         ids = range(first, first + n)
         parts: list[bytes] = [b""] * (2 * n)
         parts[::2] = map(pack_head, map(len, datas), ids)
+        if leads is not None:
+            parts[::2] = map(operator.add, leads, parts[::2])
         parts[1::2] = datas
         chunk.small += b"".join(parts)
         chunk.nbytes += total
@@ -379,8 +417,13 @@ class QueueJournal:
         self._proj_count += n
         self._pending_bytes += total
         if due_ms is not None:
-            return [jf.DelayedPut(i, d, add_time_ms, expire_time_ms, error_count, flags, due_ms)
-                    for i, d in zip(ids, datas, strict=True)]
+            return [jf.DelayedPut(i, d, add_time_ms, expire_time_ms, error_count, flags, due_ms,
+                                  h) for i, d, h in zip(ids, datas, headers or repeat(b"", n),
+                                                        strict=True)]
+        if headers is not None:
+            return [jf.HeadedPut(i, d, add_time_ms, expire_time_ms, error_count, flags, h) if h
+                    else jf.Put(i, d, add_time_ms, expire_time_ms, error_count, flags)
+                    for i, d, h in zip(ids, datas, headers, strict=True)]
         put = jf.Put
         return [put(i, d, add_time_ms, expire_time_ms, error_count, flags)
                 for i, d in zip(ids, datas, strict=True)]
@@ -400,14 +443,16 @@ class QueueJournal:
         expire_time_ms: int | None = None,
         error_count: int = 0,
         flags: int = 0,
+        headers: Sequence[bytes] | None = None,
     ) -> list[jf.Put]:
         """Journal `datas`; returns the records once durable under the fsync policy."""
         if self.config.max_journal_size:
             await self.make_room(
                 sum(len(d) for d in datas) + put_overhead(flags) * len(datas)
+                + headers_overhead(headers)
             )
         puts, ticket = self.append_nowait(datas, add_time_ms, expire_time_ms, error_count,
-                                          flags)
+                                          flags, headers=headers)
         await wait_durable(ticket)
         return puts
 
@@ -612,7 +657,13 @@ class QueueJournal:
         return op.ticket
 
     async def write_producers(self, marks: list[jf.ProducerMark]) -> None:
-        """Replace the queue's producer snapshot (`q.producers`) durably."""
+        """Replace the queue's producer snapshot (`q.producers`) durably.
+
+        The puts its marks name must be on disk first, whatever the fsync policy: under
+        `periodic` a written put may not be yet, and a power cut that took it would make
+        recovery drop its mark as torn while the snapshot had replaced the producer's
+        older mark, whose put stayed (a re-send of it would then be stored twice)."""
+        await self.host.sync_segment(self)
         path = self.host.path / jf.producers_name(self.name)
         await trio.to_thread.run_sync(write_producers, path, marks)
 

@@ -52,6 +52,7 @@ class PutColumns:
     error_counts: list[int] = field(default_factory=list)
     data: list[bytes] = field(default_factory=list)
     flags: list[int] = field(default_factory=list)  # memcache flags (0 for most items)
+    headers: list[bytes] = field(default_factory=list)  # headers blocks (b"" for most items)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -71,7 +72,8 @@ class PutChunk:
     `buf` holds the file's bytes from offset `base` on; `offsets` are the file
     offsets of the records (each a PUT or PUT_EXPIRE of a verified batch); `flags`
     maps the offset of each record led by a FLAGS record to its flags (the others
-    have flags 0; it may hold offsets that are not in `offsets`). Every
+    have flags 0; it may hold offsets that are not in `offsets`); `headers` likewise
+    maps the offset of each record led by a HEADERS record to its block. Every
     record is followed in `buf` by at least 8 bytes, so a bulk reader may read
     `PUT_EXPIRE_HEADER_SIZE` bytes at any record offset (then look at the command
     byte). `columns()` decodes the records in Python; the Spark source decodes all
@@ -82,6 +84,7 @@ class PutChunk:
     base: int
     offsets: list[int]
     flags: dict[int, int] = field(default_factory=dict)
+    headers: dict[int, bytes] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -89,8 +92,10 @@ class PutChunk:
     def columns(self) -> PutColumns:
         out = PutColumns()
         buf, base = self.buf, self.base
-        flags = self.flags
+        flags, headers = self.flags, self.headers
         out.flags = [flags.get(off, 0) for off in self.offsets] if flags else [0] * len(self)
+        out.headers = ([headers.get(off, b"") for off in self.offsets] if headers
+                       else [b""] * len(self))
         unpack, unpack_exp = jf.PUT_STRUCT.unpack_from, jf.PUT_EXPIRE_STRUCT.unpack_from
         for off in self.offsets:
             pos = off - base
@@ -340,13 +345,15 @@ class _Scanner:
         self.dec = jf.RecordDecoder(jf.FileKind.WRITER)
         self.offsets: list[int] = []  # wanted PUT records not yet handed out
         self.flags: dict[int, int] = {}  # their flags, where not 0
+        self.headers: dict[int, bytes] = {}  # their headers blocks, where any
 
     def _chunk(self, end: int) -> PutChunk:
         """The wanted records so far (all of them end before file offset `end`)."""
         offsets, self.offsets = self.offsets, []
         flags, self.flags = self.flags, {}
+        headers, self.headers = self.headers, {}
         return PutChunk(self.dec.copy_received(offsets[0], end, len(_PAD)), offsets[0],
-                        offsets, flags)
+                        offsets, flags, headers)
 
     def run(self, f: BinaryIO, chunk_size: int) -> Iterator[PutChunk]:
         read = f.read
@@ -366,7 +373,7 @@ class _Scanner:
         filtered = not ids.is_all
         while True:
             mark = len(offsets)
-            ev = dec.next_batch(offsets, self.flags)
+            ev = dec.next_batch(offsets, self.flags, None, self.headers)
             if ev is jf.NEED_DATA:
                 if offsets:
                     yield self._chunk(dec.batch_start)
@@ -421,12 +428,14 @@ class _Scanner:
                 continue
             if rec.id <= lo or (hi > 0 and rec.id > hi) or rec.id in skip:
                 continue
-            # The PUT record ends the event (FLAGS and DELAY records before it, either form,
-            # are decoded with it).
+            # The PUT record ends the event (HEADERS, FLAGS and DELAY records before it are
+            # decoded with it).
             at = ev.end - len(rec.data) - (jf.PUT_HEADER_SIZE if rec.expire_time_ms is None
                                            else jf.PUT_EXPIRE_HEADER_SIZE)
             if rec.flags:
                 self.flags[at] = rec.flags
+            if rec.headers:
+                self.headers[at] = rec.headers
             self.offsets.append(at)
             if len(self.offsets) >= self.rows:
                 yield self._chunk(ev.end)

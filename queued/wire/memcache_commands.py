@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-from queued.errors import ProtocolError
+from queued.errors import RemoteProtocolError
 from queued.stats import command_name
 from queued.wire import commands as c
 from queued.wire import memcache_protocol as mc
@@ -242,7 +242,7 @@ class MemcacheCodec(c.LineCodec):
             n += 1
             try:
                 ev = next_event()
-            except ProtocolError as e:
+            except RemoteProtocolError as e:
                 append(c.detached(e))
                 last = None
                 if e.close:

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
 
-from queued.errors import LocalProtocolError, ProtocolError, QueuedError
+from queued.errors import LocalProtocolError, QueuedError, RemoteProtocolError
 from queued.sansio import MAX_DELAY_MS as MAX_DELAY_MS  # re-exported: what parsers share
 from queued.sansio import MAX_TIMEOUT_MS as MAX_TIMEOUT_MS
 from queued.sansio import NAME_PATTERN as NAME_PATTERN
@@ -163,12 +163,12 @@ E = TypeVar("E")
 
 class LineParser(Generic[E]):
     """h11's shape for a line protocol: receive_data(bytes), next_event() -> event or
-    NEED_DATA. A closing ProtocolError is sticky: every later next_event() raises it
+    NEED_DATA. A closing RemoteProtocolError is sticky: every later next_event() raises it
     again and received bytes are dropped. Subclasses implement `_next`."""
 
     def __init__(self) -> None:
         self.buffer = ReceiveBuffer()
-        self.failure: ProtocolError | None = None
+        self.failure: RemoteProtocolError | None = None
 
     def receive_data(self, data: bytes | bytearray) -> None:
         """Append received bytes; b"" means the peer closed (feed it once)."""
@@ -187,12 +187,12 @@ class LineParser(Generic[E]):
         return len(self.buffer) > 0
 
     def next_event(self) -> E | ConnectionClosed | NeedData:
-        """The next command, ConnectionClosed, or NEED_DATA; raises ProtocolError."""
+        """The next command, ConnectionClosed, or NEED_DATA; raises RemoteProtocolError."""
         if self.failure is not None:
             raise self.failure
         try:
             return self._next()
-        except ProtocolError as e:
+        except RemoteProtocolError as e:
             if e.close:
                 self.failure = e
             raise

@@ -43,7 +43,7 @@ class Waiter:
 NO_ALIASES: frozenset[str] = frozenset()
 
 
-class Handle:
+class LiveReader:
     """A reader plus what only the async side needs: waiters, refill lock."""
 
     __slots__ = ("_refill_lock", "aliases", "closed", "config", "reader", "refilling", "waiters")
