@@ -37,7 +37,7 @@ TIMEOUT = 240.0  # s, one smoke run at most (they take 1-10 s)
 @dataclass(frozen=True)
 class Smoke:
     script: str
-    args: tuple[str, ...]
+    args: tuple[str, ...]  # "{tmp}" stands for the run's own temp dir
     expect: str  # a line of the report the run must print (a regex)
     needs: str = ""  # "darner" or "py-spy": skipped without it
     name: str = ""  # when a script has several runs
@@ -57,13 +57,13 @@ SMOKE = {s.name or s.script: s for s in [
     Smoke("heartbeat_bench", ("--leases", "20", "--conns", "2", "--lease-ms", "600",
                               "--intervals", "1"),
           r"heartbeats alone: [0-9.]+ % of a core"),
-    Smoke("journal_bench", ("--quick", "--sizes", "64", "--recovery-sizes", "64",
-                            "--recovery-bytes", "2MiB", "--max-bytes", "1MiB", "--seconds",
-                            "0.1", "--pairs", "1"),
+    Smoke("journal_bench", ("--dir", "{tmp}", "--quick", "--sizes", "64", "--recovery-sizes",
+                            "64", "--recovery-bytes", "2MiB", "--max-bytes", "1MiB",
+                            "--seconds", "0.1", "--pairs", "1"),
           r"64 B: recovery, cold \| [0-9,]+ items/s"),
-    Smoke("load", ("--target", "queued", "--items", "500", "--seconds", "0.3", "--payload",
-                   "64", "--fsync", "never", "--procs", "1", "--rss", "--rss-backlog",
-                   "256KiB"),
+    Smoke("load", ("--dir", "{tmp}", "--target", "queued", "--items", "500", "--seconds",
+                   "0.3", "--payload", "64", "--fsync", "never", "--procs", "1", "--rss",
+                   "--rss-backlog", "256KiB"),
           r"\| 64 B \| never \| steady \| get \| [0-9,]+ \|"),
     Smoke("metrics_bench", ("--queues", "20", "--scrapes", "3", "--seconds", "0.3"),
           r"RPC version ping while scraping \(\d+ scrapes\): \d+ pings"),
@@ -87,11 +87,12 @@ SMOKE = {s.name or s.script: s for s in [
           r"### fsync never: medians of 1 rounds", name="rpc_bench --put-variants"),
     Smoke("spark_write_bench", ("--rows", "1000", "--repeat", "1", "--skip-spark"),
           r"bare Client.put loop, 2 proc, batch 5000 +[0-9,]+ rows/s"),
-    Smoke("vs_darner", ("--quick", "--runs", "1", "--scale", "0.05", "--seconds", "0.3",
-                        "--workloads", "latency,fanin-lp", "--targets", "queued-never"),
+    Smoke("vs_darner", ("--dir", "{tmp}", "--quick", "--runs", "1", "--scale", "0.05",
+                        "--seconds", "0.3", "--workloads", "latency,fanin-lp", "--targets",
+                        "queued-never"),
           r"\| fanin-lp \| 64 B \| get \| queued-never \| [0-9,]+ \|"),
-    Smoke("vs_darner", ("--quick", "--runs", "1", "--scale", "0.02", "--workloads", "drain",
-                        "--targets", "queued-never,darner"),
+    Smoke("vs_darner", ("--dir", "{tmp}", "--quick", "--runs", "1", "--scale", "0.02",
+                        "--workloads", "drain", "--targets", "queued-never,darner"),
           r"\| drain \| 1 KiB \| dequeue \| [0-9,]+ \| [0-9,]+ \| [0-9.]+ \|",
           needs="darner", name="vs_darner with darner"),
 ]}
@@ -121,11 +122,16 @@ class Run:
 
 def run(smoke: Smoke, results: Path) -> Run:
     """The script in its own process group (killed whole, by its id, at the timeout, so no
-    server it started outlives it), with its results directory set to `results`."""
+    server it started outlives it), with its results directory set to `results` and its
+    temp dirs (the servers' data dirs among them) beside it."""
     results.mkdir(parents=True)
-    env = {**os.environ, "QUEUED_BENCH_RESULTS": str(results), "PYTHONUNBUFFERED": "1"}
+    tmp = results.with_name(results.name + "-tmp")
+    tmp.mkdir()
+    env = {**os.environ, "QUEUED_BENCH_RESULTS": str(results), "PYTHONUNBUFFERED": "1",
+           "TMPDIR": str(tmp)}
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(BENCH / f"{smoke.script}.py"), *smoke.args],
+    args = [a.replace("{tmp}", str(tmp)) for a in smoke.args]
+    proc = subprocess.Popen([sys.executable, str(BENCH / f"{smoke.script}.py"), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:
