@@ -1,5 +1,6 @@
 """What every sans-IO parser and file format shares: NEED_DATA, the name rule for queues and
-readers, the limits on timeouts and delays, and the rule for item headers.
+readers, the limits on timeouts, delays and deduplication keys, and the rule for item
+headers.
 
 PURE: no I/O. The wire codecs (queued.wire) and the journal format (queued.journal) both
 import it; it imports nothing of queued.
@@ -27,6 +28,8 @@ MAX_HEADERS_SIZE: Final = 16 * 1024
 
 #: A header value as given and as returned: bytes, or a string (kept as a string).
 HeaderValue: TypeAlias = bytes | str
+#: Longest deduplication key a put may carry (memcache, text, RPC; the DEDUP record's cap).
+MAX_DEDUP_KEY: Final = 64
 
 class Signal(enum.Enum):
     NEED_DATA = "NEED_DATA"

@@ -271,8 +271,9 @@ async def test_headers_past_the_limits_are_refused_and_nothing_is_stored(
         ]:
             code, message = await c.error("put", "q", [b"a", b"b"], 0, 0, 0, None, 0, None, headers)
             assert code == ErrorCode.BAD_PARAMS and why in message, message
-        code, message = await c.error("put", "q", [b"a"], 0, 0, 0, None, 0, b"k", None)
-        assert code == ErrorCode.BAD_PARAMS and "eighth param must be nil" in message
+        # the same refused with a deduplication key (the eighth param): nothing stored
+        code, message = await c.error("put", "q", [b"a"], 0, 0, 0, None, 0, b"k", 7)
+        assert code == ErrorCode.BAD_PARAMS and "headers must be" in message, message
         # the same refused with a producer: nothing stored, the sequence not taken (the
         # eighth param, nil, is the deduplication key's)
         code, _ = await c.error("put", "q", [b"a", b"b"], 0, 0, 0, b"p", 1, None, {"k": 2})

@@ -7,7 +7,7 @@ checkpoint written whole and one with appended batches. It must return every ite
 order, with its id, data, add time, expiry and error count, and each reader's head and
 out-of-order confirms, under both of libkestrel's rules for skipping a record it does not
 know (its released one, and the first one, which skips by data size alone), PRODUCER
-records (exactly-once puts) included.
+records (exactly-once puts) and DEDUP records (deduplication keys) included.
 
 Then a data directory in the format of earlier releases, made here from fixed bytes
 (the older forms: command 7 checks, command 4 FLAGS, 5 DELAY, 6 COMPACTED, 12
@@ -102,6 +102,16 @@ async def test_libkestrel_reads_every_kind_of_file_we_write(tmp_path: Path) -> N
                                        headers=[TRACE])
         await wait_durable(ticket)
         sent += puts
+        # Puts with deduplication keys: a DEDUP record after each one's last item (a put of
+        # its own; puts joined into one append, one without a key among them).
+        puts, ticket = q.append_nowait([b"keyed-0"], T0 + 3, dedup=[(0, 1, b"order-0")])
+        await wait_durable(ticket)
+        sent += puts
+        puts, ticket = q.append_nowait(
+            [b"keyed-1", b"keyed-2", b"not keyed", b"keyed-3"], T0 + 3, due_ms=T0 + 9,
+            dedup=[(0, 2, b"order-1"), (3, 4, b"order/2")])
+        await wait_durable(ticket)
+        sent += puts
         for i in range(10):  # rotation: several segments
             sent += await q.append([BIG + data_for(i)], T0 + 4 + i,
                                    headers=[TRACE] if i % 3 == 0 else None)
@@ -148,7 +158,16 @@ async def test_libkestrel_reads_every_kind_of_file_we_write(tmp_path: Path) -> N
     assert [(type(p), p.headers) for p in ours[8:11]] == [
         (jf.HeadedPut, TRACE), (jf.Put, b""), (jf.DelayedPut, TRACE)]
     assert ours[:11] == sent[:11] and ours[10].flags == 9
-    assert [p.id for p in ours if p.headers] == [9, 11, 12, 15, 18, 21]
+    assert [p.id for p in ours if p.headers] == [9, 11, 17, 20, 23, 26]
+    keys = [d.record for path in q_segments for d in jf.decode_all(path.read_bytes())
+            if isinstance(d.record, jf.DedupMark)]
+    assert keys == [jf.DedupMark(b"order-0", 12, 1, T0 + 3),
+                    jf.DedupMark(b"order-1", 13, 2, T0 + 3),
+                    jf.DedupMark(b"order/2", 16, 1, T0 + 3)]
+    records = [d.record for path in q_segments for d in jf.decode_all(path.read_bytes())]
+    after = {r.data: records[i + 1] for i, r in enumerate(records) if isinstance(r, jf.Put)}
+    assert after[b"keyed-2"] == keys[1] and after[b"keyed-3"] == keys[2]  # each part's last
+    assert isinstance(after[b"keyed-1"], jf.Put) and isinstance(after[b"not keyed"], jf.Put)
 
     # The compaction's output holds the stragglers; the last segment the one after them.
     c_segments = segment_paths(data, "c")

@@ -17,7 +17,7 @@ of what was acknowledged:
   acknowledged was written when it was answered; a disconnect's error counts are
   answered to nobody and written by the next writer round, so `sync` first waits for
   that round (the journal's tickets): "no unsynced byte" alone can also mean "not
-  written yet", and the count is then still lost by a cut (README, Durability).
+  written yet", and the count is then still lost by a cut (docs/durability.md).
 
 A cut drops everything unsynced, or (`tear`) keeps a random part of each file's unsynced
 appends, as pages written back before the power went out would: torn batches.
@@ -151,6 +151,8 @@ P = b"producer"  # the exactly-once producer of the `produce` rule
 
 def headers_of(data: bytes) -> bytes:
     """The headers block an item carries: two of every three have one (from its data)."""
+    if not data[:6].isdigit():
+        return b""  # (an item no cut may keep: the duplicate a keyed put never stores)
     seq = int(data[:6])
     return encode_headers({"seq": str(seq), "raw": b"\x00" * (seq % 7)}) if seq % 3 else b""
 
@@ -190,6 +192,10 @@ class PowerCuts(RuleBasedStateMachine):
         #: exactly-once puts of producer P: the last sequence put, the last known durable
         self.produced = self.produced_durable = 0
         self.sequence_of: dict[bytes, int] = {}  # item -> the sequence of its put
+        #: puts with deduplication keys: key -> the items of the put that stored it, and
+        #: the keys whose put is known durable
+        self.keyed: dict[bytes, list[bytes]] = {}
+        self.keyed_durable: set[bytes] = set()
 
     def teardown(self) -> None:
         try:
@@ -270,6 +276,7 @@ class PowerCuts(RuleBasedStateMachine):
             b.defer_writes(True)
             try:
                 part = joined.add("q", datas, None, 0, 0, headers_for(datas))
+                assert isinstance(part, JoinedPut)
                 for side in ("side1", "side2", "side3"):
                     joined.add(side, [b"s"], None, 0, 0)
                 joined.begin_all()
@@ -302,6 +309,95 @@ class PowerCuts(RuleBasedStateMachine):
         if again:
             assert self.host.run(lambda: self.broker.put("q", datas, producer=P,
                                                          sequence=seq)) == 0
+
+    @rule(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=3), k=st.integers(0, 3),
+          again=st.booleans())
+    def put_keyed(self, sizes: list[int], k: int, again: bool) -> None:
+        """A put with deduplication key k: stored when the queue does not hold the key,
+        else nothing (its items, never known to the model, must never show up);
+        `again`: then the same put re-sent, which stores nothing."""
+        key = b"key-%d" % k
+        if key in self.keyed:
+            datas = [b"never stored %d" % i for i in range(len(sizes))]
+            assert self.host.run(lambda: self.broker.put(
+                "q", datas, key=key, headers=headers_for(datas))) == 0
+            return
+        datas = self._new_items(sizes, b"K")
+        assert self.host.run(lambda: self.broker.put(
+            "q", datas, key=key, headers=headers_for(datas))) == len(datas)
+        self.keyed[key] = datas
+        for data in datas:
+            self.items[data].put_durable = self._durable_now()
+        if self._durable_now():
+            self.keyed_durable.add(key)
+        if again:
+            assert self.host.run(lambda: self.broker.put(
+                "q", datas, key=key, headers=headers_for(datas))) == 0
+
+    @rule(ks=st.lists(st.integers(0, 3), min_size=1, max_size=4))
+    def put_keyed_in_a_pass(self, ks: list[int]) -> None:
+        """Puts with keys (some repeated) joined in one pass, as the reactor joins them:
+        each key not held is stored once, by its first put; the others store nothing."""
+        first: dict[bytes, bytes] = {}  # key -> the item of its first put in the pass
+        puts: list[tuple[bytes, bytes]] = []
+        for k in ks:
+            key = b"key-%d" % k
+            if key in self.keyed or key in first:
+                puts.append((key, b"never stored"))
+            else:
+                first[key] = self._new_items([10], b"J")[0]
+                puts.append((key, first[key]))
+
+        async def one_pass() -> list[JoinedPut | Any]:
+            b = self.broker
+            joined = JoinedPuts(b)
+            b.defer_writes(True)
+            try:
+                parts = [joined.add("q", [data], None, 0, 0, headers_for([data]), key)
+                         for key, data in puts]
+                joined.begin_all()
+            finally:
+                b.defer_writes(False)
+            while not b.commit_now():
+                await b.wait_round()
+            joined.end_all()
+            for p in parts:  # a duplicate of a key held before the pass: a PendingPut
+                if not isinstance(p, JoinedPut):
+                    assert b.end_put_nowait(p) == 0 and p.answer is not None and p.answer[2]
+            return parts
+
+        parts = self.host.run(one_pass)
+        for (key, data), part in zip(puts, parts, strict=True):
+            if isinstance(part, JoinedPut):
+                assert part.ended and part.error is None and part.answer is not None
+                assert part.answer[2] == (first.get(key) != data)  # a duplicate?
+        for key, data in first.items():
+            self.keyed[key] = [data]
+            self.items[data].put_durable = self._durable_now()
+            if self._durable_now():
+                self.keyed_durable.add(key)
+
+    def _check_keys(self, recovered: dict[bytes, tuple[int, int]]) -> None:
+        """A key's DEDUP record is durable exactly when its put is: a key the recovered
+        table holds has its items kept (or consumed: under "always"), a key it does not
+        hold has none kept; every key known durable is held (under "always")."""
+        qs = self.broker.queues.get("q")
+        table = set() if qs is None or qs.dedup is None else set(qs.dedup.entries)
+        always = self.FSYNC == "always"
+        for key, datas in self.keyed.items():
+            if key in table:
+                for data in datas:
+                    it = self.items.get(data)
+                    assert not always or data in recovered or (
+                        it is not None and it.state in ("taken", "confirmed")), (
+                        f"key {key!r} is held, its item {data!r} is gone")
+            else:
+                assert not (always and key in self.keyed_durable), f"durable {key!r} lost"
+                kept = [d for d in datas if d in recovered]
+                assert not kept, f"the put of {key!r} is kept without its key: {kept}"
+        assert table <= set(self.keyed), f"keys never put: {table - set(self.keyed)}"
+        self.keyed = {k: d for k, d in self.keyed.items() if k in table}
+        self.keyed_durable = set(self.keyed)
 
     def _check_producer(self, recovered: dict[bytes, tuple[int, int]]) -> None:
         """The producer's mark is durable exactly when its put is: the recovered table
@@ -430,6 +526,7 @@ class PowerCuts(RuleBasedStateMachine):
         self.unwritten.clear()
         self._wait_fsynced()
         self.produced_durable = self.produced
+        self.keyed_durable = set(self.keyed)
         for it in self.items.values():
             it.put_durable = True
             it.confirm_durable = it.confirm_durable or it.state == "confirmed"
@@ -447,9 +544,11 @@ class PowerCuts(RuleBasedStateMachine):
         self.clients = [self._client() for _ in range(N_CLIENTS)]
         recovered = self.host.sync(self._recovered)
         self._check_producer(recovered)
+        self._check_keys(recovered)
         self._check_recovered(recovered)
         # (an item consumed before the cut is out of the model now: of its put too)
         self.sequence_of = {d: s for d, s in self.sequence_of.items() if d in self.items}
+        self.keyed = {k: [d for d in datas if d in self.items] for k, datas in self.keyed.items()}
 
     def _recovered(self) -> dict[bytes, tuple[int, int]]:
         """data -> (id, error count) of what the recovered journal holds unconsumed."""

@@ -1,7 +1,7 @@
 """Regression tests from a review: recovery paths that used to drop verified
 (acknowledged) data silently or crash on bad input.
 
-Each test asserts the behaviour DESIGN.md / README.md promise; its comment describes
+Each test asserts the behaviour DESIGN.md / docs/durability.md promise; its comment describes
 the bug it guards against (all fixed; these pass).
 """
 

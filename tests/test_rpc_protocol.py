@@ -753,7 +753,7 @@ def test_a_pipelined_request_over_max_batch_is_answered_by_msgid(follow: Any) ->
 
 #: Every method with a full set of valid params (all optional ones given).
 FULL: dict[str, list[Any]] = {
-    "put": ["q", [b"a"], 0, 0, 0, None, 1, None, None],  # (a nil producer: a plain put)
+    "put": ["q", [b"a"], 0, 0, 0, None, 1, None, None],  # (nil producer, key, headers)
     "get": ["q", 1, 0, 0, False, False, False],
     "confirm": ["q", [1]],
     "abort": ["q", [1], 0],
@@ -805,6 +805,11 @@ VALID = [
     ("put", ["q", [b"a"], 2**53], Put(7, "q", [b"a"], 2**53)),
     ("put", ["q", [b"a"], 0, 2**32 - 1], Put(7, "q", [b"a"], 0, 2**32 - 1)),
     ("put", ["q", [b"a"], 5, 16], Put(7, "q", [b"a"], 5, 16)),
+    # a deduplication key (the eighth param): bytes, or a string as its UTF-8
+    ("put", ["q", [b"a", b"b"], 0, 0, 0, None, None, b"k\x00/ "],
+     Put(7, "q", [b"a", b"b"], 0, key=b"k\x00/ ")),
+    ("put", ["q", [b"a"], 9, 1, 2, None, 0, "\u00e9" * 32],
+     Put(7, "q", [b"a"], 9, 1, 2, key=b"\xc3\xa9" * 32)),
     ("put", [b"q", ["h\u00e9", "", "\U0001f600"]],
      Put(7, "q", [b"h\xc3\xa9", b"", b"\xf0\x9f\x98\x80"], 0)),
     ("get", ["q", 1], Get(7, "q", None, 1, 0, 0)),
@@ -880,6 +885,11 @@ def test_arity(method: str, msgid: int) -> None:
 
 
 BAD_PARAMS = [
+    ("put", ["q", [b"a"], 0, 0, 0, None, None, b""]),  # keys: 1 to 64 bytes
+    ("put", ["q", [b"a"], 0, 0, 0, None, None, b"k" * 65]),
+    ("put", ["q", [b"a"], 0, 0, 0, None, None, 7]),
+    ("put", ["q", [b"a"], 0, 0, 0, b"p", 1, b"k"]),  # a producer or a key, not both
+    ("put", ["q", [], 0, 0, 0, None, None, b"k"]),  # a keyed put has items
     ("extend", ["q", [1], -1]),
     ("extend", ["q", [0], 10]),
     ("extend", ["q", 1, 10]),

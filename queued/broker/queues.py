@@ -30,6 +30,7 @@ from queued.errors import (
     QueueFullError,
 )
 from queued.journal import format as jf
+from queued.reader.dedup import DedupCounters, DedupEntry, DedupTable
 from queued.reader.producers import ProducerCounters, ProducerEntry, ProducerTable, Verdict
 from queued.reader.state import NO_ENTRIES, NO_ITEMS, Item, pack_max_for
 from queued.storage.journal import QueueJournal, Ticket, headers_overhead, put_overhead
@@ -54,8 +55,9 @@ class Inflight:
 class PendingPut:
     """A put handed to the writer, not yet known durable (see Broker.begin_put).
 
-    A put with a producer id has an `answer`: (first id, count, duplicate); a duplicate
-    stores nothing and waits for the ticket of the put it repeats, if that is in flight.
+    A put with a producer id or a deduplication key has an `answer`: (first id, count,
+    duplicate); a duplicate stores nothing and waits for the ticket of the put it
+    repeats, if that is in flight.
     """
 
     qs: QueueState
@@ -64,6 +66,7 @@ class PendingPut:
     started: float = 0.0  # time.perf_counter() when begin_put was called
     answer: tuple[int, int, bool] | None = None
     producer: ProducerEntry | None = None  # the entry this put stored
+    keys: Sequence[bytes] = ()  # the deduplication keys this put stored (its parts')
 
 
 def durable(pending: object) -> bool:
@@ -117,9 +120,10 @@ class QueueState:
     """See the module docstring. `clock` is the broker's wall clock (unix ms)."""
 
     __slots__ = ("_reader_lock", "background", "busy", "clock", "config", "create_time_ms",
-                 "deleted", "delivered", "idle_since", "inflight", "inflight_bytes",
-                 "inflight_items", "journal", "name", "paused", "producer_counters", "producers",
-                 "producers_saved", "readers", "unsaved_checkpoints", "used")
+                 "dedup", "dedup_counters", "dedup_saved", "deleted", "delivered", "idle_since",
+                 "inflight", "inflight_bytes", "inflight_items", "journal", "name", "paused",
+                 "producer_counters", "producers", "producers_saved", "readers",
+                 "unsaved_checkpoints", "used")
 
     def __init__(
         self,
@@ -129,6 +133,7 @@ class QueueState:
         clock: Callable[[], int],
         background: Background,
         producer_counters: ProducerCounters | None = None,
+        dedup_counters: DedupCounters | None = None,
     ) -> None:
         self.name = name
         self.journal = journal
@@ -161,6 +166,14 @@ class QueueState:
             self.producer_table().restore(journal.producer_marks, clock())
             journal.producer_marks = NO_ITEMS
             self.producers_saved = -1  # (marks read from segments: in no snapshot yet)
+        #: deduplication keys stored within their window (None until the first, or recovered)
+        self.dedup: DedupTable | None = None
+        self.dedup_saved = 0  # dedup.changes the snapshot file holds
+        self.dedup_counters = dedup_counters
+        if journal.dedup_marks:
+            self.dedup_table().restore(journal.dedup_marks, clock())
+            journal.dedup_marks = NO_ITEMS
+            self.dedup_saved = -1
 
     @property
     def reader_lock(self) -> trio.Lock:
@@ -188,6 +201,7 @@ class QueueState:
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
         delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
         headers: Sequence[bytes] | None = None,
+        key: bytes | None = None,
     ) -> PendingPut:
         """Checks, limits, ids; hands the items to the writer (see Broker.begin_put)."""
         if not datas:
@@ -201,6 +215,8 @@ class QueueState:
         if producer is not None and self.producers is not None and self.producers.verdict(
                 producer, sequence, now) is not Verdict.STORE:
             room = False  # (a repeat or a gap stores nothing: it makes no room either)
+        elif key is not None and self.dedup is not None and self.dedup.seen(key, now):
+            room = False  # (likewise a duplicate key)
         elif room or self.journal.config.max_journal_size:
             self.busy += 1  # (these awaits show in no other way: the queue must not park)
             try:
@@ -209,22 +225,28 @@ class QueueState:
             finally:
                 self.busy -= 1
         return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
-                             producer, sequence, headers)
+                             producer, sequence, headers, key)
 
     def begin_put_nowait(
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
         delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
         headers: Sequence[bytes] | None = None,
+        key: bytes | None = None, keys: Sequence[tuple[int, int, bytes]] = (),
     ) -> PendingPut:
         """`begin_put` without waiting: trio.WouldBlock (nothing changed) when the put
-        must first make room (per-reader limits, max_journal_size)."""
+        must first make room (per-reader limits, max_journal_size). `keys`: the parts of
+        puts joined in a pass that carry a key, (start, end, key), each reserved by
+        `join_key`."""
         if not datas:
             return PendingPut(self, Inflight([], done=True), None)
         now, expire_ms, nbytes = self._check_put(datas, expire_ms)
         if self.needs_room() or self.journal.config.max_journal_size:
             raise trio.WouldBlock
+        if keys:
+            return self._reserve_joined(datas, now, expire_ms, flags, delay_ms, nbytes, keys,
+                                        headers)
         return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
-                             producer, sequence, headers)
+                             producer, sequence, headers, key)
 
     def producer_table(self) -> ProducerTable:
         t = self.producers
@@ -232,8 +254,29 @@ class QueueState:
             cfg = self.config
             t = self.producers = ProducerTable(cfg.max_producers, cfg.producer_expiry,
                                                self.producer_counters)
-            self.journal.before_compact = self.save_producers
+            self.journal.before_compact = self.save_marks
         return t
+
+    def dedup_table(self) -> DedupTable:
+        t = self.dedup
+        if t is None:
+            cfg = self.config
+            t = self.dedup = DedupTable(cfg.max_dedup_keys, cfg.dedup_window,
+                                        self.dedup_counters)
+            self.journal.before_compact = self.save_marks
+        return t
+
+    async def save_marks(self) -> None:
+        """Write the producer and key snapshots that changed (see save_producers)."""
+        await self.save_producers()
+        t = self.dedup
+        if t is None or t.changes == self.dedup_saved or self.deleted:
+            return
+        t.trim(self.clock())  # (keys past the window need no saving)
+        changes, complete = t.changes, t.all_durable(durable)
+        await self.journal.write_dedup(t.marks(durable))
+        if complete:
+            self.dedup_saved = changes
 
     async def save_producers(self) -> None:
         """Write the producer snapshot (`q.producers`) if it changed: before a compaction
@@ -293,13 +336,20 @@ class QueueState:
     def _reserve(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
                  error_count: int, flags: int, delay_ms: int, nbytes: int,
                  producer: bytes | None = None, sequence: int = 0,
-                 headers: Sequence[bytes] | None = None) -> PendingPut:
+                 headers: Sequence[bytes] | None = None,
+                 key: bytes | None = None) -> PendingPut:
         """Ids and the journal append (the writer makes it durable); in flight until ended.
         With a producer: a repeat answered as the original, a gap refused, else the
-        append carries the producer's mark. `headers`: a block per item (b"": none)."""
+        append carries the producer's mark. With a key: likewise (no gap). `headers`: a
+        block per item (b"": none)."""
         if self.deleted:
             raise QueueClosedError(f"queue {self.name!r} was deleted")
         due_ms = now + delay_ms if delay_ms > 0 else None
+        if key is not None:
+            if producer is not None:
+                raise ValueError("a put carries a producer or a deduplication key, not both")
+            return self._reserve_keyed(datas, now, expire_ms, error_count, flags, due_ms,
+                                       nbytes, key, headers)
         if producer is not None:
             table, repeat = self._producer_check(producer, sequence, now)
             if repeat is not None:
@@ -315,6 +365,93 @@ class QueueState:
         puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
                                                   due_ms, headers=headers)
         return self._inflight(puts, ticket, nbytes, due_ms, len(datas))
+
+    def _reserve_keyed(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
+                       error_count: int, flags: int, due_ms: int | None, nbytes: int,
+                       key: bytes, headers: Sequence[bytes] | None = None) -> PendingPut:
+        """_reserve of a put with a deduplication key: a duplicate answered as the put
+        that stored the key (once that is durable), else stored with a DEDUP record."""
+        t, e = self._key_check(key, now)
+        if e is not None:
+            if not (e.pending is None or isinstance(e.pending, Ticket)):
+                raise trio.WouldBlock  # a put joined in this pass holds it: after its commit
+            return PendingPut(self, Inflight([], done=True), e.pending,
+                              answer=(e.first_id, e.count, True))
+        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
+                                                  due_ms, headers=headers,
+                                                  dedup=((0, len(datas), key),))
+        t.store(key, puts[0].id, len(puts), now, ticket)
+        pending = self._inflight(puts, ticket, nbytes, due_ms, len(datas))
+        pending.answer = (puts[0].id, len(puts), False)
+        pending.keys = (key,)
+        return pending
+
+    @staticmethod
+    def _keys_ended(table: DedupTable, keys: Sequence[bytes], ticket: Ticket,
+                    error: BaseException | None) -> None:
+        """The put that stored `keys` is durable (their entries keep no ticket), or failed
+        (never stored: forgotten)."""
+        for key in keys:
+            kept = table.entries.get(key)
+            if kept is not None and kept.pending is ticket:
+                if error is None:
+                    kept.pending = None
+                else:
+                    table.forget(key, kept)
+
+    def _key_check(self, key: bytes, now: int) -> tuple[DedupTable, DedupEntry | None]:
+        """The table and the entry of the put that stored `key` in the window (this put is
+        a duplicate), or None; an entry whose put failed is forgotten first."""
+        t = self.dedup_table()
+        e = t.entries.get(key)
+        if e is not None and isinstance(e.pending, Ticket) and e.pending.event.is_set():
+            if e.pending.error is not None:
+                t.forget(key, e)  # its put failed: never stored
+            else:
+                e.pending = None
+        return t, t.check(key, now)
+
+    def join_key(self, key: bytes, part: object) -> PendingPut | DedupEntry | None:
+        """A keyed put about to be joined in the reactor's pass: None, the key is new and
+        now reserved for `part` (its entry holds `part` until the joined append, or
+        `unjoin_key`); the entry reserved by an earlier part of this pass (a duplicate of
+        it); or a duplicate's PendingPut (the key was stored before this pass)."""
+        now = self.clock()
+        t, e = self._key_check(key, now)
+        if e is None:
+            t.store(key, 0, 0, now, part)
+            return None
+        if e.pending is None or isinstance(e.pending, Ticket):
+            return PendingPut(self, Inflight([], done=True), e.pending,
+                              answer=(e.first_id, e.count, True))
+        return e
+
+    def unjoin_key(self, key: bytes, part: object) -> None:
+        """`part` is not joined after all: drop its reservation (it begins on its own)."""
+        t = self.dedup
+        e = None if t is None else t.entries.get(key)
+        if t is not None and e is not None and e.pending is part:
+            t.forget(key, e)
+
+    def _reserve_joined(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
+                        flags: int, delay_ms: int, nbytes: int,
+                        keys: Sequence[tuple[int, int, bytes]],
+                        headers: Sequence[bytes] | None = None) -> PendingPut:
+        """_reserve of puts joined in a pass, some with keys reserved by `join_key`: one
+        append, a DEDUP record after each keyed part; the reservations become entries."""
+        if self.deleted:
+            raise QueueClosedError(f"queue {self.name!r} was deleted")
+        due_ms = now + delay_ms if delay_ms > 0 else None
+        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, 0, flags, due_ms,
+                                                  headers=headers, dedup=keys)
+        t = self.dedup_table()
+        for start, end, key in keys:
+            e = t.entries.get(key)
+            if e is not None and not (e.pending is None or isinstance(e.pending, Ticket)):
+                e.first_id, e.count, e.pending = puts[start].id, end - start, ticket
+        pending = self._inflight(puts, ticket, nbytes, due_ms, len(datas))
+        pending.keys = [key for _, _, key in keys]
+        return pending
 
     def _inflight(self, puts: list[jf.Put], ticket: Ticket, nbytes: int, due_ms: int | None,
                   n: int) -> PendingPut:
@@ -350,6 +487,8 @@ class QueueState:
                 for p, e in list(self.producers.entries.items()):
                     if e is mark:
                         self.producers.forget(p, e)  # never stored: forget it
+        if pending.keys and self.dedup is not None:
+            self._keys_ended(self.dedup, pending.keys, ticket, error)
         if not entry.puts:
             if error is not None:
                 raise error  # (a repeat of a put that failed)
@@ -728,9 +867,10 @@ class QueueState:
 
         The segment is read (in a thread) so items that were only on disk are
         subtracted exactly; ids in a reader's `done` were never counted. The producer
-        snapshot is written first: the segment's PRODUCER records go with it.
+        snapshot is written first: the segment's PRODUCER records go with it (and the
+        key snapshot: its DEDUP records).
         """
-        await self.save_producers()
+        await self.save_marks()
         sizes: list[tuple[int, int, bool]] = []
         if any(h.reader.behind is not None and h.reader.behind <= seg.last_id
                for h in self.readers.values()):

@@ -31,6 +31,7 @@ from queued.errors import (
     TooManyQueuesError,
 )
 from queued.journal import format as jf
+from queued.reader.dedup import DedupCounters
 from queued.reader.producers import ProducerCounters
 from queued.reader.state import Reader
 from queued.storage.datadir import DataDir
@@ -75,6 +76,8 @@ class Registry:
         self.counters = counters
         #: what every queue's producer table did (exactly-once puts), for the metrics
         self.producer_counters = ProducerCounters()
+        #: what every queue's key table did (deduplication keys), for the metrics
+        self.dedup_counters = DedupCounters()
         self.queues: dict[str, QueueState] = {}
         #: queues paused (durable in the data dir: DataDir.save_paused), loaded or not
         self.paused: set[str] = datadir.paused_queues()
@@ -120,7 +123,7 @@ class Registry:
         # since may have changed them (as `reconfigure` does for the queues there then).
         journal.config = cfg.journal_config()
         qs = QueueState(name, journal, cfg, self.clock, self.background,
-                        self.producer_counters)
+                        self.producer_counters, self.dedup_counters)
         qs.paused = name in self.paused
         self.queues[name] = qs
         return qs
@@ -281,6 +284,9 @@ class Registry:
             if qs.producers is not None:
                 qs.producers.max_producers = qs.config.max_producers
                 qs.producers.expiry_ms = qs.config.producer_expiry
+            if qs.dedup is not None:
+                qs.dedup.max_keys = qs.config.max_dedup_keys
+                qs.dedup.window_ms = qs.config.dedup_window
             for rname, h in qs.readers.items():
                 h.config = self.reader_config(name, rname)
                 h.reader.limits = h.config

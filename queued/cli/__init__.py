@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "passwd", help="print a password hash for the users file",
         description="Read a password (one line of stdin, or asked twice at a terminal) and "
                     "print its salted scrypt hash: the `password` of a [users.NAME] table "
-                    "in the users file (see the README's Security section).")
+                    "in the users file (see docs/security.md).")
     add_client_commands(sub)
     for name in ("dump", "check", "serve", *CLIENT_COMMANDS):  # for parse_args's errors
         command_parser = sub.choices[name]

@@ -18,7 +18,7 @@ from typing import TextIO, TypeVar
 from queued.errors import CorruptRecordError
 from queued.journal import format as jf
 from queued.journal.headers import headers_text
-from queued.storage.files import read_checkpoint, read_producers
+from queued.storage.files import read_checkpoint, read_dedup, read_producers
 from queued.storage.recovery import Inspection, TailState, inspect_segment
 
 PREVIEW = 40
@@ -73,6 +73,9 @@ def describe(rec: jf.Record) -> str:
     if isinstance(rec, jf.ProducerMark):
         return (f"PRODUCER id={preview(rec.producer)} sequence={rec.sequence} "
                 f"first_id={rec.first_id} count={rec.count} at={_ms(rec.time_ms)}")
+    if isinstance(rec, jf.DedupMark):
+        return (f"DEDUP key={preview(rec.key)} first_id={rec.first_id} count={rec.count} "
+                f"at={_ms(rec.time_ms)}")
     kind = f" kind={rec.kind}" if rec.kind else ""  # an extension record of a later release
     return (f"UNKNOWN command={rec.command}{kind} header_words={rec.header_words} "
             f"data={rec.data_size}")
@@ -185,6 +188,12 @@ def check(directory: Path, out: TextIO, *,
                     lambda cp: f"head={cp.head} done={len(cp.done)} ids",
                     "unreadable checkpoint ({}); recovery replays this reader from the "
                     "oldest segment")
+                continue
+            if parsed.role is jf.FileRole.DEDUP:
+                problems += _check_small_file(
+                    name, out, functools.partial(read_dedup, path),
+                    lambda marks: f"{len(marks)} deduplication keys",
+                    "unreadable key snapshot ({}); its keys fall back to at-least-once")
                 continue
             if parsed.role is jf.FileRole.PRODUCERS:
                 problems += _check_small_file(

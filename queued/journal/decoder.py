@@ -34,6 +34,7 @@ from queued.journal.records import (
     EXT_CHECK_DATA_SIZE,
     EXT_COMPACTED,
     EXT_DATA_SIZES,
+    EXT_DEDUP,
     EXT_DELAY,
     EXT_FLAGS,
     EXT_HEAD_SIZE,
@@ -96,6 +97,7 @@ from queued.journal.records import (
     Unknown,
     check_at,
     crc_seed,
+    decode_dedup,
     decode_producer,
     sealed_start,
 )
@@ -415,6 +417,12 @@ class RecordDecoder:
                     raise CorruptRecordError(start, f"PRODUCER record of {size} data bytes "
                                              "that do not add up")
                 record = mark
+            elif kind == EXT_DEDUP:
+                dedup = decode_dedup(buf, pos, size)
+                if dedup is None:
+                    raise CorruptRecordError(start, f"DEDUP record of {size} data bytes "
+                                             "that do not add up")
+                record = dedup
             else:  # a kind of a later release: skipped, as an unknown command is
                 record = Unknown(command, 1, size, kind)
         elif command == OLD_CMD_CHECK:
@@ -721,12 +729,15 @@ class RecordDecoder:
                 if size < 0 or size > cap:
                     raise CorruptRecordError(base + pos, f"bad data size {size}")
                 # (Every valid PUT took the fast path above: _need refuses other sizes.)
-                # a COMPACTED, INCARNATION, PRODUCER or a later release's kind
-                if cmd == EXT_BYTE and _ext_kind(buf, pos, size, base + pos) == EXT_PRODUCER:
+                # a COMPACTED, INCARNATION, PRODUCER, DEDUP or a later release's kind
+                if cmd == EXT_BYTE and (kind := _ext_kind(buf, pos, size, base + pos)) in (
+                        EXT_PRODUCER, EXT_DEDUP):
                     if pos + hdr + size > n:
                         return self._short_batch(start, n)
-                    if decode_producer(buf, pos, size) is None:
-                        raise CorruptRecordError(base + pos, f"PRODUCER record of {size} "
+                    if (decode_producer if kind == EXT_PRODUCER else decode_dedup)(
+                            buf, pos, size) is None:
+                        name = "PRODUCER" if kind == EXT_PRODUCER else "DEDUP"
+                        raise CorruptRecordError(base + pos, f"{name} record of {size} "
                                                  "data bytes that do not add up")
                     marks += 1
                 if cmd >> 4 == CMD_READ_DONE and size % 8:

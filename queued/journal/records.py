@@ -1,8 +1,8 @@
 """Journal records and their bytes: magic, command bytes, layouts, encoding, decoder events.
 
 Owns the byte layout of seed 002 (Kestrel's journal) plus ours: the extension envelope
-(command 13: check, FLAGS, DELAY, COMPACTED, INCARNATION, PRODUCER, HEADERS), the older
-forms of those
+(command 13: check, FLAGS, DELAY, COMPACTED, INCARNATION, PRODUCER, HEADERS, DEDUP), the
+older forms of those
 records (still read, never written), and READ_ERRORS / READ_DELAYS (reader files); and
 the values decoding yields. PURE: no file, clock, socket or trio access;
 queued.journal.format is the one import for users.
@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
-from queued.sansio import MAX_DELAY_MS, NeedData
+from queued.sansio import MAX_DEDUP_KEY, MAX_DELAY_MS, NeedData
 
-__all__ = ["MAX_DELAY_MS"]  # (re-exported: journal_format lists every name)
+__all__ = ["MAX_DEDUP_KEY", "MAX_DELAY_MS"]  # (re-exported: journal_format lists every name)
 
 # -- magic bytes and command numbers (seed 002) ---------------------------------
 
@@ -57,6 +57,7 @@ EXT_COMPACTED: Final = 4  # i64 first, i64 last segment number a compaction repl
 EXT_INCARNATION: Final = 5  # i64: which life of its queue a segment belongs to
 EXT_PRODUCER: Final = 6  # u8 id length, id, u64 sequence, i64 first id, u32 count, i64 ms
 EXT_HEADERS: Final = 7  # the headers block (journal.headers) of the PUT that follows
+EXT_DEDUP: Final = 8  # u8 key length, key, i64 first id, u32 count, i64 ms
 
 # The older forms of the same records (written by releases before the envelope): a
 # command byte with its fields as header words. Read everywhere, forever; never written.
@@ -86,8 +87,9 @@ FLAGS_STRUCT = struct.Struct("<BiBI")  # EXT_BYTE, 5, EXT_FLAGS, flags
 DELAY_STRUCT = struct.Struct("<BiBq")  # EXT_BYTE, 9, EXT_DELAY, due ms
 COMPACTED_STRUCT = struct.Struct("<BiBqq")  # EXT_BYTE, 17, EXT_COMPACTED, first, last
 INCARNATION_STRUCT = struct.Struct("<BiBq")  # EXT_BYTE, 9, EXT_INCARNATION, incarnation
-PRODUCER_HEAD_STRUCT = struct.Struct("<BiBB")  # EXT_BYTE, size, EXT_PRODUCER, id length
+PRODUCER_HEAD_STRUCT = struct.Struct("<BiBB")  # EXT_BYTE, size, kind (PRODUCER, DEDUP), length
 PRODUCER_TAIL_STRUCT = struct.Struct("<QqIq")  # sequence, first id, count, time ms
+DEDUP_TAIL_STRUCT = struct.Struct("<qIq")  # first id, count, time ms (after kind, length, key)
 OLD_CHECK_STRUCT = struct.Struct("<BII")
 OLD_COMPACTED_STRUCT = struct.Struct("<Bqq")
 OLD_FLAGS_STRUCT = struct.Struct("<BI")
@@ -339,6 +341,41 @@ def decode_producer(buf: bytes | bytearray | memoryview, pos: int, size: int,
                         *PRODUCER_TAIL_STRUCT.unpack_from(buf, start + n))
 
 
+#: A DEDUP record's data size without its key: kind, key length, the tail.
+DEDUP_FIXED_DATA: Final = 2 + DEDUP_TAIL_STRUCT.size  # 22
+
+
+@dataclass(frozen=True, slots=True)
+class DedupMark:
+    """Ours (deduplication keys): the put carrying key `key` was stored as items
+    `first_id` .. `first_id + count - 1` at `time_ms`. Journaled after the put's last PUT
+    record, in the same batch; also what a queue's key snapshot file (`q.dedup`) holds."""
+
+    key: bytes
+    first_id: int
+    count: int
+    time_ms: int
+
+
+def dedup_record(mark: DedupMark) -> bytes:
+    """The DEDUP record of `mark` (extension kind 8, 27 + key length bytes)."""
+    n = len(mark.key)
+    if not 0 < n <= MAX_DEDUP_KEY:
+        raise ValueError(f"deduplication key of {n} bytes (1..{MAX_DEDUP_KEY})")
+    return (PRODUCER_HEAD_STRUCT.pack(EXT_BYTE, DEDUP_FIXED_DATA + n, EXT_DEDUP, n) + mark.key
+            + DEDUP_TAIL_STRUCT.pack(mark.first_id, mark.count, mark.time_ms))
+
+
+def decode_dedup(buf: bytes | bytearray | memoryview, pos: int, size: int) -> DedupMark | None:
+    """The DEDUP record at buf[pos] whose data size is `size`; None when its fields do
+    not add up (the caller reports corruption)."""
+    n = buf[pos + EXT_HEAD_SIZE] if size >= DEDUP_FIXED_DATA else -1
+    if n <= 0 or n > MAX_DEDUP_KEY or size != DEDUP_FIXED_DATA + n:
+        return None
+    start = pos + PRODUCER_HEAD_STRUCT.size
+    return DedupMark(bytes(buf[start:start + n]), *DEDUP_TAIL_STRUCT.unpack_from(buf, start + n))
+
+
 @dataclass(frozen=True, slots=True)
 class Unknown:
     """A record with a command number (or, command EXT_BYTE's, a kind) we do not know;
@@ -351,7 +388,7 @@ class Unknown:
 
 
 Record = (Put | ReadHead | ReadDone | ReadErrors | ReadDelays | Check | Compacted | Incarnation
-          | ProducerMark | Unknown)
+          | ProducerMark | DedupMark | Unknown)
 
 
 def flags_record(flags: int) -> bytes:
@@ -501,6 +538,8 @@ def encode_record(record: Record) -> bytes:
         return incarnation_record(record.incarnation)
     if isinstance(record, ProducerMark):
         return producer_record(record)
+    if isinstance(record, DedupMark):
+        return dedup_record(record)
     raise TypeError(f"cannot encode {record!r}")
 
 
@@ -591,7 +630,7 @@ class Batch:
     last_id: int
     data_bytes: int = field(default=0, compare=False)  # item data in its PUT records
     delayed: int = field(default=0, compare=False)  # PUT records led by a DELAY record
-    marks: int = field(default=0, compare=False)  # PRODUCER records in it
+    marks: int = field(default=0, compare=False)  # PRODUCER and DEDUP records in it
     #: size of its check record (the records end at end - check_size): 9 for the old form
     check_size: int = field(default=CHECK_RECORD_SIZE, compare=False)
 

@@ -50,8 +50,8 @@ def check_exposure(config: ServerConfig) -> None:
     raise ConfigError(
         f"host {config.host!r} listens beyond this machine, and no users_file is set: anyone "
         "who reaches the ports could read, change or delete every queue. Either set "
-        f"users_file ({env_var('users_file')}, --users-file; see the README's Security "
-        f"section), or set allow_anonymous = true ({env_var('allow_anonymous')}=1, "
+        f"users_file ({env_var('users_file')}, --users-file; see "
+        f"docs/security.md), or set allow_anonymous = true ({env_var('allow_anonymous')}=1, "
         "--allow-anonymous) to accept the risk.")
 
 

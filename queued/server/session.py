@@ -404,8 +404,8 @@ class Session:
             log.info("%s: %s before authenticating: closed", self.name, r.name,
                      extra={"event": "unauthenticated", "peer": self.name})
             self._answer(r, c.Failure(c.ErrorKind.UNAUTHENTICATED,
-                                      "unauthenticated: log in first (see the README's "
-                                      "Security section)"))
+                                      "unauthenticated: log in first (see "
+                                      "docs/security.md)"))
             self.done = True
             return True
         self._answer(r, await self.authenticate(auth))
@@ -566,15 +566,19 @@ class Session:
             self._answer_puts(group, pending)
 
     def _answer_puts(self, group: list[tuple[c.Request, c.Put]],
-                     result: PendingPut | Exception) -> None:
-        """A put's replies: stored (`result` ended well), or its failure."""
+                     result: PendingPut | Exception | None,
+                     answer: tuple[int, int, bool] | None = None) -> None:
+        """A put's replies: stored (`result` ended well), or its failure. `answer` (first
+        id, count, duplicate): a joined part's own, for a put with a key."""
         encode = self.codec.encode
         for r, put in group:
             if isinstance(result, Exception):
                 self._answer(r, self._failure(r, result))
-            elif result.answer is not None:  # (a put with a producer: alone in its group)
-                self.out += encode(r, c.ProducerStored(result.answer[1], result.answer[0],
-                                                       result.answer[2]))
+                continue
+            if answer is None and result is not None:
+                answer = result.answer  # (a put with a producer or key: alone in its group)
+            if answer is not None:
+                self.out += encode(r, c.ProducerStored(answer[1], answer[0], answer[2]))
             else:
                 self.out += encode(r, c.Stored(len(put.items)))
 
@@ -583,7 +587,8 @@ class Session:
         first = group[0][1]
         return await self.broker.begin_put(queue, items, expire_ms=expire_ms, flags=flags,
                                            delay_ms=delay_ms, producer=first.producer,
-                                           sequence=first.sequence, headers=headers)
+                                           sequence=first.sequence, headers=headers,
+                                           key=first.key)
 
     def _put_of(self, group: list[tuple[c.Request, c.Put]],
                 ) -> tuple[str, Sequence[bytes], int | None, int, int, Sequence[bytes] | None]:
@@ -797,28 +802,32 @@ class Session:
         joined one that failed and is retried one by one on the task path)."""
         began = 0
         b = self.broker
+        joined_ahead = any(type(p) is JoinedPut for _, p in self.begun)  # (once: not per put)
         while began < len(run):
             group = [run[began]]
             while began + len(group) < len(run) and _same_append(
                     group[0][1], run[began + len(group)][1]):
                 group.append(run[began + len(group)])
             result: PendingPut | JoinedPut | Exception
-            producer = group[0][1].producer
-            if producer is not None and any(type(p) is JoinedPut for _, p in self.begun):
+            first = group[0][1]
+            producer, key = first.producer, first.key
+            alone = producer is not None  # (its mark is its own: never joined)
+            if alone and joined_ahead:
                 # Not begun before the joined puts sent ahead of it (begun after every
                 # connection ran): it waits for the next pass, so ids keep the order sent.
                 return began
             try:
                 queue, items, expire_ms, flags, delay_ms, headers = self._put_of(group)
                 joined = self.joined
-                if producer is None and joined is not None and joined.can_join(queue):
-                    result = joined.add(queue, items, expire_ms, flags, delay_ms, headers)
+                if not alone and joined is not None and joined.can_join(queue):
+                    # (a key is checked and reserved here, in the pass: its second put
+                    # in the pass, from any connection, finds it)
+                    result = joined.add(queue, items, expire_ms, flags, delay_ms, headers, key)
                 else:  # (a put with a producer is never joined: its mark is its own)
                     result = b.begin_put_nowait(queue, items, expire_ms=expire_ms,
                                                 flags=flags, delay_ms=delay_ms,
-                                                producer=producer,
-                                                sequence=group[0][1].sequence,
-                                                headers=headers)
+                                                producer=producer, sequence=first.sequence,
+                                                headers=headers, key=key)
             except trio.WouldBlock:
                 return began
             except Exception as exc:
@@ -829,6 +838,7 @@ class Session:
             b.counters.cmd_set += n
             self.stats.count(group[0][0].name, n)
             self.begun.append((group, result))
+            joined_ahead = joined_ahead or type(result) is JoinedPut
             began += len(group)
         return began
 
@@ -1040,9 +1050,11 @@ class Session:
             return False
         begun, self.begun = self.begun, []
         for group, pending in begun:
-            result: PendingPut | Exception
+            result: PendingPut | Exception | None
+            answer = None
             if type(pending) is JoinedPut:
-                result = pending.error or pending.pending  # type: ignore[assignment]
+                result = pending.error or pending.pending
+                answer = pending.answer
             elif type(pending) is PendingPut:
                 result = pending
                 try:
@@ -1051,7 +1063,7 @@ class Session:
                     result = exc
             else:
                 result = pending  # type: ignore[assignment]
-            self._answer_puts(group, result)
+            self._answer_puts(group, result, answer)
         if self.owed:
             owed, self.owed = self.owed, []
             self._place_owed(owed)
@@ -1067,7 +1079,8 @@ def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c
 
 def _same_append(a: c.Put, b: c.Put) -> bool:
     """Puts that may share one journal append: same queue, expiry, flags and delay, and
-    no producer (a put with one has its own append, its mark after its items)."""
+    no producer or key (a put with a producer has its own append, its mark after its items;
+    a keyed put is a part of its own in the pass's joined append, its key checked alone)."""
     return (a.queue == b.queue and a.ttl_ms == b.ttl_ms and a.expire_at_ms == b.expire_at_ms
             and a.flags == b.flags and a.delay_ms == b.delay_ms and a.producer is None
-            and b.producer is None)
+            and b.producer is None and a.key is None and b.key is None)

@@ -25,7 +25,7 @@ class DataLossError(QueuedDataSourceError):
 # -- which options each use takes ----------------------------------------------------------
 
 #: Options of `spark.read` (canonical name -> the older names still accepted). The names
-#: are the Kafka source's where the meaning is the same; see the README's table.
+#: are the Kafka source's where the meaning is the same; see docs/spark.md's table.
 READ_OPTIONS: dict[str, tuple[str, ...]] = {
     "path": (),
     "subscribe": ("queues", "queue"),

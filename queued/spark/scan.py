@@ -206,7 +206,7 @@ def first_id_at(segments: list[js.SegmentRef], ms: int) -> int | None:
 
 
 class ReadOptions:
-    """The options batch and stream reads share, parsed once (see the README's table)."""
+    """The options batch and stream reads share, parsed once (see docs/spark.md's table)."""
 
     def __init__(self, options: Options) -> None:
         self.path = path_option(options)

@@ -98,7 +98,7 @@ def _prune(segments: list[js.SegmentRef], ids: js.IdFilter) -> list[js.SegmentRe
 
 
 class QueuedDataSource(DataSource):
-    """`format("queued")`: see the README's Spark section for the options."""
+    """`format("queued")`: see docs/spark.md for the options."""
 
     @classmethod
     def name(cls) -> str:

@@ -91,7 +91,7 @@ class QueueNow:
 class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """A micro-batch reads ids in (start, end] of each queue, from the journal files.
 
-    Options (README, Spark): subscribe / subscribePattern, startingOffsets (alias
+    Options (docs/spark.md): subscribe / subscribePattern, startingOffsets (alias
     starting), startingTimestamp, startingOffsetsByTimestamp, maxOffsetsPerTrigger (alias
     max_items_per_trigger), minOffsetsPerTrigger with maxTriggerDelay, failOnDataLoss,
     minPartitions, archive_dir, max_partition_bytes, include_flags, includeHeaders.

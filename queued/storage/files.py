@@ -44,7 +44,7 @@ class SegmentInfo:
     #: PUT records led by a DELAY record, as recovery counted them (startup looks for
     #: delayed items only where > 0; appends made since start are not counted)
     delayed: int = 0
-    #: PRODUCER records, as recovery counted them (start-up reads producer marks back
+    #: PRODUCER and DEDUP records, as recovery counted them (start-up reads marks back
     #: only where > 0; appends made since start are counted by the journal)
     marks: int = 0
     #: the queue's life this segment belongs to (its head's INCARNATION record; 0 = none)
@@ -93,9 +93,10 @@ def read_segment(seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[
             yield rec
 
 
-def segment_marks(seg: SegmentInfo) -> list[jf.ProducerMark]:
-    """The PRODUCER records of one segment, in order (synchronous file I/O)."""
-    return [rec for rec in _records(seg, jf.MAGIC_SIZE) if isinstance(rec, jf.ProducerMark)]
+def segment_marks(seg: SegmentInfo) -> list[jf.ProducerMark | jf.DedupMark]:
+    """The PRODUCER and DEDUP records of one segment, in order (synchronous file I/O)."""
+    return [rec for rec in _records(seg, jf.MAGIC_SIZE)
+            if isinstance(rec, (jf.ProducerMark, jf.DedupMark))]
 
 
 def _records(seg: SegmentInfo, offset: int) -> Iterator[jf.Record]:
@@ -223,6 +224,41 @@ def read_producers(path: Path) -> list[jf.ProducerMark]:
 def write_producers(path: Path, marks: Sequence[jf.ProducerMark]) -> None:
     """Replace the snapshot durably (temp + fsync + rename + directory fsync)."""
     write_file_atomic(path, encode_producers(marks))
+
+
+# -- deduplication key snapshots ------------------------------------------------------
+
+
+def encode_dedup(marks: Sequence[jf.DedupMark]) -> bytes:
+    """A key snapshot file: as a producer snapshot, of DEDUP records."""
+    head = jf.WRITER_MAGIC + jf.EMPTY_CHECK
+    body = b"".join(map(jf.dedup_record, marks))
+    return head + jf.seal(body, len(head)) if body else head
+
+
+def read_dedup(path: Path) -> list[jf.DedupMark]:
+    """The marks of a key snapshot file; [] if there is none; CorruptRecordError when
+    torn or corrupt (it is written whole)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    marks: list[jf.DedupMark] = []
+    checked = 0
+    for ev in jf.decode_all(data, jf.FileKind.WRITER):
+        rec = ev.record
+        if isinstance(rec, jf.DedupMark):
+            marks.append(rec)
+        elif isinstance(rec, jf.Check):
+            checked = ev.end
+    if checked != len(data):
+        raise CorruptRecordError(checked, f"{path.name}: key snapshot cut short")
+    return marks
+
+
+def write_dedup(path: Path, marks: Sequence[jf.DedupMark]) -> None:
+    """Replace the key snapshot durably (temp + fsync + rename + directory fsync)."""
+    write_file_atomic(path, encode_dedup(marks))
 
 
 # -- checkpoints ----------------------------------------------------------------

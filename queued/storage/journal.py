@@ -41,6 +41,7 @@ from queued.storage.files import (
     SegmentInfo,
     encode_checkpoint,
     read_segment,
+    write_dedup,
     write_producers,
 )
 from queued.storage.writer import (
@@ -133,7 +134,7 @@ class Planned(Chunk):
     """A chunk waiting for the writer, with the tickets of the appends it carries."""
 
     tickets: list[Ticket] = field(default_factory=list)
-    marks: int = 0  # PRODUCER records in it
+    marks: int = 0  # PRODUCER and DEDUP records in it
 
 
 @dataclass(eq=False, slots=True)
@@ -209,6 +210,8 @@ class QueueJournal:
         self.before_compact: Callable[[], Awaitable[None]] | None = None
         #: the producer marks recovery read (snapshot and segments), for the queue to take
         self.producer_marks: list[jf.ProducerMark] = NO_CHUNKS
+        #: the deduplication keys recovery read (snapshot and segments), likewise
+        self.dedup_marks: list[jf.DedupMark] = NO_CHUNKS
         self._pending: list[Planned] = NO_CHUNKS  # a list from the first append on
         self._pending_bytes = 0
         self._reader_ops: dict[str, list[PlannedOp]] = NO_ENTRIES  # a dict from the first op
@@ -265,6 +268,7 @@ class QueueJournal:
         due_ms: int | None = None,
         producer: tuple[bytes, int] | None = None,
         headers: Sequence[bytes] | None = None,
+        dedup: Sequence[tuple[int, int, bytes]] = (),
     ) -> tuple[list[jf.Put], Ticket]:
         """Queue `datas` for the writer; ids are assigned here, in order. Non-zero
         `flags` (memcache flags, the same for every item) lead each PUT with a FLAGS
@@ -273,7 +277,10 @@ class QueueJournal:
         `producer` (id, sequence): a PRODUCER record follows the last PUT, in its batch,
         so the mark is durable exactly when the whole put is. `headers`: one headers
         block per item (queued.journal.headers; b"" for none), each non-empty one a
-        HEADERS record leading its PUT; None: no item has any."""
+        HEADERS record leading its PUT; None: no item has any. `dedup`: (start, end, key)
+        of each part of `datas` put with a deduplication key (a put, or the puts of a pass
+        joined into this append): a DEDUP record naming datas[start:end] follows the PUT of
+        datas[end - 1], and the whole append stays in one batch likewise."""
         if self._closed:
             raise JournalClosedError(f"journal of queue {self.name!r} is closed")
         if self.file.failed is not None:
@@ -305,7 +312,9 @@ class QueueJournal:
         if self._proj_size is not None and not self._pending:
             # This call opens a new round's batch, which a check record will seal.
             self._proj_size += jf.CHECK_RECORD_SIZE
-        if datas and largest < ZERO_COPY_BYTES and self._proj_size is not None:
+        # (one DEDUP record, after the last item: the bulk path's; more: item by item)
+        bulk = not dedup or (len(dedup) == 1 and dedup[0][:2] == (0, len(datas)))
+        if datas and largest < ZERO_COPY_BYTES and self._proj_size is not None and bulk:
             puts = self._append_small(datas, pack_head, ticket, add_time_ms, expire_time_ms,
                                       error_count, flags, due_ms, leads, headers)
             if puts:
@@ -314,15 +323,21 @@ class QueueJournal:
         # A put with a producer stays in one segment and one batch (it rotates or starts a
         # batch before its first item, never within): else a cut could keep its first
         # items without its mark.
-        whole = 0 if producer is None or not datas else (
+        trailer = (0 if producer is None else jf.PRODUCER_FIXED_DATA + 5 + len(producer[0])) + (
+            sum(jf.DEDUP_FIXED_DATA + 5 + len(k) for _, _, k in dedup))
+        whole = 0 if not trailer or not datas else (
             sum(map(len, datas)) + len(pack_head(0, 1)) * len(datas)
-            + (sum(map(len, leads)) if leads else 0)
-            + jf.PRODUCER_FIXED_DATA + 5 + len(producer[0]))
-        for data in datas:
+            + (sum(map(len, leads)) if leads else 0) + trailer)
+        first = self.last_id + 1  # the id of datas[0]
+        after: dict[int, list[tuple[int, int, bytes]]] = {}  # last item -> its DEDUP records
+        if not bulk:
+            for part in dedup:
+                after.setdefault(part[1] - 1, []).append(part)
+        for i, data in enumerate(datas):
             next_id += 1
             head = pack_head(len(data), next_id)
             if leads is not None:
-                head = leads[next_id - self.last_id - 1] + head
+                head = leads[i] + head
             size = len(head) + len(data)
             chunk = self._pending[-1] if self._pending else None
             # (0: a later item of a put with a producer, which never rotates or splits)
@@ -347,22 +362,22 @@ class QueueJournal:
             self._proj_size += size
             self._proj_count += 1
             self._pending_bytes += size
-            block = b"" if headers is None else headers[next_id - self.last_id - 1]
+            block = b"" if headers is None else headers[i]
             puts.append(jf.DelayedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
                                       flags, due_ms, block) if due_ms is not None else
                         jf.HeadedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
                                      flags, block) if block else
                         jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count, flags))
+            for start, end, key in after.get(i, ()):
+                self._add_mark(jf.dedup_record(jf.DedupMark(key, first + start, end - start,
+                                                            add_time_ms)))
         self.last_id = next_id
         if producer is not None and puts:
-            mark = jf.producer_record(jf.ProducerMark(producer[0], producer[1], puts[0].id,
-                                                      len(puts), add_time_ms))
-            chunk = self._pending[-1]  # the one holding the last PUT
-            chunk.add(mark, b"")
-            chunk.marks += 1
-            if self._proj_size is not None:
-                self._proj_size += len(mark)
-            self._pending_bytes += len(mark)
+            self._add_mark(jf.producer_record(jf.ProducerMark(
+                producer[0], producer[1], puts[0].id, len(puts), add_time_ms)))
+        if dedup and bulk and puts:
+            self._add_mark(jf.dedup_record(jf.DedupMark(dedup[0][2], puts[0].id, len(puts),
+                                                        add_time_ms)))
         self._appends += 1
         self._items += len(puts)
         if not puts:
@@ -370,6 +385,15 @@ class QueueJournal:
         else:
             self.host.note_pending(self)
         return puts, ticket
+
+    def _add_mark(self, mark: bytes) -> None:
+        """A PRODUCER or DEDUP record after the last PUT, in the chunk holding it."""
+        chunk = self._pending[-1]
+        chunk.add(mark, b"")
+        chunk.marks += 1
+        if self._proj_size is not None:
+            self._proj_size += len(mark)
+        self._pending_bytes += len(mark)
 
     def _append_small(
         self,
@@ -666,6 +690,13 @@ class QueueJournal:
         await self.host.sync_segment(self)
         path = self.host.path / jf.producers_name(self.name)
         await trio.to_thread.run_sync(write_producers, path, marks)
+
+    async def write_dedup(self, marks: list[jf.DedupMark]) -> None:
+        """Replace the queue's key snapshot (`q.dedup`) durably, the puts its keys name on
+        disk first (see write_producers)."""
+        await self.host.sync_segment(self)
+        path = self.host.path / jf.dedup_name(self.name)
+        await trio.to_thread.run_sync(write_dedup, path, marks)
 
     async def write_checkpoint(
         self, reader: str, head: int, done: Sequence[int] = (),

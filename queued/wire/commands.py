@@ -61,6 +61,8 @@ class Put:
     #: item headers (RPC): one block per item (queued.journal.headers; b"": none), or
     #: None when no item has any
     headers: Sequence[bytes] | None = None
+    #: a deduplication key (memcache, text, RPC): stored once within the queue's window
+    key: bytes | None = None
 
     def expire_ms(self, now_ms: int) -> int | None:
         if self.expire_at_ms is not None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
 
 from queued.errors import LocalProtocolError, QueuedError, RemoteProtocolError
-from queued.sansio import MAX_DELAY_MS as MAX_DELAY_MS  # re-exported: what parsers share
+from queued.sansio import MAX_DEDUP_KEY as MAX_DEDUP_KEY  # re-exported: what parsers share
+from queued.sansio import MAX_DELAY_MS as MAX_DELAY_MS
 from queued.sansio import MAX_TIMEOUT_MS as MAX_TIMEOUT_MS
 from queued.sansio import NAME_PATTERN as NAME_PATTERN
 from queued.sansio import NAME_RE as NAME_RE
@@ -22,6 +23,9 @@ from queued.sansio import Signal as Signal
 from queued.sansio import is_valid_name as is_valid_name
 
 _INT_RE: Final = re.compile(rb"-?[0-9]+")
+#: A deduplication key as the memcache and text protocols carry it: printable ASCII but
+#: `/` (memcache options follow the queue name after one). RPC keys may be any bytes.
+_KEY_RE: Final = re.compile(rb"[!-.0-~]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,16 @@ def parse_int(token: bytes, what: str, lo: int, hi: int) -> int:
     if len(token) > 20 or not lo <= int(token) <= hi:  # length first: int() of huge strings
         raise ArgumentError(f"{what} out of range")
     return int(token)
+
+
+def parse_dedup_key(token: bytes) -> bytes:
+    """A put's deduplication key (`key=<k>`): 1 to MAX_DEDUP_KEY printable ASCII
+    characters other than `/`. Raises ArgumentError."""
+    if not token or len(token) > MAX_DEDUP_KEY:
+        raise ArgumentError(f"deduplication key must be 1 to {MAX_DEDUP_KEY} characters")
+    if _KEY_RE.fullmatch(token) is None:
+        raise ArgumentError("deduplication key must be printable ASCII without '/'")
+    return token
 
 
 # -- the receive buffer -------------------------------------------------------------------------

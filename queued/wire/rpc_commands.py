@@ -56,7 +56,7 @@ COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
     rp.Put: lambda call: c.Put(call.queue, call.items, ttl_ms=call.expiration_ms or None,
                                flags=call.flags, delay_ms=call.delay_ms,
                                producer=call.producer, sequence=call.sequence,
-                               headers=call.headers),
+                               headers=call.headers, key=call.key),
     rp.Confirm: lambda call: c.Confirm(call.queue, call.reader, ids=call.ids),
     rp.Abort: lambda call: c.Abort(call.queue, call.reader, ids=call.ids,
                                    delay_ms=call.delay_ms),

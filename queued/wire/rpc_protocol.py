@@ -22,6 +22,7 @@ import msgpack
 from queued.errors import RemoteProtocolError
 from queued.journal.headers import encode_headers
 from queued.wire.parsing import (
+    MAX_DEDUP_KEY,
     MAX_DELAY_MS,
     NEED_DATA,
     ConnectionClosed,
@@ -345,6 +346,7 @@ class Put:
     sequence: int = 0  # with a producer: this put's number, 1..2**64-1
     #: the items' headers, a block each (queued.journal.headers; b"": none), or None
     headers: list[bytes] | None = None
+    key: bytes | None = None  # a deduplication key: 1..64 bytes naming the whole put
 
 
 @dataclass(frozen=True, slots=True)
@@ -556,9 +558,9 @@ def _put(r: Request, max_batch: int) -> Put:
     expiration = _int(r.msgid, p[2], "expiration_ms", 0, 2**53) if len(p) > 2 else 0
     flags = _int(r.msgid, p[3], "flags", 0, MAX_FLAGS) if len(p) > 3 else 0
     delay = _int(r.msgid, p[4], "delay_ms", 0, MAX_DELAY_MS) if len(p) > 4 else 0
-    if len(p) > 7 and p[7] is not None:  # (the eighth is the deduplication key's)
-        raise _bad(r.msgid, "put's eighth param must be nil")
     headers = _headers(r.msgid, p[8], len(items)) if len(p) > 8 else None
+    if len(p) > 7 and p[7] is not None:
+        return _keyed_put(r.msgid, p, queue, items, expiration, flags, delay, headers)
     if len(p) < 6 or p[5] is None:
         return Put(r.msgid, queue, items, expiration, flags, delay, headers=headers)
     producer = p[5]
@@ -572,6 +574,21 @@ def _put(r: Request, max_batch: int) -> Put:
     if not items:
         raise _bad(r.msgid, "a put with a producer takes at least one item")
     return Put(r.msgid, queue, items, expiration, flags, delay, producer, sequence, headers)
+
+
+def _keyed_put(msgid: int, p: list[Any], queue: str, items: list[bytes], expiration: int,
+               flags: int, delay: int, headers: list[bytes] | None) -> Put:
+    """A put with a deduplication key (the eighth param): not with a producer."""
+    key = p[7]
+    if type(key) is str:
+        key = key.encode()
+    if type(key) is not bytes or not 0 < len(key) <= MAX_DEDUP_KEY:
+        raise _bad(msgid, f"key must be 1 to {MAX_DEDUP_KEY} bytes")
+    if p[5] is not None:
+        raise _bad(msgid, "a put takes a producer or a key, not both")
+    if not items:
+        raise _bad(msgid, "a put with a key takes at least one item")
+    return Put(msgid, queue, items, expiration, flags, delay, headers=headers, key=key)
 
 
 def _get(r: Request, max_batch: int) -> Get:
@@ -684,7 +701,7 @@ def _auth(r: Request, max_batch: int) -> Auth:
     return Auth(r.msgid, user, password)
 
 
-#: method name -> parser of its params. The signatures are in the README.
+#: method name -> parser of its params. The signatures are in docs/protocols.md.
 METHODS: Final[dict[str, Callable[[Request, int], Call]]] = {
     "put": _put,
     "get": _get,

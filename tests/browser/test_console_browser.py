@@ -5,7 +5,8 @@ Run by `make test-browser` (`pytest -m browser tests/browser`); plain `make test
 deselects the `browser` marker. tests/browser/setup.sh first installs chromium and
 chromium-driver when missing; the tests skip only when they are absent (setup.sh could
 not install them). QUEUED_CONSOLE_SCREENSHOT=<dir> makes test_screenshots save the
-README's screenshots (console.png, console-queue.png) there.
+screenshots of the docs (console.png, console-queue.png) there: docs/operations.md
+and the README's tour show them.
 
 Every wait is bounded (browser_util.WAIT); the page polls /stats.json every 1.5 s, so
 "updates without a reload" is checked by a marker set on `window` that a reload would
@@ -178,7 +179,7 @@ def test_read_only_without_users(server: Served, browser: Any) -> None:
 
 
 def test_screenshots(secured: Served, browser: Any) -> None:
-    """A console with some traffic, seen by an admin; saved for the README when
+    """A console with some traffic, seen by an admin; saved for the docs when
     QUEUED_CONSOLE_SCREENSHOT names a directory (else into the test's temp dir, and only
     checked)."""
     c = secured.client
