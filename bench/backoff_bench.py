@@ -142,4 +142,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchlib import recording
+
+    with recording("backoff_bench"):
+        main()

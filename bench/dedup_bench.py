@@ -1,11 +1,10 @@
 #!/usr/bin/env python3
 """What a deduplication key costs a memcache set: plain sets against keyed ones.
 
-Prints numbers, never asserts. Per fsync policy the bench starts a fresh server (temp
-data dir, every port 0; the memcache port is read from the server's log line) and stops
-it by PID. `--conns` client OS processes each keep `--window` sets in flight on one
-connection for `--seconds`, in rounds alternating the variants (each round its own
-queue, flushed after it):
+Prints numbers, never asserts. Per fsync policy the bench starts a fresh server;
+`--conns` client OS processes each keep `--window` sets in flight on one connection for
+`--seconds`, in rounds alternating the variants (each round its own queue, flushed after
+it):
 
 * plain: `set q 0 0 64` (pipelined sets are joined into one append);
 * unjoined: `set q 0 <exptime> 64`, each set another (relative) exptime: no key, but
@@ -24,61 +23,20 @@ Usage:  .venv/bin/python bench/dedup_bench.py [--seconds S] [--rounds N] [--conn
 from __future__ import annotations
 
 import argparse
-import contextlib
 import multiprocessing
-import os
-import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchlib import proc_cpu_s
+from benchlib import QueuedServer, proc_cpu_s, recording
 
 HOST = "127.0.0.1"
-QUEUED = Path(sys.executable).with_name("queued")
-PORT_LINE = re.compile(r"listening for memcache on \S+:(\d+)")
 DATA = b"x" * 64
 VARIANTS = ("plain", "unjoined", "keyed", "resent")
-
-
-def start(root: Path, fsync: str) -> tuple[subprocess.Popen[bytes], int, Path]:
-    data = Path(tempfile.mkdtemp(prefix=f"dedup-bench-{fsync}-", dir=root))
-    log_path = data.with_suffix(".log")
-    cmd = [str(QUEUED), "serve", "--data-dir", str(data), "--host", HOST,
-           "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
-           "--http-port", "0", "--fsync", fsync]
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf,
-                                stdin=subprocess.DEVNULL, cwd=data)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and proc.poll() is None:
-        m = PORT_LINE.search(log_path.read_text(errors="replace"))
-        if m:
-            return proc, int(m.group(1)), data
-        time.sleep(0.05)
-    stop(proc, data)
-    raise RuntimeError(f"the server logged no memcache port (exit {proc.poll()})")
-
-
-def stop(proc: subprocess.Popen[bytes], data: Path) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-    shutil.rmtree(data, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        data.with_suffix(".log").unlink()
 
 
 def worker(port: int, queue: str, variant: str, seconds: float, window: int, who: int,
@@ -166,14 +124,13 @@ def main() -> None:
           f"{args.seconds} s per round, {args.rounds} rounds per variant (alternated)")
     try:
         for fsync in args.fsync:
-            proc, port, data = start(root, fsync)
-            try:
+            with QueuedServer(root, fsync) as server:
+                assert server.proc is not None
                 results: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
                 for r in range(args.rounds):
                     for v in VARIANTS:
-                        results[v].append(one_round(proc, port, f"{v}{r}", v, args))
-            finally:
-                stop(proc, data)
+                        results[v].append(one_round(server.proc, server.port, f"{v}{r}", v,
+                                                    args))
             base = statistics.median(rate for rate, _ in results["plain"])
             print(f"\nfsync {fsync}:")
             print(f"  {'variant':8} {'sets/s':>10} {'vs plain':>9} {'server us/set':>14}")
@@ -186,4 +143,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("dedup_bench"):
+        main()

@@ -1,13 +1,12 @@
 #!/usr/bin/env python3
 """Memory per item held in a queue, with and without headers, and per header.
 
-For each mode a fresh `queued serve` subprocess (fsync never, max_memory_size 1 GiB so
-every item stays in memory, a temp data dir, 127.0.0.1 on free ports) takes N items of
-64 B over raw MessagePack-RPC in puts of 1,000; its VmRSS is read before and after
-(once the puts are answered and the server is idle), and the growth divided by N is the
-memory per held item. Modes: `none` (no headers), `2` (a W3C `traceparent` of its own
-per item and a `tenant`), `8` (those and six short ones). Per header: (mode - none) / N /
-headers. Prints numbers, asserts nothing.
+For each mode a fresh `queued serve` (fsync never, max_memory_size 1 GiB so every item
+stays in memory) takes N items of 64 B over raw MessagePack-RPC in puts of 1,000; its
+VmRSS is read before and after (once the puts are answered and the server is idle), and
+the growth divided by N is the memory per held item. Modes: `none` (no headers), `2` (a
+W3C `traceparent` of its own per item and a `tenant`), `8` (those and six short ones).
+Per header: (mode - none) / N / headers. Prints numbers, asserts nothing.
 
 `--queued-tree DIR` runs the server from another checkout (PYTHONPATH), for a
 before/after comparison of items without headers (servers before headers do `none` only).
@@ -20,28 +19,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import msgpack
+from benchlib import QueuedServer, recording
 
 HOST = "127.0.0.1"
 BATCH = 1000
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
 
 
 def headers_for(mode: str, i: int) -> dict[str, str] | None:
@@ -74,57 +62,30 @@ class Rpc:
             self.unpacker.feed(data)
 
 
-def start(root: Path, tree: Path | None) -> tuple[subprocess.Popen[bytes], int]:
-    config = root / "queued.toml"
-    config.write_text('[queues.held]\nmax_memory_size = "1GiB"\n')
-    log = root / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUEUED_")}
-    if tree is not None:
-        env["PYTHONPATH"] = str(tree)
-    cmd = [sys.executable, "-c", "import sys; from queued.cli import main; sys.exit(main())",
-           "serve", "--data-dir", str(root / "data"),
-           "--host", HOST, "--fsync", "never", "--memcache-port", "0", "--text-port", "0",
-           "--rpc-port", "0", "--http-port", "0", "--config", str(config)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=log.open("wb"), env=env)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = re.findall(rb"listening for rpc on [0-9.]+:(\d+)", log.read_bytes())
-        if found:
-            return proc, int(found[0])
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {log.read_text()}")
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("server did not start")
-
-
 def measure(mode: str, n: int, tree: Path | None) -> tuple[float, float]:
     """(KiB of RSS before, bytes per held item)."""
-    with tempfile.TemporaryDirectory(prefix="headers-mem-") as where:
-        proc, port = start(Path(where), tree)
-        try:
-            c = Rpc(port)
-            for _ in range(3):  # warm up: code paths, the reactor's buffers
-                c.call("put", "warm", [b"x" * 64] * BATCH)
-                c.call("get", "warm", BATCH)
-            time.sleep(1.0)
-            before = rss_kib(proc.pid)
-            item = b"x" * 64
-            for start_at in range(0, n, BATCH):
-                k = min(BATCH, n - start_at)
-                if mode == "none":
-                    c.call("put", "held", [item] * k)
-                else:
-                    c.call("put", "held", [item] * k, 0, 0, 0, None, 0, None,
-                           [headers_for(mode, start_at + j) for j in range(k)])
-            time.sleep(2.0)  # idle: the checkpoint round and packing are done
-            after = rss_kib(proc.pid)
-            stats = c.call("stats")["queues"]["held"]
-            assert stats["items"] == n, stats
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
+    with tempfile.TemporaryDirectory(prefix="headers-mem-") as where, \
+            QueuedServer(where, "never", config='[queues.held]\nmax_memory_size = "1GiB"\n',
+                         tree=tree) as server:
+        c = Rpc(server.ports["rpc"])
+        for _ in range(3):  # warm up: code paths, the reactor's buffers
+            c.call("put", "warm", [b"x" * 64] * BATCH)
+            c.call("get", "warm", BATCH)
+        time.sleep(1.0)
+        before = server.rss_kib() or 0
+        item = b"x" * 64
+        for start_at in range(0, n, BATCH):
+            k = min(BATCH, n - start_at)
+            if mode == "none":
+                c.call("put", "held", [item] * k)
+            else:
+                c.call("put", "held", [item] * k, 0, 0, 0, None, 0, None,
+                       [headers_for(mode, start_at + j) for j in range(k)])
+        time.sleep(2.0)  # idle: the checkpoint round and packing are done
+        after = server.rss_kib() or 0
+        stats = c.call("stats")["queues"]["held"]
+        assert stats["items"] == n, stats
+        server.stop(kill=True)
     return before, (after - before) * 1024 / n
 
 
@@ -149,4 +110,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("headers_mem"):
+        main()

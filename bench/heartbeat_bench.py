@@ -154,4 +154,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchlib import recording
+
+    with recording("heartbeat_bench"):
+        main()

@@ -52,4 +52,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchlib import recording  # (keeps the output; the bench needs only the tables)
+
+    with recording("producer_mem"):
+        main()

@@ -44,9 +44,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import platform
-import re
-import shutil
-import signal
 import ssl
 import statistics
 import subprocess
@@ -59,14 +56,14 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from benchlib import BenchCerts, bucket, percentiles, proc_cpu_s, system_busy_s
+from benchlib import BenchCerts, bucket, percentiles, proc_cpu_s, recording, system_busy_s
+from benchlib import QueuedServer as Server  # `queued serve` on a temp dir, stopped by PID
 
 import queued
 from queued.client import AsyncClient, Client, Item
 
 REPO = Path(__file__).resolve().parent.parent
 IDEMPOTENT_ENV = "QUEUED_BENCH_IDEMPOTENT"
-QUEUED = REPO / ".venv" / "bin" / "queued"
 HOST = "127.0.0.1"
 KiB = 1 << 10
 MiB = 1 << 20
@@ -79,7 +76,6 @@ AUTO_ABORT_MS = 30_000
 READ_TIMEOUT = 30.0  # s, the workers' clients
 REPORT_GRACE = 60.0  # s a worker may take past its phase's --seconds to report
 IDLE_LIMIT = 600.0  # s a worker waits for its next task before it gives up
-RPC_LINE = re.compile(r"listening for rpc on \S+:(\d+)")
 
 
 def log(msg: str = "") -> None:
@@ -313,93 +309,6 @@ class Workers:
         self.procs = []
 
 
-# -- the server ------------------------------------------------------------------------------
-
-
-class Server:
-    """One `queued serve` on a fresh temp dir, every port 0 (TLS on with `certs`); stopped
-    by PID."""
-
-    def __init__(self, root: Path, fsync: str, certs: BenchCerts | None = None,
-                 tree: Path | None = None) -> None:
-        self.fsync = fsync
-        self.certs = certs
-        self.tree = tree  # the queued source tree to run (None: this venv's)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"rpc-bench-{fsync}-", dir=root))
-        self.log_path = self.dir.with_suffix(".log")
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = 0
-
-    @property
-    def address(self) -> str:
-        return f"{HOST}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def start(self) -> None:
-        cmd = [str(QUEUED), "serve", "--data-dir", str(self.dir), "--host", HOST,
-               "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
-               "--http-port", "0", "--fsync", self.fsync]
-        if self.certs is not None:
-            cmd += self.certs.server_args()
-        env = dict(os.environ)
-        if self.tree is not None:  # the venv's `queued` script imports it from there
-            env["PYTHONPATH"] = str(self.tree)
-        with open(self.log_path, "wb") as logf:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf,
-                                         stdin=subprocess.DEVNULL, cwd=self.dir, env=env)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            m = RPC_LINE.search(self.log_path.read_text(errors="replace"))
-            if m:
-                self.port = int(m.group(1))
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"the server logged no rpc port within 20 s (exit code "
-                           f"{self.proc.poll()}); command: {' '.join(cmd)}\n"
-                           f"log tail:\n{self.log_tail()}")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def memory_kib(self) -> dict[str, int]:
-        """VmHWM (peak RSS) and VmRSS of the server, KiB."""
-        out: dict[str, int] = {}
-        try:
-            with open(f"/proc/{self.pid}/status") as f:
-                for line in f:
-                    key = line.split(":", 1)[0]
-                    if key in ("VmHWM", "VmRSS"):
-                        out[key] = int(line.split()[1])
-        except (OSError, ValueError, IndexError):
-            pass
-        return out
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join("    " + t for t in text[-lines:])
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
-
-
 # -- phases and cells ------------------------------------------------------------------------
 
 
@@ -507,13 +416,14 @@ class Bench:
 
     def server_run(self, fsync: str, certs: BenchCerts | None) -> None:
         a = self.a
-        server = Server(Path(a.dir), fsync, certs, a.queued_tree)
+        server = Server(a.dir, fsync, certs=certs, tree=a.queued_tree)
         ca = certs.ca if certs is not None else None
         workers: Workers | None = None
         over = " over TLS" if certs is not None else ""
         try:
             server.start()
-            log(f"## fsync {fsync}{over}: server pid {server.pid}, rpc port {server.port}")
+            log(f"## fsync {fsync}{over}: server pid {server.pid}, "
+                f"rpc port {server.ports['rpc']}")
             workers = Workers(server.address, ca, max(a.conns))
             with Client(server.address, read_timeout=READ_TIMEOUT,
                         **client_options(ca)) as control:
@@ -547,8 +457,8 @@ class Bench:
         on each, alternately (plaintext first, then TLS first, ...): the two sides of a
         ratio are seconds apart, not minutes, on a machine whose load comes and goes."""
         a = self.a
-        sides = [Server(Path(a.dir), fsync, None, a.queued_tree),
-                 Server(Path(a.dir), fsync, certs, a.queued_tree)]
+        sides = [Server(a.dir, fsync, tree=a.queued_tree),
+                 Server(a.dir, fsync, certs=certs, tree=a.queued_tree)]
         pools: list[Workers] = []
         try:
             with contextlib.ExitStack() as stack:
@@ -557,7 +467,7 @@ class Bench:
                     server.start()
                     ca = certs.ca if server.certs is not None else None
                     log(f"## fsync {fsync}{' over TLS' if ca else ''}: server pid "
-                        f"{server.pid}, rpc port {server.port}")
+                        f"{server.pid}, rpc port {server.ports['rpc']}")
                     pools.append(Workers(server.address, ca, max(a.conns)))
                     controls.append(stack.enter_context(
                         Client(server.address, read_timeout=READ_TIMEOUT, **client_options(ca))))
@@ -610,13 +520,13 @@ class Bench:
     def variants_run(self, fsync: str) -> None:
         """`--put-variants N`: the put variants in turn, N rounds, on one server."""
         a = self.a
-        server = Server(Path(a.dir), fsync, None, a.queued_tree)
+        server = Server(a.dir, fsync, tree=a.queued_tree)
         workers: Workers | None = None
         conns = max(a.conns)
         try:
             server.start()
             log(f"## fsync {fsync}: put variants, server pid {server.pid}, rpc port "
-                f"{server.port}")
+                f"{server.ports['rpc']}")
             workers = Workers(server.address, None, conns)
             with Client(server.address, read_timeout=READ_TIMEOUT) as control:
                 for _ in range(a.put_variants):
@@ -896,4 +806,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("rpc_bench"):
+        main()

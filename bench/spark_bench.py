@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import base64
-import os
 import random
-import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import trio
+from benchlib import QueuedServer, recording, spark_done, spark_session
 
 from queued.config import FsyncPolicy, JournalConfig
 from queued.storage.datadir import open_data_dir
@@ -133,11 +130,6 @@ def main() -> None:
     ap.add_argument("--ceiling", action="store_true",
                     help="also time a Python data source that decodes nothing (PySpark's share)")
     args = ap.parse_args()
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    from queued.spark import register
-
     tmp = Path(tempfile.mkdtemp(prefix="queued-spark-bench-"))
     try:
         data = tmp / "data"
@@ -146,11 +138,7 @@ def main() -> None:
         size = sum(p.stat().st_size for p in data.iterdir())
         print(f"journal: {rows} rows of {args.item} B {args.payload}, {size / 2**20:.0f} MiB in "
               f"{len(list(data.iterdir()))} files, written in {time.perf_counter() - t:.1f} s")
-        spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-                 .config("spark.ui.showConsoleProgress", "false")
-                 .config("spark.driver.memory", "2g").getOrCreate())
-        spark.sparkContext.setLogLevel("ERROR")
-        register(spark)
+        spark = spark_session()
         journal_df = spark.read.format("queued").load(str(data))
         journal_df.write.parquet(str(tmp / "parquet"))
         pq_size = sum(p.stat().st_size for p in (tmp / "parquet").rglob("*.parquet"))
@@ -189,25 +177,10 @@ def main() -> None:
                   f"{results['journal'] / results['ceiling']:.2f} |")
 
         if args.write_rows <= 0:
-            spark.stop()
+            spark_done(spark)
             return
-        log = tmp / "server.log"
-        queued = Path(sys.executable).with_name("queued")
-        with log.open("wb") as logf:
-            server = subprocess.Popen(
-                [str(queued), "serve", "--data-dir", str(tmp / "srv"), "--host", "127.0.0.1",
-                 "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
-                 "--http-port", "0"], stdout=subprocess.DEVNULL, stderr=logf)
-        try:
-            port = 0
-            for _ in range(500):
-                m = re.search(rb"listening for rpc on [0-9.]+:(\d+)", log.read_bytes())
-                if m:
-                    port = int(m.group(1))
-                    break
-                time.sleep(0.02)
-            if not port:
-                raise SystemExit("server did not start:\n" + log.read_text())
+        with QueuedServer(tmp) as server:
+            port = server.ports["rpc"]
             src = spark.range(args.write_rows, numPartitions=2).selectExpr(
                 f"cast(repeat('y', {args.item}) as binary) as data")
             src.cache().count()
@@ -220,13 +193,11 @@ def main() -> None:
             dt = time.perf_counter() - t
             print(f"writer: {args.write_rows} rows of {args.item} B in {dt:.2f} s = "
                   f"{args.write_rows / dt:,.0f} rows/s into the server")
-        finally:
-            server.terminate()
-            server.wait(30)
-        spark.stop()
+        spark_done(spark)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main()
+    with recording("spark_bench"):
+        main()

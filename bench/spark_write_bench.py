@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -43,55 +42,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchlib import proc_cpu_s, system_busy_s
-
-HOST = "127.0.0.1"
-QUEUED = Path(sys.executable).with_name("queued")
-
-
-class Server:
-    """`queued serve` on free ports in a temp dir; stopped by PID."""
-
-    def __init__(self, root: Path, fsync: str | None) -> None:
-        self.log = root / "server.log"
-        cmd = [str(QUEUED), "serve", "--data-dir", str(root / "srv"), "--host", HOST,
-               "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
-               "--http-port", "0"]
-        if fsync:
-            cmd += ["--fsync", fsync]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("QUEUED_")}
-        with self.log.open("wb") as logf:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=logf, env=env)
-        self.port = 0
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            m = re.search(rb"listening for rpc on [0-9.]+:(\d+)", self.log.read_bytes())
-            if m:
-                self.port = int(m.group(1))
-                break
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        if not self.port:
-            self.stop()
-            raise SystemExit("server did not start:\n" + self.log.read_text())
-
-    @property
-    def address(self) -> str:
-        return f"{HOST}:{self.port}"
-
-    def cpu(self) -> float:
-        return proc_cpu_s(self.proc.pid)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
+from benchlib import QueuedServer as Server  # `queued serve` on a temp dir, stopped by PID
+from benchlib import recording, spark_done, spark_session, system_busy_s
 
 
 def stored_and_flush(address: str, queues: list[str]) -> int:
@@ -113,10 +65,10 @@ def report(name: str, rows: int, item: int, dt: float, server_cpu: float, busy: 
 
 def measure(name: str, server: Server, rows: int, item: int, queues: list[str],
             run: Callable[[], None]) -> float:
-    c0, b0, t0 = server.cpu(), system_busy_s(), time.perf_counter()
+    c0, b0, t0 = server.cpu_s(), system_busy_s(), time.perf_counter()
     run()
     dt = time.perf_counter() - t0
-    c1, b1 = server.cpu(), system_busy_s()
+    c1, b1 = server.cpu_s(), system_busy_s()
     report(name, rows, item, dt, c1 - c0, b1 - b0, stored_and_flush(server.address, queues))
     return rows / dt
 
@@ -203,17 +155,8 @@ def bench_bare(server: Server, a: argparse.Namespace) -> None:
 
 
 def bench_spark(server: Server, a: argparse.Namespace) -> None:
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.memory", "2g").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = spark_session()
     try:
-        from queued.spark import register
-
-        register(spark)
         data = (f"cast(concat(lpad(cast(id as string), 12, '0'), repeat('y', {a.item - 12}))"
                 " as binary) as data")
         plain = spark.range(a.rows, numPartitions=2).selectExpr(data)
@@ -267,7 +210,7 @@ def bench_spark(server: Server, a: argparse.Namespace) -> None:
                 print(f"  exactly-once / at-least-once (medians): {med[True] / med[False]:.2f}",
                       flush=True)
     finally:
-        spark.stop()
+        spark_done(spark)
 
 
 def main() -> None:
@@ -293,7 +236,8 @@ def main() -> None:
     spy: subprocess.Popen[bytes] | None = None
     server: Server | None = None
     try:
-        server = Server(root, a.fsync)
+        server = Server(root, a.fsync or "always", stop_timeout=30)
+        server.start()
         print(f"server pid {server.proc.pid} on {server.address}, "
               f"fsync {a.fsync or 'default (always)'}; {a.rows} rows of {a.item} B; "
               f"{os.cpu_count()} cpus", flush=True)
@@ -320,4 +264,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("spark_write_bench"):
+        main()
