@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from queued.errors import CorruptRecordError, DataDirError, JournalError
 from queued.journal import format as jf
@@ -189,36 +190,47 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-# -- producer snapshots (exactly-once puts) -----------------------------------------
+# -- mark snapshots: producers (exactly-once puts) and deduplication keys --------------
 
 
-def encode_producers(marks: Sequence[jf.ProducerMark]) -> bytes:
-    """A producer snapshot file: the writer magic, the empty seal, then one sealed batch
-    of PRODUCER records (the file is read only by us: no seed reader looks at it)."""
+M = TypeVar("M", jf.ProducerMark, jf.DedupMark)
+
+
+def encode_snapshot(records: Sequence[bytes]) -> bytes:
+    """A snapshot file of marks: the writer magic, the empty seal, then one sealed batch
+    of their records (the file is read only by us: no seed reader looks at it)."""
     head = jf.WRITER_MAGIC + jf.EMPTY_CHECK
-    body = b"".join(map(jf.producer_record, marks))
+    body = b"".join(records)
     return head + jf.seal(body, len(head)) if body else head
 
 
-def read_producers(path: Path) -> list[jf.ProducerMark]:
-    """The marks of a producer snapshot file; [] if there is none. A snapshot is written
-    whole (temp, fsync, rename), so a torn or corrupt one is damage:
+def read_snapshot(path: Path, kind: type[M], what: str) -> list[M]:
+    """The marks of type `kind` in a snapshot file; [] if there is none. A snapshot is
+    written whole (temp, fsync, rename), so a torn or corrupt one is damage:
     CorruptRecordError."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return []
-    marks: list[jf.ProducerMark] = []
+    marks: list[M] = []
     checked = 0
     for ev in jf.decode_all(data, jf.FileKind.WRITER):
         rec = ev.record
-        if isinstance(rec, jf.ProducerMark):
+        if isinstance(rec, kind):
             marks.append(rec)
         elif isinstance(rec, jf.Check):
             checked = ev.end
     if checked != len(data):
-        raise CorruptRecordError(checked, f"{path.name}: producer snapshot cut short")
+        raise CorruptRecordError(checked, f"{path.name}: {what} cut short")
     return marks
+
+
+def encode_producers(marks: Sequence[jf.ProducerMark]) -> bytes:
+    return encode_snapshot([jf.producer_record(m) for m in marks])
+
+
+def read_producers(path: Path) -> list[jf.ProducerMark]:
+    return read_snapshot(path, jf.ProducerMark, "producer snapshot")
 
 
 def write_producers(path: Path, marks: Sequence[jf.ProducerMark]) -> None:
@@ -226,34 +238,12 @@ def write_producers(path: Path, marks: Sequence[jf.ProducerMark]) -> None:
     write_file_atomic(path, encode_producers(marks))
 
 
-# -- deduplication key snapshots ------------------------------------------------------
-
-
 def encode_dedup(marks: Sequence[jf.DedupMark]) -> bytes:
-    """A key snapshot file: as a producer snapshot, of DEDUP records."""
-    head = jf.WRITER_MAGIC + jf.EMPTY_CHECK
-    body = b"".join(map(jf.dedup_record, marks))
-    return head + jf.seal(body, len(head)) if body else head
+    return encode_snapshot([jf.dedup_record(m) for m in marks])
 
 
 def read_dedup(path: Path) -> list[jf.DedupMark]:
-    """The marks of a key snapshot file; [] if there is none; CorruptRecordError when
-    torn or corrupt (it is written whole)."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    marks: list[jf.DedupMark] = []
-    checked = 0
-    for ev in jf.decode_all(data, jf.FileKind.WRITER):
-        rec = ev.record
-        if isinstance(rec, jf.DedupMark):
-            marks.append(rec)
-        elif isinstance(rec, jf.Check):
-            checked = ev.end
-    if checked != len(data):
-        raise CorruptRecordError(checked, f"{path.name}: key snapshot cut short")
-    return marks
+    return read_snapshot(path, jf.DedupMark, "key snapshot")
 
 
 def write_dedup(path: Path, marks: Sequence[jf.DedupMark]) -> None:
