@@ -1,5 +1,5 @@
 # queued in a container: `docker build -t queued .` then, with a users file made with
-# `queued passwd` (see the README's Security section):
+# `queued passwd` (see docs/security.md):
 #   docker run -d --name queued -v queued-data:/var/lib/queued \
 #       -v ./users.toml:/etc/queued/users.toml:ro -e QUEUED_USERS_FILE=/etc/queued/users.toml \
 #       -p 22133:22133 -p 2222:2222 -p 2229:2229 -p 2223:2223 queued

@@ -3,14 +3,18 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 # Two stamps, one per install: `make run` installs what the server needs (RUN_STAMP);
-# `make test` adds the test and Spark extras on top (TEST_STAMP, which needs RUN_STAMP).
-# Each is redone only when pyproject.toml is newer, so `make run` after `make test`
-# installs nothing and `make test` after `make run` installs only the extras.
+# `make test` adds the test, Spark and docs extras on top (TEST_STAMP, which needs
+# RUN_STAMP). Each is redone only when pyproject.toml is newer, so `make run` after
+# `make test` installs nothing and `make test` after `make run` installs only the extras.
+# `make docs` needs only the docs extra (DOCS_STAMP), which `make test` installs too.
 RUN_STAMP  = $(VENV)/.installed-run
 TEST_STAMP = $(VENV)/.installed-test
+DOCS_STAMP = $(VENV)/.installed-docs
 BROWSER_STAMP = $(VENV)/.installed-browser
+# Material for MkDocs prints a notice about MkDocs 2.0 on every build; this turns it off.
+MKDOCS = NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 
-.PHONY: run test test-docker test-browser lint bench bench-load clean
+.PHONY: run test test-docker test-browser docs lint bench bench-load clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,14 +25,19 @@ $(RUN_STAMP): $(PY) pyproject.toml
 	touch $(RUN_STAMP)
 
 $(TEST_STAMP): $(RUN_STAMP) pyproject.toml
-	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e '.[test,spark]'
-	touch $(TEST_STAMP)
+	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e '.[test,spark,docs]'
+	touch $(TEST_STAMP) $(DOCS_STAMP)
+
+$(DOCS_STAMP): $(RUN_STAMP) pyproject.toml
+	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e '.[docs]'
+	touch $(DOCS_STAMP)
 
 run: $(RUN_STAMP)
 	mkdir -p data
 	$(VENV)/bin/queued serve --data-dir ./data --host 127.0.0.1
 
 test: $(TEST_STAMP)
+	$(MKDOCS) build --strict --quiet
 	$(PY) -m pytest -q
 	$(PY) -m ruff check queued tests bench tools deploy/spark pyspark_queued.py
 	$(PY) -m mypy
@@ -51,7 +60,7 @@ $(BROWSER_STAMP): $(TEST_STAMP) pyproject.toml
 # chromium and chromium-driver if missing (apt-get, needs root); the `browser` extra adds
 # Selenium, which drives them (it downloads no browser). Exit status 77 of setup.sh: no
 # Chromium and no way to install it; the tests skip. QUEUED_CONSOLE_SCREENSHOT=docs also
-# saves the README's screenshots there.
+# saves the screenshots of the docs (docs/console.png, docs/console-queue.png) there.
 test-browser: $(BROWSER_STAMP)
 	tests/browser/setup.sh || [ $$? -eq 77 ]
 	timeout -s INT -k 60 900 $(PY) -m pytest -m browser -v tests/browser
@@ -61,6 +70,11 @@ lint: $(TEST_STAMP)
 	$(PY) -m mypy
 	$(PY) -m mypy --strict tools/unasync.py
 
+# The documentation site (mkdocs.yml, docs/, README.md as its front page), served with
+# live reload at http://127.0.0.1:8000/ until ^C. `make test` builds it with --strict.
+docs: $(DOCS_STAMP)
+	$(MKDOCS) serve
+
 bench: $(RUN_STAMP)
 	$(PY) bench/journal_bench.py
 
@@ -68,4 +82,4 @@ bench-load: $(RUN_STAMP)
 	$(PY) bench/load.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

@@ -21,8 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import kib_field
-from fuzz_rss import HOST, start_server
+from benchlib import HOST, kib_field, recording, start_server
 
 from queued.client import Client
 
@@ -102,4 +101,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("delay_bench"):
+        main()

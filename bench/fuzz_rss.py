@@ -29,11 +29,8 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -41,9 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgpack
-from benchlib import kib_field
+from benchlib import HOST, kib_field, recording, start_server
 
-HOST = "127.0.0.1"
 VERBS = [b"get", b"set", b"delete", b"flush", b"stats", b"dump_stats", b"version",
          b"monitor", b"confirm", b"flush_expired", b"add", b"cas", b"gets", b"incr",
          b"", b"\x00\xff", b"GET", b"quit"]
@@ -150,36 +146,6 @@ def queue_count(http_port: int, login: str | None) -> int:
         return len(json.load(reply)["queues"])
 
 
-def start_server(data_dir: Path, log: Path, max_queues: int | None = None,
-                 extra_args: tuple[str, ...] = (), users_file: Path | None = None,
-                 park_after: int | None = None,
-                 ) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
-    queued = Path(sys.executable).with_name("queued")
-    cmd = [str(queued), "serve", "--data-dir", str(data_dir), "--host", HOST, "--fsync",
-           "never", "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
-           "--http-port", "0", *extra_args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUEUED_")}
-    if max_queues is not None:
-        env["QUEUED_MAX_QUEUES"] = str(max_queues)
-    if users_file is not None:
-        env["QUEUED_USERS_FILE"] = str(users_file)
-    if park_after is not None:
-        env["QUEUED_PARK_AFTER"] = str(park_after)
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=log.open("wb"), env=env)
-    deadline = time.monotonic() + 30
-    pattern = re.compile(rb"listening for (\w+) on [0-9.]+:(\d+)")
-    while time.monotonic() < deadline:
-        found = {k.decode(): int(v) for k, v in pattern.findall(log.read_bytes())}
-        if len(found) == 4:
-            return proc, found
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {log.read_text()}")
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("server did not start")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--inputs", type=int, default=1_000_000)
@@ -263,4 +229,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("fuzz_rss"):
+        main()

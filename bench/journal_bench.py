@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import trio
-from benchlib import kib_field
+from benchlib import kib_field, recording
 
 from queued.config import FsyncMode, FsyncPolicy, JournalConfig
 from queued.journal import format as jf
@@ -718,4 +718,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("journal_bench"):
+        main()

@@ -46,13 +46,11 @@ import platform
 import random
 import select
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -60,20 +58,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchlib import BenchCerts, bucket, percentiles, proc_cpu_s, system_busy_s
+from benchlib import (
+    HOST,
+    QUEUED,
+    QUEUED_CMD,
+    BenchCerts,
+    QueuedServer,
+    RedisServer,
+    Server,
+    bucket,
+    merge_hist,
+    percentiles,
+    proc_cpu_s,
+    queued_available,
+    recording,
+    redis_available,
+    resp_command,
+    system_busy_s,
+    tls_connect,
+    tree_commit,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _default_queued() -> Path:
-    """This repo's venv `queued`, else the one beside the running Python (a git worktree
-    without its own venv, run with another checkout's .venv/bin/python)."""
-    own = REPO / ".venv" / "bin" / "queued"
-    return own if own.exists() else Path(sys.executable).parent / "queued"
-
-
-QUEUED = _default_queued()
-HOST = "127.0.0.1"
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -84,9 +89,7 @@ SIZE_NAMES = {64: "64 B", 1 * KiB: "1 KiB", 64 * KiB: "64 KiB"}
 PUT_TARGET = 100_000  # 64 B, fsync never, drain
 GET_TARGET = 90_000
 ALWAYS_FRACTION = 0.70
-QUEUED_CMD = (f"{QUEUED} serve --data-dir {{data_dir}} --host {HOST} "
-              "--memcache-port {memcache_port} --text-port {text_port} --rpc-port {rpc_port} "
-              "--http-port {http_port} --fsync {fsync}")
+RSS_INTERVAL = 0.2  # s between the servers' VmRSS samples
 
 
 def log(msg: str = "") -> None:
@@ -95,16 +98,6 @@ def log(msg: str = "") -> None:
 
 def size_name(size: int) -> str:
     return SIZE_NAMES.get(size, f"{size} B")
-
-
-# -- latency histograms ------------------------------------------------------------------
-# Keys are latencies in ns rounded down to 8 significant bits (< 0.8 % error); values are
-# counts. Small, mergeable, and cheap enough to update once per reply batch.
-
-
-def merge_hist(into: dict[int, int], other: dict[int, int]) -> None:
-    for k, v in other.items():
-        into[k] = into.get(k, 0) + v
 
 
 # -- wire protocols ------------------------------------------------------------------------
@@ -122,10 +115,6 @@ def memcache_put_request(queue: str, data: bytes) -> bytes:
 
 def memcache_get_request(queue: str) -> bytes:
     return b"get %s\r\n" % queue.encode()
-
-
-def resp_command(*args: bytes) -> bytes:
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
 def resp_put_request(queue: str, data: bytes) -> bytes:
@@ -350,11 +339,6 @@ class Conn:
         self.backoff_until = 0
         self.first_ns = self.last_ns = 0
         self.closed = False
-
-
-def tls_connect(sock: socket.socket, ca: str) -> ssl.SSLSocket:
-    """`sock` after a blocking client handshake, verifying the server with `ca`."""
-    return ssl.create_default_context(cafile=ca).wrap_socket(sock, server_hostname=HOST)
 
 
 def tls_io(sock: ssl.SSLSocket) -> tuple[Callable[[bytes], int], Callable[[int], bytes]]:
@@ -682,245 +666,6 @@ def final_get(sock: socket.socket, request: bytes, seconds: float = 2.0) -> bool
         return False
 
 
-# -- servers -----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            with socket.create_connection((HOST, port), timeout=0.5):
-                return True
-        except OSError:
-            time.sleep(0.05)
-    return False
-
-
-def proc_rss_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-class Server:
-    """One server process on a fresh temp dir; stopped by PID (SIGTERM, then SIGKILL)."""
-
-    name = "?"
-    protocol = "?"
-    tls_ca: str | None = None  # the server speaks TLS; clients verify it with this CA
-
-    def __init__(self, root: Path, fsync: str, env: dict[str, str] | None = None) -> None:
-        self.fsync = fsync
-        self.env = env or {}  # set in the server's environment, on top of ours
-        self.dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-{fsync}-", dir=root))
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = self.dir.with_suffix(".log")
-        self.max_rss_kib = 0
-        self.sampler: RssSampler | None = None
-
-    def command(self) -> list[str]:
-        raise NotImplementedError
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def start(self) -> None:
-        cmd = self.command()
-        with open(self.log_path, "wb") as logf:
-            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, cwd=self.dir,
-                                         env={**os.environ, **self.env} if self.env else None)
-        if not wait_port(self.port, self.proc, 15):
-            rc = self.proc.poll()
-            raise RuntimeError(f"{self.name} did not accept connections on {self.port} "
-                               f"within 15 s (exit code {rc}); command: {' '.join(cmd)}\n"
-                               f"log tail:\n{self.log_tail()}")
-        self.sampler = RssSampler(self.pid)
-        self.sampler.start()
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join("    " + t for t in text[-lines:])
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.sampler is not None:
-            self.sampler.stop()
-            self.max_rss_kib = max(self.max_rss_kib, self.sampler.max_kib)
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
-
-    def backlog(self, queue: str) -> int | None:
-        raise NotImplementedError
-
-    def delete(self, queue: str) -> None:
-        raise NotImplementedError
-
-    def request(self, data: bytes, done: Any, seconds: float = 10) -> bytes:
-        """One blocking request/reply on a fresh connection, read until done(reply)."""
-        with socket.create_connection((HOST, self.port), timeout=seconds) as plain, \
-                (plain if self.tls_ca is None else tls_connect(plain, self.tls_ca)) as s:
-            s.sendall(data)
-            buf = b""
-            while not done(buf):
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                buf += chunk
-            return buf
-
-
-class MemcacheServer(Server):
-    """A Kestrel-protocol server: `stats` has `queue_<q>_items`, `delete <q>` drops q."""
-
-    protocol = "memcache"
-
-    def queue_stats(self, queue: str) -> dict[str, str]:
-        reply = self.request(b"stats\r\n", lambda b: b.endswith(b"END\r\n"))
-        prefix = f"STAT queue_{queue}_".encode()
-        out: dict[str, str] = {}
-        for line in reply.split(b"\r\n"):
-            if line.startswith(prefix):
-                k, _, v = line[len(prefix):].partition(b" ")
-                out[k.decode()] = v.decode()
-        return out
-
-    def backlog(self, queue: str) -> int | None:
-        return self.total_items([queue])
-
-    def total_items(self, queues: list[str]) -> int | None:
-        """Items in `queues` together, from one `stats`; None if it lists none of them."""
-        reply = self.request(b"stats\r\n", lambda b: b.endswith(b"END\r\n"))
-        keys = {f"STAT queue_{q}_items".encode() for q in queues}
-        counts = [int(value) for key, _, value in
-                  (line.rpartition(b" ") for line in reply.split(b"\r\n")) if key in keys]
-        return sum(counts) if counts else None
-
-    def delete(self, queue: str) -> None:
-        self.request(b"delete %s\r\n" % queue.encode(), lambda b: b.endswith(b"\r\n"))
-
-
-class QueuedServer(MemcacheServer):
-    name = "queued"
-
-    def __init__(self, root: Path, fsync: str, cmd: str, config: str | None = None,
-                 certs: BenchCerts | None = None, env: dict[str, str] | None = None) -> None:
-        if certs is not None:
-            self.name = "queued-tls"
-            self.tls_ca = certs.ca
-        super().__init__(root, fsync, env)
-        self.cmd = cmd
-        self.certs = certs
-        self.config_path: Path | None = None
-        if config is not None:
-            self.config_path = self.dir.with_suffix(".toml")
-            self.config_path.write_text(config)
-
-    def command(self) -> list[str]:
-        ports = {k: free_port() for k in ("text_port", "rpc_port", "http_port")}
-        cmd = self.cmd.format(data_dir=self.dir, memcache_port=self.port, fsync=self.fsync,
-                              **ports).split()
-        if self.config_path is not None:
-            cmd += ["--config", str(self.config_path)]
-        if self.certs is not None:
-            cmd += self.certs.server_args()
-        return cmd
-
-    def stop(self) -> None:
-        super().stop()
-        if self.config_path is not None:
-            with contextlib.suppress(OSError):
-                self.config_path.unlink()
-
-
-class RedisServer(Server):
-    name = "redis"
-    protocol = "resp"
-
-    def command(self) -> list[str]:
-        return ["redis-server", "--port", str(self.port), "--bind", HOST, "--save", "",
-                "--appendonly", "yes",
-                "--appendfsync", "always" if self.fsync == "always" else "no",
-                "--dir", str(self.dir), "--daemonize", "no"]
-
-    def backlog(self, queue: str) -> int | None:
-        reply = self.request(resp_command(b"LLEN", queue.encode()), lambda b: b"\r\n" in b)
-        return int(reply[1:reply.index(b"\r\n")]) if reply.startswith(b":") else None
-
-    def delete(self, queue: str) -> None:
-        self.request(resp_command(b"DEL", queue.encode()), lambda b: b"\r\n" in b)
-
-
-class RssSampler:
-    """Samples a process's VmRSS every `interval` s in a thread; marks name phases."""
-
-    def __init__(self, pid: int, interval: float = 0.2) -> None:
-        self.pid = pid
-        self.interval = interval
-        self.samples: list[tuple[float, str, int]] = []  # (t, phase, KiB)
-        self.phase = "idle"
-        self.max_kib = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def sample(self) -> int | None:
-        kib = proc_rss_kib(self.pid)
-        if kib is not None:
-            self.samples.append((time.monotonic(), self.phase, kib))
-            self.max_kib = max(self.max_kib, kib)
-        return kib
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-
-    def phase_stats(self, phase: str) -> tuple[int, int, int] | None:
-        vals = [k for _, p, k in self.samples if p == phase]
-        if not vals:
-            return None
-        return min(vals), max(vals), vals[-1]
-
-
 # -- running one phase ---------------------------------------------------------------------
 
 
@@ -1154,12 +899,13 @@ class Bench:
         """The servers of one round; `queued-tls` too with --tls, unless `tls` is False."""
         out: list[Server] = []
         if self.a.target in ("queued", "both") and self.a.queued_ok:
-            out.append(QueuedServer(self.root, fsync, self.a.queued_cmd, config))
+            out.append(QueuedServer(self.root, fsync, cmd=self.a.queued_cmd, config=config,
+                                    rss_interval=RSS_INTERVAL))
             if self.certs is not None and tls:
-                out.append(QueuedServer(self.root, fsync, self.a.queued_cmd, config,
-                                        self.certs))
+                out.append(QueuedServer(self.root, fsync, cmd=self.a.queued_cmd, config=config,
+                                        certs=self.certs, rss_interval=RSS_INTERVAL))
         if self.a.target in ("redis", "both") and self.a.redis_ok:
-            out.append(RedisServer(self.root, fsync))
+            out.append(RedisServer(self.root, fsync, rss_interval=RSS_INTERVAL))
         return out
 
     def run_fsync(self, fsync: str) -> None:
@@ -1425,20 +1171,6 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
-def queued_serve_available(cmd: str) -> tuple[bool, str]:
-    if cmd != QUEUED_CMD:
-        return True, "custom --queued-cmd"
-    try:
-        p = subprocess.run([str(QUEUED), "serve", "--help"], capture_output=True, text=True,
-                           timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return False, repr(exc)
-    if p.returncode != 0:
-        lines = (p.stderr or p.stdout).strip().splitlines()
-        return False, lines[-1] if lines else f"exit code {p.returncode}"
-    return True, ""
-
-
 def environment(a: argparse.Namespace, root: Path) -> float:
     """Prints the setup; returns how busy the CPUs were just before (in CPUs)."""
     mem = 0
@@ -1456,15 +1188,7 @@ def environment(a: argparse.Namespace, root: Path) -> float:
         f"per phase, steady <= {a.seconds:g} s" + (" (--quick)" if a.quick else "")
         + ("; queued over TLS too (--tls)" if a.tls else "")
         + (f"; consumers long-poll (get q/t={a.long_poll_ms})" if a.long_poll_ms else ""))
-    try:
-        head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h %cI"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "queued"],
-                               capture_output=True, text=True, timeout=10).stdout.split("\n")
-        log(f"queued at commit {head}; {sum(1 for d in dirty if d.strip())} uncommitted "
-            "file(s) under queued/")
-    except (OSError, subprocess.SubprocessError):
-        pass
+    log(f"queued at commit {tree_commit()} (-dirty: queued/ has uncommitted changes)")
     busy0 = system_busy_s()
     time.sleep(1.0)
     idle_check = system_busy_s() - busy0
@@ -1547,11 +1271,11 @@ def main() -> None:
 
     a.queued_ok = a.redis_ok = False
     if a.target in ("queued", "both"):
-        a.queued_ok, why = queued_serve_available(a.queued_cmd)
+        a.queued_ok, why = queued_available(a.queued_cmd)
         if not a.queued_ok:
             print(f"`{QUEUED} serve` is not available ({why}); skipping queued", flush=True)
     if a.target in ("redis", "both"):
-        a.redis_ok = shutil.which("redis-server") is not None and not a.long_poll_ms
+        a.redis_ok = redis_available() and not a.long_poll_ms
         if a.long_poll_ms:
             print("--long-poll-ms: long polls are memcache only, skipping redis", flush=True)
         elif not a.redis_ok:
@@ -1585,4 +1309,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("load"):
+        main()

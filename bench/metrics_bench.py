@@ -1,7 +1,7 @@
 """What a Prometheus scrape costs: /metrics latency and size, and the stall it causes.
 
-Starts `queued serve` (a subprocess on free 127.0.0.1 ports, fsync never, a temp
-data dir), creates `--queues` queues with one item each, then:
+Starts `queued serve` (fsync never, metrics_max_queues = --queues), creates `--queues`
+queues with one item each, then:
 
 1. scrapes /metrics `--scrapes` times in a row (text format, and gzipped as
    Prometheus asks for it) and prints latency percentiles and body sizes;
@@ -17,48 +17,15 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import re
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from benchlib import bucket, percentiles, proc_cpu_s
+from benchlib import QueuedServer, bucket, percentiles, recording
 
 from queued.client import Client
 
-QUEUED = Path(sys.executable).with_name("queued")
-LISTEN = re.compile(rb"listening for (\w+) on [0-9.]+:(\d+)")
 PS = (50.0, 90.0, 99.0, 100.0)
-
-
-def start_server(data: Path, log_path: Path, max_queues: int) -> tuple[subprocess.Popen[bytes],
-                                                                     dict[str, int]]:
-    conf = data.parent / "bench.toml"
-    conf.write_text(f'[server]\nmetrics_max_queues = {max_queues}\nmin_free_disk = 0\n'
-                    '[default]\nfsync = "never"\n')
-    cmd = [str(QUEUED), "serve", "--data-dir", str(data), "--host", "127.0.0.1",
-           "--config", str(conf)] + [f"--{p}-port=0" for p in ("memcache", "text", "rpc", "http")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUEUED_")}
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=log, env=env)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        ports = {k.decode(): int(v) for k, v in LISTEN.findall(log_path.read_bytes())}
-        if len(ports) == 4:
-            return proc, ports
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("server did not start:\n" + log_path.read_text(errors="replace"))
 
 
 def scrape(conn: http.client.HTTPConnection, gzip: bool) -> int:
@@ -130,44 +97,36 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--json", action="store_true", help="print one JSON document at the end")
     a = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="queued-metrics-bench-"))
-    proc, ports = start_server(root / "data", root / "server.log", a.queues)
-    try:
+    config = f"[server]\nmetrics_max_queues = {a.queues}\nmin_free_disk = 0\n"
+    with QueuedServer(fsync="never", config=config) as server:
+        ports = server.ports
         with Client([f"127.0.0.1:{ports['rpc']}"]) as c:
             for i in range(a.queues):
                 c.put(f"q{i:05d}", [b"x" * 64])
-        cpu0 = proc_cpu_s(proc.pid)
+        cpu0 = server.cpu_s()
         scrapes = [scrape_series(ports["http"], a.scrapes, gz) for gz in (False, True)]
-        cpu = (proc_cpu_s(proc.pid) - cpu0) / (2 * a.scrapes)
+        cpu = (server.cpu_s() - cpu0) / (2 * a.scrapes)
         pings = [ping_series(ports["rpc"], a.seconds, None),
                  ping_series(ports["rpc"], a.seconds, ports["http"])]
-        rss = int(re.search(r"VmHWM:\s+(\d+)", Path(f"/proc/{proc.pid}/status").read_text())[1])
-        result = {"queues": a.queues, "scrapes": scrapes,
-                  "server_cpu_ms_per_scrape": round(cpu * 1000, 1), "pings": pings,
-                  "server_peak_rss_mib": round(rss / 1024, 1)}
-        if a.json:
-            print(json.dumps(result, indent=1))
-            return
-        print(f"{a.queues} queues, {a.scrapes} scrapes each way; server CPU "
-              f"{result['server_cpu_ms_per_scrape']} ms per scrape; peak RSS "
-              f"{result['server_peak_rss_mib']} MiB")
-        for s in scrapes:
-            print(f"  /metrics {'gzip' if s['gzip'] else 'text'}: {s['bytes']:>9} bytes  "
-                  f"p50 {s['p50_ms']} ms  p90 {s['p90_ms']} ms  p99 {s['p99_ms']} ms  "
-                  f"max {s['p100_ms']} ms")
-        for p in pings:
-            what = f"while scraping ({p['scrapes']} scrapes)" if p["scraping"] else "alone"
-            print(f"  RPC version ping {what}: {p['pings']} pings  p50 {p['p50_ms']} ms  "
-                  f"p99 {p['p99_ms']} ms  max {p['p100_ms']} ms")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        shutil.rmtree(root, ignore_errors=True)
-
+        rss = server.hwm_kib() or 0
+    result = {"queues": a.queues, "scrapes": scrapes,
+              "server_cpu_ms_per_scrape": round(cpu * 1000, 1), "pings": pings,
+              "server_peak_rss_mib": round(rss / 1024, 1)}
+    if a.json:
+        print(json.dumps(result, indent=1))
+        return
+    print(f"{a.queues} queues, {a.scrapes} scrapes each way; server CPU "
+          f"{result['server_cpu_ms_per_scrape']} ms per scrape; peak RSS "
+          f"{result['server_peak_rss_mib']} MiB")
+    for s in scrapes:
+        print(f"  /metrics {'gzip' if s['gzip'] else 'text'}: {s['bytes']:>9} bytes  "
+              f"p50 {s['p50_ms']} ms  p90 {s['p90_ms']} ms  p99 {s['p99_ms']} ms  "
+              f"max {s['p100_ms']} ms")
+    for p in pings:
+        what = f"while scraping ({p['scrapes']} scrapes)" if p["scraping"] else "alone"
+        print(f"  RPC version ping {what}: {p['pings']} pings  p50 {p['p50_ms']} ms  "
+              f"p99 {p['p99_ms']} ms  max {p['p100_ms']} ms")
 
 if __name__ == "__main__":
-    main()
+    with recording("metrics_bench"):
+        main()

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Memory per producer a queue remembers (exactly-once puts): prints bytes per entry.
+"""Memory per producer (exactly-once puts) or per deduplication key a queue remembers:
+prints bytes per entry.
 
-Fills a `ProducerTable` with N producers of a given id length, as the server does (one
-entry per put of a new producer, its ticket dropped once durable), and reads the heap
-growth with tracemalloc. Prints numbers, asserts nothing.
+Fills a `ProducerTable` with N producers of a given id length (or, with --keys, a
+`DedupTable` with N keys of that length), as the server does (one entry per put of a new
+producer or key, its ticket dropped once durable), and reads the heap growth with
+tracemalloc. Prints numbers, asserts nothing.
 
-Usage:  .venv/bin/python bench/producer_mem.py [N] [ID_BYTES]
+Usage:  .venv/bin/python bench/producer_mem.py [--keys] [N] [ID_BYTES]
 """
 
 from __future__ import annotations
@@ -14,27 +16,43 @@ import os
 import sys
 import tracemalloc
 
-from queued.reader.producers import ProducerTable
+from queued.reader.dedup import DEFAULT_MAX_DEDUP_KEYS, DedupTable
+from queued.reader.producers import DEFAULT_MAX_PRODUCERS, ProducerTable
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
-    id_bytes = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    args = sys.argv[1:]
+    keys = "--keys" in args
+    args = [a for a in args if a != "--keys"]
+    n = int(args[0]) if args else 100_000
+    id_bytes = int(args[1]) if len(args) > 1 else 16
     ids = [os.urandom(id_bytes) for _ in range(n)]  # (the ids arrive with the requests)
-    table = ProducerTable(max_producers=n)
+    producers = ProducerTable(max_producers=n)
+    dedup = DedupTable(max_keys=n, window_ms=2**62)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    for i, producer in enumerate(ids):
-        # (a put's id and sequence: new ints past the small-int cache, as on the wire)
-        table.store(producer, 1_000_000 + i, 2**40 + i, 100 + i % 3, 1_700_000_000_000 + i)
+    for i, name in enumerate(ids):
+        # (a put's first id, time and sequence: new ints past the small-int cache, as on
+        # the wire; counts are small)
+        if keys:
+            dedup.store(name, 2**40 + i, 1 + i % 3, 1_700_000_000_000 + i)
+        else:
+            producers.store(name, 1_000_000 + i, 2**40 + i, 100 + i % 3,
+                            1_700_000_000_000 + i)
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     ids_size = sum(map(sys.getsizeof, ids))
     per = (after - before) / n
-    print(f"{n} producers, {id_bytes}-byte ids: {per:.0f} B per entry in the table, "
-          f"+ {ids_size / n:.0f} B for its id (bytes object): {per + ids_size / n:.0f} B; "
-          f"10,000 producers: {(per + ids_size / n) * 10_000 / 2**20:.2f} MiB")
+    what, cap = ("keys", DEFAULT_MAX_DEDUP_KEYS) if keys else (
+        "producers", DEFAULT_MAX_PRODUCERS)
+    print(f"{n} {what}, {id_bytes}-byte {'keys' if keys else 'ids'}: {per:.0f} B per entry "
+          f"in the table, + {ids_size / n:.0f} B for its name (bytes object): "
+          f"{per + ids_size / n:.0f} B; {cap:,} {what} (the default cap): "
+          f"{(per + ids_size / n) * cap / 2**20:.2f} MiB")
 
 
 if __name__ == "__main__":
-    main()
+    from benchlib import recording  # (keeps the output; the bench needs only the tables)
+
+    with recording("producer_mem"):
+        main()

@@ -8,6 +8,7 @@ tracemalloc, the RSS per queue (after a garbage collection and malloc_trim).
 
     python bench/queue_mem.py [--queues 2000] [--how empty|item|taken|fanout|all] [--top 25]
                               [--parked]
+    python bench/queue_mem.py --load-cost [--loads 20]
 
 ("all": the first three; fanout is slow under tracemalloc.)
 
@@ -18,6 +19,10 @@ tracemalloc, the RSS per queue (after a garbage collection and malloc_trim).
 
 --parked: park_after 100 ms, and the figures are taken once every queue is parked
 (what a parked queue costs: its name and summary); without it parking is off.
+
+--load-cost: instead, how long loading one parked queue takes, on the event loop, at its
+first use: a queue at the parking limits (a ~1 MiB journal, 16 x 4 KB items waiting) is
+parked and loaded --loads times (20); prints the median and the slowest.
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import time
 import tracemalloc
 from pathlib import Path
 
 import trio
+from benchlib import recording
 
 from queued.config import load_config
 from queued.server.app import serve
@@ -126,6 +134,36 @@ async def measure(how: str, queues: int, top: int, trace: bool,
         return out
 
 
+async def load_cost(loads: int) -> None:
+    """One load of a parked queue at the parking limits, `loads` times."""
+    with tempfile.TemporaryDirectory(prefix="queued-qmem-") as tmp:
+        config = load_config({"data_dir": str(Path(tmp) / "data"), "memcache_port": 0,
+                              "text_port": 0, "rpc_port": 0, "http_port": 0,
+                              "fsync": "never", "park_after": "1h",
+                              "checkpoint_interval": "1h", "expiration_timer": "1h"}, env={})
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(serve, config)
+            b = server.broker
+            await b.put("big", [b"x" * 4000] * 250)
+            await b.get_many("big", max_items=250 - 16)
+            await b.queues["big"].write_checkpoints()
+            print(f"big: {b.queues['big'].journal.total_bytes:,} journal bytes, "
+                  f"{b.queues['big'].readers[''].reader.items} items waiting")
+            times = []
+            for _ in range(loads):
+                qs = b.queues["big"]
+                qs.used = False
+                if not await b.registry.park(qs):
+                    raise SystemExit("the queue did not park")
+                t = time.perf_counter()
+                b.registry.unpark("big")
+                times.append(time.perf_counter() - t)
+            times.sort()
+            print(f"one load at the parking limits: median {times[len(times) // 2] * 1000:.2f} "
+                  f"ms, max {times[-1] * 1000:.2f} ms ({loads} loads)")
+            server.request_shutdown("measured")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--queues", type=int, default=2000)
@@ -134,8 +172,14 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--parked", action="store_true",
                     help="measure once every queue is parked (park_after 100 ms)")
+    ap.add_argument("--load-cost", action="store_true",
+                    help="instead: the time one load of a parked queue takes")
+    ap.add_argument("--loads", type=int, default=20, help="loads timed with --load-cost")
     ap.add_argument("--child", choices=("trace", "rss"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.load_cost:
+        trio.run(load_cost, args.loads)
+        return
     if args.child:
         result = trio.run(measure, args.how, args.queues, args.top, args.child == "trace",
                           args.parked)
@@ -147,7 +191,8 @@ def main() -> None:
             out = subprocess.run([sys.executable, __file__, "--how", how, "--queues",
                                   str(args.queues), "--top", str(args.top), "--child", child,
                                   *(["--parked"] if args.parked else [])],
-                                 check=True, capture_output=True, text=True).stdout
+                                 check=True, capture_output=True, text=True,
+                                 env={**os.environ, "QUEUED_BENCH_RESULTS": "off"}).stdout
             runs[child] = json.loads(out.strip().splitlines()[-1])
         t = runs["trace"]
         print(f"\n{how}: {t['queues']} queues ({t['parked']} parked); per queue: "
@@ -160,4 +205,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("queue_mem"):
+        main()

@@ -10,11 +10,15 @@ server's user and system CPU per request (from /proc, without py-spy attached: t
 workload runs twice, once measured, once profiled).
 
     python bench/request_profile.py [--workload set] [--conns 32] [--requests N]
-        [--fsync never] [--top 25] [--raw FILE]
+        [--fsync never] [--top 25] [--raw FILE] [--no-profile]
+
+--no-profile: the CPU per request only, without py-spy.
 
 Workloads (64 B items, queue `q`; every connection has one request in flight):
 
   set             memcache `set`, one item per request
+  fanin           memcache `set`s, 8 pipelined per connection, each to the next of 100
+                  queues (`f0`..`f99`): vs_darner's fan-in shape
   get             memcache `get` (the queue is filled first)
   rpc-put         MessagePack-RPC `put` of 100 items per request
   rpc-getconfirm  RPC `get` of 100 items (auto_abort 30 s) then `confirm` of them
@@ -38,10 +42,9 @@ from collections import Counter
 from pathlib import Path
 
 import msgpack
-from benchlib import CLK_TCK
+from benchlib import CpuWindow, QueuedServer, recording
 
 HOST = "127.0.0.1"
-QUEUED = Path(sys.executable).with_name("queued")
 ITEM = b"x" * 64
 RPC_BATCH = 100
 
@@ -114,8 +117,20 @@ def run_rounds(conns: list[Conn], workload: str, requests: int) -> int:
     items = 0
     rounds = max(1, requests // len(conns))
     set_req = b"set q 0 0 %d\r\n%s\r\n" % (len(ITEM), ITEM)
-    for _ in range(rounds):
-        if workload == "set":
+    fan = [b"".join(b"set f%d 0 0 %d\r\n%s\r\n" % ((8 * k + j) % 100, len(ITEM), ITEM)
+                    for j in range(8)) for k in range(25)]
+    if workload == "fanin":
+        rounds = max(1, rounds // 8)
+    for r in range(rounds):
+        if workload == "fanin":
+            for i, c in enumerate(conns):
+                c.sock.sendall(fan[(r + i) % 25])
+            for c in conns:
+                while c.buf.count(b"STORED\r\n") < 8:
+                    c.buf += c.sock.recv(65536)
+                c.buf = b""
+            items += 8 * len(conns)
+        elif workload == "set":
             for c in conns:
                 c.sock.sendall(set_req)
             for c in conns:
@@ -153,38 +168,6 @@ def fill(port: int, n: int) -> None:
     c.sock.close()
 
 
-# -- the server ------------------------------------------------------------------------------
-
-
-def start_server(data_dir: str, fsync: str, log_path: Path) -> tuple[subprocess.Popen[bytes], int,
-                                                                       int]:
-    cmd = [str(QUEUED), "serve", "--data-dir", data_dir, "--host", HOST, "--memcache-port", "0",
-           "--text-port", "0", "--rpc-port", "0", "--http-port", "0", "--fsync", fsync]
-    with log_path.open("wb") as logf:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf,
-                                stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        text = log_path.read_text(errors="replace")
-        if "ready:" in text:
-            ports = {}
-            for proto in ("memcache", "rpc"):
-                tail = text.split(f"listening for {proto} on {HOST}:", 1)[1]
-                ports[proto] = int(tail.split()[0])
-            return proc, ports["memcache"], ports["rpc"]
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the server did not start:\n{log_path.read_text(errors='replace')[-2000:]}")
-
-
-def cpu_ticks(pid: int) -> tuple[int, int]:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return int(fields[11]), int(fields[12])
-
-
 def py_spy() -> str:
     found = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(found).exists():
@@ -195,7 +178,7 @@ def py_spy() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="set",
-                    choices=["set", "get", "rpc-put", "rpc-getconfirm"])
+                    choices=["set", "fanin", "get", "rpc-put", "rpc-getconfirm"])
     ap.add_argument("--conns", type=int, default=32)
     ap.add_argument("--requests", type=int, default=None,
                     help="requests per phase (default 64,000; RPC 4,000, of 100 items each: "
@@ -203,51 +186,43 @@ def main() -> None:
     ap.add_argument("--fsync", default="never")
     ap.add_argument("--top", type=int, default=25, help="functions to list by self time")
     ap.add_argument("--raw", default=None, help="keep py-spy's raw output in this file")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="only the server's CPU per request: no py-spy run")
     a = ap.parse_args()
-    spy = py_spy()
+    spy = None if a.no_profile else py_spy()
     rpc = a.workload.startswith("rpc")
     if a.requests is None:
         a.requests = 4000 if rpc else 64000
-    with tempfile.TemporaryDirectory(prefix="request-profile-") as tmp:
-        proc, mc_port, rpc_port = start_server(str(Path(tmp) / "data"), a.fsync,
-                                               Path(tmp) / "server.log")
-        try:
-            port = rpc_port if rpc else mc_port
-            items_per_request = RPC_BATCH if rpc else 1
-            if a.workload in ("get", "rpc-getconfirm"):  # both phases need items
-                fill(rpc_port, 2 * a.requests * items_per_request + 1000)
-            conns = [Conn(port) for _ in range(a.conns)]
-            run_rounds(conns, a.workload, min(a.requests, 2000))  # warm up
-            u0, s0 = cpu_ticks(proc.pid)
-            t0 = time.monotonic()
-            items = run_rounds(conns, a.workload, a.requests)
-            wall = time.monotonic() - t0
-            u1, s1 = cpu_ticks(proc.pid)
-            raw = a.raw or str(Path(tmp) / "profile.txt")
-            recorder = subprocess.Popen([spy, "record", "--pid", str(proc.pid), "--gil",
-                                         "--rate", "1000", "--format", "raw", "--output", raw],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            time.sleep(1.0)  # py-spy attaches
-            run_rounds(conns, a.workload, a.requests)
-            recorder.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-            recorder.wait(timeout=60)
-            requests = a.requests // a.conns * a.conns
-            per = 1e6 / CLK_TCK / requests
-            print(f"# request_profile: {a.workload}, {a.conns} connections x 1 request in flight, "
-                  f"fsync {a.fsync}, {requests:,} requests ({items:,} items) in {wall:.2f} s: "
-                  f"{requests / wall:,.0f} requests/s")
-            print(f"server CPU per request: user {(u1 - u0) * per:.1f} us, system "
-                  f"{(s1 - s0) * per:.1f} us"
-                  + (f" (per item: {((u1 - u0) + (s1 - s0)) * per / RPC_BATCH:.2f} us)"
-                     if rpc else ""))
-            report(Path(raw), a.top)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with tempfile.TemporaryDirectory(prefix="request-profile-") as tmp, \
+            QueuedServer(tmp, a.fsync) as server:
+        port = server.ports["rpc"] if rpc else server.port
+        items_per_request = RPC_BATCH if rpc else 1
+        if a.workload in ("get", "rpc-getconfirm"):  # both phases need items
+            fill(server.ports["rpc"], 2 * a.requests * items_per_request + 1000)
+        conns = [Conn(port) for _ in range(a.conns)]
+        run_rounds(conns, a.workload, min(a.requests, 2000))  # warm up
+        cpu = CpuWindow(server.pid)
+        items = run_rounds(conns, a.workload, a.requests)
+        cpu.stop()
+        requests = a.requests // a.conns * a.conns
+        print(f"# request_profile: {a.workload}, {a.conns} connections x 1 request in flight, "
+              f"fsync {a.fsync}, {requests:,} requests ({items:,} items) in {cpu.wall_s:.2f} s: "
+              f"{requests / cpu.wall_s:,.0f} requests/s")
+        per = 1e6 / requests
+        print(f"server CPU per request: user {cpu.user_s * per:.1f} us, system "
+              f"{cpu.sys_s * per:.1f} us"
+              + (f" (per item: {cpu.cpu_s * per / RPC_BATCH:.2f} us)" if rpc else ""))
+        if spy is None:
+            return
+        raw = a.raw or str(Path(tmp) / "profile.txt")
+        recorder = subprocess.Popen([spy, "record", "--pid", str(server.pid), "--gil",
+                                     "--rate", "1000", "--format", "raw", "--output", raw],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # py-spy attaches
+        run_rounds(conns, a.workload, a.requests)
+        recorder.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        recorder.wait(timeout=60)
+        report(Path(raw), a.top)
 
 
 def report(raw: Path, top: int) -> None:
@@ -256,6 +231,9 @@ def report(raw: Path, top: int) -> None:
     layers: Counter[str] = Counter()
     funcs: Counter[str] = Counter()
     total = 0
+    if not raw.exists():
+        print("py-spy recorded no samples (it wrote nothing: may it ptrace the server?)")
+        return
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
@@ -283,4 +261,5 @@ def report(raw: Path, top: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("request_profile"):
+        main()

@@ -25,6 +25,13 @@ server.
 `--tls both` runs each fsync policy plaintext and then over TLS and prints the TLS /
 plaintext ratio of every cell.
 
+`--put-variants N` runs only puts of 64 B in batches of 100 over the most connections,
+N rounds of each variant in turn on one server per policy (so each variant's runs are
+seconds apart): plain (`idempotent=False`), idempotent (the client's default), and with
+2 headers (a `traceparent` and a `tenant`) as one map for the put's items or a map of
+its own per item (its own `traceparent`), plain and idempotent; then medians and the
+ratio of each to plain.
+
 Usage:  .venv/bin/python bench/rpc_bench.py [--quick] [--seconds S] [--tls [both]] [--json FILE]
 """
 
@@ -37,9 +44,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import platform
-import re
-import shutil
-import signal
 import ssl
 import statistics
 import subprocess
@@ -52,14 +56,14 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from benchlib import BenchCerts, bucket, percentiles, proc_cpu_s, system_busy_s
+from benchlib import BenchCerts, bucket, percentiles, proc_cpu_s, recording, system_busy_s
+from benchlib import QueuedServer as Server  # `queued serve` on a temp dir, stopped by PID
 
 import queued
 from queued.client import AsyncClient, Client, Item
 
 REPO = Path(__file__).resolve().parent.parent
 IDEMPOTENT_ENV = "QUEUED_BENCH_IDEMPOTENT"
-QUEUED = REPO / ".venv" / "bin" / "queued"
 HOST = "127.0.0.1"
 KiB = 1 << 10
 MiB = 1 << 20
@@ -72,7 +76,6 @@ AUTO_ABORT_MS = 30_000
 READ_TIMEOUT = 30.0  # s, the workers' clients
 REPORT_GRACE = 60.0  # s a worker may take past its phase's --seconds to report
 IDLE_LIMIT = 600.0  # s a worker waits for its next task before it gives up
-RPC_LINE = re.compile(r"listening for rpc on \S+:(\d+)")
 
 
 def log(msg: str = "") -> None:
@@ -100,6 +103,8 @@ class Task:
     seconds: float
     max_items: int  # this worker's share of the phase's item bound
     tasks: int = 0  # > 0: an AsyncClient with this many concurrent tasks on one connection
+    idempotent: bool | None = None  # put: the client's idempotent puts (None: as set up)
+    headers: str = ""  # put: "" none, "put" 2 headers for all items, "item" 2 per item
 
 
 @dataclass
@@ -128,9 +133,11 @@ def run_blocking(c: Client, t: Task, p: Part) -> None:
     try:
         if t.op == "put":
             payload = [b"x" * t.size] * t.batch
+            if t.idempotent is not None:
+                c.idempotent = t.idempotent
             while p.items < t.max_items and clock() < deadline:
                 s = clock()
-                n = c.put(t.queue, payload)
+                n = c.put(t.queue, payload, headers=bench_headers(t.headers, t.batch, p.calls))
                 p.record(clock() - s)
                 p.calls += 1
                 p.items += n
@@ -151,6 +158,16 @@ def run_blocking(c: Client, t: Task, p: Part) -> None:
                 p.bad += len(items[0].data) != t.size
     finally:
         p.t1 = clock()
+
+
+def bench_headers(how: str, batch: int, call: int) -> Any:
+    """A put's headers: none, 2 for all its items, or 2 per item (its own traceparent)."""
+    if not how:
+        return None
+    if how == "put":
+        return {"traceparent": f"00-{call:032x}-{call:016x}-01", "tenant": "acme"}
+    return [{"traceparent": f"00-{call:024x}{k:08x}-{k:016x}-01", "tenant": "acme"}
+            for k in range(batch)]
 
 
 def client_options(ca: str | None) -> dict[str, Any]:
@@ -292,93 +309,6 @@ class Workers:
         self.procs = []
 
 
-# -- the server ------------------------------------------------------------------------------
-
-
-class Server:
-    """One `queued serve` on a fresh temp dir, every port 0 (TLS on with `certs`); stopped
-    by PID."""
-
-    def __init__(self, root: Path, fsync: str, certs: BenchCerts | None = None,
-                 tree: Path | None = None) -> None:
-        self.fsync = fsync
-        self.certs = certs
-        self.tree = tree  # the queued source tree to run (None: this venv's)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"rpc-bench-{fsync}-", dir=root))
-        self.log_path = self.dir.with_suffix(".log")
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = 0
-
-    @property
-    def address(self) -> str:
-        return f"{HOST}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def start(self) -> None:
-        cmd = [str(QUEUED), "serve", "--data-dir", str(self.dir), "--host", HOST,
-               "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
-               "--http-port", "0", "--fsync", self.fsync]
-        if self.certs is not None:
-            cmd += self.certs.server_args()
-        env = dict(os.environ)
-        if self.tree is not None:  # the venv's `queued` script imports it from there
-            env["PYTHONPATH"] = str(self.tree)
-        with open(self.log_path, "wb") as logf:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf,
-                                         stdin=subprocess.DEVNULL, cwd=self.dir, env=env)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            m = RPC_LINE.search(self.log_path.read_text(errors="replace"))
-            if m:
-                self.port = int(m.group(1))
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"the server logged no rpc port within 20 s (exit code "
-                           f"{self.proc.poll()}); command: {' '.join(cmd)}\n"
-                           f"log tail:\n{self.log_tail()}")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def memory_kib(self) -> dict[str, int]:
-        """VmHWM (peak RSS) and VmRSS of the server, KiB."""
-        out: dict[str, int] = {}
-        try:
-            with open(f"/proc/{self.pid}/status") as f:
-                for line in f:
-                    key = line.split(":", 1)[0]
-                    if key in ("VmHWM", "VmRSS"):
-                        out[key] = int(line.split()[1])
-        except (OSError, ValueError, IndexError):
-            pass
-        return out
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join("    " + t for t in text[-lines:])
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
-
-
 # -- phases and cells ------------------------------------------------------------------------
 
 
@@ -407,9 +337,11 @@ class Row:
 
 
 def run_phase(server: Server, workers: Workers, fsync: str, op: str, label: str, size: int,
-              batch: int, conns: int, seconds: float, max_items: int, tasks: int = 0) -> Row:
+              batch: int, conns: int, seconds: float, max_items: int, tasks: int = 0,
+              idempotent: bool | None = None, headers: str = "") -> Row:
     share = max(batch, max_items // conns)
-    jobs = [Task(op, queue_name(size, batch, conns, tasks), size, batch, seconds, share, tasks)
+    jobs = [Task(op, queue_name(size, batch, conns, tasks), size, batch, seconds, share, tasks,
+                 idempotent, headers)
             for _ in range(conns)]
     cpu0, busy0, w0 = proc_cpu_s(server.pid), system_busy_s(), time.monotonic()
     parts = workers.run(jobs)
@@ -442,6 +374,13 @@ def run_phase(server: Server, workers: Workers, fsync: str, op: str, label: str,
                srv / wall, client_cpu / wall, other / wall, "; ".join(notes), errors,
                server.certs is not None, srv / max(items, 1) * 1e6,
                client_cpu / max(items, 1) * 1e6)
+
+
+#: --put-variants: (label, idempotent, headers) in the order each round runs them
+PUT_VARIANTS = [("put plain", False, ""), ("put idempotent", True, ""),
+                ("put plain, 2 headers per put", False, "put"),
+                ("put idempotent, 2 headers per put", True, "put"),
+                ("put idempotent, 2 headers per item", True, "item")]
 
 
 def queue_name(size: int, batch: int, conns: int, tasks: int) -> str:
@@ -477,13 +416,14 @@ class Bench:
 
     def server_run(self, fsync: str, certs: BenchCerts | None) -> None:
         a = self.a
-        server = Server(Path(a.dir), fsync, certs, a.queued_tree)
+        server = Server(a.dir, fsync, certs=certs, tree=a.queued_tree)
         ca = certs.ca if certs is not None else None
         workers: Workers | None = None
         over = " over TLS" if certs is not None else ""
         try:
             server.start()
-            log(f"## fsync {fsync}{over}: server pid {server.pid}, rpc port {server.port}")
+            log(f"## fsync {fsync}{over}: server pid {server.pid}, "
+                f"rpc port {server.ports['rpc']}")
             workers = Workers(server.address, ca, max(a.conns))
             with Client(server.address, read_timeout=READ_TIMEOUT,
                         **client_options(ca)) as control:
@@ -517,8 +457,8 @@ class Bench:
         on each, alternately (plaintext first, then TLS first, ...): the two sides of a
         ratio are seconds apart, not minutes, on a machine whose load comes and goes."""
         a = self.a
-        sides = [Server(Path(a.dir), fsync, None, a.queued_tree),
-                 Server(Path(a.dir), fsync, certs, a.queued_tree)]
+        sides = [Server(a.dir, fsync, tree=a.queued_tree),
+                 Server(a.dir, fsync, certs=certs, tree=a.queued_tree)]
         pools: list[Workers] = []
         try:
             with contextlib.ExitStack() as stack:
@@ -527,7 +467,7 @@ class Bench:
                     server.start()
                     ca = certs.ca if server.certs is not None else None
                     log(f"## fsync {fsync}{' over TLS' if ca else ''}: server pid "
-                        f"{server.pid}, rpc port {server.port}")
+                        f"{server.pid}, rpc port {server.ports['rpc']}")
                     pools.append(Workers(server.address, ca, max(a.conns)))
                     controls.append(stack.enter_context(
                         Client(server.address, read_timeout=READ_TIMEOUT, **client_options(ca))))
@@ -576,6 +516,43 @@ class Bench:
             if server.alive():
                 control.flush(q)
                 control.delete(q)
+
+    def variants_run(self, fsync: str) -> None:
+        """`--put-variants N`: the put variants in turn, N rounds, on one server."""
+        a = self.a
+        server = Server(a.dir, fsync, tree=a.queued_tree)
+        workers: Workers | None = None
+        conns = max(a.conns)
+        try:
+            server.start()
+            log(f"## fsync {fsync}: put variants, server pid {server.pid}, rpc port "
+                f"{server.ports['rpc']}")
+            workers = Workers(server.address, None, conns)
+            with Client(server.address, read_timeout=READ_TIMEOUT) as control:
+                for _ in range(a.put_variants):
+                    for label, idempotent, headers in PUT_VARIANTS:
+                        self.add(run_phase(server, workers, fsync, "put", label, 64, 100,
+                                           conns, a.seconds, self.cap(64),
+                                           idempotent=idempotent, headers=headers))
+                        control.flush(queue_name(64, 100, conns, 0))
+        finally:
+            if workers is not None:
+                workers.close()
+            server.stop()
+        base = [r for r in self.rows if r.fsync == fsync and r.op == PUT_VARIANTS[0][0]]
+        log(f"### fsync {fsync}: medians of {a.put_variants} rounds (64 B, batch 100, "
+            f"{conns} connections)")
+        plain = statistics.median(r.items_per_s for r in base) if base else 0.0
+        for label, _, _ in PUT_VARIANTS:
+            rs = [r for r in self.rows if r.fsync == fsync and r.op == label]
+            if not rs:
+                continue
+            rate = statistics.median(r.items_per_s for r in rs)
+            log(f"  {label:32s} {rate:11,.0f} items/s ({rate / plain:.2f}x plain; runs "
+                f"{', '.join(f'{r.items_per_s:,.0f}' for r in rs)}), server "
+                f"{statistics.median(r.server_us for r in rs):.2f} us/item, clients "
+                f"{statistics.median(r.client_us for r in rs):.2f} us/item")
+        log()
 
     # -- the report ------------------------------------------------------------------------
 
@@ -773,6 +750,9 @@ def main() -> None:
     ap.add_argument("--idempotent", choices=("on", "off"), default="on",
                     help="the clients' idempotent puts (producer id and sequence; default on, "
                          "as the client's default)")
+    ap.add_argument("--put-variants", type=int, default=0, metavar="N",
+                    help="only the put variants (plain, idempotent, with 2 headers; 64 B, batch "
+                         "100, the most connections), N rounds alternated (default 0: off)")
     a = ap.parse_args()
     os.environ[IDEMPOTENT_ENV] = a.idempotent
     if a.queued_tree is not None:
@@ -811,6 +791,9 @@ def main() -> None:
         certs = BenchCerts(where) if a.tls != "off" else None
         modes = {"off": [None], "on": [certs], "both": [None, certs]}[a.tls]
         for fsync in policies:
+            if a.put_variants:
+                bench.variants_run(fsync)
+                continue
             if a.pairs and certs is not None and a.tls == "both":
                 bench.paired_run(fsync, certs)
                 continue
@@ -823,4 +806,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("rpc_bench"):
+        main()

@@ -2,28 +2,27 @@
 `spark.read.parquet` of the same rows in the same run, and the writer into a server.
 
     .venv/bin/python bench/spark_bench.py [--mb 1024] [--item 200] [--payload json]
-                                          [--write-rows 200000] [--ceiling]
+                                          [--write-rows 200000] [--ceiling] [--repeat 3]
 
-Prints rows/s and MB/s of each scan (every column is used, so Parquet cannot prune),
-their ratio, and rows/s written into a `queued serve` subprocess by df.write (default
-options, after an untimed 10-row write has started the Python workers).
+Prints rows/s and MB/s of each scan (every column is used, so Parquet cannot prune), the
+median of `--repeat` runs taken in turns (journal, Parquet, ceiling, journal, ...), their
+ratios (and with --ceiling a Markdown table row), and rows/s written into a `queued serve`
+subprocess by df.write (default options, after an untimed 10-row write has started the
+Python workers).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import os
 import random
-import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import trio
+from benchlib import QueuedServer, recording, spark_done, spark_session
 
 from queued.config import FsyncPolicy, JournalConfig
 from queued.storage.datadir import open_data_dir
@@ -127,14 +126,10 @@ def main() -> None:
     ap.add_argument("--item", type=int, default=200)
     ap.add_argument("--payload", choices=["json", "random", "repeat"], default="json")
     ap.add_argument("--write-rows", type=int, default=200_000)
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs of each scan (median)")
     ap.add_argument("--ceiling", action="store_true",
                     help="also time a Python data source that decodes nothing (PySpark's share)")
     args = ap.parse_args()
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    from queued.spark import register
-
     tmp = Path(tempfile.mkdtemp(prefix="queued-spark-bench-"))
     try:
         data = tmp / "data"
@@ -143,55 +138,49 @@ def main() -> None:
         size = sum(p.stat().st_size for p in data.iterdir())
         print(f"journal: {rows} rows of {args.item} B {args.payload}, {size / 2**20:.0f} MiB in "
               f"{len(list(data.iterdir()))} files, written in {time.perf_counter() - t:.1f} s")
-        spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-                 .config("spark.ui.showConsoleProgress", "false")
-                 .config("spark.driver.memory", "2g").getOrCreate())
-        spark.sparkContext.setLogLevel("ERROR")
-        register(spark)
+        spark = spark_session()
         journal_df = spark.read.format("queued").load(str(data))
         journal_df.write.parquet(str(tmp / "parquet"))
         pq_size = sum(p.stat().st_size for p in (tmp / "parquet").rglob("*.parquet"))
         timed(spark, journal_df)  # warm up the Python workers and the JIT
-        results = {}
-        for name, df in (("journal", journal_df),
-                         ("parquet", spark.read.parquet(str(tmp / "parquet")))):
-            best = min(timed(spark, df)[0] for _ in range(2))
-            mb = (size if name == "journal" else pq_size) / 2**20
-            results[name] = rows / best
-            print(f"{name:8} scan: {best:6.2f} s  {rows / best:12,.0f} rows/s  "
-                  f"{mb / best:8.1f} MB/s (of {mb:.0f} MiB on disk)")
-        print(f"journal/parquet rows/s ratio: {results['journal'] / results['parquet']:.2f}")
+        scans = {"journal": journal_df, "parquet": spark.read.parquet(str(tmp / "parquet"))}
         if args.ceiling:
             nparts = journal_df.rdd.getNumPartitions()
             spark.dataSource.register(ceiling_source(data, nparts, rows))
-            ceiling_df = spark.read.format("queued_ceiling").load()
-            timed(spark, ceiling_df)
-            best = min(timed(spark, ceiling_df)[0] for _ in range(2))
-            print(f"ceiling  scan: {best:6.2f} s  {rows / best:12,.0f} rows/s  (a Python data "
-                  f"source that decodes nothing, {nparts} tasks)")
-            print(f"ceiling/parquet: {rows / best / results['parquet']:.2f}, journal/ceiling: "
-                  f"{results['journal'] / (rows / best):.2f}")
+            scans["ceiling"] = spark.read.format("queued_ceiling").load()
+            timed(spark, scans["ceiling"])
+            print(f"ceiling: a Python data source that decodes nothing, {nparts} tasks")
+        # Rounds of one scan each, in turns, so that a load change hits all of them alike.
+        times: dict[str, list[float]] = {name: [] for name in scans}
+        for _ in range(args.repeat):
+            for name, df in scans.items():
+                times[name].append(timed(spark, df)[0])
+        results = {}
+        for name, ts in times.items():
+            med = sorted(ts)[len(ts) // 2]
+            mb = (size if name == "journal" else pq_size if name == "parquet" else 0) / 2**20
+            results[name] = rows / med
+            rates = ", ".join(f"{rows / t:,.0f}" for t in ts)
+            print(f"{name:8} scan: median {med:6.2f} s  {rows / med:12,.0f} rows/s"
+                  + (f"  {mb / med:8.1f} MB/s (of {mb:.0f} MiB on disk)" if mb else "")
+                  + f"  [runs: {rates}]")
+        print(f"journal/parquet rows/s ratio: {results['journal'] / results['parquet']:.2f}")
+        if args.ceiling:
+            print(f"ceiling/parquet: {results['ceiling'] / results['parquet']:.2f}, "
+                  f"journal/ceiling: {results['journal'] / results['ceiling']:.2f}")
+            print("| journal | Parquet | ceiling | journal / Parquet | ceiling / Parquet | "
+                  "journal / ceiling |")
+            print(f"| {results['journal']:,.0f} | {results['parquet']:,.0f} | "
+                  f"{results['ceiling']:,.0f} | "
+                  f"{results['journal'] / results['parquet']:.2f} | "
+                  f"{results['ceiling'] / results['parquet']:.2f} | "
+                  f"{results['journal'] / results['ceiling']:.2f} |")
 
         if args.write_rows <= 0:
-            spark.stop()
+            spark_done(spark)
             return
-        log = tmp / "server.log"
-        queued = Path(sys.executable).with_name("queued")
-        with log.open("wb") as logf:
-            server = subprocess.Popen(
-                [str(queued), "serve", "--data-dir", str(tmp / "srv"), "--host", "127.0.0.1",
-                 "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
-                 "--http-port", "0"], stdout=subprocess.DEVNULL, stderr=logf)
-        try:
-            port = 0
-            for _ in range(500):
-                m = re.search(rb"listening for rpc on [0-9.]+:(\d+)", log.read_bytes())
-                if m:
-                    port = int(m.group(1))
-                    break
-                time.sleep(0.02)
-            if not port:
-                raise SystemExit("server did not start:\n" + log.read_text())
+        with QueuedServer(tmp) as server:
+            port = server.ports["rpc"]
             src = spark.range(args.write_rows, numPartitions=2).selectExpr(
                 f"cast(repeat('y', {args.item}) as binary) as data")
             src.cache().count()
@@ -204,13 +193,11 @@ def main() -> None:
             dt = time.perf_counter() - t
             print(f"writer: {args.write_rows} rows of {args.item} B in {dt:.2f} s = "
                   f"{args.write_rows / dt:,.0f} rows/s into the server")
-        finally:
-            server.terminate()
-            server.wait(30)
-        spark.stop()
+        spark_done(spark)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main()
+    with recording("spark_bench"):
+        main()

@@ -3,7 +3,7 @@ against the bare client doing the same puts without Spark (the ceiling).
 
     .venv/bin/python bench/spark_write_bench.py [--rows 400000] [--item 200]
         [--batch-size 5000] [--batch-bytes N] [--option key=value ...] [--fsync never]
-        [--repeat 3] [--skip-spark] [--skip-bare] [--py-spy-server out.txt]
+        [--repeat 3] [--exactly-once] [--skip-spark] [--skip-bare] [--py-spy-server out.txt]
 
 Prints numbers, never asserts. Spark runs local[2] (UI off) on 2 partitions of a cached
 DataFrame of `--rows` rows of `--item` bytes, written with the `queue` option and with a
@@ -19,6 +19,9 @@ puts, each waiting for its reply, in one process and in two at once (as two Spar
 The processes build their items and connect before the clock starts. The sink's
 batch_size is set to `--batch-size` too.
 
+`--exactly-once`: each Spark phase also with exactly-once puts (a new `idempotency_key`
+per write), in turns with the at-least-once one, and the ratio of their medians.
+
 The server is started with the default config (fsync "always") unless `--fsync` is given;
 it is stopped by PID (SIGTERM, then SIGKILL) and its temp data dir removed.
 """
@@ -28,66 +31,19 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchlib import proc_cpu_s, system_busy_s
-
-HOST = "127.0.0.1"
-QUEUED = Path(sys.executable).with_name("queued")
-
-
-class Server:
-    """`queued serve` on free ports in a temp dir; stopped by PID."""
-
-    def __init__(self, root: Path, fsync: str | None) -> None:
-        self.log = root / "server.log"
-        cmd = [str(QUEUED), "serve", "--data-dir", str(root / "srv"), "--host", HOST,
-               "--memcache-port", "0", "--text-port", "0", "--rpc-port", "0",
-               "--http-port", "0"]
-        if fsync:
-            cmd += ["--fsync", fsync]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("QUEUED_")}
-        with self.log.open("wb") as logf:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=logf, env=env)
-        self.port = 0
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            m = re.search(rb"listening for rpc on [0-9.]+:(\d+)", self.log.read_bytes())
-            if m:
-                self.port = int(m.group(1))
-                break
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        if not self.port:
-            self.stop()
-            raise SystemExit("server did not start:\n" + self.log.read_text())
-
-    @property
-    def address(self) -> str:
-        return f"{HOST}:{self.port}"
-
-    def cpu(self) -> float:
-        return proc_cpu_s(self.proc.pid)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
+from benchlib import QueuedServer as Server  # `queued serve` on a temp dir, stopped by PID
+from benchlib import recording, spark_done, spark_session, system_busy_s
 
 
 def stored_and_flush(address: str, queues: list[str]) -> int:
@@ -109,10 +65,10 @@ def report(name: str, rows: int, item: int, dt: float, server_cpu: float, busy: 
 
 def measure(name: str, server: Server, rows: int, item: int, queues: list[str],
             run: Callable[[], None]) -> float:
-    c0, b0, t0 = server.cpu(), system_busy_s(), time.perf_counter()
+    c0, b0, t0 = server.cpu_s(), system_busy_s(), time.perf_counter()
     run()
     dt = time.perf_counter() - t0
-    c1, b1 = server.cpu(), system_busy_s()
+    c1, b1 = server.cpu_s(), system_busy_s()
     report(name, rows, item, dt, c1 - c0, b1 - b0, stored_and_flush(server.address, queues))
     return rows / dt
 
@@ -199,17 +155,8 @@ def bench_bare(server: Server, a: argparse.Namespace) -> None:
 
 
 def bench_spark(server: Server, a: argparse.Namespace) -> None:
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.memory", "2g").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = spark_session()
     try:
-        from queued.spark import register
-
-        register(spark)
         data = (f"cast(concat(lpad(cast(id as string), 12, '0'), repeat('y', {a.item - 12}))"
                 " as binary) as data")
         plain = spark.range(a.rows, numPartitions=2).selectExpr(data)
@@ -225,11 +172,13 @@ def bench_spark(server: Server, a: argparse.Namespace) -> None:
             options[k] = v
         routed_queues = [f"r{k}" for k in range(a.queues)]
 
-        def write(df: Any, queue: str | None) -> Callable[[], None]:
+        def write(df: Any, queue: str | None, exactly_once: bool = False) -> Callable[[], None]:
             def run() -> None:
                 w = df.write.format("queued").mode("append").options(**options)
                 if queue:
                     w = w.option("queue", queue)
+                if exactly_once:  # a new key each time: a repeated key stores nothing
+                    w = w.option("idempotency_key", uuid.uuid4().hex)
                 w.save()
             return run
 
@@ -242,13 +191,26 @@ def bench_spark(server: Server, a: argparse.Namespace) -> None:
         fixed = min(measure_quiet(write(tiny, "w")) for _ in range(3))
         stored_and_flush(server.address, ["w"])
         print(f"spark, a write of 10 rows (fixed cost of a job): {fixed:.3f} s", flush=True)
+        modes = (False, True) if a.exactly_once else (False,)
         for label, df, queue, queues in (
                 ("spark, option queue", plain, "w", ["w"]),
                 (f"spark, queue column ({a.queues} queues)", routed, None, routed_queues)):
-            summary([measure(label, server, a.rows, a.item, queues, write(df, queue))
-                     for _ in range(a.repeat)])
+            rates: dict[bool, list[float]] = {m: [] for m in modes}
+            for _ in range(a.repeat):  # on and off in turns, so that load drifts hit both
+                for mode in modes:
+                    name = label + (", exactly-once" if mode else "")
+                    rates[mode].append(measure(name, server, a.rows, a.item, queues,
+                                               write(df, queue, mode)))
+            for mode in modes:
+                print(label + (", exactly-once" if mode else ", at-least-once") + ":",
+                      end="")
+                summary(rates[mode])
+            if a.exactly_once:
+                med = {m: sorted(r)[len(r) // 2] for m, r in rates.items()}
+                print(f"  exactly-once / at-least-once (medians): {med[True] / med[False]:.2f}",
+                      flush=True)
     finally:
-        spark.stop()
+        spark_done(spark)
 
 
 def main() -> None:
@@ -261,6 +223,8 @@ def main() -> None:
     ap.add_argument("--option", action="append", default=[], help="extra sink option k=v")
     ap.add_argument("--fsync", default=None, help="server --fsync (default: its default)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--exactly-once", action="store_true",
+                    help="also time each Spark write with exactly-once puts (idempotency_key)")
     ap.add_argument("--skip-spark", action="store_true")
     ap.add_argument("--skip-bare", action="store_true")
     ap.add_argument("--py-spy-server", default=None,
@@ -272,7 +236,8 @@ def main() -> None:
     spy: subprocess.Popen[bytes] | None = None
     server: Server | None = None
     try:
-        server = Server(root, a.fsync)
+        server = Server(root, a.fsync or "always", stop_timeout=30)
+        server.start()
         print(f"server pid {server.proc.pid} on {server.address}, "
               f"fsync {a.fsync or 'default (always)'}; {a.rows} rows of {a.item} B; "
               f"{os.cpu_count()} cpus", flush=True)
@@ -299,4 +264,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("spark_write_bench"):
+        main()

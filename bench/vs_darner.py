@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Side-by-side benchmark: queued against darner (C++, Kestrel's memcache protocol).
 
-Prints numbers and writes them to bench/results/; never asserts. The same load client
+Prints numbers, never asserts; what it prints and a JSON of every row are kept outside git
+(bench/results/; see benchlib/results.py). The same load client
 (bench/load.py: client OS processes driving non-blocking sockets under epoll, requests
 pipelined, latency histograms) runs the same workloads against each target, started one
 at a time on a fresh temp data dir and a free 127.0.0.1 port, stopped by PID afterwards:
@@ -92,36 +93,43 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchlib import bucket, kib_field, percentiles, system_busy_s
+from benchlib import (
+    DARNER,
+    DARNER_BUILD,
+    QUEUED_CMD,
+    DarnerServer,
+    MemcacheServer,
+    QueuedServer,
+    bucket,
+    ensure_darner,
+    hwm_kib,
+    percentiles,
+    recording,
+    result_file,
+    rss_kib,
+    stop_all,
+    system_busy_s,
+    tree_commit,
+)
 from load import (
     NS,
-    QUEUED_CMD,
-    REPO,
     ConnSpec,
     GiB,
     KiB,
-    MemcacheServer,
     MiB,
     Phase,
-    QueuedServer,
     RoleResult,
-    Server,
     log,
-    proc_rss_kib,
     run_conns,
     size_name,
     split,
 )
 
-PEERS = Path("/tmp/peers")
-DARNER = PEERS / "darner" / "build" / "darner"
-DARNER_BUILD = Path("/work/shared/peers/build-darner.sh")
-RESULTS = Path(__file__).resolve().parent / "results"
 # queued-base-*: another build of queued (--base-cmd), for before/after ratios in one run
 TARGETS = ("queued-never", "queued-always", "queued-base-never", "queued-base-always",
            "darner")
@@ -153,25 +161,7 @@ WORKLOADS: dict[str, tuple[tuple[int, ...], int, int]] = {
     "latency": ((64, 1 * KiB), 20_000, 1_000),
 }
 
-# -- servers ------------------------------------------------------------------------------
-
-LIVE: set[Server] = set()  # started and not yet stopped: stopped by PID on any exit
-
-
-class DarnerServer(MemcacheServer):
-    name = "darner"
-
-    def __init__(self, root: Path, binary: Path) -> None:
-        super().__init__(root, "none")
-        self.binary = binary
-
-    def command(self) -> list[str]:
-        return [str(self.binary), "-p", str(self.port), "-d", str(self.dir)]
-
-
-def proc_status_kib(pid: int, key: str) -> int | None:
-    """A `key:` line of /proc/<pid>/status in KiB (VmHWM = peak RSS, VmRSS = now)."""
-    return kib_field(f"/proc/{pid}/status", key)
+RSS_INTERVAL = 0.2  # s between the servers' VmRSS samples (the memory workload's phases)
 
 
 def du_bytes(path: Path) -> int:
@@ -182,35 +172,6 @@ def du_bytes(path: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
     return total
-
-
-@contextlib.contextmanager
-def running(server: Server) -> Iterator[Server]:
-    """Starts `server`; always stops it (by PID) and removes its data dir afterwards."""
-    LIVE.add(server)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-        LIVE.discard(server)
-
-
-def stop_all() -> None:
-    for s in list(LIVE):
-        with contextlib.suppress(Exception):
-            s.stop()
-        LIVE.discard(s)
-
-
-def ensure_darner(binary: Path, script: Path) -> str:
-    """Builds darner with the peers script if the binary is missing; returns its version."""
-    if not binary.exists():
-        log(f"darner not found at {binary}: building it with {script} (PEERS={PEERS})")
-        subprocess.run(["bash", str(script)], env={**os.environ, "PEERS": str(PEERS)},
-                       check=True, timeout=1800)
-    p = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=10)
-    return (p.stdout or p.stderr).strip() or "?"
 
 
 # -- the queued tree under test -----------------------------------------------------------
@@ -537,13 +498,15 @@ class Bench:
 
     def make_server(self, target: str, config: str | None = None) -> MemcacheServer:
         if target == "darner":
-            return DarnerServer(self.root, self.a.darner)
+            return DarnerServer(self.root, self.a.darner, rss_interval=RSS_INTERVAL)
         fsync = target.rsplit("-", 1)[1]  # queued-never, queued-base-always, ...
+        cmd = self.a.queued_cmd
         if "-base-" in target:
             if not self.a.base_cmd:
                 raise SystemExit(f"{target} needs --base-cmd")
-            return QueuedServer(self.root, fsync, self.a.base_cmd, config)
-        return QueuedServer(self.root, fsync, self.a.queued_cmd, config)
+            cmd = self.a.base_cmd
+        return QueuedServer(self.root, fsync, cmd=cmd, config=config, name=target,
+                            rss_interval=RSS_INTERVAL)
 
     def fingerprint(self) -> str:
         fp = tree_state(Path(self.tree.path)).fingerprint if self.tree.path else ""
@@ -562,7 +525,7 @@ class Bench:
         rows: list[Row] = []
         t0 = time.monotonic()
         try:
-            with running(server):
+            with server:
                 try:
                     rows = RUNNERS[workload](Ctx(self.a, target, server, workload, payload,
                                                  run, items))
@@ -571,7 +534,7 @@ class Bench:
                     traceback.print_exc(file=sys.stdout)
                     self.caveats.append(f"{label} FAILED: {type(exc).__name__}: "
                                         f"{(str(exc).splitlines() or [''])[0]}")
-                peak = proc_status_kib(server.pid, "VmHWM")
+                peak = hwm_kib(server.pid)
                 if not server.alive():
                     rc = server.proc.poll() if server.proc else None
                     msg = f"{target} exited (code {rc}) during {label}"
@@ -659,11 +622,11 @@ class Bench:
                                "config": config if target != "darner" else None}
         label = f"memory ({case}) {target}"
         try:
-            with running(server):
+            with server:
                 time.sleep(1.0)
                 smp = server.sampler
                 assert smp is not None
-                idle = proc_rss_kib(server.pid) or 0
+                idle = rss_kib(server.pid) or 0
                 rec["idle_rss_mib"] = idle / KiB
                 smp.phase = "enqueue"
                 ctx = Ctx(a, target, server, "memory", payload, 0, n)
@@ -674,7 +637,7 @@ class Bench:
                 stored = row.items
                 smp.phase = "held"
                 time.sleep(2.0)
-                held = proc_rss_kib(server.pid) or 0
+                held = rss_kib(server.pid) or 0
                 rec["held_rss_mib"] = held / KiB
                 rec["stored"] = stored
                 rec["bytes_per_item"] = (held - idle) * KiB / stored if stored else None
@@ -694,18 +657,18 @@ class Bench:
                     rec["dequeue"] = asdict(grow)
                     smp.phase = "after"
                     time.sleep(2.0)
-                    rec["drained_rss_mib"] = (proc_rss_kib(server.pid) or 0) / KiB
+                    rec["drained_rss_mib"] = (rss_kib(server.pid) or 0) / KiB
                     rec["left"] = server.backlog("q")
                     rec["datadir_drained_mib"] = du_bytes(server.dir) / MiB
                     time.sleep(10.0)
-                    rec["idle10_rss_mib"] = (proc_rss_kib(server.pid) or 0) / KiB
+                    rec["idle10_rss_mib"] = (rss_kib(server.pid) or 0) / KiB
                     rec["datadir_idle10_mib"] = du_bytes(server.dir) / MiB
                     log(f"  {label}: drained at {grow.items_per_s:,.0f}/s, {rec['left']} left; "
                         f"RSS after the drain {rec['drained_rss_mib']:.1f} MiB "
                         f"({rec['idle10_rss_mib']:.1f} 10 s later); data dir "
                         f"{rec['datadir_drained_mib']:.1f} MiB "
                         f"({rec['datadir_idle10_mib']:.1f} 10 s later)")
-                hwm = proc_status_kib(server.pid, "VmHWM") or 0
+                hwm = hwm_kib(server.pid) or 0
                 rec["peak_rss_mib"] = max(hwm, smp.max_kib) / KiB
                 rec["alive"] = server.alive()
                 log(f"  {label}: peak RSS {rec['peak_rss_mib']:.1f} MiB")
@@ -1062,9 +1025,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--darner-build", type=Path, default=DARNER_BUILD,
                     help=f"script building darner when the binary is missing ({DARNER_BUILD})")
     ap.add_argument("--dir", default="/tmp", help="parent of the temp dirs (default /tmp)")
-    ap.add_argument("--out-dir", type=Path, default=RESULTS,
-                    help="where the JSON and markdown results go (default bench/results)")
-    ap.add_argument("--no-write", action="store_true", help="print only, write no files")
     a = ap.parse_args()
     a.workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     a.targets = [t.strip() for t in a.targets.split(",") if t.strip()]
@@ -1148,30 +1108,22 @@ def main() -> None:
             "ended": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seconds": time.monotonic() - t0,
             "tree": asdict(tree), "tree_at_end": asdict(end_tree),
             "darner_version": darner_version, "machine": machine(),
-            "loadavg_start": load0, "busy_before": busy, "bench_commit": bench_commit()}
+            "loadavg_start": load0, "busy_before": busy,
+            "bench_commit": tree_commit(Path(__file__).resolve().parent.parent)}
     md = report(bench, meta)
     log(md)
-    if a.no_write:
+    path = result_file(".json")
+    if path is None:
         return
-    a.out_dir.mkdir(parents=True, exist_ok=True)
-    kind = ("-memory" if a.memory else "") + ("-quick" if a.quick else "")
-    stem = f"vs_darner-{time.strftime('%Y%m%d-%H%M', time.localtime(started))}-{tree.commit}{kind}"
     args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
     out = {"meta": meta, "args": args, "summary": summarize(bench.rows),
            "rows": [asdict(r) for r in bench.rows], "memory": bench.memory,
            "fdatasync": bench.fdatasync,
            "caveats": list(dict.fromkeys(bench.caveats))}
-    (a.out_dir / f"{stem}.json").write_text(json.dumps(clean(out), indent=1, default=str))
-    (a.out_dir / f"{stem}.md").write_text(md + "\n")
-    log(f"results written to {a.out_dir / stem}.json and .md")
-
-
-def bench_commit() -> str:
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-    return "unknown"
+    path.write_text(json.dumps(clean(out), indent=1, default=str))
+    log(f"results written to {path}")
 
 
 if __name__ == "__main__":
-    main()
+    with recording("vs_darner"):
+        main()

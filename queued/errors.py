@@ -1,7 +1,8 @@
 """The one error tree of queued, rooted at QueuedError.
 
 Owns exception types only; it must never import I/O or protocol code.
-Protocol errors carry their wire reply and whether the connection closes.
+A remote protocol error (the peer's fault) carries its wire reply and whether the
+connection closes; a local one (ours) is a bug, as in h11.
 """
 
 from __future__ import annotations
@@ -97,11 +98,16 @@ class ProducerGapError(QueueError):
     (a put before it was lost; the producer starts afresh or re-sends it)."""
 
 
-# -- the wire: what a peer got wrong ---------------------------------------------------------
+# -- the wire: whose fault (h11's pair) ----------------------------------------------------
 
 
 class ProtocolError(QueuedError):
-    """The peer broke the protocol (h11's RemoteProtocolError).
+    """The protocol was broken: by the peer (RemoteProtocolError) or by us
+    (LocalProtocolError). Catch this where either is meant, one of them where only it is."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer broke the protocol.
 
     `reply` is what to send (b"" when the command asked for noreply); `close` says whether
     the connection must end after it. When `close` is false the parser has already dropped
@@ -114,25 +120,26 @@ class ProtocolError(QueuedError):
         self.close = close
 
 
-class UnknownCommand(ProtocolError):
+class UnknownCommand(RemoteProtocolError):
     """A command name this protocol does not have."""
 
 
-class BadCommand(ProtocolError):
+class BadCommand(RemoteProtocolError):
     """A known command with bad or missing arguments."""
 
 
-class LineTooLong(ProtocolError):
+class LineTooLong(RemoteProtocolError):
     """A line longer than the parser's cap; its end cannot be found, so the connection closes."""
 
 
-class TooLarge(ProtocolError):
+class TooLarge(RemoteProtocolError):
     """A value (or put) larger than the cap; refused before its bytes are read."""
 
 
-class BadDataChunk(ProtocolError):
+class BadDataChunk(RemoteProtocolError):
     """A data block not followed by CRLF: framing is lost, so the connection closes."""
 
 
-class LocalProtocolError(QueuedError):
-    """We were asked to encode something the wire cannot carry (our bug, not the peer's)."""
+class LocalProtocolError(ProtocolError):
+    """We were asked to encode something the wire cannot carry, or fed a parser after its
+    end of stream (our bug, not the peer's)."""

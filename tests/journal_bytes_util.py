@@ -43,7 +43,7 @@ PUT_EXPIRE_HDR = 1 + 4 * 8
 # records, 9 bytes): that form must load forever, and its offsets are easy to count.
 # Sections 1 and 7 hold the goldens of the extension envelope this release writes.
 CHECK_LEN = 1 + 4 * 2
-# Ours (DESIGN.md / README): the extension envelope, command 13 with one header word (its
+# Ours (DESIGN.md / docs/journal.md): the extension envelope, command 13 with one header word (its
 # data size), then a kind byte and the kind's fields; FLAGS is kind 2, a u32.
 FLAGS_LEN = 1 + 4 + 1 + 4
 OLD_FLAGS_LEN = 1 + 4 * 1  # its older form: command 4, one word of u32 flags

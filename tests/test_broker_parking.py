@@ -492,7 +492,7 @@ def alive(ids: set[int]) -> list[str]:
     """Which of the objects `ids` names are still there (QueueState and co. have
     __slots__ without __weakref__: looked for among the objects gc tracks)."""
     gc.collect()
-    kinds = {"QueueState", "QueueJournal", "Handle", "Reader"}
+    kinds = {"QueueState", "QueueJournal", "LiveReader", "Reader"}
     return [type(o).__name__ for o in gc.get_objects()
             if id(o) in ids and type(o).__name__ in kinds]
 

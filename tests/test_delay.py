@@ -107,7 +107,7 @@ async def test_memcache_get_abort_with_delay_and_bad_delays(tmp_path: Path) -> N
             reply = await conn.cmd(b"set q/delay=%s 0 0 1\r\nz" % bad)
             assert reply == b"CLIENT_ERROR " + why, reply
         assert await conn.cmd(b"set q/later=5 0 0 1\r\nz") == (
-            b"CLIENT_ERROR unknown set option (only delay=<ms>)")
+            b"CLIENT_ERROR unknown or repeated set option (delay=<ms>, key=<k>)")
         assert await get_value(conn, "q") is None  # the refused sets stored nothing
         # delay= on a get only goes with abort (Kestrel closes on bad get options)
         assert await conn.cmd(b"get q/delay=5") == b"CLIENT_ERROR delay=<ms> goes only with abort"
@@ -449,14 +449,14 @@ def test_read_delays_record_round_trips() -> None:
     assert got.record == rec
 
 
-def test_readme_delay_record_example_is_true() -> None:
-    """The FLAGS, DELAY and PUT records the README shows for `hi`, due at 2000 ms."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("### The delay record")[1].split("```")[1]
+def test_journal_page_delay_record_example_is_true() -> None:
+    """The FLAGS, DELAY and PUT records docs/journal.md shows for `hi`, due at 2000 ms."""
+    page = (Path(__file__).parent.parent / "docs" / "journal.md").read_text()
+    section = page.split("## The delay record")[1].split("```")[1]
     shown = "".join(line.split("  ")[0].replace(" ", "") for line in section.splitlines())
     record = jf.DelayedPut(5, b"hi", 1000, flags=16, due_ms=2000)
     assert jf.encode_put(record).hex() == shown
-    assert "| 3 | **DELAY** |" in readme and "`0x52` + `i64` (9)" in readme
+    assert "| 3 | **DELAY** |" in page and "`0x52` + `i64` (9)" in page
 
 
 async def test_spark_writer_option_delay_ms(tmp_path: Path) -> None:

@@ -429,7 +429,7 @@ async def test_one_incident_backs_a_server_off_by_one_backoff(tmp_path: Path) ->
 
 
 async def test_blackholed_server_costs_one_connect_timeout(tmp_path: Path) -> None:
-    """A server whose SYNs are dropped (node gone): README says a call pays
+    """A server whose SYNs are dropped (node gone): docs/fleet.md says a call pays
     connect_timeout, then the next server. Pipelined tasks queue on the connect lock and
     each pays its own connect_timeout in turn."""
     hole = socket.socket()

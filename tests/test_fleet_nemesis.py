@@ -7,7 +7,7 @@ confirmed before a kill, none from puts re-sent after their server died mid-call
 producer's puts are idempotent: re-sent to the same server, stored once); no gap of
 more than 2 s without an acknowledged put; items stranded on a killed server are
 delivered within 10 s of its restart. The figures
-are printed (pytest -s) and quoted in the README ("Run as a fleet").
+are printed (pytest -s) and quoted in docs/fleet.md ("The nemesis test").
 """
 
 from __future__ import annotations

@@ -269,6 +269,69 @@ def test_next_batch_agrees_with_next_event(blob: bytes) -> None:
     The fast path must not verify a batch the full decoder rejects, and a record
     the full decoder rejects must stop the fast path at the same offset.
     """
+    assert_next_batch_agrees(blob)
+
+
+@st.composite
+def equal_runs(draw: st.DrawFn) -> bytes:
+    """A sealed file of batches of many same-sized PUTs (what next_batch walks column by
+    column), each maybe with one record unlike the others somewhere in the run: another
+    size, a PUT_EXPIRE, a FLAGS record before it, an id 0 or negative, another command."""
+    out = bytearray(WRITER_MAGIC)
+    xid = 1
+    for _ in range(draw(st.integers(1, 3))):
+        n, size = draw(st.integers(60, 200)), draw(st.integers(0, 40))
+        odd = draw(st.integers(0, n + 5))
+        kind = draw(st.sampled_from(["size", "expire", "flags", "zero", "negative", "cmd"]))
+        body = bytearray()
+        for k in range(n):
+            data = bytes([k % 251]) * size
+            rid = xid
+            if k == odd and kind == "size":
+                data += b"+"
+            if k == odd and kind == "zero":
+                rid = 0
+            if k == odd and kind == "negative":
+                rid = -5
+            if k == odd and kind == "flags":
+                body += h("d1 05000000 02") + struct.pack("<I", 7)
+            if k == odd and kind == "expire":
+                body += struct.pack("<Biiqqq", 0x88, len(data), 0, rid, 1000, 2000) + data
+            else:
+                body += struct.pack("<Biiqq", 0x86, len(data), 0, rid, 1000) + data
+            if k == odd and kind == "cmd":
+                body[-len(data) - 25] = draw(st.sampled_from([0x00, 0x87, 0x31, 0xD1]))
+            xid += 1
+        crc = check_crc(bytes(body), len(out))
+        out += body + struct.pack("<BiBII", 0xD1, 9, 1, len(body), crc)
+    out += draw(st.binary(max_size=40))
+    return bytes(out)
+
+
+@PROPS
+@given(equal_runs())
+def test_next_batch_agrees_with_next_event_on_runs_of_equal_puts(blob: bytes) -> None:
+    assert_next_batch_agrees(blob)
+    # A file read whole (receive_all) decodes as the same file received in pieces.
+    whole = RecordDecoder()
+    whole.receive_all(bytearray(blob))
+    got: list[object] = []
+    offsets: list[int] = []
+    try:
+        while isinstance(ev := whole.next_batch(offsets), Batch):
+            got.append(ev)
+        got.append(ev)
+    except CorruptRecordError as exc:
+        got.append((type(exc), exc.offset))
+    pieces: list[object] = []
+    again: list[int] = []
+    batches, end, _ = run_batches(split_at(blob, [len(blob) // 2]), puts=again)
+    pieces += batches
+    pieces.append((type(end), end.offset) if isinstance(end, CorruptRecordError) else end)
+    assert got == pieces and offsets == again
+
+
+def assert_next_batch_agrees(blob: bytes) -> None:
     records, ev_end, _ = run_events([blob])
     batches, b_end, _ = run_batches([blob])
     check_ends = [d.end for d in records if isinstance(d.record, Check)]

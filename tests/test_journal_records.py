@@ -58,7 +58,7 @@ def test_magic_and_command_bytes() -> None:
     # The envelope: command 13, one header word; the kinds; the marks that open them.
     assert (jf.EXT_BYTE, jf.CMD_EXT) == (0xD1, 13)
     assert (jf.EXT_CHECK, jf.EXT_FLAGS, jf.EXT_DELAY, jf.EXT_COMPACTED, jf.EXT_INCARNATION,
-            jf.EXT_PRODUCER, jf.EXT_HEADERS) == (1, 2, 3, 4, 5, 6, 7)
+            jf.EXT_PRODUCER, jf.EXT_HEADERS, jf.EXT_DEDUP) == (1, 2, 3, 4, 5, 6, 7, 8)
     assert h("d1 09000000 01") == jf.CHECK_MARK and h("d1 05000000 02") == jf.FLAGS_MARK
     assert h("d1 09000000 03") == jf.DELAY_MARK and h("d1 11000000 04") == jf.COMPACTED_MARK
     assert h("d1 09000000 05") == jf.INCARNATION_MARK

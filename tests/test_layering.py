@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +35,7 @@ LAYERS = {
     "queued.journal.": "journal", "queued.wire.": "wire", "queued.reader.": "reader",
     "queued.config.": "config", "queued.storage.": "storage", "queued.broker.": "broker",
     "queued.server.": "server", "queued.client.": "client", "queued.spark.": "spark",
-    "queued.cli": "cli", "queued.cli_stdout": "cli", "queued.logs": "cli",
+    "queued.cli.": "cli",
 }
 #: The pure layers (base, journal, wire, reader) at the bottom; the broker knows no wire
 #: format, the client no journal, storage no protocol.
@@ -175,19 +176,101 @@ def defined_names(tree: ast.Module) -> set[str]:
     return names
 
 
-def test_no_module_touches_another_modules_private_names() -> None:
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_reaches(modules: dict[str, Path]) -> list[str]:
+    """Every use of a `_private` attribute that belongs to another module than the one
+    using it: `obj._x` where the class that defines `_x` (the first in the MRO of obj's
+    type, as mypy infers it; `self` included, so an inherited private counts too) lives
+    elsewhere, `Class._x` likewise, `module._x`, and `from module import _x`.
+
+    Where mypy cannot tell the receiver's type (Any: a module outside `modules`), the
+    name decides: a reach unless the module defines such a name itself.
+    """
+    from mypy import build
+    from mypy.modulefinder import BuildSource
+    from mypy.nodes import MemberExpr, MypyFile, RefExpr, TypeInfo
+    from mypy.options import Options
+    from mypy.traverser import NameAndMemberCollector
+    from mypy.types import (
+        CallableType,
+        Instance,
+        LiteralType,
+        NoneType,
+        TupleType,
+        TypeType,
+        TypeVarType,
+        UnionType,
+        get_proper_type,
+    )
+
+    options = Options()
+    options.export_types = options.preserve_asts = True
+    options.incremental = False
+    options.cache_dir = os.devnull
+    options.follow_imports = "skip"  # the types of these modules are what matters
+    options.ignore_missing_imports = True
+    built = build.build([BuildSource(str(p), m) for m, p in modules.items()], options)
+
+    def owners(typ: object, name: str) -> Iterator[str | None]:
+        """The module of the class that defines `name` on each type `typ` may be."""
+        typ = get_proper_type(typ)  # type: ignore[arg-type]
+        if isinstance(typ, UnionType):
+            for item in typ.items:
+                yield from owners(item, name)
+            return
+        if isinstance(typ, TypeVarType):
+            typ = get_proper_type(typ.upper_bound)
+        if isinstance(typ, TypeType):
+            typ = get_proper_type(typ.item)
+        if isinstance(typ, CallableType) and typ.is_type_obj():
+            typ = get_proper_type(typ.ret_type)
+        if isinstance(typ, (TupleType, LiteralType)):
+            typ = typ.fallback if isinstance(typ, LiteralType) else typ.partial_fallback
+        if isinstance(typ, NoneType):
+            return
+        if isinstance(typ, Instance):
+            yield next((b.module_name for b in typ.type.mro if name in b.names), None)
+            return
+        yield None  # Any, or a type mypy could not infer
+
+    def owner_of(info: TypeInfo, name: str) -> str | None:
+        return next((b.module_name for b in info.mro if name in b.names), None)
+
     wrong = []
-    for module, path in MODULES.items():
-        tree = ast.parse(path.read_text())
-        own = defined_names(tree)
-        for node in ast.walk(tree):
+    for module, path in modules.items():
+        tree = built.graph[module].tree
+        assert tree is not None, module
+        own = defined_names(ast.parse(path.read_text()))
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 wrong += [f"{module}:{node.lineno} imports {node.module}.{a.name}"
-                          for a in node.names if a.name.startswith("_")
-                          and not a.name.startswith("__")]
-            elif (isinstance(node, ast.Attribute) and node.attr.startswith("_")
-                  and not node.attr.startswith("__") and node.attr not in own):
-                wrong.append(f"{module}:{node.lineno} touches {ast.unparse(node)}")
+                          for a in node.names if private(a.name)]
+        found = NameAndMemberCollector()
+        tree.accept(found)
+        for expr in found.member_exprs:
+            if not private(expr.name):
+                continue
+            assert isinstance(expr, MemberExpr)
+            receiver = expr.expr
+            if isinstance(receiver, RefExpr) and isinstance(receiver.node, MypyFile):
+                homes: list[str | None] = [receiver.node.fullname]
+            elif isinstance(receiver, RefExpr) and isinstance(receiver.node, TypeInfo):
+                homes = [owner_of(receiver.node, expr.name)]
+            else:
+                homes = list(owners(built.types.get(receiver), expr.name))
+            for home in homes:
+                if home == module or (home is None and expr.name in own):
+                    continue
+                where = home or "a type mypy cannot see"
+                wrong.append(f"{module}:{expr.line} touches .{expr.name} of {where}")
+    return wrong
+
+
+def test_no_module_touches_another_modules_private_names() -> None:
+    wrong = private_reaches(MODULES)
     assert not wrong, "\n".join(wrong)
 
 
@@ -199,3 +282,60 @@ def test_the_checks_can_fail() -> None:
     assert "server" not in ALLOWED["storage"]
     assert "_secret" not in defined_names(cycle)
     assert layer("queued.wire.parsing") == "wire" and layer("queued.broker.broker") == "broker"
+
+
+def test_the_private_names_check_sees_reaches_through_types(tmp_path: Path) -> None:
+    """A private name of another module's class is a reach whatever this module calls its
+    own names (the check used to pass any name the module also defined); the module's own
+    class's private names, on any object of it, are not."""
+    (tmp_path / "home.py").write_text(
+        "class Box:\n"
+        "    def __init__(self) -> None:\n"
+        "        self._secret = 1\n\n\n"
+        "def fine(box: Box) -> int:\n"
+        "    return box._secret\n")
+    (tmp_path / "away.py").write_text(
+        "from typing import Any\n\n"
+        "from home import Box\n\n\n"
+        "class Mine(Box):\n"
+        "    def __init__(self) -> None:\n"
+        "        super().__init__()\n"
+        "        self._mine = 2\n\n"
+        "    def inherited(self) -> int:\n"
+        "        return self._secret\n\n\n"
+        "class Other:\n"
+        "    def __init__(self) -> None:\n"
+        "        self._secret = 3  # the same name, defined here too\n\n\n"
+        "def reach(box: Box | None, other: Other, mine: Mine, x: Any) -> int:\n"
+        "    assert box is not None\n"
+        "    return box._secret + other._secret + mine._mine + x._mine + x._unknown\n")
+    wrong = private_reaches({"home": tmp_path / "home.py", "away": tmp_path / "away.py"})
+    assert sorted(wrong) == [
+        "away:12 touches ._secret of home",  # inherited from another module's class
+        "away:22 touches ._secret of home",  # the name is defined here too: still a reach
+        "away:22 touches ._unknown of a type mypy cannot see",
+    ], wrong
+
+
+def layer_arrows() -> dict[tuple[str, str], int]:
+    """(importing layer, imported layer) -> how many module pairs make that arrow."""
+    arrows: dict[tuple[str, str], int] = {}
+    for module, targets in internal_graph().items():
+        for target in targets:
+            if (pair := (layer(module), layer(target)))[0] != pair[1]:
+                arrows[pair] = arrows.get(pair, 0) + 1
+    return arrows
+
+
+if __name__ == "__main__":  # the house as this test sees it: `python tests/test_layering.py`
+    by_layer: dict[str, list[str]] = {}
+    for name in MODULES:
+        by_layer.setdefault(layer(name), []).append(name)
+    arrows = layer_arrows()
+    for name in ALLOWED:
+        sizes = sorted((len(MODULES[m].read_text().splitlines()), m) for m in by_layer[name])
+        print(f"{name:8} {len(sizes):2} modules, {sum(n for n, _ in sizes):6} lines "
+              f"(largest {sizes[-1][1]}, {sizes[-1][0]})")
+        print("         -> " + ", ".join(f"{to} ({n})" for (frm, to), n in sorted(arrows.items())
+                                        if frm == name))
+    print(f"private reaches: {len(private_reaches(MODULES))}")

@@ -8,6 +8,8 @@ Waits are long polls bounded by server_util.WAIT: real time is the point here.
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -152,6 +154,91 @@ def test_blocking_client_reserve_heartbeat(tmp_path: Path) -> None:
 
             with trio.fail_after(WAIT * 2):
                 await trio.to_thread.run_sync(work)
+
+    trio.run(main)
+
+
+async def test_heartbeats_of_many_reserves_go_out_together(tmp_path: Path) -> None:
+    """40 reserve blocks of one client, each with heartbeat=True and a 600 ms lease, held
+    for 1.5 s: every item keeps its lease, and the beats, which fall due together, go out
+    as one extend per beat for all of them (not one per item); an item aborted meanwhile
+    (its read no longer held: NotOpen for its batch) does not cost the others theirs."""
+    async with running(cfg(tmp_path)) as server:
+        address = f"{HOST}:{server.ports['rpc']}"
+        rpc = server.protocols["rpc"]
+        async with AsyncClient(address) as c, AsyncClient(address) as other:
+            await c.put("hb", [b"job %d" % i for i in range(40)])
+            held = 0
+            all_held = trio.Event()
+            done = trio.Event()
+
+            async def hold(lose: bool) -> None:
+                nonlocal held
+                async with c.reserve("hb", auto_abort_ms=600, heartbeat=True) as item:
+                    assert item is not None
+                    held += 1
+                    if held == 40:
+                        all_held.set()
+                    if lose:
+                        await all_held.wait()
+                        assert await c.abort(item) == 1  # returned: its beats get NotOpen
+                    await done.wait()
+
+            async with trio.open_nursery() as nursery:
+                for i in range(40):
+                    nursery.start_soon(hold, i == 0)
+                with trio.fail_after(WAIT):
+                    await all_held.wait()
+                before = rpc.commands.get("extend", 0)
+                await trio.sleep(1.5)  # 7 or 8 beats of 200 ms, 2.5 leases
+                calls = rpc.commands.get("extend", 0) - before
+                info = await other.peek("hb")
+                assert (info.items, info.open_transactions) == (1, 39)  # the aborted one
+                done.set()
+            # One extend per beat for all 40, but the beat that first meets the lost read:
+            # refused whole, then sent one by one (40 calls), and the lost read is left
+            # out after that. One call per item would be 40 a beat, 280 or more.
+            assert 6 <= calls <= 9 + 40, calls
+        assert server.broker.reader_info("hb")["items"] == 1  # the 39 were confirmed
+
+
+def test_blocking_client_heartbeats_of_many_reserves_go_out_together(tmp_path: Path) -> None:
+    """The blocking client's reserves (one heartbeat thread each) in 10 threads sharing one
+    Client: their beats fall due together and go out as one extend, not 10."""
+    async def main() -> None:
+        async with running(cfg(tmp_path)) as server:
+            address = f"{HOST}:{server.ports['rpc']}"
+            rpc = server.protocols["rpc"]
+
+            def work() -> tuple[int, int]:
+                with Client(address) as c, Client(address) as other:
+                    c.put("hb", [b"job %d" % i for i in range(10)])
+                    barrier = threading.Barrier(11, timeout=WAIT)
+
+                    def hold() -> None:
+                        with c.reserve("hb", auto_abort_ms=600, heartbeat=True) as item:
+                            assert item is not None
+                            barrier.wait()  # all held
+                            barrier.wait()  # the count is taken
+
+                    threads = [threading.Thread(target=hold) for _ in range(10)]
+                    for t in threads:
+                        t.start()
+                    barrier.wait()
+                    before = rpc.commands.get("extend", 0)
+                    time.sleep(1.5)  # 7 or 8 beats of 200 ms, 2.5 leases
+                    calls = rpc.commands.get("extend", 0) - before
+                    held = other.peek("hb").open_transactions
+                    barrier.wait()
+                    for t in threads:
+                        t.join(WAIT)
+                    return calls, held
+
+            with trio.fail_after(WAIT * 2):
+                calls, held = await trio.to_thread.run_sync(work)
+            assert held == 10  # every lease kept
+            assert 6 <= calls <= 3 * 9, calls  # one call per item would be 70 or more
+            assert server.broker.reader_info("hb")["items"] == 0  # all confirmed
 
     trio.run(main)
 

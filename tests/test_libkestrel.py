@@ -1,13 +1,13 @@
 """libkestrel reads our journal files, and files of earlier releases load after an upgrade.
 
 A port of libkestrel's reader (tests/libkestrel_util.py) reads every kind of file the
-storage layer writes: plain, flagged, delayed and expiring items with error counts, a
+storage layer writes: plain, flagged, delayed, headed and expiring items with error counts, a
 rotated segment, a compaction's output, a queue's new incarnation after a delete, a
 checkpoint written whole and one with appended batches. It must return every item, in
 order, with its id, data, add time, expiry and error count, and each reader's head and
 out-of-order confirms, under both of libkestrel's rules for skipping a record it does not
 know (its released one, and the first one, which skips by data size alone), PRODUCER
-records (exactly-once puts) included.
+records (exactly-once puts) and DEDUP records (deduplication keys) included.
 
 Then a data directory in the format of earlier releases, made here from fixed bytes
 (the older forms: command 7 checks, command 4 FLAGS, 5 DELAY, 6 COMPACTED, 12
@@ -31,12 +31,15 @@ from queued.cli import dump
 from queued.cli import main as cli_main
 from queued.errors import CorruptJournalError
 from queued.journal import format as jf
+from queued.journal.headers import encode_headers
 from queued.storage.datadir import DataDir, open_data_dir
 from queued.storage.files import decode_checkpoint, read_checkpoint
 from queued.storage.journal import wait_durable
 from queued.storage.journal_scan import scan_segment
 
 BIG = b"x" * 100  # with journal_size=620, 4 such items fill a segment
+#: A headers block (W3C trace context), for items with headers.
+TRACE = encode_headers({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
 
 
 def as_kestrel(put: jf.Put) -> KPut:
@@ -92,8 +95,26 @@ async def test_libkestrel_reads_every_kind_of_file_we_write(tmp_path: Path) -> N
             puts, ticket = q.append_nowait(batch, T0 + 3, flags=5, producer=(b"p-1", seq))
             await wait_durable(ticket)
             sent += puts
+        # Items with headers: a HEADERS record leads each (before its FLAGS and DELAY).
+        sent += await q.append([b"headed", b"not headed"], T0 + 3, headers=[TRACE, b""])
+        puts, ticket = q.append_nowait([b"headed, delayed, flagged"], T0 + 3, flags=9,
+                                       due_ms=T0 + 60_000, producer=(b"p-1", 3),
+                                       headers=[TRACE])
+        await wait_durable(ticket)
+        sent += puts
+        # Puts with deduplication keys: a DEDUP record after each one's last item (a put of
+        # its own; puts joined into one append, one without a key among them).
+        puts, ticket = q.append_nowait([b"keyed-0"], T0 + 3, dedup=[(0, 1, b"order-0")])
+        await wait_durable(ticket)
+        sent += puts
+        puts, ticket = q.append_nowait(
+            [b"keyed-1", b"keyed-2", b"not keyed", b"keyed-3"], T0 + 3, due_ms=T0 + 9,
+            dedup=[(0, 2, b"order-1"), (3, 4, b"order/2")])
+        await wait_durable(ticket)
+        sent += puts
         for i in range(10):  # rotation: several segments
-            sent += await q.append([BIG + data_for(i)], T0 + 4 + i)
+            sent += await q.append([BIG + data_for(i)], T0 + 4 + i,
+                                   headers=[TRACE] if i % 3 == 0 else None)
         # A checkpoint written whole: head, out-of-order confirms, an abort's error count,
         # an abort's delay; then batches appended to it.
         await q.write_checkpoint("", 2, [4, 5], [(3, 1)], [(6, T0 + 99)])
@@ -104,8 +125,9 @@ async def test_libkestrel_reads_every_kind_of_file_we_write(tmp_path: Path) -> N
         await q.write_checkpoint("r", 0, [1])  # a named reader
 
         c = dd.queue("c")  # a compaction's output: stragglers 4 and 8 of segments 1-4, 5-8
-        for _ in range(13):
-            await c.append([BIG], T0)
+        for i in range(1, 14):  # (a small header: 4 items and their records fill a segment)
+            await c.append([BIG], T0, headers=[encode_headers({"t": b"%d" % i})]
+                           if i in (4, 8) else None)
         await c.write_checkpoint("", 0, [1, 2, 3, 5, 6, 7])
         assert (await c.compact()).rewritten == 2
 
@@ -130,7 +152,22 @@ async def test_libkestrel_reads_every_kind_of_file_we_write(tmp_path: Path) -> N
     marks = [d.record for path in q_segments for d in jf.decode_all(path.read_bytes())
              if isinstance(d.record, jf.ProducerMark)]
     assert marks == [jf.ProducerMark(b"p-1", 1, 6, 2, T0 + 3),
-                     jf.ProducerMark(b"p-1", 2, 8, 1, T0 + 3)]
+                     jf.ProducerMark(b"p-1", 2, 8, 1, T0 + 3),
+                     jf.ProducerMark(b"p-1", 3, 11, 1, T0 + 3)]
+    # (what libkestrel does not see either) headers, kept in the rewrite too
+    assert [(type(p), p.headers) for p in ours[8:11]] == [
+        (jf.HeadedPut, TRACE), (jf.Put, b""), (jf.DelayedPut, TRACE)]
+    assert ours[:11] == sent[:11] and ours[10].flags == 9
+    assert [p.id for p in ours if p.headers] == [9, 11, 17, 20, 23, 26]
+    keys = [d.record for path in q_segments for d in jf.decode_all(path.read_bytes())
+            if isinstance(d.record, jf.DedupMark)]
+    assert keys == [jf.DedupMark(b"order-0", 12, 1, T0 + 3),
+                    jf.DedupMark(b"order-1", 13, 2, T0 + 3),
+                    jf.DedupMark(b"order/2", 16, 1, T0 + 3)]
+    records = [d.record for path in q_segments for d in jf.decode_all(path.read_bytes())]
+    after = {r.data: records[i + 1] for i, r in enumerate(records) if isinstance(r, jf.Put)}
+    assert after[b"keyed-2"] == keys[1] and after[b"keyed-3"] == keys[2]  # each part's last
+    assert isinstance(after[b"keyed-1"], jf.Put) and isinstance(after[b"not keyed"], jf.Put)
 
     # The compaction's output holds the stragglers; the last segment the one after them.
     c_segments = segment_paths(data, "c")
@@ -138,6 +175,8 @@ async def test_libkestrel_reads_every_kind_of_file_we_write(tmp_path: Path) -> N
     assert [h.compacted is not None for h in heads] == [True, False, False]
     assert [[p.id for p in kestrel_reads_segment(path)] for path in c_segments] == [
         [4, 8], [9, 10, 11, 12], [13]]
+    assert [p.headers for p in our_puts(c_segments[0].read_bytes())] == [
+        encode_headers({"t": b"4"}), encode_headers({"t": b"8"})]
 
     # The queue deleted and created again: one segment, the new life, its one item.
     (d_segment,) = segment_paths(data, "d")

@@ -1,11 +1,11 @@
-"""The Makefile's two installs: `make run` installs only what the server needs, `make test`
-adds the test and Spark extras, and their stamps keep either from installing again what
-is there.
+"""The Makefile's installs: `make run` installs only what the server needs, `make test`
+adds the test, Spark and docs extras, `make docs` only the docs extra, and their stamps
+keep each from installing again what is there.
 
 Checked with make's own dry run (`make -n` prints the commands it would run, deciding
 from the real files' times) on a copy of the Makefile and pyproject.toml in a temp dir,
-so nothing is installed. The sizes of the two installs are measured by hand (README,
-Development).
+so nothing is installed. The sizes of the two installs are measured by hand (docs/development.md,
+Tests and tools).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_ONLY = "-e ."
-WITH_EXTRAS = "-e '.[test,spark]'"
+WITH_EXTRAS = "-e '.[test,spark,docs]'"
+DOCS_ONLY = "-e '.[docs]'"
 
 
 @pytest.fixture
@@ -97,3 +98,21 @@ def test_test_browser_adds_the_browser_extra_and_runs_only_the_browser_tests(
     done(project, ".installed-run", ".installed-test", ".installed-browser")
     assert installs(dry_run(project, "test-browser")) == []
     assert "make test-browser" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_test_builds_the_docs_strictly_and_docs_serves_them(project: Path) -> None:
+    lines = dry_run(project, "test")
+    assert any("mkdocs build --strict" in line for line in lines), lines
+    assert "touch .venv/.installed-test .venv/.installed-docs" in lines  # docs come with it
+    lines = dry_run(project, "docs")
+    assert installs(lines) == [SERVER_ONLY, DOCS_ONLY], lines  # no test or Spark extras
+    assert any(line.endswith("mkdocs serve") for line in lines), lines
+
+
+def test_docs_after_test_installs_nothing(project: Path) -> None:
+    done(project, ".installed-run", ".installed-test", ".installed-docs")
+    assert installs(dry_run(project, "docs")) == []
+    done(project, ".installed-run")
+    (project / ".venv" / ".installed-test").unlink()
+    (project / ".venv" / ".installed-docs").unlink()
+    assert installs(dry_run(project, "docs")) == [DOCS_ONLY]

@@ -1,7 +1,8 @@
 """PackedItems (queued.reader.packed_items) against a model, a deque of blocks of Puts:
 pack, unpack_next, iteration, len, truth and clear, with plain items (packed) and every
 kind it keeps as objects (DelayedPut, error counts, big data, values its columns cannot
-hold). A Reader packing its backlog is tested in test_reader_state.py.
+hold), and items with headers (packed, their headers in a column). A Reader packing its
+backlog is tested in test_reader_state.py.
 
 A reader that packs in tiny blocks must behave exactly as one that never packs (a
 differential state machine over every Reader operation the broker uses, delays,
@@ -26,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from reader_util import Limits, held, read_range
 
 from queued.broker.upkeep import open_broker
-from queued.journal.format import DelayedPut, Put
+from queued.journal.format import DelayedPut, HeadedPut, Put
 from queued.reader.open_reads import OpenReads
 from queued.reader.packed_items import BLOCK_ITEMS, SMALL_MAX, PackedItems, PackedStats
 from queued.reader.state import PACK_AT, Reader
@@ -49,8 +50,13 @@ def puts(draw: st.DrawFn) -> Put:
     expire = draw(st.one_of(st.none(), st.just(T0 + 5), st.integers(-(1 << 63), I64)))
     flags = draw(st.one_of(st.just(0), st.integers(0, (1 << 32) - 1), st.just(1 << 40)))
     errors = draw(st.one_of(st.just(0), st.integers(0, 5)))
-    if draw(st.integers(0, 9)) == 0:
-        return DelayedPut(i, data, add, expire, errors, flags, draw(st.integers(0, I64)))
+    headers = draw(st.one_of(st.just(b""), st.binary(min_size=1, max_size=30)))
+    kind = draw(st.integers(0, 9))
+    if kind == 0:
+        return DelayedPut(i, data, add, expire, errors, flags, draw(st.integers(0, I64)),
+                          headers)
+    if kind < 4:  # (headers packed in a column of their own)
+        return HeadedPut(i, data, add, expire, errors, flags, headers)
     return Put(i, data, add, expire, errors, flags)
 
 
@@ -114,6 +120,18 @@ def test_plain_items_are_packed_and_others_stay_objects() -> None:
     assert list(packed) == items
     assert packed.unpack_next() == items[::-1]
     assert packed.statistics() == PackedStats(0, 0, 0, 0, 0)
+
+
+def test_items_with_headers_are_packed_their_headers_in_a_column() -> None:
+    items = [HeadedPut(i, b"d%d" % i, T0, None, 0, i % 2, b"h%d" % i) if i % 3 else plain(i)
+             for i in range(1, 1 + BLOCK_ITEMS)]
+    packed = PackedItems()
+    packed.pack(items)
+    heads = sum(len(it.headers) for it in items)
+    assert packed.statistics() == PackedStats(len(items), 1, len(items), 0,
+                                              sum(len(it.data) for it in items) + heads)
+    got = packed.unpack_next()[::-1]
+    assert got == items and [type(it) for it in got] == [type(it) for it in items]
 
 
 def test_a_block_of_big_items_is_kept_as_it_is() -> None:

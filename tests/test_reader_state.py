@@ -606,16 +606,20 @@ class ReaderMachine(RuleBasedStateMachine):
 
     def expected_next(self, *, promoting: bool = True) -> list[int]:
         """In delivery order, but due items whose data is on disk: the items in memory
-        may come before those (the README's Delayed delivery says so); `_take` reads
+        may come before those (docs/queues.md, Delayed delivery, says so); `_take` reads
         them back once memory has nothing else. `promoting`: for a take or a peek, which
         first move what is due from the delay heap (a sweep or a discard does not)."""
         waiting = set(self.delays)
         in_memory = {e.id for e in self.r.due if not isinstance(e, int)}
         if promoting:
             in_memory |= set(self.r.parked)
-        due = sorted((d, i) for i, d in self.delays.items() if d <= self.now and i in in_memory)
+        due = []  # due ones in due order, up to the first whose data is on disk: the
+        for _, i in sorted((d, i) for i, d in self.delays.items() if d <= self.now):
+            if i not in in_memory:  # rest waits behind it (memory's items come first)
+                break
+            due.append(i)
         rest = sorted(self.available() - set(self.front) - waiting)
-        return self.front + [i for _, i in due] + rest
+        return self.front + due + rest
 
     def _settled(self, i: int) -> None:
         """Read `i` ended (confirmed, aborted, rejected): its lease ends with it."""
@@ -1032,6 +1036,25 @@ def test_a_consumer_that_keeps_up_packs_nothing() -> None:
         r.add([packable(i)])
         assert r.take(T0, []) == packable(i - PACK_AT + 2)
         assert r.packed is NO_ITEMS
+
+
+def test_due_items_wait_behind_a_due_item_on_disk() -> None:
+    """Found by the machine: two reads come back after the same back-off, the first's data
+    on disk, the second's in memory; once due, the reader serves memory's items first (the
+    not-delayed item 3) and the due items in due order once the first is read back."""
+    m = ReaderMachine()
+    m.setup(cap=CAP, packing=False)
+    m.add(sizes=[1, 1, 149], ttl=None)
+    m.take_open(lease=1)
+    m.take_open(lease=1)
+    m.tick(ms=1)
+    m.expire()
+    m.tick(ms=5)
+    assert m.expected_next() == [3]
+    m.peek()  # asserts the reader's answer is the model's
+    for _ in range(3):
+        m.take_and_consume()  # 3, then 1 read back from disk, then 2 (each asserted)
+    assert not m.outstanding()
 
 
 # -- batched takes and confirms against the per-item paths -------------------------------------

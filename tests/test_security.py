@@ -143,8 +143,8 @@ async def test_text_protocol_auth(tmp_path: Path, users_file: Path) -> None:
     async with secured(tmp_path, users_file) as server:
         port = server.ports["text"]
         conn = await Conn.open(port, b"\n")
-        assert await conn.cmd(b"get orders") == b"-unauthenticated: log in first (see the " \
-            b"README's Security section)"
+        assert await conn.cmd(b"get orders") == b"-unauthenticated: log in first (see " \
+            b"docs/security.md)"
         await conn.expect_closed()
         conn = await Conn.open(port, b"\n")
         assert (await conn.cmd(b"AUTH alice wrong")).startswith(b"-authentication failure")

@@ -230,6 +230,76 @@ async def test_the_head_view_is_read_only(tmp_path: Path) -> None:
         assert set(b.queues["other"].readers) == {"r"}  # looking created no default reader
 
 
+async def test_the_queue_view_pages_through_the_queue_with_browse(tmp_path: Path) -> None:
+    """`?after=<id>` pages past the head: every item once, in delivery order, those read
+    back from disk included (a small max_memory_size), with `more` on every page but the
+    last; nothing is opened, taken or counted."""
+    toml = '[queues.jobs]\nmax_memory_size = "1KiB"\n'
+    async with running(cfg(tmp_path, toml)) as server:
+        port, b = server.ports["http"], server.broker
+        n = 3 * HEAD_ITEMS + 5
+        await b.put("jobs", [b"item %03d " % i + b"x" * 90 for i in range(n)])
+        assert b.reader_info("jobs")["mem_items"] < n  # most wait on disk
+
+        def state() -> object:
+            info = b.reader_info("jobs")
+            del info["oldest_item_age_msec"]
+            return info, b.statistics()
+
+        before = state()
+        seen: list[str] = []
+        after, pages = 0, 0
+        while True:
+            status, d = await doc(port, f"/api/queues/jobs?after={after}")
+            assert status == 200 and d["after"] == after and d["limit"] == HEAD_ITEMS
+            items: list[dict[str, object]] = d["items"]  # type: ignore[assignment]
+            seen += [str(i["text"])[:8] for i in items]
+            pages += 1
+            if not d["more"]:
+                break
+            assert len(items) == HEAD_ITEMS
+            after = int(items[-1]["id"])  # type: ignore[call-overload]
+            assert pages < 10
+        assert pages == 4 and seen == [f"item {i:03d}" for i in range(n)]
+        assert state() == before  # nothing opened, taken, read back or counted
+        first = await b.get("jobs")
+        assert first is not None and first.data.startswith(b"item 000")
+        before = state()
+        # a page after an item no longer there goes on with the items after it by id
+        status, d = await doc(port, f"/api/queues/jobs?after={first.id}")
+        assert [str(i["text"])[:8] for i in d["items"]] == [  # type: ignore[union-attr]
+            f"item {i:03d}" for i in range(1, HEAD_ITEMS + 1)]
+        status, d = await doc(port, "/api/queues/jobs?after=999999")
+        assert status == 200 and d["items"] == [] and d["more"] is False
+        # no `after` (the page the console opens first) is the head, as `after=0` is
+        status, d = await doc(port, "/api/queues/jobs?other=1")
+        assert status == 200 and d["after"] == 0 and len(d["items"]) == HEAD_ITEMS  # type: ignore[arg-type]
+        for bad in ("after=-1", "after=x", "after=", "after=1&after=2", "after=1e3",
+                    "after=%EF%BC%91", "after=" + "9" * 20, "&".join(["a=1"] * 9)):
+            status, d = await doc(port, f"/api/queues/jobs?{bad}")
+            assert status == 400 and "after" in str(d["error"]), bad
+        assert state() == before
+
+
+async def test_paging_needs_get_and_shows_only_what_one_may_see(
+        tmp_path: Path, users: Path) -> None:
+    async with running(cfg(tmp_path, users_file=str(users))) as server:
+        port, b = server.ports["http"], server.broker
+        await b.put("jobs-1", [f"j{i}".encode() for i in range(HEAD_ITEMS + 3)])
+        await b.put("orders", [b"o"])
+        status, d = await doc(port, "/api/queues/jobs-1?after=1", as_("alice"))  # put only
+        assert status == 403 and "items" not in d
+        status, d = await doc(port, "/api/queues/jobs-1?after=1", as_("ops"))  # admin, no get
+        assert status == 403 and "items" not in d
+        status, d = await doc(port, "/api/queues/jobs-1?after=10", as_("bob"))
+        assert status == 200 and [i["text"] for i in d["items"]] == [  # type: ignore[union-attr]
+            "j10", "j11", "j12"]
+        status, _ = await doc(port, "/api/queues/orders?after=0", as_("bob"))
+        assert status == 404  # not bob's: as if it did not exist
+        assert (await get(port, "/api/queues/jobs-1?after=1"))[0] == 401
+        assert b.reader_info("jobs-1")["items"] == HEAD_ITEMS + 3
+
+
 def test_preview_shows_bytes_safely() -> None:
     assert preview(b"hello") == {"text": "hello", "binary": False, "size": 5,
                                  "truncated": False}

@@ -3,7 +3,17 @@ queue, rates from counters, the cap on names, and what each user may see."""
 
 from __future__ import annotations
 
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from server_util import WAIT, ServerProcess, http_get, send_lines
+
 from queued.server.history import SAMPLES, History
+from queued.storage.datadir import HISTORY_FILE
 
 
 def fields(items: int, puts: int, gets: int) -> dict[str, int]:
@@ -63,3 +73,113 @@ def test_a_queue_made_since_the_last_sample_has_its_point_of_now() -> None:
     view = h.view(lambda _: True, 5.0, now)["queues"]
     assert view["b"] == {"t": [5.0], "items": [7], "puts": [], "gets": []}  # type: ignore[index]
     assert "c" not in view  # type: ignore[operator]  # past the cap
+
+
+# -- kept across a clean restart ------------------------------------------------------------
+
+
+def test_a_snapshot_restores_what_is_still_within_the_window() -> None:
+    h = History()
+    for k in range(30):  # 0 .. 290 s
+        h.sample(10.0 * k, [("q", fields(k, 2 * k, k)),
+                            *([("young", fields(1, k, 0))] if k >= 25 else []),
+                            ("deleted", fields(0, 0, 0))])
+    doc = json.loads(json.dumps(h.snapshot()))  # as the file holds it
+    back = History()
+    # 700 s later (down for 410 s): samples from 0 to 290 s are < 900 s old but 0..70 s
+    assert back.restore(doc, 990.0, {"q", "young", "new"}) == 2
+    view = back.view(lambda _: True)["queues"]
+    q = view["q"]  # type: ignore[index]
+    assert q["t"] == [10.0 * k for k in range(10, 30)] and q["items"] == list(range(10, 30))
+    assert view["young"]["items"] == [1] * 5  # type: ignore[index]
+    assert view["young"]["t"] == [250.0, 260.0, 270.0, 280.0, 290.0]  # type: ignore[index]
+    assert "deleted" not in view  # type: ignore[operator]  # (not in the data dir now)
+    back.sample(1000.0, [("q", fields(3, 4, 5))])  # this run's samples go on after them
+    assert back.view(lambda _: True)["queues"]["q"]["t"][-2:] == [290.0, 1000.0]  # type: ignore[index]
+
+
+def test_an_old_or_future_snapshot_restores_nothing() -> None:
+    h = History()
+    h.sample(100.0, [("q", fields(1, 1, 1))])
+    doc = h.snapshot()
+    for now in (100.0 + 900.0, 50.0):  # all too old; the clock went back
+        back = History()
+        assert back.restore(doc, now, {"q"}) == 0 and back.view(lambda _: True)["queues"] == {}
+
+
+@pytest.mark.parametrize("doc", [
+    None, [], {"version": 2, "times": [], "series": {}}, {"version": 1},
+    {"version": 1, "times": [2.0, 1.0], "series": {}},
+    {"version": 1, "times": ["x"], "series": {}},
+    {"version": 1, "times": [1.0], "series": {"q": {"items": [1], "puts": [1]}}},
+    {"version": 1, "times": [1.0], "series": {"q": {"items": [1], "puts": [1], "gets": [1.5]}}},
+    {"version": 1, "times": [1.0], "series": {"q": {"items": [1, 2], "puts": [1, 2],
+                                                    "gets": [1, 2]}}},
+    {"version": 1, "times": [1.0], "series": {"q": {"items": [1 << 64], "puts": [1],
+                                                    "gets": [1]}}},
+])
+def test_a_document_that_is_no_snapshot_is_refused_and_changes_nothing(doc: object) -> None:
+    h = History()
+    h.sample(5.0, [("q", fields(1, 1, 1))])
+    before = h.snapshot()
+    with pytest.raises(ValueError):
+        h.restore(doc, 10.0, {"q"})
+    assert h.snapshot() == before
+
+
+def test_save_and_load_through_the_data_dir(tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                            ) -> None:
+    h = History()
+    h.sample(100.0, [("q", fields(4, 4, 0))])
+    h.save(tmp_path)
+    assert (tmp_path / HISTORY_FILE).exists()
+    back = History()
+    back.load(tmp_path, 110.0, {"q"})
+    assert back.view(lambda _: True)["queues"]["q"]["items"] == [4]  # type: ignore[index]
+    assert not (tmp_path / HISTORY_FILE).exists()  # read once: a crash later starts empty
+    back.load(tmp_path, 120.0, {"q"})  # no file: nothing happens
+    (tmp_path / HISTORY_FILE).write_bytes(b'{"version": 1, "times": [')
+    empty = History()
+    with caplog.at_level(logging.WARNING, logger="queued.console"):
+        empty.load(tmp_path, 120.0, {"q"})
+    assert empty.view(lambda _: True)["queues"] == {}
+    assert "chart history" in caplog.text and "not read" in caplog.text
+    assert not (tmp_path / HISTORY_FILE).exists()
+
+
+def history_when_ready(server: ServerProcess) -> dict[str, dict[str, list[float]]]:
+    """/api/history of a server once recovery has finished (it answers 503 before)."""
+    deadline = time.monotonic() + WAIT
+    while (reply := http_get(server.http, "/api/history"))[0] == 503:
+        assert time.monotonic() < deadline, "not ready in time"
+        time.sleep(0.02)
+    assert reply[0] == 200
+    return json.loads(reply[2])["queues"]  # type: ignore[no-any-return]
+
+
+def test_a_clean_restart_keeps_the_charts_and_a_crash_does_not(tmp_path: Path) -> None:
+    """`queued serve` stopped by SIGTERM writes the history; the next start serves it
+    (samples from before the restart) and removes the file; a SIGKILL writes nothing."""
+    server = ServerProcess(tmp_path / "data", tmp_path / "server.log")
+    server.start()
+    try:
+        for i in range(7):
+            assert send_lines(server.memcache, b"set q 0 0 1\r\n%d\r\n" % i,
+                              until=b"\r\n") == b"STORED\r\n"
+        server.signal(signal.SIGTERM)
+        assert server.wait() == 0
+        assert (tmp_path / "data" / HISTORY_FILE).exists()
+        restarted = time.time()
+        server.start()
+        q = history_when_ready(server)["q"]
+        before = [t for t in q["t"] if t < restarted]
+        assert before and q["items"][:len(before)][-1] == 7  # the last point of the last run
+        assert not (tmp_path / "data" / HISTORY_FILE).exists()
+        server.kill()  # a crash: nothing written
+        assert not (tmp_path / "data" / HISTORY_FILE).exists()
+        server.start()
+        q = history_when_ready(server)["q"]
+        assert all(t >= restarted for t in q["t"]) and q["items"][-1] == 7
+        assert b"data dir: ignoring" not in server.log()
+    finally:
+        server.kill()

@@ -169,4 +169,50 @@ async def test_a_monitor_stops_taking_items_once_its_peer_is_lost(
         await producer.aclose()
 
 
-# -- fairness of the direct socket path ----------------------------------------------------------
+# -- the reactor's synchronous core ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("codec", "touch", "reply", "refused"), [
+    (MemcacheCodec, b"touch q 5000\r\n", b"TOUCHED\r\n", b"touch none 5000\r\n"),
+    (TextCodec, b"touch q 5000\n", b"+1\n", b"touch none 5000\n"),
+    (RpcCodec, msgpack.packb([0, 3, "extend", ["q", [1], 5000]]),
+     msgpack.packb([1, 3, None, 1]), msgpack.packb([0, 4, "extend", ["q", [99], 5000]])),
+])
+async def test_touch_and_extend_run_in_the_pass_without_a_hand_off(
+    tmp_path: Path, codec: type[MemcacheCodec | TextCodec | RpcCodec], touch: bytes,
+    reply: bytes, refused: bytes,
+) -> None:
+    """A lease extension needs no wait: `run_nowait` answers it in the reactor's pass (it
+    returns past it), as it does a confirm, instead of handing the connection to its task;
+    the read's deadline moves. One it cannot do is answered there too, with its error."""
+    config = make_config(tmp_path / "data", fsync="never")
+    async with open_broker(config) as broker:
+        server = Server(broker, config)
+        _, server_end = trio.testing.memory_stream_pair()
+        limits = c.Limits(config.max_line, config.max_item_size, config.rpc_max_frame,
+                          config.rpc_max_batch)
+        session = Session(server, broker, server_end, codec(limits), name="memory",
+                          max_item_size=config.max_item_size, counters=ServerCounters(),
+                          stats=ProtocolStats())
+        broker.register(session.reads)
+        await broker.put("q", [b"job"])
+        item = await broker.get("q", client=session.reads, open=True,
+                                open_timeout_ms=1000)
+        assert item is not None and item.id == 1
+        before = session.reads.open[("q", "")][1]
+        assert before is not None and before <= trio.current_time() + 1.0
+        session.codec.receive_data(touch + refused)
+        requests = session.codec.next_requests(10)
+        assert len(requests) == 2
+        assert session.run_nowait(requests) == 2  # both ran: nothing left for the task
+        out = bytes(session.out)
+        assert out.startswith(reply)
+        after = session.reads.open[("q", "")][1]
+        assert after is not None and after >= trio.current_time() + 4.9
+        rest = out[len(reply):]
+        if codec is RpcCodec:
+            [kind, msgid, error, _] = msgpack.unpackb(rest)
+            assert (kind, msgid) == (1, 4) and error[0] == 17  # NOT_OPEN
+        else:
+            assert rest in (b"NOT_FOUND\r\n", b"+0\n")
+        assert not session.done and session.reads.open_total == 1

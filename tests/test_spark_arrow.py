@@ -84,12 +84,13 @@ def as_row(queue: str, p: jf.Put, flags: bool = False) -> tuple[object, ...]:
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=puts_strategy, batch_sizes=st.lists(st.integers(1, 9), max_size=4),
        sealed=st.booleans(), chunk_size=st.sampled_from([1, 7, 64, 1 << 20]),
+       whole=st.booleans(),
        rows=st.sampled_from([1, 3, 1000]), after=st.integers(0, 70), upto=st.integers(0, 70),
        skip=st.frozensets(st.integers(1, 70), max_size=8), live_at=st.integers(0, 10**6))
 def test_arrow_equals_python_and_the_records(
         tmp_path: Path, raw: list[tuple[bytes, int, int | None, int, int]],
         batch_sizes: list[int],
-        sealed: bool, chunk_size: int, rows: int, after: int, upto: int,
+        sealed: bool, chunk_size: int, whole: bool, rows: int, after: int, upto: int,
         skip: frozenset[int], live_at: int) -> None:
     puts = [jf.Put(i + 1, data, T0 + added, None if exp is None else T0 + exp, errors, flags)
             for i, (data, added, exp, errors, flags) in enumerate(raw)]
@@ -98,7 +99,9 @@ def test_arrow_equals_python_and_the_records(
     ids = js.IdFilter(after, upto, skip)
     wanted = [p for p in puts
               if p.id > after and (upto <= 0 or p.id <= upto) and p.id not in skip]
-    kw = {"chunk_size": chunk_size, "rows_per_chunk": rows}
+    # (whole: the file read in one call and its chunks views of it; else in chunk_size reads)
+    kw = {"chunk_size": chunk_size, "rows_per_chunk": rows,
+          "whole_max": js.WHOLE_FILE_MAX if whole else 0}
     assert python_rows("q", path, ids, **kw) == wanted
     assert arrow_rows("q", path, ids, **kw) == [as_row("q", p) for p in wanted]
     cut = T0 + live_at
@@ -124,3 +127,26 @@ def test_a_torn_tail_and_an_empty_chunk(tmp_path: Path) -> None:
     assert chunk_to_arrow("q", js.PutChunk(b"", 0, []), 0, True).schema == (
         arrow.ARROW_SCHEMA_FLAGS)
     assert chunk_to_arrow("q", chunk, T0 + 10, True).num_rows == 0
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(runs=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 30), st.booleans()),
+                     min_size=1, max_size=5),
+       batch=st.integers(50, 400), whole=st.booleans(), after=st.integers(0, 40))
+def test_arrow_copies_runs_of_same_sized_items_right(
+        tmp_path: Path, runs: list[tuple[int, int, bool]], batch: int, whole: bool,
+        after: int) -> None:
+    # Items in runs of one size (a writer's batches), some with an expiry (a longer
+    # header): copied run by run (arrow._data_by_runs), they equal the records.
+    puts: list[jf.Put] = []
+    for count, size, expiring in runs:
+        for _ in range(count):
+            i = len(puts) + 1
+            puts.append(jf.Put(i, bytes([i % 256]) * size, T0 + i,
+                               T0 + 10**9 if expiring else None, i % 3, 0))
+    path = tmp_path / "q.1"
+    write_segment(path, puts, [batch])
+    ids = js.IdFilter(after)
+    kw = {"whole_max": js.WHOLE_FILE_MAX if whole else 0, "chunk_size": 4096}
+    assert arrow_rows("q", path, ids, **kw) == [as_row("q", p) for p in puts if p.id > after]

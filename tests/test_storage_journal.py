@@ -166,32 +166,32 @@ def test_cli_main_exit_codes(tmp_path: Path) -> None:
     assert main(["dump", str(tmp_path / "missing")]) == 2
 
 
-def test_readme_check_record_example_is_true() -> None:
-    """The bytes the README shows for a first batch are what we write."""
+def test_journal_page_check_record_example_is_true() -> None:
+    """The bytes docs/journal.md shows for a first batch are what we write."""
     put = jf.encode_put(jf.Put(1, b"hello", 1_700_000_000_000))
     assert put.hex() == "86" "05000000" "00000000" "0100000000000000" "0068e5cf8b010000" + \
         b"hello".hex()
     assert jf.encode_check(put, 18).hex() == "d1" "09000000" "01" "1e000000" "3a8449d7"
     assert jf.EMPTY_CHECK.hex() == "d1" "09000000" "01" "00000000" "93d168e1"
     assert jf.OLD_EMPTY_CHECK.hex() == "72" "00000000" "93d168e1"
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert "d1 09000000 01 1e000000 3a8449d7" in readme
-    assert "d1 09000000 01 00000000 93d168e1" in readme and "72 00000000 93d168e1" in readme
+    page = (Path(__file__).parent.parent / "docs" / "journal.md").read_text()
+    assert "d1 09000000 01 1e000000 3a8449d7" in page
+    assert "d1 09000000 01 00000000 93d168e1" in page and "72 00000000 93d168e1" in page
 
 
-def test_readme_flags_record_example_is_true() -> None:
-    """The FLAGS record the README shows before the PUT of `hello` with flags 16."""
+def test_journal_page_flags_record_example_is_true() -> None:
+    """The FLAGS record docs/journal.md shows before the PUT of `hello` with flags 16."""
     plain = jf.encode_put(jf.Put(1, b"hello", 1_700_000_000_000))
     flagged = jf.encode_put(jf.Put(1, b"hello", 1_700_000_000_000, flags=16))
     assert flagged.hex() == "d1" "05000000" "02" "10000000" + plain.hex()
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert "d1 05000000 02 10000000" in readme and "| 2 | **FLAGS** |" in readme
+    page = (Path(__file__).parent.parent / "docs" / "journal.md").read_text()
+    assert "d1 05000000 02 10000000" in page and "| 2 | **FLAGS** |" in page
 
 
-def test_readme_incarnation_example_is_true() -> None:
-    """The head of a segment the README shows: magic, empty check, INCARNATION, check."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("### The incarnation record")[1].split("```")[1]
+def test_journal_page_incarnation_example_is_true() -> None:
+    """The head of a segment docs/journal.md shows: magic, empty check, INCARNATION, check."""
+    page = (Path(__file__).parent.parent / "docs" / "journal.md").read_text()
+    section = page.split("## The incarnation record")[1].split("```")[1]
     shown = "".join(line.split("  ")[0].replace(" ", "") for line in section.splitlines())
     assert jf.segment_head(1764072371667).hex() == shown
 

@@ -70,6 +70,7 @@ def test_scan_matches_the_journal_in_any_chunking(journal: Path) -> None:
     assert len(js.list_segments(journal, {"q"})) > 5  # several segments
     assert scan_all(journal, "q") == expected
     assert scan_all(journal, "q", chunk_size=7, rows_per_chunk=3) == expected
+    assert scan_all(journal, "q", chunk_size=7, rows_per_chunk=3, whole_max=0) == expected
     assert {p.flags for p in expected} >= {0, 1, 15, 295}  # flags survive the scans too
 
 

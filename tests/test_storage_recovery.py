@@ -1,7 +1,7 @@
 """Recovery of journal files (queued.storage.recovery, through DataDir.open and `queued
 check`): no path drops verified (acknowledged) data silently or crashes on bad input.
 
-Each test asserts the behaviour DESIGN.md / README.md promise; its comment describes
+Each test asserts the behaviour DESIGN.md / docs/durability.md promise; its comment describes
 the bug it guards against.
 """
 

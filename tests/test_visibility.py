@@ -23,6 +23,7 @@ from server_util import HOST, Conn, Rpc, make_config, running
 from queued import __version__
 from queued.config.users import UsersError, hash_password, parse_users
 from queued.server.listeners import Server
+from queued.server.readiness import Reason, told
 from queued.wire.access import Grant
 
 USERS = dict(
@@ -180,6 +181,61 @@ async def test_the_probes_stay_open_and_a_login_gets_the_index(tmp_path: Path) -
         assert (await get(port, "/readyz"))[:3:2] == (200, b"ready\n")
         status, _, body = await get(port, "/", as_("alice"))
         assert status == 200 and b"/metrics" in body
+
+
+async def test_readyz_names_a_failed_queue_only_to_those_who_may_see_it(
+        tmp_path: Path) -> None:
+    """/readyz stays open, but with users its reasons name a queue only to an admin and
+    to a user of that queue; a probe without a login (or with a wrong one) reads only the
+    kind of trouble. The status is the same for everyone."""
+    async with two_queues(tmp_path) as server:
+        port = server.ports["http"]
+        server.broker.queues["secret"].journal.file.set_failed(
+            "fsync failed: [Errno 5] Input/output error")  # as the writer does
+        server.broker.queues["orders"].journal.file.set_failed(
+            "fsync failed: [Errno 5] Input/output error")
+        general = b"not ready: a queue's journal refuses writes\n"
+        for headers in (None, basic("root", "wrong"), basic("nobody", "x")):
+            status, _, body = await get(port, "/readyz", headers)
+            assert (status, body) == (503, general), headers
+        failed = b"queue %s: queue '%s' refuses writes: fsync failed: [Errno 5] Input/output error"
+        status, _, body = await get(port, "/readyz", as_("root"))
+        assert (status, body) == (503, b"not ready: " + failed % (b"orders", b"orders") + b"\n"
+                                  + failed % (b"secret", b"secret") + b"\n")
+        status, _, body = await get(port, "/readyz", as_("alice"))  # orders, not secret
+        assert (status, body) == (503, b"not ready: " + failed % (b"orders", b"orders") + b"\n"
+                                  b"a queue's journal refuses writes\n")
+        status, _, body = await get(port, "/readyz", as_("scraper"))  # metrics: no queues
+        assert (status, body) == (503, general)
+        status, _, body = await get(port, "/readyz", method="HEAD")
+        assert (status, body) == (503, b"")
+
+
+def test_readyz_reasons_told_to_a_stranger_name_nothing() -> None:
+    found = [Reason("queue a: queue 'a' refuses writes: EIO", "a queue's journal refuses writes",
+                    "a"),
+             Reason("queue b: queue 'b' refuses writes: EIO", "a queue's journal refuses writes",
+                    "b"),
+             Reason("data dir /srv/q is not writable: cannot create: EROFS",
+                    "the data dir is not writable"),
+             Reason("data dir /srv/q: disk full (12 bytes free)", "disk full")]
+    assert told(found, None) == [r.detail for r in found]
+    assert told(found, lambda _: False) == [
+        "a queue's journal refuses writes", "the data dir is not writable", "disk full"]
+    assert told(found, lambda q: q == "b") == [
+        "a queue's journal refuses writes", "queue b: queue 'b' refuses writes: EIO",
+        "the data dir is not writable", "disk full"]
+
+
+async def test_readyz_without_users_names_what_failed(tmp_path: Path) -> None:
+    async with running(make_config(tmp_path / "data")) as server:
+        conn = await Conn.open(server.ports["memcache"])
+        assert await conn.set("q", b"x") == b"STORED"
+        await conn.aclose()
+        server.broker.queues["q"].journal.file.set_failed("write failed: disk on fire")
+        status, _, body = await get(server.ports["http"], "/readyz")
+        assert (status, body) == (503, b"not ready: queue q: queue 'q' refuses writes: "
+                                       b"write failed: disk on fire\n")
 
 
 async def test_without_users_the_http_port_is_as_open_as_before(tmp_path: Path) -> None:

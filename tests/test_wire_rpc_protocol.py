@@ -736,8 +736,8 @@ def test_a_map_over_max_map_len_is_too_large() -> None:
 
 
 @pytest.mark.parametrize("follow", [
-    # (arrays of up to 8 pass the parser whatever max_batch: a put's params are 7)
-    pytest.param(lambda: encode_request(9, "put", ["q", [b"x"] * 9]), id="long array"),
+    # (arrays of up to 9 pass the parser whatever max_batch: a put's params are 9)
+    pytest.param(lambda: encode_request(9, "put", ["q", [b"x"] * 10]), id="long array"),
     pytest.param(lambda: encode_request(9, "m", [{str(i): 0 for i in range(5)}]), id="big map"),
 ])
 def test_a_pipelined_request_over_max_batch_is_answered_by_msgid(follow: Any) -> None:
@@ -753,8 +753,8 @@ def test_a_pipelined_request_over_max_batch_is_answered_by_msgid(follow: Any) ->
 
 #: Every method with a full set of valid params (all optional ones given).
 FULL: dict[str, list[Any]] = {
-    "put": ["q", [b"a"], 0, 0, 0, None, 1],  # (a nil producer: a plain put)
-    "get": ["q", 1, 0, 0, False, False],
+    "put": ["q", [b"a"], 0, 0, 0, None, 1, None, None],  # (nil producer, key, headers)
+    "get": ["q", 1, 0, 0, False, False, False],
     "confirm": ["q", [1]],
     "abort": ["q", [1], 0],
     "peek": ["q"],
@@ -769,13 +769,13 @@ FULL: dict[str, list[Any]] = {
     "pause": ["q"],
     "resume": ["q"],
     "move": ["q", "dead", 10, 100],
-    "browse": ["q", 0, 10],
+    "browse": ["q", 0, 10, False],
 }
 ARITY: dict[str, tuple[int, int]] = {
-    "put": (2, 7), "get": (2, 6), "confirm": (2, 2), "abort": (2, 3), "peek": (1, 1),
+    "put": (2, 9), "get": (2, 7), "confirm": (2, 2), "abort": (2, 3), "peek": (1, 1),
     "flush": (1, 1), "delete": (1, 1), "flush_all": (0, 0), "stats": (0, 0), "version": (0, 0),
     "auth": (2, 2), "extend": (3, 3), "reject": (2, 2), "pause": (1, 1), "resume": (1, 1),
-    "move": (2, 4), "browse": (1, 3),
+    "move": (2, 4), "browse": (1, 4),
 }
 CALL_TYPES: dict[str, type] = {
     "put": Put, "get": Get, "confirm": Confirm, "abort": Abort, "peek": Peek, "flush": Flush,
@@ -805,6 +805,11 @@ VALID = [
     ("put", ["q", [b"a"], 2**53], Put(7, "q", [b"a"], 2**53)),
     ("put", ["q", [b"a"], 0, 2**32 - 1], Put(7, "q", [b"a"], 0, 2**32 - 1)),
     ("put", ["q", [b"a"], 5, 16], Put(7, "q", [b"a"], 5, 16)),
+    # a deduplication key (the eighth param): bytes, or a string as its UTF-8
+    ("put", ["q", [b"a", b"b"], 0, 0, 0, None, None, b"k\x00/ "],
+     Put(7, "q", [b"a", b"b"], 0, key=b"k\x00/ ")),
+    ("put", ["q", [b"a"], 9, 1, 2, None, 0, "\u00e9" * 32],
+     Put(7, "q", [b"a"], 9, 1, 2, key=b"\xc3\xa9" * 32)),
     ("put", [b"q", ["h\u00e9", "", "\U0001f600"]],
      Put(7, "q", [b"h\xc3\xa9", b"", b"\xf0\x9f\x98\x80"], 0)),
     ("get", ["q", 1], Get(7, "q", None, 1, 0, 0)),
@@ -880,6 +885,11 @@ def test_arity(method: str, msgid: int) -> None:
 
 
 BAD_PARAMS = [
+    ("put", ["q", [b"a"], 0, 0, 0, None, None, b""]),  # keys: 1 to 64 bytes
+    ("put", ["q", [b"a"], 0, 0, 0, None, None, b"k" * 65]),
+    ("put", ["q", [b"a"], 0, 0, 0, None, None, 7]),
+    ("put", ["q", [b"a"], 0, 0, 0, b"p", 1, b"k"]),  # a producer or a key, not both
+    ("put", ["q", [], 0, 0, 0, None, None, b"k"]),  # a keyed put has items
     ("extend", ["q", [1], -1]),
     ("extend", ["q", [0], 10]),
     ("extend", ["q", 1, 10]),

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from queued.broker import parking
-from queued.broker.handles import Handle, Waiter, Wake
+from queued.broker.live_readers import LiveReader, Waiter, Wake
 from queued.broker.queues import Background, PendingPut, QueueState
 from queued.broker.readback import read_live
 from queued.broker.registry import BrokerCounters, Registry
@@ -52,14 +52,28 @@ log = logging.getLogger("queued.broker")
 
 class JoinedPut:
     """One connection's part of a put joined with others (`JoinedPuts`): ended, or why
-    it failed."""
+    it failed; a part with a deduplication key has its own `answer` (first id, count,
+    duplicate)."""
 
-    __slots__ = ("ended", "error", "pending")
+    __slots__ = ("answer", "ended", "error", "pending")
 
     def __init__(self) -> None:
         self.pending: PendingPut | None = None
         self.error: Exception | None = None
         self.ended = False
+        self.answer: tuple[int, int, bool] | None = None
+
+
+class _Join:
+    """Puts joined into one append: the items, [(part, how many, key), ...], and the
+    items' headers blocks (a list once a part has any, b"" for an item without)."""
+
+    __slots__ = ("headers", "items", "parts")
+
+    def __init__(self) -> None:
+        self.items: list[bytes] = []
+        self.parts: list[tuple[JoinedPut, int, bytes | None]] = []
+        self.headers: list[bytes] | None = None
 
 
 class JoinedPuts:
@@ -68,14 +82,18 @@ class JoinedPuts:
     hand-off to the readers), begun after every connection has run (`begin_all`) and
     ended after the pass's commit (`end_all`). A queue that must make room first (or is
     not loaded) is not joined: its puts begin on their own. A joined append that is
-    refused is retried part by part, so each connection gets its own answer."""
+    refused is retried part by part, so each connection gets its own answer.
+
+    A put with a deduplication key is joined too: its key is checked and reserved when it
+    is added (`QueueState.join_key`), so a second put of the key in the pass follows the
+    first (answered as it, storing nothing), and its DEDUP record goes after its items."""
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
-        #: (queue, expire_ms, flags, delay_ms) -> (the items, [(part, how many), ...])
-        self._joins: dict[tuple[str, int | None, int, int],
-                          tuple[list[bytes], list[tuple[JoinedPut, int]]]] = {}
+        #: (queue, expire_ms, flags, delay_ms) -> the puts joined
+        self._joins: dict[tuple[str, int | None, int, int], _Join] = {}
         self._begun: list[tuple[PendingPut | None, list[JoinedPut]]] = []
+        self._followers: list[tuple[JoinedPut, JoinedPut]] = []  # (a duplicate, its leader)
 
     def has(self, queue: str) -> bool:
         """Puts to `queue` are joined, not yet begun."""
@@ -86,29 +104,56 @@ class JoinedPuts:
         return qs is not None and not (qs.needs_room() or qs.journal.config.max_journal_size)
 
     def add(self, queue: str, items: Sequence[bytes], expire_ms: int | None, flags: int,
-            delay_ms: int) -> JoinedPut:
+            delay_ms: int, headers: Sequence[bytes] | None = None,
+            key: bytes | None = None) -> JoinedPut | PendingPut:
+        """The part of a put in the pass; with a `key` already stored before the pass, the
+        duplicate's PendingPut instead (not joined: it stores nothing)."""
         part = JoinedPut()
-        key = (queue, expire_ms, flags, delay_ms)
-        join = self._joins.get(key)
+        if key is not None:
+            seen = self.broker.registry.queue(queue).join_key(key, part)
+            if isinstance(seen, PendingPut):
+                return seen
+            if seen is not None:  # an earlier part of this pass stored it
+                assert isinstance(seen.pending, JoinedPut)
+                self._followers.append((part, seen.pending))
+                return part
+        join_as = (queue, expire_ms, flags, delay_ms)
+        join = self._joins.get(join_as)
         if join is None:
-            join = self._joins[key] = ([], [])
-        join[0].extend(items)
-        join[1].append((part, len(items)))
+            join = self._joins[join_as] = _Join()
+        if headers is not None or join.headers is not None:
+            if join.headers is None:
+                join.headers = [b""] * len(join.items)
+            join.headers += [b""] * len(items) if headers is None else headers
+        join.items += items
+        join.parts.append((part, len(items), key))
         return part
 
     def begin_all(self) -> None:
         b = self.broker
-        for (queue, expire_ms, flags, delay_ms), (items, parts) in self._joins.items():
+        for (queue, expire_ms, flags, delay_ms), join in self._joins.items():
+            items, parts, headers = join.items, join.parts, join.headers
+            keys, start = [], 0  # (start, end, key) of the keyed parts
+            for _, n, key in parts:
+                if key is not None:
+                    keys.append((start, start + n, key))
+                start += n
             try:
                 pending = b.begin_put_nowait(queue, items, expire_ms=expire_ms, flags=flags,
-                                             delay_ms=delay_ms)
+                                             delay_ms=delay_ms, headers=headers, keys=keys)
             except Exception:  # (WouldBlock included) each part on its own, then
                 start = 0
-                for part, n in parts:
+                qs = b.registry.queues.get(queue)
+                for part, n, key in parts:
+                    if key is not None and qs is not None:
+                        qs.unjoin_key(key, part)
                     try:
                         part.pending = b.begin_put_nowait(
                             queue, items[start:start + n], expire_ms=expire_ms, flags=flags,
-                            delay_ms=delay_ms)
+                            delay_ms=delay_ms,
+                            headers=None if headers is None else headers[start:start + n],
+                            key=key)
+                        part.answer = part.pending.answer
                     except trio.WouldBlock:
                         part.error = QueueFullError(f"queue {queue!r} is full")
                     except Exception as exc:
@@ -116,9 +161,13 @@ class JoinedPuts:
                     self._begun.append((part.pending, [part]))
                     start += n
                 continue
-            self._begun.append((pending, [part for part, _ in parts]))
-            for part, _ in parts:
+            self._begun.append((pending, [part for part, _, _ in parts]))
+            for part, _, _ in parts:
                 part.pending = pending
+            puts = pending.entry.puts
+            for (start, end, _), part in zip(keys, (p for p, _, k in parts if k is not None),
+                                             strict=True):
+                part.answer = (puts[start].id, end - start, False)
         self._joins.clear()
 
     def end_all(self) -> None:
@@ -134,7 +183,12 @@ class JoinedPuts:
                 part.ended = True
                 if part.error is None:
                     part.error = error
+        for follower, leader in self._followers:  # answered as the part they repeat
+            follower.ended, follower.error, follower.pending = True, leader.error, leader.pending
+            if leader.answer is not None:
+                follower.answer = (leader.answer[0], leader.answer[1], True)
         self._begun.clear()
+        self._followers.clear()
 
 
 class MustWait(trio.WouldBlock):
@@ -217,19 +271,24 @@ class Broker:
         delay_ms: int = 0,
         producer: bytes | None = None,
         sequence: int = 0,
+        headers: Sequence[bytes] | None = None,
+        key: bytes | None = None,
     ) -> int:
         """Journal `datas`; returns once durable under the queue's fsync policy.
 
         `expire_ms` is absolute unix milliseconds; `flags` are the items' memcache
         flags (u32); `delay_ms` > 0 keeps the items invisible that long; `producer` and
-        `sequence`: an exactly-once put (a repeat stores nothing and returns 0). Raises
+        `sequence`: an exactly-once put (a repeat stores nothing and returns 0);
+        `headers`: each item's headers block (queued.journal.headers; b"": none); `key`: a
+        deduplication key (a put whose key was stored within the queue's dedup_window
+        stores nothing and returns 0). Raises
         QueueFullError, ItemTooLargeError, JournalError (write failures, journal full),
         ProducerGapError, ValueError.
         """
         self.counters.cmd_set += 1
         entry = await self.begin_put(queue, datas, expire_ms=expire_ms, error_count=error_count,
                                      flags=flags, delay_ms=delay_ms, producer=producer,
-                                     sequence=sequence)
+                                     sequence=sequence, headers=headers, key=key)
         # Shielded: the readers must hear about every durable put, in id order,
         # even if the caller is cancelled. The wait is one writer round.
         with trio.CancelScope(shield=True):
@@ -247,10 +306,13 @@ class Broker:
         delay_ms: int = 0,
         producer: bytes | None = None,
         sequence: int = 0,
+        headers: Sequence[bytes] | None = None,
+        key: bytes | None = None,
     ) -> PendingPut:
         """First half of `put`: checks, limits, ids; hands the items to the writer.
         With a `producer` (exactly-once puts), see `QueueState.begin_put`: a repeat of
         its last put stores nothing (`PendingPut.answer`), a gap raises ProducerGapError.
+        With a deduplication `key`, likewise a put whose key is in the window (no gap).
 
         Every PendingPut must be passed to `end_put`. A session begins each put of
         a pipelined batch before ending any, so they share one write and one fsync.
@@ -260,7 +322,7 @@ class Broker:
         started = time.perf_counter()
         pending = await self.registry.queue(queue).begin_put(
             datas, expire_ms=expire_ms, error_count=error_count, flags=flags, delay_ms=delay_ms,
-            producer=producer, sequence=sequence)
+            producer=producer, sequence=sequence, headers=headers, key=key)
         pending.started = started
         return pending
 
@@ -274,13 +336,17 @@ class Broker:
         delay_ms: int = 0,
         producer: bytes | None = None,
         sequence: int = 0,
+        headers: Sequence[bytes] | None = None,
+        key: bytes | None = None,
+        keys: Sequence[tuple[int, int, bytes]] = (),
     ) -> PendingPut:
         """`begin_put` that never waits: trio.WouldBlock (nothing changed) when the
-        queue must make room first (a parked queue loads here, synchronously)."""
+        queue must make room first (a parked queue loads here, synchronously). `keys`:
+        see `QueueState.begin_put_nowait` (JoinedPuts)."""
         started = time.perf_counter()
         pending = self.registry.queue(queue).begin_put_nowait(
             datas, expire_ms=expire_ms, error_count=0, flags=flags, delay_ms=delay_ms,
-            producer=producer, sequence=sequence)
+            producer=producer, sequence=sequence, headers=headers, key=key, keys=keys)
         pending.started = started
         return pending
 
@@ -334,7 +400,7 @@ class Broker:
             self.counters.cmd_get += 1
         qs = self.registry.queue(queue)
         rname = reader or ""
-        h = qs.readers.get(rname) or await self.registry.handle(qs, rname)
+        h = qs.readers.get(rname) or await self.registry.live_reader(qs, rname)
         if open:
             self.reads.room(client, self.config.max_open_reads)
         owner = client if open else None
@@ -375,7 +441,7 @@ class Broker:
         return it
 
     def _finish_get(
-        self, qs: QueueState, h: Handle, rname: str, it: Item, client: OpenReads | None,
+        self, qs: QueueState, h: LiveReader, rname: str, it: Item, client: OpenReads | None,
         open_timeout_ms: int | None = None,
     ) -> Item | None:
         """A held item becomes the client's open read (under the name the client used),
@@ -384,7 +450,7 @@ class Broker:
         return done[0] if done else None
 
     def _finish_many(
-        self, qs: QueueState, h: Handle, rname: str, items: list[Item],
+        self, qs: QueueState, h: LiveReader, rname: str, items: list[Item],
         client: OpenReads | None, open_timeout_ms: int | None,
     ) -> list[Item]:
         if client is None:
@@ -422,7 +488,7 @@ class Broker:
         started = time.perf_counter()
         qs = self.registry.queue(queue)
         rname = reader or ""
-        h = qs.readers.get(rname) or await self.registry.handle(qs, rname)
+        h = qs.readers.get(rname) or await self.registry.live_reader(qs, rname)
         if open:
             max_items = min(max_items, self.reads.room(client, self.config.max_open_reads))
         owner = client if open else None
@@ -478,7 +544,7 @@ class Broker:
         rname = reader or ""
         h = qs.readers.get(rname)
         if h is None:
-            raise trio.WouldBlock  # made durably, in `registry.handle`
+            raise trio.WouldBlock  # made durably, in `registry.live_reader`
         if open:
             max_items = min(max_items, self.reads.room(client, self.config.max_open_reads))
         taken = qs.take_nowait(h, max_items, max_bytes)
@@ -503,7 +569,7 @@ class Broker:
         return done
 
     def line_up(self, queue: str, reader: str | None, wake: Wake,
-                ) -> tuple[QueueState, Handle, Waiter]:
+                ) -> tuple[QueueState, LiveReader, Waiter]:
         """A get that waits without a task of its own (the reactor's long poll): in line
         with the other waiters of the reader, woken through `wake` when `serve` hands
         it an item (held for it) or the reader closes; then `end_wait`. Call it right
@@ -513,7 +579,7 @@ class Broker:
         self.counters.cmd_get += 1
         return qs, h, qs.line_up(h, False, wake)
 
-    def end_wait(self, qs: QueueState, h: Handle, rname: str, w: Waiter, *,
+    def end_wait(self, qs: QueueState, h: LiveReader, rname: str, w: Waiter, *,
                  client: OpenReads | None, open_timeout_ms: int | None,
                  take: bool = True) -> Item | None:
         """A lined-up get ends: the item it was handed (as a get's: consumed, or open
@@ -532,7 +598,7 @@ class Broker:
         qs = self.registry.queues.get(queue)
         return joined.has(queue) or (qs is not None and bool(qs.inflight))
 
-    def take_more(self, qs: QueueState, h: Handle, rname: str, max_items: int, max_bytes: int,
+    def take_more(self, qs: QueueState, h: LiveReader, rname: str, max_items: int, max_bytes: int,
                   nbytes: int, *, client: OpenReads | None,
                   open_timeout_ms: int | None) -> list[Item]:
         """After a waited get's first item: whatever more is in memory now (as
@@ -668,8 +734,8 @@ class Broker:
                    rate: int = 0) -> int:
         """Move up to `max_items` (0: until the source has none) of source's items, in
         delivery order, to `destination`, at most `rate` a second (0: no limit); how
-        many. One at a time: each is durable in the destination (keeping its error count
-        and flags) before its removal from the source is journaled, and that removal is
+        many. One at a time: each is durable in the destination (keeping its error count,
+        flags and headers) before its removal from the source is journaled, and that removal is
         durable before the next starts, so a crash duplicates at most the item in
         flight and loses nothing. Works on a paused source (its consumers stay off)."""
         if destination == source:
@@ -678,7 +744,7 @@ class Broker:
             raise BadNameError(f"invalid queue name {destination!r}")
         qs = self.registry.queue(source)
         rname = reader or ""
-        h = qs.readers.get(rname) or await self.registry.handle(qs, rname)
+        h = qs.readers.get(rname) or await self.registry.live_reader(qs, rname)
         interval = 1 / rate if rate else 0.0
         next_at = trio.current_time()
         moved = 0
@@ -691,7 +757,7 @@ class Broker:
             h.reader.start_move(it)
             try:
                 await self.put(destination, [it.data], error_count=it.error_count,
-                               flags=it.flags)
+                               flags=it.flags, headers=[it.headers] if it.headers else None)
             except BaseException:
                 qs.finish_move(h, [it], moved=False, keep_errors=True)
                 raise
@@ -824,7 +890,7 @@ class Broker:
             self.reads.forget(queue, reader, h)
             await qs.journal.remove_reader(reader)
             if not qs.readers and not qs.deleted:
-                await self.registry.handle(qs, "")
+                await self.registry.live_reader(qs, "")
             return True
         qs.deleted = True
         del self.queues[queue]
@@ -910,7 +976,7 @@ class Broker:
 
     # -- statistics ----------------------------------------------------------------------------
 
-    def reader_stats(self, qs: QueueState, h: Handle) -> dict[str, int]:
+    def reader_stats(self, qs: QueueState, h: LiveReader) -> dict[str, int]:
         return qs.reader_stats(h)
 
     def reader_info(self, queue: str, reader: str | None = None) -> dict[str, int]:

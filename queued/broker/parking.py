@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from queued.broker.handles import stats_fields
+from queued.broker.live_readers import stats_fields
 from queued.reader.state import ReaderCounters
 from queued.storage.journal import JournalStats
 

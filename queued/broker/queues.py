@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from queued.broker.handles import Handle, Waiter, Wake
+from queued.broker.live_readers import LiveReader, Waiter, Wake
 from queued.broker.readback import FETCH_MAX_ITEMS, read_ids, read_range, segment_sizes
 from queued.errors import (
     ItemTooLargeError,
@@ -30,9 +30,10 @@ from queued.errors import (
     QueueFullError,
 )
 from queued.journal import format as jf
+from queued.reader.dedup import DedupCounters, DedupEntry, DedupTable
 from queued.reader.producers import ProducerCounters, ProducerEntry, ProducerTable, Verdict
 from queued.reader.state import NO_ENTRIES, NO_ITEMS, Item, pack_max_for
-from queued.storage.journal import QueueJournal, Ticket, put_overhead
+from queued.storage.journal import QueueJournal, Ticket, headers_overhead, put_overhead
 from queued.storage.recovery import SegmentInfo
 
 if TYPE_CHECKING:
@@ -54,8 +55,9 @@ class Inflight:
 class PendingPut:
     """A put handed to the writer, not yet known durable (see Broker.begin_put).
 
-    A put with a producer id has an `answer`: (first id, count, duplicate); a duplicate
-    stores nothing and waits for the ticket of the put it repeats, if that is in flight.
+    A put with a producer id or a deduplication key has an `answer`: (first id, count,
+    duplicate); a duplicate stores nothing and waits for the ticket of the put it
+    repeats, if that is in flight.
     """
 
     qs: QueueState
@@ -64,6 +66,7 @@ class PendingPut:
     started: float = 0.0  # time.perf_counter() when begin_put was called
     answer: tuple[int, int, bool] | None = None
     producer: ProducerEntry | None = None  # the entry this put stored
+    keys: Sequence[bytes] = ()  # the deduplication keys this put stored (its parts')
 
 
 def durable(pending: object) -> bool:
@@ -74,10 +77,10 @@ def durable(pending: object) -> bool:
 class Runner(Protocol):
     """What runs a queue's background work (`queued.broker.upkeep.Upkeep`)."""
 
-    def refill(self, qs: QueueState, h: Handle) -> None: ...
+    def refill(self, qs: QueueState, h: LiveReader) -> None: ...
 
     def move(
-        self, qs: QueueState, h: Handle, items: list[Item], target: str, keep_errors: bool
+        self, qs: QueueState, h: LiveReader, items: list[Item], target: str, keep_errors: bool
     ) -> None: ...
 
     def timeouts_changed(self) -> None: ...
@@ -92,12 +95,12 @@ class Background:
     def __init__(self) -> None:
         self.runner: Runner | None = None
 
-    def start_refill(self, qs: QueueState, h: Handle) -> None:
+    def start_refill(self, qs: QueueState, h: LiveReader) -> None:
         if self.runner is not None and not h.closed:
             self.runner.refill(qs, h)
 
     def start_move(
-        self, qs: QueueState, h: Handle, items: list[Item], target: str, keep_errors: bool
+        self, qs: QueueState, h: LiveReader, items: list[Item], target: str, keep_errors: bool
     ) -> None:
         if self.runner is None:
             raise RuntimeError("broker is not running")
@@ -117,9 +120,10 @@ class QueueState:
     """See the module docstring. `clock` is the broker's wall clock (unix ms)."""
 
     __slots__ = ("_reader_lock", "background", "busy", "clock", "config", "create_time_ms",
-                 "deleted", "delivered", "idle_since", "inflight", "inflight_bytes",
-                 "inflight_items", "journal", "name", "paused", "producer_counters", "producers",
-                 "producers_saved", "readers", "unsaved_checkpoints", "used")
+                 "dedup", "dedup_counters", "dedup_saved", "deleted", "delivered", "idle_since",
+                 "inflight", "inflight_bytes", "inflight_items", "journal", "name", "paused",
+                 "producer_counters", "producers", "producers_saved", "readers",
+                 "unsaved_checkpoints", "used")
 
     def __init__(
         self,
@@ -129,13 +133,14 @@ class QueueState:
         clock: Callable[[], int],
         background: Background,
         producer_counters: ProducerCounters | None = None,
+        dedup_counters: DedupCounters | None = None,
     ) -> None:
         self.name = name
         self.journal = journal
         self.config = config
         self.clock = clock
         self.background = background
-        self.readers: dict[str, Handle] = {}
+        self.readers: dict[str, LiveReader] = {}
         self.inflight: deque[Inflight] = NO_ITEMS  # a deque from the first put on
         self.inflight_items = 0
         self.inflight_bytes = 0
@@ -161,6 +166,14 @@ class QueueState:
             self.producer_table().restore(journal.producer_marks, clock())
             journal.producer_marks = NO_ITEMS
             self.producers_saved = -1  # (marks read from segments: in no snapshot yet)
+        #: deduplication keys stored within their window (None until the first, or recovered)
+        self.dedup: DedupTable | None = None
+        self.dedup_saved = 0  # dedup.changes the snapshot file holds
+        self.dedup_counters = dedup_counters
+        if journal.dedup_marks:
+            self.dedup_table().restore(journal.dedup_marks, clock())
+            journal.dedup_marks = NO_ITEMS
+            self.dedup_saved = -1
 
     @property
     def reader_lock(self) -> trio.Lock:
@@ -187,6 +200,8 @@ class QueueState:
     async def begin_put(
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
         delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
+        headers: Sequence[bytes] | None = None,
+        key: bytes | None = None,
     ) -> PendingPut:
         """Checks, limits, ids; hands the items to the writer (see Broker.begin_put)."""
         if not datas:
@@ -200,28 +215,38 @@ class QueueState:
         if producer is not None and self.producers is not None and self.producers.verdict(
                 producer, sequence, now) is not Verdict.STORE:
             room = False  # (a repeat or a gap stores nothing: it makes no room either)
+        elif key is not None and self.dedup is not None and self.dedup.seen(key, now):
+            room = False  # (likewise a duplicate key)
         elif room or self.journal.config.max_journal_size:
             self.busy += 1  # (these awaits show in no other way: the queue must not park)
             try:
-                await self._make_room(room, n, nbytes, put_overhead(flags, delay_ms > 0) * n)
+                await self._make_room(room, n, nbytes, put_overhead(flags, delay_ms > 0) * n
+                                      + headers_overhead(headers))
             finally:
                 self.busy -= 1
         return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
-                             producer, sequence)
+                             producer, sequence, headers, key)
 
     def begin_put_nowait(
         self, datas: Sequence[bytes], *, expire_ms: int | None, error_count: int, flags: int = 0,
         delay_ms: int = 0, producer: bytes | None = None, sequence: int = 0,
+        headers: Sequence[bytes] | None = None,
+        key: bytes | None = None, keys: Sequence[tuple[int, int, bytes]] = (),
     ) -> PendingPut:
         """`begin_put` without waiting: trio.WouldBlock (nothing changed) when the put
-        must first make room (per-reader limits, max_journal_size)."""
+        must first make room (per-reader limits, max_journal_size). `keys`: the parts of
+        puts joined in a pass that carry a key, (start, end, key), each reserved by
+        `join_key`."""
         if not datas:
             return PendingPut(self, Inflight([], done=True), None)
         now, expire_ms, nbytes = self._check_put(datas, expire_ms)
         if self.needs_room() or self.journal.config.max_journal_size:
             raise trio.WouldBlock
+        if keys:
+            return self._reserve_joined(datas, now, expire_ms, flags, delay_ms, nbytes, keys,
+                                        headers)
         return self._reserve(datas, now, expire_ms, error_count, flags, delay_ms, nbytes,
-                             producer, sequence)
+                             producer, sequence, headers, key)
 
     def producer_table(self) -> ProducerTable:
         t = self.producers
@@ -229,8 +254,29 @@ class QueueState:
             cfg = self.config
             t = self.producers = ProducerTable(cfg.max_producers, cfg.producer_expiry,
                                                self.producer_counters)
-            self.journal.before_compact = self.save_producers
+            self.journal.before_compact = self.save_marks
         return t
+
+    def dedup_table(self) -> DedupTable:
+        t = self.dedup
+        if t is None:
+            cfg = self.config
+            t = self.dedup = DedupTable(cfg.max_dedup_keys, cfg.dedup_window,
+                                        self.dedup_counters)
+            self.journal.before_compact = self.save_marks
+        return t
+
+    async def save_marks(self) -> None:
+        """Write the producer and key snapshots that changed (see save_producers)."""
+        await self.save_producers()
+        t = self.dedup
+        if t is None or t.changes == self.dedup_saved or self.deleted:
+            return
+        t.trim(self.clock())  # (keys past the window need no saving)
+        changes, complete = t.changes, t.all_durable(durable)
+        await self.journal.write_dedup(t.marks(durable))
+        if complete:
+            self.dedup_saved = changes
 
     async def save_producers(self) -> None:
         """Write the producer snapshot (`q.producers`) if it changed: before a compaction
@@ -289,27 +335,123 @@ class QueueState:
 
     def _reserve(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
                  error_count: int, flags: int, delay_ms: int, nbytes: int,
-                 producer: bytes | None = None, sequence: int = 0) -> PendingPut:
+                 producer: bytes | None = None, sequence: int = 0,
+                 headers: Sequence[bytes] | None = None,
+                 key: bytes | None = None) -> PendingPut:
         """Ids and the journal append (the writer makes it durable); in flight until ended.
         With a producer: a repeat answered as the original, a gap refused, else the
-        append carries the producer's mark."""
+        append carries the producer's mark. With a key: likewise (no gap). `headers`: a
+        block per item (b"": none)."""
         if self.deleted:
             raise QueueClosedError(f"queue {self.name!r} was deleted")
         due_ms = now + delay_ms if delay_ms > 0 else None
+        if key is not None:
+            if producer is not None:
+                raise ValueError("a put carries a producer or a deduplication key, not both")
+            return self._reserve_keyed(datas, now, expire_ms, error_count, flags, due_ms,
+                                       nbytes, key, headers)
         if producer is not None:
             table, repeat = self._producer_check(producer, sequence, now)
             if repeat is not None:
                 return repeat
             puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count,
-                                                      flags, due_ms, (producer, sequence))
+                                                      flags, due_ms, (producer, sequence),
+                                                      headers)
             mark = table.store(producer, sequence, puts[0].id, len(puts), now, ticket)
             pending = self._inflight(puts, ticket, nbytes, due_ms, len(datas))
             pending.answer = (puts[0].id, len(puts), False)
             pending.producer = mark
             return pending
         puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
-                                                  due_ms)
+                                                  due_ms, headers=headers)
         return self._inflight(puts, ticket, nbytes, due_ms, len(datas))
+
+    def _reserve_keyed(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
+                       error_count: int, flags: int, due_ms: int | None, nbytes: int,
+                       key: bytes, headers: Sequence[bytes] | None = None) -> PendingPut:
+        """_reserve of a put with a deduplication key: a duplicate answered as the put
+        that stored the key (once that is durable), else stored with a DEDUP record."""
+        t, e = self._key_check(key, now)
+        if e is not None:
+            if not (e.pending is None or isinstance(e.pending, Ticket)):
+                raise trio.WouldBlock  # a put joined in this pass holds it: after its commit
+            return PendingPut(self, Inflight([], done=True), e.pending,
+                              answer=(e.first_id, e.count, True))
+        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, error_count, flags,
+                                                  due_ms, headers=headers,
+                                                  dedup=((0, len(datas), key),))
+        t.store(key, puts[0].id, len(puts), now, ticket)
+        pending = self._inflight(puts, ticket, nbytes, due_ms, len(datas))
+        pending.answer = (puts[0].id, len(puts), False)
+        pending.keys = (key,)
+        return pending
+
+    @staticmethod
+    def _keys_ended(table: DedupTable, keys: Sequence[bytes], ticket: Ticket,
+                    error: BaseException | None) -> None:
+        """The put that stored `keys` is durable (their entries keep no ticket), or failed
+        (never stored: forgotten)."""
+        for key in keys:
+            kept = table.entries.get(key)
+            if kept is not None and kept.pending is ticket:
+                if error is None:
+                    kept.pending = None
+                else:
+                    table.forget(key, kept)
+
+    def _key_check(self, key: bytes, now: int) -> tuple[DedupTable, DedupEntry | None]:
+        """The table and the entry of the put that stored `key` in the window (this put is
+        a duplicate), or None; an entry whose put failed is forgotten first."""
+        t = self.dedup_table()
+        e = t.entries.get(key)
+        if e is not None and isinstance(e.pending, Ticket) and e.pending.event.is_set():
+            if e.pending.error is not None:
+                t.forget(key, e)  # its put failed: never stored
+            else:
+                e.pending = None
+        return t, t.check(key, now)
+
+    def join_key(self, key: bytes, part: object) -> PendingPut | DedupEntry | None:
+        """A keyed put about to be joined in the reactor's pass: None, the key is new and
+        now reserved for `part` (its entry holds `part` until the joined append, or
+        `unjoin_key`); the entry reserved by an earlier part of this pass (a duplicate of
+        it); or a duplicate's PendingPut (the key was stored before this pass)."""
+        now = self.clock()
+        t, e = self._key_check(key, now)
+        if e is None:
+            t.store(key, 0, 0, now, part)
+            return None
+        if e.pending is None or isinstance(e.pending, Ticket):
+            return PendingPut(self, Inflight([], done=True), e.pending,
+                              answer=(e.first_id, e.count, True))
+        return e
+
+    def unjoin_key(self, key: bytes, part: object) -> None:
+        """`part` is not joined after all: drop its reservation (it begins on its own)."""
+        t = self.dedup
+        e = None if t is None else t.entries.get(key)
+        if t is not None and e is not None and e.pending is part:
+            t.forget(key, e)
+
+    def _reserve_joined(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
+                        flags: int, delay_ms: int, nbytes: int,
+                        keys: Sequence[tuple[int, int, bytes]],
+                        headers: Sequence[bytes] | None = None) -> PendingPut:
+        """_reserve of puts joined in a pass, some with keys reserved by `join_key`: one
+        append, a DEDUP record after each keyed part; the reservations become entries."""
+        if self.deleted:
+            raise QueueClosedError(f"queue {self.name!r} was deleted")
+        due_ms = now + delay_ms if delay_ms > 0 else None
+        puts, ticket = self.journal.append_nowait(datas, now, expire_ms, 0, flags, due_ms,
+                                                  headers=headers, dedup=keys)
+        t = self.dedup_table()
+        for start, end, key in keys:
+            e = t.entries.get(key)
+            if e is not None and not (e.pending is None or isinstance(e.pending, Ticket)):
+                e.first_id, e.count, e.pending = puts[start].id, end - start, ticket
+        pending = self._inflight(puts, ticket, nbytes, due_ms, len(datas))
+        pending.keys = [key for _, _, key in keys]
+        return pending
 
     def _inflight(self, puts: list[jf.Put], ticket: Ticket, nbytes: int, due_ms: int | None,
                   n: int) -> PendingPut:
@@ -345,6 +487,8 @@ class QueueState:
                 for p, e in list(self.producers.entries.items()):
                     if e is mark:
                         self.producers.forget(p, e)  # never stored: forget it
+        if pending.keys and self.dedup is not None:
+            self._keys_ended(self.dedup, pending.keys, ticket, error)
         if not entry.puts:
             if error is not None:
                 raise error  # (a repeat of a put that failed)
@@ -405,7 +549,7 @@ class QueueState:
 
     # -- gets --------------------------------------------------------------------------------
 
-    def serve(self, h: Handle) -> None:
+    def serve(self, h: LiveReader) -> None:
         """Hand available items to waiting gets, first come first served."""
         if h.waiters:
             expired: list[Item] = []
@@ -426,7 +570,7 @@ class QueueState:
         if h.reader.wants_refill() or h.reader.wants_fetch():
             self.background.start_refill(self, h)
 
-    def line_up(self, h: Handle, peek: bool, wake: Wake) -> Waiter:
+    def line_up(self, h: LiveReader, peek: bool, wake: Wake) -> Waiter:
         """A waiter at the end of `h`'s line, woken through `wake` (see `serve`)."""
         w = Waiter(peek, wake)
         if h.waiters is NO_ITEMS:
@@ -434,7 +578,7 @@ class QueueState:
         h.waiters.append(w)
         return w
 
-    def leave_line(self, h: Handle, w: Waiter) -> None:
+    def leave_line(self, h: LiveReader, w: Waiter) -> None:
         """`w` gives up: out of the line, and an item it was handed goes back unharmed."""
         if w.item is None:
             with suppress(ValueError):
@@ -443,7 +587,7 @@ class QueueState:
             w.item = None
             self.serve(h)
 
-    async def wait(self, h: Handle, *, peek: bool, deadline: float) -> Item | None:
+    async def wait(self, h: LiveReader, *, peek: bool, deadline: float) -> Item | None:
         """Wait in line until `deadline` (trio time) for the next item: held for the
         caller unless `peek`, None if none came. If the wait is cancelled after an
         item was handed over, the item goes back unharmed."""
@@ -462,7 +606,7 @@ class QueueState:
                     h.waiters.remove(w)
         return w.item
 
-    async def take_now(self, h: Handle, max_items: int, max_bytes: int, *,
+    async def take_now(self, h: LiveReader, max_items: int, max_bytes: int, *,
                        even_paused: bool = False) -> list[Item]:
         """Items available now (read back from disk if need be), each held by `hold`;
         none while paused, unless `even_paused` (a move)."""
@@ -485,7 +629,7 @@ class QueueState:
             self.background.start_refill(self, h)
         return out
 
-    def take_nowait(self, h: Handle, max_items: int, max_bytes: int) -> list[Item]:
+    def take_nowait(self, h: LiveReader, max_items: int, max_bytes: int) -> list[Item]:
         """`take_now` without reading back from disk: trio.WouldBlock (every item put
         back unharmed) when it would have to."""
         r = h.reader
@@ -498,7 +642,7 @@ class QueueState:
             self.background.start_refill(self, h)
         return out
 
-    def _take_held(self, h: Handle, out: list[Item], max_items: int,
+    def _take_held(self, h: LiveReader, out: list[Item], max_items: int,
                    max_bytes: int, even_paused: bool = False) -> bool | None:
         """Take (and hold) into `out` what memory has, up to the limits; None when done,
         else what must be read back before more can come: True a due item's data
@@ -533,7 +677,7 @@ class QueueState:
         finally:
             self.dispose_expired(h, expired)
 
-    async def refill_once(self, h: Handle) -> None:
+    async def refill_once(self, h: LiveReader) -> None:
         """Read the next run of on-disk items back into memory (in a worker thread)."""
         async with h.refill_lock:
             r = h.reader
@@ -553,7 +697,7 @@ class QueueState:
             r.load(start, items, next_id)
             self.serve(h)
 
-    async def fetch_once(self, h: Handle) -> None:
+    async def fetch_once(self, h: LiveReader) -> None:
         """Read the data of the next due items that wait on disk (in a worker thread)."""
         async with h.refill_lock:
             r = h.reader
@@ -576,7 +720,7 @@ class QueueState:
 
     # -- open reads, expiry, moves ---------------------------------------------------------
 
-    def owner(self, rname: str, item_id: int) -> Handle | None:
+    def owner(self, rname: str, item_id: int) -> LiveReader | None:
         """The reader holding open read `item_id` taken under the name `rname`."""
         h = self.readers.get(rname)
         if h is not None and item_id in h.reader.open:
@@ -586,7 +730,7 @@ class QueueState:
                 return other
         return None
 
-    def return_read(self, h: Handle, item_id: int, *, count_error: bool,
+    def return_read(self, h: LiveReader, item_id: int, *, count_error: bool,
                     due_ms: int | None = None) -> tuple[Item, int | None] | None:
         """An open read goes back to the head (or waits until `due_ms`; with no `due_ms`,
         an error counted waits the reader's `retry_backoff` step), or to the error queue
@@ -609,7 +753,7 @@ class QueueState:
             h.reader.put_back(it)
         return it, due_ms
 
-    def reject_read(self, h: Handle, item_id: int) -> Item | None:
+    def reject_read(self, h: LiveReader, item_id: int) -> Item | None:
         """An open read given up on: to the error queue at once (keeping its error count),
         or consumed when the reader has none; the item (None if it was not open)."""
         it = h.reader.open.get(item_id)
@@ -626,7 +770,7 @@ class QueueState:
         return it
 
     def note_read(
-        self, h: Handle, done: Sequence[int] = (), errors: Sequence[tuple[int, int]] = (),
+        self, h: LiveReader, done: Sequence[int] = (), errors: Sequence[tuple[int, int]] = (),
         delays: Sequence[tuple[int, int]] = (),
     ) -> Ticket | None:
         """Journal what reader `h` consumed (`done`), the error counts aborts gave
@@ -640,7 +784,7 @@ class QueueState:
         except JournalClosedError:
             return None
 
-    def dispose_expired(self, h: Handle, items: list[Item]) -> None:
+    def dispose_expired(self, h: LiveReader, items: list[Item]) -> None:
         """Expired items leave: moved to expire_to_queue if set, else consumed."""
         if not items:
             return
@@ -653,14 +797,15 @@ class QueueState:
             for it in items:
                 h.reader.consume(it.id)
 
-    def expire_head(self, h: Handle, now_ms: int, limit: int) -> int:
+    def expire_head(self, h: LiveReader, now_ms: int, limit: int) -> int:
         """Expired items at the head of `h` leave (at most `limit`, 0 = all); how many."""
         expired: list[Item] = []
         h.reader.expire_head(now_ms, limit, expired)
         self.dispose_expired(h, expired)
         return len(expired)
 
-    def finish_move(self, h: Handle, items: list[Item], *, moved: bool, keep_errors: bool) -> None:
+    def finish_move(self, h: LiveReader, items: list[Item], *, moved: bool,
+                    keep_errors: bool) -> None:
         """Items sent to another queue arrived (consume them here) or did not: a failed
         error-queue move puts them back; an expired item that cannot move is dropped,
         as Kestrel drops it."""
@@ -722,9 +867,10 @@ class QueueState:
 
         The segment is read (in a thread) so items that were only on disk are
         subtracted exactly; ids in a reader's `done` were never counted. The producer
-        snapshot is written first: the segment's PRODUCER records go with it.
+        snapshot is written first: the segment's PRODUCER records go with it (and the
+        key snapshot: its DEDUP records).
         """
-        await self.save_producers()
+        await self.save_marks()
         sizes: list[tuple[int, int, bool]] = []
         if any(h.reader.behind is not None and h.reader.behind <= seg.last_id
                for h in self.readers.values()):
@@ -743,5 +889,5 @@ class QueueState:
 
     # -- statistics --------------------------------------------------------------------------
 
-    def reader_stats(self, h: Handle) -> dict[str, int]:
+    def reader_stats(self, h: LiveReader) -> dict[str, int]:
         return h.stats(self.clock(), self.journal.total_bytes, self.paused)

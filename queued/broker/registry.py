@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from queued.broker import parking
-from queued.broker.handles import Handle
+from queued.broker.live_readers import LiveReader
 from queued.broker.queues import Background, QueueState
 from queued.broker.readback import count_unconsumed, find_delayed, read_range
 from queued.errors import (
@@ -31,6 +31,7 @@ from queued.errors import (
     TooManyQueuesError,
 )
 from queued.journal import format as jf
+from queued.reader.dedup import DedupCounters
 from queued.reader.producers import ProducerCounters
 from queued.reader.state import Reader
 from queued.storage.datadir import DataDir
@@ -75,6 +76,8 @@ class Registry:
         self.counters = counters
         #: what every queue's producer table did (exactly-once puts), for the metrics
         self.producer_counters = ProducerCounters()
+        #: what every queue's key table did (deduplication keys), for the metrics
+        self.dedup_counters = DedupCounters()
         self.queues: dict[str, QueueState] = {}
         #: queues paused (durable in the data dir: DataDir.save_paused), loaded or not
         self.paused: set[str] = datadir.paused_queues()
@@ -101,7 +104,7 @@ class Registry:
                 if any(seg.delayed for seg in journal.segments) or cp.delays:
                     reader.restore_delayed(await trio.to_thread.run_sync(
                         find_delayed, journal, cp.head, frozenset(cp.done), dict(cp.delays)))
-                qs.readers[rname] = Handle(reader, cfg)
+                qs.readers[rname] = LiveReader(reader, cfg)
                 log.info("queue %s%s: %d items (%d bytes) recovered", name,
                          f"+{rname}" if rname else "", count, nbytes)
         if self.queues:
@@ -120,7 +123,7 @@ class Registry:
         # since may have changed them (as `reconfigure` does for the queues there then).
         journal.config = cfg.journal_config()
         qs = QueueState(name, journal, cfg, self.clock, self.background,
-                        self.producer_counters)
+                        self.producer_counters, self.dedup_counters)
         qs.paused = name in self.paused
         self.queues[name] = qs
         return qs
@@ -171,7 +174,7 @@ class Registry:
             self._check_room(f"queue {name!r}")
             qs = self._add(name)
             cfg = qs.config
-            qs.readers[""] = Handle(
+            qs.readers[""] = LiveReader(
                 Reader(name, "", cfg, tail=qs.journal.last_id, create_time_ms=qs.create_time_ms),
                 cfg,
             )
@@ -179,7 +182,7 @@ class Registry:
         qs.used = True  # (the parker's sign of life: one store, no clock read)
         return qs
 
-    async def handle(self, qs: QueueState, name: str) -> Handle:
+    async def live_reader(self, qs: QueueState, name: str) -> LiveReader:
         """Reader `name` of `qs`, created on first use (durably, before it serves)."""
         h = qs.readers.get(name)
         if h is not None:
@@ -206,7 +209,7 @@ class Registry:
             start = qs.delivered
             reader = Reader(qs.name, name, cfg, head=start, tail=start,
                             create_time_ms=self.clock())
-            h = Handle(reader, cfg)
+            h = LiveReader(reader, cfg)
             # Registered first, so puts delivered while its checkpoint is written reach
             # it; durable before it serves, so compaction keeps what it will need.
             qs.readers[name] = h
@@ -222,7 +225,7 @@ class Registry:
             log.info("queue %s: new reader %r starts at id %d", qs.name, name, start)
             return h
 
-    async def _take_over(self, qs: QueueState, name: str) -> Handle:
+    async def _take_over(self, qs: QueueState, name: str) -> LiveReader:
         """The first named reader takes over the default reader's backlog (under the
         reader lock). Shielded: both files must change, or neither (a shutdown may
         cancel)."""
@@ -251,7 +254,7 @@ class Registry:
 
     def find(
         self, queue: str, reader: str | None, *, aliases: bool = False
-    ) -> tuple[QueueState, Handle] | None:
+    ) -> tuple[QueueState, LiveReader] | None:
         """Reader `reader` ("" or None: the default) of `queue`, if both exist; with
         `aliases`, also the reader that took over under that name."""
         qs = self.queues.get(queue)
@@ -266,7 +269,7 @@ class Registry:
             h = next((o for o in qs.readers.values() if rname in o.aliases), None)
         return None if h is None else (qs, h)
 
-    def all_readers(self) -> list[tuple[QueueState, str, Handle]]:
+    def all_readers(self) -> list[tuple[QueueState, str, LiveReader]]:
         """Every reader of every queue, sorted by queue and reader name."""
         return [(qs, rname, h) for _, qs in sorted(self.queues.items())
                 for rname, h in sorted(qs.readers.items())]
@@ -281,6 +284,9 @@ class Registry:
             if qs.producers is not None:
                 qs.producers.max_producers = qs.config.max_producers
                 qs.producers.expiry_ms = qs.config.producer_expiry
+            if qs.dedup is not None:
+                qs.dedup.max_keys = qs.config.max_dedup_keys
+                qs.dedup.window_ms = qs.config.dedup_window
             for rname, h in qs.readers.items():
                 h.config = self.reader_config(name, rname)
                 h.reader.limits = h.config
@@ -320,7 +326,7 @@ class Registry:
             if summary is not None:
                 reader.create_time_ms = summary.create_time_ms
                 reader.counters = summary.counters
-            qs.readers[rname] = Handle(reader, self.reader_config(name, rname))
+            qs.readers[rname] = LiveReader(reader, self.reader_config(name, rname))
             if reader.wants_refill():
                 self.background.start_refill(qs, qs.readers[rname])
         log.debug("queue %s: loaded (was parked)", name)

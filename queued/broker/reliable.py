@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from queued.broker.handles import Handle
+from queued.broker.live_readers import LiveReader
 from queued.broker.queues import Background, QueueState
 from queued.errors import NotOpenError, ReadStateError
 from queued.reader.open_reads import OpenReads, TimeoutHeap
@@ -75,7 +75,7 @@ class ReliableReads:
         return room
 
     def open(
-        self, qs: QueueState, h: Handle, rname: str, items: list[Item], client: OpenReads,
+        self, qs: QueueState, h: LiveReader, rname: str, items: list[Item], client: OpenReads,
         open_timeout_ms: int | None,
     ) -> list[Item]:
         """Held items become `client`'s open reads under the name it used, returned
@@ -109,7 +109,7 @@ class ReliableReads:
         qs = self.queues.get(queue)
         if qs is None:
             return len(chosen)
-        confirmed: dict[int, tuple[Handle, list[int]]] = {}
+        confirmed: dict[int, tuple[LiveReader, list[int]]] = {}
         h = qs.readers.get(rname)
         others = chosen
         held: dict[int, Item] = {}
@@ -138,7 +138,7 @@ class ReliableReads:
                 owe(ticket)
         return len(chosen)
 
-    def _unconfirm(self, client: OpenReads, qs: QueueState, h: Handle, rname: str,
+    def _unconfirm(self, client: OpenReads, qs: QueueState, h: LiveReader, rname: str,
                    reads: list[tuple[Item, float | None]], error: BaseException) -> None:
         """Confirms whose append failed are undone: the reads are open again on their
         connection, with their deadlines; or, if it has ended meanwhile, back at the
@@ -183,7 +183,7 @@ class ReliableReads:
         served. The error counts and due times they got are journaled (`owe` gets the
         ticket)."""
         due_ms = qs.clock() + delay_ms if delay_ms > 0 else None
-        served: dict[int, tuple[Handle, list[tuple[int, int]], list[tuple[int, int]]]] = {}
+        served: dict[int, tuple[LiveReader, list[tuple[int, int]], list[tuple[int, int]]]] = {}
         for i in sorted(ids, reverse=True):
             h = qs.owner(rname, i)
             if h is not None:
@@ -229,7 +229,7 @@ class ReliableReads:
         qs = self.queues.get(queue)
         if qs is None:
             return len(chosen)
-        dropped: dict[int, tuple[Handle, list[int]]] = {}
+        dropped: dict[int, tuple[LiveReader, list[int]]] = {}
         for i in chosen:
             h = qs.owner(rname, i)
             if h is None:
@@ -262,7 +262,7 @@ class ReliableReads:
                 self._return(qs, rname, ids, count_error=True)
         return len(due)
 
-    def forget(self, queue: str, reader: str | None, h: Handle | None) -> None:
+    def forget(self, queue: str, reader: str | None, h: LiveReader | None) -> None:
         """Open reads of a deleted queue (reader None) or reader end: ids are reused.
 
         Reads taken under an alias of the deleted reader (`q` before a takeover) end

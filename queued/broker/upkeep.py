@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from queued.broker.broker import Broker, wall_ms
-from queued.broker.handles import Handle
+from queued.broker.live_readers import LiveReader
 from queued.broker.parking import park_tick
 from queued.broker.queues import QueueState
 from queued.errors import (
@@ -161,14 +161,14 @@ class Upkeep:
         """An earlier deadline was pushed: the timeout loop sleeps until it instead."""
         self._timeout_wake.set()
 
-    def refill(self, qs: QueueState, h: Handle) -> None:
+    def refill(self, qs: QueueState, h: LiveReader) -> None:
         """Read `h`'s backlog back into memory until it has enough (one task per reader)."""
         if h.refilling or h.closed or self._nursery is None:
             return
         h.refilling = True
         self._nursery.start_soon(self._refill, qs, h)
 
-    async def _refill(self, qs: QueueState, h: Handle) -> None:
+    async def _refill(self, qs: QueueState, h: LiveReader) -> None:
         self._refills += 1
         try:
             while not h.closed:
@@ -185,7 +185,7 @@ class Upkeep:
             self._refills -= 1
 
     def move(
-        self, qs: QueueState, h: Handle, items: list[Item], target: str, keep_errors: bool
+        self, qs: QueueState, h: LiveReader, items: list[Item], target: str, keep_errors: bool
     ) -> None:
         """Put `items` (already marked moving in `h`) into queue `target`."""
         if self._nursery is None:
@@ -193,22 +193,26 @@ class Upkeep:
         self._nursery.start_soon(self._move, qs, h, items, target, keep_errors)
 
     async def _move(
-        self, qs: QueueState, h: Handle, items: list[Item], target: str, keep_errors: bool
+        self, qs: QueueState, h: LiveReader, items: list[Item], target: str, keep_errors: bool
     ) -> None:
         """Error-queue moves keep each item's error count (one put each); expiry moves
         are one put per run of items with the same flags (one in all, usually). Every
-        item keeps its memcache flags. Then the items are consumed here, or go back /
-        are dropped."""
+        item keeps its memcache flags and headers. Then the items are consumed here, or
+        go back / are dropped."""
         self._moves += 1
         moved = False
         try:
             if keep_errors:
                 for it in items:
                     await self.broker.put(target, [it.data], error_count=it.error_count,
-                                          flags=it.flags)
+                                          flags=it.flags,
+                                          headers=[it.headers] if it.headers else None)
             else:
-                for flags, run in itertools.groupby(items, key=attrgetter("flags")):
-                    await self.broker.put(target, [it.data for it in run], flags=flags)
+                for flags, group in itertools.groupby(items, key=attrgetter("flags")):
+                    run = list(group)
+                    headers = [it.headers for it in run]
+                    await self.broker.put(target, [it.data for it in run], flags=flags,
+                                          headers=headers if any(headers) else None)
             moved = True
         except MOVE_ERRORS as exc:
             log.error("queue %s: could not move %d items to %s: %s",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
 from queued.errors import QueuedError
-from queued.sansio import MAX_DELAY_MS
+from queued.sansio import MAX_DELAY_MS, HeaderValue, header_entries
 from queued.wire.rpc_protocol import MAX_FLAGS, ErrorCode
 
 DEFAULT_PORT: Final = 2229
@@ -20,6 +20,8 @@ DEFAULT_PORT: Final = 2229
 ServerSpec: TypeAlias = str | tuple[str, int]
 Servers: TypeAlias = ServerSpec | Sequence[ServerSpec]
 Data: TypeAlias = bytes | bytearray | memoryview | str
+#: An item's headers as a put takes them: string keys, bytes or string values.
+Headers: TypeAlias = Mapping[str, bytes | bytearray | memoryview | str]
 #: What a call runs on its params just before they are sent (Connection.call's `prepare`).
 Prepare: TypeAlias = Callable[[list[Any]], None]
 
@@ -210,6 +212,10 @@ class Item:
     #: from a get with `with_deliveries=True`; from `browse`, the deliveries so far. 0
     #: when not asked for.
     deliveries: int = 0
+    #: Its headers (string keys; bytes values, or strings where they were put as strings),
+    #: {} for an item put without; from a get (reserve, consume, browse) with
+    #: `with_headers=True`; None when not asked for.
+    headers: Mapping[str, HeaderValue] | None = None
     #: The client that got it (what `extend` goes through).
     client: Any = field(default=None, repr=False, compare=False)
 
@@ -281,6 +287,31 @@ def encode_items(items: Data | Iterable[Data]) -> list[bytes]:
     return out
 
 
+def headers_param(headers: Headers | Sequence[Headers | None] | None, n: int) -> Any:
+    """put's headers as sent: one map for every item, or a list of one map (or None) per
+    item (of the `n`); None when no item has any. ValueError (nothing sent) when they
+    break the rule: string keys, bytes or string values, at most 64 headers and 16 KiB
+    of keys and values an item."""
+    if headers is None:
+        return None
+    if isinstance(headers, Mapping):
+        return _checked(headers)
+    if isinstance(headers, str | bytes) or not isinstance(headers, Sequence):
+        raise ValueError("headers must be a map (every item's), or a list of one map (or "
+                         "None) per item")
+    if len(headers) != n:
+        raise ValueError(f"{len(headers)} headers maps for {n} items")
+    out = [None if h is None else _checked(h) for h in headers]
+    return out if any(out) else None
+
+
+def _checked(headers: Any) -> dict[str, HeaderValue] | None:
+    """One item's headers as sent (bytes-like values as bytes), once the rule passed."""
+    header_entries(headers)
+    return {k: v if type(v) is str or type(v) is bytes else bytes(v)
+            for k, v in headers.items()} or None
+
+
 class ProducerState:
     """This client's producer for one (server, queue): its id and next sequence. A new
     id (`renew`) whenever a sequence may have been lost: a put refused, or given up."""
@@ -311,6 +342,25 @@ def producer_result(result: Any, count: int) -> int:
     return count if result[2] and not result[0] else result[0]
 
 
+@dataclass(frozen=True, slots=True)
+class PutAnswer:
+    """A put's answer under a producer id the caller chose (`put_sequenced`): how many items
+    it stored, the id of the first, and whether it was a repeat (then nothing was stored
+    now: `count` and `first_id` are the first time's, or 0 and 0 for a repeat of an older
+    put than the producer's last)."""
+
+    count: int
+    first_id: int
+    duplicate: bool
+
+
+def sequenced_result(result: Any) -> PutAnswer:
+    if (not isinstance(result, list) or len(result) != 3 or type(result[0]) is not int
+            or type(result[1]) is not int or type(result[2]) is not bool):
+        raise BadResponse(f"put answered {result!r}, not [count, first_id, duplicate]")
+    return PutAnswer(result[0], result[1], result[2])
+
+
 def int_result(result: Any, method: str) -> int:
     if type(result) is not int:
         raise BadResponse(f"{method} answered {result!r}, not an integer")
@@ -319,23 +369,31 @@ def int_result(result: Any, method: str) -> int:
 
 def to_items(result: Any, queue: str, server: str, serial: int,
              client: Any = None) -> list[Item]:
-    """A get's items: [id, data] each, [id, data, flags] when it asked for flags, or
-    [id, data, flags, deliveries] when it asked for delivery counts (and a browse's)."""
+    """A get's items: [id, data] each, [id, data, flags] when it asked for flags,
+    [id, data, flags, deliveries] when it asked for delivery counts (and a browse's), and
+    [id, data, flags, deliveries, headers] when it asked for headers."""
     if not isinstance(result, list):
         raise BadResponse(f"get answered {type(result).__name__}, not an array")
     out = []
     for pair in result:
-        if (not isinstance(pair, list) or not 2 <= len(pair) <= 4 or type(pair[0]) is not int
+        if (not isinstance(pair, list) or not 2 <= len(pair) <= 5 or type(pair[0]) is not int
                 or not isinstance(pair[1], bytes | str)
                 or (len(pair) >= 3 and (type(pair[2]) is not int
                                         or not 0 <= pair[2] <= MAX_FLAGS))
-                or (len(pair) == 4 and (type(pair[3]) is not int or pair[3] < 0))):
+                or (len(pair) >= 4 and (type(pair[3]) is not int or pair[3] < 0))
+                or (len(pair) == 5 and not _headers_ok(pair[4]))):
             raise BadResponse(f"get answered an item {pair!r:.80}, not [id, data(, flags"
-                              "(, deliveries))]")
+                              "(, deliveries(, headers)))]")
         data = pair[1].encode() if isinstance(pair[1], str) else pair[1]
         out.append(Item(pair[0], data, queue, server, serial, pair[2] if len(pair) >= 3 else 0,
-                        pair[3] if len(pair) == 4 else 0, client))
+                        pair[3] if len(pair) >= 4 else 0,
+                        pair[4] if len(pair) == 5 else None, client))
     return out
+
+
+def _headers_ok(headers: Any) -> bool:
+    return isinstance(headers, dict) and all(
+        type(k) is str and isinstance(v, bytes | str) for k, v in headers.items())
 
 
 def check_delay(delay_ms: int) -> None:

@@ -28,6 +28,7 @@ from queued.client.servers import ServerState
 from queued.wire.rpc_protocol import Response
 
 Lock = threading.Lock
+TableLock = threading.Lock  # (see io_trio)
 now = time.monotonic
 sleep = time.sleep
 
@@ -51,11 +52,13 @@ def wait_for(lookups: Collection[concurrent.futures.Future[Any]],
 @contextmanager
 def repeating(interval: float, fn: Callable[..., None], *args: Any) -> Iterator[None]:
     """Call `fn(*args)` every `interval` seconds while the body runs (a daemon thread;
-    the Client's gate serializes its calls with the body's)."""
+    the Client's gate serializes its calls with the body's), at the multiples of
+    `interval` on the monotonic clock: loops with the same interval fall due together
+    (the first call comes within `interval`, not after exactly that)."""
     stop = threading.Event()
 
     def loop() -> None:
-        while not stop.wait(interval):
+        while not stop.wait(interval - time.monotonic() % interval):
             fn(*args)
 
     thread = threading.Thread(target=loop, name="queued-heartbeat", daemon=True)

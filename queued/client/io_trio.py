@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ssl
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from contextlib import (
     AbstractContextManager,
@@ -38,6 +39,9 @@ from queued.client.servers import ServerState
 from queued.wire.rpc_protocol import Response
 
 Lock = trio.Lock
+#: A lock held only around a table's update, never across a wait (the heartbeats' table):
+#: a thread lock in both clients (the blocking client's threads share the table).
+TableLock = threading.Lock
 now = trio.current_time
 checkpoint = trio.lowlevel.checkpoint
 sleep = trio.sleep
@@ -61,10 +65,12 @@ async def wait_for(lookups: Collection[concurrent.futures.Future[Any]],
 @asynccontextmanager
 async def repeating(interval: float, fn: Callable[..., Awaitable[None]],
                     *args: Any) -> AsyncIterator[None]:
-    """Run `await fn(*args)` every `interval` seconds while the body runs (a task)."""
+    """Run `await fn(*args)` every `interval` seconds while the body runs (a task), at
+    the multiples of `interval` on trio's clock: loops with the same interval fall due
+    together (the first call comes within `interval`, not after exactly that)."""
     async def loop() -> None:
         while True:
-            await trio.sleep(interval)
+            await trio.sleep_until((trio.current_time() // interval + 1) * interval)
             await fn(*args)
 
     async with trio.open_nursery() as nursery:

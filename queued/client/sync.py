@@ -7,10 +7,11 @@ Every behaviour and its documentation live in aio.py; import from queued.client.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
@@ -24,10 +25,13 @@ from queued.client.common import (
     ClientStatistics,
     ConnectionFailed,
     Data,
+    Headers,
     Item,
+    NotOpen,
     Prepare,
     ProducerGap,
     ProducerState,
+    PutAnswer,
     QueueInfo,
     RpcCallError,
     Servers,
@@ -38,9 +42,11 @@ from queued.client.common import (
     check_get,
     check_timeouts,
     encode_items,
+    headers_param,
     int_result,
     producer_result,
     queue_info,
+    sequenced_result,
     settle_groups,
     to_items,
 )
@@ -50,6 +56,7 @@ from queued.client.io_sync import (
     Connection,
     Lock,
     Network,
+    TableLock,
     call_gate,
     checkpoint,
     now,
@@ -59,12 +66,19 @@ from queued.client.io_sync import (
     wait_for,
 )
 from queued.client.servers import LOOKUP_PATIENCE, Discovery, Pool, ServerState, lookup
-from queued.wire.rpc_protocol import DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME
+from queued.wire.rpc_protocol import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_FRAME,
+    MAX_PRODUCER_ID,
+    MAX_SEQUENCE,
+)
 
 __all__ = ["Client", "Consumer"]
 
 #: Seconds a `move` without both max_items and a rate may take before the client gives up.
 MOVE_WAIT = 24 * 3600.0
+#: Seconds a reserve's heartbeat waits for the others of its client due at the same moment.
+BEAT_GATHER = 0.005
 
 
 class Client:
@@ -162,6 +176,11 @@ class Client:
         # client's is always open (its calls are pipelined).
         self._gate = call_gate()
         self._connect_locks: dict[str, Lock] = {}
+        # reserve's heartbeats due now, by lease (ms), gathered to go out together
+        self._beating: dict[int, list[Item]] = {}
+        # reserve's reads found lost by a heartbeat (NotOpen): no more beats for them
+        self._lost_reads: set[Item] = set()
+        self._beat_lock = TableLock()
         # Per server: the last failed connect (its number in _connect_failures, why), so
         # the calls that waited for that connect fail over at once instead of each
         # paying connect_timeout in turn.
@@ -382,29 +401,89 @@ class Client:
         return result
 
     def put(self, queue: str, items: Data | Iterable[Data], expiration_ms: int = 0,
-            flags: int = 0, *, delay_ms: int = 0) -> int:
+            flags: int = 0, *, delay_ms: int = 0,
+            headers: Headers | Sequence[Headers | None] | None = None) -> int:
         """Store items (bytes, or str as UTF-8; a single one or an iterable) on one server.
 
         Returns how many were stored. expiration_ms is relative; 0 = never. flags: every
         item's memcache flags (u32), what a memcache get answers with them. delay_ms: the
-        items stay invisible that long (delayed delivery; 0 = none).
+        items stay invisible that long (delayed delivery; 0 = none). headers: a map of
+        string keys to bytes or string values that every item carries, or a list of one
+        map (or None) per item; at most 64 headers and 16 KiB of keys and values an item
+        (ValueError, nothing sent). A get with `with_headers=True` returns them.
         """
         batch = encode_items(items)
         check_flags(flags)
         check_delay(delay_ms)
+        sent_headers = headers_param(headers, len(batch))
         params: list[Any] = [queue, batch, expiration_ms]
         if flags or delay_ms:  # (servers before flags take three params)
             params.append(flags)
         if delay_ms:  # (servers before delays take four)
             params.append(delay_ms)
+        if sent_headers is not None:  # (servers before headers take eight: the ninth)
+            params += [*[0, 0, 0][len(params) - 2:], None, 0, None, sent_headers]
         with self._gate:
             if self.idempotent:
                 params += [0, 0, 0][len(params) - 2:]  # (expiration_ms, flags, delay_ms)
-                params += [None, 0]  # producer, sequence: set when sent (`prepare`)
+                params += [None, 0][len(params) - 5:]  # producer, sequence: set when sent
                 result = self._put_rotation("put", params, queue)
                 return producer_result(result, len(batch))
             result = self._put_rotation("put", params)
         return int_result(result, "put")
+
+    def put_sequenced(self, queue: str, items: Data | Iterable[Data], producer: bytes,
+                      sequence: int, expiration_ms: int = 0, flags: int = 0, *,
+                      delay_ms: int = 0,
+                      headers: Headers | Sequence[Headers | None] | None = None,
+                      ) -> PutAnswer:
+        """An exactly-once put under the caller's own producer id (1 to 64 bytes) and
+        sequence (1, 2, ... one number per put; see the README's Exactly-once puts), for a
+        caller that derives both from what it writes, so that writing it again meets the
+        first time's answer (the Spark sink). `put` chooses them itself.
+
+        It goes to one server, the one `producer` hashes to among the client's servers (by
+        address), never another: the producer's table is that server's. A put whose reply
+        never came, or that could not be sent (the server restarting), is sent again with
+        the same producer and sequence until `delivery_timeout`, then raises AmbiguousPut
+        (stored once or not at all). A sequence past the producer's next raises ProducerGap.
+        `headers` as `put` takes them.
+        """
+        batch = encode_items(items)
+        check_flags(flags)
+        check_delay(delay_ms)
+        sent_headers = headers_param(headers, len(batch))
+        if not 0 < len(producer) <= MAX_PRODUCER_ID or not 0 < sequence <= MAX_SEQUENCE:
+            raise ValueError(f"a producer id has 1 to {MAX_PRODUCER_ID} bytes and a sequence "
+                             f"is 1 to {MAX_SEQUENCE}")
+        params: list[Any] = [queue, batch, expiration_ms, flags, delay_ms, producer, sequence]
+        if sent_headers is not None:  # (the ninth param; the eighth is a dedup key's)
+            params += [None, sent_headers]
+        with self._gate:
+            self._order("put")  # (resolves DNS names)
+            servers = sorted(self._pool.require(), key=lambda s: s.address)
+            pick = int.from_bytes(hashlib.blake2b(producer, digest_size=8).digest(), "big")
+            server = servers[pick % len(servers)]
+            deadline = now() + self.delivery_timeout
+            pause = 0.05
+            while True:
+                started = now()
+                try:
+                    _, result = self._on(server, "put", params, self.read_timeout)
+                except FAILOVER as exc:
+                    self._pool.failed(server, now(), started)
+                    if now() >= deadline:
+                        raise AmbiguousPut(
+                            f"{server.address}: put to {queue!r} under a producer of the "
+                            f"caller's, no reply to it or its re-sends within delivery_timeout "
+                            f"({self.delivery_timeout} s): stored once or not at all ({exc})",
+                            server.address) from exc
+                    self._retries += 1
+                    sleep(min(pause, max(0.0, deadline - now())))
+                    pause = min(pause * 2, 1.0)
+                    continue
+                self._pool.ok(server)
+                return sequenced_result(result)
 
     def _idempotent_failover(self, order: list[ServerState], queue: str,
                              params: list[Any]) -> Any:
@@ -499,7 +578,7 @@ class Client:
 
     def get(self, queue: str, max_items: int = 1, timeout_ms: int = 0,
             auto_abort_ms: int = 0, *, with_flags: bool = False,
-            with_deliveries: bool = False) -> list[Item]:
+            with_deliveries: bool = False, with_headers: bool = False) -> list[Item]:
         """Up to max_items items, waiting up to timeout_ms for the first; [] if none came.
 
         auto_abort_ms > 0 makes each item an open read held by this client's connection
@@ -507,6 +586,7 @@ class Client:
         when the connection closes. 0 removes the items at once (at most once).
         with_flags: fill each Item's flags (memcache flags) too. with_deliveries: fill
         its flags and `deliveries` (how many times it has been delivered, this time too).
+        with_headers: fill all of those and its `headers` ({} for an item without).
         """
         check_get(max_items, timeout_ms, auto_abort_ms)
         if with_deliveries:
@@ -514,7 +594,7 @@ class Client:
         with self._gate:
             deadline = now() + timeout_ms / 1000
             order = self._order("get")
-            form = 2 if with_deliveries else 1 if with_flags else 0
+            form = 3 if with_headers else 2 if with_deliveries else 1 if with_flags else 0
             if len(order) == 1:
                 return self._get_from(order, queue, max_items, timeout_ms,
                                       auto_abort_ms, form, first_answer=True)
@@ -536,12 +616,13 @@ class Client:
                   timeout_ms: int, auto_abort_ms: int, form: int, *,
                   first_answer: bool) -> list[Item]:
         """Ask the servers in order until one has items (or, first_answer, until one
-        answers). `form`: 0 [id, data], 1 with flags, 2 with flags and deliveries."""
+        answers). `form`: 0 [id, data], 1 with flags, 2 with flags and deliveries, 3 with
+        headers too."""
         errors: list[ClientError] = []
         wait = timeout_ms / 1000 + self.read_timeout
         params: list[Any] = [queue, max_items, timeout_ms, auto_abort_ms]
-        if form:  # (servers before flags take four params, before deliveries five)
-            params += [True] if form == 1 else [True, True]
+        if form:  # (servers before flags take four params, before deliveries five, ...)
+            params += [True] * form
         for server in order:
             started = now()
             try:
@@ -641,14 +722,15 @@ class Client:
         return moved
 
     def browse(self, queue: str, after_id: int = 0, n: int = 100, *,
-               server: str | None = None) -> list[Item]:
+               server: str | None = None, with_headers: bool = False) -> list[Item]:
         """Up to n items of the queue in delivery order after item `after_id` (0: from the
         head), taken from nobody (`deliveries`: so far); on `server`, else the first in
-        the rotation. Page with the last item's id."""
+        the rotation. Page with the last item's id. with_headers: fill their headers."""
+        params: list[Any] = [queue, after_id, n] + ([True] if with_headers else [])
         with self._gate:
             order = ([lookup(self._pool, server)] if server is not None
                      else self._order("get"))
-            state, _, result = self._failover(order, "browse", [queue, after_id, n],
+            state, _, result = self._failover(order, "browse", params,
                                               self.read_timeout)
         return to_items(result, queue, state.address, 0)
 
@@ -683,7 +765,7 @@ class Client:
     @contextmanager
     def reserve(self, queue: str, timeout_ms: int = 0, auto_abort_ms: int = 60_000, *,
                 with_flags: bool = False, heartbeat: bool = False,
-                ) -> Generator[Item | None, None, None]:
+                with_headers: bool = False) -> Generator[Item | None, None, None]:
         """Get one item as an open read; confirm it if the body ends normally, abort if it raises.
 
         `with client.reserve(queue) as item:` yields None when no item came within
@@ -697,12 +779,17 @@ class Client:
         if auto_abort_ms <= 0:
             raise ValueError("reserve needs auto_abort_ms > 0")
         got = self.get(queue, 1, timeout_ms, auto_abort_ms, with_flags=with_flags,
-                       with_deliveries=True)
+                       with_deliveries=True, with_headers=with_headers)
         item = got[0] if got else None
         try:
             if heartbeat and item is not None:
-                with repeating(auto_abort_ms / 3000, self._beat, item, auto_abort_ms):
-                    yield item
+                try:
+                    with repeating(auto_abort_ms / 3000, self._beat, item,
+                                   auto_abort_ms):
+                        yield item
+                finally:
+                    with self._beat_lock:
+                        self._lost_reads.discard(item)
             else:
                 yield item
         except BaseException:
@@ -714,13 +801,46 @@ class Client:
 
     def _beat(self, item: Item, ms: int) -> None:
         """One heartbeat of `reserve`: the read extended, or left be if that fails (the
-        body learns of a lost item when its confirm counts 0)."""
-        with suppress(ClientError):
-            self.extend(item, ms)
+        body learns of a lost item when its confirm counts 0). The beats of this client's
+        reserves with the same lease fall due together (`repeating` runs on a shared
+        grid): the first gathers the others for BEAT_GATHER seconds, then sends them as
+        one extend per connection and queue. A lost read among them (NotOpen refuses its
+        extend whole: it timed out, or the body confirmed or aborted it) has the others of
+        that batch sent again one by one, and is left out of its later beats."""
+        with self._beat_lock:  # (held for these sets only: one lock serves both clients)
+            if item in self._lost_reads:
+                return
+            batch = self._beating.get(ms)
+            if batch is not None:
+                batch.append(item)
+                return
+            self._beating[ms] = batch = [item]
+        # The others' beats ride on this one: if its own block ends meanwhile, the beat
+        # still goes out (the block's exit waits that long, at most read_timeout).
+        with shielded(self.read_timeout):
+            try:
+                sleep(BEAT_GATHER)
+            finally:
+                with self._beat_lock:
+                    del self._beating[ms]
+            try:
+                self.extend(batch, ms)
+            except NotOpen:
+                for one in batch:
+                    try:
+                        self.extend(one, ms)
+                    except NotOpen:
+                        with self._beat_lock:
+                            self._lost_reads.add(one)
+                    except ClientError:
+                        pass
+            except ClientError:
+                pass
 
     def consume(self, queue: str, *, batch: int = 100, timeout_ms: int = 1000,
                 auto_abort_ms: int = 0, max_items: int | None = None,
-                stop_when_empty: bool = False, with_flags: bool = False) -> Consumer:
+                stop_when_empty: bool = False, with_flags: bool = False,
+                with_headers: bool = False) -> Consumer:
         """Items, fetched `batch` at a time, until max_items or (stop_when_empty) an empty
         get; otherwise forever. `with client.consume(queue) as items:`, then
         `for item in items:`; a bare `for` works too.
@@ -736,16 +856,16 @@ class Client:
         if batch < 1 or (max_items is not None and max_items < 0):
             raise ValueError("want batch >= 1 and max_items >= 0")
         return Consumer(self._consume(queue, batch, timeout_ms, auto_abort_ms, max_items,
-                                      stop_when_empty, with_flags))
+                                      stop_when_empty, with_flags, with_headers))
 
     def _consume(self, queue: str, batch: int, timeout_ms: int, auto_abort_ms: int,
                  max_items: int | None, stop_when_empty: bool,
-                 with_flags: bool) -> Generator[Item, None, None]:
+                 with_flags: bool, with_headers: bool) -> Generator[Item, None, None]:
         got = 0
         while max_items is None or got < max_items:
             want = batch if max_items is None else min(batch, max_items - got)
             items = self.get(queue, want, timeout_ms, auto_abort_ms,
-                             with_flags=with_flags)
+                             with_flags=with_flags, with_headers=with_headers)
             if not items:
                 if stop_when_empty:
                     return

@@ -306,11 +306,13 @@ QUEUE_KEYS: Final[Mapping[str, Parser]] = {
     "retry_backoff": _durations,
     "max_producers": _positive,
     "producer_expiry": _positive_duration,
+    "dedup_window": _positive_duration,
+    "max_dedup_keys": _positive,
 }
 #: Keys of the queue's journal, which its fanout readers share: not settable per reader.
 JOURNAL_KEYS: Final = frozenset(
     {"journal_size", "max_journal_size", "journal_full_policy", "fsync", "max_producers",
-     "producer_expiry"}
+     "producer_expiry", "dedup_window", "max_dedup_keys"}
 )
 
 #: Command-line flags of `serve` (a subset of the server keys, plus --config).

@@ -47,6 +47,8 @@ class QueueConfig:
     max_errors: int = 0  # aborts before an item moves to error_queue; 0 = never
     max_producers: int = 10_000  # producers (exactly-once puts) remembered, LRU beyond
     producer_expiry: int = 7 * 24 * 3600 * 1000  # ms; a producer unused this long is forgotten
+    dedup_window: int = 5 * 60 * 1000  # ms a put's deduplication key is remembered
+    max_dedup_keys: int = 100_000  # deduplication keys remembered, oldest first out beyond
     #: ms an aborted or timed-out read waits before it is delivered again: the n-th
     #: return waits step n (the last step for every later one); () = back at once
     retry_backoff: tuple[int, ...] = ()

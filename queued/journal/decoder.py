@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from queued.errors import BadMagicError, ChecksumMismatchError, CorruptRecordError
+from queued.journal.headers import check_headers_block
 from queued.journal.records import (
     CHECK_MARK,
     CHECK_RECORD_SIZE,
@@ -33,9 +34,11 @@ from queued.journal.records import (
     EXT_CHECK_DATA_SIZE,
     EXT_COMPACTED,
     EXT_DATA_SIZES,
+    EXT_DEDUP,
     EXT_DELAY,
     EXT_FLAGS,
     EXT_HEAD_SIZE,
+    EXT_HEADERS,
     EXT_INCARNATION,
     EXT_PRODUCER,
     FLAGS_RECORD_SIZE,
@@ -81,6 +84,7 @@ from queued.journal.records import (
     EndOfData,
     Event,
     FileKind,
+    HeadedPut,
     Incarnation,
     Put,
     ReadDelays,
@@ -93,10 +97,19 @@ from queued.journal.records import (
     Unknown,
     check_at,
     crc_seed,
+    decode_dedup,
     decode_producer,
     sealed_start,
 )
 from queued.sansio import NEED_DATA
+
+try:  # ISA-L's CRC-32 (the same sums as zlib's, 10x as fast here): the spark extra has it
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    from zlib import crc32 as _crc32
+
+#: What a decoder walks: the bytes it received, or a whole file it reads in place.
+Buffer = bytearray | bytes | memoryview
 
 
 def record_length(buf: bytes | bytearray | memoryview, pos: int) -> int:
@@ -129,7 +142,7 @@ def _need(cmd: int) -> tuple[int, str | None]:
     return 1 + 4 * words, None
 
 
-def _ext_kind(buf: bytearray, pos: int, size: int, start: int) -> int:
+def _ext_kind(buf: Buffer, pos: int, size: int, start: int) -> int:
     """The kind of the extension record at buf[pos] (its whole header is there), after
     checking its data size against the kind's."""
     if size < 1:
@@ -142,7 +155,7 @@ def _ext_kind(buf: bytearray, pos: int, size: int, start: int) -> int:
     return kind
 
 
-def _lead_at(buf: bytearray, at: int, end: int) -> tuple[int, int, int] | None:
+def _lead_at(buf: Buffer, at: int, end: int) -> tuple[int, int, int] | None:
     """(kind, value, size) of a FLAGS or DELAY record, either form, at buf[at], when all
     of it lies before `end`; (0, 0, 0) when it is cut short there; None when none is."""
     cmd = buf[at]
@@ -170,7 +183,54 @@ def _lead_at(buf: bytearray, at: int, end: int) -> tuple[int, int, int] | None:
     return None
 
 
-def _batch_lead(buf: bytearray, pos: int, n: int, base: int, flags: dict[int, int] | None,
+def _headers_at(buf: Buffer, pos: int, end: int, cap: int, start: int) -> int:
+    """The size of the HEADERS record at buf[pos] (its kind byte is there), when all of it
+    and the first byte after it lie before `end`; 0 when they do not. Raises for a size
+    that cannot be (`start`: its file offset)."""
+    size = I32_STRUCT.unpack_from(buf, pos + 1)[0]
+    if not 1 <= size <= cap:
+        raise CorruptRecordError(start, f"HEADERS record with {size} data bytes")
+    total = 1 + 4 + size
+    return total if pos + total < end else 0
+
+
+def _put_after(buf: Buffer, at: int, n: int, what: str, start: int) -> int:
+    """Where the PUT led by the record that ends at `at` starts, past a FLAGS and a DELAY
+    record if they follow (either form); -1 when the bytes end first. Anything else there
+    is corrupt (reported at `start`, where the first lead starts)."""
+    for _ in range(2):
+        if at >= n:
+            return -1
+        lead = _lead_at(buf, at, n)
+        if lead is None:
+            break
+        if not lead[2]:
+            return -1
+        at += lead[2]
+    if at >= n:
+        return -1
+    if buf[at] != PUT_BYTE and buf[at] != PUT_EXPIRE_BYTE:
+        raise CorruptRecordError(start, f"{what} record followed by command byte "
+                                        f"{buf[at]:#04x}, not a PUT")
+    return at
+
+
+def _batch_headers(buf: Buffer, pos: int, n: int, base: int, cap: int,
+                   headers: dict[int, bytes] | None) -> int:
+    """The HEADERS record at buf[pos] (before n), for RecordDecoder.next_batch: notes its
+    block under the file offset of the PUT it leads, and returns where the next record (a
+    FLAGS, DELAY or that PUT) starts; -1 when the bytes end first."""
+    size = _headers_at(buf, pos, n, cap, base + pos)
+    if not size:
+        return -1
+    at = pos + size
+    put_at = _put_after(buf, at, n, "HEADERS", base + pos)
+    if put_at >= 0 and headers is not None:
+        headers[base + put_at] = bytes(buf[pos + EXT_HEAD_SIZE:at])
+    return at if put_at >= 0 else -1
+
+
+def _batch_lead(buf: Buffer, pos: int, n: int, base: int, flags: dict[int, int] | None,
                 delays: dict[int, int] | None) -> tuple[int, int]:
     """The FLAGS or DELAY record at buf[pos] (before n), for RecordDecoder.next_batch:
     notes its value under the file offset of the PUT it leads, and returns where the next
@@ -211,7 +271,7 @@ def _batch_lead(buf: bytearray, pos: int, n: int, base: int, flags: dict[int, in
     return at, 1
 
 
-def _entries(name: str, entry: struct.Struct, buf: bytearray, pos: int, hdr: int, size: int,
+def _entries(name: str, entry: struct.Struct, buf: Buffer, pos: int, hdr: int, size: int,
              start: int) -> tuple[tuple[int, int], ...]:
     """The (id, value) entries of a READ_ERRORS or READ_DELAYS record at buf[pos]."""
     if hdr != 5:
@@ -221,6 +281,41 @@ def _entries(name: str, entry: struct.Struct, buf: bytearray, pos: int, hdr: int
                                         f"{entry.size}")
     return tuple(entry.unpack_from(buf, pos + hdr + k)
                  for k in range(0, size, entry.size))
+
+
+#: Per byte value: 1 for the top byte of a negative i64, else 0 (`_equal_puts`).
+_SIGN = bytes(int(b >= 0x80) for b in range(256))
+#: Records a run must have for `_equal_puts` to be worth its fixed cost, and the most it
+#: looks at in one call (a batch's run ends at its check record; the rest of the bytes
+#: received is not looked at).
+_RUN_MIN = 64
+_RUN_MAX = 512
+
+
+def _equal_puts(buf: Buffer, pos: int, end: int, stride: int,
+                head: bytes) -> int:
+    """How many records from buf[pos] on, one every `stride` bytes and wholly before
+    `end`, are PUTs led by `head` (the command byte and data size of the one before them)
+    with a positive id: what the one-by-one loop of `_batch` would accept, found column by
+    column (each header field of every record taken out with one strided slice)."""
+    k = (end - pos) // stride
+    for lane in range(len(head)):
+        column = bytes(buf[pos + lane:pos + k * stride:stride])
+        k -= len(column.lstrip(head[lane:lane + 1]))
+        if not k:
+            return 0
+    stop = pos + k * stride
+    negative = bytes(buf[pos + PUT_ID_AT + 7:stop:stride]).translate(_SIGN).find(1)
+    if negative >= 0:
+        k = negative
+    low = bytes(buf[pos + PUT_ID_AT:pos + k * stride:stride])
+    i = low.find(0)
+    while i >= 0:  # (an id whose low byte is 0 may be 0 altogether)
+        at = pos + i * stride + PUT_ID_AT
+        if not any(buf[at:at + 8]):
+            return i
+        i = low.find(0, i + 1)
+    return k
 
 
 class RecordDecoder:
@@ -238,7 +333,8 @@ class RecordDecoder:
     A FLAGS record and the PUT it leads are one `Put` (with `flags`), decoded from
     the FLAGS record's offset; a FLAGS record followed by anything else is corrupt.
     Likewise a DELAY record (after the FLAGS record, if any) and its PUT are one
-    `DelayedPut`; a DELAY record followed by anything but a PUT is corrupt. Every
+    `DelayedPut`; a DELAY record followed by anything but a PUT is corrupt. A HEADERS
+    record leads them all: with its PUT, a `HeadedPut` (or the `DelayedPut` with it). Every
     record we add comes in two forms (journal_records): the extension envelope, and the
     older one; both decode to the same values, in any mix.
     """
@@ -253,7 +349,7 @@ class RecordDecoder:
     ) -> None:
         self.kind = kind
         self.max_data_size = max_data_size
-        self._buf = bytearray()
+        self._buf: Buffer = bytearray()
         self._pos = 0  # index into _buf
         self._base = start_offset  # file offset of _buf[0]
         self._eof = False
@@ -277,11 +373,20 @@ class RecordDecoder:
         if not data:
             self._eof = True
             return
+        assert isinstance(self._buf, bytearray)  # (not after receive_all: that was all)
         if self._pos > 0 and self._pos >= len(self._buf) // 2:
             del self._buf[: self._pos]
             self._base += self._pos
             self._pos = 0
         self._buf += data
+
+    def receive_all(self, data: bytes | bytearray | memoryview) -> None:
+        """The whole file (from `start_offset`) at once, read in place, never copied: no
+        bytes may come before it, and it is the end of the file."""
+        if self._eof or len(self._buf):
+            raise RuntimeError("receive_all after other bytes")
+        self._buf = data
+        self._eof = True
 
     def copy_received(self, start: int, end: int, pad: int = 0) -> bytes:
         """A copy of the bytes received at file offsets [start, end), plus `pad` zero
@@ -331,7 +436,7 @@ class RecordDecoder:
         if cmd == EXT_BYTE:
             if avail < EXT_HEAD_SIZE:
                 return self._short(avail)
-            if buf[pos + EXT_HEAD_SIZE - 1] in (EXT_FLAGS, EXT_DELAY):
+            if buf[pos + EXT_HEAD_SIZE - 1] in (EXT_FLAGS, EXT_DELAY, EXT_HEADERS):
                 return self._flagged_put(avail)
         elif cmd in (OLD_FLAGS_BYTE, OLD_DELAY_BYTE):  # another command 5 shape is not ours
             return self._flagged_put(avail)
@@ -364,6 +469,12 @@ class RecordDecoder:
                     raise CorruptRecordError(start, f"PRODUCER record of {size} data bytes "
                                              "that do not add up")
                 record = mark
+            elif kind == EXT_DEDUP:
+                dedup = decode_dedup(buf, pos, size)
+                if dedup is None:
+                    raise CorruptRecordError(start, f"DEDUP record of {size} data bytes "
+                                             "that do not add up")
+                record = dedup
             else:  # a kind of a later release: skipped, as an unknown command is
                 record = Unknown(command, 1, size, kind)
         elif command == OLD_CMD_CHECK:
@@ -418,21 +529,36 @@ class RecordDecoder:
         return Decoded(record, start, start + total)
 
     def _flagged_put(self, avail: int) -> Event:
-        """A FLAGS and/or DELAY record and the PUT after them, as one Put carrying the
-        flags (a DelayedPut carrying the due time too)."""
+        """A HEADERS, FLAGS and/or DELAY record (in that order) and the PUT after them,
+        as one Put carrying the flags (a DelayedPut carrying the due time too, a HeadedPut
+        or DelayedPut the headers block)."""
         buf, pos, start = self._buf, self._pos, self.offset
         end = pos + avail
         at = pos
         flags = 0
         due: int | None = None
-        lead = _lead_at(buf, at, end)
-        if lead is None:  # an envelope FLAGS or DELAY kind with another data size
-            _ext_kind(buf, pos, I32_STRUCT.unpack_from(buf, pos + 1)[0], start)
-            raise CorruptRecordError(start, "malformed FLAGS or DELAY record")
-        if not lead[2]:
+        block = b""
+        name = "HEADERS"  # the record right before the PUT, for an error
+        if buf[pos] == EXT_BYTE and buf[pos + EXT_HEAD_SIZE - 1] == EXT_HEADERS:
+            size = _headers_at(buf, pos, end, self.max_data_size, start)
+            if not size:
+                return self._short(avail)
+            block = bytes(buf[pos + EXT_HEAD_SIZE:pos + size])
+            try:
+                check_headers_block(block)
+            except ValueError as exc:
+                raise CorruptRecordError(start, f"HEADERS record: {exc}") from None
+            at += size
+            lead = _lead_at(buf, at, end)
+        else:
+            lead = _lead_at(buf, at, end)
+            if lead is None:  # an envelope FLAGS or DELAY kind with another data size
+                _ext_kind(buf, pos, I32_STRUCT.unpack_from(buf, pos + 1)[0], start)
+                raise CorruptRecordError(start, "malformed FLAGS or DELAY record")
+        if lead is not None and not lead[2]:
             return self._short(avail)
-        if lead[0] == EXT_FLAGS:
-            flags = lead[1]
+        if lead is not None and lead[0] == EXT_FLAGS:
+            flags, name = lead[1], "FLAGS"
             at += lead[2]
             if at >= end:
                 return self._short(avail)
@@ -440,11 +566,10 @@ class RecordDecoder:
             if lead is not None and not lead[2]:
                 return self._short(avail)
         if lead is not None and lead[0] == EXT_DELAY:
-            due = lead[1]
+            due, name = lead[1], "DELAY"
             at += lead[2]
             if at >= end:
                 return self._short(avail)
-        name = "DELAY" if due is not None else "FLAGS"
         cmd = buf[at]
         if cmd == PUT_BYTE:
             hdr = PUT_HEADER_SIZE
@@ -469,8 +594,9 @@ class RecordDecoder:
         if xid <= 0:
             raise CorruptRecordError(start + leads, f"PUT with non-positive id {xid}")
         data = bytes(buf[at + hdr : pos + total])
-        record = (Put(xid, data, added, expire, errs, flags) if due is None
-                  else DelayedPut(xid, data, added, expire, errs, flags, due))
+        record = (DelayedPut(xid, data, added, expire, errs, flags, due, block)
+                  if due is not None else HeadedPut(xid, data, added, expire, errs, flags, block)
+                  if block else Put(xid, data, added, expire, errs, flags))
         self._crc = zlib.crc32(memoryview(buf)[pos : pos + total], self._crc)
         self._pos = pos + total
         return Decoded(record, start, start + total)
@@ -503,7 +629,7 @@ class RecordDecoder:
 
     def next_batch(
         self, puts: list[int] | None = None, flags: dict[int, int] | None = None,
-        delays: dict[int, int] | None = None,
+        delays: dict[int, int] | None = None, headers: dict[int, bytes] | None = None,
     ) -> Batch | EndOfData | TornTail | Sentinel:
         """Fast path for sealed files: skip to the end of the next checked batch.
 
@@ -517,7 +643,9 @@ class RecordDecoder:
         is appended when anything else is returned. With `flags`, the flags of each
         PUT led by a FLAGS record are set there under the PUT's offset (it may also
         get offsets of a batch not yet returned: look up only offsets in `puts`).
-        With `delays`, likewise the due time of each PUT led by a DELAY record.
+        With `delays`, likewise the due time of each PUT led by a DELAY record; with
+        `headers`, the headers block of each PUT led by a HEADERS record (not checked
+        here: `journal.headers` raises on a malformed one when it is read).
         """
         if self._error is not None:
             raise self._error
@@ -525,7 +653,7 @@ class RecordDecoder:
             return self._done
         mark = len(puts) if puts is not None else 0
         try:
-            ev = self._batch(puts, flags, delays)
+            ev = self._batch(puts, flags, delays, headers)
         except CorruptRecordError as exc:
             self._error = exc
             if puts is not None:
@@ -537,7 +665,7 @@ class RecordDecoder:
 
     def _batch(
         self, puts: list[int] | None, flags: dict[int, int] | None,
-        delays: dict[int, int] | None = None,
+        delays: dict[int, int] | None = None, headers: dict[int, bytes] | None = None,
     ) -> Batch | EndOfData | TornTail | Sentinel:
         if self._magic_pending and not self._take_magic():
             return NEED_DATA
@@ -551,6 +679,7 @@ class RecordDecoder:
         mark = len(offsets)
         note = offsets.append
         data_bytes = 0
+        last = -1  # the data size of the PUT before
         delayed = marks = 0
         cap = self.max_data_size
         unpack_i32 = I32_STRUCT.unpack_from
@@ -577,6 +706,16 @@ class RecordDecoder:
                     note(base + pos)
                     data_bytes += size
                     pos += hdr + size
+                    if size == last and pos + _RUN_MIN * (hdr + size) <= n:
+                        # Equal items (a writer's batch of one size): the rest of the run
+                        # column by column.
+                        stride = hdr + size
+                        k = _equal_puts(buf, pos, n, stride,
+                                        bytes(buf[pos - stride:pos - stride + 5]))
+                        offsets.extend(range(base + pos, base + pos + k * stride, stride))
+                        data_bytes += k * size
+                        pos += k * stride
+                    last = size
             except (IndexError, struct.error):  # past the bytes received so far
                 return self._short_batch(start, n)
             check_size = 0
@@ -594,6 +733,12 @@ class RecordDecoder:
                     if size != EXT_CHECK_DATA_SIZE:
                         _ext_kind(buf, pos, size, base + pos)  # raises
                     check_size = CHECK_RECORD_SIZE
+                elif kind == EXT_HEADERS:
+                    at = _batch_headers(buf, pos, n, base, cap, headers)
+                    if at < 0:
+                        return self._short_batch(start, n)
+                    pos = at
+                    continue
                 else:
                     lead = kind in (EXT_FLAGS, EXT_DELAY)
             elif cmd == OLD_CHECK_BYTE:
@@ -617,7 +762,7 @@ class RecordDecoder:
                 self._done = TornTail(base + start, pos - start)
                 return self._done
             if check_size:
-                found = zlib.crc32(memoryview(buf)[start:pos], crc_seed(base + start))
+                found = _crc32(memoryview(buf)[start:pos], crc_seed(base + start))
                 if length != pos - start or crc != found:
                     raise ChecksumMismatchError(
                         base + pos,
@@ -647,12 +792,15 @@ class RecordDecoder:
                 if size < 0 or size > cap:
                     raise CorruptRecordError(base + pos, f"bad data size {size}")
                 # (Every valid PUT took the fast path above: _need refuses other sizes.)
-                # a COMPACTED, INCARNATION, PRODUCER or a later release's kind
-                if cmd == EXT_BYTE and _ext_kind(buf, pos, size, base + pos) == EXT_PRODUCER:
+                # a COMPACTED, INCARNATION, PRODUCER, DEDUP or a later release's kind
+                if cmd == EXT_BYTE and (kind := _ext_kind(buf, pos, size, base + pos)) in (
+                        EXT_PRODUCER, EXT_DEDUP):
                     if pos + hdr + size > n:
                         return self._short_batch(start, n)
-                    if decode_producer(buf, pos, size) is None:
-                        raise CorruptRecordError(base + pos, f"PRODUCER record of {size} "
+                    if (decode_producer if kind == EXT_PRODUCER else decode_dedup)(
+                            buf, pos, size) is None:
+                        name = "PRODUCER" if kind == EXT_PRODUCER else "DEDUP"
+                        raise CorruptRecordError(base + pos, f"{name} record of {size} "
                                                  "data bytes that do not add up")
                     marks += 1
                 if cmd >> 4 == CMD_READ_DONE and size % 8:

@@ -23,6 +23,7 @@ class FileRole(enum.Enum):
     CHECKPOINT = "checkpoint"
     TEMP = "temp"
     PRODUCERS = "producers"  # q.producers: the snapshot of the queue's producer marks
+    DEDUP = "dedup"  # q.dedup: the snapshot of the queue's deduplication keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,11 @@ def producers_name(queue: str) -> str:
     return f"{queue}.producers"
 
 
+def dedup_name(queue: str) -> str:
+    """The file holding a snapshot of the queue's deduplication keys (their DEDUP marks)."""
+    return f"{queue}.dedup"
+
+
 def temp_name(final_name: str) -> str:
     return final_name + TEMP_MARK
 
@@ -82,6 +88,8 @@ def parse_file_name(name: str) -> JournalFileName | None:
         return JournalFileName(queue, FileRole.SEGMENT, number=int(rest))
     if rest == "producers":
         return JournalFileName(queue, FileRole.PRODUCERS)
+    if rest == "dedup":
+        return JournalFileName(queue, FileRole.DEDUP)
     if rest.startswith("read."):
         reader = rest[5:]
         if reader == "" or valid_name(reader):

@@ -1,7 +1,8 @@
 """Journal records and their bytes: magic, command bytes, layouts, encoding, decoder events.
 
 Owns the byte layout of seed 002 (Kestrel's journal) plus ours: the extension envelope
-(command 13: check, FLAGS, DELAY, COMPACTED, INCARNATION), the older forms of those
+(command 13: check, FLAGS, DELAY, COMPACTED, INCARNATION, PRODUCER, HEADERS, DEDUP), the
+older forms of those
 records (still read, never written), and READ_ERRORS / READ_DELAYS (reader files); and
 the values decoding yields. PURE: no file, clock, socket or trio access;
 queued.journal.format is the one import for users.
@@ -16,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
-from queued.sansio import MAX_DELAY_MS, NeedData
+from queued.sansio import MAX_DEDUP_KEY, MAX_DELAY_MS, NeedData
 
-__all__ = ["MAX_DELAY_MS"]  # (re-exported: journal_format lists every name)
+__all__ = ["MAX_DEDUP_KEY", "MAX_DELAY_MS"]  # (re-exported: journal_format lists every name)
 
 # -- magic bytes and command numbers (seed 002) ---------------------------------
 
@@ -55,7 +56,8 @@ EXT_DELAY: Final = 3  # i64 due time (unix ms) of the PUT that follows (after FL
 EXT_COMPACTED: Final = 4  # i64 first, i64 last segment number a compaction replaced
 EXT_INCARNATION: Final = 5  # i64: which life of its queue a segment belongs to
 EXT_PRODUCER: Final = 6  # u8 id length, id, u64 sequence, i64 first id, u32 count, i64 ms
-EXT_HEADERS: Final = 7  # reserved: the headers of the PUT that follows
+EXT_HEADERS: Final = 7  # the headers block (journal.headers) of the PUT that follows
+EXT_DEDUP: Final = 8  # u8 key length, key, i64 first id, u32 count, i64 ms
 
 # The older forms of the same records (written by releases before the envelope): a
 # command byte with its fields as header words. Read everywhere, forever; never written.
@@ -85,8 +87,9 @@ FLAGS_STRUCT = struct.Struct("<BiBI")  # EXT_BYTE, 5, EXT_FLAGS, flags
 DELAY_STRUCT = struct.Struct("<BiBq")  # EXT_BYTE, 9, EXT_DELAY, due ms
 COMPACTED_STRUCT = struct.Struct("<BiBqq")  # EXT_BYTE, 17, EXT_COMPACTED, first, last
 INCARNATION_STRUCT = struct.Struct("<BiBq")  # EXT_BYTE, 9, EXT_INCARNATION, incarnation
-PRODUCER_HEAD_STRUCT = struct.Struct("<BiBB")  # EXT_BYTE, size, EXT_PRODUCER, id length
+PRODUCER_HEAD_STRUCT = struct.Struct("<BiBB")  # EXT_BYTE, size, kind (PRODUCER, DEDUP), length
 PRODUCER_TAIL_STRUCT = struct.Struct("<QqIq")  # sequence, first id, count, time ms
+DEDUP_TAIL_STRUCT = struct.Struct("<qIq")  # first id, count, time ms (after kind, length, key)
 OLD_CHECK_STRUCT = struct.Struct("<BII")
 OLD_COMPACTED_STRUCT = struct.Struct("<Bqq")
 OLD_FLAGS_STRUCT = struct.Struct("<BI")
@@ -103,6 +106,7 @@ I32_STRUCT = struct.Struct("<i")
 PUT_HEADER_SIZE: Final = PUT_STRUCT.size  # 25
 PUT_EXPIRE_HEADER_SIZE: Final = PUT_EXPIRE_STRUCT.size  # 33
 EXT_HEAD_SIZE: Final = EXT_HEAD_STRUCT.size  # 6: what tells one envelope kind from another
+HEADERS_HEAD_SIZE: Final = EXT_HEAD_SIZE  # a HEADERS record: EXT_BYTE, 1 + block size, kind
 CHECK_RECORD_SIZE: Final = CHECK_STRUCT.size  # 14
 FLAGS_RECORD_SIZE: Final = FLAGS_STRUCT.size  # 10
 DELAY_RECORD_SIZE: Final = DELAY_STRUCT.size  # 14
@@ -191,6 +195,8 @@ class Put:
     record right before the PUT (seed readers skip it as an unknown record); flags 0
     write nothing. The field costs no memory: an object of five slots already takes
     the allocator's 80-byte size class, which holds a sixth.
+
+    `headers`: b"" here; a HeadedPut (or a DelayedPut) holds an item's headers block.
     """
 
     id: int
@@ -199,6 +205,12 @@ class Put:
     expire_time_ms: int | None = None
     error_count: int = 0
     flags: int = 0
+
+    @property
+    def headers(self) -> bytes:
+        """The item's headers block (queued.journal.headers); b"": none. Not a slot:
+        a seventh slot moves every Put to the allocator's next size class."""
+        return b""
 
 
 @dataclass(slots=True)
@@ -209,9 +221,23 @@ class DelayedPut(Put):
     seed readers skip it as an unknown record and see a plain PUT. A subclass rather
     than a seventh slot on Put: a seventh slot moves every Put to the next allocator
     size class (+8 bytes per item held), and puts without a delay must pay nothing.
+    `headers` (b"": none) is its eighth slot, in the same size class as seven.
     """
 
     due_ms: int = 0
+    headers: bytes = b""
+
+
+@dataclass(slots=True)
+class HeadedPut(Put):
+    """A Put with headers (and no delay: a delayed one is a DelayedPut with headers).
+
+    Journaled as a HEADERS record leading the PUT (before its FLAGS and DELAY records);
+    seed readers skip it. A subclass for the reason DelayedPut is one: items without
+    headers pay nothing, not a slot, not a byte.
+    """
+
+    headers: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +341,41 @@ def decode_producer(buf: bytes | bytearray | memoryview, pos: int, size: int,
                         *PRODUCER_TAIL_STRUCT.unpack_from(buf, start + n))
 
 
+#: A DEDUP record's data size without its key: kind, key length, the tail.
+DEDUP_FIXED_DATA: Final = 2 + DEDUP_TAIL_STRUCT.size  # 22
+
+
+@dataclass(frozen=True, slots=True)
+class DedupMark:
+    """Ours (deduplication keys): the put carrying key `key` was stored as items
+    `first_id` .. `first_id + count - 1` at `time_ms`. Journaled after the put's last PUT
+    record, in the same batch; also what a queue's key snapshot file (`q.dedup`) holds."""
+
+    key: bytes
+    first_id: int
+    count: int
+    time_ms: int
+
+
+def dedup_record(mark: DedupMark) -> bytes:
+    """The DEDUP record of `mark` (extension kind 8, 27 + key length bytes)."""
+    n = len(mark.key)
+    if not 0 < n <= MAX_DEDUP_KEY:
+        raise ValueError(f"deduplication key of {n} bytes (1..{MAX_DEDUP_KEY})")
+    return (PRODUCER_HEAD_STRUCT.pack(EXT_BYTE, DEDUP_FIXED_DATA + n, EXT_DEDUP, n) + mark.key
+            + DEDUP_TAIL_STRUCT.pack(mark.first_id, mark.count, mark.time_ms))
+
+
+def decode_dedup(buf: bytes | bytearray | memoryview, pos: int, size: int) -> DedupMark | None:
+    """The DEDUP record at buf[pos] whose data size is `size`; None when its fields do
+    not add up (the caller reports corruption)."""
+    n = buf[pos + EXT_HEAD_SIZE] if size >= DEDUP_FIXED_DATA else -1
+    if n <= 0 or n > MAX_DEDUP_KEY or size != DEDUP_FIXED_DATA + n:
+        return None
+    start = pos + PRODUCER_HEAD_STRUCT.size
+    return DedupMark(bytes(buf[start:start + n]), *DEDUP_TAIL_STRUCT.unpack_from(buf, start + n))
+
+
 @dataclass(frozen=True, slots=True)
 class Unknown:
     """A record with a command number (or, command EXT_BYTE's, a kind) we do not know;
@@ -327,7 +388,7 @@ class Unknown:
 
 
 Record = (Put | ReadHead | ReadDone | ReadErrors | ReadDelays | Check | Compacted | Incarnation
-          | ProducerMark | Unknown)
+          | ProducerMark | DedupMark | Unknown)
 
 
 def flags_record(flags: int) -> bytes:
@@ -343,6 +404,16 @@ def delay_record(due_ms: int) -> bytes:
         return DELAY_STRUCT.pack(EXT_BYTE, 9, EXT_DELAY, due_ms)
     except struct.error:
         raise ValueError(f"due time out of range: {due_ms}") from None
+
+
+def headers_record(block: bytes) -> bytes:
+    """The HEADERS record that leads a PUT (before its FLAGS and DELAY records): the
+    envelope around a headers block; b"" (no record) for an empty block."""
+    if not block:
+        return b""
+    if len(block) >= MAX_DATA_SIZE:
+        raise ValueError("headers block larger than 2 GiB")
+    return EXT_HEAD_STRUCT.pack(EXT_BYTE, 1 + len(block), EXT_HEADERS) + block
 
 
 def encode_put(put: Put) -> bytes:
@@ -364,7 +435,9 @@ def encode_put(put: Put) -> bytes:
     if type(put) is DelayedPut:
         head = delay_record(put.due_ms) + head
     if put.flags:
-        return flags_record(put.flags) + head + data
+        head = flags_record(put.flags) + head
+    if put.headers:
+        return headers_record(put.headers) + head + data
     return head + data
 
 
@@ -465,6 +538,8 @@ def encode_record(record: Record) -> bytes:
         return incarnation_record(record.incarnation)
     if isinstance(record, ProducerMark):
         return producer_record(record)
+    if isinstance(record, DedupMark):
+        return dedup_record(record)
     raise TypeError(f"cannot encode {record!r}")
 
 
@@ -555,7 +630,7 @@ class Batch:
     last_id: int
     data_bytes: int = field(default=0, compare=False)  # item data in its PUT records
     delayed: int = field(default=0, compare=False)  # PUT records led by a DELAY record
-    marks: int = field(default=0, compare=False)  # PRODUCER records in it
+    marks: int = field(default=0, compare=False)  # PRODUCER and DEDUP records in it
     #: size of its check record (the records end at end - check_size): 9 for the old form
     check_size: int = field(default=CHECK_RECORD_SIZE, compare=False)
 

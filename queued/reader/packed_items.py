@@ -9,8 +9,10 @@ in a deque (the steady state, where consumers keep up, never packs anything) and
 BLOCK_ITEMS of its oldest at a time to `pack` once enough wait: one `_Block` holds their
 data joined in one `bytes`, columns of ids and add times (`array('q')`, 8 B each) and
 data end offsets (`array('I')`, 4 B), so a 64 B item costs 84 B plus a share of its
-block. Columns for expire times and flags exist only in a block where an item has one;
-an item that is not plain (a DelayedPut, an error count, data over SMALL_MAX or not
+block. Columns for expire times and flags exist only in a block where an item has one,
+and so do the headers column (the blocks of a HeadedPut's headers joined in one `bytes`,
+their end offsets in an `array('I')`: an item's headers cost their bytes and 4 B); an
+item that is not plain (a DelayedPut, an error count, data over SMALL_MAX or not
 `bytes`, a value no column holds) stays an object in the block's `objs`. `unpack_next`
 makes a whole block's items again at once (in bulk, half the cost of one at a time) for
 the reader to `pop()`.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import attrgetter
 
-from queued.journal.records import Put
+from queued.journal.records import HeadedPut, Put
 
 #: Items per packed block: its fixed cost (~400 B: five objects and their headers) is
 #: ~3 B per item, and the memory a partly taken block keeps is at most this many items'.
@@ -41,6 +43,7 @@ _NO_EXPIRE = -1  # `exps` column: no expire time
 #: a Put's fields as _Block's columns take them
 _FIELDS = attrgetter("id", "data", "add_time_ms", "expire_time_ms", "error_count", "flags")
 _PUT_ONLY = {Put}
+_PACKABLE = (Put, HeadedPut)  # (a HeadedPut's headers go to the block's headers column)
 _BYTES_ONLY = {bytes}  # other data (a memoryview's len() may not count bytes) stays as is
 
 
@@ -50,13 +53,13 @@ class PackedStats:
     blocks: int
     packed: int  # items in blocks, held packed
     objects: int  # items in blocks held as objects (not plain)
-    packed_bytes: int  # the blocks' data
+    packed_bytes: int  # the blocks' data (and headers)
 
 
 class _Block:
     """Packed items, oldest first."""
 
-    __slots__ = ("data", "ends", "exps", "flgs", "ids", "objs", "times")
+    __slots__ = ("data", "ends", "exps", "flgs", "hdata", "hends", "ids", "objs", "times")
 
     def __init__(self, items: list[Put], small_max: int = SMALL_MAX) -> None:
         # The columns in one pass of C (attrgetter, map, zip) rather than one per field.
@@ -66,6 +69,7 @@ class _Block:
         objs: dict[int, Put] | None = None
         exps: list[int] | None = None
         flgs: list[int] | None = None
+        heads: list[bytes] | None = None
         if not (set(map(type, items)) == _PUT_ONLY
                 and set(map(type, datas)) == _BYTES_ONLY
                 and exps_t.count(None) == len(items)
@@ -75,7 +79,8 @@ class _Block:
             # (the fast test above fails for a block with one item not plain: sort it out)
             for k, it in enumerate(items):
                 d, t, e, f = it.data, it.add_time_ms, it.expire_time_ms, it.flags
-                if (type(it) is not Put or type(d) is not bytes or it.error_count
+                if (type(it) not in _PACKABLE or type(d) is not bytes or it.error_count
+                        or (type(it) is HeadedPut and not it.headers)
                         or len(d) > small_max
                         or not 0 <= t <= _I64_MAX or not 0 <= f <= _U32_MAX
                         or (e is not None and not 0 <= e <= _I64_MAX)):
@@ -93,12 +98,18 @@ class _Block:
                     if flgs is None:
                         flgs = [0] * len(items)
                     flgs[k] = f
+                if type(it) is HeadedPut:
+                    if heads is None:
+                        heads = [b""] * len(items)
+                    heads[k] = it.headers
         self.data = b"".join(datas)
         self.ends = array("I", list(accumulate(sizes)))  # (from lists: sized exactly)
         self.ids = array("q", ids_t)
         self.times = array("q", times)
         self.exps = None if exps is None else array("q", exps)
         self.flgs = None if flgs is None else array("I", flgs)
+        self.hdata = None if heads is None else b"".join(heads)
+        self.hends = None if heads is None else array("I", list(accumulate(map(len, heads))))
         self.objs = objs
 
     def __len__(self) -> int:
@@ -115,10 +126,24 @@ class _Block:
                     else [None if e == _NO_EXPIRE else e for e in self.exps])
             flgs = repeat(0) if self.flgs is None else self.flgs
             out = list(map(Put, self.ids, datas, self.times, exps, repeat(0), flgs))
+        if self.hends is not None:
+            self._with_headers(out)
         if self.objs is not None:
             for k, it in self.objs.items():
                 out[k] = it
         return out
+
+    def _with_headers(self, out: list[Put]) -> None:
+        """The items of `out` that had headers made HeadedPuts again."""
+        hdata, hends = self.hdata, self.hends
+        assert hdata is not None and hends is not None
+        start = 0
+        for k, end in enumerate(hends):
+            if end > start:
+                it = out[k]
+                out[k] = HeadedPut(it.id, it.data, it.add_time_ms, it.expire_time_ms, 0,
+                                   it.flags, hdata[start:end])
+            start = end
 
 
 class PackedItems:
@@ -177,7 +202,7 @@ class PackedItems:
         packed = [b for b in self._blocks if isinstance(b, _Block)]
         objs = self._len - sum(map(len, packed)) + sum(len(b.objs or ()) for b in packed)
         return PackedStats(self._len, len(self._blocks), self._len - objs, objs,
-                           sum(len(b.data) for b in packed))
+                           sum(len(b.data) + len(b.hdata or b"") for b in packed))
 
     def __repr__(self) -> str:
         return f"PackedItems({len(self)} items, {len(self._blocks)} blocks)"

@@ -46,12 +46,14 @@ from itertools import islice
 from operator import attrgetter
 from typing import Any, Final, Protocol
 
-from queued.journal.format import DelayedPut, Put
+from queued.journal.format import DelayedPut, HeadedPut, Put
 from queued.reader.packed_items import BLOCK_ITEMS, SMALL_MAX, PackedItems
 
 Item = Put
-_PUT_ONLY: Final = frozenset({Put})  # (a DelayedPut is a Put subclass: not in it)
+#: items the bulk add takes (a DelayedPut is a Put subclass: not in it)
+_PUT_ONLY: Final = frozenset({Put, HeadedPut})
 _DATA = attrgetter("data")
+_HEADERS = attrgetter("headers")
 
 #: Delay heap keys: due ms << DUE_SHIFT | id << SIZE_BITS | data size.
 SIZE_BITS = 32
@@ -132,7 +134,7 @@ def _count_within(items: Iterator[Item], limit: int, max_bytes: int) -> int:
     for it in items:
         if k == limit or total >= max_bytes:
             break
-        total += len(it.data)
+        total += len(it.data) + len(it.headers)
         k += 1
     return k
 
@@ -173,6 +175,9 @@ class Reader:
     #: data longer than this stays an object (the queue lowers it for a fanout queue's
     #: readers, which share the objects they are handed: see pack_max_for)
     pack_max = SMALL_MAX
+    #: True once the reader held an item with headers: the bulk take counts their bytes
+    #: from then on (a class default: a reader that never held one pays nothing)
+    headed = False
 
     def __init__(
         self,
@@ -226,6 +231,14 @@ class Reader:
         self.create_time_ms = create_time_ms
         self.counters = ReaderCounters()
 
+    def _held_size(self, it: Item) -> int:
+        """The bytes `it` adds to `mem_bytes`: its data and headers (max_memory_size
+        counts both: an item may carry 16 KiB of headers with no data)."""
+        h = len(it.headers)
+        if h:
+            self.headed = True
+        return len(it.data) + h
+
     def _mem(self) -> deque[Item]:
         """`mem`, made a deque on first use."""
         mem = self.mem
@@ -273,7 +286,7 @@ class Reader:
                 it = dataclasses.replace(it, error_count=self.errors[it.id])
             held = self._mem()
             held.append(it)
-            self.mem_bytes += len(it.data)
+            self.mem_bytes += self._held_size(it)
             if len(held) >= self.pack_at:
                 self._pack()
         self.behind = behind
@@ -313,7 +326,7 @@ class Reader:
     def _drop(self, it: Item) -> None:
         """A held or aborted item `drop_through` removed: counted discarded."""
         n = len(it.data)
-        self.mem_bytes -= n
+        self.mem_bytes -= n + len(it.headers)
         self.items -= 1
         self.bytes -= n
         self.counters.discarded += 1
@@ -352,7 +365,7 @@ class Reader:
         self.bytes -= size
         self.counters.discarded += 1
         if held is not None:
-            self.mem_bytes -= size
+            self.mem_bytes -= size + len(held.headers)
         self.delays.pop(item_id, None)
 
     def add(self, items: Iterable[Item]) -> None:
@@ -360,11 +373,15 @@ class Reader:
         cap = self.limits.max_memory_size
         if type(items) is not list:
             items = list(items)
-        if (self.behind is None and items and items[0].id > self.tail
-                and _PUT_ONLY.issuperset(map(type, items))):
+        types = set(map(type, items)) if self.behind is None else None
+        if types is not None and items and items[0].id > self.tail and types <= _PUT_ONLY:
             # The usual case (one append's plain puts, all new, all fitting in memory) in bulk.
             nbytes = sum(map(len, map(_DATA, items)))
-            if self.mem_bytes + nbytes <= cap:
+            held = nbytes
+            if HeadedPut in types:  # (their headers are held too)
+                held += sum(map(len, map(_HEADERS, items)))
+                self.headed = True
+            if self.mem_bytes + held <= cap:
                 k = len(items)
                 self.tail = items[-1].id
                 self.items += k
@@ -372,7 +389,7 @@ class Reader:
                 self.counters.total_items += k
                 mem = self._mem()
                 mem.extend(items)
-                self.mem_bytes += nbytes
+                self.mem_bytes += held
                 if len(mem) >= self.pack_at:
                     self._pack()
                 return
@@ -387,11 +404,12 @@ class Reader:
             self.counters.total_items += 1
             if type(it) is DelayedPut:
                 self.delay(it, it.due_ms)
-            elif self.behind is None and (self.mem_bytes + n <= cap or not self.mem_bytes):
+            elif self.behind is None and (self.mem_bytes + n + len(it.headers) <= cap
+                                          or not self.mem_bytes):
                 if mem is NO_ITEMS:
                     mem = self._mem()
                 mem.append(it)
-                self.mem_bytes += n
+                self.mem_bytes += self._held_size(it)
                 if len(mem) >= self.pack_at:
                     self._pack()
             elif self.behind is None:
@@ -407,12 +425,12 @@ class Reader:
         if self.delayed is NO_ITEMS:
             self.delayed = []
         heapq.heappush(self.delayed, delay_key(due_ms, it.id, n))
-        if keep and (self.mem_bytes + n <= self.limits.max_memory_size // 2
+        if keep and (self.mem_bytes + n + len(it.headers) <= self.limits.max_memory_size // 2
                      or not self.mem_bytes):
             if self.parked is NO_ENTRIES:
                 self.parked = {}
             self.parked[it.id] = it
-            self.mem_bytes += n
+            self.mem_bytes += self._held_size(it)
         low = self.delay_low
         if low is None or it.id < low:
             self.delay_low = it.id
@@ -486,7 +504,7 @@ class Reader:
             if self.errors and it.id in self.errors:
                 it = dataclasses.replace(it, error_count=self.errors[it.id])
             due[k] = it
-            self.mem_bytes += len(it.data)
+            self.mem_bytes += self._held_size(it)
         if lost:
             gone = asked_ids - got.keys()
             self._drop_delayed(lambda i: i in gone)
@@ -528,7 +546,7 @@ class Reader:
                 it = dataclasses.replace(it, error_count=errors[it.id])
             held = self._mem()
             held.append(it)
-            self.mem_bytes += len(it.data)
+            self.mem_bytes += self._held_size(it)
             if len(held) >= self.pack_at:
                 self._pack()
         self.behind = next_id if next_id <= self.tail else None
@@ -552,7 +570,7 @@ class Reader:
         else:
             return None
         n = len(it.data)
-        self.mem_bytes -= n
+        self.mem_bytes -= n + len(it.headers)
         self.items -= 1
         self.bytes -= n
         return it
@@ -609,7 +627,7 @@ class Reader:
             for _ in range(k):
                 take()
         n = sum([len(it.data) for it in items])
-        self.mem_bytes -= n
+        self.mem_bytes -= n + (sum(map(len, map(_HEADERS, items))) if self.headed else 0)
         self.items -= k
         self.bytes -= n
         counters = self.counters
@@ -820,7 +838,7 @@ class Reader:
             self.front = deque()
         self.front.appendleft(it)
         n = len(it.data)
-        self.mem_bytes += n
+        self.mem_bytes += self._held_size(it)
         self.items += 1
         self.bytes += n
 

@@ -50,8 +50,8 @@ def check_exposure(config: ServerConfig) -> None:
     raise ConfigError(
         f"host {config.host!r} listens beyond this machine, and no users_file is set: anyone "
         "who reaches the ports could read, change or delete every queue. Either set "
-        f"users_file ({env_var('users_file')}, --users-file; see the README's Security "
-        f"section), or set allow_anonymous = true ({env_var('allow_anonymous')}=1, "
+        f"users_file ({env_var('users_file')}, --users-file; see "
+        f"docs/security.md), or set allow_anonymous = true ({env_var('allow_anonymous')}=1, "
         "--allow-anonymous) to accept the risk.")
 
 
@@ -202,9 +202,17 @@ async def _recover_and_run(
         )
         # Recovery can take long: the file system may have gone read-only meanwhile.
         await trio.to_thread.run_sync(probe_writable, config.data_dir)
+        # The console's charts go on from where the last clean stop left them.
+        await trio.to_thread.run_sync(ops.history.load, config.data_dir, time.time(),
+                                      frozenset(name for name, _ in broker.queue_stats()))
         server = Server(broker, config, login=ops.login, tls=ops.tls)
         server.ports["http"] = http_port
         ops.server = server
         if stop.pending is not None:
             server.request_shutdown(stop.pending)
         await server.run(listeners, task_status=task_status)
+        ops.history.sample(time.time(), broker.queue_stats())  # the last point
+        try:
+            await trio.to_thread.run_sync(ops.history.save, config.data_dir)
+        except OSError as exc:  # the charts start empty next time; nothing else is lost
+            log.warning("console: chart history not saved: %s", exc)

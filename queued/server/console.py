@@ -1,13 +1,15 @@
-"""The web console on the operations port: its pages, its one JSON view of a queue's head
-items, and its admin actions (flush, delete, pause, resume, and a redrive: move).
+"""The web console on the operations port: its pages, its one JSON view of a queue's
+items page by page, and its admin actions (flush, delete, pause, resume, and a redrive:
+move).
 
-Owns the console's routes, what each needs (the pages and the head view: a user who
-may see the queue, as `stats` filters; the head view: `get` on it; the actions: an admin,
-users configured, and a same-origin request), and the safe preview of item bytes. The
-pages are static files shipped in the package (`queued/server/static`) that read every
-figure from /stats.json; this module never formats the queues' statistics itself, never
-removes, opens or reads back an item to show it, and never puts item bytes in HTML.
-`queued.server.http` parses the requests and logs in the user; this module only answers.
+Owns the console's routes, what each needs (the pages and the item pages: a user who
+may see the queue, as `stats` filters; the item pages: `get` on it; the actions: an
+admin, users configured, and a same-origin request), and the safe preview of item bytes.
+The pages are static files shipped in the package (`queued/server/static`) that read
+every figure from /stats.json; this module never formats the queues' statistics itself,
+never removes, opens or takes an item to show it (it pages with the broker's `browse`),
+and never puts item bytes in HTML. `queued.server.http` parses the requests and logs in
+the user; this module only answers.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import time
 from collections.abc import Mapping
 from importlib import resources
 from typing import TYPE_CHECKING, Final
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 from queued.errors import JournalError
+from queued.journal.headers import header_pairs
 from queued.server.history import History
 from queued.server.replies import JSON, Reply, json_reply
 from queued.wire.access import Grant, Permission
@@ -46,8 +49,10 @@ SECURITY_HEADERS: Final = (
 #: The header a console action must carry. A cross-site form cannot set a header, and a
 #: cross-site fetch that sets one needs a CORS preflight this port never grants.
 ACTION_HEADER: Final = "x-queued-console"
-#: Items the head view shows, and the bytes of each it previews.
+#: Items a page of the queue view shows, and the bytes of each it previews.
 HEAD_ITEMS: Final = 10
+#: Parameters a page request's query string may carry (more: a 400).
+MAX_QUERY_FIELDS: Final = 8
 PREVIEW_BYTES: Final = 256
 
 #: URL path -> (file in queued/server/static, Content-Type).
@@ -118,11 +123,29 @@ def _decode(head: bytes, *, cut: bool) -> tuple[str, bool]:
         return head.decode("utf-8", "replace"), True
 
 
+def after_of(query: str) -> int | None:
+    """The `after` of a page request's query string (0 when absent; other parameters are
+    ignored); None when it is not an item id."""
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, max_num_fields=MAX_QUERY_FIELDS)
+    except ValueError:
+        return None
+    values = [v for k, v in pairs if k == "after"]
+    if not values:
+        return 0
+    v = values[-1]
+    if len(values) > 1 or not (v.isascii() and v.isdigit()) or len(v) > 19:
+        return None
+    return int(v)
+
+
 def _item(it: Item, now_ms: int) -> dict[str, object]:
     return {"id": it.id, "age_ms": max(0, now_ms - it.add_time_ms),
             "expires_in_ms": (None if it.expire_time_ms is None
                               else max(0, it.expire_time_ms - now_ms)),
-            "error_count": it.error_count, "flags": it.flags, **preview(it.data)}
+            "error_count": it.error_count, "flags": it.flags, **preview(it.data),
+            "headers": [{"key": _escape(k, _SHOWN - frozenset("\n\t")), **preview(v)}
+                        for k, v in header_pairs(it.headers)] if it.headers else []}
 
 
 def _not_found(what: str) -> Reply:
@@ -137,8 +160,8 @@ class Console:
         self.history = history if history is not None else History()
 
     async def respond(self, method: bytes, path: str, headers: list[tuple[bytes, bytes]],
-                      grant: Grant | None, broker: Broker | None, *, scheme: str
-                      ) -> Reply | None:
+                      grant: Grant | None, broker: Broker | None, *, scheme: str,
+                      query: str = "") -> Reply | None:
         """The console's answer to `method path` from a logged-in `grant` (None: no
         users); None when `path` is not the console's. The caller sends `/` here only
         for a browser (`wants_html`); curl and probes keep the port's text index."""
@@ -169,17 +192,18 @@ class Console:
             return missing
         try:
             return await self._queue_route(method, name, action, api, headers, grant,
-                                           broker, scheme)
+                                           broker, scheme, query)
         except JournalError as exc:  # a parked queue that cannot load (logged)
             return json_reply(503, {"error": str(exc), "name": name})
 
     async def _queue_route(self, method: bytes, name: str, action: str, api: bool,
                            headers: list[tuple[bytes, bytes]], grant: Grant | None,
-                           broker: Broker, scheme: str) -> Reply:
+                           broker: Broker, scheme: str, query: str) -> Reply:
         if not api or not action:
             if method == b"POST" or action:
                 return _method_not_allowed()
-            return self._head(name, grant, broker) if api else self._page("queue")
+            return (await self._page_of_items(name, query, grant, broker) if api
+                    else self._page("queue"))
         action, _, target = action.partition("/")
         if action not in _ACTIONS or bool(target) != (action == "move"):
             return _not_found("no such page")
@@ -208,19 +232,29 @@ class Console:
             return _not_found(f"no queue {name}")  # as if it did not exist, as `stats` does
         return None
 
-    def _head(self, name: str, grant: Grant | None, broker: Broker) -> Reply:
+    async def _page_of_items(self, name: str, query: str, grant: Grant | None,
+                             broker: Broker) -> Reply:
+        """A page of the reader's items in delivery order: the first HEAD_ITEMS after item
+        `after` (query `?after=<id>`, 0 or none: from the head), through `browse`: from
+        memory, then from the journal on disk; nothing opened, taken or counted."""
         queue, _, reader = name.partition("+")
         admin = self.users and grant is not None and grant.admin
         may = {"admin": admin, "read_only": not self.users}
         if grant is not None and not grant.may(Permission.GET, name):
             return json_reply(403, {"error": f"user {grant.user!r} lacks 'get' on queue "
                                              f"{queue!r}", "name": name, **may})
+        after = after_of(query)
+        if after is None:
+            return json_reply(400, {"error": "after: want an item id, a whole number >= 0"})
+        # False: `q` whose default reader a fanout reader took over (it has no items)
+        has_reader = broker.has_reader(queue, reader)
+        items = (await broker.browse(queue, reader or None, after, HEAD_ITEMS + 1)
+                 if has_reader else [])
         now = broker.clock()
-        items = broker.head_items(queue, reader or None, HEAD_ITEMS)
         return json_reply(200, {
             "name": name, **may, "limit": HEAD_ITEMS, "preview_bytes": PREVIEW_BYTES,
-            "reader": items is not None,  # False: `q` whose default reader was taken over
-            "items": [_item(it, now) for it in items or ()],
+            "reader": has_reader, "after": after, "more": len(items) > HEAD_ITEMS,
+            "items": [_item(it, now) for it in items[:HEAD_ITEMS]],
         })
 
     def refuse_action(self, headers: list[tuple[bytes, bytes]], grant: Grant | None,

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("queued.server")
 
 
-class Hub(Protocol):
+class ServerControl(Protocol):
     """What a session needs of the server it belongs to."""
 
     @property
@@ -44,7 +44,7 @@ class Conn(Protocol):
     """What a handler needs of the session running it."""
 
     broker: Broker
-    hub: Hub
+    server: ServerControl
     reads: OpenReads
     name: str
     done: bool
@@ -64,7 +64,7 @@ class Conn(Protocol):
     async def authenticate(self, auth: c.Auth) -> c.Reply:
         """Log in (again) as auth.user; wrong credentials close the connection."""
 
-    def owe(self, ticket: Ticket) -> None:
+    def reply_after(self, ticket: Ticket) -> None:
         """The replies from here on go out only once `ticket` is set (a confirm or an
         abort's error count durable); if it fails, they never do."""
 
@@ -72,13 +72,13 @@ class Conn(Protocol):
 async def get(conn: Conn, cmd: c.Get, req: c.Request) -> c.Reply | None:
     b, reads, reader = conn.broker, conn.reads, cmd.reader or ""
     if cmd.reject:
-        b.reject(reads, cmd.queue, reader, None, owe=conn.owe)
+        b.reject(reads, cmd.queue, reader, None, owe=conn.reply_after)
         return c.Done()
     if cmd.abort:
-        b.abort(reads, cmd.queue, reader, owe=conn.owe, delay_ms=cmd.delay_ms)
+        b.abort(reads, cmd.queue, reader, owe=conn.reply_after, delay_ms=cmd.delay_ms)
         return c.Done()
     if cmd.close:
-        b.confirm(reads, cmd.queue, reader, owe=conn.owe)
+        b.confirm(reads, cmd.queue, reader, owe=conn.reply_after)
         if not cmd.open:
             return c.Done()
     if cmd.exclusive and not cmd.peek and reads.open_ids(cmd.queue, reader):
@@ -104,12 +104,12 @@ async def peek(conn: Conn, cmd: c.Peek, req: c.Request) -> c.Reply:
 
 async def confirm(conn: Conn, cmd: c.Confirm, req: c.Request) -> c.Reply:
     return c.Count(conn.broker.confirm(conn.reads, cmd.queue, cmd.reader, cmd.count, cmd.ids,
-                                       owe=conn.owe))
+                                       owe=conn.reply_after))
 
 
 async def abort(conn: Conn, cmd: c.Abort, req: c.Request) -> c.Reply:
     return c.Count(conn.broker.abort(conn.reads, cmd.queue, cmd.reader, ids=cmd.ids,
-                                     owe=conn.owe, delay_ms=cmd.delay_ms))
+                                     owe=conn.reply_after, delay_ms=cmd.delay_ms))
 
 
 async def touch(conn: Conn, cmd: c.Touch, req: c.Request) -> c.Reply:
@@ -118,7 +118,7 @@ async def touch(conn: Conn, cmd: c.Touch, req: c.Request) -> c.Reply:
 
 async def reject(conn: Conn, cmd: c.Reject, req: c.Request) -> c.Reply:
     return c.Count(conn.broker.reject(conn.reads, cmd.queue, cmd.reader, cmd.ids,
-                                      owe=conn.owe))
+                                      owe=conn.reply_after))
 
 
 async def pause(conn: Conn, cmd: c.Pause, req: c.Request) -> c.Reply:
@@ -156,7 +156,7 @@ async def delete(conn: Conn, cmd: c.Delete, req: c.Request) -> c.Reply:
 
 
 async def stats(conn: Conn, cmd: c.Stats, req: c.Request) -> c.Reply:
-    return c.Value(visible(conn.hub.stats(), conn.grant))  # only the queues it may use
+    return c.Value(visible(conn.server.stats(), conn.grant))  # only the queues it may use
 
 
 async def auth(conn: Conn, cmd: c.Auth, req: c.Request) -> c.Reply:
@@ -169,7 +169,7 @@ async def version(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
 
 async def reload(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
     try:
-        conn.hub.reload()
+        conn.server.reload()
     except ConfigError as exc:
         log.error("reload failed, keeping the old config: %s", exc)
         return c.Failure(c.ErrorKind.SERVER_ERROR, f"reload failed: {exc}")
@@ -177,7 +177,7 @@ async def reload(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
 
 
 async def shutdown(conn: Conn, cmd: object, req: c.Request) -> c.Reply:
-    conn.hub.request_shutdown(f"shutdown command from {conn.name}")
+    conn.server.request_shutdown(f"shutdown command from {conn.name}")
     conn.done = True
     return c.Done()
 

@@ -31,7 +31,8 @@ from queued.config import ServerConfig
 from queued.server.auth import Authenticator
 from queued.server.console import SECURITY_HEADERS, Console, is_console_path, wants_html
 from queued.server.history import SAMPLE_S, History
-from queued.server.metrics import StatsSource, disk_usage, render, take_snapshot
+from queued.server.metrics import StatsSource, render, take_snapshot
+from queued.server.readiness import Probed, reasons, told
 from queued.server.replies import JSON, TEXT, Reply, json_reply
 from queued.server.replies import text as _text
 from queued.server.tls import ServerTls
@@ -51,8 +52,6 @@ MAX_BODY_BYTES = 64 * 1024
 REQUEST_TIMEOUT = 30.0
 #: Open HTTP connections; more are closed at once (scrapers and probes need few).
 MAX_CONNECTIONS = 64
-#: Below this many free bytes the data dir counts as full (/readyz fails).
-DISK_FULL_BYTES = 1 << 20
 
 TOO_MANY_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
                   b"Connection: close\r\n\r\n")
@@ -67,18 +66,12 @@ UNAUTHORIZED = (("Content-Type", TEXT), ("WWW-Authenticate", 'Basic realm="login
 
 
 @runtime_checkable
-class OpsServer(StatsSource, Protocol):
+class OpsServer(StatsSource, Probed, Protocol):
     """What the operations port reads from the server: a scrape's `StatsSource`, plus
-    /readyz's shutdown flags and write probe, and /stats.json's figures.
-    `queued.server.listeners.Server` satisfies it structurally; this module never
-    imports the listeners."""
+    /readyz's shutdown flags and write probe (`readiness.Probed`), and /stats.json's
+    figures. `queued.server.listeners.Server` satisfies it structurally; this module
+    never imports the listeners."""
 
-    @property
-    def closing(self) -> bool: ...
-    @property
-    def shutdown_requested(self) -> trio.Event: ...
-    @property
-    def unwritable(self) -> str | None: ...
     def stats(self) -> Mapping[str, object]: ...
     # Not read here: the listeners' signal watcher reaches the server through `Ops.server`.
     def request_shutdown(self, why: str) -> None: ...
@@ -128,29 +121,12 @@ class Ops:
         return False, None
 
     def problems(self) -> list[str]:
-        """Why the server is not ready; [] when it is."""
-        server = self.server
-        if server is None:
-            return ["recovering the journals"]
-        if server.closing or server.shutdown_requested.is_set():
-            return ["shutting down"]
-        found = []
-        for name, qs in sorted(server.broker.queues.items()):  # (a failed one never parks)
-            if qs.journal.failed is not None:
-                found.append(f"queue {name}: {qs.journal.failed}")
-        if server.unwritable is not None:  # the last write probe (every DISK_CHECK_SECONDS)
-            found.append(server.unwritable)
-        path = server.broker.datadir.path
-        disk = disk_usage(path)
-        if disk is None:
-            found.append(f"data dir {path}: cannot read its file system")
-        elif disk.free < DISK_FULL_BYTES:
-            found.append(f"data dir {path}: disk full ({disk.free} bytes free)")
-        return found
+        """Why the server is not ready, in full; [] when it is."""
+        return [r.detail for r in reasons(self.server)]
 
     async def respond(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
                       peer: str = "?") -> Reply:
-        path = target.partition(b"?")[0].decode("ascii", "replace")
+        path, _, query = target.decode("ascii", "replace").partition("?")
         console = is_console_path(path) or (path == "/" and wants_html(headers))
         if method not in (b"GET", b"HEAD") and not (method == b"POST" and console):
             return Reply(405, b"only GET and HEAD\n", (("Content-Type", TEXT),
@@ -161,20 +137,26 @@ class Ops:
             if not ok:
                 return Reply(401, b"authentication required: HTTP Basic, a user of the "
                                   b"users file\n", UNAUTHORIZED)
+        elif self.login is not None and any(k == b"authorization" for k, _ in headers):
+            grant = (await self.authorized(headers, peer))[1]  # a probe may log in, or not
         if console:
             server = self.server
             reply = await self.console.respond(
                 method, path, headers, grant, None if server is None else server.broker,
-                scheme="http" if self.tls is None else "https")
+                scheme="http" if self.tls is None else "https", query=query)
             assert reply is not None
             return reply
         if path == "/livez":
             return _text(200, "ok\n")
         if path == "/readyz":
-            problems = self.problems()
-            if problems:
-                return _text(503, "not ready: " + "\n".join(problems) + "\n")
-            return _text(200, "ready\n")
+            found = reasons(self.server)
+            if not found:
+                return _text(200, "ready\n")
+            # With users, what failed is named to an admin, each user its own queues,
+            # and nobody else: a probe without credentials reads only the kind of trouble.
+            sees = (None if self.login is None or (grant is not None and grant.admin)
+                    else (lambda _: False) if grant is None else grant.may_see)
+            return _text(503, "not ready: " + "\n".join(told(found, sees)) + "\n")
         if path == "/metrics":
             return await self._metrics(headers, grant)
         if path == "/stats.json":

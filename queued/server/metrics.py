@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from queued import __version__
 from queued.broker.broker import Broker
+from queued.reader.dedup import DedupCounters
 from queued.reader.producers import ProducerCounters
 from queued.stats import HistogramSnapshot, ProtocolStats
 from queued.storage.journal import JournalStats
@@ -116,6 +117,9 @@ class Snapshot:
     #: exactly-once puts: producers remembered now (loaded queues), and what the tables did
     producers: int = 0
     producer_counters: ProducerCounters | None = None
+    #: deduplication keys remembered now (loaded queues), and what the tables did
+    dedup_keys: int = 0
+    dedup_counters: DedupCounters | None = None
 
 
 def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
@@ -160,6 +164,8 @@ def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
         producers=sum(len(qs.producers) for qs in broker.queues.values()
                       if qs.producers is not None),
         producer_counters=dataclasses.replace(broker.registry.producer_counters),
+        dedup_keys=sum(len(qs.dedup) for qs in broker.queues.values() if qs.dedup is not None),
+        dedup_counters=dataclasses.replace(broker.registry.dedup_counters),
     )
 
 
@@ -309,6 +315,18 @@ class SnapshotCollector(Collector):
                  "(nothing stored).", pc.duplicates),
                 ("queued_producer_gaps", "Puts refused because their sequence skipped "
                  "ahead (PRODUCER_GAP).", pc.gaps)):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("queued_dedup_keys", "Deduplication keys the loaded queues "
+                                "remember (within dedup_window).", value=s.dedup_keys)
+        dc = s.dedup_counters or DedupCounters()
+        for name, doc, value in (
+                ("queued_dedup_evictions", "Deduplication keys forgotten within their window "
+                 "for max_dedup_keys (oldest first); a re-send is then stored again.",
+                 dc.evicted),
+                ("queued_dedup_expiries", "Deduplication keys forgotten once dedup_window "
+                 "passed.", dc.expired),
+                ("queued_dedup_duplicates", "Puts whose key was seen within the window "
+                 "(answered as stored, nothing stored).", dc.duplicates)):
             yield CounterMetricFamily(name, doc, value=value)
 
     def _server(self) -> Iterator[Metric]:

@@ -33,13 +33,13 @@ from queued.broker.broker import (
     MustWait,
     PendingPut,
 )
-from queued.broker.handles import Handle, Waiter
+from queued.broker.live_readers import LiveReader, Waiter
 from queued.broker.queues import QueueState
-from queued.errors import ItemTooLargeError, ProtocolError
+from queued.errors import ItemTooLargeError, RemoteProtocolError
 from queued.reader.open_reads import OpenReads
 from queued.reader.state import Item
 from queued.server.auth import Authenticator
-from queued.server.handlers import HANDLERS, Hub, not_durable
+from queued.server.handlers import HANDLERS, ServerControl, not_durable
 from queued.server.transport import Transport, transport_of
 from queued.stats import ProtocolStats
 from queued.storage.journal import Ticket
@@ -97,7 +97,7 @@ class LongPoll:
         self.woken = False
         self.owing: list[Ticket] = []  # of a /close that ran before it waited
         self.queue_state: QueueState | None = None
-        self.handle: Handle | None = None
+        self.handle: LiveReader | None = None
         self.waiter: Waiter | None = None
 
     def set(self) -> None:
@@ -124,11 +124,11 @@ class ServerCounters:
 class Session:
     """A connection's loop; the listener's handler does the bookkeeping around it."""
 
-    def __init__(self, hub: Hub, broker: Broker, stream: trio.abc.Stream, codec: c.Codec, *,
-                 name: str, max_item_size: int, counters: ServerCounters,
+    def __init__(self, server: ServerControl, broker: Broker, stream: trio.abc.Stream,
+                 codec: c.Codec, *, name: str, max_item_size: int, counters: ServerCounters,
                  stats: ProtocolStats, guard: Guard | None = None,
                  started: float | None = None, transport: Transport | None = None) -> None:
-        self.hub = hub
+        self.server = server
         self.broker = broker
         self.max_item_size = max_item_size
         self.counters = counters
@@ -198,7 +198,7 @@ class Session:
 
     def _end(self, nursery: trio.Nursery) -> None:
         """The connection stops reading: what becomes of the gets still waiting."""
-        if self.hub.closing:
+        if self.server.closing:
             return  # the broker answers waiting gets empty; they send themselves
         if self.eof and not self.lost:
             # The peer ended its side but may still read: its waiting gets answer now
@@ -238,7 +238,7 @@ class Session:
         with trio.CancelScope() as scope:
             self.receive_scope = scope
             guard = self.guard
-            while not (self.done or self.eof or self.hub.closing):
+            while not (self.done or self.eof or self.server.closing):
                 fresh = False  # the bytes to come begin a request
                 if self.login_by is not None:
                     deadline: float | None = self.login_by
@@ -262,7 +262,7 @@ class Session:
                 finally:
                     self.batches += 1
                     self.busy = False
-        if scope.cancelled_caught and not self.hub.closing and not self.done:
+        if scope.cancelled_caught and not self.server.closing and not self.done:
             self.time_out()
 
     def time_out(self) -> None:
@@ -323,8 +323,8 @@ class Session:
                 self.sent.set()
                 self.sent = None
 
-    def owe(self, ticket: Ticket) -> None:
-        """See handlers.Conn.owe."""
+    def reply_after(self, ticket: Ticket) -> None:
+        """See handlers.Conn.reply_after."""
         if not ticket.event.is_set() or ticket.error is not None:
             self.owing.append(ticket)
 
@@ -404,8 +404,8 @@ class Session:
             log.info("%s: %s before authenticating: closed", self.name, r.name,
                      extra={"event": "unauthenticated", "peer": self.name})
             self._answer(r, c.Failure(c.ErrorKind.UNAUTHENTICATED,
-                                      "unauthenticated: log in first (see the README's "
-                                      "Security section)"))
+                                      "unauthenticated: log in first (see "
+                                      "docs/security.md)"))
             self.done = True
             return True
         self._answer(r, await self.authenticate(auth))
@@ -566,35 +566,45 @@ class Session:
             self._answer_puts(group, pending)
 
     def _answer_puts(self, group: list[tuple[c.Request, c.Put]],
-                     result: PendingPut | Exception) -> None:
-        """A put's replies: stored (`result` ended well), or its failure."""
+                     result: PendingPut | Exception | None,
+                     answer: tuple[int, int, bool] | None = None) -> None:
+        """A put's replies: stored (`result` ended well), or its failure. `answer` (first
+        id, count, duplicate): a joined part's own, for a put with a key."""
         encode = self.codec.encode
         for r, put in group:
             if isinstance(result, Exception):
                 self._answer(r, self._failure(r, result))
-            elif result.answer is not None:  # (a put with a producer: alone in its group)
-                self.out += encode(r, c.ProducerStored(result.answer[1], result.answer[0],
-                                                       result.answer[2]))
+                continue
+            if answer is None and result is not None:
+                answer = result.answer  # (a put with a producer or key: alone in its group)
+            if answer is not None:
+                self.out += encode(r, c.ProducerStored(answer[1], answer[0], answer[2]))
             else:
                 self.out += encode(r, c.Stored(len(put.items)))
 
     async def _begin_put(self, group: list[tuple[c.Request, c.Put]]) -> PendingPut:
-        queue, items, expire_ms, flags, delay_ms = self._put_of(group)
+        queue, items, expire_ms, flags, delay_ms, headers = self._put_of(group)
         first = group[0][1]
         return await self.broker.begin_put(queue, items, expire_ms=expire_ms, flags=flags,
                                            delay_ms=delay_ms, producer=first.producer,
-                                           sequence=first.sequence)
+                                           sequence=first.sequence, headers=headers,
+                                           key=first.key)
 
     def _put_of(self, group: list[tuple[c.Request, c.Put]],
-                ) -> tuple[str, Sequence[bytes], int | None, int, int]:
-        """A group's put as the broker takes it: queue, items, expiry, flags, delay."""
+                ) -> tuple[str, Sequence[bytes], int | None, int, int, Sequence[bytes] | None]:
+        """A group's put as the broker takes it: queue, items, expiry, flags, delay,
+        headers (a block per item, or None)."""
         first = group[0][1]
         items = first.items if len(group) == 1 else [d for _, put in group for d in put.items]
+        headers = first.headers
+        if len(group) > 1 and any(put.headers is not None for _, put in group):
+            headers = [h for _, put in group
+                       for h in (put.headers or [b""] * len(put.items))]
         limit = self.max_item_size
         if items and max(map(len, items)) > limit:
             raise ItemTooLargeError(f"item over the server's max_item_size ({limit} bytes)")
         return (first.queue, items, first.expire_ms(self.broker.clock()), first.flags,
-                first.delay_ms)
+                first.delay_ms, headers)
 
     # -- gets (see handlers.Conn) --------------------------------------------------------------
 
@@ -685,7 +695,7 @@ class Session:
         sent = 0
         while cmd.max_items is None or sent < cmd.max_items:
             left = deadline - trio.current_time()
-            if left <= 0 or self.hub.closing or self.done:  # done: the peer is lost
+            if left <= 0 or self.server.closing or self.done:  # done: the peer is lost
                 break
             items = await self.take(c.Get(cmd.queue, cmd.reader,
                                           timeout_ms=max(1, int(left * 1000)), open=True))
@@ -751,17 +761,20 @@ class Session:
             if t is c.Get:
                 if not self._get_nowait(requests, i):
                     return i
-            elif t is c.Confirm or t is c.Abort:
+            elif t is c.Confirm or t is c.Abort or t is c.Touch:
                 self.stats.count(r.name, r.count)
                 try:
                     b = self.broker
                     if t is c.Confirm:
                         count = b.confirm(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
-                                          cmd.count, cmd.ids, owe=self.owe)  # type: ignore[union-attr]
-                    else:
+                                          cmd.count, cmd.ids, owe=self.reply_after)  # type: ignore[union-attr]
+                    elif t is c.Abort:
                         count = b.abort(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
-                                        ids=cmd.ids, owe=self.owe,  # type: ignore[union-attr]
+                                        ids=cmd.ids, owe=self.reply_after,  # type: ignore[union-attr]
                                         delay_ms=cmd.delay_ms)  # type: ignore[union-attr]
+                    else:  # touch / extend (handlers.touch): a lease moved, nothing journaled
+                        count = b.extend(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
+                                         cmd.ids, cmd.ms)  # type: ignore[union-attr]
                     self._reply(r, c.Count(count))
                 except Exception as exc:
                     self._reply(r, self._failure(r, exc))
@@ -772,7 +785,7 @@ class Session:
 
     def _refused(self, r: c.Parsed) -> None:
         """A protocol error's reply, or the end of the stream."""
-        if isinstance(r, ProtocolError):
+        if isinstance(r, RemoteProtocolError):
             log.debug("%s: %s", self.name, r)
             self.stats.protocol_errors += 1
             self.out += r.reply
@@ -789,27 +802,32 @@ class Session:
         joined one that failed and is retried one by one on the task path)."""
         began = 0
         b = self.broker
+        joined_ahead = any(type(p) is JoinedPut for _, p in self.begun)  # (once: not per put)
         while began < len(run):
             group = [run[began]]
             while began + len(group) < len(run) and _same_append(
                     group[0][1], run[began + len(group)][1]):
                 group.append(run[began + len(group)])
             result: PendingPut | JoinedPut | Exception
-            producer = group[0][1].producer
-            if producer is not None and any(type(p) is JoinedPut for _, p in self.begun):
+            first = group[0][1]
+            producer, key = first.producer, first.key
+            alone = producer is not None  # (its mark is its own: never joined)
+            if alone and joined_ahead:
                 # Not begun before the joined puts sent ahead of it (begun after every
                 # connection ran): it waits for the next pass, so ids keep the order sent.
                 return began
             try:
-                queue, items, expire_ms, flags, delay_ms = self._put_of(group)
+                queue, items, expire_ms, flags, delay_ms, headers = self._put_of(group)
                 joined = self.joined
-                if producer is None and joined is not None and joined.can_join(queue):
-                    result = joined.add(queue, items, expire_ms, flags, delay_ms)
+                if not alone and joined is not None and joined.can_join(queue):
+                    # (a key is checked and reserved here, in the pass: its second put
+                    # in the pass, from any connection, finds it)
+                    result = joined.add(queue, items, expire_ms, flags, delay_ms, headers, key)
                 else:  # (a put with a producer is never joined: its mark is its own)
                     result = b.begin_put_nowait(queue, items, expire_ms=expire_ms,
                                                 flags=flags, delay_ms=delay_ms,
-                                                producer=producer,
-                                                sequence=group[0][1].sequence)
+                                                producer=producer, sequence=first.sequence,
+                                                headers=headers, key=key)
             except trio.WouldBlock:
                 return began
             except Exception as exc:
@@ -820,6 +838,7 @@ class Session:
             b.counters.cmd_set += n
             self.stats.count(group[0][0].name, n)
             self.begun.append((group, result))
+            joined_ahead = joined_ahead or type(result) is JoinedPut
             began += len(group)
         return began
 
@@ -835,14 +854,14 @@ class Session:
         b, reads, reader = self.broker, self.reads, cmd.reader or ""
         try:
             if cmd.abort:
-                b.abort(reads, cmd.queue, reader, owe=self.owe, delay_ms=cmd.delay_ms)
+                b.abort(reads, cmd.queue, reader, owe=self.reply_after, delay_ms=cmd.delay_ms)
                 reply: c.Reply = c.Done()
             elif cmd.close and not cmd.open:
-                b.confirm(reads, cmd.queue, reader, owe=self.owe)
+                b.confirm(reads, cmd.queue, reader, owe=self.reply_after)
                 reply = c.Done()
             else:
                 if cmd.close:
-                    b.confirm(reads, cmd.queue, reader, owe=self.owe)
+                    b.confirm(reads, cmd.queue, reader, owe=self.reply_after)
                     cmd = replace(cmd, close=False)
                     requests[i] = c.Request(cmd, r.context, r.name, r.count)
                 if cmd.exclusive and reads.open_ids(cmd.queue, reader):
@@ -953,7 +972,7 @@ class Session:
         the server stopping. False: it waits on."""
         poll = self.long_poll
         assert poll is not None and poll.waiter is not None
-        if not (poll.woken or now >= poll.deadline or self.eof or self.hub.closing):
+        if not (poll.woken or now >= poll.deadline or self.eof or self.server.closing):
             return False
         self.long_poll = None
         r = poll.request
@@ -983,7 +1002,7 @@ class Session:
         keep: list[LongPoll] = []
         b = self.broker
         for poll in self.polls:
-            if not (poll.woken or now >= poll.deadline or self.eof or self.hub.closing):
+            if not (poll.woken or now >= poll.deadline or self.eof or self.server.closing):
                 keep.append(poll)
                 continue
             r = poll.request
@@ -1031,9 +1050,11 @@ class Session:
             return False
         begun, self.begun = self.begun, []
         for group, pending in begun:
-            result: PendingPut | Exception
+            result: PendingPut | Exception | None
+            answer = None
             if type(pending) is JoinedPut:
-                result = pending.error or pending.pending  # type: ignore[assignment]
+                result = pending.error or pending.pending
+                answer = pending.answer
             elif type(pending) is PendingPut:
                 result = pending
                 try:
@@ -1042,7 +1063,7 @@ class Session:
                     result = exc
             else:
                 result = pending  # type: ignore[assignment]
-            self._answer_puts(group, result)
+            self._answer_puts(group, result, answer)
         if self.owed:
             owed, self.owed = self.owed, []
             self._place_owed(owed)
@@ -1058,7 +1079,8 @@ def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c
 
 def _same_append(a: c.Put, b: c.Put) -> bool:
     """Puts that may share one journal append: same queue, expiry, flags and delay, and
-    no producer (a put with one has its own append, its mark after its items)."""
+    no producer or key (a put with a producer has its own append, its mark after its items;
+    a keyed put is a part of its own in the pass's joined append, its key checked alone)."""
     return (a.queue == b.queue and a.ttl_ms == b.ttl_ms and a.expire_at_ms == b.expire_at_ms
             and a.flags == b.flags and a.delay_ms == b.delay_ms and a.producer is None
-            and b.producer is None)
+            and b.producer is None and a.key is None and b.key is None)

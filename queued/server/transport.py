@@ -77,7 +77,7 @@ class SocketTransport:
         #: exception, about a tenth of a small request)
         self._drained = False
 
-    async def _turn(self) -> None:
+    async def _checkpoint_every_nth_call(self) -> None:
         """Before a call: every YIELD_EVERY-th call in a row that did not block yields
         first (so a cancellation never falls between a read and its caller)."""
         self._ready += 1
@@ -106,7 +106,7 @@ class SocketTransport:
             except trio.ClosedResourceError:
                 return gone
         else:
-            await self._turn()
+            await self._checkpoint_every_nth_call()
         while True:
             try:
                 return read(fd, arg)
@@ -123,7 +123,7 @@ class SocketTransport:
 
     async def send(self, data: bytes) -> None:
         fd = self.fd
-        await self._turn()
+        await self._checkpoint_every_nth_call()
         view = memoryview(data)
         while view:
             try:

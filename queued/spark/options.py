@@ -25,7 +25,7 @@ class DataLossError(QueuedDataSourceError):
 # -- which options each use takes ----------------------------------------------------------
 
 #: Options of `spark.read` (canonical name -> the older names still accepted). The names
-#: are the Kafka source's where the meaning is the same; see the README's table.
+#: are the Kafka source's where the meaning is the same; see docs/spark.md's table.
 READ_OPTIONS: dict[str, tuple[str, ...]] = {
     "path": (),
     "subscribe": ("queues", "queue"),
@@ -45,6 +45,7 @@ READ_OPTIONS: dict[str, tuple[str, ...]] = {
     "pending": (),
     "reader": (),
     "include_flags": (),
+    "includeHeaders": (),
 }
 #: Options of `spark.readStream`.
 STREAM_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -62,6 +63,7 @@ STREAM_OPTIONS: dict[str, tuple[str, ...]] = {
     "archive_dir": (),
     "max_partition_bytes": (),
     "include_flags": (),
+    "includeHeaders": (),
 }
 #: Options of `df.write` (the sink).
 WRITE_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -80,9 +82,13 @@ WRITE_OPTIONS: dict[str, tuple[str, ...]] = {
     "tls_key": (),
     "user": (),
     "password": (),
+    "delivery_timeout": (),
+    "idempotency_key": (),
 }
 #: Options of `df.writeStream` (Spark passes its own checkpointLocation and path along).
-WRITE_STREAM_OPTIONS: dict[str, tuple[str, ...]] = WRITE_OPTIONS | {
+WRITE_STREAM_OPTIONS: dict[str, tuple[str, ...]] = {
+    k: v for k, v in WRITE_OPTIONS.items() if k != "idempotency_key"} | {
+    "exactly_once": (),
     "checkpointLocation": (),
     "path": (),
 }

@@ -89,6 +89,7 @@ class SegmentPartition(InputPartition):
     segments: tuple[SegmentRead, ...]
     live_at_ms: int = 0
     flags: bool = False  # a flags column too (include_flags)
+    headers: bool = False  # a headers column too (includeHeaders)
 
 
 def segment_read(seg: js.SegmentRef, archive: str | None,
@@ -98,7 +99,8 @@ def segment_read(seg: js.SegmentRef, archive: str | None,
 
 
 def pack(reads: list[tuple[SegmentRead, int]], max_bytes: int,
-         live_at_ms: int = 0, flags: bool = False) -> list[InputPartition]:
+         live_at_ms: int = 0, flags: bool = False, headers: bool = False,
+         ) -> list[InputPartition]:
     """(segment, size) pairs, in order, as partitions of up to `max_bytes` (at least one
     segment each)."""
     parts: list[InputPartition] = []
@@ -106,17 +108,18 @@ def pack(reads: list[tuple[SegmentRead, int]], max_bytes: int,
     size = 0
     for read, nbytes in reads:
         if group and size + nbytes > max_bytes:
-            parts.append(SegmentPartition(tuple(group), live_at_ms, flags))
+            parts.append(SegmentPartition(tuple(group), live_at_ms, flags, headers))
             group, size = [], 0
         group.append(read)
         size += nbytes
     if group:
-        parts.append(SegmentPartition(tuple(group), live_at_ms, flags))
+        parts.append(SegmentPartition(tuple(group), live_at_ms, flags, headers))
     return parts
 
 
 def split(reads: list[tuple[SegmentRead, js.SegmentSummary]], min_partitions: int,
-          live_at_ms: int = 0, flags: bool = False) -> list[InputPartition]:
+          live_at_ms: int = 0, flags: bool = False, headers: bool = False,
+          ) -> list[InputPartition]:
     """`minPartitions`: the reads cut at batch boundaries into about `min_partitions`
     partitions of similar item counts (a batch is never cut)."""
     def wanted(read: SegmentRead, batches: list[tuple[int, int, int]]) -> int:
@@ -134,11 +137,13 @@ def split(reads: list[tuple[SegmentRead, js.SegmentSummary]], min_partitions: in
             end = last if read.ids.upto <= 0 else min(last, read.ids.upto)
             if acc >= target and end > after:
                 ids = replace(read.ids, after=after, upto=end)
-                parts.append(SegmentPartition((replace(read, ids=ids),), live_at_ms, flags))
+                parts.append(SegmentPartition((replace(read, ids=ids),), live_at_ms, flags,
+                                              headers))
                 after, acc = end, 0
         if acc:
             ids = replace(read.ids, after=after)
-            parts.append(SegmentPartition((replace(read, ids=ids),), live_at_ms, flags))
+            parts.append(SegmentPartition((replace(read, ids=ids),), live_at_ms, flags,
+                                              headers))
     return parts
 
 
@@ -151,11 +156,12 @@ def read_partition(partition: InputPartition) -> Iterator[pa.RecordBatch]:
 
 def _read_partition(partition: SegmentPartition) -> Iterator[pa.RecordBatch]:
     for seg in partition.segments:
-        yield from _read_segment(seg, partition.live_at_ms, partition.flags)
+        yield from _read_segment(seg, partition.live_at_ms, partition.flags,
+                                 partition.headers)
 
 
 def _read_segment(seg: SegmentRead, live_at_ms: int,
-                  flags: bool = False) -> Iterator[pa.RecordBatch]:
+                  flags: bool = False, headers: bool = False) -> Iterator[pa.RecordBatch]:
     for path in (seg.path, seg.archived_path):
         if not path:
             continue
@@ -165,7 +171,7 @@ def _read_segment(seg: SegmentRead, live_at_ms: int,
         except FileNotFoundError:
             continue
         for chunk in itertools.chain([first] if first else [], chunks):
-            batch = chunk_to_arrow(seg.queue, chunk, live_at_ms, flags)
+            batch = chunk_to_arrow(seg.queue, chunk, live_at_ms, flags, headers)
             if batch.num_rows:
                 yield batch
         return
@@ -200,7 +206,7 @@ def first_id_at(segments: list[js.SegmentRef], ms: int) -> int | None:
 
 
 class ReadOptions:
-    """The options batch and stream reads share, parsed once (see the README's table)."""
+    """The options batch and stream reads share, parsed once (see docs/spark.md's table)."""
 
     def __init__(self, options: Options) -> None:
         self.path = path_option(options)
@@ -213,6 +219,7 @@ class ReadOptions:
         self.partition_bytes = int_option(options, "max_partition_bytes",
                                           DEFAULT_PARTITION_BYTES)
         self.flags = bool_option(options, "include_flags")
+        self.headers = bool_option(options, "includeHeaders")
         self.loss = LossReporter(
             bool_option(options, "failOnDataLoss") if "failOnDataLoss" in options else True)
 

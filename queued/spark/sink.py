@@ -1,11 +1,12 @@
-"""The `queued` Spark sink: `df.write.format("queued").mode("append")` enqueues each row's
-`data` into running servers over MessagePack-RPC.
+"""The `queued` Spark sink: `df.write.format("queued").mode("append")` and
+`df.writeStream.format("queued")` enqueue each row's `data` into running servers over
+MessagePack-RPC.
 
-Owns turning write partitions into batched puts through the blocking `queued.client.Client`
-(one per partition, with the TLS and login options; its failover moves a put to the next
-server when one fails): rows grouped by queue with Arrow compute (a queue's rows keep
-their order within the partition), bad rows refused with a message that says what to
-do, at-least-once delivery. The data source class that hands it out lives in `queued.spark.source`.
+Owns the sink's options and columns, one blocking `queued.client.Client` per task (with
+the TLS and login options), and what the driver logs of a write. A task's rows become
+puts in `queued.spark.partition_write`; exactly-once puts (streams; batch writes with an
+`idempotency_key`) are `queued.spark.exactly_once`'s. The data source class that hands the
+writers out lives in `queued.spark.source`.
 """
 
 from __future__ import annotations
@@ -13,32 +14,29 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql.datasource import (
     DataSourceArrowWriter,
     DataSourceStreamArrowWriter,
     WriterCommitMessage,
 )
-from pyspark.sql.types import BinaryType, StringType, StructType
-
-from queued.client.common import (
-    AuthFailed,
-    ClientError,
-    ConnectionFailed,
-    ItemTooLarge,
-    JournalFull,
-    PermissionDenied,
-    QueueFull,
-    RpcCallError,
-    TooLarge,
-    Unauthenticated,
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    ByteType,
+    IntegerType,
+    LongType,
+    ShortType,
+    StringType,
+    StructType,
 )
+
 from queued.client.credentials import tls_files_context
 from queued.client.servers import parse_servers
 from queued.journal import format as jf
+from queued.spark.exactly_once import ExactlyOnceSender, task_run_key
 from queued.spark.options import (
     WRITE_OPTIONS,
     Options,
@@ -47,9 +45,16 @@ from queued.spark.options import (
     float_option,
     int_option,
 )
+from queued.spark.partition_write import (
+    AtLeastOnceSender,
+    Layout,
+    PartitionWrite,
+    PutFailed,
+    Sender,
+)
+from queued.spark.task_input import InputEnd
 
-if TYPE_CHECKING:  # imported by the task itself: planning does not need the client
-    from queued.client import Client
+__all__ = ["PutFailed", "QueuedStreamWriter", "QueuedWriter", "WriteCommit"]
 
 log = logging.getLogger("queued.spark")
 
@@ -58,71 +63,53 @@ log = logging.getLogger("queued.spark")
 DEFAULT_WRITE_BATCH = 5000
 DEFAULT_WRITE_BATCH_BYTES = 8 << 20
 DEFAULT_CONNECT_TIMEOUT = 5.0
+#: Seconds an exactly-once put is sent again while its server does not answer (restarting).
+DEFAULT_DELIVERY_TIMEOUT = 120.0
 
 
 @dataclass(frozen=True)
 class WriteCommit(WriterCommitMessage):
-    rows: int  #: rows put (acknowledged by a server)
+    rows: int  #: rows put (stored by a server now)
     puts: int  #: put calls answered
     skipped: int = 0  #: rows with a null `data` skipped (option skip_null_data)
+    #: rows an earlier run of this write had stored: answered as repeats, not stored again
+    found: int = 0
+    #: chunks an earlier run stored with other rows (the re-run's rows differ; see README)
+    diverged: int = 0
 
 
-class PutFailed(QueuedDataSourceError):
-    """A server refused a put (an item too large, a full queue, ...), or none answered."""
+def _summary(messages: list[WriterCommitMessage | None]) -> tuple[int, int, int, int, int, int]:
+    """(rows, puts, tasks, skipped, found, diverged) of a write's commit messages."""
+    done = [m for m in messages if isinstance(m, WriteCommit)]
+    return (sum(m.rows for m in done), sum(m.puts for m in done), len(done),
+            sum(m.skipped for m in done), sum(m.found for m in done),
+            sum(m.diverged for m in done))
 
 
-def _refused(queue: str, items: list[bytes], servers: str, exc: ClientError) -> PutFailed:
-    """The error a task fails with when a put fails: what, where, and what to do."""
-    where = f"a put of {len(items)} items into queue {queue!r}"
-    if isinstance(exc, ConnectionFailed):
-        return PutFailed(f"the queued sink cannot reach option server {servers!r} ({where}): "
-                         f"{exc}")
-    if isinstance(exc, ItemTooLarge):
-        hint = (f"its largest item has {max(map(len, items), default=0)} bytes; raise the "
-                "server's or the queue's max_item_size, or filter out the big rows")
-    elif isinstance(exc, TooLarge):
-        hint = (f"the request has {sum(map(len, items))} bytes of items, over the server's "
-                "rpc_max_frame or rpc_max_batch: lower option batch_bytes or batch_size")
-    elif isinstance(exc, QueueFull):
-        hint = "the queue is at its max_items or max_size; consume it or raise the limit"
-    elif isinstance(exc, JournalFull):
-        hint = "the server's max_journal_size is reached"
-    elif isinstance(exc, AuthFailed):
-        hint = "check options user and password"
-    elif isinstance(exc, Unauthenticated):
-        hint = "the server has users: give options user and password"
-    elif isinstance(exc, PermissionDenied):
-        hint = "grant the user put on the queue in the server's users file"
-    elif isinstance(exc, RpcCallError):
-        hint = "see the server's log"
-    else:
-        return PutFailed(f"{where} on {servers} failed: {exc} (rows put before it are "
-                         "stored; a retried task puts them again)")
-    return PutFailed(f"{where} on {servers} was refused: {exc} ({hint})")
+_INTEGERS = (ByteType, ShortType, IntegerType, LongType)
 
 
-# -- the writer -------------------------------------------------------------------------------
-
-
-def _as_binary(column: pa.Array) -> pa.Array:
-    """The data column with bytes values (strings are their UTF-8, without a copy)."""
-    t = column.type
-    if pa.types.is_string(t):
-        return column.cast(pa.binary())
-    if pa.types.is_large_string(t):
-        return column.cast(pa.large_binary())
-    if not (pa.types.is_binary(t) or pa.types.is_large_binary(t)):
-        return column.cast(pa.binary())  # view types
-    return column
+def _check_headers_type(t: Any) -> None:
+    """The optional `headers` column: array<struct<key: string, value: binary or string>>,
+    the Kafka source's (includeHeaders gives it)."""
+    element = t.elementType if isinstance(t, ArrayType) else None
+    if not (isinstance(element, StructType) and element.fieldNames() == ["key", "value"]
+            and isinstance(element["key"].dataType, StringType)
+            and isinstance(element["value"].dataType, BinaryType | StringType)):
+        raise QueuedDataSourceError(
+            "the queued sink's column `headers` must be array<struct<key: string, value: "
+            f"binary>> (as the Kafka source's; value may be a string), not {t.simpleString()}")
 
 
 class QueuedWriter(DataSourceArrowWriter):
-    """Each partition opens a client and puts its rows in batches (at-least-once: a
-    retried task puts its rows again)."""
+    """Each partition opens a client and puts its rows in chunks: at-least-once (a retried
+    task puts its rows again), or exactly-once with option `idempotency_key` (and for
+    streams, `QueuedStreamWriter`)."""
 
-    def __init__(self, options: Any, schema: StructType) -> None:
+    def __init__(self, options: Any, schema: StructType, *, stream: bool = False) -> None:
         if not isinstance(options, Options):
             options = Options(options, WRITE_OPTIONS, "df.write")
+        self.stream = stream
         self.servers = options.get("server")
         if not self.servers:
             raise QueuedDataSourceError(
@@ -152,6 +139,14 @@ class QueuedWriter(DataSourceArrowWriter):
                 'the queued sink needs a `queue` column or .option("queue", name)')
         if self.queue and not jf.valid_name(self.queue):
             raise QueuedDataSourceError(f"bad queue name {self.queue!r} in option queue")
+        self.has_delay_column = "delay" in names
+        if self.has_delay_column and not isinstance(schema["delay"].dataType, _INTEGERS):
+            raise QueuedDataSourceError(
+                f"the queued sink's column `delay` must be an integer (ms), not "
+                f"{schema['delay'].dataType.simpleString()}")
+        self.has_headers_column = "headers" in names
+        if self.has_headers_column:
+            _check_headers_type(schema["headers"].dataType)
         self.batch = int_option(options, "batch_size", DEFAULT_WRITE_BATCH)
         self.batch_bytes = int_option(options, "batch_bytes", DEFAULT_WRITE_BATCH_BYTES)
         raw_expiration = options.get("expiration_ms") or "0"
@@ -190,6 +185,23 @@ class QueuedWriter(DataSourceArrowWriter):
         if (self.user is None) != (self.password is None):
             raise QueuedDataSourceError("options user and password: give both (a login on "
                                         "servers with a users file) or neither")
+        self.delivery_timeout = float_option(options, "delivery_timeout",
+                                             DEFAULT_DELIVERY_TIMEOUT)
+        self.idempotency_key = options.get("idempotency_key") or None
+        if stream and self.idempotency_key:
+            raise QueuedDataSourceError(
+                "option idempotency_key is for df.write: a stream's puts are exactly-once "
+                "by its query and micro-batch ids")
+        if stream:  # exactly-once unless option exactly_once is false
+            self.exactly_once = ("exactly_once" not in options
+                                 or bool_option(options, "exactly_once"))
+        else:
+            self.exactly_once = self.idempotency_key is not None
+
+    def layout(self) -> Layout:
+        return Layout(self.servers, self.queue, self.has_queue_column, self.has_delay_column,
+                      self.delay_ms, self.batch, self.batch_bytes, self.skip_null_data,
+                      self.has_headers_column)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
         from queued.client import Client
@@ -200,155 +212,78 @@ class QueuedWriter(DataSourceArrowWriter):
                 tls = tls_files_context(self.tls_ca, self.tls_cert, self.tls_key)
             except ValueError as exc:
                 raise QueuedDataSourceError(f"the queued sink's TLS options: {exc}") from None
+        run = task_run_key(self.stream, self.idempotency_key) if self.exactly_once else None
         with Client(self.servers, connect_timeout=self.connect_timeout,
                     read_timeout=self.timeout, tls=tls, user=self.user,
-                    password=self.password) as client:
-            state = _PartitionWrite(self, client)
+                    password=self.password, delivery_timeout=self.delivery_timeout) as client:
+            sender: Sender
+            if run is None:
+                sender = AtLeastOnceSender(client, self.expiration_ms)
+                state = PartitionWrite(self.layout(), sender, lambda queue, delay: b"")
+            else:
+                sender = ExactlyOnceSender(client, run, self.expiration_ms)
+                state = PartitionWrite(self.layout(), sender, run.group)
+            end = InputEnd(iterator) if run is not None else None
             for batch in iterator:
                 state.add_batch(batch)
+            if end is not None and end.truncated():
+                # Its last chunks would be cut shorter than the re-run's (stored twice).
+                raise QueuedDataSourceError(
+                    "the queued sink's input ended early (the task failed before the sink): "
+                    "its last rows are not put; the task's re-run puts them")
             state.finish()
-        return WriteCommit(state.stored, state.puts, state.skipped)
+        return WriteCommit(sender.stored, sender.puts, state.skipped, sender.found,
+                           sender.diverged)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        done = [m for m in messages if isinstance(m, WriteCommit)]
-        rows, skipped = sum(m.rows for m in done), sum(m.skipped for m in done)
-        log.info("queued sink: %d rows put in %d puts by %d tasks", rows,
-                 sum(m.puts for m in done), len(done))
+        rows, puts, tasks, skipped, found, diverged = _summary(messages)
+        log.info("queued sink: %d rows put in %d puts by %d tasks", rows, puts, tasks)
         if skipped:
             log.warning("queued sink: %d rows with a null data were skipped (skip_null_data)",
                         skipped)
+        _report_rerun(f"the write with idempotency_key {self.idempotency_key!r}", found,
+                      diverged)
+
+
+def _report_rerun(what: str, found: int, diverged: int) -> None:
+    if found:
+        log.warning("queued sink: %s: %d rows were stored before (by an earlier run of it, "
+                    "or by a put sent again after its server restarted) and were not stored "
+                    "again", what, found)
+    if diverged:
+        log.warning("queued sink: %s had run before with other rows in %d chunks (a plan "
+                    "whose re-run gives other rows, or the rows in another order: a shuffle, "
+                    "a nondeterministic expression): this run's rows are stored, and rows of "
+                    "the earlier run in those chunks may be there twice. Nothing is lost. A "
+                    "sortWithinPartitions before the sink makes such a plan repeatable",
+                    what, diverged)
 
 
 class QueuedStreamWriter(DataSourceStreamArrowWriter):
     """`df.writeStream.format("queued")`: each micro-batch's partitions are put as the batch
-    writer puts them (same options). Delivery is at-least-once: a micro-batch that did not
-    finish (a killed query, a failed task) is run again whole after a restart, and puts
-    again the rows its first run had put. A micro-batch Spark committed is not run again."""
+    writer puts them (same options), exactly-once: the producer ids of its puts come from
+    the query's id, the micro-batch's id, the partition, the queue and the rows (see
+    `queued.spark.exactly_once`), so a micro-batch run again (a failed task, a restart
+    from the checkpoint) stores nothing its first run stored. `exactly_once` false:
+    at-least-once puts that fail over between servers."""
 
     def __init__(self, options: Any, schema: StructType) -> None:
-        self.sink = QueuedWriter(options, schema)
+        self.sink = QueuedWriter(options, schema, stream=True)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
         return self.sink.write(iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        done = [m for m in messages if isinstance(m, WriteCommit)]
+        rows, puts, tasks, _, found, diverged = _summary(messages)
         log.info("queued sink: micro-batch %d: %d rows put in %d puts by %d tasks", batchId,
-                 sum(m.rows for m in done), sum(m.puts for m in done), len(done))
+                 rows, puts, tasks)
+        _report_rerun(f"micro-batch {batchId}", found, diverged)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        done = [m for m in messages if isinstance(m, WriteCommit)]
-        log.warning("queued sink: micro-batch %d failed after %d rows were put; a restart "
-                    "puts the whole micro-batch again (at-least-once)", batchId,
-                    sum(m.rows for m in done))
-
-
-class _PartitionWrite:
-    """One task's rows on their way to the server: per queue, items waiting for a full put."""
-
-    def __init__(self, writer: QueuedWriter, client: Client) -> None:
-        self.w = writer
-        self.client = client
-        self.stored = 0  # items the servers acknowledged
-        self.puts = 0
-        self.pending: dict[str, list[bytes]] = {}
-        self.pending_bytes: dict[str, int] = {}
-        self.checked: set[str] = set()  # queue names of the queue column found valid
-        self.skipped = 0
-        self.rows = 0  # rows seen (for error messages)
-
-    def add_batch(self, batch: pa.RecordBatch) -> None:
-        w = self.w
-        n = batch.num_rows
-        if not n:
-            return
-        data = _as_binary(batch.column("data"))
-        queues = batch.column("queue") if w.has_queue_column else None
-        if data.null_count:
-            if not w.skip_null_data:
-                first = self.rows + data.is_null().to_pylist().index(True)
-                raise QueuedDataSourceError(
-                    f"the queued sink got {data.null_count} rows with a null `data` in a batch "
-                    f"of {n} (the first is row {first} of this partition; rows before it may "
-                    "already be stored): filter them out, or set "
-                    '.option("skip_null_data", "true") to skip them')
-            valid = data.is_valid()
-            self.skipped += data.null_count
-            data = data.filter(valid)
-            if queues is not None:
-                queues = queues.filter(valid)
-        self.rows += n
-        if queues is None:
-            assert w.queue is not None
-            self._add(w.queue, data)
-            return
-        if queues.null_count:
-            if not w.queue:
-                raise QueuedDataSourceError(
-                    f"the queued sink got {queues.null_count} rows with a null `queue` and "
-                    "there is no .option('queue', ...) default for them")
-            queues = pc.fill_null(queues, w.queue)
-        encoded = queues.dictionary_encode()
-        names: list[str] = encoded.dictionary.to_pylist()
-        for name in names:
-            if name not in self.checked:
-                if not jf.valid_name(name):
-                    raise QueuedDataSourceError(f"bad queue name {name!r} in column `queue`")
-                self.checked.add(name)
-        if len(names) == 1:
-            self._add(names[0], data)
-            return
-        # A stable sort by queue keeps each queue's rows in their order.
-        order = pc.array_sort_indices(encoded.indices)
-        grouped = data.take(order)
-        counts = pc.value_counts(encoded.indices)
-        per_index = dict(zip(counts.field("values").to_pylist(),
-                             counts.field("counts").to_pylist(), strict=True))
-        start = 0
-        for k, name in enumerate(names):
-            count = per_index[k]
-            self._add(name, grouped.slice(start, count))
-            start += count
-
-    def _add(self, queue: str, data: pa.Array) -> None:
-        """Queue rows' items, sending every full put."""
-        w = self.w
-        items: list[bytes] = data.to_pylist()
-        nbytes = pc.sum(pc.binary_length(data)).as_py() or 0
-        pending = self.pending.setdefault(queue, [])
-        size = self.pending_bytes.get(queue, 0)
-        if size + nbytes < w.batch_bytes:  # the common case: cut by count only
-            cut = False
-            while len(pending) + len(items) >= w.batch:
-                take = w.batch - len(pending)
-                pending.extend(items[:take])
-                items = items[take:]
-                self._send(queue, pending)
-                pending = self.pending[queue] = []
-                cut = True
-            pending.extend(items)
-            self.pending_bytes[queue] = sum(map(len, pending)) if cut else size + nbytes
-            return
-        for item in items:  # big items: cut by bytes too
-            pending.append(item)
-            size += len(item)
-            if len(pending) >= w.batch or size >= w.batch_bytes:
-                self._send(queue, pending)
-                pending = self.pending[queue] = []
-                size = 0
-        self.pending_bytes[queue] = size
-
-    def _send(self, queue: str, items: list[bytes]) -> None:
-        if items:
-            try:
-                self.stored += self.client.put(queue, items, self.w.expiration_ms,
-                                               delay_ms=self.w.delay_ms)
-            except ClientError as exc:
-                raise _refused(queue, items, self.w.servers, exc) from exc
-            self.puts += 1
-
-    def finish(self) -> None:
-        for queue, items in self.pending.items():
-            self._send(queue, items)
-        self.pending.clear()
-        self.pending_bytes.clear()
+        rows = _summary(messages)[0]
+        if self.sink.exactly_once:
+            log.warning("queued sink: micro-batch %d failed after %d rows were put; its re-run "
+                        "stores only the rest", batchId, rows)
+        else:
+            log.warning("queued sink: micro-batch %d failed after %d rows were put; a restart "
+                        "puts the whole micro-batch again (at-least-once)", batchId, rows)

@@ -62,6 +62,8 @@ SCHEMA = ("queue string, id bigint, add_time timestamp, expire_time timestamp, "
           "error_count int, data binary")
 #: The same with the `include_flags` option: each item's memcache flags (u32) too.
 SCHEMA_FLAGS = SCHEMA + ", flags bigint"
+#: What `includeHeaders` adds (last): each item's headers, as the Kafka source's column.
+HEADERS_COLUMN = ", headers array<struct<key: string, value: binary>>"
 
 
 def register(spark: Any) -> None:
@@ -96,14 +98,15 @@ def _prune(segments: list[js.SegmentRef], ids: js.IdFilter) -> list[js.SegmentRe
 
 
 class QueuedDataSource(DataSource):
-    """`format("queued")`: see the README's Spark section for the options."""
+    """`format("queued")`: see docs/spark.md for the options."""
 
     @classmethod
     def name(cls) -> str:
         return "queued"
 
     def schema(self) -> str:
-        return SCHEMA_FLAGS if bool_option(self.options, "include_flags") else SCHEMA
+        schema = SCHEMA_FLAGS if bool_option(self.options, "include_flags") else SCHEMA
+        return schema + HEADERS_COLUMN if bool_option(self.options, "includeHeaders") else schema
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return QueuedBatchReader(Options(self.options, READ_OPTIONS, "spark.read"))
@@ -211,13 +214,13 @@ class QueuedBatchReader(DataSourceReader):
             reads += [(scan.segment_read(seg, self.archive, ids), seg.size)
                       for seg in _prune(segments, ids)]
         o = self.o
-        parts = scan.pack(reads, o.partition_bytes, live_at, o.flags)
+        parts = scan.pack(reads, o.partition_bytes, live_at, o.flags, o.headers)
         if len(parts) < o.min_partitions:
             try:
                 summaries = [(r, js.summarize_segment(r.path)) for r, _ in reads]
             except (FileNotFoundError, js.ScanError):
                 return parts  # retired meanwhile: the packed plan reads the archive
-            return scan.split(summaries, o.min_partitions, live_at, o.flags)
+            return scan.split(summaries, o.min_partitions, live_at, o.flags, o.headers)
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

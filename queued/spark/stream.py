@@ -91,10 +91,10 @@ class QueueNow:
 class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """A micro-batch reads ids in (start, end] of each queue, from the journal files.
 
-    Options (README, Spark): subscribe / subscribePattern, startingOffsets (alias
+    Options (docs/spark.md): subscribe / subscribePattern, startingOffsets (alias
     starting), startingTimestamp, startingOffsetsByTimestamp, maxOffsetsPerTrigger (alias
     max_items_per_trigger), minOffsetsPerTrigger with maxTriggerDelay, failOnDataLoss,
-    minPartitions, archive_dir, max_partition_bytes, include_flags.
+    minPartitions, archive_dir, max_partition_bytes, include_flags, includeHeaders.
     """
 
     def __init__(self, options: Any) -> None:
@@ -304,9 +304,9 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     sizes.append(seg.size)
         o = self.o
         parts = scan.pack([(r, n) for (r, _), n in zip(reads, sizes, strict=True)],
-                          o.partition_bytes, flags=o.flags)
+                          o.partition_bytes, flags=o.flags, headers=o.headers)
         if len(parts) < o.min_partitions:
-            return scan.split(reads, o.min_partitions, flags=o.flags)
+            return scan.split(reads, o.min_partitions, flags=o.flags, headers=o.headers)
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

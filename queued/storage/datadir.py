@@ -36,6 +36,7 @@ from queued.storage.files import (
     SegmentInfo,
     decode_checkpoint,
     fsync_dir,
+    read_dedup,
     read_producers,
     segment_marks,
     write_checkpoint,
@@ -46,6 +47,11 @@ from queued.storage.recovery import Damage, scan_segment
 from queued.storage.writer import ReaderFile, Writer, WriteResult
 
 log = logging.getLogger("queued.datadir")
+
+#: The console's chart history (queued.server.history), written at a clean shutdown and
+#: removed when read back at start. No "." in it: never a journal file name.
+HISTORY_FILE = "queued-history"
+
 
 @dataclass(slots=True)
 class QueueRecovery:
@@ -148,7 +154,7 @@ class DataDir:
         for entry in sorted(os.listdir(dd.path)):
             parsed = jf.parse_file_name(entry)
             if parsed is None:
-                if entry.startswith(PAUSED_FILE):
+                if entry.startswith((PAUSED_FILE, HISTORY_FILE)):
                     continue  # (read by `paused_queues`; a temp of it, by its next write)
                 if (dd.path / entry).is_file():
                     log.warning("data dir: ignoring %s (not a journal file name)", entry)
@@ -241,18 +247,23 @@ class DataDir:
         rep.records = sum(s.count for s in segments)
         rep.bytes = sum(s.size for s in segments)
         j = self._journal(name, config, segments, readers, last_id)
-        marks = self._producer_marks(name, files, segments, last_id)
+        marks, keys = self._marks(name, files, segments, last_id)
         if marks:
             j.producer_marks = marks
+        if keys:
+            j.dedup_marks = keys
         return j
 
-    def _producer_marks(self, name: str, files: list[jf.JournalFileName],
-                        segments: list[SegmentInfo], last_id: int) -> list[jf.ProducerMark]:
-        """The queue's producer marks: its snapshot, then every PRODUCER record of its
-        segments (the queue keeps the newest per producer). A mark naming ids above the
-        last one recovered is dropped: its put was torn, never acknowledged."""
+    def _marks(self, name: str, files: list[jf.JournalFileName], segments: list[SegmentInfo],
+               last_id: int) -> tuple[list[jf.ProducerMark], list[jf.DedupMark]]:
+        """The queue's producer marks and deduplication keys: its snapshots, then every
+        PRODUCER and DEDUP record of its segments (the queue keeps the newest per producer
+        or key). A mark naming ids above the last one recovered is dropped: its put was
+        torn, never acknowledged."""
         marks: list[jf.ProducerMark] = []
-        if any(f.role is jf.FileRole.PRODUCERS for f in files):
+        keys: list[jf.DedupMark] = []
+        roles = {f.role for f in files}
+        if jf.FileRole.PRODUCERS in roles:
             path = self.path / jf.producers_name(name)
             try:
                 marks = read_producers(path)
@@ -261,10 +272,24 @@ class DataDir:
                 log.error("recovery: producer snapshot %s unreadable (%s): its producers "
                           "start afresh", path.name, exc,
                           extra={"event": "recovery_producers_unreadable"})
+        if jf.FileRole.DEDUP in roles:
+            path = self.path / jf.dedup_name(name)
+            try:
+                keys = read_dedup(path)
+            except (CorruptRecordError, OSError) as exc:
+                # Never a loss: the keys it named fall back to at-least-once.
+                log.error("recovery: key snapshot %s unreadable (%s): its keys are "
+                          "forgotten", path.name, exc,
+                          extra={"event": "recovery_dedup_unreadable"})
         for seg in segments:
             if seg.marks:
-                marks.extend(segment_marks(seg))
-        return [m for m in marks if m.first_id + m.count - 1 <= last_id]
+                for m in segment_marks(seg):
+                    if isinstance(m, jf.DedupMark):
+                        keys.append(m)
+                    else:
+                        marks.append(m)
+        return ([m for m in marks if m.first_id + m.count - 1 <= last_id],
+                [k for k in keys if k.first_id + k.count - 1 <= last_id])
 
     def _finish_compactions(self, name: str, segments: list[SegmentInfo]) -> list[SegmentInfo]:
         """Remove segments a completed compaction replaced (crash before their removal)."""
@@ -333,10 +358,18 @@ class DataDir:
         if (self.path / jf.producers_name(name)).exists():
             entries.append((jf.producers_name(name), jf.JournalFileName(
                 name, jf.FileRole.PRODUCERS)))
+        if (self.path / jf.dedup_name(name)).exists():
+            entries.append((jf.dedup_name(name), jf.JournalFileName(name, jf.FileRole.DEDUP)))
         j = self._recover_queue(name, entries, report=False)
         j.last_id = max(j.last_id, last_id)
         self.queues[name] = j
         return j
+
+    async def sync_segment(self, journal: QueueJournal) -> None:
+        """fsync what `journal`'s segment has written and not synced, whatever its policy,
+        between rounds (a round may be writing it)."""
+        async with self._writer.paused():
+            await trio.to_thread.run_sync(journal.file.sync_now)
 
     async def park_queue(self, name: str, detach: Callable[[QueueJournal], bool]) -> bool:
         """Forget queue `name`'s journal and close its files (they stay) if it has

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from queued.errors import CorruptRecordError, DataDirError, JournalError
 from queued.journal import format as jf
@@ -44,7 +45,7 @@ class SegmentInfo:
     #: PUT records led by a DELAY record, as recovery counted them (startup looks for
     #: delayed items only where > 0; appends made since start are not counted)
     delayed: int = 0
-    #: PRODUCER records, as recovery counted them (start-up reads producer marks back
+    #: PRODUCER and DEDUP records, as recovery counted them (start-up reads marks back
     #: only where > 0; appends made since start are counted by the journal)
     marks: int = 0
     #: the queue's life this segment belongs to (its head's INCARNATION record; 0 = none)
@@ -93,9 +94,10 @@ def read_segment(seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[
             yield rec
 
 
-def segment_marks(seg: SegmentInfo) -> list[jf.ProducerMark]:
-    """The PRODUCER records of one segment, in order (synchronous file I/O)."""
-    return [rec for rec in _records(seg, jf.MAGIC_SIZE) if isinstance(rec, jf.ProducerMark)]
+def segment_marks(seg: SegmentInfo) -> list[jf.ProducerMark | jf.DedupMark]:
+    """The PRODUCER and DEDUP records of one segment, in order (synchronous file I/O)."""
+    return [rec for rec in _records(seg, jf.MAGIC_SIZE)
+            if isinstance(rec, (jf.ProducerMark, jf.DedupMark))]
 
 
 def _records(seg: SegmentInfo, offset: int) -> Iterator[jf.Record]:
@@ -188,41 +190,65 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-# -- producer snapshots (exactly-once puts) -----------------------------------------
+# -- mark snapshots: producers (exactly-once puts) and deduplication keys --------------
 
 
-def encode_producers(marks: Sequence[jf.ProducerMark]) -> bytes:
-    """A producer snapshot file: the writer magic, the empty seal, then one sealed batch
-    of PRODUCER records (the file is read only by us: no seed reader looks at it)."""
+M = TypeVar("M", jf.ProducerMark, jf.DedupMark)
+
+
+def encode_snapshot(records: Sequence[bytes]) -> bytes:
+    """A snapshot file of marks: the writer magic, the empty seal, then one sealed batch
+    of their records (the file is read only by us: no seed reader looks at it)."""
     head = jf.WRITER_MAGIC + jf.EMPTY_CHECK
-    body = b"".join(map(jf.producer_record, marks))
+    body = b"".join(records)
     return head + jf.seal(body, len(head)) if body else head
 
 
-def read_producers(path: Path) -> list[jf.ProducerMark]:
-    """The marks of a producer snapshot file; [] if there is none. A snapshot is written
-    whole (temp, fsync, rename), so a torn or corrupt one is damage:
+def read_snapshot(path: Path, kind: type[M], what: str) -> list[M]:
+    """The marks of type `kind` in a snapshot file; [] if there is none. A snapshot is
+    written whole (temp, fsync, rename), so a torn or corrupt one is damage:
     CorruptRecordError."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return []
-    marks: list[jf.ProducerMark] = []
+    marks: list[M] = []
     checked = 0
     for ev in jf.decode_all(data, jf.FileKind.WRITER):
         rec = ev.record
-        if isinstance(rec, jf.ProducerMark):
+        if isinstance(rec, kind):
             marks.append(rec)
         elif isinstance(rec, jf.Check):
             checked = ev.end
     if checked != len(data):
-        raise CorruptRecordError(checked, f"{path.name}: producer snapshot cut short")
+        raise CorruptRecordError(checked, f"{path.name}: {what} cut short")
     return marks
+
+
+def encode_producers(marks: Sequence[jf.ProducerMark]) -> bytes:
+    return encode_snapshot([jf.producer_record(m) for m in marks])
+
+
+def read_producers(path: Path) -> list[jf.ProducerMark]:
+    return read_snapshot(path, jf.ProducerMark, "producer snapshot")
 
 
 def write_producers(path: Path, marks: Sequence[jf.ProducerMark]) -> None:
     """Replace the snapshot durably (temp + fsync + rename + directory fsync)."""
     write_file_atomic(path, encode_producers(marks))
+
+
+def encode_dedup(marks: Sequence[jf.DedupMark]) -> bytes:
+    return encode_snapshot([jf.dedup_record(m) for m in marks])
+
+
+def read_dedup(path: Path) -> list[jf.DedupMark]:
+    return read_snapshot(path, jf.DedupMark, "key snapshot")
+
+
+def write_dedup(path: Path, marks: Sequence[jf.DedupMark]) -> None:
+    """Replace the key snapshot durably (temp + fsync + rename + directory fsync)."""
+    write_file_atomic(path, encode_dedup(marks))
 
 
 # -- checkpoints ----------------------------------------------------------------

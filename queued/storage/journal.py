@@ -15,10 +15,12 @@ Knows nothing of sockets or protocols, and of its data directory only what
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -39,6 +41,7 @@ from queued.storage.files import (
     SegmentInfo,
     encode_checkpoint,
     read_segment,
+    write_dedup,
     write_producers,
 )
 from queued.storage.writer import (
@@ -84,6 +87,13 @@ def put_overhead(flags: int, delayed: bool = False) -> int:
             + (jf.DELAY_RECORD_SIZE if delayed else 0))
 
 
+def headers_overhead(headers: Sequence[bytes] | None) -> int:
+    """Journal bytes the HEADERS records of items with `headers` (blocks) take."""
+    if not headers:
+        return 0
+    return sum(map(len, headers)) + jf.HEADERS_HEAD_SIZE * sum(map(bool, headers))
+
+
 class Ticket:
     """Set once a planned write is durable, or failed (`error`). What was changed in
     memory ahead of a write that fails can be undone by `on_failure` callbacks, run when
@@ -124,7 +134,7 @@ class Planned(Chunk):
     """A chunk waiting for the writer, with the tickets of the appends it carries."""
 
     tickets: list[Ticket] = field(default_factory=list)
-    marks: int = 0  # PRODUCER records in it
+    marks: int = 0  # PRODUCER and DEDUP records in it
 
 
 @dataclass(eq=False, slots=True)
@@ -158,6 +168,10 @@ class JournalHost(SegmentStore, Protocol):
 
     def reader_file(self, queue: str, reader: str, fsync: FsyncPolicy, /) -> ReaderFile:
         """The writer side of a reader's checkpoint file."""
+        ...
+
+    async def sync_segment(self, journal: QueueJournal, /) -> None:
+        """fsync what `journal`'s segment has written and not synced, between rounds."""
         ...
 
 
@@ -196,6 +210,8 @@ class QueueJournal:
         self.before_compact: Callable[[], Awaitable[None]] | None = None
         #: the producer marks recovery read (snapshot and segments), for the queue to take
         self.producer_marks: list[jf.ProducerMark] = NO_CHUNKS
+        #: the deduplication keys recovery read (snapshot and segments), likewise
+        self.dedup_marks: list[jf.DedupMark] = NO_CHUNKS
         self._pending: list[Planned] = NO_CHUNKS  # a list from the first append on
         self._pending_bytes = 0
         self._reader_ops: dict[str, list[PlannedOp]] = NO_ENTRIES  # a dict from the first op
@@ -251,13 +267,20 @@ class QueueJournal:
         flags: int = 0,
         due_ms: int | None = None,
         producer: tuple[bytes, int] | None = None,
+        headers: Sequence[bytes] | None = None,
+        dedup: Sequence[tuple[int, int, bytes]] = (),
     ) -> tuple[list[jf.Put], Ticket]:
         """Queue `datas` for the writer; ids are assigned here, in order. Non-zero
         `flags` (memcache flags, the same for every item) lead each PUT with a FLAGS
         record; flags 0 write nothing more. `due_ms` (unix ms) leads each PUT with a
         DELAY record and makes the records DelayedPuts; None writes nothing more.
         `producer` (id, sequence): a PRODUCER record follows the last PUT, in its batch,
-        so the mark is durable exactly when the whole put is."""
+        so the mark is durable exactly when the whole put is. `headers`: one headers
+        block per item (queued.journal.headers; b"" for none), each non-empty one a
+        HEADERS record leading its PUT; None: no item has any. `dedup`: (start, end, key)
+        of each part of `datas` put with a deduplication key (a put, or the puts of a pass
+        joined into this append): a DEDUP record naming datas[start:end] follows the PUT of
+        datas[end - 1], and the whole append stays in one batch likewise."""
         if self._closed:
             raise JournalClosedError(f"journal of queue {self.name!r} is closed")
         if self.file.failed is not None:
@@ -273,27 +296,48 @@ class QueueJournal:
             raise ValueError("item data larger than 2 GiB - 1")
         if self.last_id + len(datas) > jf.MAX_ID:
             raise ValueError("item ids exhausted")
+        leads: list[bytes] | None = None  # the HEADERS records, one per item (b"": none)
+        if headers is not None:
+            if len(headers) != len(datas):
+                raise ValueError(f"{len(headers)} headers for {len(datas)} items")
+            if any(headers):  # (a put's items often share one block: one record for it)
+                memo: dict[bytes, bytes] = {}
+                leads = [memo[h] if h in memo else memo.setdefault(h, jf.headers_record(h))
+                         for h in headers]
+            else:
+                headers = None
         puts: list[jf.Put] = []
         limit = self.config.journal_size
         next_id = self.last_id
         if self._proj_size is not None and not self._pending:
             # This call opens a new round's batch, which a check record will seal.
             self._proj_size += jf.CHECK_RECORD_SIZE
-        if datas and largest < ZERO_COPY_BYTES and self._proj_size is not None:
+        # (one DEDUP record, after the last item: the bulk path's; more: item by item)
+        bulk = not dedup or (len(dedup) == 1 and dedup[0][:2] == (0, len(datas)))
+        if datas and largest < ZERO_COPY_BYTES and self._proj_size is not None and bulk:
             puts = self._append_small(datas, pack_head, ticket, add_time_ms, expire_time_ms,
-                                      error_count, flags, due_ms)
+                                      error_count, flags, due_ms, leads, headers)
             if puts:
                 datas = ()  # done in bulk
                 next_id = puts[-1].id
         # A put with a producer stays in one segment and one batch (it rotates or starts a
         # batch before its first item, never within): else a cut could keep its first
         # items without its mark.
-        whole = 0 if producer is None or not datas else (
+        trailer = (0 if producer is None else jf.PRODUCER_FIXED_DATA + 5 + len(producer[0])) + (
+            sum(jf.DEDUP_FIXED_DATA + 5 + len(k) for _, _, k in dedup))
+        whole = 0 if not trailer or not datas else (
             sum(map(len, datas)) + len(pack_head(0, 1)) * len(datas)
-            + jf.PRODUCER_FIXED_DATA + 5 + len(producer[0]))
-        for data in datas:
+            + (sum(map(len, leads)) if leads else 0) + trailer)
+        first = self.last_id + 1  # the id of datas[0]
+        after: dict[int, list[tuple[int, int, bytes]]] = {}  # last item -> its DEDUP records
+        if not bulk:
+            for part in dedup:
+                after.setdefault(part[1] - 1, []).append(part)
+        for i, data in enumerate(datas):
             next_id += 1
             head = pack_head(len(data), next_id)
+            if leads is not None:
+                head = leads[i] + head
             size = len(head) + len(data)
             chunk = self._pending[-1] if self._pending else None
             # (0: a later item of a put with a producer, which never rotates or splits)
@@ -318,20 +362,22 @@ class QueueJournal:
             self._proj_size += size
             self._proj_count += 1
             self._pending_bytes += size
-            puts.append(jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count, flags)
-                        if due_ms is None else
-                        jf.DelayedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
-                                      flags, due_ms))
+            block = b"" if headers is None else headers[i]
+            puts.append(jf.DelayedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
+                                      flags, due_ms, block) if due_ms is not None else
+                        jf.HeadedPut(next_id, data, add_time_ms, expire_time_ms, error_count,
+                                     flags, block) if block else
+                        jf.Put(next_id, data, add_time_ms, expire_time_ms, error_count, flags))
+            for start, end, key in after.get(i, ()):
+                self._add_mark(jf.dedup_record(jf.DedupMark(key, first + start, end - start,
+                                                            add_time_ms)))
         self.last_id = next_id
         if producer is not None and puts:
-            mark = jf.producer_record(jf.ProducerMark(producer[0], producer[1], puts[0].id,
-                                                      len(puts), add_time_ms))
-            chunk = self._pending[-1]  # the one holding the last PUT
-            chunk.add(mark, b"")
-            chunk.marks += 1
-            if self._proj_size is not None:
-                self._proj_size += len(mark)
-            self._pending_bytes += len(mark)
+            self._add_mark(jf.producer_record(jf.ProducerMark(
+                producer[0], producer[1], puts[0].id, len(puts), add_time_ms)))
+        if dedup and bulk and puts:
+            self._add_mark(jf.dedup_record(jf.DedupMark(dedup[0][2], puts[0].id, len(puts),
+                                                        add_time_ms)))
         self._appends += 1
         self._items += len(puts)
         if not puts:
@@ -339,6 +385,15 @@ class QueueJournal:
         else:
             self.host.note_pending(self)
         return puts, ticket
+
+    def _add_mark(self, mark: bytes) -> None:
+        """A PRODUCER or DEDUP record after the last PUT, in the chunk holding it."""
+        chunk = self._pending[-1]
+        chunk.add(mark, b"")
+        chunk.marks += 1
+        if self._proj_size is not None:
+            self._proj_size += len(mark)
+        self._pending_bytes += len(mark)
 
     def _append_small(
         self,
@@ -350,12 +405,17 @@ class QueueJournal:
         error_count: int,
         flags: int = 0,
         due_ms: int | None = None,
+        leads: list[bytes] | None = None,
+        headers: Sequence[bytes] | None = None,
     ) -> list[jf.Put]:
         """append_nowait's fast path: small items that fit the current segment and
-        batch, encoded in bulk. [] if they don't (the general loop handles it)."""
+        batch, encoded in bulk. [] if they don't (the general loop handles it).
+        `leads`: each item's HEADERS record and `headers` its block (b"": none)."""
         assert self._proj_size is not None
         n = len(datas)
         total = sum(map(len, datas)) + len(pack_head(0, 1)) * n
+        if leads is not None:
+            total += sum(map(len, leads))
         chunk = self._pending[-1] if self._pending else None
         if (self._proj_size + total > self.config.journal_size
                 or (chunk is not None and chunk.nbytes + total > MAX_BATCH_BYTES)):
@@ -366,6 +426,8 @@ class QueueJournal:
         ids = range(first, first + n)
         parts: list[bytes] = [b""] * (2 * n)
         parts[::2] = map(pack_head, map(len, datas), ids)
+        if leads is not None:
+            parts[::2] = map(operator.add, leads, parts[::2])
         parts[1::2] = datas
         chunk.small += b"".join(parts)
         chunk.nbytes += total
@@ -379,8 +441,13 @@ class QueueJournal:
         self._proj_count += n
         self._pending_bytes += total
         if due_ms is not None:
-            return [jf.DelayedPut(i, d, add_time_ms, expire_time_ms, error_count, flags, due_ms)
-                    for i, d in zip(ids, datas, strict=True)]
+            return [jf.DelayedPut(i, d, add_time_ms, expire_time_ms, error_count, flags, due_ms,
+                                  h) for i, d, h in zip(ids, datas, headers or repeat(b"", n),
+                                                        strict=True)]
+        if headers is not None:
+            return [jf.HeadedPut(i, d, add_time_ms, expire_time_ms, error_count, flags, h) if h
+                    else jf.Put(i, d, add_time_ms, expire_time_ms, error_count, flags)
+                    for i, d, h in zip(ids, datas, headers, strict=True)]
         put = jf.Put
         return [put(i, d, add_time_ms, expire_time_ms, error_count, flags)
                 for i, d in zip(ids, datas, strict=True)]
@@ -400,14 +467,16 @@ class QueueJournal:
         expire_time_ms: int | None = None,
         error_count: int = 0,
         flags: int = 0,
+        headers: Sequence[bytes] | None = None,
     ) -> list[jf.Put]:
         """Journal `datas`; returns the records once durable under the fsync policy."""
         if self.config.max_journal_size:
             await self.make_room(
                 sum(len(d) for d in datas) + put_overhead(flags) * len(datas)
+                + headers_overhead(headers)
             )
         puts, ticket = self.append_nowait(datas, add_time_ms, expire_time_ms, error_count,
-                                          flags)
+                                          flags, headers=headers)
         await wait_durable(ticket)
         return puts
 
@@ -612,9 +681,22 @@ class QueueJournal:
         return op.ticket
 
     async def write_producers(self, marks: list[jf.ProducerMark]) -> None:
-        """Replace the queue's producer snapshot (`q.producers`) durably."""
+        """Replace the queue's producer snapshot (`q.producers`) durably.
+
+        The puts its marks name must be on disk first, whatever the fsync policy: under
+        `periodic` a written put may not be yet, and a power cut that took it would make
+        recovery drop its mark as torn while the snapshot had replaced the producer's
+        older mark, whose put stayed (a re-send of it would then be stored twice)."""
+        await self.host.sync_segment(self)
         path = self.host.path / jf.producers_name(self.name)
         await trio.to_thread.run_sync(write_producers, path, marks)
+
+    async def write_dedup(self, marks: list[jf.DedupMark]) -> None:
+        """Replace the queue's key snapshot (`q.dedup`) durably, the puts its keys name on
+        disk first (see write_producers)."""
+        await self.host.sync_segment(self)
+        path = self.host.path / jf.dedup_name(self.name)
+        await trio.to_thread.run_sync(write_dedup, path, marks)
 
     async def write_checkpoint(
         self, reader: str, head: int, done: Sequence[int] = (),

@@ -23,6 +23,9 @@ from queued.storage.files import Checkpoint, read_checkpoint
 
 #: Bytes read from a segment file per read call; bounds a scan's memory.
 CHUNK_SIZE = 8 << 20
+#: A segment up to this size is read whole, in one call, and walked in place: its chunks
+#: are views of those bytes, never copies (a journal_size segment, 16 MiB by default).
+WHOLE_FILE_MAX = 64 << 20
 #: Rows after which a `PutChunk` is handed out (at the end of the batch reaching it).
 ROWS_PER_CHUNK = 65536
 
@@ -52,6 +55,7 @@ class PutColumns:
     error_counts: list[int] = field(default_factory=list)
     data: list[bytes] = field(default_factory=list)
     flags: list[int] = field(default_factory=list)  # memcache flags (0 for most items)
+    headers: list[bytes] = field(default_factory=list)  # headers blocks (b"" for most items)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -68,20 +72,23 @@ _PAD = bytes(8)
 class PutChunk:
     """Some PUT records of one segment, in id order, as the raw bytes they sit in.
 
-    `buf` holds the file's bytes from offset `base` on; `offsets` are the file
+    `buf` holds the file's bytes from offset `base` on (a read-only view of the file read
+    whole, or a copy); `offsets` are the file
     offsets of the records (each a PUT or PUT_EXPIRE of a verified batch); `flags`
     maps the offset of each record led by a FLAGS record to its flags (the others
-    have flags 0; it may hold offsets that are not in `offsets`). Every
+    have flags 0; it may hold offsets that are not in `offsets`); `headers` likewise
+    maps the offset of each record led by a HEADERS record to its block. Every
     record is followed in `buf` by at least 8 bytes, so a bulk reader may read
     `PUT_EXPIRE_HEADER_SIZE` bytes at any record offset (then look at the command
     byte). `columns()` decodes the records in Python; the Spark source decodes all
     of them at once with numpy (`queued.spark.arrow`).
     """
 
-    buf: bytes
+    buf: bytes | memoryview
     base: int
     offsets: list[int]
     flags: dict[int, int] = field(default_factory=dict)
+    headers: dict[int, bytes] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -89,8 +96,10 @@ class PutChunk:
     def columns(self) -> PutColumns:
         out = PutColumns()
         buf, base = self.buf, self.base
-        flags = self.flags
+        flags, headers = self.flags, self.headers
         out.flags = [flags.get(off, 0) for off in self.offsets] if flags else [0] * len(self)
+        out.headers = ([headers.get(off, b"") for off in self.offsets] if headers
+                       else [b""] * len(self))
         unpack, unpack_exp = jf.PUT_STRUCT.unpack_from, jf.PUT_EXPIRE_STRUCT.unpack_from
         for off in self.offsets:
             pos = off - base
@@ -105,7 +114,7 @@ class PutChunk:
             out.add_times.append(added)
             out.expire_times.append(expire)
             out.error_counts.append(errs)
-            out.data.append(buf[start:start + size])
+            out.data.append(bytes(buf[start:start + size]))
         return out
 
 
@@ -219,11 +228,12 @@ def reader_checkpoint(directory: str | os.PathLike[str], queue: str,
 
 
 def scan_segment(path: str | os.PathLike[str], ids: IdFilter = ALL_IDS, *,
-                 chunk_size: int = CHUNK_SIZE,
-                 rows_per_chunk: int = ROWS_PER_CHUNK) -> Iterator[PutChunk]:
+                 chunk_size: int = CHUNK_SIZE, rows_per_chunk: int = ROWS_PER_CHUNK,
+                 whole_max: int = WHOLE_FILE_MAX) -> Iterator[PutChunk]:
     """The PUT records of one segment that `ids` selects, in id order, as chunks of
     raw bytes plus record offsets (`PutChunk.columns()` decodes one), reading the
-    file `chunk_size` bytes at a time. A chunk ends where a read ends, or after the
+    file whole when it has up to `whole_max` bytes (the chunks are views of those bytes),
+    else `chunk_size` bytes at a time. A chunk ends where a read ends, or after the
     batch that brings it to `rows_per_chunk` rows.
 
     Our (sealed) files yield only records of batches whose check record verifies;
@@ -232,7 +242,7 @@ def scan_segment(path: str | os.PathLike[str], ids: IdFilter = ALL_IDS, *,
     a running server ends mid-batch while a write is in flight) and raises
     ScanError on corruption.
     """
-    scanner = _Scanner(ids, rows_per_chunk)
+    scanner = _Scanner(ids, rows_per_chunk, whole_max)
     with open(path, "rb") as f:
         try:
             yield from scanner.run(f, chunk_size)
@@ -333,27 +343,53 @@ class _Scanner:
     offsets (and flags); the wanted ones wait in `offsets` until their chunk is handed out,
     which happens before the decoder is given more bytes (so it still holds theirs)."""
 
-    def __init__(self, ids: IdFilter, rows: int) -> None:
+    def __init__(self, ids: IdFilter, rows: int, whole_max: int = WHOLE_FILE_MAX) -> None:
         self.ids = ids
+        self.whole_max = whole_max
         self.skip = sorted(ids.skip)
         self.rows = rows
         self.dec = jf.RecordDecoder(jf.FileKind.WRITER)
         self.offsets: list[int] = []  # wanted PUT records not yet handed out
         self.flags: dict[int, int] = {}  # their flags, where not 0
+        self.headers: dict[int, bytes] = {}  # their headers blocks, where any
+        self.whole: memoryview | None = None  # the file, when read whole
+
+    def _held(self, start: int, end: int, pad: int = 0) -> bytes | memoryview:
+        """The file's bytes [start, end) and `pad` more (zeros past the end of the file):
+        a view of the file read whole, else a copy of the decoder's."""
+        whole = self.whole
+        if whole is None:
+            return self.dec.copy_received(start, end, pad)
+        if end + pad <= len(whole):
+            return whole[start:end + pad]
+        return b"".join((whole[start:end], bytes(end + pad - len(whole))))
 
     def _chunk(self, end: int) -> PutChunk:
         """The wanted records so far (all of them end before file offset `end`)."""
         offsets, self.offsets = self.offsets, []
         flags, self.flags = self.flags, {}
-        return PutChunk(self.dec.copy_received(offsets[0], end, len(_PAD)), offsets[0],
-                        offsets, flags)
+        headers, self.headers = self.headers, {}
+        return PutChunk(self._held(offsets[0], end, len(_PAD)), offsets[0], offsets, flags,
+                        headers)
+
+    def _read_whole(self, f: BinaryIO) -> bytes | None:
+        """Read a file of up to `whole_max` bytes whole into the decoder (its first
+        bytes returned), else None."""
+        if os.fstat(f.fileno()).st_size > self.whole_max:
+            return None
+        whole = f.read()  # (one call, no zero-filled buffer first; may be cut meanwhile)
+        self.dec.receive_all(whole)
+        self.whole = memoryview(whole)
+        return whole[:jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE]
 
     def run(self, f: BinaryIO, chunk_size: int) -> Iterator[PutChunk]:
         read = f.read
-        head = read(jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE)
-        self.dec.receive_data(head)
-        if len(head) < jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE:
-            self.dec.receive_data(b"")
+        head = self._read_whole(f)
+        if head is None:
+            head = read(jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE)
+            self.dec.receive_data(head)
+            if len(head) < jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE:
+                self.dec.receive_data(b"")
         if jf.sealed_start(head):
             yield from self._sealed(read, chunk_size)
         else:
@@ -366,7 +402,7 @@ class _Scanner:
         filtered = not ids.is_all
         while True:
             mark = len(offsets)
-            ev = dec.next_batch(offsets, self.flags)
+            ev = dec.next_batch(offsets, self.flags, None, self.headers)
             if ev is jf.NEED_DATA:
                 if offsets:
                     yield self._chunk(dec.batch_start)
@@ -395,7 +431,7 @@ class _Scanner:
         if batch.first_id > ids.after and (ids.upto <= 0 or batch.last_id <= ids.upto) \
                 and not skips:
             return  # the whole batch is wanted
-        buf, base = self.dec.copy_received(batch.offset, batch.end), batch.offset
+        buf, base = self._held(batch.offset, batch.end), batch.offset
         lo, hi, skip = ids.after, ids.upto, ids.skip
         unpack = _ID.unpack_from
         offsets[mark:] = [
@@ -421,12 +457,14 @@ class _Scanner:
                 continue
             if rec.id <= lo or (hi > 0 and rec.id > hi) or rec.id in skip:
                 continue
-            # The PUT record ends the event (FLAGS and DELAY records before it, either form,
-            # are decoded with it).
+            # The PUT record ends the event (HEADERS, FLAGS and DELAY records before it are
+            # decoded with it).
             at = ev.end - len(rec.data) - (jf.PUT_HEADER_SIZE if rec.expire_time_ms is None
                                            else jf.PUT_EXPIRE_HEADER_SIZE)
             if rec.flags:
                 self.flags[at] = rec.flags
+            if rec.headers:
+                self.headers[at] = rec.headers
             self.offsets.append(at)
             if len(self.offsets) >= self.rows:
                 yield self._chunk(ev.end)

@@ -26,11 +26,11 @@ from queued.errors import (
     JournalFullError,
     NotOpenError,
     ProducerGapError,
-    ProtocolError,
     QueueClosedError,
     QueueError,
     QueueFullError,
     ReadStateError,
+    RemoteProtocolError,
     TooManyQueuesError,
 )
 from queued.journal import records
@@ -58,6 +58,11 @@ class Put:
     #: exactly-once puts (RPC): the producer id and this put's sequence (from 1)
     producer: bytes | None = None
     sequence: int = 0
+    #: item headers (RPC): one block per item (queued.journal.headers; b"": none), or
+    #: None when no item has any
+    headers: Sequence[bytes] | None = None
+    #: a deduplication key (memcache, text, RPC): stored once within the queue's window
+    key: bytes | None = None
 
     def expire_ms(self, now_ms: int) -> int | None:
         if self.expire_at_ms is not None:
@@ -406,10 +411,10 @@ class Request:
 
 
 #: What a codec's next_requests gives: requests, refusals (their reply is ready), the end.
-Parsed: TypeAlias = "Request | ProtocolError | ConnectionClosed"
+Parsed: TypeAlias = "Request | RemoteProtocolError | ConnectionClosed"
 
 
-def detached(e: ProtocolError) -> ProtocolError:
+def detached(e: RemoteProtocolError) -> RemoteProtocolError:
     """`e` without its traceback and the exception it was raised from, to be kept in a
     list of parsed requests: their frames hold that list (and the parser), and such a
     cycle kept every refused connection's buffers until a full garbage collection."""
@@ -419,14 +424,14 @@ def detached(e: ProtocolError) -> ProtocolError:
 
 def next_requests(codec: Codec, limit: int) -> list[Parsed]:
     """Up to `limit` requests parsed from what `codec` has buffered, in order, with each
-    ProtocolError in its place (a closing one ends the list) and ConnectionClosed last
+    RemoteProtocolError in its place (a closing one ends the list) and ConnectionClosed last
     if the stream ended: `Codec.next_requests` for a codec that joins nothing."""
     out: list[Parsed] = []
     next_request, append = codec.next_request, out.append
     while len(out) < limit:
         try:
             r = next_request()
-        except ProtocolError as e:
+        except RemoteProtocolError as e:
             append(detached(e))
             if e.close:
                 break
@@ -461,7 +466,7 @@ class Codec(Protocol):
 
     def next_request(self) -> Request | ConnectionClosed | NeedData | None:
         """The next request, the end of the stream, NEED_DATA, or None for an event
-        that needs nothing (ignored); raises ProtocolError (its reply, maybe close)."""
+        that needs nothing (ignored); raises RemoteProtocolError (its reply, maybe close)."""
 
     def next_requests(self, limit: int) -> list[Parsed]:
         """Every complete request buffered, up to `limit` (see the function

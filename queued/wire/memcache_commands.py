@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-from queued.errors import ProtocolError
+from queued.errors import RemoteProtocolError
 from queued.stats import command_name
 from queued.wire import commands as c
 from queued.wire import memcache_protocol as mc
@@ -46,6 +46,8 @@ def put_of(ev: mc.Set, items: Sequence[bytes] | None = None) -> c.Put:
         put.flags = ev.flags
     if ev.delay_ms:
         put.delay_ms = ev.delay_ms
+    if ev.key is not None:
+        put.key = ev.key
     return put
 
 
@@ -178,10 +180,10 @@ FAILURES: Final[dict[c.ErrorKind, Callable[[str], bytes]]] = {
 
 def _joins_set(a: object, b: mc.Set) -> bool:
     """May set `b` join the request whose context is `a` (one Put, one append)? Only
-    with the same flags: a Put's items share them."""
+    with the same flags: a Put's items share them. A set with a key is a put of its own."""
     return (type(a) is mc.Set and a.queue == b.queue and a.exptime == b.exptime
             and a.flags == b.flags and a.delay_ms == b.delay_ms and not a.noreply
-            and not b.noreply)
+            and not b.noreply and a.key is None and b.key is None)
 
 
 def _plain(ev: mc.Get) -> bool:
@@ -242,7 +244,7 @@ class MemcacheCodec(c.LineCodec):
             n += 1
             try:
                 ev = next_event()
-            except ProtocolError as e:
+            except RemoteProtocolError as e:
                 append(c.detached(e))
                 last = None
                 if e.close:

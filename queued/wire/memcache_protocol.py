@@ -33,6 +33,7 @@ from queued.wire.parsing import (
     NeedData,
     ParserStatistics,
     parse_address,
+    parse_dedup_key,
     parse_int,
     parse_name,
     parse_queue,
@@ -55,6 +56,7 @@ class Set:
     data: bytes
     noreply: bool = False
     delay_ms: int = 0  # `set <queue>/delay=<ms>`: invisible that long (a sixth slot: free)
+    key: bytes | None = None  # `set <queue>/key=<k>`: a deduplication key
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +307,12 @@ _FAST_GET: Final = re.compile(rb"get ([A-Za-z0-9_:-]{1,250})")
 _FAST_SET: Final = re.compile(
     rb"set ([A-Za-z0-9_:-]{1,250}) ([0-9]{1,10}) ([0-9]{1,10}) ([0-9]{1,10})"
 )
+#: `set <q>/key=<k> <flags> <exptime> <bytes>`: each line differs (its key), so it is
+#: matched, never cached
+_FAST_KEYED_SET: Final = re.compile(
+    rb"set ([A-Za-z0-9_:-]{1,250})/key=([!-.0-~]{1,64}) ([0-9]{1,10}) ([0-9]{1,10}) "
+    rb"([0-9]{1,10})"
+)
 _TO_DATA: Final = object()  # _fast switched to the DATA state
 #: Command lines a parser remembers parsed (then it starts again), and the longest it keeps:
 #: a client repeats the same few lines, and a repeated line costs one dict lookup.
@@ -349,6 +357,7 @@ class MemcacheParser(LineParser["Command"]):
         self._skip = 0
         self._pending: tuple[str, int, int, bool, int] | None = None
         self._pending_delay = 0  # the delay of the set whose data block is pending
+        self._pending_key: bytes | None = None  # its deduplication key
         #: line -> its Get, or (queue, flags, exptime, size) of a plain set
         self._lines: dict[bytes, Get | tuple[str, int, int, int]] = {}
 
@@ -401,9 +410,10 @@ class MemcacheParser(LineParser["Command"]):
                 assert data is not None
                 self._pending = None
                 self._state = _State.LINE
-                if self._pending_delay:
+                if self._pending_delay or self._pending_key is not None:
                     delay, self._pending_delay = self._pending_delay, 0
-                    return Set(queue, flags, exptime, data, noreply, delay)
+                    key, self._pending_key = self._pending_key, None
+                    return Set(queue, flags, exptime, data, noreply, delay, key)
                 return Set(queue, flags, exptime, data, noreply)
             elif self._state is _State.SKIP:
                 self._skip -= self.buffer.skip(self._skip)
@@ -428,7 +438,7 @@ class MemcacheParser(LineParser["Command"]):
         if hit is None:
             hit = self._fast_line(line)
             if hit is None:
-                return None
+                return self._fast_keyed(line)
             if len(line) <= LINE_CACHE_MAX_LINE:
                 if len(self._lines) >= LINE_CACHE:
                     self._lines.clear()
@@ -441,6 +451,24 @@ class MemcacheParser(LineParser["Command"]):
             return Set(queue, flags, exptime, data)
         self._pending = (queue, flags, exptime, False, size)
         self._state = _State.DATA  # _next's loop finishes (or waits for) the block
+        return _TO_DATA
+
+    def _fast_keyed(self, line: bytes) -> Set | object | None:
+        """`set <q>/key=<k> <flags> <exptime> <bytes>` (the key already valid by the
+        pattern), as `_fast` does a plain set; None: the general path."""
+        m = _FAST_KEYED_SET.fullmatch(line)
+        if m is None:
+            return None
+        flags, size = int(m[3]), int(m[5])
+        if flags > MAX_FLAGS or size > self.max_item_size:
+            return None
+        queue, key, exptime = m[1].decode("ascii"), m[2], int(m[4])
+        data = self.buffer.take_block(size)
+        if data is not None:
+            return Set(queue, flags, exptime, data, False, 0, key)
+        self._pending = (queue, flags, exptime, False, size)
+        self._pending_key = key
+        self._state = _State.DATA
         return _TO_DATA
 
     def _fast_line(self, line: bytes) -> Get | tuple[str, int, int, int] | None:
@@ -514,14 +542,22 @@ class MemcacheParser(LineParser["Command"]):
         try:
             address, *options = core[0].split(b"/")
             queue = parse_queue(address)
-            if options:
-                if len(options) != 1 or not options[0].startswith(b"delay="):
-                    raise ArgumentError("unknown set option (only delay=<ms>)")
-                self._pending_delay = parse_int(options[0][6:], "delay", 0, MAX_DELAY_MS)
+            delay, seen = 0, set[bytes]()
+            key: bytes | None = None
+            for option in options:  # each once, in any order
+                opt, eq, value = option.partition(b"=")
+                if not eq or opt in seen or opt not in (b"delay", b"key"):
+                    raise ArgumentError("unknown or repeated set option (delay=<ms>, "
+                                        "key=<k>)")
+                seen.add(opt)
+                if opt == b"key":
+                    key = parse_dedup_key(value)
+                else:
+                    delay = parse_int(value, "delay", 0, MAX_DELAY_MS)
             flags = parse_int(core[1], "flags", 0, MAX_FLAGS)
             exptime = parse_int(core[2], "exptime", I64_MIN, I64_MAX)
+            self._pending_delay, self._pending_key = delay, key
         except ArgumentError as e:
-            self._pending_delay = 0
             self._begin_skip(size)
             raise BadCommand(str(e), reply=quiet if quiet is not None else client_error(str(e)),
                              close=False) from None

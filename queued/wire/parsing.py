@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
 
-from queued.errors import LocalProtocolError, ProtocolError, QueuedError
-from queued.sansio import MAX_DELAY_MS as MAX_DELAY_MS  # re-exported: what parsers share
+from queued.errors import LocalProtocolError, QueuedError, RemoteProtocolError
+from queued.sansio import MAX_DEDUP_KEY as MAX_DEDUP_KEY  # re-exported: what parsers share
+from queued.sansio import MAX_DELAY_MS as MAX_DELAY_MS
 from queued.sansio import MAX_TIMEOUT_MS as MAX_TIMEOUT_MS
 from queued.sansio import NAME_PATTERN as NAME_PATTERN
 from queued.sansio import NAME_RE as NAME_RE
@@ -22,6 +23,9 @@ from queued.sansio import Signal as Signal
 from queued.sansio import is_valid_name as is_valid_name
 
 _INT_RE: Final = re.compile(rb"-?[0-9]+")
+#: A deduplication key as the memcache and text protocols carry it: printable ASCII but
+#: `/` (memcache options follow the queue name after one). RPC keys may be any bytes.
+_KEY_RE: Final = re.compile(rb"[!-.0-~]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,16 @@ def parse_int(token: bytes, what: str, lo: int, hi: int) -> int:
     if len(token) > 20 or not lo <= int(token) <= hi:  # length first: int() of huge strings
         raise ArgumentError(f"{what} out of range")
     return int(token)
+
+
+def parse_dedup_key(token: bytes) -> bytes:
+    """A put's deduplication key (`key=<k>`): 1 to MAX_DEDUP_KEY printable ASCII
+    characters other than `/`. Raises ArgumentError."""
+    if not token or len(token) > MAX_DEDUP_KEY:
+        raise ArgumentError(f"deduplication key must be 1 to {MAX_DEDUP_KEY} characters")
+    if _KEY_RE.fullmatch(token) is None:
+        raise ArgumentError("deduplication key must be printable ASCII without '/'")
+    return token
 
 
 # -- the receive buffer -------------------------------------------------------------------------
@@ -163,12 +177,12 @@ E = TypeVar("E")
 
 class LineParser(Generic[E]):
     """h11's shape for a line protocol: receive_data(bytes), next_event() -> event or
-    NEED_DATA. A closing ProtocolError is sticky: every later next_event() raises it
+    NEED_DATA. A closing RemoteProtocolError is sticky: every later next_event() raises it
     again and received bytes are dropped. Subclasses implement `_next`."""
 
     def __init__(self) -> None:
         self.buffer = ReceiveBuffer()
-        self.failure: ProtocolError | None = None
+        self.failure: RemoteProtocolError | None = None
 
     def receive_data(self, data: bytes | bytearray) -> None:
         """Append received bytes; b"" means the peer closed (feed it once)."""
@@ -187,12 +201,12 @@ class LineParser(Generic[E]):
         return len(self.buffer) > 0
 
     def next_event(self) -> E | ConnectionClosed | NeedData:
-        """The next command, ConnectionClosed, or NEED_DATA; raises ProtocolError."""
+        """The next command, ConnectionClosed, or NEED_DATA; raises RemoteProtocolError."""
         if self.failure is not None:
             raise self.failure
         try:
             return self._next()
-        except ProtocolError as e:
+        except RemoteProtocolError as e:
             if e.close:
                 self.failure = e
             raise

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from queued.errors import ProtocolError
+from queued.errors import RemoteProtocolError
+from queued.journal.headers import decode_headers
 from queued.wire import commands as c
 from queued.wire import rpc_protocol as rp
 from queued.wire.commands import Item
@@ -45,10 +46,17 @@ class WithDeliveries:
     extra: int
 
 
+@dataclass(frozen=True, slots=True)
+class WithHeaders(WithDeliveries):
+    """A get or browse that asked for headers too: [id, data, flags, deliveries, headers]
+    each, headers a map ({} for an item without)."""
+
+
 COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
     rp.Put: lambda call: c.Put(call.queue, call.items, ttl_ms=call.expiration_ms or None,
                                flags=call.flags, delay_ms=call.delay_ms,
-                               producer=call.producer, sequence=call.sequence),
+                               producer=call.producer, sequence=call.sequence,
+                               headers=call.headers, key=call.key),
     rp.Confirm: lambda call: c.Confirm(call.queue, call.reader, ids=call.ids),
     rp.Abort: lambda call: c.Abort(call.queue, call.reader, ids=call.ids,
                                    delay_ms=call.delay_ms),
@@ -68,8 +76,12 @@ COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
 }
 
 
-def _result(reply: c.Reply, with_flags: bool = False, extra: int | None = None) -> Any:
+def _result(reply: c.Reply, with_flags: bool = False, extra: int | None = None,
+            with_headers: bool = False) -> Any:
     if isinstance(reply, c.Items):
+        if with_headers and extra is not None:
+            return [[it.id, it.data, it.flags, it.error_count + extra,
+                     decode_headers(it.headers) if it.headers else {}] for it in reply.items]
         if extra is not None:
             return [[it.id, it.data, it.flags, it.error_count + extra] for it in reply.items]
         if with_flags:
@@ -150,8 +162,8 @@ class RpcCodec:
         msgid: int | None
         if isinstance(ev, rp.Notification):
             if ev.method in NOTIFY_REFUSED:
-                raise ProtocolError(f"{ev.method} sent as a notification ignored (it needs a "
-                                    "reply)", reply=b"", close=False)
+                raise RemoteProtocolError(f"{ev.method} sent as a notification ignored (it "
+                                          "needs a reply)", reply=b"", close=False)
             ev, msgid = rp.Request(0, ev.method, ev.params), None
         else:
             msgid = ev.msgid
@@ -159,19 +171,21 @@ class RpcCodec:
             call = rp.parse_call(ev, self.max_batch)
         except rp.RpcError as exc:
             if msgid is None and not exc.close:  # a notification's error has nobody to go to
-                raise ProtocolError(str(exc), reply=b"", close=False) from None
+                raise RemoteProtocolError(str(exc), reply=b"", close=False) from None
             raise
         context: int | WithFlags | WithDeliveries | None = msgid
         if isinstance(call, rp.Get):
             command: c.Command = _get(call, self.max_frame // 2)
-            if call.with_deliveries and msgid is not None:
+            if call.with_headers and msgid is not None:
+                context = WithHeaders(msgid, 1)
+            elif call.with_deliveries and msgid is not None:
                 context = WithDeliveries(msgid, 1)
             elif call.with_flags and msgid is not None:
                 context = WithFlags(msgid)
         else:
             command = COMMANDS[type(call)](call)
             if type(call) is rp.Browse and msgid is not None:
-                context = WithDeliveries(msgid, 0)
+                context = (WithHeaders if call.with_headers else WithDeliveries)(msgid, 0)
         return c.Request(command, context, ev.method)
 
     def next_requests(self, limit: int) -> list[c.Parsed]:
@@ -193,14 +207,15 @@ class RpcCodec:
         if msgid is None:
             return b""
         with_flags = type(msgid) is WithFlags
+        with_headers = type(msgid) is WithHeaders
         extra = None
-        if type(msgid) is WithDeliveries:
+        if type(msgid) is WithDeliveries or with_headers:
             extra = msgid.extra
         if with_flags or extra is not None:
             msgid = msgid.msgid
         if isinstance(reply, c.Failure):
             return rp.encode_error(msgid, CODES[reply.kind], reply.message)
-        return rp.encode_response(msgid, _result(reply, with_flags, extra))
+        return rp.encode_response(msgid, _result(reply, with_flags, extra, with_headers))
 
     def encode_item(self, request: c.Request, item: Item) -> bytes:
         raise NotImplementedError("RPC has no monitor")

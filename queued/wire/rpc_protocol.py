@@ -19,8 +19,10 @@ from typing import Any, Final, TypeAlias
 
 import msgpack
 
-from queued.errors import ProtocolError
+from queued.errors import RemoteProtocolError
+from queued.journal.headers import encode_headers
 from queued.wire.parsing import (
+    MAX_DEDUP_KEY,
     MAX_DELAY_MS,
     NEED_DATA,
     ConnectionClosed,
@@ -102,7 +104,7 @@ class ErrorCode(enum.IntEnum):
     PRODUCER_GAP = 18  #: a put's producer sequence skipped ahead of the next; nothing stored
 
 
-class RpcError(ProtocolError):
+class RpcError(RemoteProtocolError):
     """A request the peer got wrong (or we refuse): its error reply and whether to close.
 
     The reply answers `msgid`, or is an `error` notification when the msgid is unknown.
@@ -182,7 +184,7 @@ class RpcParser:
         self.max_frame = max_frame
         self.max_batch = max_batch
         self._limits: dict[str, Any] = dict(
-            max_str_len=max_frame, max_bin_len=max_frame, max_array_len=max(max_batch, 8),
+            max_str_len=max_frame, max_bin_len=max_frame, max_array_len=max(max_batch, 9),
             max_map_len=max_map_len, max_ext_len=0,
         )
         # read_size: the buffer it starts with (it grows to max_buffer_size as frames
@@ -211,7 +213,7 @@ class RpcParser:
         self.max_frame = min(max(64, max_frame), self._scanner_frame)
         self.max_batch = max(1, max_batch)
         self._limits.update(max_str_len=self.max_frame, max_bin_len=self.max_frame,
-                            max_array_len=max(self.max_batch, 8))
+                            max_array_len=max(self.max_batch, 9))
 
     def receive_data(self, data: bytes | bytearray) -> None:
         if not data:
@@ -342,6 +344,9 @@ class Put:
     delay_ms: int = 0  # > 0: the items stay invisible that long (delayed delivery)
     producer: bytes | None = None  # exactly-once puts: 1..64 bytes naming the producer
     sequence: int = 0  # with a producer: this put's number, 1..2**64-1
+    #: the items' headers, a block each (queued.journal.headers; b"": none), or None
+    headers: list[bytes] | None = None
+    key: bytes | None = None  # a deduplication key: 1..64 bytes naming the whole put
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +359,7 @@ class Get:
     auto_abort_ms: int  # 0 = items are removed; > 0 = open reads, aborted if not confirmed
     with_flags: bool = False  # items as [id, data, flags] rather than [id, data]
     with_deliveries: bool = False  # items as [id, data, flags, deliveries]
+    with_headers: bool = False  # items as [id, data, flags, deliveries, headers]
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,6 +420,7 @@ class Browse:
     reader: str | None
     after_id: int
     n: int
+    with_headers: bool = False  # items as [id, data, flags, deliveries, headers]
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,9 +517,30 @@ def _arity(msgid: int, method: str, params: list[Any], lo: int, hi: int) -> None
         raise _bad(msgid, f"{method} takes {want} params, got {len(params)}")
 
 
+def _headers(msgid: int, value: Any, n: int) -> list[bytes] | None:
+    """put's headers param (its ninth): nil, one map (every item's), or an array of one
+    map (or nil) per item; as a block per item, or None when no item has any."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, dict):
+            block = encode_headers(value)
+            return [block] * n if block else None
+        if isinstance(value, list):
+            if len(value) != n:
+                raise _bad(msgid, f"headers: {len(value)} maps for {n} items (one per item, "
+                                  "or one map for all)")
+            blocks = list(map(encode_headers, value))
+            return blocks if any(blocks) else None
+    except ValueError as exc:
+        raise _bad(msgid, f"headers: {exc}") from None
+    raise _bad(msgid, "headers must be a map (every item's), or an array of one map (or nil) "
+                      "per item")
+
+
 def _put(r: Request, max_batch: int) -> Put:
     p = r.params
-    _arity(r.msgid, "put", p, 2, 7)
+    _arity(r.msgid, "put", p, 2, 9)
     queue, reader = _address(r.msgid, p[0])
     if reader is not None:
         raise RpcError(ErrorCode.BAD_QUEUE_NAME,
@@ -530,8 +558,11 @@ def _put(r: Request, max_batch: int) -> Put:
     expiration = _int(r.msgid, p[2], "expiration_ms", 0, 2**53) if len(p) > 2 else 0
     flags = _int(r.msgid, p[3], "flags", 0, MAX_FLAGS) if len(p) > 3 else 0
     delay = _int(r.msgid, p[4], "delay_ms", 0, MAX_DELAY_MS) if len(p) > 4 else 0
+    headers = _headers(r.msgid, p[8], len(items)) if len(p) > 8 else None
+    if len(p) > 7 and p[7] is not None:
+        return _keyed_put(r.msgid, p, queue, items, expiration, flags, delay, headers)
     if len(p) < 6 or p[5] is None:
-        return Put(r.msgid, queue, items, expiration, flags, delay)
+        return Put(r.msgid, queue, items, expiration, flags, delay, headers=headers)
     producer = p[5]
     if type(producer) is str:
         producer = producer.encode()
@@ -542,12 +573,27 @@ def _put(r: Request, max_batch: int) -> Put:
     sequence = _int(r.msgid, p[6], "sequence", 1, MAX_SEQUENCE)
     if not items:
         raise _bad(r.msgid, "a put with a producer takes at least one item")
-    return Put(r.msgid, queue, items, expiration, flags, delay, producer, sequence)
+    return Put(r.msgid, queue, items, expiration, flags, delay, producer, sequence, headers)
+
+
+def _keyed_put(msgid: int, p: list[Any], queue: str, items: list[bytes], expiration: int,
+               flags: int, delay: int, headers: list[bytes] | None) -> Put:
+    """A put with a deduplication key (the eighth param): not with a producer."""
+    key = p[7]
+    if type(key) is str:
+        key = key.encode()
+    if type(key) is not bytes or not 0 < len(key) <= MAX_DEDUP_KEY:
+        raise _bad(msgid, f"key must be 1 to {MAX_DEDUP_KEY} bytes")
+    if p[5] is not None:
+        raise _bad(msgid, "a put takes a producer or a key, not both")
+    if not items:
+        raise _bad(msgid, "a put with a key takes at least one item")
+    return Put(msgid, queue, items, expiration, flags, delay, headers=headers, key=key)
 
 
 def _get(r: Request, max_batch: int) -> Get:
     p = r.params
-    _arity(r.msgid, "get", p, 2, 6)
+    _arity(r.msgid, "get", p, 2, 7)
     queue, reader = _address(r.msgid, p[0])
     max_items = _int(r.msgid, p[1], "max_items", 1, 2**63)
     if max_items > max_batch:
@@ -557,10 +603,12 @@ def _get(r: Request, max_batch: int) -> Get:
     auto_abort = _int(r.msgid, p[3], "auto_abort_ms", 0, MAX_MS) if len(p) > 3 else 0
     with_flags = p[4] if len(p) > 4 else False
     with_deliveries = p[5] if len(p) > 5 else False
-    if type(with_flags) is not bool or type(with_deliveries) is not bool:
-        raise _bad(r.msgid, "with_flags and with_deliveries must be true or false")
+    with_headers = p[6] if len(p) > 6 else False
+    if not all(type(v) is bool for v in (with_flags, with_deliveries, with_headers)):
+        raise _bad(r.msgid, "with_flags, with_deliveries and with_headers must be true or "
+                            "false")
     return Get(r.msgid, queue, reader, max_items, timeout, auto_abort, with_flags,
-               with_deliveries)
+               with_deliveries, with_headers)
 
 
 def _ids_call(cls: type[Confirm] | type[Abort]) -> Callable[[Request, int], Confirm | Abort]:
@@ -618,13 +666,16 @@ def _move(r: Request, max_batch: int) -> Move:
 
 
 def _browse(r: Request, max_batch: int) -> Browse:
-    """browse [queue, after_id=0, n=100]"""
+    """browse [queue, after_id=0, n=100, with_headers=false]"""
     p = r.params
-    _arity(r.msgid, "browse", p, 1, 3)
+    _arity(r.msgid, "browse", p, 1, 4)
     queue, reader = _address(r.msgid, p[0])
     after = _int(r.msgid, p[1], "after_id", 0, 2**63) if len(p) > 1 else 0
     n = _int(r.msgid, p[2], "n", 1, min(max_batch, 10_000)) if len(p) > 2 else 100
-    return Browse(r.msgid, queue, reader, after, n)
+    with_headers = p[3] if len(p) > 3 else False
+    if type(with_headers) is not bool:
+        raise _bad(r.msgid, "with_headers must be true or false")
+    return Browse(r.msgid, queue, reader, after, n, with_headers)
 
 
 def _queue_call(cls: type[Peek] | type[Flush] | type[Delete]) -> Callable[[Request, int], Call]:
@@ -650,7 +701,7 @@ def _auth(r: Request, max_batch: int) -> Auth:
     return Auth(r.msgid, user, password)
 
 
-#: method name -> parser of its params. The signatures are in the README.
+#: method name -> parser of its params. The signatures are in docs/protocols.md.
 METHODS: Final[dict[str, Callable[[Request, int], Call]]] = {
     "put": _put,
     "get": _get,

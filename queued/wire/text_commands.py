@@ -17,7 +17,8 @@ from queued.wire.commands import Item
 NEWLINE_ERROR: Final = "Item contains a newline; use the memcache protocol."
 
 COMMANDS: Final[dict[type, Callable[[Any], c.Command]]] = {
-    tp.Put: lambda ev: c.Put(ev.queue, ev.items, ttl_ms=ev.expiry_ms, delay_ms=ev.delay_ms),
+    tp.Put: lambda ev: c.Put(ev.queue, ev.items, ttl_ms=ev.expiry_ms, delay_ms=ev.delay_ms,
+                             key=ev.key),
     # Taken as an open read first: an item this protocol cannot carry stays queued.
     tp.Get: lambda ev: c.Get(ev.queue, ev.reader, timeout_ms=ev.timeout_ms, open=True,
                              line_safe=True),

@@ -29,6 +29,7 @@ from queued.wire.parsing import (
     NeedData,
     ParserStatistics,
     parse_address,
+    parse_dedup_key,
     parse_int,
     parse_queue,
 )
@@ -47,6 +48,7 @@ class Put:
     items: tuple[bytes, ...]
     expiry_ms: int | None = None  # relative milliseconds, as Kestrel's `put <queue> [expiry]:`
     delay_ms: int = 0  # ours: `put <queue> [expiry_ms] delay=<ms>:`
+    key: bytes | None = None  # ours: `put <queue> [expiry_ms] key=<k>:` (deduplication)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +203,7 @@ class TextParser(LineParser["Command"]):
         self.max_put_bytes = max_put_bytes
         super().__init__()
         self._state = _State.LINE
-        self._put: tuple[str, int | None, int] | None = None
+        self._put: tuple[str, int | None, int, bytes | None] | None = None
         self._items: list[bytes] = []
         self._put_size = 0
 
@@ -233,7 +235,7 @@ class TextParser(LineParser["Command"]):
                 self._add_item(line)
             else:
                 assert self._put is not None
-                put = Put(self._put[0], tuple(self._items), self._put[1], self._put[2])
+                put = Put(self._put[0], tuple(self._items), *self._put[1:])
                 self._end_put(_State.LINE)
                 return put
 
@@ -278,16 +280,24 @@ class TextParser(LineParser["Command"]):
             raise BadCommand(msg, reply=error(msg), close=False)
         args = line[:-1].split()[1:]
         try:
-            delay = 0
-            if len(args) > 1 and args[-1].startswith(b"delay="):
-                delay = parse_int(args.pop()[6:], "delay", 0, MAX_DELAY_MS)
-            _arity(args, 1, 2, "put <queue> [expiry_ms] [delay=<ms>]:")
+            delay, seen = 0, set[bytes]()
+            key: bytes | None = None
+            while len(args) > 1 and b"=" in args[-1]:  # options, each once, in any order
+                opt, _, value = args.pop().partition(b"=")
+                if opt in seen or opt not in (b"delay", b"key"):
+                    raise ArgumentError("unknown or repeated put option (delay=<ms>, key=<k>)")
+                seen.add(opt)
+                if opt == b"key":
+                    key = parse_dedup_key(value)
+                else:
+                    delay = parse_int(value, "delay", 0, MAX_DELAY_MS)
+            _arity(args, 1, 2, "put <queue> [expiry_ms] [delay=<ms>] [key=<k>]:")
             queue = parse_queue(args[0])
             expiry = parse_int(args[1], "expiry", 0, MAX_TIMEOUT_MS) if len(args) > 1 else None
         except ArgumentError as e:
             self._end_put(_State.DISCARD)  # its items follow anyway: keep in step
             raise BadCommand(str(e), reply=error(str(e)), close=False) from None
-        self._put = (queue, expiry, delay)
+        self._put = (queue, expiry, delay, key)
         self._state = _State.PUT
 
     def _simple(self, name: bytes, args: list[bytes]) -> Command:

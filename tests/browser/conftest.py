@@ -27,6 +27,13 @@ def secured(tmp_path: Path) -> Iterator[Served]:
 
 
 @pytest.fixture
+def small_memory(tmp_path: Path) -> Iterator[Served]:
+    """A server without users whose readers keep 1 KiB of items in memory: the rest of a
+    backlog waits on disk (read-behind)."""
+    yield from serve(tmp_path, users=False, toml='[default]\nmax_memory_size = "1KiB"\n')
+
+
+@pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Any]:
     from browser_util import Browser, available
 

@@ -29,14 +29,17 @@ class Served:
         self.client.close()
 
 
-def serve(tmp_path: Path, users: bool) -> Iterator[Served]:
+def serve(tmp_path: Path, users: bool, toml: str = "") -> Iterator[Served]:
+    """A server (with USERS when `users`), `toml` added to its config file."""
     config = None
     login: dict[str, str] = {}
     if users:
         (tmp_path / "users.toml").write_text(users_toml(**USERS))
-        config = tmp_path / "queued.toml"
-        config.write_text(f'[server]\nusers_file = "{tmp_path / "users.toml"}"\n')
+        toml = f'[server]\nusers_file = "{tmp_path / "users.toml"}"\n' + toml
         login = {"user": "root", "password": USERS["root"]["password"]}
+    if toml:
+        config = tmp_path / "queued.toml"
+        config.write_text(toml)
     proc = ServerProcess(tmp_path / "data", tmp_path / "server.log", config)
     proc.start()
     served = Served(proc, login)

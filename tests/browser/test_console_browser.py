@@ -5,7 +5,8 @@ Run by `make test-browser` (`pytest -m browser tests/browser`); plain `make test
 deselects the `browser` marker. tests/browser/setup.sh first installs chromium and
 chromium-driver when missing; the tests skip only when they are absent (setup.sh could
 not install them). QUEUED_CONSOLE_SCREENSHOT=<dir> makes test_screenshots save the
-README's screenshots (console.png, console-queue.png) there.
+screenshots of the docs (console.png, console-queue.png) there: docs/operations.md
+and the README's tour show them.
 
 Every wait is bounded (browser_util.WAIT); the page polls /stats.json every 1.5 s, so
 "updates without a reload" is checked by a marker set on `window` that a reload would
@@ -178,7 +179,7 @@ def test_read_only_without_users(server: Served, browser: Any) -> None:
 
 
 def test_screenshots(secured: Served, browser: Any) -> None:
-    """A console with some traffic, seen by an admin; saved for the README when
+    """A console with some traffic, seen by an admin; saved for the docs when
     QUEUED_CONSOLE_SCREENSHOT names a directory (else into the test's temp dir, and only
     checked)."""
     c = secured.client
@@ -277,4 +278,68 @@ def test_charts_of_the_last_fifteen_minutes_on_both_pages(server: Served, browse
     browser.open(server.url + "/queues/charted")
     browser.wait("the page's charts", lambda: len(browser.all("#charts svg")) == 2)
     assert browser.all("#charts svg")[0].get_attribute("data-max") == "7"
+    no_csp_violations(browser)
+
+
+def test_paging_through_a_queue_past_its_head_takes_nothing(
+        small_memory: Served, browser: Any) -> None:
+    """Next and Previous page through the queue with browse, 10 items a page in delivery
+    order, the items waiting on disk included; the queue keeps every item."""
+    c = small_memory.client
+    c.put("paged", [b"item %02d " % i + b"x" * 100 for i in range(25)])
+    assert c.peek("paged").stats["mem_items"] < 25  # the later pages come from disk
+    browser.open(small_memory.url + "/queues/paged")
+
+    def page(first: int, count: int) -> bool:
+        rows = browser.all("#peek tbody td.data")
+        return [r.text[:7] for r in rows] == [f"item {i:02d}" for i in range(first,
+                                                                           first + count)]
+
+    def buttons() -> tuple[bool, bool]:
+        return (browser.find("#page-prev").is_enabled(),
+                browser.find("#page-next").is_enabled())
+
+    browser.wait("the first page", lambda: page(0, 10))
+    assert buttons() == (False, True)
+    assert browser.find("#page-label").text == "page 1 (the head)"
+    browser.find("#page-next").click()
+    browser.wait("the second page", lambda: page(10, 10))
+    assert buttons() == (True, True)
+    assert browser.find("#page-label").text.startswith("page 2 (after item ")
+    browser.settle(1.6)  # a poll redraws the page it is on, not the head
+    assert page(10, 10)
+    browser.find("#page-next").click()
+    browser.wait("the last page", lambda: page(20, 5))
+    browser.wait("no next page", lambda: buttons() == (True, False))
+    browser.find("#page-prev").click()
+    browser.wait("the second page again", lambda: page(10, 10))
+    browser.find("#page-prev").click()
+    browser.wait("the head again", lambda: page(0, 10))
+    assert buttons() == (False, True)
+    info = c.peek("paged")
+    assert (info.items, info.open_transactions) == (25, 0)  # nothing taken, nothing open
+    assert [it.data[:7] for it in c.get("paged", 3)] == [b"item 00", b"item 01", b"item 02"]
+    no_csp_violations(browser)
+
+
+def test_a_chart_places_samples_by_time_and_breaks_at_a_gap(
+        server: Served, browser: Any) -> None:
+    """Samples kept across a clean restart leave a gap (the server was down): the chart
+    places each sample by its time and draws no line across the gap."""
+    browser.open(server.url + "/")
+    browser.wait("the first poll", lambda: "updated" in browser.find("#status").text)
+    lines = browser.js(
+        "const svg = chart([{values: [1, 2, 3, 4, 5], times: [100, 110, 120, 990, 1000],"
+        " cls: 'depth'}], 90, 20, 'test');"
+        "return Array.from(svg.querySelectorAll('polyline'),"
+        " (p) => p.getAttribute('points'));")
+    assert len(lines) == 2  # 100-120 s, then 990-1000 s
+    first = [float(p.split(",")[0]) for p in lines[0].split()]
+    second = [float(p.split(",")[0]) for p in lines[1].split()]
+    # 90 px for the 900 s from the first sample to the last: 10 s a pixel
+    assert first == [0.0, 1.0, 2.0] and second == [89.0, 90.0]
+    alone = browser.js(
+        "return chart([{values: [7], times: [5], cls: 'depth'}], 90, 20, 'one')"
+        ".querySelector('polyline').getAttribute('points');")
+    assert [p.split(",")[0] for p in alone.split()] == ["0.0", "90.0"]  # across the chart
     no_csp_violations(browser)

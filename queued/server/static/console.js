@@ -1,5 +1,5 @@
-// The queued web console: reads /stats.json (and, on a queue's page, the queue's head view
-// /api/queues/<name>) every POLL_MS and redraws. Everything from the server, queue names
+// The queued web console: reads /stats.json (and, on a queue's page, a page of the queue's
+// items, /api/queues/<name>?after=<id>) every POLL_MS and redraws. Everything from the server, queue names
 // and item bytes above all, goes into the page through textContent, never innerHTML.
 // No inline script or style: the Content-Security-Policy allows only this file.
 "use strict";
@@ -118,32 +118,50 @@ const queueOf = (name) => name.split("+")[0];
 
 const SVG_NS = "http://www.w3.org/2000/svg";
 const HISTORY_MS = 10000;  // the server samples every 10 s
-let history = { queues: {} };
+let history = { queues: {}, interval_s: HISTORY_MS / 1000, window_s: 900 };
 
-// One small chart: each series a polyline, all scaled to the largest value among them.
+// One small chart: each series {values, times (unix s), cls} a polyline placed by time, from
+// its first sample (at most 15 minutes back) to its last, all scaled to the largest value
+// among them. A gap (the server was down: the samples of a clean restart come back) breaks
+// the line. One point alone (a page opened soon after the start) is a flat line across.
 function chart(series, w, h, label) {
   const svg = document.createElementNS(SVG_NS, "svg");
   svg.setAttribute("width", w);
   svg.setAttribute("height", h);
   svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
   svg.setAttribute("class", "chart");
-  let max = 0;
-  for (const s of series) for (const v of s.values) max = Math.max(max, v);
+  let max = 0, begin = Infinity, end = -Infinity;
+  for (const s of series) {
+    for (const v of s.values) max = Math.max(max, v);
+    for (const t of s.times) { begin = Math.min(begin, t); end = Math.max(end, t); }
+  }
   svg.dataset.max = String(max);
   const title = document.createElementNS(SVG_NS, "title");
   title.textContent = `${label}, last 15 min (max ${fmtRate(max)})`;
   svg.appendChild(title);
+  const start = Math.max(begin, end - (history.window_s || 900));
+  const gapS = 2.5 * (history.interval_s || HISTORY_MS / 1000);
+  const x = (t) => (end > start ? Math.max(0, (w * (t - start)) / (end - start)) : w);
+  const y = (v) => (h - 1 - (max > 0 ? (v / max) * (h - 2) : 0)).toFixed(1);
   for (const s of series) {
-    // One point so far (a page opened soon after the start): a flat line at its value.
-    const values = s.values.length === 1 ? [s.values[0], s.values[0]] : s.values;
-    const n = values.length;
-    if (n === 0) continue;
-    const x = (i) => ((i * w) / (n - 1)).toFixed(1);
-    const y = (v) => (h - 1 - (max > 0 ? (v / max) * (h - 2) : 0)).toFixed(1);
-    const line = document.createElementNS(SVG_NS, "polyline");
-    line.setAttribute("points", values.map((v, i) => `${x(i)},${y(v)}`).join(" "));
-    line.setAttribute("class", s.cls);
-    svg.appendChild(line);
+    let points = [];
+    const flush = () => {
+      if (points.length === 1) {  // alone in the chart: across it; after a gap: a dash
+        points = [[end > start ? Math.max(0, points[0][0] - 2) : 0, points[0][1]], points[0]];
+      }
+      if (points.length > 1) {
+        const line = document.createElementNS(SVG_NS, "polyline");
+        line.setAttribute("points", points.map(([px, py]) => `${px.toFixed(1)},${py}`).join(" "));
+        line.setAttribute("class", s.cls);
+        svg.appendChild(line);
+      }
+      points = [];
+    };
+    s.values.forEach((v, i) => {
+      if (i > 0 && s.times[i] - s.times[i - 1] > gapS) flush();
+      points.push([x(s.times[i]), y(v)]);
+    });
+    flush();
   }
   return svg;
 }
@@ -151,9 +169,11 @@ function chart(series, w, h, label) {
 function charts(name, w, h) {
   const q = history.queues[name];
   if (!q) return [];
+  const rateTimes = q.t.slice(1);  // a rate is of the interval ending at its sample
   return [
-    chart([{ values: q.items, cls: "depth" }], w, h, `${name}: items waiting`),
-    chart([{ values: q.puts, cls: "puts" }, { values: q.gets, cls: "gets" }], w, h,
+    chart([{ values: q.items, times: q.t, cls: "depth" }], w, h, `${name}: items waiting`),
+    chart([{ values: q.puts, times: rateTimes, cls: "puts" },
+           { values: q.gets, times: rateTimes, cls: "gets" }], w, h,
           `${name}: puts/s (green) and gets/s (orange)`),
   ];
 }
@@ -265,19 +285,38 @@ function drawItem(tbody, item) {
     hex.textContent = item.hex + (item.truncated ? " …" : "");
     data.appendChild(hex);
   }
+  for (const h of item.headers || []) {  // its headers, one line each: key: value
+    const line = document.createElement("span");
+    line.className = "header";
+    line.textContent = `${h.key}: ${h.text}${h.truncated ? " …" : ""}`;
+    data.appendChild(line);
+  }
   tbody.appendChild(row);
 }
 
 let admin = false;
 
+// Paging through the reader's items with browse: `pages` holds the `after` of each page
+// opened so far (0: the head); Next adds the last id shown, Previous drops one. Each poll
+// redraws the page it is on; a reply to an older request (the page changed meanwhile)
+// is dropped.
+const pages = [0];
+let lastShown = 0;
+let more = false;
+let headSeq = 0;
+
 async function pollHead() {
   const name = pageName();
+  const seq = ++headSeq;
+  const after = pages[pages.length - 1];
   let status, body;
   try {
-    ({ status, body } = await getJson("/api/queues/" + encodeURIComponent(name)));
+    ({ status, body } = await getJson("/api/queues/" + encodeURIComponent(name) +
+                                      (after ? `?after=${after}` : "")));
   } catch (e) {
     return;  // the stats poll reports the server unreachable
   }
+  if (seq !== headSeq) return;  // a newer request is on its way
   const tbody = $("peek").tBodies[0];
   if (status === 404) {
     $("gone").hidden = false;
@@ -288,22 +327,41 @@ async function pollHead() {
   if (!body) return;
   admin = Boolean(body.admin);
   $("admin").hidden = !admin;
-  if (status === 403) {
+  if (status === 403 || status === 400) {
     $("peek-denied").textContent = `Cannot show the items: ${body.error}.`;
     $("peek-denied").hidden = false;
     tbody.replaceChildren();
     return;
   }
+  if (status !== 200) return;
   $("peek-denied").hidden = true;
   tbody.replaceChildren();
   for (const item of body.items) drawItem(tbody, item);
-  $("peek-empty").textContent = body.reader
-    ? "No items waiting in memory."
-    : `${name} has no default reader (a fanout reader took it over): pick one of its readers above.`;
+  lastShown = body.items.length ? body.items[body.items.length - 1].id : 0;
+  more = Boolean(body.more);
+  $("page-next").disabled = !more;
+  $("page-prev").disabled = pages.length < 2;
+  $("page-label").textContent = pages.length < 2 ? "page 1 (the head)"
+    : `page ${pages.length} (after item ${fmtInt(after)})`;
+  $("peek-empty").textContent = !body.reader
+    ? `${name} has no default reader (a fanout reader took it over): pick one of its readers above.`
+    : pages.length > 1 ? "No more items on this page: they were taken meanwhile." : "No items waiting.";
   $("peek-empty").hidden = body.items.length > 0;
   $("peek-note").textContent =
-    `(the first ${body.limit} in delivery order, ${body.preview_bytes} bytes each; ` +
+    `(${body.limit} a page in delivery order, ${body.preview_bytes} bytes each; ` +
     "looking removes nothing)";
+}
+
+function nextPage() {
+  if (!more || !lastShown) return;
+  pages.push(lastShown);
+  pollHead();
+}
+
+function previousPage() {
+  if (pages.length < 2) return;
+  pages.pop();
+  pollHead();
 }
 
 // Admin actions: a button asks, a second click confirms; the POST carries the header a
@@ -371,6 +429,8 @@ function startQueue() {
   $("move").addEventListener("click", () => ask("move"));
   $("confirm-yes").addEventListener("click", confirmAction);
   $("confirm-no").addEventListener("click", () => { pending = null; $("confirm").hidden = true; });
+  $("page-next").addEventListener("click", nextPage);
+  $("page-prev").addEventListener("click", previousPage);
   every(() => { pollStats(drawQueue); pollHead(); });
   const drawBig = () => $("charts").replaceChildren(...charts(name, 360, 80));
   pollHistory(drawBig);
