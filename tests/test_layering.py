@@ -317,6 +317,22 @@ def test_the_private_names_check_sees_reaches_through_types(tmp_path: Path) -> N
     ], wrong
 
 
+TESTS = Path(__file__).resolve().parent
+
+
+def test_no_test_module_imports_another() -> None:
+    """Helpers shared by test files live in `*_util.py` modules (tests/README.md): a test
+    module that imports another runs that one's module-level set-up and couples them."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(TESTS)}:{node.lineno}: {name}" for name in names
+                      if name.split(".")[-1].startswith("test_")]
+    assert found == []
+
+
 def layer_arrows() -> dict[tuple[str, str], int]:
     """(importing layer, imported layer) -> how many module pairs make that arrow."""
     arrows: dict[tuple[str, str], int] = {}
