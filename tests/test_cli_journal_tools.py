@@ -1,4 +1,6 @@
-"""`queued check DIR`: safe next to a running server, and still exact on a damaged directory.
+"""`queued check DIR` (queued.cli.journal_tools): safe next to a running server, and still
+exact on a damaged directory. (`queued dump` on each kind of record: test_storage_journal,
+test_flags, test_delay, test_producers, test_headers.)
 
 Exit codes: 0 healthy, 1 damage found, 2 usage error or cannot check. The live test runs
 check over and over (bounded in count and time) while a real server subprocess writes,

@@ -1,4 +1,5 @@
-"""The `queued` client subcommands, run as subprocesses against a real server subprocess.
+"""The `queued` client subcommands (queued.cli.client_commands, with the options and exit
+codes of queued.cli.client_options), run as subprocesses against a real server subprocess.
 
 One server serves the module (each test uses its own queue names); every command has a
 timeout and the server is killed by PID at the end. Checks output, exit codes (0 ok,
