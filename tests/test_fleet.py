@@ -22,6 +22,7 @@ import trio
 import trio.testing
 from fleet_util import FLEET_HOSTS, common_free_port, fake_dns
 from server_util import QUEUED, WAIT, make_config, running
+from wait_util import wait_for
 
 from queued.client import AsyncClient, Client, ConnectionFailed, Item, parse_servers
 from queued.client.servers import Pool
@@ -151,10 +152,9 @@ async def test_a_dns_name_with_three_loopback_servers(
                 assert await client.confirm(got) == 1
                 await client.put("spread", b"later")
                 async with AsyncClient(servers[2]) as only_13:
-                    with trio.fail_after(WAIT):  # (the server sees the close soon after)
-                        while (await only_13.stats())[servers[2]]["server"][
-                                "curr_connections"] != 1:  # only_13's own
-                            await trio.sleep(0.01)
+                    await wait_for(  # (the server sees the close soon after)
+                        only_13.stats,  # only_13's own connection is left
+                        lambda st: st[servers[2]]["server"]["curr_connections"] == 1)
                 await client.flush("spread")
                 for n in range(20):
                     await client.put("spread", b"%d" % n)
