@@ -23,11 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from queued.broker.broker import (
-    Broker,
-    JoinedPut,
-    PendingPut,
-)
+from queued.broker.broker import Broker, JoinedPut, PendingPut
 from queued.reader.open_reads import OpenReads
 from queued.reader.state import Item
 from queued.server.auth import Authenticator
@@ -45,6 +41,7 @@ RECEIVE_SIZE = 256 * 1024
 MAX_BATCH = 1024
 #: Gets waiting at once in tasks of their own (RPC) on one connection; more are refused.
 MAX_WAITING = 1024
+
 
 @dataclass(slots=True)
 class Guard:
@@ -82,8 +79,6 @@ class Owed:
 class ServerCounters:
     bytes_read: int = 0
     bytes_written: int = 0
-
-
 
 
 class TaskPath:
