@@ -51,7 +51,7 @@ class BrokerBase:
         #: Call to answer, per get that did not wait for an item to arrive.
         self.get_latency = Histogram(LATENCY_BUCKETS)
         self.start_time = time.time()
-        self.pause_lock = trio.Lock()  # (set_paused: one write of the list at a time)
+        self.pause_lock = trio.Lock()  # (set_paused)
 
     def _now(self) -> int:
         return self.clock()
