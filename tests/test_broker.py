@@ -42,7 +42,7 @@ from queued.broker.upkeep import open_broker
 from queued.errors import ItemTooLargeError, QueueFullError
 from queued.journal import format as jf
 from queued.reader.open_reads import OpenReads
-from queued.reader.state import NO_ENTRIES, NO_IDS
+from queued.reader.shared import NO_ENTRIES, NO_IDS
 
 # -- a model test over random operation sequences ---------------------------------------------
 

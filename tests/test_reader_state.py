@@ -35,9 +35,11 @@ from reader_util import (
 )
 
 from queued.journal.format import DelayedPut, Put
+from queued.reader.delays import key_id
 from queued.reader.open_reads import OpenReads, TimeoutHeap
 from queued.reader.packed_items import BLOCK_ITEMS
-from queued.reader.state import NO_ITEMS, PACK_AT, Reader, key_id
+from queued.reader.shared import NO_ITEMS
+from queued.reader.state import PACK_AT, Reader
 
 # -- add / take order ------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ from wait_util import wait_until
 from queued import __version__
 from queued.broker.upkeep import open_broker
 from queued.server.listeners import Server
-from queued.server.session import ServerCounters, Session
+from queued.server.session import Session
+from queued.server.task_path import ServerCounters
 from queued.stats import ProtocolStats
 from queued.wire import commands as c
 from queued.wire.memcache_commands import MemcacheCodec
