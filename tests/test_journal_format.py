@@ -747,14 +747,15 @@ def test_next_batch_agrees_with_next_event(blob: bytes) -> None:
 
 
 @st.composite
-def equal_runs(draw: st.DrawFn) -> bytes:
-    """A sealed file of batches of many same-sized PUTs (what next_batch walks column by
-    column), each maybe with one record unlike the others somewhere in the run: another
-    size, a PUT_EXPIRE, a FLAGS record before it, an id 0 or negative, another command."""
+def equal_runs(draw: st.DrawFn, most: int = 200) -> bytes:
+    """A sealed file of batches of many (up to `most`) same-sized PUTs (what next_batch walks
+    column by column), each maybe with one record unlike the others somewhere in the run:
+    another size, a PUT_EXPIRE, a FLAGS record before it, an id 0 or negative, another
+    command."""
     out = bytearray(WRITER_MAGIC)
     xid = 1
     for _ in range(draw(st.integers(1, 3))):
-        n, size = draw(st.integers(60, 200)), draw(st.integers(0, 40))
+        n, size = draw(st.integers(60, most)), draw(st.integers(0, 40))
         odd = draw(st.integers(0, n + 5))
         kind = draw(st.sampled_from(["size", "expire", "flags", "zero", "negative", "cmd"]))
         body = bytearray()
@@ -785,6 +786,18 @@ def equal_runs(draw: st.DrawFn) -> bytes:
 @PROPS
 @given(equal_runs())
 def test_next_batch_agrees_with_next_event_on_runs_of_equal_puts(blob: bytes) -> None:
+    assert_runs_agree(blob)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(equal_runs(most=2200))
+def test_next_batch_agrees_with_next_event_on_long_runs(blob: bytes) -> None:
+    """Runs longer than next_batch's first window (512 records; it looks at windows of
+    doubling size while a run goes on): the same batches, offsets and errors."""
+    assert_runs_agree(blob)
+
+
+def assert_runs_agree(blob: bytes) -> None:
     assert_next_batch_agrees(blob)
     # A file read whole (receive_all) decodes as the same file received in pieces.
     whole = RecordDecoder()

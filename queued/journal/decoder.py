@@ -286,8 +286,9 @@ def _entries(name: str, entry: struct.Struct, buf: Buffer, pos: int, hdr: int, s
 #: Per byte value: 1 for the top byte of a negative i64, else 0 (`_equal_puts`).
 _SIGN = bytes(int(b >= 0x80) for b in range(256))
 #: Records a run must have for `_equal_puts` to be worth its fixed cost, and the most it
-#: looks at in one call (a batch's run ends at its check record; the rest of the bytes
-#: received is not looked at).
+#: looks at in a first call, doubled for each next one while the run goes on: a batch's run
+#: ends at its check record, and the bytes received after it (the rest of a file read whole)
+#: are not looked at, where one call over all of them cost time in proportion to the file.
 _RUN_MIN = 64
 _RUN_MAX = 512
 
@@ -710,11 +711,17 @@ class RecordDecoder:
                         # Equal items (a writer's batch of one size): the rest of the run
                         # column by column.
                         stride = hdr + size
-                        k = _equal_puts(buf, pos, n, stride,
-                                        bytes(buf[pos - stride:pos - stride + 5]))
-                        offsets.extend(range(base + pos, base + pos + k * stride, stride))
-                        data_bytes += k * size
-                        pos += k * stride
+                        lead_bytes = bytes(buf[pos - stride:pos - stride + 5])
+                        window = _RUN_MAX
+                        while True:  # windows of doubling size, up to the run's end
+                            k = _equal_puts(buf, pos, min(n, pos + window * stride), stride,
+                                            lead_bytes)
+                            offsets.extend(range(base + pos, base + pos + k * stride, stride))
+                            data_bytes += k * size
+                            pos += k * stride
+                            if k < window:
+                                break
+                            window *= 2
                     last = size
             except (IndexError, struct.error):  # past the bytes received so far
                 return self._short_batch(start, n)
