@@ -816,6 +816,20 @@ def assert_runs_agree(blob: bytes) -> None:
     pieces += batches
     pieces.append((type(end), end.offset) if isinstance(end, CorruptRecordError) else end)
     assert got == pieces and offsets == again
+    # With ranges=True, runs come as ranges: the same batches and, expanded, the same offsets.
+    compact = RecordDecoder()
+    compact.receive_all(blob)
+    spans: list[int | range] = []
+    same: list[object] = []
+    try:
+        while isinstance(ev := compact.next_batch(spans, ranges=True), Batch):
+            same.append(ev)
+        same.append(ev)
+    except CorruptRecordError as exc:
+        same.append((type(exc), exc.offset))
+    assert same == got
+    assert [at for s in spans for at in ([s] if isinstance(s, int) else s)] == offsets
+    assert all(len(s) for s in spans if isinstance(s, range))
 
 
 def assert_next_batch_agrees(blob: bytes) -> None:

@@ -150,3 +150,54 @@ def test_arrow_copies_runs_of_same_sized_items_right(
     ids = js.IdFilter(after)
     kw = {"whole_max": js.WHOLE_FILE_MAX if whole else 0, "chunk_size": 4096}
     assert arrow_rows("q", path, ids, **kw) == [as_row("q", p) for p in puts if p.id > after]
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(runs=st.lists(st.tuples(st.integers(1, 1500), st.integers(0, 40),
+                               st.sampled_from(["plain", "expiring", "flagged", "mixed"])),
+                     min_size=1, max_size=4),
+       batch=st.integers(300, 2500), whole=st.booleans(), rows=st.sampled_from([100, 65536]),
+       after=st.integers(0, 40), skip=st.frozensets(st.integers(1, 900), max_size=3),
+       live_at=st.integers(0, 2000))
+def test_runs_copied_column_by_column_equal_the_records(
+        tmp_path: Path, runs: list[tuple[int, int, str]], batch: int, whole: bool,
+        rows: int, after: int, skip: frozenset[int], live_at: int) -> None:
+    # Runs of same-sized items (the scan hands each over as one range: arrow._by_runs),
+    # some expiring at times around the cut, some led by a FLAGS record, some runs broken
+    # by an item of another size or with an expiry: every column equals the records, with
+    # and without the flags column, the id filter and the expiry cut.
+    puts: list[jf.Put] = []
+    for count, size, kind in runs:
+        for k in range(count):
+            i = len(puts) + 1
+            odd = kind == "mixed" and k % 397 == 5
+            expires = kind == "expiring" or (odd and k % 2 == 1)
+            puts.append(jf.Put(i, bytes([i % 256]) * (size + (3 if odd else 0)), T0 + i,
+                               T0 + (i * 7) % 2000 if expires else None, i % 5,
+                               i if kind == "flagged" and i % 300 == 0 else 0))
+    path = tmp_path / "q.1"
+    write_segment(path, puts, [batch])
+    ids = js.IdFilter(after, 0, skip)
+    wanted = [p for p in puts if p.id > after and p.id not in skip]
+    kw = {"whole_max": js.WHOLE_FILE_MAX if whole else 0, "chunk_size": 1 << 16,
+          "rows_per_chunk": rows}
+    assert python_rows("q", path, ids, **kw) == wanted
+    cut = T0 + live_at
+    live = [p for p in wanted if p.expire_time_ms is None or p.expire_time_ms > cut]
+    assert arrow_rows("q", path, ids, **kw) == [as_row("q", p) for p in wanted]
+    assert arrow_rows("q", path, ids, cut, **kw) == [as_row("q", p) for p in live]
+    assert arrow_rows("q", path, ids, cut, True, **kw) == [as_row("q", p, True) for p in live]
+
+
+def test_runs_are_handed_over_as_ranges(tmp_path: Path) -> None:
+    # The case the runs path is for: a writer's batches of same-sized items come as a few
+    # ranges (not one offset per record), and the rows equal the records.
+    puts = [jf.Put(i, b"%05d" % i * 40, T0 + i, None, 0) for i in range(1, 5001)]
+    path = tmp_path / "q.1"
+    write_segment(path, puts, [2000])
+    chunks = list(js.scan_segment(path))
+    assert sum(len(c) for c in chunks) == 5000
+    assert sum(len(c.spans) for c in chunks) < 20
+    assert any(isinstance(s, range) for c in chunks for s in c.spans)
+    assert arrow_rows("q", path, js.IdFilter()) == [as_row("q", p) for p in puts]
