@@ -14,6 +14,7 @@ import dataclasses
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,6 +26,7 @@ from queued.errors import (
     CorruptRecordError,
     QueuedError,
 )
+from queued.journal import decoder
 from queued.journal import format as jf
 from queued.journal.format import (
     NEED_DATA,
@@ -747,15 +749,14 @@ def test_next_batch_agrees_with_next_event(blob: bytes) -> None:
 
 
 @st.composite
-def equal_runs(draw: st.DrawFn, most: int = 200) -> bytes:
-    """A sealed file of batches of many (up to `most`) same-sized PUTs (what next_batch walks
-    column by column), each maybe with one record unlike the others somewhere in the run:
-    another size, a PUT_EXPIRE, a FLAGS record before it, an id 0 or negative, another
-    command."""
+def equal_runs(draw: st.DrawFn) -> bytes:
+    """A sealed file of batches of many same-sized PUTs (what next_batch walks column by
+    column), each maybe with one record unlike the others somewhere in the run: another
+    size, a PUT_EXPIRE, a FLAGS record before it, an id 0 or negative, another command."""
     out = bytearray(WRITER_MAGIC)
     xid = 1
     for _ in range(draw(st.integers(1, 3))):
-        n, size = draw(st.integers(60, most)), draw(st.integers(0, 40))
+        n, size = draw(st.integers(60, 200)), draw(st.integers(0, 40))
         odd = draw(st.integers(0, n + 5))
         kind = draw(st.sampled_from(["size", "expire", "flags", "zero", "negative", "cmd"]))
         body = bytearray()
@@ -789,12 +790,14 @@ def test_next_batch_agrees_with_next_event_on_runs_of_equal_puts(blob: bytes) ->
     assert_runs_agree(blob)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(equal_runs(most=2200))
-def test_next_batch_agrees_with_next_event_on_long_runs(blob: bytes) -> None:
-    """Runs longer than next_batch's first window (512 records; it looks at windows of
-    doubling size while a run goes on): the same batches, offsets and errors."""
-    assert_runs_agree(blob)
+@PROPS
+@given(equal_runs(), st.sampled_from([1, 2, 5, 16, 64]))
+def test_next_batch_agrees_with_next_event_on_runs_longer_than_its_window(
+        blob: bytes, window: int) -> None:
+    """Runs longer than next_batch's first window (it looks at windows of doubling size
+    while a run goes on): the same batches, offsets and errors."""
+    with mock.patch.object(decoder, "RUN_WINDOW", window):
+        assert_runs_agree(blob)
 
 
 def assert_runs_agree(blob: bytes) -> None:

@@ -285,12 +285,14 @@ def _entries(name: str, entry: struct.Struct, buf: Buffer, pos: int, hdr: int, s
 
 #: Per byte value: 1 for the top byte of a negative i64, else 0 (`_equal_puts`).
 _SIGN = bytes(int(b >= 0x80) for b in range(256))
-#: Records a run must have for `_equal_puts` to be worth its fixed cost, and the most it
-#: looks at in a first call, doubled for each next one while the run goes on: a batch's run
-#: ends at its check record, and the bytes received after it (the rest of a file read whole)
-#: are not looked at, where one call over all of them cost time in proportion to the file.
+#: Records a run must have for `_equal_puts` to be worth its fixed cost.
 _RUN_MIN = 64
-_RUN_MAX = 512
+#: The most records `_equal_puts` looks at in a first call, doubled for each next one while
+#: the run goes on: a batch's run ends at its check record, and the bytes received after it
+#: (the rest of a file read whole) are not looked at, where one call over all of them cost
+#: time in proportion to the file. A run shorter than the window costs a strided slice of
+#: the window's command bytes, not more.
+RUN_WINDOW = 4096
 
 
 def _equal_puts(buf: Buffer, pos: int, end: int, stride: int,
@@ -721,7 +723,7 @@ class RecordDecoder:
                         # column by column.
                         stride = hdr + size
                         lead_bytes = bytes(buf[pos - stride:pos - stride + 5])
-                        window, k = _RUN_MAX, 0
+                        window, k = RUN_WINDOW, 0
                         while True:  # windows of doubling size, up to the run's end
                             got = _equal_puts(buf, pos + k * stride,
                                               min(n, pos + (k + window) * stride), stride,
