@@ -157,11 +157,12 @@ def test_arrow_copies_runs_of_same_sized_items_right(
 @given(runs=st.lists(st.tuples(st.integers(1, 1500), st.integers(0, 40),
                                st.sampled_from(["plain", "expiring", "flagged", "mixed"])),
                      min_size=1, max_size=4),
-       batch=st.integers(300, 2500), whole=st.booleans(), rows=st.sampled_from([100, 65536]),
+       batch=st.integers(300, 2500), how=st.sampled_from(["read", "whole", "mapped"]),
+       rows=st.sampled_from([100, 65536]),
        after=st.integers(0, 40), skip=st.frozensets(st.integers(1, 900), max_size=3),
        live_at=st.integers(0, 2000))
 def test_runs_copied_column_by_column_equal_the_records(
-        tmp_path: Path, runs: list[tuple[int, int, str]], batch: int, whole: bool,
+        tmp_path: Path, runs: list[tuple[int, int, str]], batch: int, how: str,
         rows: int, after: int, skip: frozenset[int], live_at: int) -> None:
     # Runs of same-sized items (the scan hands each over as one range: arrow._by_runs),
     # some expiring at times around the cut, some led by a FLAGS record, some runs broken
@@ -180,8 +181,9 @@ def test_runs_copied_column_by_column_equal_the_records(
     write_segment(path, puts, [batch])
     ids = js.IdFilter(after, 0, skip)
     wanted = [p for p in puts if p.id > after and p.id not in skip]
-    kw = {"whole_max": js.WHOLE_FILE_MAX if whole else 0, "chunk_size": 1 << 16,
-          "rows_per_chunk": rows}
+    # (read in pieces, read whole, or mapped into memory)
+    kw = {"whole_max": 0 if how == "read" else js.WHOLE_FILE_MAX, "chunk_size": 1 << 16,
+          "rows_per_chunk": rows, "mapped": how == "mapped"}
     assert python_rows("q", path, ids, **kw) == wanted
     cut = T0 + live_at
     live = [p for p in wanted if p.expire_time_ms is None or p.expire_time_ms > cut]

@@ -10,12 +10,13 @@ imports no pyspark or pyarrow, so it is tested without Spark.
 from __future__ import annotations
 
 import bisect
+import mmap
 import os
 import struct
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from queued.errors import CorruptRecordError, QueuedError
 from queued.journal import format as jf
@@ -254,7 +255,7 @@ def reader_checkpoint(directory: str | os.PathLike[str], queue: str,
 
 def scan_segment(path: str | os.PathLike[str], ids: IdFilter = ALL_IDS, *,
                  chunk_size: int = CHUNK_SIZE, rows_per_chunk: int = ROWS_PER_CHUNK,
-                 whole_max: int = WHOLE_FILE_MAX) -> Iterator[PutChunk]:
+                 whole_max: int = WHOLE_FILE_MAX, mapped: bool = False) -> Iterator[PutChunk]:
     """The PUT records of one segment that `ids` selects, in id order, as chunks of
     raw bytes plus record offsets (`PutChunk.columns()` decodes one), reading the
     file whole when it has up to `whole_max` bytes (the chunks are views of those bytes),
@@ -266,8 +267,14 @@ def scan_segment(path: str | os.PathLike[str], ids: IdFilter = ALL_IDS, *,
     way the scan stops quietly at a torn tail or a zero byte (the newest segment of
     a running server ends mid-batch while a write is in flight) and raises
     ScanError on corruption.
+
+    With `mapped`, the file is mapped into memory (whatever its size) rather than read:
+    the kernel copies none of its bytes. Only for a file no writer changes any more (a
+    segment with a later one after it, or an archived one): a mapped file cut shorter
+    while it is read kills the process (SIGBUS), and bytes changed after their batch was
+    verified would go out unverified.
     """
-    scanner = _Scanner(ids, rows_per_chunk, whole_max)
+    scanner = _Scanner(ids, rows_per_chunk, whole_max, mapped)
     with open(path, "rb") as f:
         try:
             yield from scanner.run(f, chunk_size)
@@ -368,9 +375,11 @@ class _Scanner:
     offsets (and flags); the wanted ones wait in `offsets` until their chunk is handed out,
     which happens before the decoder is given more bytes (so it still holds theirs)."""
 
-    def __init__(self, ids: IdFilter, rows: int, whole_max: int = WHOLE_FILE_MAX) -> None:
+    def __init__(self, ids: IdFilter, rows: int, whole_max: int = WHOLE_FILE_MAX,
+                 mapped: bool = False) -> None:
         self.ids = ids
         self.whole_max = whole_max
+        self.mapped = mapped
         self.skip = sorted(ids.skip)
         self.rows = rows
         self.dec = jf.RecordDecoder(jf.FileKind.WRITER)
@@ -404,11 +413,21 @@ class _Scanner:
                         offsets, flags, headers, count)
 
     def _read_whole(self, f: BinaryIO) -> bytes | None:
-        """Read a file of up to `whole_max` bytes whole into the decoder (its first
-        bytes returned), else None."""
-        if os.fstat(f.fileno()).st_size > self.whole_max:
+        """Read a file of up to `whole_max` bytes (or map one of any size, with `mapped`)
+        whole into the decoder (its first bytes returned), else None."""
+        size = os.fstat(f.fileno()).st_size
+        whole: bytes
+        if self.mapped and size:
+            # An mmap reads like bytes (an index gives an int, a slice bytes); its pages are
+            # mapped at once (MAP_POPULATE) rather than a fault at a time. It stays mapped
+            # while a chunk's view of it is alive.
+            whole = cast(bytes, mmap.mmap(
+                f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ))
+        elif size > self.whole_max:
             return None
-        whole = f.read()  # (one call, no zero-filled buffer first; may be cut meanwhile)
+        else:
+            whole = f.read()  # (one call, no zero-filled buffer first; may be cut meanwhile)
         self.dec.receive_all(whole)
         self.whole = memoryview(whole)
         return whole[:jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE]
