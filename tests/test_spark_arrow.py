@@ -203,3 +203,66 @@ def test_runs_are_handed_over_as_ranges(tmp_path: Path) -> None:
     assert sum(len(c.spans) for c in chunks) < 20
     assert any(isinstance(s, range) for c in chunks for s in c.spans)
     assert arrow_rows("q", path, js.IdFilter()) == [as_row("q", p) for p in puts]
+
+
+async def _real_journal(path: Path) -> None:
+    """Appends as the server makes them, each of many same-sized items (runs) but for the
+    records between: FLAGS, DELAY, HEADERS (kind 7) before some PUTs, PRODUCER and DEDUP
+    (kind 8) marks after them, expiring items, segments rotated at 256 KiB."""
+    from queued.config import JournalConfig
+    from queued.journal.headers import encode_headers
+    from queued.storage.datadir import open_data_dir
+    from queued.storage.journal import wait_durable
+
+    async with open_data_dir(path, queue_config=lambda _: JournalConfig(
+            journal_size=1 << 18)) as dd:
+        q = dd.queue("q")
+        for k in range(40):
+            n = 3 if k in (7, 11) else 600 + 97 * (k % 5)  # (led items are not in runs)
+            datas = [b"%07d" % (k * 1000 + j) + b"." * (k % 7 * 9) for j in range(n)]
+            headers = ([encode_headers({"h": str(j)}) if j % 301 == 3 else b"" for j in range(n)]
+                       if k % 4 == 1 else None)
+            _, ticket = q.append_nowait(
+                datas, T0 + k, T0 + 10 * k if k % 3 == 0 else None, k % 4,
+                flags=k if k == 7 else 0, due_ms=T0 + 5 if k == 11 else None,
+                producer=(b"p%d" % k, 1) if k % 7 == 4 else None, headers=headers,
+                dedup=[(0, n, b"key%d" % k)] if k % 8 == 6 else ())
+            await wait_durable(ticket)
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_rows_of_a_real_journal_equal_the_pure_python_decoding(tmp_path: Path,
+                                                                mapped: bool) -> None:
+    # The columns chunk_to_arrow builds (runs copied column by column) against the
+    # record-by-record decoding of the same chunks (PutChunk.columns), with flags and
+    # headers, every record kind a journal holds around the PUTs; and the ids the
+    # server's own recovery reads.
+    import trio
+
+    from queued.journal.headers import header_pairs
+    from queued.storage.datadir import DataDir
+
+    trio.run(_real_journal, tmp_path)
+    segs = js.list_segments(tmp_path)
+    assert len(segs) > 1
+    got: list[tuple[object, ...]] = []
+    want: list[tuple[object, ...]] = []
+    runs = 0
+    for seg in segs:
+        for chunk in js.scan_segment(seg.path, mapped=mapped):
+            runs += sum(isinstance(s, range) for s in chunk.spans)
+            batch = chunk_to_arrow("q", chunk, 0, True, True)
+            got += [(r["id"], r["add_time"], r["expire_time"], r["error_count"], r["data"],
+                     r["flags"], [(h["key"], h["value"]) for h in r["headers"]]
+                     if r["headers"] is not None else None) for r in batch.to_pylist()]
+            c = chunk.columns()
+            for xid, added, expire, errors, data, flags, block in zip(
+                    c.ids, c.add_times, c.expire_times, c.error_counts, c.data, c.flags,
+                    c.headers, strict=True):
+                row = as_row("q", jf.Put(xid, data, added, expire, errors, flags), True)
+                want.append((*row[1:], header_pairs(block) if block else None))
+    assert runs > 0
+    assert got == want
+    assert [g[0] for g in got] == [p.id for p in DataDir.open(tmp_path).queues["q"]
+                                   .iter_puts(1)]
+    assert any(g[5] for g in got) and any(g[6] for g in got) and any(g[2] for g in got)
