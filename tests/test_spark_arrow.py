@@ -208,7 +208,8 @@ def test_runs_are_handed_over_as_ranges(tmp_path: Path) -> None:
 async def _real_journal(path: Path) -> None:
     """Appends as the server makes them, each of many same-sized items (runs) but for the
     records between: FLAGS, DELAY, HEADERS (kind 7) before some PUTs, PRODUCER and DEDUP
-    (kind 8) marks after them, expiring items, segments rotated at 256 KiB."""
+    (kind 8) marks after them, expiring items, segments rotated at 256 KiB; then most of
+    the first ids consumed and the journal compacted."""
     from queued.config import JournalConfig
     from queued.journal.headers import encode_headers
     from queued.storage.datadir import open_data_dir
@@ -218,16 +219,21 @@ async def _real_journal(path: Path) -> None:
             journal_size=1 << 18)) as dd:
         q = dd.queue("q")
         for k in range(40):
-            n = 3 if k in (7, 11) else 600 + 97 * (k % 5)  # (led items are not in runs)
+            n = 3 if k in (27, 31) else 600 + 97 * (k % 5)  # (led items are not in runs)
             datas = [b"%07d" % (k * 1000 + j) + b"." * (k % 7 * 9) for j in range(n)]
             headers = ([encode_headers({"h": str(j)}) if j % 301 == 3 else b"" for j in range(n)]
                        if k % 4 == 1 else None)
             _, ticket = q.append_nowait(
                 datas, T0 + k, T0 + 10 * k if k % 3 == 0 else None, k % 4,
-                flags=k if k == 7 else 0, due_ms=T0 + 5 if k == 11 else None,
+                flags=k if k == 27 else 0, due_ms=T0 + 5 if k == 31 else None,
                 producer=(b"p%d" % k, 1) if k % 7 == 4 else None, headers=headers,
                 dedup=[(0, n, b"key%d" % k)] if k % 8 == 6 else ())
             await wait_durable(ticket)
+        # Consumed up to 5000, then all but some stragglers up to 15000: compaction removes
+        # segments and rewrites others (a COMPACTED record first, the stragglers after).
+        await q.write_checkpoint("", 5000, [i for i in range(5001, 15001) if i % 997])
+        result = await q.compact()
+        assert result.removed and result.rewritten
 
 
 @pytest.mark.parametrize("mapped", [False, True])
