@@ -13,6 +13,7 @@ import dataclasses
 import struct
 import zlib
 from collections.abc import Sequence
+from unittest import mock
 
 import pytest
 from hypothesis import given
@@ -46,6 +47,7 @@ from queued.errors import (
     CorruptRecordError,
     QueuedError,
 )
+from queued.journal import decoder
 from queued.journal import format as jf
 from queued.journal.format import (
     NEED_DATA,
@@ -311,6 +313,20 @@ def equal_runs(draw: st.DrawFn) -> bytes:
 @PROPS
 @given(equal_runs())
 def test_next_batch_agrees_with_next_event_on_runs_of_equal_puts(blob: bytes) -> None:
+    assert_runs_agree(blob)
+
+
+@PROPS
+@given(equal_runs(), st.sampled_from([1, 2, 5, 16, 64]))
+def test_next_batch_agrees_with_next_event_on_runs_longer_than_its_window(
+        blob: bytes, window: int) -> None:
+    """Runs longer than next_batch's first window (it looks at windows of doubling size
+    while a run goes on): the same batches, offsets and errors."""
+    with mock.patch.object(decoder, "RUN_WINDOW", window):
+        assert_runs_agree(blob)
+
+
+def assert_runs_agree(blob: bytes) -> None:
     assert_next_batch_agrees(blob)
     # A file read whole (receive_all) decodes as the same file received in pieces.
     whole = RecordDecoder()
@@ -329,6 +345,20 @@ def test_next_batch_agrees_with_next_event_on_runs_of_equal_puts(blob: bytes) ->
     pieces += batches
     pieces.append((type(end), end.offset) if isinstance(end, CorruptRecordError) else end)
     assert got == pieces and offsets == again
+    # With ranges=True, runs come as ranges: the same batches and, expanded, the same offsets.
+    compact = RecordDecoder()
+    compact.receive_all(blob)
+    spans: list[int | range] = []
+    same: list[object] = []
+    try:
+        while isinstance(ev := compact.next_batch(spans, ranges=True), Batch):
+            same.append(ev)
+        same.append(ev)
+    except CorruptRecordError as exc:
+        same.append((type(exc), exc.offset))
+    assert same == got
+    assert [at for s in spans for at in ([s] if isinstance(s, int) else s)] == offsets
+    assert all(len(s) for s in spans if isinstance(s, range))
 
 
 def assert_next_batch_agrees(blob: bytes) -> None:

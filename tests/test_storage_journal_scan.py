@@ -71,6 +71,9 @@ def test_scan_matches_the_journal_in_any_chunking(journal: Path) -> None:
     assert scan_all(journal, "q") == expected
     assert scan_all(journal, "q", chunk_size=7, rows_per_chunk=3) == expected
     assert scan_all(journal, "q", chunk_size=7, rows_per_chunk=3, whole_max=0) == expected
+    # Mapped into memory rather than read (a segment no writer changes any more): the same.
+    assert scan_all(journal, "q", mapped=True) == expected
+    assert scan_all(journal, "q", rows_per_chunk=3, whole_max=0, mapped=True) == expected
     assert {p.flags for p in expected} >= {0, 1, 15, 295}  # flags survive the scans too
 
 
@@ -89,6 +92,7 @@ def test_torn_tail_ends_the_scan_quietly(journal: Path) -> None:
     with open(last.path, "ab") as f:  # half of a new batch, as a write in flight leaves it
         f.write(jf.encode_put(jf.Put(10_000, b"x" * 50, T0))[:30])
     assert scan_all(journal, "q") == before
+    assert scan_all(journal, "q", mapped=True) == before
 
 
 def test_corruption_is_an_error(journal: Path) -> None:
@@ -98,6 +102,18 @@ def test_corruption_is_an_error(journal: Path) -> None:
         f.write(b"\xff\xff")
     with pytest.raises(js.ScanError, match="queued check"):
         scan_all(journal, "q")
+    with pytest.raises(js.ScanError, match="queued check"):
+        scan_all(journal, "q", mapped=True)
+
+
+@pytest.mark.parametrize("content", [b"", b"not a journal at all"])
+def test_a_mapped_empty_file_or_one_that_is_not_a_segment(tmp_path: Path,
+                                                          content: bytes) -> None:
+    # (an empty file cannot be mapped: it is read, and is an error either way)
+    (tmp_path / "q.1").write_bytes(content)
+    for mapped in (False, True):
+        with pytest.raises(js.ScanError, match=r"magic|empty file"):
+            list(js.scan_segment(tmp_path / "q.1", mapped=mapped))
 
 
 def test_summary_and_nth_id(journal: Path) -> None:

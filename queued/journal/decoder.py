@@ -285,11 +285,14 @@ def _entries(name: str, entry: struct.Struct, buf: Buffer, pos: int, hdr: int, s
 
 #: Per byte value: 1 for the top byte of a negative i64, else 0 (`_equal_puts`).
 _SIGN = bytes(int(b >= 0x80) for b in range(256))
-#: Records a run must have for `_equal_puts` to be worth its fixed cost, and the most it
-#: looks at in one call (a batch's run ends at its check record; the rest of the bytes
-#: received is not looked at).
+#: Records a run must have for `_equal_puts` to be worth its fixed cost.
 _RUN_MIN = 64
-_RUN_MAX = 512
+#: The most records `_equal_puts` looks at in a first call, doubled for each next one while
+#: the run goes on: a batch's run ends at its check record, and the bytes received after it
+#: (the rest of a file read whole) are not looked at, where one call over all of them cost
+#: time in proportion to the file. A run shorter than the window costs a strided slice of
+#: the window's command bytes, not more.
+RUN_WINDOW = 4096
 
 
 def _equal_puts(buf: Buffer, pos: int, end: int, stride: int,
@@ -628,8 +631,10 @@ class RecordDecoder:
         return True
 
     def next_batch(
-        self, puts: list[int] | None = None, flags: dict[int, int] | None = None,
+        self, puts: list[int] | list[int | range] | None = None,
+        flags: dict[int, int] | None = None,
         delays: dict[int, int] | None = None, headers: dict[int, bytes] | None = None,
+        *, ranges: bool = False,
     ) -> Batch | EndOfData | TornTail | Sentinel:
         """Fast path for sealed files: skip to the end of the next checked batch.
 
@@ -646,6 +651,10 @@ class RecordDecoder:
         With `delays`, likewise the due time of each PUT led by a DELAY record; with
         `headers`, the headers block of each PUT led by a HEADERS record (not checked
         here: `journal.headers` raises on a malformed one when it is read).
+        With `ranges`, each run of equal PUTs walked column by column goes into `puts` as
+        one `range` of their offsets (ascending, not empty) instead of offset by offset: a
+        bulk reader takes a run's fields with strided reads (`puts` is then a
+        `list[int | range]`, its offsets in file order when expanded).
         """
         if self._error is not None:
             raise self._error
@@ -653,7 +662,7 @@ class RecordDecoder:
             return self._done
         mark = len(puts) if puts is not None else 0
         try:
-            ev = self._batch(puts, flags, delays, headers)
+            ev = self._batch(puts, flags, delays, headers, ranges)
         except CorruptRecordError as exc:
             self._error = exc
             if puts is not None:
@@ -664,8 +673,9 @@ class RecordDecoder:
         return ev
 
     def _batch(
-        self, puts: list[int] | None, flags: dict[int, int] | None,
+        self, puts: list[int] | list[int | range] | None, flags: dict[int, int] | None,
         delays: dict[int, int] | None = None, headers: dict[int, bytes] | None = None,
+        ranges: bool = False,
     ) -> Batch | EndOfData | TornTail | Sentinel:
         if self._magic_pending and not self._take_magic():
             return NEED_DATA
@@ -675,8 +685,10 @@ class RecordDecoder:
         n = len(buf)
         start = pos = self._pos
         base = self._base
-        offsets: list[int] = [] if puts is None else puts  # the batch's PUTs, file offsets
+        # The batch's PUTs, file offsets (with `ranges`, a run of them may be one range).
+        offsets: list[int | range] = [] if puts is None else puts  # type: ignore[assignment]
         mark = len(offsets)
+        in_ranges = 0  # offsets in ranges, less one per range (count = len + in_ranges)
         note = offsets.append
         data_bytes = 0
         last = -1  # the data size of the PUT before
@@ -710,9 +722,22 @@ class RecordDecoder:
                         # Equal items (a writer's batch of one size): the rest of the run
                         # column by column.
                         stride = hdr + size
-                        k = _equal_puts(buf, pos, n, stride,
-                                        bytes(buf[pos - stride:pos - stride + 5]))
-                        offsets.extend(range(base + pos, base + pos + k * stride, stride))
+                        lead_bytes = bytes(buf[pos - stride:pos - stride + 5])
+                        window, k = RUN_WINDOW, 0
+                        while True:  # windows of doubling size, up to the run's end
+                            got = _equal_puts(buf, pos + k * stride,
+                                              min(n, pos + (k + window) * stride), stride,
+                                              lead_bytes)
+                            k += got
+                            if got < window:
+                                break
+                            window *= 2
+                        run = range(base + pos, base + pos + k * stride, stride)
+                        if not ranges:
+                            offsets.extend(run)
+                        elif k:
+                            note(run)
+                            in_ranges += k - 1
                         data_bytes += k * size
                         pos += k * stride
                     last = size
@@ -774,11 +799,14 @@ class RecordDecoder:
                 self.batch_start = self.last_check_end = base + end
                 self._crc = crc_seed(self.batch_start)
                 self.sealed = True
-                count = len(offsets) - mark
+                count = len(offsets) - mark + in_ranges
                 if not count:
                     return Batch(base + start, base + end, 0, 0, 0, 0, 0, marks, check_size)
-                first = I64_STRUCT.unpack_from(buf, offsets[mark] - base + PUT_ID_AT)[0]
-                last = I64_STRUCT.unpack_from(buf, offsets[-1] - base + PUT_ID_AT)[0]
+                head, tail = offsets[mark], offsets[-1]
+                at = head if isinstance(head, int) else head[0]
+                to = tail if isinstance(tail, int) else tail[-1]
+                first = I64_STRUCT.unpack_from(buf, at - base + PUT_ID_AT)[0]
+                last = I64_STRUCT.unpack_from(buf, to - base + PUT_ID_AT)[0]
                 return Batch(base + start, base + end, count, first, last, data_bytes, delayed,
                              marks, check_size)
             hdr, problem = _need(cmd)

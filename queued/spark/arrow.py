@@ -1,12 +1,15 @@
 """Journal records to Arrow record batches, all of a chunk's records at once.
 
 Owns the Arrow schema of the source's rows and the vectorised decoding of a
-`journal_scan.PutChunk`: numpy gathers every record's header from the chunk's bytes in
-one indexing step, and copies the item data out of the same bytes as strided blocks where
-items of one size follow one another (a writer's batch), else Arrow does (`take` over an
-array whose elements alternate between data and the bytes in between); the optional flags
-column places the flags the scan found by offset, the optional headers column the headers
-blocks likewise. No per-record Python (but for items with headers).
+`journal_scan.PutChunk`. Where the chunk is mostly runs of same-sized records (a writer's
+batches; the scan hands each run over as one `range`), each run's header fields and item
+data are copied out of the chunk's bytes with one strided copy per column (`_by_runs`).
+Otherwise numpy gathers every record's header from the chunk's bytes in one indexing
+step, and copies the item data as strided blocks where items of one size follow one
+another, else Arrow does (`take` over an array whose elements alternate between data and
+the bytes in between). The optional flags column places the flags the scan found by
+offset, the optional headers column the headers blocks likewise. No per-record Python
+(but for items with headers, and the few records of a chunk that are not in a run).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ def arrow_schema(flags: bool = False, headers: bool = False) -> pa.Schema:
 _HEADER = np.dtype([("cmd", "u1"), ("size", "<i4"), ("errors", "<i4"), ("id", "<i8"),
                     ("added", "<i8"), ("expire", "<i8")])
 assert _HEADER.itemsize == jf.PUT_EXPIRE_HEADER_SIZE == jf.PUT_EXPIRE_STRUCT.size
+#: Where the header fields `_by_runs` reads sit in a record.
+_ERRORS_AT, _ID_AT, _ADDED_AT, _EXPIRE_AT = 5, jf.PUT_ID_AT, 17, 25
+assert [_HEADER.fields[f][1] for f in ("errors", "id", "added", "expire")] == [  # type: ignore[index]
+    _ERRORS_AT, _ID_AT, _ADDED_AT, _EXPIRE_AT]
 _EMPTY = pa.RecordBatch.from_pylist([], schema=ARROW_SCHEMA)
 _EMPTY_FLAGS = pa.RecordBatch.from_pylist([], schema=ARROW_SCHEMA_FLAGS)
 _MS = pa.timestamp("ms", tz="UTC")
@@ -58,6 +65,10 @@ def chunk_to_arrow(queue: str, chunk: PutChunk, live_at_ms: int = 0,
     empty = _EMPTY_FLAGS if flags else _EMPTY
     if n == 0:
         return empty
+    if len(chunk.spans) * RUN_ROWS <= n:
+        runs = _by_runs(queue, chunk, live_at_ms, flags)
+        if runs is not None:
+            return runs
     # Element i of `headers` is the header-sized bytes from chunk.buf[i] on: indexing it
     # with the record offsets gathers every header, whole.
     headers = np.ndarray(shape=(len(chunk.buf) - _HEADER.itemsize + 1,), dtype=_HEADER,
@@ -102,6 +113,105 @@ def chunk_to_arrow(queue: str, chunk: PutChunk, live_at_ms: int = 0,
         return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA)
     columns.append(pa.repeat(_ZERO, n) if flag_values is None else pa.array(flag_values))
     return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA_FLAGS)
+
+
+def _by_runs(queue: str, chunk: PutChunk, live_at_ms: int,
+             flags: bool) -> pa.RecordBatch | None:
+    """chunk_to_arrow's rows, each run of the chunk (a `range` of records of one command
+    and size, one stride apart) copied column by column with strided reads, the few
+    records between runs gathered; None when those are too many (over one in RUN_ROWS) or
+    the data too big for a binary array: then the general path does it."""
+    n, buf, base = len(chunk), chunk.buf, chunk.base
+    ids, added = np.empty(n, np.int64), np.empty(n, np.int64)
+    errors, sizes = np.empty(n, np.int32), np.empty(n, np.int32)
+    expire = np.zeros(n, np.int64)
+    has_expire = np.zeros(n, bool)
+    runs: list[tuple[int, int, int, int, int]] = []  # (row, count, data at, stride, size)
+    loose_rows: list[int] = []
+    loose_at: list[int] = []
+    i = 0
+    for span in chunk.spans:
+        if isinstance(span, int):
+            loose_rows.append(i)
+            loose_at.append(span - base)
+            i += 1
+            continue
+        k, at, stride = len(span), span.start - base, span.step
+        long = buf[at] == jf.PUT_EXPIRE_BYTE
+        hdr = jf.PUT_EXPIRE_HEADER_SIZE if long else jf.PUT_HEADER_SIZE
+        for column, kind, field_at in ((ids, "<i8", _ID_AT), (added, "<i8", _ADDED_AT),
+                                       (errors, "<i4", _ERRORS_AT)):
+            column[i:i + k] = np.ndarray((k,), kind, buf, at + field_at, (stride,))
+        if long:
+            expire[i:i + k] = np.ndarray((k,), "<i8", buf, at + _EXPIRE_AT, (stride,))
+            has_expire[i:i + k] = True
+        sizes[i:i + k] = stride - hdr
+        runs.append((i, k, at + hdr, stride, stride - hdr))
+        i += k
+    if len(loose_rows) * RUN_ROWS > n:
+        return None
+    starts = np.empty(len(loose_rows), np.int64)
+    if loose_rows:
+        rows, where = np.array(loose_rows), np.array(loose_at, np.int64)
+        recs = np.ndarray(shape=(len(buf) - _HEADER.itemsize + 1,), dtype=_HEADER,
+                          buffer=buf, strides=(1,))[where]
+        long_ones = recs["cmd"] == jf.PUT_EXPIRE_BYTE
+        ids[rows], added[rows], errors[rows] = recs["id"], recs["added"], recs["errors"]
+        sizes[rows] = recs["size"]
+        has_expire[rows] = long_ones
+        expire[rows] = np.where(long_ones, recs["expire"], 0)
+        starts = where + np.where(long_ones, jf.PUT_EXPIRE_HEADER_SIZE, jf.PUT_HEADER_SIZE)
+    total = int(sizes.sum(dtype=np.int64))
+    if total >= 2**31:
+        return None
+    offsets_buffer, values_buffer = pa.allocate_buffer(4 * (n + 1)), pa.allocate_buffer(total)
+    offsets = np.frombuffer(offsets_buffer, dtype=np.int32)
+    offsets[0] = 0
+    np.cumsum(sizes, out=offsets[1:])
+    values = np.frombuffer(values_buffer, dtype=np.uint8)
+    source = np.frombuffer(buf, dtype=np.uint8)
+    for row, k, data_at, stride, size in runs:
+        if size:
+            to = int(offsets[row])
+            values[to:to + k * size].reshape(k, size)[...] = np.lib.stride_tricks.as_strided(
+                source[data_at:], shape=(k, size), strides=(stride, 1), writeable=False)
+    for row, data_at in zip(loose_rows, starts.tolist(), strict=True):
+        to, end = int(offsets[row]), int(offsets[row + 1])
+        values[to:end] = source[data_at:data_at + end - to]
+    del source, offsets, values
+    columns = [
+        pa.repeat(pa.scalar(queue, pa.string()), n),
+        pa.array(ids),
+        pa.array(added, _MS).cast(_US),  # the cast refuses to overflow
+        (pa.array(expire, _MS, mask=~has_expire).cast(_US) if has_expire.any()
+         else pa.nulls(n, _US)),
+        pa.array(errors, pa.int32()),
+        pa.Array.from_buffers(pa.binary(), n, [None, offsets_buffer, values_buffer]),
+    ]
+    if flags:
+        flag_values = _flags(chunk, _absolute(chunk, n)) if chunk.flags else None
+        columns.append(pa.repeat(_ZERO, n) if flag_values is None else pa.array(flag_values))
+    batch = pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA_FLAGS if flags
+                                       else ARROW_SCHEMA)
+    if live_at_ms and has_expire.any():
+        expired = has_expire & (expire <= live_at_ms)
+        if expired.any():
+            batch = batch.filter(pa.array(~expired))
+    return batch
+
+
+def _absolute(chunk: PutChunk, n: int) -> np.ndarray:
+    """The file offset of each record of the chunk, one by one."""
+    at = np.empty(n, np.int64)
+    i = 0
+    for span in chunk.spans:
+        if isinstance(span, int):
+            at[i] = span
+            i += 1
+        else:
+            at[i:i + len(span)] = np.arange(span.start, span.stop, span.step)
+            i += len(span)
+    return at
 
 
 def _data_by_runs(buf: bytes | memoryview, starts: np.ndarray,

@@ -79,6 +79,11 @@ class SegmentRead:
     ids: js.IdFilter = js.ALL_IDS
     #: Where the segment is once the server retires it (archive_dir), if anywhere.
     archived_path: str = ""
+    #: A later segment of the queue existed when the query was planned: the server writes
+    #: to this one no more, so it is mapped into memory rather than read (as an archived
+    #: copy always is); the newest segment is read (a live server appends to it, and may
+    #: cut a torn tail off it, which a mapping would not survive).
+    settled: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,9 +98,11 @@ class SegmentPartition(InputPartition):
 
 
 def segment_read(seg: js.SegmentRef, archive: str | None,
-                 ids: js.IdFilter = js.ALL_IDS) -> SegmentRead:
+                 ids: js.IdFilter = js.ALL_IDS, settled: bool = False) -> SegmentRead:
+    """Reading `seg` (`settled`: not the newest segment of its queue)."""
     archived = str(Path(archive) / Path(seg.path).name) if archive else ""
-    return SegmentRead(seg.queue, seg.path, ids, "" if archived == seg.path else archived)
+    return SegmentRead(seg.queue, seg.path, ids, "" if archived == seg.path else archived,
+                       settled)
 
 
 def pack(reads: list[tuple[SegmentRead, int]], max_bytes: int,
@@ -162,11 +169,11 @@ def _read_partition(partition: SegmentPartition) -> Iterator[pa.RecordBatch]:
 
 def _read_segment(seg: SegmentRead, live_at_ms: int,
                   flags: bool = False, headers: bool = False) -> Iterator[pa.RecordBatch]:
-    for path in (seg.path, seg.archived_path):
+    for path, mapped in ((seg.path, seg.settled), (seg.archived_path, True)):
         if not path:
             continue
         try:
-            chunks = js.scan_segment(path, seg.ids)
+            chunks = js.scan_segment(path, seg.ids, mapped=mapped)
             first = next(chunks, None)  # opens the file: a retired one is not found
         except FileNotFoundError:
             continue

@@ -211,8 +211,9 @@ class QueuedBatchReader(DataSourceReader):
                 pending = js.IdFilter.pending(cp)
                 after, skip = max(after, pending.after), pending.skip
             ids = js.IdFilter(after, upto, skip)
-            reads += [(scan.segment_read(seg, self.archive, ids), seg.size)
-                      for seg in _prune(segments, ids)]
+            newest = segments[-1].number
+            reads += [(scan.segment_read(seg, self.archive, ids, seg.number != newest),
+                       seg.size) for seg in _prune(segments, ids)]
         o = self.o
         parts = scan.pack(reads, o.partition_bytes, live_at, o.flags, o.headers)
         if len(parts) < o.min_partitions:

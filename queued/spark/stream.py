@@ -298,9 +298,11 @@ class QueuedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 continue
             self._check_compacted(q, after, stop.id, now)
             ids = js.IdFilter(after, stop.id)
-            for seg, summary in now.segs:
+            for k, (seg, summary) in enumerate(now.segs):
                 if summary.last_id > after and summary.first_id <= stop.id:
-                    reads.append((scan.segment_read(seg, self.o.archive, ids), summary))
+                    settled = k + 1 < len(now.segs)  # (not the newest: see SegmentRead)
+                    reads.append((scan.segment_read(seg, self.o.archive, ids, settled),
+                                  summary))
                     sizes.append(seg.size)
         o = self.o
         parts = scan.pack([(r, n) for (r, _), n in zip(reads, sizes, strict=True)],

@@ -10,12 +10,13 @@ imports no pyspark or pyarrow, so it is tested without Spark.
 from __future__ import annotations
 
 import bisect
+import mmap
 import os
 import struct
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from queued.errors import CorruptRecordError, QueuedError
 from queued.journal import format as jf
@@ -73,25 +74,36 @@ class PutChunk:
     """Some PUT records of one segment, in id order, as the raw bytes they sit in.
 
     `buf` holds the file's bytes from offset `base` on (a read-only view of the file read
-    whole, or a copy); `offsets` are the file
-    offsets of the records (each a PUT or PUT_EXPIRE of a verified batch); `flags`
+    whole, or a copy); `spans` are the file offsets of the records (each a PUT or
+    PUT_EXPIRE of a verified batch), in file order, where a run of same-sized records one
+    stride apart may be one `range` (`offsets` lists them one by one); `flags`
     maps the offset of each record led by a FLAGS record to its flags (the others
     have flags 0; it may hold offsets that are not in `offsets`); `headers` likewise
     maps the offset of each record led by a HEADERS record to its block. Every
     record is followed in `buf` by at least 8 bytes, so a bulk reader may read
     `PUT_EXPIRE_HEADER_SIZE` bytes at any record offset (then look at the command
     byte). `columns()` decodes the records in Python; the Spark source decodes all
-    of them at once with numpy (`queued.spark.arrow`).
+    of them at once with numpy (`queued.spark.arrow`), a range's with strided reads.
     """
 
     buf: bytes | memoryview
     base: int
-    offsets: list[int]
+    spans: list[int] | list[int | range]
     flags: dict[int, int] = field(default_factory=dict)
     headers: dict[int, bytes] = field(default_factory=dict)
+    rows: int = -1  # how many records (-1: counted here)
+
+    def __post_init__(self) -> None:
+        if self.rows < 0:
+            object.__setattr__(self, "rows", _count(self.spans))
 
     def __len__(self) -> int:
-        return len(self.offsets)
+        return self.rows
+
+    @property
+    def offsets(self) -> list[int]:
+        """The records' file offsets, one by one."""
+        return _expand(self.spans)
 
     def columns(self) -> PutColumns:
         out = PutColumns()
@@ -116,6 +128,20 @@ class PutChunk:
             out.error_counts.append(errs)
             out.data.append(bytes(buf[start:start + size]))
         return out
+
+
+def _count(spans: list[int] | list[int | range]) -> int:
+    return sum(1 if isinstance(s, int) else len(s) for s in spans)
+
+
+def _expand(spans: list[int] | list[int | range]) -> list[int]:
+    out: list[int] = []
+    for s in spans:
+        if isinstance(s, int):
+            out.append(s)
+        else:
+            out.extend(s)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +255,7 @@ def reader_checkpoint(directory: str | os.PathLike[str], queue: str,
 
 def scan_segment(path: str | os.PathLike[str], ids: IdFilter = ALL_IDS, *,
                  chunk_size: int = CHUNK_SIZE, rows_per_chunk: int = ROWS_PER_CHUNK,
-                 whole_max: int = WHOLE_FILE_MAX) -> Iterator[PutChunk]:
+                 whole_max: int = WHOLE_FILE_MAX, mapped: bool = False) -> Iterator[PutChunk]:
     """The PUT records of one segment that `ids` selects, in id order, as chunks of
     raw bytes plus record offsets (`PutChunk.columns()` decodes one), reading the
     file whole when it has up to `whole_max` bytes (the chunks are views of those bytes),
@@ -241,8 +267,14 @@ def scan_segment(path: str | os.PathLike[str], ids: IdFilter = ALL_IDS, *,
     way the scan stops quietly at a torn tail or a zero byte (the newest segment of
     a running server ends mid-batch while a write is in flight) and raises
     ScanError on corruption.
+
+    With `mapped`, the file is mapped into memory (whatever its size) rather than read:
+    the kernel copies none of its bytes. Only for a file no writer changes any more (a
+    segment with a later one after it, or an archived one): a mapped file cut shorter
+    while it is read kills the process (SIGBUS), and bytes changed after their batch was
+    verified would go out unverified.
     """
-    scanner = _Scanner(ids, rows_per_chunk, whole_max)
+    scanner = _Scanner(ids, rows_per_chunk, whole_max, mapped)
     with open(path, "rb") as f:
         try:
             yield from scanner.run(f, chunk_size)
@@ -343,13 +375,17 @@ class _Scanner:
     offsets (and flags); the wanted ones wait in `offsets` until their chunk is handed out,
     which happens before the decoder is given more bytes (so it still holds theirs)."""
 
-    def __init__(self, ids: IdFilter, rows: int, whole_max: int = WHOLE_FILE_MAX) -> None:
+    def __init__(self, ids: IdFilter, rows: int, whole_max: int = WHOLE_FILE_MAX,
+                 mapped: bool = False) -> None:
         self.ids = ids
         self.whole_max = whole_max
+        self.mapped = mapped
         self.skip = sorted(ids.skip)
         self.rows = rows
         self.dec = jf.RecordDecoder(jf.FileKind.WRITER)
-        self.offsets: list[int] = []  # wanted PUT records not yet handed out
+        self.offsets: list[int | range] = []  # wanted PUT records not yet handed out
+        self.count = 0  # how many (a range holds many)
+        self.sealed = False  # a file of ours: a check record follows each chunk's records
         self.flags: dict[int, int] = {}  # their flags, where not 0
         self.headers: dict[int, bytes] = {}  # their headers blocks, where any
         self.whole: memoryview | None = None  # the file, when read whole
@@ -365,19 +401,33 @@ class _Scanner:
         return b"".join((whole[start:end], bytes(end + pad - len(whole))))
 
     def _chunk(self, end: int) -> PutChunk:
-        """The wanted records so far (all of them end before file offset `end`)."""
+        """The wanted records so far (all of them end before file offset `end`; in a
+        sealed file, a check record of at least 8 bytes ends the last batch before it, so
+        no padding is needed there)."""
         offsets, self.offsets = self.offsets, []
+        count, self.count = self.count, 0
         flags, self.flags = self.flags, {}
         headers, self.headers = self.headers, {}
-        return PutChunk(self._held(offsets[0], end, len(_PAD)), offsets[0], offsets, flags,
-                        headers)
+        first = offsets[0] if isinstance(offsets[0], int) else offsets[0][0]
+        return PutChunk(self._held(first, end, 0 if self.sealed else len(_PAD)), first,
+                        offsets, flags, headers, count)
 
     def _read_whole(self, f: BinaryIO) -> bytes | None:
-        """Read a file of up to `whole_max` bytes whole into the decoder (its first
-        bytes returned), else None."""
-        if os.fstat(f.fileno()).st_size > self.whole_max:
+        """Read a file of up to `whole_max` bytes (or map one of any size, with `mapped`)
+        whole into the decoder (its first bytes returned), else None."""
+        size = os.fstat(f.fileno()).st_size
+        whole: bytes
+        if self.mapped and size:
+            # An mmap reads like bytes (an index gives an int, a slice bytes); its pages are
+            # mapped at once (MAP_POPULATE) rather than a fault at a time. It stays mapped
+            # while a chunk's view of it is alive.
+            whole = cast(bytes, mmap.mmap(
+                f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ))
+        elif size > self.whole_max:
             return None
-        whole = f.read()  # (one call, no zero-filled buffer first; may be cut meanwhile)
+        else:
+            whole = f.read()  # (one call, no zero-filled buffer first; may be cut meanwhile)
         self.dec.receive_all(whole)
         self.whole = memoryview(whole)
         return whole[:jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE]
@@ -391,6 +441,7 @@ class _Scanner:
             if len(head) < jf.MAGIC_SIZE + jf.CHECK_RECORD_SIZE:
                 self.dec.receive_data(b"")
         if jf.sealed_start(head):
+            self.sealed = True
             yield from self._sealed(read, chunk_size)
         else:
             yield from self._plain(read, chunk_size)
@@ -402,7 +453,7 @@ class _Scanner:
         filtered = not ids.is_all
         while True:
             mark = len(offsets)
-            ev = dec.next_batch(offsets, self.flags, None, self.headers)
+            ev = dec.next_batch(offsets, self.flags, None, self.headers, ranges=True)
             if ev is jf.NEED_DATA:
                 if offsets:
                     yield self._chunk(dec.batch_start)
@@ -415,29 +466,33 @@ class _Scanner:
                 if 0 < ids.upto < ev.first_id:  # ids ascend: none further on is wanted
                     del offsets[mark:]
                     return
-                self._filter(ev, mark)
-            if len(offsets) >= self.rows:
+                self.count += self._filter(ev, mark)
+            elif ev.count:
+                self.count += ev.count
+            if self.count >= self.rows:
                 yield self._chunk(dec.batch_start)
                 offsets = self.offsets
 
-    def _filter(self, batch: jf.Batch, mark: int) -> None:
-        """Keep only the wanted ones of the PUT offsets the decoder added from `mark` on."""
+    def _filter(self, batch: jf.Batch, mark: int) -> int:
+        """Keep only the wanted ones of the PUT offsets the decoder added from `mark` on;
+        how many they are."""
         ids, offsets = self.ids, self.offsets
         if not ids.wants_range(batch.first_id, batch.last_id):
             del offsets[mark:]
-            return
+            return 0
         k = bisect.bisect_left(self.skip, batch.first_id)
         skips = k < len(self.skip) and self.skip[k] <= batch.last_id
         if batch.first_id > ids.after and (ids.upto <= 0 or batch.last_id <= ids.upto) \
                 and not skips:
-            return  # the whole batch is wanted
+            return batch.count  # the whole batch is wanted
         buf, base = self._held(batch.offset, batch.end), batch.offset
         lo, hi, skip = ids.after, ids.upto, ids.skip
         unpack = _ID.unpack_from
-        offsets[mark:] = [
-            off for off in offsets[mark:]
+        offsets[mark:] = kept = [
+            off for off in _expand(offsets[mark:])
             if lo < (xid := unpack(buf, off - base + jf.PUT_ID_AT)[0])
             and (hi <= 0 or xid <= hi) and xid not in skip]
+        return len(kept)
 
     def _plain(self, read: Callable[[int], bytes], chunk_size: int) -> Iterator[PutChunk]:
         """A file without check records (another implementation): every valid record."""
@@ -466,5 +521,6 @@ class _Scanner:
             if rec.headers:
                 self.headers[at] = rec.headers
             self.offsets.append(at)
-            if len(self.offsets) >= self.rows:
+            self.count += 1
+            if self.count >= self.rows:
                 yield self._chunk(ev.end)
