@@ -207,6 +207,19 @@ class MemcacheCodec(c.LineCodec):
         self._gets: dict[str, c.Request] = {}
         #: with users: whether a name is one (a set of a credential pair is a login)
         self.known: Callable[[str], bool] | None = None
+        #: a chunk that was one whole plain get or set (`receive_data`'s fast path): its
+        #: event, ahead of anything the parser buffers after it
+        self._ready: mc.Get | mc.Set | None = None
+
+    def receive_data(self, data: bytes | bytearray) -> None:
+        """As the parser's; a chunk that is exactly one plain get or set (a client with
+        one request in flight sends nothing else) becomes its event at once, unbuffered."""
+        if self._ready is None and type(data) is bytes and data:
+            ev = self.parser.take_whole(data)
+            if ev is not None:
+                self._ready = ev
+                return
+        self.parser.receive_data(data)
 
     def set_logins(self, known: Callable[[str], bool]) -> None:
         self.known = known
@@ -219,7 +232,11 @@ class MemcacheCodec(c.LineCodec):
         return None if auth is None else c.Request(auth, ev, "auth")
 
     def next_request(self) -> c.Request | ConnectionClosed | NeedData | None:
-        ev = self.parser.next_event()
+        ev = self._ready
+        if ev is not None:
+            self._ready = None
+        else:
+            ev = self.parser.next_event()
         if type(ev) is mc.Get:
             return self._get(ev)
         if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
@@ -240,6 +257,18 @@ class MemcacheCodec(c.LineCodec):
         last: c.Request | None = None  # the request the next one may join
         run = c.Get("")  # the Get of `last` once it is a run of gets
         n = 0
+        ready = self._ready
+        if ready is not None:  # (receive_data's fast path: the first event, parsed)
+            self._ready = None
+            n = 1
+            first: c.Request | None
+            if isinstance(ready, mc.Get):
+                first = last = self._get(ready)
+            elif (first := self._login(ready)) is None:  # (never joined: it is not an item)
+                first = last = c.Request(put_of(ready, [ready.data]), ready, "set")
+            if self.parser.idle():
+                return [first]  # (the common case: that chunk was all)
+            append(first)
         while n < limit:
             n += 1
             try:
