@@ -519,9 +519,8 @@ class Reactor:
             self._hand(link, link.rest)  # it waits for what the commit could not make
             return
         if session.out:
-            data = bytes(session.out)
+            self.write(link, session.out)  # (what the socket does not take is copied)
             session.out.clear()
-            self.write(link, data)
         if link.closing:
             return
         if session.done or session.eof or self.closing:

@@ -269,6 +269,8 @@ class MemcacheCodec(c.LineCodec):
             if self.parser.idle():
                 return [first]  # (the common case: that chunk was all)
             append(first)
+        elif self.parser.idle():
+            return out  # (asked again after that chunk: nothing to parse)
         while n < limit:
             n += 1
             try:
