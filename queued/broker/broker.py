@@ -364,9 +364,7 @@ class Broker:
         n = pending.qs.end_put_nowait(pending)
         if pending.ticket is not None:
             self.counters.total_items += n
-            elapsed = time.perf_counter() - pending.started
-            for _ in range(puts):
-                self.put_latency.observe(elapsed)
+            self.put_latency.observe(time.perf_counter() - pending.started, puts)
         return n
 
     async def end_put(self, pending: PendingPut) -> int:

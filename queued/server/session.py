@@ -1047,7 +1047,7 @@ class Session:
                 return False
             if type(p) is JoinedPut and not p.ended:
                 return False
-        if any(not t.event.is_set() for o in self.owed for t in o.tickets):
+        if self.owed and any(not t.event.is_set() for o in self.owed for t in o.tickets):
             return False
         begun, self.begun = self.begun, []
         for group, pending in begun:
