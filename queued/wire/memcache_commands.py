@@ -116,7 +116,7 @@ def _values(ev: mc.Get, reply: c.Items | c.Done, gets: int = 1) -> bytes:
     items = reply.items
     if len(items) == 1:
         it = items[0]
-        return mc.value(ev.key, it.flags, it.data) + END * gets
+        return mc.value(ev.key, it.flags, it.data, END if gets == 1 else END * gets)
     key = ev.key
     return b"".join([mc.value(key, it.flags, it.data) + END for it in items]) + END * (
         gets - len(items))

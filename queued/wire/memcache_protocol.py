@@ -197,11 +197,23 @@ def not_stored() -> bytes:
     return b"NOT_STORED\r\n"
 
 
-def value(key: str, flags: int, data: bytes) -> bytes:
-    """One `VALUE` block without the closing END (append end() after the last one)."""
+#: keys checked for the wire, as bytes (a connection repeats its few keys; bounded)
+_KEY_TOKENS: dict[str, bytes] = {}
+KEY_TOKENS: Final = 1024
+
+
+def value(key: str, flags: int, data: bytes, tail: bytes = b"") -> bytes:
+    """One `VALUE` block without the closing END (append end() after the last one, or
+    give it as `tail`)."""
     if not 0 <= flags <= MAX_FLAGS:
         raise LocalProtocolError(f"flags {flags} out of range")
-    return b"VALUE %s %d %d\r\n%s\r\n" % (_token(key, "key"), flags, len(data), data)
+    token = _KEY_TOKENS.get(key)
+    if token is None:
+        token = _token(key, "key")
+        if len(_KEY_TOKENS) >= KEY_TOKENS:
+            _KEY_TOKENS.clear()
+        _KEY_TOKENS[key] = token
+    return b"VALUE %s %d %d\r\n%s\r\n%s" % (token, flags, len(data), data, tail)
 
 
 def end() -> bytes:
