@@ -210,10 +210,14 @@ class MemcacheCodec(c.LineCodec):
         #: a chunk that was one whole plain get or set (`receive_data`'s fast path): its
         #: event, ahead of anything the parser buffers after it
         self._ready: mc.Get | mc.Set | None = None
+        #: nothing received since next_requests found the parser idle (asked again, it
+        #: answers at once)
+        self._drained = False
 
     def receive_data(self, data: bytes | bytearray) -> None:
         """As the parser's; a chunk that is exactly one plain get or set (a client with
         one request in flight sends nothing else) becomes its event at once, unbuffered."""
+        self._drained = False
         if self._ready is None and type(data) is bytes and data:
             ev = self.parser.take_whole(data)
             if ev is not None:
@@ -267,9 +271,10 @@ class MemcacheCodec(c.LineCodec):
             elif (first := self._login(ready)) is None:  # (never joined: it is not an item)
                 first = last = c.Request(put_of(ready, [ready.data]), ready, "set")
             if self.parser.idle():
+                self._drained = True
                 return [first]  # (the common case: that chunk was all)
             append(first)
-        elif self.parser.idle():
+        elif self._drained:
             return out  # (asked again after that chunk: nothing to parse)
         while n < limit:
             n += 1
