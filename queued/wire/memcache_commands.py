@@ -228,6 +228,9 @@ class MemcacheCodec(c.LineCodec):
     def set_logins(self, known: Callable[[str], bool]) -> None:
         self.known = known
 
+    def pending(self) -> bool:
+        return not self._drained and bool(self.parser.in_request())
+
     def _login(self, ev: mc.Set) -> c.Request | None:
         """A set that is a login (see `login_of`), as an Auth request answered as a set."""
         if self.known is None:
