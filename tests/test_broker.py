@@ -36,7 +36,7 @@ from queued.config import ServerConfig, load_config
 from queued.errors import ItemTooLargeError, QueueFullError, ReadStateError
 from queued.journal import format as jf
 from queued.reader.open_reads import OpenReads
-from queued.reader.state import NO_ENTRIES, NO_IDS
+from queued.reader.shared import NO_ENTRIES, NO_IDS
 from queued.storage.datadir import open_data_dir
 
 T0 = 1_700_000_000_000

@@ -444,7 +444,7 @@ class _deadline:
 
 
 def test_a_parked_summary_is_small() -> None:
-    from queued.reader.state import ReaderCounters
+    from queued.reader.shared import ReaderCounters
     p = parking.ParkedQueue(1_764_000_000_000, 12, 180, (1_764_000_000_123,), 3, 0, (
         parking.ParkedReader("", 1_764_000_000_000, 1, 60, 1_764_000_000_050,
                              ReaderCounters(2, 1, 0, 0, 0, 0, 0, 5)),))

@@ -20,9 +20,11 @@ from hypothesis.stateful import (
 )
 
 from queued.journal.format import Put
+from queued.reader.delays import key_id
 from queued.reader.open_reads import OpenReads, TimeoutHeap
 from queued.reader.packed_items import BLOCK_ITEMS
-from queued.reader.state import NO_ITEMS, PACK_AT, Reader, key_id
+from queued.reader.shared import NO_ITEMS
+from queued.reader.state import PACK_AT, Reader
 
 T0 = 1_700_000_000_000
 

@@ -17,7 +17,7 @@ import trio
 from server_util import WAIT, Conn, make_config, running
 
 from queued.server.reactor import BUFFER_CAP, PASS_REQUESTS
-from queued.server.session import RECEIVE_SIZE
+from queued.server.task_path import RECEIVE_SIZE
 
 
 def reactor_config(tmp_path: Path, **settings: object):  # type: ignore[no-untyped-def]

@@ -27,7 +27,7 @@ from queued.broker.upkeep import open_broker
 from queued.config import FsyncPolicy, ServerConfig, load_config
 from queued.config.loading import reload_queue_configs
 from queued.reader.open_reads import OpenReads
-from queued.reader.state import NO_ENTRIES, NO_IDS, NO_ITEMS
+from queued.reader.shared import NO_ENTRIES, NO_IDS, NO_ITEMS
 from queued.storage.files import NO_CHECKPOINT, Checkpoint
 
 HOUR = 3_600_000

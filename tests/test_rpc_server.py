@@ -21,7 +21,7 @@ from server_util import WAIT, make_config, running
 from queued import __version__
 from queued.config import ServerConfig
 from queued.reader.open_reads import TIMEOUT_HEAP_MIN
-from queued.server.session import MAX_WAITING
+from queued.server.task_path import MAX_WAITING
 from queued.wire.rpc_protocol import ErrorCode
 
 E = ErrorCode

@@ -21,7 +21,8 @@ from server_util import WAIT, Conn, make_config, running
 from queued import __version__
 from queued.broker.upkeep import open_broker
 from queued.server.listeners import Server
-from queued.server.session import ServerCounters, Session
+from queued.server.session import Session
+from queued.server.task_path import ServerCounters
 from queued.server.transport import YIELD_EVERY, SocketTransport
 from queued.stats import ProtocolStats
 from queued.wire import commands as c

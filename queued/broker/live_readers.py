@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from queued.reader.state import NO_ITEMS, Item, Reader, ReaderCounters
+from queued.reader.shared import NO_ITEMS, ReaderCounters
+from queued.reader.state import Item, Reader
 
 if TYPE_CHECKING:
     from queued.config import QueueConfig

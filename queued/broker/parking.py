@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from queued.broker.live_readers import stats_fields
-from queued.reader.state import ReaderCounters
+from queued.reader.shared import ReaderCounters
 from queued.storage.journal import JournalStats
 
 if TYPE_CHECKING:

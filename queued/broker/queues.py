@@ -32,7 +32,8 @@ from queued.errors import (
 from queued.journal import format as jf
 from queued.reader.dedup import DedupCounters, DedupEntry, DedupTable
 from queued.reader.producers import ProducerCounters, ProducerEntry, ProducerTable, Verdict
-from queued.reader.state import NO_ENTRIES, NO_ITEMS, Item, pack_max_for
+from queued.reader.shared import NO_ENTRIES, NO_ITEMS
+from queued.reader.state import Item, pack_max_for
 from queued.storage.journal import QueueJournal, Ticket, headers_overhead, put_overhead
 from queued.storage.recovery import SegmentInfo
 

@@ -19,13 +19,9 @@ first, so that taking one is a list's `pop()`). Consumers that keep the backlog 
 are shared by a queue's readers: a fanout queue's readers pack only the sizes that
 saves memory on (`pack_max_for`, set by the queue as it hands them items).
 
-Delays. A delayed item (a `DelayedPut`, or an item an abort gave a delay) waits in
-`delayed`, a heap of int keys (due ms, id, data size) -- about 56 bytes per item --
-with its data in `parked` while memory is under half full (`max_memory_size`, shared
-with `mem`); the rest of the data stays on disk. Once due (`promote`), it joins `due`, delivered
-after `front` and before `mem`, in due-time order (ties in id order); a due item whose
-data is on disk waits there as its key until the broker reads it back (`fetch_ids`,
-`fetched`). Read-behind (`load`) skips delayed items: the heap owns them.
+Delays. Delayed items (`delayed`, `parked`, `due`, `delays`) and their methods are the
+`DelayedItems` mixin's (reader/delays.py): due items are delivered after `front` and
+before the held items; read-behind (`load`) skips delayed items, which the heap owns.
 
 Checkpoint. Every id <= head is consumed; ids in `done` above head are consumed
 too. head is one below the lowest outstanding id (available, open, or being moved
@@ -38,44 +34,22 @@ those in the reader's file); items read back from the journal get theirs from it
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from operator import attrgetter
-from typing import Any, Final, Protocol
+from typing import Final
 
 from queued.journal.format import DelayedPut, HeadedPut, Put
+from queued.reader.delays import DUE_SHIFT, DelayedItems
 from queued.reader.packed_items import BLOCK_ITEMS, SMALL_MAX, PackedItems
+from queued.reader.shared import NO_ENTRIES, NO_IDS, NO_ITEMS, ReaderCounters, ReaderLimits
 
 Item = Put
 #: items the bulk add takes (a DelayedPut is a Put subclass: not in it)
 _PUT_ONLY: Final = frozenset({Put, HeadedPut})
 _DATA = attrgetter("data")
 _HEADERS = attrgetter("headers")
-
-#: Delay heap keys: due ms << DUE_SHIFT | id << SIZE_BITS | data size.
-SIZE_BITS = 32
-DUE_SHIFT = 96
-_ID_MASK = (1 << 64) - 1
-_SIZE_MASK = (1 << SIZE_BITS) - 1
-
-
-def delay_key(due_ms: int, item_id: int, size: int) -> int:
-    return (due_ms << DUE_SHIFT) | (item_id << SIZE_BITS) | size
-
-
-def key_id(key: int) -> int:
-    return (key >> SIZE_BITS) & _ID_MASK
-
-
-def key_size(key: int) -> int:
-    return key & _SIZE_MASK
-
-
-def key_due(key: int) -> int:
-    return key >> DUE_SHIFT
 
 #: Most ids a flush lists in `done` while a lower id is still open (see Reader.flush).
 FLUSH_DONE_CAP = 100_000
@@ -99,32 +73,6 @@ def pack_max_for(readers: int) -> int:
     return max(-1, (145 - 22 * readers) // (readers - 1))
 
 
-#: What a reader's front, unpacked, packed, mem and due hold until their first item: an
-#: empty deque costs ~760 B (its first block is made with it), a server may hold 10,000
-#: mostly empty queues, and the empty tuple reads as an empty deque (len, truth,
-#: iteration). It is immutable, so a write that forgot to make a container first fails at
-#: once instead of sharing state.
-NO_ITEMS: Final[Any] = ()
-
-
-class _NoEntries(dict[Any, Any]):
-    """An empty dict that refuses entries (reads, `pop(k, default)` and `clear` work)."""
-
-    __slots__ = ()
-
-    def _refuse(self, *args: object, **kwargs: object) -> None:
-        raise TypeError("NO_ENTRIES is shared: make the reader its own dict first")
-
-    __setitem__ = setdefault = update = __ior__ = _refuse  # type: ignore[assignment]
-
-
-#: What a reader's open, moving, errors, delays and parked hold until their first entry,
-#: and `done` and `delayed` until their first id (an empty dict is ~64 B, an empty set
-#: ~216 B, on each of 10,000 idle queues). Shared and immutable, as NO_ITEMS is.
-NO_ENTRIES: Final[Any] = _NoEntries()
-NO_IDS: Final[Any] = frozenset()
-
-
 def _count_within(items: Iterator[Item], limit: int, max_bytes: int) -> int:
     """How many of `items` (at most `limit`) a get takes: with `max_bytes`, it stops
     once that much data is reached (one item at least)."""
@@ -139,34 +87,7 @@ def _count_within(items: Iterator[Item], limit: int, max_bytes: int) -> int:
     return k
 
 
-class ReaderLimits(Protocol):
-    """The part of QueueConfig a reader needs."""
-
-    @property
-    def max_items(self) -> int: ...
-    @property
-    def max_size(self) -> int: ...
-    @property
-    def max_memory_size(self) -> int: ...
-    @property
-    def discard_old_when_full(self) -> bool: ...
-
-
-@dataclass(slots=True)
-class ReaderCounters:
-    total_items: int = 0  # items added to this reader since start
-    taken: int = 0  # items handed to clients (gets and open reads; an aborted item, taken
-    # again, counts again)
-    expired: int = 0
-    discarded: int = 0
-    transactions: int = 0  # reliable reads opened
-    canceled_transactions: int = 0  # aborted, timed out or returned on disconnect
-    flushes: int = 0
-    rejected: int = 0  # open reads given up on (reject): to error_queue, or dropped
-    age_ms: int = 0  # how long the last item taken had waited
-
-
-class Reader:
+class Reader(DelayedItems):
     """See the module docstring."""
 
     #: PACK_AT and PACK_BLOCK (class attributes, so a test can pack in small blocks)
@@ -215,23 +136,13 @@ class Reader:
         #: id -> error count, for outstanding items whose count an abort raised
         self.errors: dict[int, int] = {i: n for i, n in errors
                                        if i > head and i not in self.done} or NO_ENTRIES
-        #: id -> due ms, for outstanding items an abort gave a delay (journaled in the
-        #: reader's file: the PUT record does not know it)
-        self.delays: dict[int, int] = {i: d for i, d in delays
-                                       if i > head and i not in self.done} or NO_ENTRIES
-        self.delayed: list[int] = NO_ITEMS  # heap of delay_key(due, id, size), not due yet
-        self.parked: dict[int, Item] = NO_ENTRIES  # data of delayed items held in memory
-        self.due: deque[Item | int] = NO_ITEMS  # due: items, or keys whose data is on disk
-        #: lowest id delayed or due, or lower (exact while `low_exact`); None: none since
-        #: the last checkpoint (then consume may move the head itself)
-        self.delay_low: int | None = None
-        self.low_exact = True
+        self.start_delays(delays)
         self.dirty = False  # consumed something since the last checkpoint
         self.flush_overflow = 0  # flushed ids a crash could bring back (see flush)
         self.create_time_ms = create_time_ms
         self.counters = ReaderCounters()
 
-    def _held_size(self, it: Item) -> int:
+    def held_size(self, it: Item) -> int:
         """The bytes `it` adds to `mem_bytes`: its data and headers (max_memory_size
         counts both: an item may carry 16 KiB of headers with no data)."""
         h = len(it.headers)
@@ -286,7 +197,7 @@ class Reader:
                 it = dataclasses.replace(it, error_count=self.errors[it.id])
             held = self._mem()
             held.append(it)
-            self.mem_bytes += self._held_size(it)
+            self.mem_bytes += self.held_size(it)
             if len(held) >= self.pack_at:
                 self._pack()
         self.behind = behind
@@ -312,7 +223,7 @@ class Reader:
         while (first := self._next_held()) is not None and first.id <= last_id:
             self._drop(self.unpacked.pop() if self.unpacked else self.mem.popleft())
         if self.delayed or self.due:
-            self._drop_delayed(lambda i: i <= last_id)
+            self.drop_delayed(lambda i: i <= last_id)
         if self.behind is not None and self.behind <= last_id:
             self.items -= on_disk
             self.bytes -= on_disk_bytes
@@ -330,43 +241,6 @@ class Reader:
         self.items -= 1
         self.bytes -= n
         self.counters.discarded += 1
-
-    def _drop_delayed(self, drop: Callable[[int], bool]) -> list[int]:
-        """Delayed and due items whose id `drop` picks leave (counted discarded); their ids."""
-        gone: list[int] = []
-        keep: list[int] = []
-        for key in self.delayed:
-            if drop(key_id(key)):
-                gone.append(key_id(key))
-                self._forget(key_id(key), key_size(key), self.parked.pop(key_id(key), None))
-            else:
-                keep.append(key)
-        if len(keep) != len(self.delayed):
-            heapq.heapify(keep)
-            self.delayed = keep
-        kept: deque[Item | int] = deque()
-        for entry in self.due:
-            if isinstance(entry, int):
-                i, size, held = key_id(entry), key_size(entry), None
-            else:
-                i, size, held = entry.id, len(entry.data), entry
-            if drop(i):
-                gone.append(i)
-                self._forget(i, size, held)
-            else:
-                kept.append(entry)
-        self.due = kept or NO_ITEMS
-        return gone
-
-    def _forget(self, item_id: int, size: int, held: Item | None) -> None:
-        if item_id == self.delay_low:
-            self.low_exact = False
-        self.items -= 1
-        self.bytes -= size
-        self.counters.discarded += 1
-        if held is not None:
-            self.mem_bytes -= size + len(held.headers)
-        self.delays.pop(item_id, None)
 
     def add(self, items: Iterable[Item]) -> None:
         """Durable items, in id order; ids at or below `tail` are ignored."""
@@ -409,114 +283,11 @@ class Reader:
                 if mem is NO_ITEMS:
                     mem = self._mem()
                 mem.append(it)
-                self.mem_bytes += self._held_size(it)
+                self.mem_bytes += self.held_size(it)
                 if len(mem) >= self.pack_at:
                     self._pack()
             elif self.behind is None:
                 self.behind = it.id
-
-    # -- delays ------------------------------------------------------------------------
-
-    def delay(self, it: Item, due_ms: int, *, keep: bool = True) -> None:
-        """`it` (counted in items/bytes already) waits until `due_ms`; its data stays in
-        memory if `keep` and memory is under half full with it, else on disk (read back
-        once due): the other half stays for read-behind of the items that flow."""
-        n = len(it.data)
-        if self.delayed is NO_ITEMS:
-            self.delayed = []
-        heapq.heappush(self.delayed, delay_key(due_ms, it.id, n))
-        if keep and (self.mem_bytes + n + len(it.headers) <= self.limits.max_memory_size // 2
-                     or not self.mem_bytes):
-            if self.parked is NO_ENTRIES:
-                self.parked = {}
-            self.parked[it.id] = it
-            self.mem_bytes += self._held_size(it)
-        low = self.delay_low
-        if low is None or it.id < low:
-            self.delay_low = it.id
-            if low is None:
-                self.low_exact = True
-
-    def restore_delayed(self, entries: Iterable[tuple[int, int, int]]) -> None:
-        """After recovery: (due ms, id, size) of delayed items on disk (already counted
-        by `restore`)."""
-        if self.delayed is NO_ITEMS:
-            self.delayed = []
-        for due_ms, item_id, size in entries:
-            self.delayed.append(delay_key(due_ms, item_id, size))
-            if self.delay_low is None or item_id < self.delay_low:
-                if self.delay_low is None:
-                    self.low_exact = True
-                self.delay_low = item_id
-        heapq.heapify(self.delayed)
-
-    def next_due_ms(self) -> int | None:
-        return self.delayed[0] >> DUE_SHIFT if self.delayed else None
-
-    def promote(self, now_ms: int) -> int:
-        """Delayed items due at `now_ms` join `due`, in due order; how many."""
-        heap, parked = self.delayed, self.parked
-        if not heap or heap[0] >> DUE_SHIFT > now_ms:
-            return 0
-        due = self.due
-        if due is NO_ITEMS:
-            due = self.due = deque()
-        n = 0
-        while heap and heap[0] >> DUE_SHIFT <= now_ms:
-            key = heapq.heappop(heap)
-            it = parked.pop(key_id(key), None)
-            due.append(key if it is None else it)
-            n += 1
-        return n
-
-    def fetch_ids(self, limit: int) -> list[int]:
-        """Ids of the due items at the head of `due` whose data is on disk (at most
-        `limit`, and no more bytes than read-behind's memory budget allows, one at
-        least): the broker reads them back and hands them to `fetched`."""
-        out: list[int] = []
-        budget = self.refill_budget()
-        for entry in self.due:
-            if type(entry) is not int or len(out) >= limit:
-                break
-            budget -= key_size(entry)
-            if budget < 0 and out:
-                break
-            out.append(key_id(entry))
-        return out
-
-    def wants_fetch(self) -> bool:
-        return bool(self.due) and type(self.due[0]) is int
-
-    def fetched(self, items: Iterable[Item], asked: Iterable[int]) -> int:
-        """Due items read back from disk for the ids `asked` (from `fetch_ids`); an asked
-        id the journal no longer held leaves (counted discarded). How many left so."""
-        got = {it.id: it for it in items}
-        asked_ids = set(asked)
-        due = self.due
-        lost = 0
-        for k, entry in enumerate(due):
-            if not isinstance(entry, int) or key_id(entry) not in asked_ids:
-                continue
-            it = got.get(key_id(entry))
-            if it is None:
-                lost += 1
-                continue
-            if self.errors and it.id in self.errors:
-                it = dataclasses.replace(it, error_count=self.errors[it.id])
-            due[k] = it
-            self.mem_bytes += self._held_size(it)
-        if lost:
-            gone = asked_ids - got.keys()
-            self._drop_delayed(lambda i: i in gone)
-        return lost
-
-    def skips(self, it: Item) -> bool:
-        """Read-behind leaves this item alone: the delay heap owns it."""
-        return type(it) is DelayedPut or it.id in self.delays
-
-    @property
-    def delayed_count(self) -> int:
-        return len(self.delayed)
 
     def wants_refill(self) -> bool:
         """On-disk items wait and memory is at most half full (or empty)."""
@@ -546,7 +317,7 @@ class Reader:
                 it = dataclasses.replace(it, error_count=errors[it.id])
             held = self._mem()
             held.append(it)
-            self.mem_bytes += self._held_size(it)
+            self.mem_bytes += self.held_size(it)
             if len(held) >= self.pack_at:
                 self._pack()
         self.behind = next_id if next_id <= self.tail else None
@@ -821,24 +592,13 @@ class Reader:
         self.put_back(it)
         return True
 
-    def delay_back(self, it: Item, due_ms: int) -> None:
-        """An item this reader had handed out waits again, until `due_ms` (an abort with
-        a delay); `delays` keeps the due time for the checkpoint."""
-        n = len(it.data)
-        self.items += 1
-        self.bytes += n
-        if self.delays is NO_ENTRIES:
-            self.delays = {}
-        self.delays[it.id] = due_ms
-        self.delay(it, due_ms)
-
     def put_back(self, it: Item) -> None:
         """An item this reader had handed out goes back to the head."""
         if self.front is NO_ITEMS:
             self.front = deque()
         self.front.appendleft(it)
         n = len(it.data)
-        self.mem_bytes += self._held_size(it)
+        self.mem_bytes += self.held_size(it)
         self.items += 1
         self.bytes += n
 
@@ -883,13 +643,8 @@ class Reader:
             ids = [it.id for it in self.front] + [it.id for it in reversed(self.unpacked)]
             ids += self.packed.ids() if self.packed else []
             ids += [it.id for it in self.mem]
-            ids += [key_id(k) for k in self.delayed]
-            ids += [key_id(e) if isinstance(e, int) else e.id for e in self.due]
-        self.delayed = NO_ITEMS
-        self.parked.clear()
-        self.due = NO_ITEMS
-        self.delays.clear()
-        self.delay_low = None
+            ids += self.delayed_ids()
+        self.clear_delays()
         if listing and self.behind is not None:
             ids.extend(range(self.behind, self.tail + 1))
         self.front = NO_ITEMS
@@ -936,37 +691,14 @@ class Reader:
             lows.append(first.id)
         if self.behind is not None:
             lows.append(self.behind)
-        if self.delay_low is not None:
-            low = self.delay_low if self.low_exact else self.delayed_low_id()
-            if low is not None:
-                lows.append(low)
+        if self.delay_low is not None and (low := self.delay_low_id()) is not None:
+            lows.append(low)
         head = min(lows) - 1 if lows else max(self.tail, self.head)
         self.head = head
         if self.done:
             self.done = {i for i in self.done if i > head} or NO_IDS
         self.dirty = False
         return head, sorted(self.done)
-
-    def delayed_low_id(self) -> int | None:
-        """The lowest id delayed or due (exact; O(delayed items)); also resets
-        `delay_low` to it, or to None when nothing is delayed. The checkpoint calls it
-        only once the lowest one has left since it last did."""
-        low = min(((k >> SIZE_BITS) & _ID_MASK for k in self.delayed), default=None)
-        for e in self.due:
-            i = key_id(e) if isinstance(e, int) else e.id
-            if low is None or i < low:
-                low = i
-        self.delay_low = low
-        self.low_exact = True
-        return low
-
-    def delay_entries(self) -> list[tuple[int, int]]:
-        """(id, due ms) of outstanding items an abort delayed, for the checkpoint; drops
-        ids at or below the head (call after `checkpoint`)."""
-        if self.delays:
-            self.delays = {i: d for i, d in self.delays.items()
-                           if i > self.head and i not in self.done}
-        return sorted(self.delays.items())
 
     def error_counts(self) -> list[tuple[int, int]]:
         """(id, count) of outstanding items whose error count an abort raised, for the

@@ -28,7 +28,8 @@ from queued.server.auth import Authenticator
 from queued.server.memory import pin_mmap_threshold, trim_when_drained
 from queued.server.metrics import disk_usage
 from queued.server.reactor import Reactor, ReactorTransport
-from queued.server.session import Guard, ServerCounters, Session
+from queued.server.session import Session
+from queued.server.task_path import Guard, ServerCounters
 from queued.server.tls import ServerTls, accept_transport
 from queued.server.transport import Transport, peer_name
 from queued.stats import ProtocolStats

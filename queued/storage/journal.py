@@ -33,7 +33,7 @@ from queued.errors import (
     JournalWriteError,
 )
 from queued.journal import format as jf
-from queued.reader.state import NO_ENTRIES, NO_ITEMS
+from queued.reader.shared import NO_ENTRIES, NO_ITEMS
 from queued.storage import compaction
 from queued.storage.compaction import CompactionResult, SegmentStore
 from queued.storage.files import (
@@ -61,7 +61,7 @@ MAX_BATCH_BYTES = 64 * MiB
 
 #: What a journal's planned chunks hold until the first (its reader ops and reader files
 #: hold NO_ENTRIES): a server may hold 10,000 idle queues, an empty list or dict each is
-#: ~60 B; shared and immutable, as a reader's empty containers are (queued.reader.state).
+#: ~60 B; shared and immutable, as a reader's empty containers are (queued.reader.shared).
 NO_CHUNKS: Final[Any] = NO_ITEMS
 
 

@@ -33,9 +33,9 @@ from queued.wire.parsing import (
     NeedData,
     ParserStatistics,
     parse_address,
-    parse_dedup_key,
     parse_int,
     parse_name,
+    parse_put_options,
     parse_queue,
 )
 
@@ -590,18 +590,7 @@ class MemcacheParser(LineParser["Command"]):
         try:
             address, *options = core[0].split(b"/")
             queue = parse_queue(address)
-            delay, seen = 0, set[bytes]()
-            key: bytes | None = None
-            for option in options:  # each once, in any order
-                opt, eq, value = option.partition(b"=")
-                if not eq or opt in seen or opt not in (b"delay", b"key"):
-                    raise ArgumentError("unknown or repeated set option (delay=<ms>, "
-                                        "key=<k>)")
-                seen.add(opt)
-                if opt == b"key":
-                    key = parse_dedup_key(value)
-                else:
-                    delay = parse_int(value, "delay", 0, MAX_DELAY_MS)
+            delay, key = parse_put_options(options, "set") if options else (0, None)
             flags = parse_int(core[1], "flags", 0, MAX_FLAGS)
             exptime = parse_int(core[2], "exptime", I64_MIN, I64_MAX)
             self._pending_delay, self._pending_key = delay, key

@@ -8,6 +8,7 @@ by its caller; nothing allocates what a peer merely declares.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
 
@@ -90,6 +91,25 @@ def parse_dedup_key(token: bytes) -> bytes:
     if _KEY_RE.fullmatch(token) is None:
         raise ArgumentError("deduplication key must be printable ASCII without '/'")
     return token
+
+
+def parse_put_options(options: Iterable[bytes], command: str) -> tuple[int, bytes | None]:
+    """A put's options, `delay=<ms>` and `key=<k>`, each at most once, in any order (the
+    memcache `set q/delay=<ms>/key=<k>`, the text `put q delay=<ms> key=<k>:`): (delay ms,
+    deduplication key or None). `command` names the command in the error. Raises
+    ArgumentError at the first option that is unknown, repeated or has a bad value."""
+    delay, seen = 0, set[bytes]()
+    key: bytes | None = None
+    for option in options:
+        opt, eq, value = option.partition(b"=")
+        if not eq or opt in seen or opt not in (b"delay", b"key"):
+            raise ArgumentError(f"unknown or repeated {command} option (delay=<ms>, key=<k>)")
+        seen.add(opt)
+        if opt == b"key":
+            key = parse_dedup_key(value)
+        else:
+            delay = parse_int(value, "delay", 0, MAX_DELAY_MS)
+    return delay, key
 
 
 # -- the receive buffer -------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from queued.errors import (
     UnknownCommand,
 )
 from queued.wire.parsing import (
-    MAX_DELAY_MS,
     MAX_TIMEOUT_MS,
     NEED_DATA,
     ArgumentError,
@@ -29,8 +28,8 @@ from queued.wire.parsing import (
     NeedData,
     ParserStatistics,
     parse_address,
-    parse_dedup_key,
     parse_int,
+    parse_put_options,
     parse_queue,
 )
 
@@ -280,17 +279,10 @@ class TextParser(LineParser["Command"]):
             raise BadCommand(msg, reply=error(msg), close=False)
         args = line[:-1].split()[1:]
         try:
-            delay, seen = 0, set[bytes]()
-            key: bytes | None = None
-            while len(args) > 1 and b"=" in args[-1]:  # options, each once, in any order
-                opt, _, value = args.pop().partition(b"=")
-                if opt in seen or opt not in (b"delay", b"key"):
-                    raise ArgumentError("unknown or repeated put option (delay=<ms>, key=<k>)")
-                seen.add(opt)
-                if opt == b"key":
-                    key = parse_dedup_key(value)
-                else:
-                    delay = parse_int(value, "delay", 0, MAX_DELAY_MS)
+            options = []
+            while len(args) > 1 and b"=" in args[-1]:  # options, last first
+                options.append(args.pop())
+            delay, key = parse_put_options(options, "put")
             _arity(args, 1, 2, "put <queue> [expiry_ms] [delay=<ms>] [key=<k>]:")
             queue = parse_queue(args[0])
             expiry = parse_int(args[1], "expiry", 0, MAX_TIMEOUT_MS) if len(args) > 1 else None

@@ -1,0 +1,63 @@
+"""What the parts of a reader share: the limits it reads, its counters, and the shared
+empty containers an idle reader (or queue, or journal) holds until its first entry.
+
+PURE: no I/O. Values and constants only; the reader's state machine is reader/state.py,
+its delayed items reader/delays.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+#: What a reader's front, unpacked, packed, mem and due hold until their first item: an
+#: empty deque costs ~760 B (its first block is made with it), a server may hold 10,000
+#: mostly empty queues, and the empty tuple reads as an empty deque (len, truth,
+#: iteration). It is immutable, so a write that forgot to make a container first fails at
+#: once instead of sharing state.
+NO_ITEMS: Final[Any] = ()
+
+
+class _NoEntries(dict[Any, Any]):
+    """An empty dict that refuses entries (reads, `pop(k, default)` and `clear` work)."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("NO_ENTRIES is shared: make the reader its own dict first")
+
+    __setitem__ = setdefault = update = __ior__ = _refuse  # type: ignore[assignment]
+
+
+#: What a reader's open, moving, errors, delays and parked hold until their first entry,
+#: and `done` and `delayed` until their first id (an empty dict is ~64 B, an empty set
+#: ~216 B, on each of 10,000 idle queues). Shared and immutable, as NO_ITEMS is.
+NO_ENTRIES: Final[Any] = _NoEntries()
+NO_IDS: Final[Any] = frozenset()
+
+
+class ReaderLimits(Protocol):
+    """The part of QueueConfig a reader needs."""
+
+    @property
+    def max_items(self) -> int: ...
+    @property
+    def max_size(self) -> int: ...
+    @property
+    def max_memory_size(self) -> int: ...
+    @property
+    def discard_old_when_full(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class ReaderCounters:
+    total_items: int = 0  # items added to this reader since start
+    taken: int = 0  # items handed to clients (gets and open reads; an aborted item, taken
+    # again, counts again)
+    expired: int = 0
+    discarded: int = 0
+    transactions: int = 0  # reliable reads opened
+    canceled_transactions: int = 0  # aborted, timed out or returned on disconnect
+    flushes: int = 0
+    rejected: int = 0  # open reads given up on (reject): to error_queue, or dropped
+    age_ms: int = 0  # how long the last item taken had waited
