@@ -648,17 +648,16 @@ class QueueState:
         as its hold and confirm would leave it; None: none in memory (trio.WouldBlock
         when one waits on disk)."""
         r = h.reader
-        if self.paused:
-            return None
-        expired: list[Item] = []
-        it = r.take(self.clock(), expired)
-        if expired:
-            self.dispose_expired(h, expired)
-        if it is None:
-            if (r.behind is not None or r.wants_fetch()) and not h.closed:
+        it = None
+        if not self.paused:  # (paused: nothing taken, as `_take_held` takes nothing)
+            expired: list[Item] = []
+            it = r.take(self.clock(), expired)
+            if expired:
+                self.dispose_expired(h, expired)
+            if it is not None:
+                r.consume(it.id)
+            elif (r.behind is not None or r.wants_fetch()) and not h.closed:
                 raise trio.WouldBlock
-        else:
-            r.consume(it.id)
         if r.wants_refill() or r.wants_fetch():
             self.background.start_refill(self, h)
         return it
