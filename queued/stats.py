@@ -40,10 +40,11 @@ class Histogram:
         self.count = 0
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.count += 1
-        self.sum += value
+    def observe(self, value: float, times: int = 1) -> None:
+        """`value` observed `times` times (the puts of a pass share one latency)."""
+        self._counts[bisect.bisect_left(self.bounds, value)] += times
+        self.count += times
+        self.sum += value * times
 
     def snapshot(self) -> HistogramSnapshot:
         cumulative, running = [], 0

@@ -20,6 +20,7 @@ from queued.wire import memcache_commands as mcc
 from queued.wire import memcache_protocol as mc
 from queued.wire.access import MAX_PASSWORD
 from queued.wire.memcache_commands import login_of
+from queued.wire.parsing import ConnectionClosed
 
 
 def test_login_of_takes_only_the_shape_of_a_configured_users_credentials() -> None:
@@ -174,3 +175,53 @@ def test_memcache_gets_of_one_key_share_their_request_and_the_cache_is_bounded()
     assert len(decode_all(codec, keys)) == mcc.GET_CACHE + 10
     (later,) = decode_all(codec, b"get q/t=5\r\n")  # the cache started again when full
     assert later is not first and later.command == first.command
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_LINES, st.booleans()), max_size=30), st.integers(1, 50),
+       st.booleans())
+def test_memcache_whole_request_chunks_parse_as_the_buffered_path(
+        chunks: list[tuple[bytes, bool]], limit: int, eof: bool) -> None:
+    """A chunk that is exactly one plain request (`receive_data`'s fast path, the
+    one-request-in-flight client's shape) gives what buffered parsing gives, in order,
+    whether it is taken at once or more chunks (and the end of the stream) follow it."""
+    data = b"".join(line for line, _ in chunks) or b"version\r\n"
+    one = mcc.MemcacheCodec(LIMITS)
+    expected = [_shape(r) for r in decode_all(one, data)]
+    if eof and not (expected and isinstance(last := expected[-1], tuple)
+                    and last[0] == "error" and last[2]):
+        expected.append("closed")  # (after a closing error the parser says nothing more)
+    whole = mcc.MemcacheCodec(LIMITS)
+    got: list[object] = []
+    closed = False
+
+    def take() -> None:
+        nonlocal closed
+        while not closed and (batch := whole.next_requests(limit)):
+            for r in batch:
+                if isinstance(r, ConnectionClosed):
+                    got.append("closed")
+                    closed = True
+                    continue
+                got.extend(_expand(r))
+                closed = isinstance(r, ProtocolError) and r.close
+
+    for line, now in chunks or [(data, True)]:
+        whole.receive_data(line)
+        if now:
+            take()
+    if eof:
+        whole.receive_data(b"")
+    take()
+    assert got == expected
+
+
+def test_memcache_a_whole_set_chunk_is_not_buffered() -> None:
+    codec = mcc.MemcacheCodec(LIMITS)
+    codec.receive_data(b"set q 0 0 2\r\nab\r\n")
+    assert codec.buffered_bytes() == 0 and not codec.pending()
+    codec.receive_data(b"get q\r\nset q 0")  # (behind it, buffered)
+    put, get = codec.next_requests(10)
+    assert isinstance(put, c.Request) and put.command == c.Put("q", [b"ab"])
+    assert isinstance(get, c.Request) and get.command == c.Get("q", None, exclusive=True)
+    assert codec.pending()

@@ -206,9 +206,15 @@ class GetPath(BrokerBase):
         h = qs.readers.get(rname)
         if h is None:
             raise trio.WouldBlock  # made durably, in `registry.live_reader`
+        consumed = not open and max_items == 1  # (a plain get of one: consumed as taken)
         if open:
             max_items = min(max_items, self.reads.room(client, self.config.max_open_reads))
-        taken = qs.take_nowait(h, max_items, max_bytes)
+            taken = qs.take_nowait(h, max_items, max_bytes)
+        elif consumed:
+            it = qs.take_one_nowait(h)
+            taken = [] if it is None else [it]
+        else:
+            taken = qs.take_nowait(h, max_items, max_bytes)
         if not taken and not (h.closed or self.closing):
             if wait:
                 raise MustWait
@@ -224,10 +230,11 @@ class GetPath(BrokerBase):
         else:
             counters.cmd_get += 1
             counters.get_misses += not taken
-        done = self._finish_many(qs, h, rname, taken, client if open else None,
-                                 open_timeout_ms)
+        if not consumed:
+            taken = self._finish_many(qs, h, rname, taken, client if open else None,
+                                      open_timeout_ms)
         self.get_latency.observe(time.perf_counter() - started)
-        return done
+        return taken
 
     def line_up(self, queue: str, reader: str | None, wake: Wake,
                 ) -> tuple[QueueState, LiveReader, Waiter]:

@@ -64,14 +64,21 @@ class JoinedPuts:
         self._joins: dict[tuple[str, int | None, int, int], _Join] = {}
         self._begun: list[tuple[PendingPut | None, list[JoinedPut]]] = []
         self._followers: list[tuple[JoinedPut, JoinedPut]] = []  # (a duplicate, its leader)
+        #: queues found joinable in this pass (nothing else runs during a pass to change it)
+        self._joinable: set[str] = set()
 
     def has(self, queue: str) -> bool:
         """Puts to `queue` are joined, not yet begun."""
         return any(key[0] == queue for key in self._joins)
 
     def can_join(self, queue: str) -> bool:
+        if queue in self._joinable:
+            return True
         qs = self.broker.registry.queues.get(queue)
-        return qs is not None and not (qs.needs_room() or qs.journal.config.max_journal_size)
+        if qs is None or qs.needs_room() or qs.journal.config.max_journal_size:
+            return False
+        self._joinable.add(queue)
+        return True
 
     def add(self, queue: str, items: Sequence[bytes], expire_ms: int | None, flags: int,
             delay_ms: int, headers: Sequence[bytes] | None = None,
@@ -101,6 +108,7 @@ class JoinedPuts:
 
     def begin_all(self) -> None:
         b = self.broker
+        self._joinable.clear()
         for (queue, expire_ms, flags, delay_ms), join in self._joins.items():
             items, parts, headers = join.items, join.parts, join.headers
             keys, start = [], 0  # (start, end, key) of the keyed parts
@@ -260,9 +268,7 @@ class PutPath(BrokerBase):
         n = pending.qs.end_put_nowait(pending)
         if pending.ticket is not None:
             self.counters.total_items += n
-            elapsed = time.perf_counter() - pending.started
-            for _ in range(puts):
-                self.put_latency.observe(elapsed)
+            self.put_latency.observe(time.perf_counter() - pending.started, puts)
         return n
 
     async def end_put(self, pending: PendingPut) -> int:

@@ -643,6 +643,25 @@ class QueueState:
             self.background.start_refill(self, h)
         return out
 
+    def take_one_nowait(self, h: LiveReader) -> Item | None:
+        """`take_nowait` of one item for a plain get (no open read): consumed at once,
+        as its hold and confirm would leave it; None: none in memory (trio.WouldBlock
+        when one waits on disk)."""
+        r = h.reader
+        it = None
+        if not self.paused:  # (paused: nothing taken, as `_take_held` takes nothing)
+            expired: list[Item] = []
+            it = r.take(self.clock(), expired)
+            if expired:
+                self.dispose_expired(h, expired)
+            if it is not None:
+                r.consume(it.id)
+            elif (r.behind is not None or r.wants_fetch()) and not h.closed:
+                raise trio.WouldBlock
+        if r.wants_refill() or r.wants_fetch():
+            self.background.start_refill(self, h)
+        return it
+
     def _take_held(self, h: LiveReader, out: list[Item], max_items: int,
                    max_bytes: int, even_paused: bool = False) -> bool | None:
         """Take (and hold) into `out` what memory has, up to the limits; None when done,

@@ -414,8 +414,11 @@ class Reactor:
                 if not (self.again or streak):
                     deadline = min(self.timers[0][0] if self.timers else math.inf,
                                    self.poll_timers[0][0] if self.poll_timers else math.inf)
-                    with trio.move_on_at(deadline):
+                    if deadline == math.inf:  # (a cancel scope costs more than a pass's reply)
                         await trio.lowlevel.wait_readable(self.epoll.fileno())
+                    else:
+                        with trio.move_on_at(deadline):
+                            await trio.lowlevel.wait_readable(self.epoll.fileno())
                 elif streak >= YIELD_EVERY:
                     streak = 0
                     await trio.lowlevel.checkpoint()
@@ -516,9 +519,8 @@ class Reactor:
             self._hand(link, link.rest)  # it waits for what the commit could not make
             return
         if session.out:
-            data = bytes(session.out)
+            self.write(link, session.out)  # (what the socket does not take is copied)
             session.out.clear()
-            self.write(link, data)
         if link.closing:
             return
         if session.done or session.eof or self.closing:

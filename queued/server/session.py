@@ -244,8 +244,9 @@ class Session(TaskPath):
         limit = self.max_item_size
         if items and max(map(len, items)) > limit:
             raise ItemTooLargeError(f"item over the server's max_item_size ({limit} bytes)")
-        return (first.queue, items, first.expire_ms(self.broker.clock()), first.flags,
-                first.delay_ms, headers)
+        expire_ms = None if first.ttl_ms is None and first.expire_at_ms is None else (
+            first.expire_ms(self.broker.clock()))
+        return first.queue, items, expire_ms, first.flags, first.delay_ms, headers
 
 
     # -- the reactor's pass (queued.server.reactor) ----------------------------------------
@@ -343,17 +344,18 @@ class Session(TaskPath):
         joined one that failed and is retried one by one on the task path)."""
         began = 0
         b = self.broker
-        joined_ahead = any(type(p) is JoinedPut for _, p in self.begun)  # (once: not per put)
-        while began < len(run):
-            group = [run[began]]
-            while began + len(group) < len(run) and same_append(
-                    group[0][1], run[began + len(group)][1]):
-                group.append(run[began + len(group)])
+        n_run = len(run)
+        while began < n_run:
+            entry = run[began]
+            first = entry[1]
+            end = began + 1
+            while end < n_run and same_append(first, run[end][1]):
+                end += 1
+            group = run[began:end] if end - began > 1 else [entry]
             result: PendingPut | JoinedPut | Exception
-            first = group[0][1]
             producer, key = first.producer, first.key
             alone = producer is not None  # (its mark is its own: never joined)
-            if alone and joined_ahead:
+            if alone and any(type(p) is JoinedPut for _, p in self.begun):
                 # Not begun before the joined puts sent ahead of it (begun after every
                 # connection ran): it waits for the next pass, so ids keep the order sent.
                 return began
@@ -379,8 +381,7 @@ class Session(TaskPath):
             b.counters.cmd_set += n
             self.stats.count(group[0][0].name, n)
             self.begun.append((group, result))
-            joined_ahead = joined_ahead or type(result) is JoinedPut
-            began += len(group)
+            began = end
         return began
 
     def _get_nowait(self, requests: list[c.Parsed], i: int) -> bool:
@@ -587,7 +588,7 @@ class Session(TaskPath):
                 return False
             if type(p) is JoinedPut and not p.ended:
                 return False
-        if any(not t.event.is_set() for o in self.owed for t in o.tickets):
+        if self.owed and any(not t.event.is_set() for o in self.owed for t in o.tickets):
             return False
         begun, self.begun = self.begun, []
         for group, pending in begun:

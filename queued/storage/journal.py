@@ -318,6 +318,12 @@ class QueueJournal:
             puts = self._append_small(datas, pack_head, ticket, add_time_ms, expire_time_ms,
                                       error_count, flags, due_ms, leads, headers)
             if puts:
+                if producer is None and not dedup:  # (the usual append: nothing follows)
+                    self.last_id = puts[-1].id
+                    self._appends += 1
+                    self._items += len(puts)
+                    self.host.note_pending(self)
+                    return puts, ticket
                 datas = ()  # done in bulk
                 next_id = puts[-1].id
         # A put with a producer stays in one segment and one batch (it rotates or starts a

@@ -116,7 +116,7 @@ def _values(ev: mc.Get, reply: c.Items | c.Done, gets: int = 1) -> bytes:
     items = reply.items
     if len(items) == 1:
         it = items[0]
-        return mc.value(ev.key, it.flags, it.data) + END * gets
+        return mc.value(ev.key, it.flags, it.data, END if gets == 1 else END * gets)
     key = ev.key
     return b"".join([mc.value(key, it.flags, it.data) + END for it in items]) + END * (
         gets - len(items))
@@ -207,9 +207,29 @@ class MemcacheCodec(c.LineCodec):
         self._gets: dict[str, c.Request] = {}
         #: with users: whether a name is one (a set of a credential pair is a login)
         self.known: Callable[[str], bool] | None = None
+        #: a chunk that was one whole plain get or set (`receive_data`'s fast path): its
+        #: event, ahead of anything the parser buffers after it
+        self._ready: mc.Get | mc.Set | None = None
+        #: nothing received since next_requests found the parser idle (asked again, it
+        #: answers at once)
+        self._drained = False
+
+    def receive_data(self, data: bytes | bytearray) -> None:
+        """As the parser's; a chunk that is exactly one plain get or set (a client with
+        one request in flight sends nothing else) becomes its event at once, unbuffered."""
+        self._drained = False
+        if self._ready is None and type(data) is bytes and data:
+            ev = self.parser.take_whole(data)
+            if ev is not None:
+                self._ready = ev
+                return
+        self.parser.receive_data(data)
 
     def set_logins(self, known: Callable[[str], bool]) -> None:
         self.known = known
+
+    def pending(self) -> bool:
+        return not self._drained and bool(self.parser.in_request())
 
     def _login(self, ev: mc.Set) -> c.Request | None:
         """A set that is a login (see `login_of`), as an Auth request answered as a set."""
@@ -219,7 +239,11 @@ class MemcacheCodec(c.LineCodec):
         return None if auth is None else c.Request(auth, ev, "auth")
 
     def next_request(self) -> c.Request | ConnectionClosed | NeedData | None:
-        ev = self.parser.next_event()
+        ev = self._ready
+        if ev is not None:
+            self._ready = None
+        else:
+            ev = self.parser.next_event()
         if type(ev) is mc.Get:
             return self._get(ev)
         if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
@@ -240,6 +264,21 @@ class MemcacheCodec(c.LineCodec):
         last: c.Request | None = None  # the request the next one may join
         run = c.Get("")  # the Get of `last` once it is a run of gets
         n = 0
+        ready = self._ready
+        if ready is not None:  # (receive_data's fast path: the first event, parsed)
+            self._ready = None
+            n = 1
+            first: c.Request | None
+            if isinstance(ready, mc.Get):
+                first = last = self._get(ready)
+            elif (first := self._login(ready)) is None:  # (never joined: it is not an item)
+                first = last = c.Request(put_of(ready, [ready.data]), ready, "set")
+            if self.parser.idle():
+                self._drained = True
+                return [first]  # (the common case: that chunk was all)
+            append(first)
+        elif self._drained:
+            return out  # (asked again after that chunk: nothing to parse)
         while n < limit:
             n += 1
             try:

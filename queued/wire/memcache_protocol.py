@@ -197,11 +197,23 @@ def not_stored() -> bytes:
     return b"NOT_STORED\r\n"
 
 
-def value(key: str, flags: int, data: bytes) -> bytes:
-    """One `VALUE` block without the closing END (append end() after the last one)."""
+#: keys checked for the wire, as bytes (a connection repeats its few keys; bounded)
+_KEY_TOKENS: dict[str, bytes] = {}
+KEY_TOKENS: Final = 1024
+
+
+def value(key: str, flags: int, data: bytes, tail: bytes = b"") -> bytes:
+    """One `VALUE` block without the closing END (append end() after the last one, or
+    give it as `tail`)."""
     if not 0 <= flags <= MAX_FLAGS:
         raise LocalProtocolError(f"flags {flags} out of range")
-    return b"VALUE %s %d %d\r\n%s\r\n" % (_token(key, "key"), flags, len(data), data)
+    token = _KEY_TOKENS.get(key)
+    if token is None:
+        token = _token(key, "key")
+        if len(_KEY_TOKENS) >= KEY_TOKENS:
+            _KEY_TOKENS.clear()
+        _KEY_TOKENS[key] = token
+    return b"VALUE %s %d %d\r\n%s\r\n%s" % (token, flags, len(data), data, tail)
 
 
 def end() -> bytes:
@@ -374,6 +386,11 @@ class MemcacheParser(LineParser["Command"]):
     def in_request(self) -> bool:
         return self._state is not _State.LINE or len(self.buffer) > 0
 
+    def idle(self) -> bool:
+        """Nothing to give: no byte buffered, no state, no end of stream or failure."""
+        return self._state is _State.LINE and not len(self.buffer) and not (
+            self.buffer.eof or self.failure is not None)
+
     def statistics(self) -> ParserStatistics:
         return ParserStatistics(len(self.buffer), self._skip, self.failure is not None)
 
@@ -428,6 +445,37 @@ class MemcacheParser(LineParser["Command"]):
                 if crlf != b"\r\n":
                     raise BadDataChunk("data block not followed by CRLF",
                                        reply=client_error("bad data chunk"), close=True)
+
+    def take_whole(self, data: bytes) -> Get | Set | None:
+        """The reactor's common chunk: nothing buffered and `data` exactly one plain
+        `get <q>` or `set <q> <f> <e> <n>` with its data block. Its event, without
+        buffering `data`; None (nothing consumed): feed `data` to `receive_data` as usual
+        (the general path then gives every other shape, and every error, its treatment)."""
+        if self._state is not _State.LINE or len(self.buffer) or self.buffer.eof or (
+                self.failure is not None):
+            return None
+        i = data.find(b"\n", 0, self.max_line + 2)
+        if i < 0:
+            return None
+        line = data[:i - 1] if i and data[i - 1] == 13 else data[:i]
+        if len(line) > self.max_line:
+            return None
+        hit = self._lines.get(line)
+        if hit is None:
+            hit = self._fast_line(line)
+            if hit is None:
+                return None
+            if len(line) <= LINE_CACHE_MAX_LINE:
+                if len(self._lines) >= LINE_CACHE:
+                    self._lines.clear()
+                self._lines[line] = hit
+        if type(hit) is Get:
+            return hit if i + 1 == len(data) else None
+        queue, flags, exptime, size = hit  # type: ignore[misc]
+        end = i + 1 + size
+        if len(data) != end + 2 or data[end] != 13 or data[end + 1] != 10:
+            return None
+        return Set(queue, flags, exptime, data[i + 1:end])
 
     def _fast(self, line: bytes) -> Get | Set | object | None:
         """The two hot commands in their plain form (`get <q>`, `set <q> <f> <e> <n>`):
