@@ -36,9 +36,14 @@ run: $(RUN_STAMP)
 	mkdir -p data
 	$(VENV)/bin/queued serve --data-dir ./data --host 127.0.0.1
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist): much of its time is waiting
+# (servers, subprocesses, a JVM), so two workers on two cores take about half the time.
+# tests/conftest.py keeps each test file in one worker and the tests of the SparkSession together.
+TEST_WORKERS ?= 2
+
 test: $(TEST_STAMP)
 	$(MKDOCS) build --strict --quiet
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(PY) -m ruff check queued tests bench tools deploy/spark pyspark_queued.py
 	$(PY) -m mypy
 	$(PY) -m mypy --strict tools/unasync.py

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+from collections import Counter
 from pathlib import Path
 
 from queued.config import JournalConfig
@@ -49,3 +51,29 @@ def all_puts(path: Path, **kw: object) -> list[jf.Put]:
     """Every PUT of queue "q" after recovering `path`."""
     dd = DataDir.open(path, **kw)  # type: ignore[arg-type]
     return list(dd.queues["q"].iter_puts(1))
+
+
+def seed_reader(blob: bytes) -> tuple[list[tuple[int, int, bytes]], Counter[int]]:
+    """Read a writer file the way seeds/002 describes it, and nothing more: the PUTs
+    (id, error_count, data), and a count of the other commands, which it skips by their
+    header words and (commands 8-15) data block."""
+    assert blob[:4] == b"\x27\x64\x26\x03"
+    puts: list[tuple[int, int, bytes]] = []
+    skipped: Counter[int] = Counter()
+    pos = 4
+    while pos < len(blob) and blob[pos] != 0:
+        command, words = blob[pos] >> 4, blob[pos] & 0x0F
+        header = blob[pos + 1 : pos + 1 + 4 * words]
+        assert len(header) == 4 * words
+        size = struct.unpack_from("<i", header)[0] if command >= 8 else 0
+        data = blob[pos + 1 + 4 * words : pos + 1 + 4 * words + size]
+        assert len(data) == size
+        if command == 8:
+            assert words in (6, 8)
+            _, errors, xid, _ = struct.unpack_from("<iiqq", header)
+            puts.append((xid, errors, data))
+        else:
+            skipped[command] += 1
+        pos += 1 + 4 * words + size
+    assert pos == len(blob)
+    return puts, skipped

@@ -1,13 +1,16 @@
-"""Helpers for the operations-port tests (test_http, test_metrics): HTTP requests and
-expositions read back as {(sample, labels): value} with prometheus-client's parser."""
+"""Helpers for the operations-port tests (the HTTP port, /metrics, the console): HTTP
+requests, raw bytes sent to the port, Basic credentials, and expositions read back as
+{(sample, labels): value} with prometheus-client's parser."""
 
 from __future__ import annotations
 
+import base64
+import socket
 from pathlib import Path
 
 import trio
 from prometheus_client.parser import text_string_to_metric_families as parse_text
-from server_util import Conn, http_get, make_config
+from server_util import HOST, WAIT, Conn, http_get, make_config
 
 from queued.config import ServerConfig
 from queued.server.listeners import Server
@@ -26,6 +29,26 @@ async def get(port: int, path: str, headers: dict[str, str] | None = None, *,
               method: str = "GET") -> tuple[int, dict[str, str], bytes]:
     return await trio.to_thread.run_sync(
         lambda: http_get(port, path, headers, method=method))
+
+
+def raw_http(port: int, data: bytes, timeout: float = WAIT, *, eof: bool = False) -> bytes:
+    """Blocking: send raw bytes (then EOF if `eof`), read until the server closes."""
+    with socket.create_connection((HOST, port), timeout=timeout) as s:
+        s.sendall(data)
+        if eof:
+            s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+async def raw(port: int, data: bytes, *, eof: bool = False) -> bytes:
+    return await trio.to_thread.run_sync(lambda: raw_http(port, data, eof=eof))
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
 
 
 def samples(text: str) -> Samples:

@@ -14,14 +14,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import trio
 from pymemcache.client.base import Client as MemcacheClient
+from wait_util import WAIT, wait_for
 
 from queued.config import ServerConfig, load_config
 from queued.server.app import serve
@@ -29,12 +30,11 @@ from queued.server.listeners import Server
 from queued.storage.files import PROBE_NAME
 
 HOST = "127.0.0.1"
-#: Every single network wait of a test is bounded by this.
-WAIT = 10.0
 ANY_PORT: Mapping[str, object] = {
     "memcache_port": 0, "text_port": 0, "rpc_port": 0, "http_port": 0,
 }
 QUEUED = Path(sys.executable).with_name("queued")
+T = TypeVar("T")
 
 
 def make_config(data_dir: Path, toml: str | None = None, **settings: object) -> ServerConfig:
@@ -222,14 +222,27 @@ async def wait_for_stat(port: int, name: str, want: Any, timeout: float = WAIT) 
     """Poll `stats` on a fresh connection until stat `name` equals str(want)."""
     conn = await Conn.open(port)
     try:
-        with trio.fail_after(timeout):
-            while True:
-                stats = await conn.stats()
-                if stats.get(name) == str(want):
-                    return stats
-                await trio.sleep(0.01)
+        return await wait_for(conn.stats, lambda stats: stats.get(name) == str(want), timeout)
     finally:
         await conn.aclose()
+
+
+async def in_thread(fn: Callable[[], T]) -> T:
+    return await trio.to_thread.run_sync(fn)
+
+
+def rpc_call(port: int, method: str, params: list[Any]) -> Any:
+    """One call on a fresh socket, written from the msgpack-rpc spec: its [error, result]."""
+    with socket.create_connection((HOST, port), timeout=WAIT) as s:
+        s.sendall(msgpack.packb([0, 1, method, params]))
+        unpacker = msgpack.Unpacker()
+        while True:
+            chunk = s.recv(65536)
+            assert chunk, "connection closed before the reply"
+            unpacker.feed(chunk)
+            for msg in unpacker:
+                assert msg[:2] == [1, 1], msg
+                return msg[2:]
 
 
 def pymc(port: int) -> MemcacheClient:

@@ -104,6 +104,10 @@ def main() -> None:
              # the sink as the fault function yields them.
              .config("spark.buffer.size", "1024")
              .config("spark.driver.memory", "512m")
+             # A short-lived JVM (as the suite's session, tests/conftest.py): C1 only, one
+             # GC thread.
+             .config("spark.driver.extraJavaOptions",
+                     "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Xss4m")
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     df = (spark.readStream.format("queued").option("maxOffsetsPerTrigger", ROWS_PER_BATCH)

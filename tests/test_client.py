@@ -9,7 +9,6 @@ server subprocesses and SIGKILLs one. Every wait is bounded and every process is
 from __future__ import annotations
 
 import gc
-import random
 import socket
 import threading
 import time
@@ -24,6 +23,7 @@ import pytest
 import trio
 import trio.testing
 from server_util import HOST, WAIT, ServerProcess, make_config, running
+from wait_util import wait_for
 
 from queued import __version__
 from queued.client import (
@@ -40,16 +40,12 @@ from queued.client import (
     JournalFull,
     Malformed,
     QueueFull,
-    RpcCallError,
     ShuttingDown,
     Timeout,
     TooLarge,
     TooManyOpenReads,
     UnknownMethod,
-    parse_servers,
 )
-from queued.client.common import ERRORS, call_error
-from queued.client.servers import Pool
 from queued.wire.rpc_protocol import (
     NEED_DATA,
     ErrorCode,
@@ -95,57 +91,6 @@ def free_port() -> int:
 
 
 # -- pure pieces --------------------------------------------------------------------------------
-
-
-
-
-def test_parse_servers() -> None:
-    assert parse_servers("h:1") == [("h:1", "h", 1)]
-    assert parse_servers("h") == [("h:2229", "h", 2229)]
-    assert parse_servers(("h", 7)) == [("h:7", "h", 7)]
-    assert parse_servers(["a:1,b:2", ("c", 3), " a:1 "]) == [
-        ("a:1", "a", 1), ("b:2", "b", 2), ("c:3", "c", 3)]
-    assert parse_servers("[::1]:5") == [("[::1]:5", "::1", 5)]
-    assert parse_servers("[::1]") == [("[::1]:2229", "::1", 2229)]
-    for bad in ("h:x", "h:0", "h:70000", "", ":5", "[::1]x", []):
-        with pytest.raises(ValueError):
-            parse_servers(bad)
-
-
-def test_pool_rotation_and_backoff() -> None:
-    pool = Pool(["a:1", "b:1", "c:1"], backoff=1.0, max_backoff=4.0, rng=random.Random(7))
-    a, b, c = pool.servers  # in the pool's own random order
-    assert {a.address, b.address, c.address} == {"a:1", "b:1", "c:1"}
-    assert pool.order("put", 0) == [a, b, c]
-    assert pool.order("put", 0) == [b, c, a]
-    assert pool.order("get", 0) == [a, b, c]  # own cursor
-    delays = []
-    for _ in range(4):
-        pool.failed(b, 10.0)
-        delays.append(b.down_until - 10.0)
-    assert delays == [1.0, 2.0, 4.0, 4.0]  # doubling, capped
-    assert pool.order("put", 11.0) == [c, a]
-    assert b.skips == 1
-    assert pool.order("put", 14.0) == [a, b, c]  # over
-    pool.failed(a, 20.0)
-    pool.failed(c, 20.0)
-    pool.failed(b, 20.0)
-    # Everyone backing off: all are tried anyway rather than failing without asking.
-    assert {s.address for s in pool.order("put", 20.5)} == {"a:1", "b:1", "c:1"}
-    pool.ok(b)
-    assert b.down_until == 0 and b.delay == 0
-    pool.failed(b, 30.0)
-    assert b.down_until == 31.0  # back to the first delay after a success
-
-
-@pytest.mark.parametrize("code", list(ErrorCode))
-def test_every_error_code_has_its_exception(code: ErrorCode) -> None:
-    exc = call_error([int(code), "why"], "h:1")
-    assert type(exc) is ERRORS[code] and exc.code is code
-    assert exc.message == "why" and exc.server == "h:1"
-    assert code.name in str(exc)
-    unknown = call_error([99, "new"], "h:1")
-    assert type(unknown) is RpcCallError and unknown.code == 99
 
 
 # -- round trips against the real server --------------------------------------------------------
@@ -422,10 +367,7 @@ async def test_async_reserve_and_consume(tmp_path: Path) -> None:
                 assert item.data == b"x"
                 break
             gc.collect()
-        with trio.fail_after(WAIT):
-            while (await c.peek("bare")).open_transactions:
-                await trio.sleep(0.01)
-        info = await c.peek("bare")
+        info = await wait_for(lambda: c.peek("bare"), lambda i: not i.open_transactions)
         assert info.items == 3 and info.head is not None and info.head.data == b"x"
 
 
@@ -705,8 +647,6 @@ async def test_two_servers_spread_puts_and_gets_do_not_wait_on_an_empty_one(
                                                                    match="no server"):
             c.put("jobs", b"x")
     await in_thread(blocking)
-
-
 
 
 def test_multi_server_survives_sigkill_and_restart(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ queue's dedup_window stores nothing and is answered as success; past the window 
 stored again; the table is durable with the items (restart, after the items were
 consumed and their segments compacted away, SIGKILL); `delete` drops it, `flush` keeps
 it; max_dedup_keys and its counters; two puts of one key in one pass store one. The pure
-table is tested in test_dedup_table.py, the record in test_journal_format.py.
+table and the DEDUP record are tested in test_reader_dedup.py.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import trio
 from disk_util import fill
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rpc_util import Rpc
 from server_util import WAIT, Conn, killed_at_end, make_config, pymc, running
-from test_rpc_server import Rpc
+from wait_util import wait_until
 
 from queued.cli import check, dump
 from queued.config import ServerConfig
@@ -282,9 +283,7 @@ async def test_a_parked_queue_keeps_its_keys(tmp_path: Path) -> None:
     async with running(config) as server:
         c = await Rpc.open(server.ports["rpc"])
         assert await c.call("put", "q", [b"a"], *keyed(b"k")) == [1, 1, False]
-        with trio.fail_after(WAIT):
-            while "q" not in server.broker.registry.parked:
-                await trio.sleep(0.01)
+        await wait_until(lambda: "q" in server.broker.registry.parked)
         assert await c.call("put", "q", [b"a"], *keyed(b"k")) == [1, 1, True]
         assert await drain(c, "q") == [b"a"]
         await c.aclose()
@@ -311,10 +310,9 @@ journal_size = "1KiB"
             assert await c.call("put", "q", [b"x" * 100], *keyed(b"key-%d" % i)) == [
                 1, i, False]
         assert len(await drain(c, "q")) == 60
-        with trio.fail_after(WAIT):  # the checkpoint, then the compaction it starts
-            while len([f for f in data.iterdir() if f.name.startswith("q.")
-                       and f.name[2:].isdigit()]) > 1:
-                await trio.sleep(0.02)
+        await wait_until(lambda: len([f for f in data.iterdir() if f.name.startswith("q.")
+                                      and f.name[2:].isdigit()]) <= 1,
+                         why="the checkpoint, then the compaction it starts")
         assert (data / jf.dedup_name("q")).exists()
         await c.aclose()
     report = io.StringIO()

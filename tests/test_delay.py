@@ -22,12 +22,18 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_util import HOST, QUEUED, WAIT, Conn, ServerProcess, http_get, make_config, running
-from test_flags import (
+from journal_util import seed_reader
+from server_util import (
+    HOST,
+    QUEUED,
+    WAIT,
+    Conn,
+    ServerProcess,
+    http_get,
     in_thread,
+    make_config,
     rpc_call,
-    seed_reader,
-    server_proc,  # noqa: F401 (a fixture pytest finds here)
+    running,
 )
 
 from queued.client import Client
@@ -257,7 +263,7 @@ async def test_delays_survive_a_clean_restart(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_delays_survive_sigkill_each_due_item_once_none_early(
-    server_proc: ServerProcess,  # noqa: F811 (the fixture)
+    server_proc: ServerProcess,
 ) -> None:
     server_proc.start()
     before = now_ms()

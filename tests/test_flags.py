@@ -12,21 +12,27 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
-import struct
 import subprocess
 from collections import Counter
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import memcache  # python-memcached
-import msgpack
 import pytest
-import trio
+from journal_util import seed_reader
 from pymemcache import serde
 from pymemcache.client.base import Client as MemcacheClient
-from server_util import HOST, QUEUED, WAIT, Conn, ServerProcess, make_config, running
+from server_util import (
+    HOST,
+    QUEUED,
+    WAIT,
+    Conn,
+    ServerProcess,
+    in_thread,
+    make_config,
+    rpc_call,
+    running,
+)
 
 from queued.client import Client, Item
 from queued.journal import format as jf
@@ -34,10 +40,6 @@ from queued.journal import format as jf
 T = TypeVar("T")
 
 MAX_FLAGS = 2**32 - 1
-
-
-async def in_thread(fn: Callable[[], T]) -> T:
-    return await trio.to_thread.run_sync(fn)
 
 
 def python_memcached(port: int) -> Any:
@@ -166,15 +168,6 @@ async def test_node_memcached_buffer_round_trip_on_the_wire(tmp_path: Path) -> N
     assert node_memcached_value(*got) == NODE_BUFFER  # a Buffer again, byte for byte
 
 
-@pytest.fixture
-def server_proc(tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path / "data", tmp_path / "server.log")
-    try:
-        yield proc
-    finally:
-        proc.kill()
-
-
 def _node_with_memcached() -> str | None:
     node = shutil.which("node")
     if node is None:
@@ -211,20 +204,6 @@ def test_node_memcached_buffer_round_trip(server_proc: ServerProcess) -> None:
 
 
 # -- MessagePack-RPC and the Python client ----------------------------------------------------
-
-
-def rpc_call(port: int, method: str, params: list[Any]) -> Any:
-    """One call on a fresh socket, written from the msgpack-rpc spec: its [error, result]."""
-    with socket.create_connection((HOST, port), timeout=WAIT) as s:
-        s.sendall(msgpack.packb([0, 1, method, params]))
-        unpacker = msgpack.Unpacker()
-        while True:
-            chunk = s.recv(65536)
-            assert chunk, "connection closed before the reply"
-            unpacker.feed(chunk)
-            for msg in unpacker:
-                assert msg[:2] == [1, 1], msg
-                return msg[2:]
 
 
 async def test_rpc_and_the_python_client_put_and_read_flags(tmp_path: Path) -> None:
@@ -349,32 +328,6 @@ def test_flags_survive_sigkill_and_restart(server_proc: ServerProcess) -> None:
     finally:
         client.close()
     assert got == sent
-
-
-def seed_reader(blob: bytes) -> tuple[list[tuple[int, int, bytes]], Counter[int]]:
-    """Read a writer file the way seeds/002 describes it, and nothing more: the PUTs
-    (id, error_count, data), and a count of the other commands, which it skips by their
-    header words and (commands 8-15) data block."""
-    assert blob[:4] == b"\x27\x64\x26\x03"
-    puts: list[tuple[int, int, bytes]] = []
-    skipped: Counter[int] = Counter()
-    pos = 4
-    while pos < len(blob) and blob[pos] != 0:
-        command, words = blob[pos] >> 4, blob[pos] & 0x0F
-        header = blob[pos + 1 : pos + 1 + 4 * words]
-        assert len(header) == 4 * words
-        size = struct.unpack_from("<i", header)[0] if command >= 8 else 0
-        data = blob[pos + 1 + 4 * words : pos + 1 + 4 * words + size]
-        assert len(data) == size
-        if command == 8:
-            assert words in (6, 8)
-            _, errors, xid, _ = struct.unpack_from("<iiqq", header)
-            puts.append((xid, errors, data))
-        else:
-            skipped[command] += 1
-        pos += 1 + 4 * words + size
-    assert pos == len(blob)
-    return puts, skipped
 
 
 async def test_seed_readers_read_journals_with_flags_and_flags_zero_costs_no_bytes(

@@ -8,8 +8,10 @@ the CLI runs as subprocesses. The SIGKILL-under-load test is test_fleet_nemesis.
 from __future__ import annotations
 
 import random
+import socket
 import ssl
 import subprocess
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -17,10 +19,12 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from fleet_util import FLEET_HOSTS, common_free_port, fake_dns
 from server_util import QUEUED, WAIT, make_config, running
+from wait_util import wait_for
 
-from queued.client import AsyncClient, Client, ConnectionFailed, parse_servers
+from queued.client import AsyncClient, Client, ConnectionFailed, Item, parse_servers
 from queued.client.servers import Pool
 
 NAME = "queued.fleet.test"
@@ -113,7 +117,8 @@ async def counts(servers: Sequence[str], queue: str) -> list[int]:
     return out
 
 
-async def test_a_dns_name_with_three_loopback_servers(tmp_path: Path) -> None:
+async def test_a_dns_name_with_three_loopback_servers(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     """One name resolves to 127.0.0.11, .12 and .13: puts spread over all three; a server
     the name stops giving leaves the rotation (its connection closed), and comes back
     when the name gives it again; blocking and trio clients alike."""
@@ -137,7 +142,7 @@ async def test_a_dns_name_with_three_loopback_servers(tmp_path: Path) -> None:
                 got = await client.get("spread", 1, auto_abort_ms=30_000)  # open, on .13
                 assert [(i.data, i.server) for i in got] == [(b"open", servers[2])]
                 dns_server.a = {NAME: list(FLEET_HOSTS[:2])}  # .13 goes away
-                await trio.sleep(0.3)
+                trio_clock.jump(0.3)  # (trio time: past the refresh)
                 for n in range(20):
                     await client.put("spread", b"%d" % n)
                 assert sorted(client.servers) == servers[:2]
@@ -147,17 +152,16 @@ async def test_a_dns_name_with_three_loopback_servers(tmp_path: Path) -> None:
                 assert await client.confirm(got) == 1
                 await client.put("spread", b"later")
                 async with AsyncClient(servers[2]) as only_13:
-                    with trio.fail_after(WAIT):  # (the server sees the close soon after)
-                        while (await only_13.stats())[servers[2]]["server"][
-                                "curr_connections"] != 1:  # only_13's own
-                            await trio.sleep(0.01)
+                    await wait_for(  # (the server sees the close soon after)
+                        only_13.stats,  # only_13's own connection is left
+                        lambda st: st[servers[2]]["server"]["curr_connections"] == 1)
                 await client.flush("spread")
                 for n in range(20):
                     await client.put("spread", b"%d" % n)
                 assert await counts(servers, "spread") == [10, 10, 0]
 
                 dns_server.a = {NAME: list(FLEET_HOSTS)}  # and comes back
-                await trio.sleep(0.3)
+                trio_clock.jump(0.3)  # (trio time: past the refresh)
                 for n in range(30):
                     await client.put("spread", b"%d" % n)
                 assert sorted(client.servers) == servers
@@ -194,7 +198,8 @@ async def test_dns_srv_records(tmp_path: Path) -> None:
                 assert await counts(want, "srv") == [3, 3, 3]
 
 
-async def test_a_name_that_cannot_be_resolved(tmp_path: Path) -> None:
+async def test_a_name_that_cannot_be_resolved(tmp_path: Path,
+                                              trio_clock: trio.testing.MockClock) -> None:
     """No answer at first: calls fail with the reason. Once resolved, a nameserver that
     stops answering leaves the client with the servers it had."""
     with fake_dns() as dns_server:
@@ -208,23 +213,24 @@ async def test_a_name_that_cannot_be_resolved(tmp_path: Path) -> None:
                 with pytest.raises(ConnectionFailed, match="resolved to no address"):
                     await client.stats()  # (asks every server: there is none)
                 dns_server.silent = True
-                await trio.sleep(0.15)
+                trio_clock.jump(0.15)  # (trio time: refresh and back-off are 0.1 s)
                 with pytest.raises(ConnectionFailed, match="cannot resolve"):
                     await client.put("q", b"x")
                 dns_server.silent = False
                 dns_server.a = {NAME: [FLEET_HOSTS[0]]}
-                await trio.sleep(0.15)
+                trio_clock.jump(0.15)  # (trio time: refresh and back-off are 0.1 s)
                 assert await client.put("q", b"x") == 1
                 dns_server.silent = True
                 asked = dns_server.queries
-                await trio.sleep(0.15)
+                trio_clock.jump(0.15)  # (trio time: refresh and back-off are 0.1 s)
                 with trio.fail_after(WAIT):
                     assert await client.put("q", b"y") == 1  # the old answer holds
                 assert dns_server.queries > asked  # (it did ask)
                 assert client.servers == tuple(servers)
 
 
-async def test_a_fleet_that_moved_is_found_within_the_failing_call(tmp_path: Path) -> None:
+async def test_a_fleet_that_moved_is_found_within_the_failing_call(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     """Every server the client knows fails, and the name now gives new addresses (pods
     rescheduled): the same put re-resolves and lands there, the caller sees no error."""
     hosts = FLEET_HOSTS
@@ -239,7 +245,7 @@ async def test_a_fleet_that_moved_is_found_within_the_failing_call(tmp_path: Pat
             # next refresh is due).
             dns_server.a = {NAME: list(hosts[1:])}
             async with fleet(tmp_path / "new", hosts[1:], port) as new:
-                await trio.sleep(0.15)  # one back-off after the last look-up
+                trio_clock.jump(0.15)  # (trio time) one back-off after the last look-up
                 assert await client.put("moved", b"after") == 1
                 assert sum(await counts(new, "moved")) == 1
                 assert sorted(client.servers) == new
@@ -287,7 +293,8 @@ async def test_tls_checks_the_dns_name_not_the_address(tmp_path: Path) -> None:
 # -- failover -----------------------------------------------------------------------------------
 
 
-async def test_failover_puts_never_fail_and_never_double(tmp_path: Path) -> None:
+async def test_failover_puts_never_fail_and_never_double(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     """A server that refuses is passed over without the caller seeing it: every put
     lands exactly once (a refused connection is not ambiguous); once that server is up
     and its back-off is over, it gets its share again."""
@@ -305,7 +312,7 @@ async def test_failover_puts_never_fail_and_never_double(tmp_path: Path) -> None
             (tmp_path / "late").mkdir()
             async with running(make_config(tmp_path / "late" / "data", host=hosts[2],
                                            rpc_port=port)):
-                await trio.sleep(0.25)  # its back-off ends
+                trio_clock.jump(0.25)  # (trio time) its back-off ends
                 for n in range(30):
                     assert await client.put("fo", b"%d" % n) == 1
                 assert (await counts([down], "fo"))[0] >= 5
@@ -392,3 +399,147 @@ async def test_spark_writer_takes_a_dns_name(tmp_path: Path) -> None:
             commit = await trio.to_thread.run_sync(writer.write, iter([batch]))
             assert (commit.rows, commit.puts) == (60, 6)
             assert await counts(servers, "spark") == [20, 20, 20]
+
+
+# -- one incident, one back-off; silent servers; empty answers; a server gone ------------------
+
+
+
+def refused_address() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"127.0.0.1:{port}"
+
+
+async def test_one_incident_backs_a_server_off_by_one_backoff(tmp_path: Path) -> None:
+    """10 pipelined puts meet one refused server once: each failing task doubles the
+    back-off, so one incident benches the server for 2**(k-1) s instead of `backoff`."""
+    async with running(make_config(tmp_path / "d")) as server:
+        live = f"127.0.0.1:{server.ports['rpc']}"
+        dead = refused_address()
+        async with AsyncClient([dead, live], backoff=1.0, max_backoff=30.0) as client:
+            async with trio.open_nursery() as nursery:
+                for n in range(10):
+                    nursery.start_soon(client.put, "q", b"%d" % n)
+            st = next(s for s in client.statistics().servers if s.server == dead)
+            print(f"\nfailures={st.failures} down_for={st.backoff:.1f}s")
+            assert st.backoff <= 1.5, f"one incident benched it {st.backoff:.1f} s"
+
+
+async def test_blackholed_server_costs_one_connect_timeout(tmp_path: Path) -> None:
+    """A server whose SYNs are dropped (node gone): docs/fleet.md says a call pays
+    connect_timeout, then the next server. Pipelined tasks queue on the connect lock and
+    each pays its own connect_timeout in turn."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(0)
+    filler = socket.create_connection(hole.getsockname())  # accept queue now full
+    try:
+        async with running(make_config(tmp_path / "d")) as server:
+            live = f"127.0.0.1:{server.ports['rpc']}"
+            dead = f"127.0.0.1:{hole.getsockname()[1]}"
+            async with AsyncClient([dead, live], connect_timeout=1.0) as client:
+                took: list[float] = []
+
+                async def put(n: int) -> None:
+                    t = trio.current_time()
+                    await client.put("q", b"%d" % n)
+                    took.append(trio.current_time() - t)
+
+                with trio.fail_after(30):
+                    async with trio.open_nursery() as nursery:
+                        for n in range(10):
+                            nursery.start_soon(put, n)
+                print(f"\nslowest put {max(took):.1f} s; "
+                      f"{sorted(round(t, 1) for t in took)}")
+                assert max(took) < 2.0
+    finally:
+        filler.close()
+        hole.close()
+
+
+async def test_an_empty_answer_is_not_final_for_a_whole_refresh(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
+    """NXDOMAIN once (a headless Service with no ready pod for a moment): the client then
+    has no server and does not ask DNS again for `refresh` (30 s), even though a failed
+    look-up is retried after `backoff`; puts raise "no server" all that time."""
+    port = common_free_port(FLEET_HOSTS[:1])
+    with fake_dns() as dns_server:
+        (tmp_path / "s").mkdir()
+        config = make_config(tmp_path / "s" / "data", host=FLEET_HOSTS[0], rpc_port=port)
+        async with running(config):
+            url = f"dns://{NAME}:{port}?nameserver={dns_server.nameserver}"
+            async with AsyncClient(url, backoff=0.1, max_backoff=0.2) as client:
+                with pytest.raises(ConnectionFailed, match="resolved to no address"):
+                    await client.put("q", b"x")  # no pod ready
+                dns_server.a = {NAME: [FLEET_HOSTS[0]]}  # the pod is ready again
+                trio_clock.jump(1.0)  # (trio time) ten back-offs
+                asked = dns_server.queries
+                try:
+                    assert await client.put("q", b"y") == 1
+                finally:
+                    print(f"\nDNS queries since the pod came back: "
+                          f"{dns_server.queries - asked}")
+
+
+async def test_confirm_goes_on_when_one_server_is_gone(tmp_path: Path) -> None:
+    """Open reads from two servers; one server stops; the blocking client (which notices
+    a broken connection only when it uses it) confirms both: the live server's counts,
+    the gone one's counts 0 (its server returned the item), nothing raises."""
+    async with AsyncExitStack() as stack_a, running(make_config(tmp_path / "b")) as b:
+        a = await stack_a.enter_async_context(running(make_config(tmp_path / "a")))
+        addresses = [f"127.0.0.1:{a.ports['rpc']}", f"127.0.0.1:{b.ports['rpc']}"]
+        client = Client(addresses, read_timeout=5.0)
+        try:
+            def get_both() -> list[Item]:
+                for address in addresses:
+                    client.call("put", "q", [b"x"], 0, server=address)
+                got = client.get("q", 1, 0, 60_000) + client.get("q", 1, 0, 60_000)
+                assert sorted(i.server for i in got) == sorted(addresses)
+                return got
+
+            items = await trio.to_thread.run_sync(get_both)
+            await stack_a.aclose()  # server a shuts down
+            assert await trio.to_thread.run_sync(client.confirm, items) == 1
+        finally:
+            await trio.to_thread.run_sync(client.close)
+
+
+def test_blocking_client_stalls_while_dns_is_down(tmp_path: Path) -> None:
+    """Servers healthy, nameserver silent: every back-off, one put waits the whole
+    look-up timeout (connect_timeout with nameserver=, the system resolver's own timeout
+    without it), though the client has working servers."""
+    port = common_free_port(FLEET_HOSTS[:1])
+
+    async def main() -> None:
+        with fake_dns() as dns_server:
+            dns_server.a = {NAME: [FLEET_HOSTS[0]]}
+            (tmp_path / "s").mkdir()
+            config = make_config(tmp_path / "s" / "data", host=FLEET_HOSTS[0],
+                                 rpc_port=port)
+            async with running(config):
+                url = f"dns://{NAME}:{port}?refresh=1&nameserver={dns_server.nameserver}"
+
+                def blocking() -> list[float]:
+                    with Client(url, connect_timeout=1.0, backoff=0.2) as c:
+                        c.put("q", b"first")
+                        dns_server.silent = True
+                        took = []
+                        deadline = time.monotonic() + 4.0
+                        for _ in range(200_000):
+                            if time.monotonic() > deadline:
+                                break
+                            t = time.monotonic()
+                            c.put("q", b"x")
+                            took.append(time.monotonic() - t)
+                        return took
+
+                took = await trio.to_thread.run_sync(blocking)
+                slow = [t for t in took if t > 0.5]
+                print(f"\n{len(took)} puts in 4 s, {len(slow)} took > 0.5 s "
+                      f"({sum(slow):.1f} s stalled on DNS)")
+                assert not slow
+
+    trio.run(main)

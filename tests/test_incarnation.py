@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from journal_util import seed_reader
+
 from queued.config import JournalConfig
 from queued.journal import format as jf
 from queued.storage import journal_scan as js
 from queued.storage.datadir import DataDir, open_data_dir
-from tests.test_flags import seed_reader
 
 T0 = 1_700_000_000_000
 SMALL = JournalConfig(journal_size=620)

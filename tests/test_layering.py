@@ -12,6 +12,7 @@ and those inside functions too).
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -72,6 +73,17 @@ def layer(module: str) -> str:
 def imports(module: str) -> Iterator[tuple[str, int]]:
     """(imported module, line) of every import in `module`; `from pkg import sub` names the
     submodule when there is one."""
+    yield from _imports(module)
+
+
+@functools.cache
+def _imports(module: str) -> tuple[tuple[str, int], ...]:
+    """`imports`, each module's source parsed once per run (the checks below walk the
+    whole graph once per pure module)."""
+    return tuple(_parse_imports(module))
+
+
+def _parse_imports(module: str) -> Iterator[tuple[str, int]]:
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
@@ -303,6 +315,22 @@ def test_the_private_names_check_sees_reaches_through_types(tmp_path: Path) -> N
         "away:22 touches ._secret of home",  # the name is defined here too: still a reach
         "away:22 touches ._unknown of a type mypy cannot see",
     ], wrong
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_no_test_module_imports_another() -> None:
+    """Helpers shared by test files live in `*_util.py` modules (tests/README.md): a test
+    module that imports another runs that one's module-level set-up and couples them."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(TESTS)}:{node.lineno}: {name}" for name in names
+                      if name.split(".")[-1].startswith("test_")]
+    assert found == []
 
 
 def layer_arrows() -> dict[tuple[str, str], int]:

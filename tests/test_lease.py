@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from server_util import HOST, WAIT, Conn, Rpc, make_config, pymc, running
+from wait_util import autojumping, wait_for
 
 from queued.client import AsyncClient, Client, NotOpen
 from queued.config import ServerConfig
@@ -30,19 +32,21 @@ SHORT = '[queues.t]\nopen_transaction_timeout = "300ms"\n'
 # -- lease extension ---------------------------------------------------------------------------
 
 
-async def test_memcache_touch_extends_an_open_read_past_its_first_timeout(tmp_path: Path) -> None:
+async def test_memcache_touch_extends_an_open_read_past_its_first_timeout(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     async with running(cfg(tmp_path, SHORT)) as server:
-        port = server.ports["memcache"]
-        worker, other = await Conn.open(port), await Conn.open(port)
-        assert await worker.set("t", b"job") == b"STORED"
-        assert await worker.get("t/open") == b"job"
-        assert await worker.cmd(b"touch t 5000") == b"TOUCHED"
-        # Without the touch the read would be back after 300 ms: a 1.5 s long poll gets nothing.
-        assert await other.get("t/t=1500") is None
-        assert await worker.get("t/close") is None  # still ours to confirm
-        assert await other.get("t") is None
-        for c in (worker, other):
-            await c.aclose()
+        with autojumping(trio_clock):  # (no thread works in this test)
+            port = server.ports["memcache"]
+            worker, other = await Conn.open(port), await Conn.open(port)
+            assert await worker.set("t", b"job") == b"STORED"
+            assert await worker.get("t/open") == b"job"
+            assert await worker.cmd(b"touch t 5000") == b"TOUCHED"
+            # Without the touch the read would be back after 300 ms: a 1.5 s long poll gets nothing.
+            assert await other.get("t/t=1500") is None
+            assert await worker.get("t/close") is None  # still ours to confirm
+            assert await other.get("t") is None
+            for c in (worker, other):
+                await c.aclose()
 
 
 async def test_memcache_touch_without_an_open_read_is_not_found(tmp_path: Path) -> None:
@@ -60,54 +64,60 @@ async def test_memcache_touch_without_an_open_read_is_not_found(tmp_path: Path) 
         await c.aclose()
 
 
-async def test_touched_read_still_times_out_at_its_new_deadline(tmp_path: Path) -> None:
+async def test_touched_read_still_times_out_at_its_new_deadline(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     async with running(cfg(tmp_path, SHORT)) as server:
-        port = server.ports["memcache"]
-        worker, other = await Conn.open(port), await Conn.open(port)
-        assert await worker.set("t", b"job") == b"STORED"
-        assert await worker.get("t/open") == b"job"
-        start = trio.current_time()
-        assert await worker.cmd(b"touch t 800") == b"TOUCHED"
-        assert await other.get("t/t=5000") == b"job"
-        assert trio.current_time() - start >= 0.75
-        for c in (worker, other):
-            await c.aclose()
+        with autojumping(trio_clock):  # (no thread works in this test)
+            port = server.ports["memcache"]
+            worker, other = await Conn.open(port), await Conn.open(port)
+            assert await worker.set("t", b"job") == b"STORED"
+            assert await worker.get("t/open") == b"job"
+            start = trio.current_time()
+            assert await worker.cmd(b"touch t 800") == b"TOUCHED"
+            assert await other.get("t/t=5000") == b"job"
+            assert trio.current_time() - start >= 0.75
+            for c in (worker, other):
+                await c.aclose()
 
 
-async def test_text_touch_extends_a_monitor_read(tmp_path: Path) -> None:
+async def test_text_touch_extends_a_monitor_read(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     async with running(cfg(tmp_path, SHORT)) as server:
-        text = await Conn.open(server.ports["text"], b"\n")
-        other = await Conn.open(server.ports["memcache"])
-        assert await other.set("t", b"job") == b"STORED"
-        await text.send(b"monitor t 1000 1\n")
-        assert await text.line() == b":job"
-        assert await text.line() == b"*"
-        assert await text.cmd(b"touch t 5000") == b"+1"
-        assert await other.get("t/t=1500") is None
-        assert await text.cmd(b"confirm t 1") == b"+1"
-        assert await text.cmd(b"touch t 5000") == b"+0"
-        for c in (text, other):
-            await c.aclose()
+        with autojumping(trio_clock):  # (no thread works in this test)
+            text = await Conn.open(server.ports["text"], b"\n")
+            other = await Conn.open(server.ports["memcache"])
+            assert await other.set("t", b"job") == b"STORED"
+            await text.send(b"monitor t 1000 1\n")
+            assert await text.line() == b":job"
+            assert await text.line() == b"*"
+            assert await text.cmd(b"touch t 5000") == b"+1"
+            assert await other.get("t/t=1500") is None
+            assert await text.cmd(b"confirm t 1") == b"+1"
+            assert await text.cmd(b"touch t 5000") == b"+0"
+            for c in (text, other):
+                await c.aclose()
 
 
-async def test_rpc_extend_and_a_read_the_connection_does_not_hold(tmp_path: Path) -> None:
+async def test_rpc_extend_and_a_read_the_connection_does_not_hold(
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     async with running(cfg(tmp_path, SHORT)) as server:
-        port = server.ports["rpc"]
-        a, b = await Rpc.open(port), await Rpc.open(port)
-        assert await a.call("put", "t", [b"x", b"y"]) == (None, 2)
-        err, got = await a.call("get", "t", 2, 0, 300)
-        assert err is None and isinstance(got, list) and [i for i, _ in got] == [1, 2]
-        assert await a.call("extend", "t", [1, 2], 5000) == (None, 2)
-        err, _ = await b.call("extend", "t", [1], 5000)  # not b's
-        assert err == [17, "not open on this connection: t id 1"]
-        err, _ = await a.call("extend", "t", [1, 99], 5000)
-        assert err == [17, "not open on this connection: t id 99"]
-        assert (await b.call("get", "t", 2, 1500, 0)) == (None, [])
-        assert await a.call("confirm", "t", [1, 2]) == (None, 2)
-        err, _ = await a.call("extend", "t", [1], 5000)  # confirmed: no longer held
-        assert err is not None and err[0] == 17  # type: ignore[index]
-        await a.aclose()
-        await b.aclose()
+        with autojumping(trio_clock):  # (no thread works in this test)
+            port = server.ports["rpc"]
+            a, b = await Rpc.open(port), await Rpc.open(port)
+            assert await a.call("put", "t", [b"x", b"y"]) == (None, 2)
+            err, got = await a.call("get", "t", 2, 0, 300)
+            assert err is None and isinstance(got, list) and [i for i, _ in got] == [1, 2]
+            assert await a.call("extend", "t", [1, 2], 5000) == (None, 2)
+            err, _ = await b.call("extend", "t", [1], 5000)  # not b's
+            assert err == [17, "not open on this connection: t id 1"]
+            err, _ = await a.call("extend", "t", [1, 99], 5000)
+            assert err == [17, "not open on this connection: t id 99"]
+            assert (await b.call("get", "t", 2, 1500, 0)) == (None, [])
+            assert await a.call("confirm", "t", [1, 2]) == (None, 2)
+            err, _ = await a.call("extend", "t", [1], 5000)  # confirmed: no longer held
+            assert err is not None and err[0] == 17  # type: ignore[index]
+            await a.aclose()
+            await b.aclose()
 
 
 async def test_client_item_extend_and_reserve_heartbeat(tmp_path: Path) -> None:
@@ -263,11 +273,8 @@ async def test_retry_backoff_applies_to_a_timed_out_read(tmp_path: Path) -> None
         c = await Conn.open(server.ports["memcache"])
         assert await c.set("r", b"slow") == b"STORED"
         assert await c.get("r/open") == b"slow"
-        for _ in range(200):  # until the timeout has returned it (delayed)
-            if (await c.stats())["queue_r_delayed"] == "1":
-                break
-            await trio.sleep(0.01)
-        assert (await c.stats())["queue_r_delayed"] == "1"
+        # until the timeout has returned it (delayed)
+        await wait_for(c.stats, lambda stats: stats["queue_r_delayed"] == "1")
         assert await c.get("r/t=500") is None
         await c.aclose()
 

@@ -9,8 +9,6 @@ port 0 with a users file, raw sockets and pymemcache.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import os
 import subprocess
 from pathlib import Path
@@ -19,14 +17,11 @@ from typing import Any
 import msgpack
 import pytest
 import trio
+from security_util import REFUSED, mc_login, secured
+from server_util import HOST, QUEUED, WAIT, Conn, Rpc, pymc
 
 from queued.config.users import hash_password
-from queued.server.auth import Authenticator
-from queued.wire import commands as c
 from queued.wire.access import MAX_PASSWORD
-from queued.wire.memcache_commands import login_of
-from tests.server_util import HOST, QUEUED, WAIT, Conn, pymc
-from tests.test_security import REFUSED, Rpc, mc_login, secured
 
 DENIED = "permission denied: user 'bob' lacks 'admin' on queue 'scratch'"
 
@@ -162,33 +157,9 @@ async def test_memcache_known_user_with_a_wrong_password_is_a_failed_login(
     assert b"guessed-wrong" not in data_dir_bytes(data_dir)
 
 
-def test_login_of_takes_only_the_shape_of_a_configured_users_credentials() -> None:
-    known = {"alice", "bob"}.__contains__
-    assert login_of(b"alice alice pw", known) == c.Auth("alice", "alice pw")
-    assert login_of(b"bob x\r\n", known) == c.Auth("bob", "x")
-    assert login_of(b"bob " + b"p" * MAX_PASSWORD, known) is not None
-    for data in (b"mallory pw", b"alice", b"alicepw", b"\xff\xfe pw", b"",
-                 b"bob " + b"p" * (MAX_PASSWORD + 1), b"bob \xff\xfe"):
-        assert login_of(data, known) is None, data
-
-
 def test_passwords_are_capped_where_they_are_made_and_checked() -> None:
     with pytest.raises(ValueError, match="at most"):
         hash_password("p" * (MAX_PASSWORD + 1), log_n=4)
     too_long = subprocess.run([str(QUEUED), "passwd"], input="p" * (MAX_PASSWORD + 1) + "\n",
                               capture_output=True, text=True, timeout=WAIT, check=False)
     assert too_long.returncode == 2 and "at most" in too_long.stderr
-
-
-async def test_a_password_over_the_cap_never_logs_in(tmp_path: Path) -> None:
-    """Even when its hash matches (made by hand, past `queued passwd`'s refusal)."""
-    long = "p" * (MAX_PASSWORD + 1)
-    salt = b"0123456789abcdef"
-    digest = hashlib.scrypt(long.encode(), salt=salt, n=16, r=8, p=1, dklen=32)
-    b64 = base64.b64encode
-    path = tmp_path / "users.toml"
-    path.write_text(f'[users.eve]\npassword = "$scrypt$ln=4,r=8,p=1$'
-                    f'{b64(salt).decode().rstrip("=")}${b64(digest).decode().rstrip("=")}"\n')
-    auth = Authenticator(path)
-    assert auth.users["eve"].password.verify(long)
-    assert await auth.login("eve", long, "test") is None

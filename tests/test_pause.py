@@ -9,6 +9,7 @@ from pathlib import Path
 
 import trio
 from server_util import HOST, Conn, http_get, make_config, running
+from wait_util import wait_until
 
 from queued.client import AsyncClient
 from queued.config import ServerConfig
@@ -89,11 +90,7 @@ async def test_a_parked_paused_queue_stays_paused(tmp_path: Path) -> None:
         c = await Conn.open(server.ports["memcache"])
         assert await c.set("idle", b"x") == b"STORED"
         assert await c.cmd(b"pause idle") == b"OK"
-        for _ in range(500):  # until the parker has parked it
-            if not server.broker.queues.get("idle"):
-                break
-            await trio.sleep(0.01)
-        assert "idle" not in server.broker.queues
+        await wait_until(lambda: "idle" not in server.broker.queues, why="parked")
         assert (await c.stats())["queue_idle_paused"] == "1"
         assert await c.get("idle/t=200") is None  # loaded again, still paused
         assert await c.cmd(b"resume idle") == b"OK"

@@ -5,7 +5,7 @@ test_rpc_server.py: the next sequence is stored, a repeat is answered as the ori
 and stores nothing, a gap is refused; the table is durable with the items (restart,
 after the items were consumed and their segments compacted away); `delete` drops it,
 `flush` keeps it; the bounds and their counters. The pure table is tested in
-test_producer_table.py, the record in test_journal_format.py.
+test_reader_producers.py, the record in test_journal_records.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rpc_util import Rpc
 from server_util import WAIT, ServerProcess, make_config, running
-from test_rpc_server import Rpc
+from wait_util import wait_until
 
 from queued.cli import check, dump
 from queued.client import AsyncClient, ClientError
@@ -139,10 +140,9 @@ journal_size = "1KiB"
             assert await c.call("put", "q", [b"x" * 100], 0, 0, 0, P, seq) == [1, seq + 1,
                                                                                False]
         assert len(await drain(c, "q")) == 61
-        with trio.fail_after(WAIT):  # the checkpoint, then the compaction it starts
-            while len([f for f in data.iterdir() if f.name.startswith("q.")
-                       and f.name[2:].isdigit()]) > 1:
-                await trio.sleep(0.02)
+        # the checkpoint, then the compaction it starts
+        await wait_until(lambda: len([f for f in data.iterdir() if f.name.startswith("q.")
+                                      and f.name[2:].isdigit()]) <= 1)
         assert (data / jf.producers_name("q")).exists()
         await c.aclose()
     # `queued check` reads the snapshot; `queued dump` shows a segment's PRODUCER records.
@@ -331,9 +331,7 @@ async def test_idempotent_puts_with_lost_replies_and_sigkill_are_stored_once(
 
                 async def more(n: int) -> None:
                     seen = len(acked)
-                    with trio.fail_after(WAIT):
-                        while len(acked) < seen + n:
-                            await trio.sleep(0.005)
+                    await wait_until(lambda: len(acked) >= seen + n)
 
                 async with trio.open_nursery() as nursery:
                     for who in range(4):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 from journal_util import T0, cfg, data_for
+from wait_util import wait_until
 
 from queued.config import FsyncPolicy
 from queued.errors import JournalWriteError
@@ -206,9 +207,7 @@ async def test_periodic_fsync_covers_reader_files(
         await q.append([data_for(i) for i in range(1, 4)], T0)
         await q.write_checkpoint("", 0)
         await wait_durable(q.note_read("", done=[2]))
-        with trio.fail_after(10):  # bounded: the periodic fsync must come by itself
-            while "q.read." in tracker.unsynced:
-                await trio.sleep(0.01)
+        await wait_until(lambda: "q.read." not in tracker.unsynced, timeout=10)
         assert tracker.fsynced.count("q.read.") >= 1
 
 

@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 from disk_util import fill_completely
-
-from tests.server_util import HOST, Conn, make_config, running
-from tests.test_security import Rpc
+from server_util import HOST, Conn, Rpc, make_config, running
 
 pytestmark = pytest.mark.slow
 

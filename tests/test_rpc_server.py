@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import msgpack
 import pytest
 import trio
 import trio.testing
-from server_util import WAIT, make_config, running
+from rpc_util import Rpc
+from server_util import make_config, running
+from wait_util import wait_for, wait_until
 
 from queued import __version__
 from queued.config import ServerConfig
@@ -29,84 +30,6 @@ E = ErrorCode
 
 def cfg(tmp_path: Path, toml: str | None = None, **settings: object) -> ServerConfig:
     return make_config(tmp_path / "data", toml, **settings)
-
-
-class Rpc:
-    """A minimal msgpack-rpc client: send requests, read responses by msgid."""
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self.unpacker = msgpack.Unpacker(raw=False)
-        self.msgid = 0
-        self.early: dict[int, list[Any]] = {}  # responses read while looking for another
-        self.notifications: list[list[Any]] = []
-
-    @classmethod
-    async def open(cls, port: int) -> Rpc:
-        with trio.fail_after(WAIT):
-            return cls(await trio.open_tcp_stream("127.0.0.1", port))
-
-    def request(self, method: str, *params: Any) -> tuple[int, bytes]:
-        self.msgid += 1
-        return self.msgid, msgpack.packb([0, self.msgid, method, list(params)],
-                                         use_bin_type=True)
-
-    async def send(self, data: bytes) -> None:
-        with trio.fail_after(WAIT):
-            await self.stream.send_all(data)
-
-    async def message(self, timeout: float = WAIT) -> list[Any]:
-        """The next message off the wire (EOFError when the server closed)."""
-        with trio.fail_after(timeout):
-            while True:
-                for msg in self.unpacker:
-                    return msg  # type: ignore[no-any-return]
-                data = await self.stream.receive_some(65536)
-                if not data:
-                    raise EOFError("closed by the server")
-                self.unpacker.feed(data)
-
-    async def response(self, msgid: int, timeout: float = WAIT) -> list[Any]:
-        while msgid not in self.early:
-            msg = await self.message(timeout)
-            if msg[0] == 2:
-                self.notifications.append(msg)
-            else:
-                assert msg[0] == 1 and len(msg) == 4, msg
-                self.early[msg[1]] = msg
-        return self.early.pop(msgid)
-
-    async def call(self, method: str, *params: Any) -> Any:
-        """The result; AssertionError with the error when the server answered one."""
-        msgid, data = self.request(method, *params)
-        await self.send(data)
-        _, _, error, result = await self.response(msgid)
-        assert error is None, error
-        return result
-
-    async def error(self, method: str, *params: Any) -> tuple[int, str]:
-        msgid, data = self.request(method, *params)
-        await self.send(data)
-        _, _, error, result = await self.response(msgid)
-        assert error is not None and result is None, (error, result)
-        code, message = error
-        assert isinstance(message, str) and message
-        return code, message
-
-    async def expect_closed(self) -> None:
-        with trio.fail_after(WAIT):
-            while True:
-                try:
-                    data = await self.stream.receive_some(65536)
-                except trio.BrokenResourceError:
-                    return
-                if not data:
-                    return
-                self.unpacker.feed(data)
-
-    async def aclose(self) -> None:
-        with trio.move_on_after(WAIT):
-            await self.stream.aclose()
 
 
 # -- every method ------------------------------------------------------------------------------
@@ -161,7 +84,8 @@ async def test_fanout_readers_and_expiration(tmp_path: Path) -> None:
         # expiration_ms is relative: 1 ms has passed long before the get below.
         assert await c.call("put", "exp", [b"old"], 1) == 1
         assert await c.call("put", "exp", [b"new"]) == 1
-        await trio.sleep(0.05)  # real time is the point: the item must expire
+        # (the wall clock's: wait until the peek no longer shows the expired one)
+        await wait_for(lambda: c.call("peek", "exp"), lambda info: info["head"] == [2, b"new"])
         assert await c.call("get", "exp", 10) == [[2, b"new"]]
         await c.aclose()
 
@@ -295,9 +219,7 @@ async def test_a_waiting_get_of_a_closed_connection_takes_nothing(tmp_path: Path
         await trio.testing.wait_all_tasks_blocked()
         assert server.broker.reader_info("jobs")["waiters"] == 1
         await c.aclose()
-        with trio.fail_after(WAIT):
-            while server.broker.reader_info("jobs")["waiters"]:
-                await trio.sleep(0.01)
+        await wait_until(lambda: not server.broker.reader_info("jobs")["waiters"])
         other = await Rpc.open(server.ports["rpc"])
         assert await other.call("put", "jobs", [b"kept"]) == 1
         assert await other.call("get", "jobs", 1) == [[1, b"kept"]]

@@ -58,6 +58,8 @@ def connect_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
            "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
            "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=2",
            "--conf", "spark.driver.memory=512m",
+           # a short-lived JVM (as the suite's session, tests/conftest.py): C1 only
+           "--conf", "spark.driver.extraJavaOptions=-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
            "--conf", f"spark.sql.warehouse.dir={root / 'warehouse'}"]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,

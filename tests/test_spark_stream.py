@@ -1,5 +1,5 @@
 """The `queued` source's Kafka-style options, lost-data checks and lag, and the streaming
-sink, against the real local SparkSession of tests/test_spark.py (one for the whole run):
+sink, against the real local SparkSession of tests/test_spark_source.py (one for the whole run):
 a queue deleted and created again under a running stream, compaction without an archive,
 per-queue JSON offsets, timestamps, subscribePattern picking up a new queue, min and max
 items per trigger, lag in the progress, unknown options, and writeStream stopped mid-way
@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import trio
 from server_util import ServerProcess
+from spark_util import SMALL, T0, item, journal_rows, rows, write_items
 
 from queued.client import Client
 from queued.config import JournalConfig
 from queued.storage import journal_scan as js
 from queued.storage.datadir import open_data_dir
-from tests.test_spark import SMALL, T0, item, journal_rows, rows, write_items
 
 try:
     from queued.spark.stream import QueuedStreamReader

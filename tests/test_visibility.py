@@ -16,11 +16,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from ops_util import NONE, get, samples
-from server_util import HOST, Conn, make_config, running
-from test_console import basic
-from test_http import raw
-from test_security import Rpc, mc_login, users_toml
+from ops_util import NONE, basic, get, raw, samples
+from security_util import mc_login, users_toml
+from server_util import HOST, Conn, Rpc, make_config, running
 
 from queued import __version__
 from queued.config.users import UsersError, hash_password, parse_users

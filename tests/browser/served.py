@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+from security_util import users_toml
 from server_util import HOST, ServerProcess
-from test_security import users_toml
 
 from queued.client import Client
 

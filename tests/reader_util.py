@@ -1,0 +1,101 @@
+"""Helpers for the tests of the pure reader (queued.reader.state.Reader): items, limits,
+taking and aborting as the broker does, and read-behind over an in-memory journal."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from queued.journal.format import Put
+from queued.reader.state import Reader
+
+T0 = 1_700_000_000_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_items: int = 0
+    max_size: int = 0
+    max_memory_size: int = 1 << 20
+    discard_old_when_full: bool = False
+
+
+class SmallPackReader(Reader):
+    """Packs as the server does, in blocks of 2 once 3 items wait (the state machine
+    rarely holds 256)."""
+
+    pack_at = 3
+    pack_block = 2
+
+
+def held(r: Reader) -> list[Put]:
+    """The items a reader holds in memory, in delivery order."""
+    return [*r.front, *reversed(r.unpacked), *r.packed, *r.mem]
+
+
+def item(i: int, size: int = 10, *, expire: int | None = None, add: int = T0) -> Put:
+    return Put(i, bytes([i % 256]) * size, add, expire)
+
+
+def items(ids: Iterable[int], size: int = 10, **kw: int | None) -> list[Put]:
+    return [item(i, size, **kw) for i in ids]  # type: ignore[arg-type]
+
+
+def reader(**limits: int | bool) -> Reader:
+    return Reader("q", "", Limits(**limits))  # type: ignore[arg-type]
+
+
+def take_id(r: Reader, now: int = T0) -> int | None:
+    expired: list[Put] = []
+    it = r.take(now, expired)
+    assert not expired
+    return None if it is None else it.id
+
+
+def take_open(r: Reader, now: int = T0) -> Put:
+    expired: list[Put] = []
+    it = r.take(now, expired)
+    assert it is not None and not expired
+    r.open_read(it)
+    return it
+
+
+def take_consume(r: Reader, now: int = T0) -> Put:
+    it = take_open(r, now)
+    assert r.confirm(it.id)
+    return it
+
+
+def abort_ids(r: Reader, ids: Iterable[int], *, count_error: bool = True) -> None:
+    """What Broker.abort does: highest id first, so the lowest ends up at the head."""
+    for i in sorted(ids, reverse=True):
+        it = r.abort(i, count_error=count_error)
+        assert it is not None
+        r.put_back(it)
+
+
+def read_range(journal: dict[int, Put], start: int, end: int, budget: int) -> tuple[list[Put], int]:
+    """queued.broker.readback.read_range over an in-memory journal."""
+    out: list[Put] = []
+    nbytes = 0
+    for i in sorted(journal):
+        if not start <= i <= end:
+            continue
+        put = journal[i]
+        if out and nbytes + len(put.data) > budget:
+            return out, i
+        out.append(put)
+        nbytes += len(put.data)
+    return out, end + 1
+
+
+def refill(r: Reader, journal: dict[int, Put]) -> None:
+    assert r.behind is not None
+    start = r.behind
+    got, next_id = read_range(journal, start, r.tail, r.refill_budget())
+    r.load(start, got, next_id)
+
+
+def replay(journal: dict[int, Put], head: int, done: Iterable[int]) -> set[int]:
+    d = set(done)
+    return {i for i in journal if i > head and i not in d}

@@ -1,0 +1,187 @@
+"""The reactor (queued.server.reactor): one task, one pass per wake-up, for every plain
+connection. What only this path has: one commit for a pass of many connections, no
+starving (a flood is read a pass at a time), backpressure on a peer that does not
+read, deadlines kept without a task per connection, and long polls without a task.
+Everything else (every protocol, TLS aside, on a plain connection) the whole suite
+runs through it. Real servers on 127.0.0.1 port 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from server_util import WAIT, Conn, make_config, running
+from wait_util import autojumping, wait_until
+
+from queued.server.reactor import BUFFER_CAP, PASS_REQUESTS
+from queued.server.task_path import RECEIVE_SIZE
+
+
+def reactor_config(tmp_path: Path, **settings: object):  # type: ignore[no-untyped-def]
+    return make_config(tmp_path / "data", **settings)
+
+
+async def test_a_pass_serves_many_connections_with_one_commit(tmp_path: Path) -> None:
+    async with running(reactor_config(tmp_path, fsync="always")) as server:
+        conns = [await Conn.open(server.ports["memcache"]) for _ in range(20)]
+        rounds = server.broker.datadir.statistics().rounds
+        for i, conn in enumerate(conns):  # all sent before any is read
+            await conn.send(b"set q 0 0 1\r\n%d\r\n" % (i % 10))
+        for conn in conns:
+            assert await conn.line() == b"STORED"
+        commits = server.broker.datadir.statistics().rounds - rounds
+        # Fewer commits than puts: the sets that arrived together shared one.
+        assert 0 < commits < 20
+        assert server.reactor is not None
+        stats = server.reactor.statistics()
+        assert stats.connections == 20 and stats.requests >= 20 and stats.passes >= commits
+        reader = await Conn.open(server.ports["memcache"])
+        got = [await reader.get("q") for _ in range(20)]
+        assert sorted(got) == sorted(b"%d" % (i % 10) for i in range(20))  # type: ignore[type-var]
+        for conn in [*conns, reader]:
+            await conn.aclose()
+
+
+async def test_a_flood_on_one_connection_does_not_starve_another(tmp_path: Path) -> None:
+    n = 32 * PASS_REQUESTS
+    async with running(reactor_config(tmp_path, fsync="never")) as server:
+        port = server.ports["memcache"]
+        prober = await Conn.open(port)
+        assert await prober.set("b", b"x") == b"STORED"
+        flood = await trio.open_tcp_stream("127.0.0.1", port)
+        async with trio.open_nursery() as nursery:
+            # Read by the server a pass (PASS_REQUESTS) at a time, however much is sent.
+            nursery.start_soon(flood.send_all, b"set a 0 0 1\r\nz\r\n" * n)
+            await trio.sleep(0)
+            # The prober's get is answered while the flood is still being worked through.
+            assert await prober.get("b") == b"x"
+            stored = server.broker.reader_info("a").get("items", 0)
+            assert stored < n
+            got = b""
+            with trio.fail_after(WAIT):
+                while got.count(b"STORED\r\n") < n:
+                    chunk = await flood.receive_some(1 << 16)
+                    assert chunk, "the server closed the flooding connection"
+                    got += chunk
+            assert got == b"STORED\r\n" * n
+        await flood.aclose()
+        assert server.broker.reader_info("a")["items"] == n
+        await prober.aclose()
+
+
+@pytest.mark.parametrize("command", [b"get big", b"get big/peek"])  # in the pass; in a task
+async def test_a_peer_that_never_reads_is_not_read_and_is_closed_at_the_deadline(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, command: bytes) -> None:
+    big = b"v" * 60_000
+    n = 200  # 12 MB of replies if all ran
+    config = reactor_config(tmp_path, fsync="never", request_timeout=400)
+    async with running(config) as server:
+        port = server.ports["memcache"]
+        filler = await Conn.open(port)
+        await filler.send(b"set big 0 0 60000\r\n" + big + b"\r\n")
+        assert await filler.line() == b"STORED"
+        for _ in range(n - 1):
+            assert await filler.set("big", big) == b"STORED"
+        await filler.aclose()
+        hog = socket.create_connection(("127.0.0.1", port))
+        hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        hog.setblocking(False)
+        with caplog.at_level(logging.INFO, logger="queued.server"):
+            pending = (command + b"\r\n") * n
+            with trio.move_on_after(2):
+                while pending:
+                    try:
+                        pending = pending[hog.send(pending):]
+                    except BlockingIOError:
+                        await trio.sleep(0.01)
+            # (the reactor has read what it will read of the hog's requests)
+            await wait_until(lambda: any(link.unsent for link in server.reactor.links.values()))
+            # Replies wait in memory up to about a cap, not the 12 MB the requests ask for ...
+            assert server.reactor is not None
+            links = list(server.reactor.links.values())
+            assert links and all(len(link.unsent) <= BUFFER_CAP + 2 * RECEIVE_SIZE
+                                 for link in links)
+            if command == b"get big":
+                assert server.broker.reader_info("big")["items"] > 0  # ... nor run them all
+            # ... and it is closed once its replies have waited unread for request_timeout.
+            await wait_until(lambda: not server.connections(), why="the hog closed")
+        assert "replies unread within request_timeout" in caplog.text
+        hog.close()
+
+
+async def test_a_trickled_request_completes_and_a_stalled_one_is_closed(
+
+        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
+    async with running(reactor_config(tmp_path, request_timeout=300)) as server:
+        with autojumping(trio_clock):  # (no thread works in this test)
+            conn = await Conn.open(server.ports["memcache"])
+            for byte in b"set q 0 0 2\r\nhi\r\n":
+                await conn.send(bytes([byte]))
+                await trio.sleep(0.005)
+            assert await conn.line() == b"STORED"
+            await conn.send(b"set q 0 0 5\r\nab")  # never finished
+            await conn.expect_closed()
+            assert server.protocols["memcache"].request_timeouts == 1
+            assert server.broker.reader_info("q")["items"] == 1
+
+
+async def test_long_polls_wait_in_line_without_a_task(tmp_path: Path) -> None:
+    async with running(reactor_config(tmp_path)) as server:
+        port = server.ports["memcache"]
+        first, second, producer = [await Conn.open(port) for _ in range(3)]
+        await first.send(b"get q/t=5000\r\n")
+        await wait_until(lambda: server.broker.reader_info("q").get("waiters") == 1)
+        await second.send(b"get q/t=5000\r\n")
+        await wait_until(lambda: server.broker.reader_info("q").get("waiters") == 2)
+        assert await producer.set("q", b"1") == b"STORED"
+        assert await producer.set("q", b"2") == b"STORED"
+        assert await first.read_value("q/t=5000") == b"1"  # first come, first served
+        assert await second.read_value("q/t=5000") == b"2"
+        await first.send(b"get q/t=100\r\n")
+        assert await first.line() == b"END"  # its time ran out
+        for conn in (first, second, producer):
+            await conn.aclose()
+
+
+async def test_a_get_in_the_pass_of_a_put_to_its_queue_waits_for_the_commit(
+        tmp_path: Path) -> None:
+    # Both requests arrive before the reactor runs (plain sockets, no await between the
+    # sends): one pass holds them. The put's item reaches the queue only at the pass's
+    # commit; the get, whichever ran first, is answered after it, with the item.
+    async with running(reactor_config(tmp_path)) as server:
+        port = server.ports["memcache"]
+        warm = await Conn.open(port)
+        assert await warm.set("q", b"0") == b"STORED"
+        assert await warm.get("q") == b"0"  # the queue exists and is empty
+        producer = socket.create_connection(("127.0.0.1", port))
+        consumer = socket.create_connection(("127.0.0.1", port))
+
+        def read(sock: socket.socket, end: bytes) -> bytes:
+            sock.settimeout(WAIT)
+            got = b""
+            while not got.endswith(end):
+                chunk = sock.recv(4096)
+                assert chunk
+                got += chunk
+            return got
+
+        try:
+            for sock in (producer, consumer):  # both accepted and served by the reactor
+                sock.sendall(b"version\r\n")
+                assert (await trio.to_thread.run_sync(read, sock, b"\r\n")).startswith(
+                    b"VERSION")
+            producer.sendall(b"set q 0 0 1\r\n1\r\n")
+            consumer.sendall(b"get q\r\n")
+
+            assert await trio.to_thread.run_sync(read, producer, b"\r\n") == b"STORED\r\n"
+            assert await trio.to_thread.run_sync(read, consumer, b"END\r\n") == (
+                b"VALUE q 0 1\r\n1\r\nEND\r\n")
+        finally:
+            producer.close()
+            consumer.close()
+        await warm.aclose()

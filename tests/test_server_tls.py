@@ -1,0 +1,220 @@
+"""TLS for every listener (queued.server.tls) with certificates made by trustme: every
+protocol over TLS, plaintext and stalled handshakes closed while others carry on, client
+certificates required when configured, certificates re-read on reload with open
+connections carrying on, big items and many records through the transport, garbage after
+the handshake. Real servers on 127.0.0.1 port 0, real TLS clients."""
+
+from __future__ import annotations
+
+import http.client
+import logging
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import trio
+import trustme
+from pymemcache.client.base import Client as MemcacheClient
+from security_util import Pki, tls_conn, tls_open, tls_settings
+from server_util import (
+    HOST,
+    WAIT,
+    Conn,
+    Rpc,
+    make_config,
+    running,
+)
+from wait_util import wait_until
+
+from queued.config import ConfigError
+
+
+async def test_tls_on_every_protocol(tmp_path: Path, pki: Pki) -> None:
+    async with running(make_config(tmp_path / "data", **tls_settings(pki))) as server:
+        ctx = pki.client()
+        mc = tls_conn(await tls_open(server.ports["memcache"], ctx))
+        assert await mc.set("q", b"over tls") == b"STORED"
+        assert await mc.get("q") == b"over tls"
+        text = tls_conn(await tls_open(server.ports["text"], ctx), b"\n")
+        await text.send(b"put q:\nt\n\n")
+        assert await text.line() == b"+1"
+        rpc = Rpc(await tls_open(server.ports["rpc"], ctx))
+        assert await rpc.call("get", "q", 1) == (None, [[2, b"t"]])
+        assert version_ok(await rpc.call("version"))
+        for conn in (mc.stream, text.stream, rpc.stream):
+            await conn.aclose()
+
+        def https() -> int:
+            conn = http.client.HTTPSConnection(HOST, server.ports["http"], timeout=WAIT,
+                                               context=ctx)
+            try:
+                conn.request("GET", "/livez")
+                return conn.getresponse().status
+            finally:
+                conn.close()
+
+        assert await trio.to_thread.run_sync(https) == 200
+
+
+def version_ok(reply: tuple[Any, Any]) -> bool:
+    return reply[0] is None and isinstance(reply[1], str)
+
+
+async def test_plaintext_on_a_tls_port_is_closed_and_others_carry_on(
+        tmp_path: Path, pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
+    async with running(make_config(tmp_path / "data", **tls_settings(pki))) as server:
+        port = server.ports["memcache"]
+        good = tls_conn(await tls_open(port, pki.client()))
+        assert await good.set("q", b"1") == b"STORED"
+        with caplog.at_level(logging.INFO):
+            plain = await Conn.open(port)
+            await plain.send(b"set q 0 0 1\r\nx\r\nget q\r\n")
+            rest = await plain.expect_closed()
+            assert b"STORED" not in rest and b"VALUE" not in rest
+        assert await good.set("q", b"2") == b"STORED"
+        assert await good.get("q") == b"1"
+        assert await good.get("q") == b"2"
+        assert server.protocols["memcache"].tls_handshake_failures == 1
+        assert "TLS handshake failed" in caplog.text
+        await good.stream.aclose()
+
+
+async def test_stalled_handshake_is_closed_after_auth_timeout(tmp_path: Path, pki: Pki) -> None:
+    config = make_config(tmp_path / "data", auth_timeout=300, **tls_settings(pki))
+    async with running(config) as server:
+        idle = await Conn.open(server.ports["rpc"])  # connects, never says hello
+        await idle.expect_closed(timeout=5)
+        assert server.protocols["rpc"].tls_handshake_failures == 1
+
+
+async def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path: Path,
+                                                                 pki: Pki) -> None:
+    config = make_config(tmp_path / "data", **tls_settings(pki, tls_client_ca=str(pki.ca_file)))
+    async with running(config) as server:
+        port = server.ports["memcache"]
+        with pytest.raises(trio.BrokenResourceError):
+            stream = await tls_open(port, pki.client())
+            # TLS 1.3: the refusal of the client's certificate arrives after its handshake
+            conn = tls_conn(stream)
+            await conn.set("q", b"x")
+        assert server.protocols["memcache"].tls_handshake_failures == 1
+        conn = tls_conn(await tls_open(port, pki.client(cert=True)))
+        assert await conn.set("q", b"x") == b"STORED"
+        await conn.stream.aclose()
+
+
+async def test_reload_reads_new_certificates_open_connections_carry_on(
+        tmp_path: Path, pki: Pki) -> None:
+    async with running(make_config(tmp_path / "data", **tls_settings(pki))) as server:
+        port = server.ports["memcache"]
+        old = tls_conn(await tls_open(port, pki.client()))
+        assert await old.set("q", b"1") == b"STORED"
+        new_ca = trustme.CA()
+        pki.issue(new_ca)
+        server.reload()
+        with pytest.raises(trio.BrokenResourceError):  # the old CA no longer vouches
+            await tls_open(port, pki.client())
+        new = tls_conn(await tls_open(port, pki.client(new_ca)))
+        assert await new.get("q") == b"1"
+        assert await old.set("q", b"2") == b"STORED"  # the open connection carries on
+        pki.key.write_text("garbage")
+        with pytest.raises(ConfigError, match="cannot load"):
+            server.reload()
+        again = tls_conn(await tls_open(port, pki.client(new_ca)))  # the last good one
+        assert await again.get("q") == b"2"
+        for conn in (old, new, again):
+            await conn.stream.aclose()
+
+
+async def test_pymemcache_over_tls_with_auth(tmp_path: Path, pki: Pki, users_file: Path) -> None:
+    config = make_config(tmp_path / "data", users_file=str(users_file), **tls_settings(pki))
+    async with running(config) as server:
+        port = server.ports["memcache"]
+        ctx = pki.client()
+
+        def client_work() -> Any:
+            mc = MemcacheClient((HOST, port), default_noreply=False, connect_timeout=WAIT,
+                                timeout=WAIT, tls_context=ctx)
+            try:
+                assert mc.set("login", "alice alice pw") is True
+                assert mc.set("orders", b"secret order") is True
+                return mc.get("orders")
+            finally:
+                mc.close()
+
+        assert await trio.to_thread.run_sync(client_work) == b"secret order"
+
+
+async def test_tls_transport_carries_big_items_and_many_records(tmp_path: Path,
+                                                                pki: Pki) -> None:
+    """Items spanning many TLS records (16 KiB each) both ways, pipelined requests in
+    one flight, an RPC batch; then a clean TLS close (close_notify) ends the session."""
+    async with running(make_config(tmp_path / "data", **tls_settings(pki))) as server:
+        ctx = pki.client()
+        mc = tls_conn(await tls_open(server.ports["memcache"], ctx))
+        big = bytes(range(256)) * 4096  # 1 MiB
+        await mc.send(b"".join(b"set big 0 0 %d\r\n%s\r\n" % (len(big), big) for _ in range(3)))
+        assert [await mc.line() for _ in range(3)] == [b"STORED"] * 3
+        await mc.send(b"get big\r\nget big\r\nget big\r\n")
+        for _ in range(3):
+            assert await mc.read_value("big") == big
+        rpc = Rpc(await tls_open(server.ports["rpc"], ctx))
+        items = [bytes([i]) * 1024 for i in range(100)]
+        assert await rpc.call("put", "r", items) == (None, 100)
+        _, got = await rpc.call("get", "r", 100)
+        assert [data for _, data in got] == items
+        await rpc.stream.aclose()  # sends close_notify
+        await mc.stream.aclose()
+        await wait_until(lambda: not server.connections())
+
+
+async def test_garbage_after_the_handshake_closes_only_that_connection(
+        tmp_path: Path, pki: Pki) -> None:
+    async with running(make_config(tmp_path / "data", **tls_settings(pki))) as server:
+        port = server.ports["memcache"]
+        good = tls_conn(await tls_open(port, pki.client()))
+        bad = await tls_open(port, pki.client())
+        forged = b"\x17\x03\x03\x00\x10" + b"\x00" * 16  # an application record, not theirs
+        await bad.transport_stream.send_all(forged)
+        with trio.fail_after(WAIT):
+            with pytest.raises(trio.BrokenResourceError):
+                while await bad.receive_some(100):
+                    pass
+                raise trio.BrokenResourceError("closed")
+        assert await good.set("q", b"still here") == b"STORED"
+        await good.stream.aclose()
+
+
+@pytest.mark.parametrize(("proto", "hello"), [
+    ("memcache", b"get q\r\n"),
+    ("text", b"get q\n"),
+    ("rpc", msgpack.packb([0, 1, "get", ["q", 1]])),
+    ("http", b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n"),
+])
+async def test_every_tls_port_refuses_plaintext_and_a_missing_client_certificate(
+        tmp_path: Path, pki: Pki, proto: str, hello: bytes) -> None:
+    # (msgpack's first byte has the high bit set: OpenSSL reads an SSLv2 hello header
+    # announcing 5 KiB and waits for it, so that handshake ends at auth_timeout)
+    config = make_config(tmp_path / "data", auth_timeout=1000,
+                         **tls_settings(pki, tls_client_ca=str(pki.ca_file)))
+    async with running(config) as server:
+        port = server.ports[proto]
+        plain = await Conn.open(port)
+        await plain.send(hello)
+        rest = await plain.expect_closed()
+        assert not rest.startswith((b"END", b"*", b"HTTP")), rest  # no plaintext answer
+        with pytest.raises(trio.BrokenResourceError):
+            stream = await tls_open(port, pki.client())  # no client certificate
+            await stream.send_all(hello)
+            with trio.fail_after(WAIT):
+                while await stream.receive_some(100):
+                    pass
+        ok = await tls_open(port, pki.client(cert=True))
+        await ok.send_all(hello)
+        with trio.fail_after(WAIT):
+            assert await ok.receive_some(100)  # answered
+        await ok.aclose()
+        stats = (server.protocols[proto] if proto != "http" else None)
+        if stats is not None:
+            assert stats.tls_handshake_failures == 2
