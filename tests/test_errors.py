@@ -50,8 +50,6 @@ def test_config_error_is_a_queued_error() -> None:
     assert issubclass(ConfigError, QueuedError)
 
 
-@pytest.mark.xfail(strict=True, reason="queued.server.tls.TlsError derives from Exception, "
-                   "not QueuedError (STYLE habit 3); strict: passes once it is fixed")
 def test_every_public_exception_is_a_queued_error_or_a_trio_signal() -> None:
     outside = [f"{cls.__module__}.{cls.__name__}" for cls in public_exceptions()
                if not issubclass(cls, (QueuedError, trio.WouldBlock))]

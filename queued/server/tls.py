@@ -21,13 +21,14 @@ from pathlib import Path
 
 import trio
 
+from queued.errors import QueuedError
 from queued.server.transport import SocketTransport
 from queued.wire.tls_records import read_records
 
 log = logging.getLogger("queued.server")
 
 
-class TlsError(Exception):
+class TlsError(QueuedError):
     """The certificate, key or CA files cannot be used; the message names them."""
 
 
