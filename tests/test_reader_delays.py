@@ -5,25 +5,14 @@ of. The queue-level behaviour (aborts with a delay, recovery) is tests/test_dela
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from hypothesis import given
 from hypothesis import strategies as st
+from reader_util import T0, Limits
 
 from queued.journal.format import DelayedPut, Put
 from queued.reader.delays import delay_key, key_due, key_id, key_size
 from queued.reader.shared import NO_ITEMS
 from queued.reader.state import Reader
-
-T0 = 1_700_000_000_000
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_items: int = 0
-    max_size: int = 0
-    max_memory_size: int = 1 << 20
-    discard_old_when_full: bool = False
 
 
 def delayed(i: int, due: int, size: int = 10) -> DelayedPut:
