@@ -24,6 +24,7 @@ import trio
 from pymemcache.client.base import Client as MemcacheClient
 from wait_util import WAIT, wait_for
 
+from queued.client import Client
 from queued.config import ServerConfig, load_config
 from queued.server.app import serve
 from queued.server.listeners import Server
@@ -231,6 +232,19 @@ async def in_thread(fn: Callable[[], T]) -> T:
     return await trio.to_thread.run_sync(fn)
 
 
+def drain_queue(addr: str, queue: str, rounds: int = 1000) -> list[bytes]:
+    """Every item of `queue` at the RPC address `addr`, in the order the server hands them
+    out, taken 10,000 at a time (a queue not dry after `rounds` takes fails)."""
+    out: list[bytes] = []
+    with Client(addr) as c:
+        for _ in range(rounds):
+            got = c.get(queue, 10_000, timeout_ms=0)
+            if not got:
+                return out
+            out += [it.data for it in got]
+    raise AssertionError(f"queue {queue} did not run dry")
+
+
 def rpc_call(port: int, method: str, params: list[Any]) -> Any:
     """One call on a fresh socket, written from the msgpack-rpc spec: its [error, result]."""
     with socket.create_connection((HOST, port), timeout=WAIT) as s:
@@ -309,6 +323,11 @@ class ServerProcess:
     @property
     def rpc(self) -> int:
         return self.ports["rpc"]
+
+    @property
+    def rpc_address(self) -> str:
+        """host:port of its RPC port, as `queued.client.Client` takes it."""
+        return f"{self.host}:{self.rpc}"
 
     @property
     def http(self) -> int:

@@ -23,9 +23,8 @@ from typing import Any
 
 import pytest
 import trio
-from server_util import ServerProcess
+from server_util import ServerProcess, drain_queue
 
-from queued.client import Client
 from queued.storage.datadir import open_data_dir
 
 try:
@@ -123,17 +122,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         proc.kill()
 
 
-def drain(addr: str, queue: str) -> list[bytes]:
-    out: list[bytes] = []
-    with Client(addr) as c:
-        for _ in range(100):
-            got = c.get(queue, 10_000, timeout_ms=0)
-            if not got:
-                return out
-            out += [it.data for it in got]
-    raise AssertionError(f"queue {queue} did not run dry")
-
-
 def test_a_batch_read_through_connect(remote: Any, journal: Path) -> None:
     df = remote.read.format("queued").load(str(journal))
     assert type(df).__module__.startswith("pyspark.sql.connect")  # a Connect plan
@@ -158,7 +146,7 @@ def test_a_batch_write_through_connect(remote: Any, server: ServerProcess) -> No
     df = remote.range(500).selectExpr("cast(concat('w-', cast(id as string)) as binary) as data")
     (df.write.format("queued").mode("append").option("server", addr).option("queue", "cw")
      .option("idempotency_key", "connect-batch").save())
-    assert sorted(drain(addr, "cw")) == sorted(b"w-%d" % i for i in range(500))
+    assert sorted(drain_queue(addr, "cw")) == sorted(b"w-%d" % i for i in range(500))
 
 
 def test_a_stream_write_through_connect_stores_each_row_once(
@@ -171,5 +159,5 @@ def test_a_stream_write_through_connect_stores_each_row_once(
          .start())
     assert q.awaitTermination(180)
     assert q.exception() is None
-    got = Counter(drain(addr, "cs"))
+    got = Counter(drain_queue(addr, "cs"))
     assert set(got) == {b"job-%d" % i for i in range(1, 601)} and set(got.values()) == {1}

@@ -32,7 +32,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_util import ServerProcess
+from server_util import ServerProcess, drain_queue
 
 from queued.client import Client
 from queued.config import JournalConfig
@@ -69,21 +69,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield proc
     finally:
         proc.kill()
-
-
-def address(server: ServerProcess) -> str:
-    return f"127.0.0.1:{server.rpc}"
-
-
-def drain(addr: str, queue: str) -> list[bytes]:
-    out: list[bytes] = []
-    with Client(addr) as c:
-        for _ in range(1000):
-            got = c.get(queue, 10_000, timeout_ms=0)
-            if not got:
-                return out
-            out += [it.data for it in got]
-    raise AssertionError(f"queue {queue} did not run dry")
 
 
 def tally(expected: set[bytes], stored: list[bytes], what: str) -> tuple[int, int, int]:
@@ -167,7 +152,7 @@ def test_chunks_depend_on_the_rows_alone(rows: list[tuple[str, int | None, bytes
 
 def test_a_rerun_meets_the_first_runs_puts_and_one_with_other_rows_is_detected(
         server: ServerProcess) -> None:
-    addr = address(server)
+    addr = server.rpc_address
     run = RunKey.for_job("unit", 3)
     rows = [b"r%d" % i for i in range(10)]
     with Client(addr) as c:
@@ -185,7 +170,7 @@ def test_a_rerun_meets_the_first_runs_puts_and_one_with_other_rows_is_detected(
         assert (again.stored, again.found, again.diverged) == (0, 10, 0)
         other_run = send("eo_same", [rows[:4]], RunKey.for_job("unit", 4))  # partition 4
         assert other_run.stored == 4
-        assert Counter(drain(addr, "eo_same")) == Counter(rows + rows[:4])
+        assert Counter(drain_queue(addr, "eo_same")) == Counter(rows + rows[:4])
 
         # A run that stopped between the first chunk's two puts, then its re-run: once.
         group = run.group("eo_half", 0)
@@ -193,14 +178,14 @@ def test_a_rerun_meets_the_first_runs_puts_and_one_with_other_rows_is_detected(
         c.put_sequenced("eo_half", half[0][:-1], content_id(group, 1, half[0]), 1)
         rerun = send("eo_half", half)
         assert (rerun.stored, rerun.found, rerun.diverged) == (8, 2, 0)
-        assert drain(addr, "eo_half") == rows
+        assert drain_queue(addr, "eo_half") == rows
 
         # A re-run whose chunks hold the rows in another order: every row stored, and the
         # first chunk, which an earlier run completed with other rows, counted.
         send("eo_diverge", [rows[:5], rows[5:]])
         flipped = send("eo_diverge", [rows[::-1][:5], rows[::-1][5:]])
         assert flipped.diverged == 1 and flipped.found == 0 and flipped.stored == 10
-        assert Counter(drain(addr, "eo_diverge")) == Counter(rows + rows)
+        assert Counter(drain_queue(addr, "eo_diverge")) == Counter(rows + rows)
 
 
 def test_a_task_whose_input_ended_early_is_told_apart_from_a_complete_one() -> None:
@@ -237,7 +222,7 @@ def test_a_task_whose_input_ended_early_is_told_apart_from_a_complete_one() -> N
 
 
 def test_a_delay_column_delays_each_row_by_its_own_ms(server: ServerProcess) -> None:
-    addr = address(server)
+    addr = server.rpc_address
     schema = StructType([StructField("delay", LongType()), StructField("data", BinaryType())])
     writer = QueuedWriter({"server": addr, "queue": "dly", "delay_ms": "0"}, schema)
     batch = pa.RecordBatch.from_pydict(
@@ -260,7 +245,7 @@ def test_a_delay_column_delays_each_row_by_its_own_ms(server: ServerProcess) -> 
     bad = pa.RecordBatch.from_pydict({"delay": [5, -1], "data": [b"x", b"y"]})
     with pytest.raises(QueuedDataSourceError, match="column `delay` holds -1"):
         writer.write(iter([bad]))
-    assert drain(addr, "dly") == []  # refused before any put
+    assert drain_queue(addr, "dly") == []  # refused before any put
 
 
 def test_exactly_once_options_are_checked() -> None:
@@ -279,7 +264,7 @@ def test_exactly_once_options_are_checked() -> None:
 
 def test_idempotency_key_makes_a_batch_write_run_again_store_nothing_twice(
         spark: Any, server: ServerProcess) -> None:
-    addr = address(server)
+    addr = server.rpc_address
     df = spark.range(1000, numPartitions=2).selectExpr(
         "cast(concat('k-', cast(id as string)) as binary) as data",
         "if(id % 2 = 0, array(named_struct('key', 'n', 'value', cast(cast(id as string) "
@@ -297,10 +282,10 @@ def test_idempotency_key_makes_a_batch_write_run_again_store_nothing_twice(
         items = c.get("idem", 5000, with_headers=True)
     assert all(it.headers == ({"n": str(int(it.data[2:])).encode()}
                               if int(it.data[2:]) % 2 == 0 else {}) for it in items)
-    assert tally(expected, [it.data for it in items] + drain(addr, "idem"),
+    assert tally(expected, [it.data for it in items] + drain_queue(addr, "idem"),
                  "idempotency_key, job run twice")[2] == 0
     save("nightly-2026-11-29")  # another key: stored again
-    assert Counter(drain(addr, "idem")) == Counter(expected)
+    assert Counter(drain_queue(addr, "idem")) == Counter(expected)
 
 
 def test_a_server_killed_mid_batch_and_restarted_stores_each_row_once(
@@ -308,7 +293,7 @@ def test_a_server_killed_mid_batch_and_restarted_stores_each_row_once(
     rows = [b"row-%06d-" % i + b"x" * 90 for i in range(8000)]
     trio.run(write_journal, tmp_path / "journal", rows, 500)
     server = ServerProcess(tmp_path / "data", tmp_path / "server.log").start()
-    addr = address(server)
+    addr = server.rpc_address
     try:
         q = (spark.readStream.format("queued").option("maxOffsetsPerTrigger", 2000)
              .load(str(tmp_path / "journal")).select("data")
@@ -328,7 +313,7 @@ def test_a_server_killed_mid_batch_and_restarted_stores_each_row_once(
         server.start(rpc_port=server.rpc)
         assert q.awaitTermination(240)
         assert q.exception() is None
-        stored = drain(addr, "sk")
+        stored = drain_queue(addr, "sk")
     finally:
         server.kill()
     assert tally(set(rows), stored, "server SIGKILLed mid-batch")[2] == 0
@@ -343,7 +328,7 @@ def faults(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> P
     work = root / "work"
     work.mkdir()
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
-    cmd = [sys.executable, str(DRIVER), str(root / "journal"), address(server), str(work)]
+    cmd = [sys.executable, str(DRIVER), str(root / "journal"), server.rpc_address, str(work)]
     with (root / "first.log").open("wb") as log:
         first = subprocess.Popen([*cmd, "--pause"], stdout=log, stderr=log, env=env,
                                  start_new_session=True)
@@ -374,7 +359,7 @@ def test_a_task_retried_after_the_sink_stored_some_rows_stores_each_row_once(
         faults: Path, server: ServerProcess) -> None:
     assert (faults / "retry.failed-once").exists()  # the first attempt did fail
     expected = expected_rows(faults, "retry")
-    assert tally(expected, drain(address(server), "retry"), "task retry")[2] == 0
+    assert tally(expected, drain_queue(server.rpc_address, "retry"), "task retry")[2] == 0
 
 
 def test_a_driver_killed_mid_batch_and_restarted_from_its_checkpoint_stores_each_row_once(
@@ -383,16 +368,17 @@ def test_a_driver_killed_mid_batch_and_restarted_from_its_checkpoint_stores_each
     log = (faults.parent / "again.log").read_text()
     assert "micro-batch 2: " in log and "were stored before" in log  # the restart re-ran it
     expected = expected_rows(faults, "killed")
-    assert tally(expected, drain(address(server), "killed"), "driver SIGKILL")[2] == 0
+    assert tally(expected, drain_queue(server.rpc_address, "killed"), "driver SIGKILL")[2] == 0
     steady = expected_rows(faults, "steady")
-    assert tally(steady, drain(address(server), "steady"), "micro-batch 0")[2] == 0
+    assert tally(steady, drain_queue(server.rpc_address, "steady"), "micro-batch 0")[2] == 0
 
 
 def test_a_rerun_with_other_rows_is_detected_and_loses_no_row(
         faults: Path, server: ServerProcess) -> None:
     assert (faults / "diverge.failed-once").exists()
     expected = expected_rows(faults, "diverge")
-    _, _, dups = tally(expected, drain(address(server), "diverge"), "re-run with other rows")
+    stored = drain_queue(server.rpc_address, "diverge")
+    _, _, dups = tally(expected, stored, "re-run with other rows")
     log = (faults.parent / "first.log").read_text()
     assert "micro-batch 1 had run before with other rows in 1 chunks" in log  # detected
     # The first attempt stored whole chunks; the reversed re-run stored every row again

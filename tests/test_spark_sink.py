@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import trio
 from security_util import Pki, users_toml
-from server_util import ServerProcess
+from server_util import ServerProcess, drain_queue
 
 from queued.client import Client
 from queued.storage.datadir import open_data_dir
@@ -43,22 +43,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         proc.kill()
 
 
-def address(server: ServerProcess) -> str:
-    return f"127.0.0.1:{server.rpc}"
-
-
-def drain(addr: str, queue: str) -> list[bytes]:
-    """Every item of the queue, in the order the server hands them out (id order)."""
-    out: list[bytes] = []
-    with Client(addr) as c:
-        for _ in range(1000):
-            got = c.get(queue, 10_000, timeout_ms=0)
-            if not got:
-                return out
-            out += [it.data for it in got]
-    raise AssertionError(f"queue {queue} did not run dry")
-
-
 def save(df: Any, addr: str, **options: str) -> None:
     df.write.format("queued").mode("append").option("server", addr).options(**options).save()
 
@@ -78,11 +62,11 @@ def test_each_queue_gets_its_rows_in_partition_order(
         " repeat('x', cast(id % 50 as int))) as binary) as data")
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "128")
     try:
-        save(df, address(server), **options)
+        save(df, server.rpc_address, **options)
     finally:
         spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
     for k in range(3):
-        items = drain(address(server), f"{prefix}{k}")
+        items = drain_queue(server.rpc_address, f"{prefix}{k}")
         parsed = [tuple(int(x) for x in it.split(b":")[:2]) for it in items]
         assert sorted(i for _, i in parsed) == list(range(k, n, 3))  # each exactly once
         assert all(it.endswith(b":" + b"x" * (i % 50)) for it, (_, i) in zip(
@@ -94,14 +78,14 @@ def test_each_queue_gets_its_rows_in_partition_order(
 
 def test_queue_column_routes_rows_and_null_queues_take_the_option(
         spark: Any, server: ServerProcess) -> None:
-    addr = address(server)
+    addr = server.rpc_address
     rows = [("route_a", "a0"), (None, "d0"), ("route_b", "b0"), ("route_a", "a1"),
             (None, "d1"), ("route_b", "b1"), ("route_a", "a2")]
     df = spark.createDataFrame(rows, "queue string, data string").coalesce(1)
     save(df, addr, queue="route_default")
-    assert drain(addr, "route_a") == [b"a0", b"a1", b"a2"]
-    assert drain(addr, "route_b") == [b"b0", b"b1"]
-    assert drain(addr, "route_default") == [b"d0", b"d1"]
+    assert drain_queue(addr, "route_a") == [b"a0", b"a1", b"a2"]
+    assert drain_queue(addr, "route_b") == [b"b0", b"b1"]
+    assert drain_queue(addr, "route_default") == [b"d0", b"d1"]
 
     with pytest.raises(Exception, match="rows with a null `queue` and there is no"):
         save(df, addr)
@@ -110,12 +94,12 @@ def test_queue_column_routes_rows_and_null_queues_take_the_option(
         save(bad, addr)
     with pytest.raises(Exception, match="column `data` must be binary or string, not int"):
         save(spark.createDataFrame([(1,)], "data int"), addr, queue="route_a")
-    assert drain(addr, "route_a") == []  # every refusal came before any put
+    assert drain_queue(addr, "route_a") == []  # every refusal came before any put
 
 
 def test_null_data_is_an_error_unless_skip_null_data(
         spark: Any, server: ServerProcess) -> None:
-    addr = address(server)
+    addr = server.rpc_address
     rows = [(b"n0",), (None,), (b"n1",), (None,), (b"n2",)]
     df = spark.createDataFrame(rows, "data binary").coalesce(1)
     with pytest.raises(Exception, match=re.escape(
@@ -123,9 +107,9 @@ def test_null_data_is_an_error_unless_skip_null_data(
             'partition; rows before it may already be stored): filter them out, or set '
             '.option("skip_null_data", "true") to skip them')):
         save(df, addr, queue="nulls")
-    assert drain(addr, "nulls") == []  # the null came in the first batch: nothing sent
+    assert drain_queue(addr, "nulls") == []  # the null came in the first batch: nothing sent
     save(df, addr, queue="nulls", skip_null_data="true")
-    assert drain(addr, "nulls") == [b"n0", b"n1", b"n2"]
+    assert drain_queue(addr, "nulls") == [b"n0", b"n1", b"n2"]
     with pytest.raises(Exception, match="option skip_null_data must be true or false"):
         save(df, addr, queue="nulls", skip_null_data="maybe")
     with pytest.raises(Exception, match="option expiration_ms must be a whole number"):
@@ -135,7 +119,7 @@ def test_null_data_is_an_error_unless_skip_null_data(
 def test_commit_message_counts_rows_puts_and_skipped_rows(server: ServerProcess) -> None:
     # The writer's write() called directly (as a Spark task does) on Arrow batches.
     schema = StructType([StructField("queue", StringType()), StructField("data", BinaryType())])
-    writer = QueuedWriter({"server": address(server), "batch_size": "2", "queue": "cm_d",
+    writer = QueuedWriter({"server": server.rpc_address, "batch_size": "2", "queue": "cm_d",
                            "skip_null_data": "true"}, schema)
     batches = [
         pa.RecordBatch.from_pydict({"queue": ["cm_a", None, "cm_a", "cm_b"],
@@ -145,9 +129,9 @@ def test_commit_message_counts_rows_puts_and_skipped_rows(server: ServerProcess)
     commit = writer.write(iter(batches))
     # cm_a gets 1 and 4 (one put), cm_d 2, cm_b 3: three puts, two null rows skipped.
     assert commit == WriteCommit(rows=4, puts=3, skipped=2)
-    assert drain(address(server), "cm_a") == [b"1", b"4"]
-    assert drain(address(server), "cm_d") == [b"2"]
-    assert drain(address(server), "cm_b") == [b"3"]
+    assert drain_queue(server.rpc_address, "cm_a") == [b"1", b"4"]
+    assert drain_queue(server.rpc_address, "cm_d") == [b"2"]
+    assert drain_queue(server.rpc_address, "cm_b") == [b"3"]
 
 
 def test_an_item_over_the_servers_max_item_size_fails_the_write(
@@ -156,7 +140,7 @@ def test_an_item_over_the_servers_max_item_size_fails_the_write(
     config.write_text("[server]\nmax_item_size = 4096\n\n[queues.tiny]\nmax_items = 2\n")
     server = ServerProcess(tmp_path / "data", tmp_path / "server.log", config).start()
     try:
-        addr = address(server)
+        addr = server.rpc_address
         df = spark.createDataFrame([(b"small",), (b"y" * 5000,), (b"after",)],
                                    "data binary").coalesce(1)
         with pytest.raises(Exception, match=re.escape(
@@ -164,7 +148,7 @@ def test_an_item_over_the_servers_max_item_size_fails_the_write(
                 "item over the server's max_item_size (4096 bytes)")) as info:
             save(df, addr, queue="big")
         assert "its largest item has 5000 bytes" in str(info.value)
-        assert drain(addr, "big") == []  # the put was refused whole
+        assert drain_queue(addr, "big") == []  # the put was refused whole
         # A full queue: the third one-item put is refused, the first two are stored.
         writer = QueuedWriter({"server": addr, "queue": "tiny", "batch_size": "1"},
                               StructType([StructField("data", BinaryType())]))
@@ -172,7 +156,7 @@ def test_an_item_over_the_servers_max_item_size_fails_the_write(
                 f"a put of 1 items into queue 'tiny' on {addr} was refused: QUEUE_FULL")
                 + ".*consume it or raise the limit"):
             writer.write(iter([pa.RecordBatch.from_pydict({"data": [b"1", b"2", b"3"]})]))
-        assert drain(addr, "tiny") == [b"1", b"2"]
+        assert drain_queue(addr, "tiny") == [b"1", b"2"]
     finally:
         server.kill()
 
@@ -195,7 +179,7 @@ def test_puts_fail_over_to_the_next_server(tmp_path: Path) -> None:
     b = ServerProcess(tmp_path / "b", tmp_path / "b.log").start()
     try:
         schema = StructType([StructField("data", BinaryType())])
-        writer = QueuedWriter({"server": f"{address(a)},{address(b)}", "queue": "fo",
+        writer = QueuedWriter({"server": f"{a.rpc_address},{b.rpc_address}", "queue": "fo",
                                "batch_size": "10"}, schema)
 
         def batches() -> Iterator[pa.RecordBatch]:
@@ -205,9 +189,9 @@ def test_puts_fail_over_to_the_next_server(tmp_path: Path) -> None:
 
         commit = writer.write(batches())
         assert (commit.rows, commit.puts) == (80, 8)
-        on_b = drain(address(b), "fo")
+        on_b = drain_queue(b.rpc_address, "fo")
         a.start()
-        on_a = drain(address(a), "fo")  # acknowledged before the kill: still there
+        on_a = drain_queue(a.rpc_address, "fo")  # acknowledged before the kill: still there
         assert sorted(on_a + on_b) == sorted([b"first-%d" % i for i in range(40)]
                                              + [b"second-%d" % i for i in range(40)])
         assert on_a and all(x.startswith(b"first-") for x in on_a)
@@ -234,7 +218,7 @@ def test_tls_and_login_options(spark: Any, tmp_path: Path) -> None:
                       f'users_file = "{users}"\n')
     proc = ServerProcess(tmp_path / "data", tmp_path / "server.log", config).start()
     try:
-        addr = address(proc)
+        addr = proc.rpc_address
         login = {"user": "writer", "password": "w pw"}
         df = spark.createDataFrame([(b"s1",), (b"s2",)], "data binary").coalesce(1)
         save(df, addr, queue="sec", tls_ca=str(pki.ca_file), **login)
