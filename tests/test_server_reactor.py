@@ -23,6 +23,7 @@ import trio.testing
 from server_util import WAIT, Conn, data_files, make_config, running
 from wait_util import autojumping, wait_until
 
+from queued.server import reactor
 from queued.server.reactor import BUFFER_CAP, PASS_REQUESTS
 from queued.server.task_path import RECEIVE_SIZE
 from queued.storage import fileio
@@ -223,6 +224,14 @@ class HeldSyncs(fileio.FileIO):
         super().sync_files(fds, directory)
 
 
+@pytest.fixture
+def off_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pass's sync off the loop, whether another connection waits or not (the
+    tests below hold a sync and serve other connections meanwhile; a sync made on the
+    loop would hold it all)."""
+    monkeypatch.setattr(reactor, "SYNC_OFF_LOOP_ALWAYS", True)
+
+
 @contextlib.contextmanager
 def held_syncs() -> Iterator[HeldSyncs]:
     fs = HeldSyncs()
@@ -243,7 +252,7 @@ async def no_reply(conn: Conn, seconds: float = 0.2) -> bool:
 
 
 async def test_a_pass_waits_for_its_sync_while_the_next_passes_serve_others(
-        tmp_path: Path) -> None:
+        tmp_path: Path, off_loop: None) -> None:
     """Under fsync always a pass's replies wait for its sync, which runs off the loop:
     meanwhile other connections are served (a get, a put written behind it), and the
     put's item is not visible before it is durable."""
@@ -271,7 +280,7 @@ async def test_a_pass_waits_for_its_sync_while_the_next_passes_serve_others(
 
 
 async def test_a_failed_sync_fails_its_pass_and_the_passes_written_behind_it(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, off_loop: None, caplog: pytest.LogCaptureFixture) -> None:
     """The fsync of a's pass fails; b's put to the same file was written behind it
     meanwhile and its own fsync succeeds (the error was reported once): neither put is
     acknowledged nor delivered, and the file refuses writes from then on."""
@@ -301,7 +310,7 @@ async def test_a_failed_sync_fails_its_pass_and_the_passes_written_behind_it(
 
 
 async def test_deleting_a_queue_waits_for_the_sync_of_a_pass_in_flight(
-        tmp_path: Path) -> None:
+        tmp_path: Path, off_loop: None) -> None:
     async with running(reactor_config(tmp_path, fsync="always")) as server:
         port = server.ports["memcache"]
         a, b = await Conn.open(port), await Conn.open(port)
@@ -321,7 +330,7 @@ async def test_deleting_a_queue_waits_for_the_sync_of_a_pass_in_flight(
             await conn.aclose()
 
 
-async def test_a_shutdown_finishes_the_sync_in_flight(tmp_path: Path) -> None:
+async def test_a_shutdown_finishes_the_sync_in_flight(tmp_path: Path, off_loop: None) -> None:
     config = reactor_config(tmp_path, fsync="always")
     with held_syncs() as fs:
         with trio.fail_after(WAIT):
@@ -339,3 +348,32 @@ async def test_a_shutdown_finishes_the_sync_in_flight(tmp_path: Path) -> None:
         assert await c.get("q") == b"0"
         assert await c.get("q") == b"1"
         await c.aclose()
+
+
+class SyncThreads(fileio.FileIO):
+    """Records the thread of every fsync."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def fsync(self, fd: int) -> None:
+        self.threads.append(threading.current_thread().name)
+        super().fsync(fd)
+
+
+async def test_a_lone_connections_pass_syncs_on_the_loop(tmp_path: Path) -> None:
+    """With no other connection to serve meanwhile, a hand-off to the sync thread would
+    only add its cost (a client with one request in flight, alone): the pass syncs
+    itself."""
+    async with running(reactor_config(tmp_path, fsync="always")) as server:
+        a = await Conn.open(server.ports["memcache"])
+        assert await a.set("q", b"0") == b"STORED"
+        fs = SyncThreads()
+        previous = fileio.use(fs)
+        try:
+            for i in range(5):
+                assert await a.set("q", b"%d" % i) == b"STORED"
+        finally:
+            fileio.use(previous)
+        assert fs.threads == [threading.main_thread().name] * 5
+        await a.aclose()

@@ -66,12 +66,12 @@ class Broker(GetPath, AdminOps):
         (the reactor's pass); False, nothing done, while a writer round is under way."""
         return self.datadir.commit_now()
 
-    def commit_begin(self) -> PassCommit | bool:
-        """`commit_now` whose fsyncs (fsync `always`) run off the loop: True, all done;
-        a PassCommit, written, to finish with `commit_end` once `commit.job.done` (in
-        order); False, nothing done: finish the passes in flight, `wait_round`, again
-        (queued.storage.datadir.DataDir.commit_begin)."""
-        return self.datadir.commit_begin()
+    def commit_begin(self, *, off_loop: bool = True) -> PassCommit | bool:
+        """`commit_now` whose fsyncs (fsync `always`) run off the loop if `off_loop`:
+        True, all done; a PassCommit, written, to finish with `commit_end` once
+        `commit.job.done` (in order); False, nothing done: finish the passes in flight,
+        `wait_round`, again (queued.storage.datadir.DataDir.commit_begin)."""
+        return self.datadir.commit_begin(off_loop=off_loop)
 
     def commit_end(self, commit: PassCommit) -> None:
         """A pass's sync is done: its tickets resolved (its puts can end)."""

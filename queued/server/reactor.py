@@ -44,6 +44,9 @@ PASS_REQUESTS = 1024
 BUFFER_CAP = 256 * 1024
 #: Passes in a row without going through trio's scheduler.
 YIELD_EVERY = 8
+#: Under fsync always a pass's syncs run off the loop (queued.storage.pass_sync) when
+#: another connection waits to be served meanwhile; with this, every time.
+SYNC_OFF_LOOP_ALWAYS = False
 
 _GONE = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT,
                    errno.EBADF, errno.ESHUTDOWN, errno.ECONNABORTED})
@@ -527,7 +530,10 @@ class Reactor:
         finally:
             broker.defer_writes(False)
             self.in_pass = False
-        while (commit := broker.commit_begin()) is False:
+        # Its syncs go off the loop when another connection waits to be served meanwhile;
+        # else they are made here (a hand-off to the thread would only add its cost).
+        off_loop = SYNC_OFF_LOOP_ALWAYS or bool(self.syncing) or self._others_waiting(touched)
+        while (commit := broker.commit_begin(off_loop=off_loop)) is False:
             await self._drain()  # (a checkpoint's round, say, or a file to open: rare)
             await broker.wait_round()
         if commit is True:
@@ -538,6 +544,20 @@ class Reactor:
             if not (link.in_task or link.closing):
                 link.syncing = True
         self.syncing.append((commit, batch, touched))
+
+    def _others_waiting(self, touched: list[Link]) -> bool:
+        """A connection outside this pass has something to be read or run now."""
+        if self.again:
+            return True
+        links = self.links
+        events = self.epoll.poll(0)
+        if events:
+            mine = {link.fd for link in touched}
+            for fd, ev in events:
+                link = links.get(fd)
+                if link is not None and ev & _IN and fd not in mine and not link.syncing:
+                    return True
+        return False
 
     def _collect(self) -> None:
         """Answer the passes whose sync is done, in the order they were made."""

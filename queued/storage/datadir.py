@@ -516,13 +516,14 @@ class DataDir:
             self._wake.set()
         return True
 
-    def commit_begin(self) -> PassCommit | bool:
+    def commit_begin(self, *, off_loop: bool = True) -> PassCommit | bool:
         """`commit_now` for a pass that need not wait for its fsyncs on the loop: every
         planned change written here and now; where a file's policy is fsync `always` its
         sync runs off the loop (queued.storage.pass_sync) while the caller goes on, and
         the PassCommit returned is finished with `commit_end` once its job is `done`
         (passes finish in the order begun). True: all done already (nothing planned, or
-        nothing owed a sync and no earlier pass's sync in flight: `commit_now`). False,
+        nothing owed a sync, or not `off_loop`, with no earlier pass's sync in flight:
+        `commit_now`, syncs and all). False,
         nothing done: a writer round or pause is under way, or this commit must open or
         close a file while an earlier pass's sync is in flight; the caller finishes its
         passes in flight, waits for the round (`wait_round`) and calls again."""
@@ -533,7 +534,7 @@ class DataDir:
         in_flight = self._writer.pass_sync.in_flight
         if in_flight and any(_opens_files(j) for j in self._dirty):
             return False  # (files stay open while a sync in flight may use them)
-        if not in_flight and not any(_owes_sync(j) for j in self._dirty):
+        if not in_flight and not (off_loop and any(_owes_sync(j) for j in self._dirty)):
             return self.commit_now()
         work = [(j, j.take_pending()) for j in self._dirty]
         readers = [(j, ops) for j in self._dirty if (ops := j.take_reader_ops())]
