@@ -238,7 +238,7 @@ class TaskPath:
                      extra={"event": "request_timeout", "peer": self.name})
         self.done = True
 
-    async def _receive(self) -> bytes:
+    async def _receive(self) -> bytes | bytearray:
         data = await self.transport.receive(RECEIVE_SIZE)
         self.counters.bytes_read += len(data)
         if data:
