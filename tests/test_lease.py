@@ -34,8 +34,8 @@ SHORT = '[queues.t]\nopen_transaction_timeout = "300ms"\n'
 
 async def test_memcache_touch_extends_an_open_read_past_its_first_timeout(
         tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
-    async with running(cfg(tmp_path, SHORT)) as server:
-        with autojumping(trio_clock):  # (no thread works in this test)
+    async with running(cfg(tmp_path, SHORT, fsync="never")) as server:
+        with autojumping(trio_clock):  # (fsync never: no thread at work)
             port = server.ports["memcache"]
             worker, other = await Conn.open(port), await Conn.open(port)
             assert await worker.set("t", b"job") == b"STORED"
@@ -66,8 +66,8 @@ async def test_memcache_touch_without_an_open_read_is_not_found(tmp_path: Path) 
 
 async def test_touched_read_still_times_out_at_its_new_deadline(
         tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
-    async with running(cfg(tmp_path, SHORT)) as server:
-        with autojumping(trio_clock):  # (no thread works in this test)
+    async with running(cfg(tmp_path, SHORT, fsync="never")) as server:
+        with autojumping(trio_clock):  # (fsync never: no thread at work)
             port = server.ports["memcache"]
             worker, other = await Conn.open(port), await Conn.open(port)
             assert await worker.set("t", b"job") == b"STORED"
@@ -82,8 +82,8 @@ async def test_touched_read_still_times_out_at_its_new_deadline(
 
 async def test_text_touch_extends_a_monitor_read(
         tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
-    async with running(cfg(tmp_path, SHORT)) as server:
-        with autojumping(trio_clock):  # (no thread works in this test)
+    async with running(cfg(tmp_path, SHORT, fsync="never")) as server:
+        with autojumping(trio_clock):  # (fsync never: no thread at work)
             text = await Conn.open(server.ports["text"], b"\n")
             other = await Conn.open(server.ports["memcache"])
             assert await other.set("t", b"job") == b"STORED"
@@ -100,8 +100,8 @@ async def test_text_touch_extends_a_monitor_read(
 
 async def test_rpc_extend_and_a_read_the_connection_does_not_hold(
         tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
-    async with running(cfg(tmp_path, SHORT)) as server:
-        with autojumping(trio_clock):  # (no thread works in this test)
+    async with running(cfg(tmp_path, SHORT, fsync="never")) as server:
+        with autojumping(trio_clock):  # (fsync never: no thread at work)
             port = server.ports["rpc"]
             a, b = await Rpc.open(port), await Rpc.open(port)
             assert await a.call("put", "t", [b"x", b"y"]) == (None, 2)

@@ -161,6 +161,16 @@ def headers_for(datas: list[bytes]) -> list[bytes]:
     return [headers_of(d) for d in datas]
 
 
+async def commit_pass(b: Broker) -> None:
+    """A pass's commit as the reactor makes it: written at once; under fsync always
+    synced off the loop (queued.storage.pass_sync), its puts ended once that is done."""
+    while (commit := b.commit_begin()) is False:
+        await b.wait_round()
+    if commit is not True:
+        await trio.to_thread.run_sync(b.wait_pass_commit, commit)
+        b.commit_end(commit)
+
+
 class PowerCuts(RuleBasedStateMachine):
     """See the module docstring. FSYNC: the queue's fsync policy."""
 
@@ -279,12 +289,11 @@ class PowerCuts(RuleBasedStateMachine):
                 assert isinstance(part, JoinedPut)
                 for side in ("side1", "side2", "side3"):
                     joined.add(side, [b"s"], None, 0, 0)
-                joined.begin_all()
+                batch = joined.begin_all()
             finally:
                 b.defer_writes(False)
-            while not b.commit_now():
-                await b.wait_round()
-            joined.end_all()
+            await commit_pass(b)
+            joined.end_all(batch)
             return part
 
         part = self.host.run(one_pass)
@@ -355,12 +364,11 @@ class PowerCuts(RuleBasedStateMachine):
             try:
                 parts = [joined.add("q", [data], None, 0, 0, headers_for([data]), key)
                          for key, data in puts]
-                joined.begin_all()
+                batch = joined.begin_all()
             finally:
                 b.defer_writes(False)
-            while not b.commit_now():
-                await b.wait_round()
-            joined.end_all()
+            await commit_pass(b)
+            joined.end_all(batch)
             for p in parts:  # a duplicate of a key held before the pass: a PendingPut
                 if not isinstance(p, JoinedPut):
                     assert b.end_put_nowait(p) == 0 and p.answer is not None and p.answer[2]

@@ -248,9 +248,9 @@ async def test_http_needs_basic_auth_except_probes(tmp_path: Path, users_file: P
 
 async def test_trickling_request_is_closed_after_request_timeout(
         tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
-    config = make_config(tmp_path / "data", request_timeout=400)
+    config = make_config(tmp_path / "data", request_timeout=400, fsync="never")
     async with running(config) as server:
-        with autojumping(trio_clock):  # (no thread at work in this test)
+        with autojumping(trio_clock):  # (fsync never: no thread at work)
             port = server.ports["memcache"]
             idle = await Conn.open(port)  # between requests: never timed out
             assert await idle.set("q", b"0") == b"STORED"

@@ -127,8 +127,8 @@ async def test_long_poll_waiters_are_served_first_come_first_served(tmp_path: Pa
 
 async def test_long_poll_times_out_with_end(
         tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
-    async with running(cfg(tmp_path)) as server:
-        with autojumping(trio_clock):  # (no thread works in this test)
+    async with running(cfg(tmp_path, fsync="never")) as server:
+        with autojumping(trio_clock):  # (fsync never: no thread at work)
             c = await Conn.open(server.ports["memcache"])
             start = trio.current_time()
             assert await c.get("q/t=300") is None

@@ -8,18 +8,25 @@ runs through it. Real servers on 127.0.0.1 port 0.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
 import socket
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
-from server_util import WAIT, Conn, make_config, running
+from server_util import WAIT, Conn, data_files, make_config, running
 from wait_util import autojumping, wait_until
 
+from queued.server import reactor
 from queued.server.reactor import BUFFER_CAP, PASS_REQUESTS
 from queued.server.task_path import RECEIVE_SIZE
+from queued.storage import fileio
 
 
 def reactor_config(tmp_path: Path, **settings: object):  # type: ignore[no-untyped-def]
@@ -117,8 +124,10 @@ async def test_a_peer_that_never_reads_is_not_read_and_is_closed_at_the_deadline
 async def test_a_trickled_request_completes_and_a_stalled_one_is_closed(
 
         tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
-    async with running(reactor_config(tmp_path, request_timeout=300)) as server:
-        with autojumping(trio_clock):  # (no thread works in this test)
+    # (fsync never: no thread works in this test, so the mock clock may jump while all
+    # tasks wait; under `always` a pass's sync runs in a thread)
+    async with running(reactor_config(tmp_path, request_timeout=300, fsync="never")) as server:
+        with autojumping(trio_clock):
             conn = await Conn.open(server.ports["memcache"])
             for byte in b"set q 0 0 2\r\nhi\r\n":
                 await conn.send(bytes([byte]))
@@ -185,3 +194,186 @@ async def test_a_get_in_the_pass_of_a_put_to_its_queue_waits_for_the_commit(
             producer.close()
             consumer.close()
         await warm.aclose()
+
+
+# -- a pass's sync off the loop (fsync always) -------------------------------------------------
+
+
+class HeldSyncs(fileio.FileIO):
+    """While `gate` is clear, every sync waits for it (`waiting` counts those that
+    began); an fsync of a file whose fd is in `fail` then fails with EIO, once (as Linux
+    reports a write-back error to one fsync and not again)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting = 0
+        self.fail: set[int] = set()
+
+    def fsync(self, fd: int) -> None:
+        self.waiting += 1
+        assert self.gate.wait(WAIT), "the test never opened the gate"
+        if fd in self.fail:
+            self.fail.discard(fd)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        super().fsync(fd)
+
+    def sync_files(self, fds: Sequence[int], directory: fileio.StrPath) -> None:
+        self.waiting += 1
+        assert self.gate.wait(WAIT), "the test never opened the gate"
+        super().sync_files(fds, directory)
+
+
+@pytest.fixture
+def off_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pass's sync off the loop, whether another connection waits or not (the
+    tests below hold a sync and serve other connections meanwhile; a sync made on the
+    loop would hold it all)."""
+    monkeypatch.setattr(reactor, "SYNC_OFF_LOOP_ALWAYS", True)
+
+
+@contextlib.contextmanager
+def held_syncs() -> Iterator[HeldSyncs]:
+    fs = HeldSyncs()
+    previous = fileio.use(fs)
+    try:
+        yield fs
+    finally:
+        fs.gate.set()
+        fileio.use(previous)
+
+
+async def no_reply(conn: Conn, seconds: float = 0.2) -> bool:
+    """Nothing arrives on `conn` for `seconds`."""
+    with trio.move_on_after(seconds):
+        await conn.line(timeout=seconds + 1)
+        return False
+    return True
+
+
+async def test_a_pass_waits_for_its_sync_while_the_next_passes_serve_others(
+        tmp_path: Path, off_loop: None) -> None:
+    """Under fsync always a pass's replies wait for its sync, which runs off the loop:
+    meanwhile other connections are served (a get, a put written behind it), and the
+    put's item is not visible before it is durable."""
+    async with running(reactor_config(tmp_path, fsync="always")) as server:
+        port = server.ports["memcache"]
+        a, b = await Conn.open(port), await Conn.open(port)
+        assert await a.set("q", b"0") == b"STORED"  # (files opened before the syncs wait)
+        assert await b.set("r", b"0") == b"STORED"
+        with held_syncs() as fs:
+            fs.gate.clear()
+            await a.send(b"set q 0 0 1\r\n1\r\n")
+            await wait_until(lambda: fs.waiting >= 1, why="a's pass syncing")
+            assert await b.get("q") == b"0"  # served while a's pass syncs ...
+            assert await b.get("q") is None  # ... without a's item: not durable yet
+            await b.send(b"set r 0 0 1\r\n2\r\n")  # written, its sync behind a's
+            assert await no_reply(a) and await no_reply(b)
+            fs.gate.set()
+            assert await a.line() == b"STORED"
+            assert await b.line() == b"STORED"
+        assert await b.get("q") == b"1"
+        assert await a.get("r") == b"0"
+        assert await a.get("r") == b"2"
+        for conn in (a, b):
+            await conn.aclose()
+
+
+async def test_a_failed_sync_fails_its_pass_and_the_passes_written_behind_it(
+        tmp_path: Path, off_loop: None, caplog: pytest.LogCaptureFixture) -> None:
+    """The fsync of a's pass fails; b's put to the same file was written behind it
+    meanwhile and its own fsync succeeds (the error was reported once): neither put is
+    acknowledged nor delivered, and the file refuses writes from then on."""
+    async with running(reactor_config(tmp_path, fsync="always")) as server:
+        port = server.ports["memcache"]
+        a, b = await Conn.open(port), await Conn.open(port)
+        assert await a.set("q", b"0") == b"STORED"
+        journal = server.broker.datadir.queues["q"]
+        with held_syncs() as fs:
+            assert journal.file.fd is not None
+            fs.fail = {journal.file.fd}
+            fs.gate.clear()
+            await a.send(b"set q 0 0 1\r\n1\r\n")
+            await wait_until(lambda: fs.waiting >= 1, why="a's pass syncing")
+            await b.send(b"set q 0 0 1\r\n2\r\n")
+            assert await no_reply(b)
+            fs.gate.set()
+            assert (await a.line()).startswith(b"SERVER_ERROR")
+            assert (await b.line()).startswith(b"SERVER_ERROR")
+            assert not fs.fail  # (the one failure was a's)
+        assert await a.get("q") == b"0"
+        assert await a.get("q") is None  # neither 1 nor 2
+        assert (await a.set("q", b"3")).startswith(b"SERVER_ERROR")  # refuses writes
+        assert "fsync failed" in caplog.text
+        for conn in (a, b):
+            await conn.aclose()
+
+
+async def test_deleting_a_queue_waits_for_the_sync_of_a_pass_in_flight(
+        tmp_path: Path, off_loop: None) -> None:
+    async with running(reactor_config(tmp_path, fsync="always")) as server:
+        port = server.ports["memcache"]
+        a, b = await Conn.open(port), await Conn.open(port)
+        assert await a.set("q", b"0") == b"STORED"
+        with held_syncs() as fs:
+            fs.gate.clear()
+            await a.send(b"set q 0 0 1\r\n1\r\n")
+            await wait_until(lambda: fs.waiting >= 1, why="a's pass syncing")
+            await b.send(b"delete q\r\n")
+            assert await no_reply(b)  # (its files stay while the sync may use them)
+            fs.gate.set()
+            assert await a.line() == b"STORED"
+            assert await b.line() == b"DELETED"
+        assert await a.get("q") is None
+        assert not any(name.startswith("q.") for name in data_files(tmp_path / "data"))
+        for conn in (a, b):
+            await conn.aclose()
+
+
+async def test_a_shutdown_finishes_the_sync_in_flight(tmp_path: Path, off_loop: None) -> None:
+    config = reactor_config(tmp_path, fsync="always")
+    with held_syncs() as fs:
+        with trio.fail_after(WAIT):
+            async with running(config) as server:
+                a = await Conn.open(server.ports["memcache"])
+                assert await a.set("q", b"0") == b"STORED"
+                fs.gate.clear()
+                await a.send(b"set q 0 0 1\r\n1\r\n")
+                await wait_until(lambda: fs.waiting >= 1, why="a's pass syncing")
+                server.request_shutdown("test")
+                await trio.sleep(0.1)
+                fs.gate.set()  # (the shutdown waits for it, then ends)
+    async with running(config) as server:  # the put was synced before the server ended
+        c = await Conn.open(server.ports["memcache"])
+        assert await c.get("q") == b"0"
+        assert await c.get("q") == b"1"
+        await c.aclose()
+
+
+class SyncThreads(fileio.FileIO):
+    """Records the thread of every fsync."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def fsync(self, fd: int) -> None:
+        self.threads.append(threading.current_thread().name)
+        super().fsync(fd)
+
+
+async def test_a_lone_connections_pass_syncs_on_the_loop(tmp_path: Path) -> None:
+    """With no other connection to serve meanwhile, a hand-off to the sync thread would
+    only add its cost (a client with one request in flight, alone): the pass syncs
+    itself."""
+    async with running(reactor_config(tmp_path, fsync="always")) as server:
+        a = await Conn.open(server.ports["memcache"])
+        assert await a.set("q", b"0") == b"STORED"
+        fs = SyncThreads()
+        previous = fileio.use(fs)
+        try:
+            for i in range(5):
+                assert await a.set("q", b"%d" % i) == b"STORED"
+        finally:
+            fileio.use(previous)
+        assert fs.threads == [threading.main_thread().name] * 5
+        await a.aclose()

@@ -26,21 +26,23 @@ plain `q` starts a new default reader at the tail.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from queued.broker.admin import AdminOps, BrokerStatistics
 from queued.broker.base import wall_ms
 from queued.broker.gets import AfterCommit, GetPath, MustWait
-from queued.broker.puts import JoinedPut, JoinedPuts
+from queued.broker.puts import JoinedBatch, JoinedPut, JoinedPuts
 from queued.broker.queues import PendingPut
 from queued.broker.registry import BrokerCounters
 from queued.broker.reliable import Owe
+from queued.storage.datadir import PassCommit
 
 if TYPE_CHECKING:
     from queued.config import ServerConfig
 
-__all__ = ["AfterCommit", "Broker", "BrokerCounters", "BrokerStatistics", "JoinedPut",
-           "JoinedPuts", "MustWait", "Owe", "PendingPut", "wall_ms"]
+__all__ = ["AfterCommit", "Broker", "BrokerCounters", "BrokerStatistics", "JoinedBatch",
+           "JoinedPut", "JoinedPuts", "MustWait", "Owe", "PassCommit", "PendingPut", "wall_ms"]
 
 log = logging.getLogger("queued.broker")
 
@@ -63,6 +65,25 @@ class Broker(GetPath, AdminOps):
         """Every planned journal change written and synced by policy, here and now
         (the reactor's pass); False, nothing done, while a writer round is under way."""
         return self.datadir.commit_now()
+
+    def commit_begin(self, *, off_loop: bool = True) -> PassCommit | bool:
+        """`commit_now` whose fsyncs (fsync `always`) run off the loop if `off_loop`:
+        True, all done; a PassCommit, written, to finish with `commit_end` once
+        `commit.job.done` (in order); False, nothing done: finish the passes in flight,
+        `wait_round`, again (queued.storage.datadir.DataDir.commit_begin)."""
+        return self.datadir.commit_begin(off_loop=off_loop)
+
+    def commit_end(self, commit: PassCommit) -> None:
+        """A pass's sync is done: its tickets resolved (its puts can end)."""
+        self.datadir.commit_end(commit)
+
+    def wait_pass_commit(self, commit: PassCommit) -> None:
+        """Block until the sync of `commit` has run (shutdown)."""
+        self.datadir.wait_pass_commit(commit)
+
+    def notify_pass_commits(self, notify: Callable[[], None]) -> None:
+        """Call `notify` from the sync thread whenever a pass's sync is done."""
+        self.datadir.notify_pass_commits(notify)
 
     async def wait_round(self) -> None:
         """Until no writer round is under way (then `commit_now` can run)."""

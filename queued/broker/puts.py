@@ -46,6 +46,17 @@ class _Join:
         self.headers: list[bytes] | None = None
 
 
+class JoinedBatch:
+    """The joined puts one pass began (`JoinedPuts.begin_all`), to end after its commit."""
+
+    __slots__ = ("begun", "followers")
+
+    def __init__(self, begun: list[tuple[PendingPut | None, list[JoinedPut]]],
+                 followers: list[tuple[JoinedPut, JoinedPut]]) -> None:
+        self.begun = begun
+        self.followers = followers
+
+
 class JoinedPuts:
     """The puts of one pass (the reactor's), joined: every connection's put to a queue
     with the same expiry, flags and delay becomes one journal append (one id range, one
@@ -106,7 +117,9 @@ class JoinedPuts:
         join.parts.append((part, len(items), key))
         return part
 
-    def begin_all(self) -> None:
+    def begin_all(self) -> JoinedBatch:
+        """Begin the pass's joined puts; what `end_all` ends once the pass's commit is
+        done (the next pass may join its own puts meanwhile)."""
         b = self.broker
         self._joinable.clear()
         for (queue, expire_ms, flags, delay_ms), join in self._joins.items():
@@ -147,10 +160,13 @@ class JoinedPuts:
                                              strict=True):
                 part.answer = (puts[start].id, end - start, False)
         self._joins.clear()
+        batch = JoinedBatch(self._begun, self._followers)
+        self._begun, self._followers = [], []
+        return batch
 
-    def end_all(self) -> None:
-        """After the pass's commit (every ticket set)."""
-        for pending, parts in self._begun:
+    def end_all(self, batch: JoinedBatch) -> None:
+        """After the commit of the pass that began `batch` (every ticket set)."""
+        for pending, parts in batch.begun:
             error: Exception | None = None
             if pending is not None:
                 try:
@@ -161,12 +177,10 @@ class JoinedPuts:
                 part.ended = True
                 if part.error is None:
                     part.error = error
-        for follower, leader in self._followers:  # answered as the part they repeat
+        for follower, leader in batch.followers:  # answered as the part they repeat
             follower.ended, follower.error, follower.pending = True, leader.error, leader.pending
             if leader.answer is not None:
                 follower.answer = (leader.answer[0], leader.answer[1], True)
-        self._begun.clear()
-        self._followers.clear()
 
 
 class PutPath(BrokerBase):

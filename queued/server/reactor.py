@@ -14,6 +14,7 @@ inside a pass but for the commit's fsyncs; every few passes it yields to trio.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import heapq
@@ -26,7 +27,7 @@ from itertools import count
 
 import trio
 
-from queued.broker.broker import Broker, JoinedPuts
+from queued.broker.broker import Broker, JoinedBatch, JoinedPuts, PassCommit
 from queued.server.session import Session
 from queued.server.transport import SocketTransport
 from queued.wire import commands as c
@@ -43,6 +44,9 @@ PASS_REQUESTS = 1024
 BUFFER_CAP = 256 * 1024
 #: Passes in a row without going through trio's scheduler.
 YIELD_EVERY = 8
+#: Under fsync always a pass's syncs run off the loop (queued.storage.pass_sync) when
+#: another connection waits to be served meanwhile; with this, every time.
+SYNC_OFF_LOOP_ALWAYS = False
 
 _GONE = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT,
                    errno.EBADF, errno.ESHUTDOWN, errno.ECONNABORTED})
@@ -61,8 +65,8 @@ class Link:
     """One connection as the reactor holds it (see `Turns` in queued.server.session)."""
 
     __slots__ = ("closing", "deadline", "drained", "fd", "fresh", "handed", "in_task",
-                 "mask", "poll_due", "reactor", "rest", "seen", "session", "turn", "unsent",
-                 "unsent_since", "waiting_since", "wants_task")
+                 "mask", "poll_due", "reactor", "rest", "seen", "session", "syncing", "turn",
+                 "unsent", "unsent_since", "waiting_since", "wants_task")
 
     def __init__(self, reactor: Reactor, session: Session, fd: int) -> None:
         self.reactor = reactor
@@ -83,6 +87,8 @@ class Link:
         self.seen = 0  # the session's request count at the last look
         self.poll_due = 0.0  # the earliest deadline of its RPC gets in line, as last pushed
         self.fresh = False  # read in this pass
+        #: its pass waits for its sync (fsync `always`): not read, run or handed until then
+        self.syncing = False
 
     async def next(self) -> list[c.Parsed] | None:
         """Turns.next: the task waits here while the reactor serves the connection."""
@@ -138,6 +144,10 @@ class Reactor:
         self.buffer = bytearray(RECEIVE_SIZE)
         self.view = memoryview(self.buffer)
         self.joined = JoinedPuts(broker)  # the pass's puts, one append per queue
+        #: passes written whose sync runs off the loop, in order: their links wait
+        self.syncing: collections.deque[tuple[PassCommit, JoinedBatch, list[Link]]] = (
+            collections.deque())
+        broker.notify_pass_commits(self.wake)
         self.timers: list[tuple[float, int, Link]] = []
         #: deadlines of RPC gets waiting in line (a link may have several)
         self.poll_timers: list[tuple[float, int, Link]] = []
@@ -214,6 +224,16 @@ class Reactor:
         return ReactorStatistics(self.passes, self.requests, len(self.links))
 
     def close(self) -> None:
+        """Finish the passes whose syncs are in flight (blocking: a sync is never
+        abandoned; their puts end, their replies are not sent), then let go."""
+        while self.syncing:
+            commit, batch, links = self.syncing.popleft()
+            self.broker.wait_pass_commit(commit)
+            self.broker.commit_end(commit)
+            self.joined.end_all(batch)
+            for link in links:
+                link.syncing = False
+                link.session.end_pass()
         self.epoll.close()
         os.close(self.wake_fd)
 
@@ -289,9 +309,10 @@ class Reactor:
         if link.unsent:
             mask |= _OUT
         session = link.session
-        if not (link.in_task or link.closing or session.eof or len(link.unsent) > BUFFER_CAP
-                ) and (link.rest is None or (session.long_poll is not None and
-                                             session.codec.buffered_bytes() < BUFFER_CAP)):
+        if not (link.in_task or link.closing or link.syncing or session.eof
+                or len(link.unsent) > BUFFER_CAP) and (
+                    link.rest is None or (session.long_poll is not None
+                                          and session.codec.buffered_bytes() < BUFFER_CAP)):
             mask |= _IN
         if mask == link.mask:
             return
@@ -368,6 +389,9 @@ class Reactor:
                 continue
             if link.deadline != when or link.in_task:
                 continue
+            if link.syncing:
+                link.deadline = 0.0  # (its pass's end watches it again: `_finish`)
+                continue
             due = self._due(link)
             if not due or due > now:
                 if due and due != when:
@@ -388,7 +412,7 @@ class Reactor:
         link.closing = True
         self._set_mask(link)
         self.again.pop(link, None)
-        if not link.in_task:
+        if not (link.in_task or link.syncing):  # (a syncing one: when its pass is done)
             self._hand(link, None)
 
     def _hand(self, link: Link, rest: list[c.Parsed] | None) -> None:
@@ -411,7 +435,7 @@ class Reactor:
         streak = 0
         try:
             while True:
-                if not (self.again or streak):
+                if not (self.again or streak or (self.syncing and self.syncing[0][0].job.done)):
                     deadline = min(self.timers[0][0] if self.timers else math.inf,
                                    self.poll_timers[0][0] if self.poll_timers else math.inf)
                     if deadline == math.inf:  # (a cancel scope costs more than a pass's reply)
@@ -423,6 +447,8 @@ class Reactor:
                     streak = 0
                     await trio.lowlevel.checkpoint()
                 self.passes += 1
+                if self.syncing:
+                    self._collect()  # (passes whose sync is done: answered first)
                 touched = self._read(self.epoll.poll(0))
                 if touched:
                     await self._run_pass(touched)
@@ -441,8 +467,12 @@ class Reactor:
             self.close()
 
     def _read(self, events: list[tuple[int, int]]) -> list[Link]:
-        touched = dict.fromkeys(self.again)
-        self.again.clear()
+        if self.syncing:  # (a link whose pass waits for its sync runs after it)
+            touched = {link: None for link in self.again if not link.syncing}
+            self.again = {link: None for link in self.again if link.syncing}
+        else:
+            touched = dict.fromkeys(self.again)
+            self.again.clear()
         for old in touched:
             old.fresh = False
         links = self.links
@@ -458,6 +488,9 @@ class Reactor:
                 self._flush_unsent(link)
             if not ev & (_IN | select.EPOLLHUP | select.EPOLLERR) or link.in_task or (
                     link.closing or not link.mask & select.EPOLLIN):
+                continue
+            if link.syncing:
+                self._set_mask(link)  # (not read until its pass is done)
                 continue
             session = link.session
             try:
@@ -493,16 +526,68 @@ class Reactor:
                         log.exception("%s: a request failed; closing the connection",
                                       link.session.name)
                         link.session.done = True
-            self.joined.begin_all()
+            batch = self.joined.begin_all()
         finally:
             broker.defer_writes(False)
             self.in_pass = False
-        while not broker.commit_now():
-            await broker.wait_round()  # (a checkpoint's round, say: rare)
-        self.joined.end_all()
+        # Its syncs go off the loop when another connection waits to be served meanwhile;
+        # else they are made here (a hand-off to the thread would only add its cost).
+        off_loop = SYNC_OFF_LOOP_ALWAYS or bool(self.syncing) or self._others_waiting(touched)
+        while (commit := broker.commit_begin(off_loop=off_loop)) is False:
+            await self._drain()  # (a checkpoint's round, say, or a file to open: rare)
+            await broker.wait_round()
+        if commit is True:
+            self._complete(batch, touched)
+            return
+        # Written; its sync runs off the loop while the next passes serve the others.
+        for link in touched:
+            if not (link.in_task or link.closing):
+                link.syncing = True
+        self.syncing.append((commit, batch, touched))
+
+    def _others_waiting(self, touched: list[Link]) -> bool:
+        """A connection outside this pass has something to be read or run now."""
+        if self.again:
+            return True
+        links = self.links
+        events = self.epoll.poll(0)
+        if events:
+            mine = {link.fd for link in touched}
+            for fd, ev in events:
+                link = links.get(fd)
+                if link is not None and ev & _IN and fd not in mine and not link.syncing:
+                    return True
+        return False
+
+    def _collect(self) -> None:
+        """Answer the passes whose sync is done, in the order they were made."""
+        syncing = self.syncing
+        while syncing and syncing[0][0].job.done:
+            commit, batch, links = syncing.popleft()
+            self.broker.commit_end(commit)
+            for link in links:
+                link.syncing = False
+            self._complete(batch, links)
+
+    async def _drain(self) -> None:
+        """Until every pass in flight is answered."""
+        while self.syncing:
+            self._collect()
+            if self.syncing:
+                await trio.lowlevel.wait_readable(self.wake_fd)
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self.wake_fd)
+
+    def _complete(self, batch: JoinedBatch, touched: list[Link]) -> None:
+        """After the pass's commit: end its puts, answer every connection it ran."""
+        self.joined.end_all(batch)
         now = trio.current_time()
         for link in touched:
-            if link.in_task or link.closing:
+            if link.in_task:
+                continue
+            if link.closing:  # (ended while its pass synced: its puts end, then its task)
+                link.session.end_pass()
+                self._hand(link, None)
                 continue
             try:
                 self._finish(link, now)

@@ -43,7 +43,9 @@ from queued.storage.files import (
     write_file_atomic,
 )
 from queued.storage.journal import Planned, QueueJournal, ReaderWork
+from queued.storage.pass_sync import SyncJob
 from queued.storage.recovery import Damage, scan_segment
+from queued.storage.synced_files import SyncedFile
 from queued.storage.writer import ReaderFile, Writer, WriteResult
 
 log = logging.getLogger("queued.datadir")
@@ -514,6 +516,98 @@ class DataDir:
             self._wake.set()
         return True
 
+    def commit_begin(self, *, off_loop: bool = True) -> PassCommit | bool:
+        """`commit_now` for a pass that need not wait for its fsyncs on the loop: every
+        planned change written here and now; where a file's policy is fsync `always` its
+        sync runs off the loop (queued.storage.pass_sync) while the caller goes on, and
+        the PassCommit returned is finished with `commit_end` once its job is `done`
+        (passes finish in the order begun). True: all done already (nothing planned, or
+        nothing owed a sync, or not `off_loop`, with no earlier pass's sync in flight:
+        `commit_now`, syncs and all). False,
+        nothing done: a writer round or pause is under way, or this commit must open or
+        close a file while an earlier pass's sync is in flight; the caller finishes its
+        passes in flight, waits for the round (`wait_round`) and calls again."""
+        if not self._dirty:
+            return True
+        if self._in_round or self._closing or self._writer.busy:
+            return False
+        in_flight = self._writer.pass_sync.in_flight
+        if in_flight and any(_opens_files(j) for j in self._dirty):
+            return False  # (files stay open while a sync in flight may use them)
+        if not in_flight and not (off_loop and any(_owes_sync(j) for j in self._dirty)):
+            return self.commit_now()
+        work = [(j, j.take_pending()) for j in self._dirty]
+        readers = [(j, ops) for j in self._dirty if (ops := j.take_reader_ops())]
+        work = [(j, chunks) for j, chunks in work if chunks]
+        self._dirty.clear()
+        synced: dict[SyncedFile, int] = {}  # file -> its batches written, when synced
+        created = False
+        results: list[WriteResult] = []
+        for j, chunks in work:
+            f = j.file
+            if f.fsync.mode is FsyncMode.ALWAYS:
+                result = f.write(chunks, sync=False)
+                if result.written:
+                    synced[f] = f.writes
+                    created = created or any(w.created for w in result.written)
+            else:
+                result = f.write(chunks)
+            results.append(result)
+        covered: list[int] = []
+        for _, pairs in readers:
+            for rfile, file_ops in pairs:
+                if rfile.fsync.mode is FsyncMode.ALWAYS:
+                    covered.append(rfile.write(file_ops, sync=False))
+                    synced[rfile] = rfile.writes
+                else:
+                    rfile.write(file_ops)
+                    covered.append(len(file_ops))
+        fds = [fd for f in synced if (fd := f.fd) is not None]
+        job = SyncJob(fds, self.path, created)
+        self._writer.submit_pass_sync(job)
+        return PassCommit(job, work, results, readers, covered, synced)
+
+    def commit_end(self, commit: PassCommit) -> None:
+        """A pass's sync is done (`commit.job.done`): what it made durable is noted and
+        every ticket of the pass resolved; what a failed sync covered fails (and its
+        files refuse writes from then on, as after any failed fsync)."""
+        job = commit.job
+        assert job.done
+        self._writer.pass_sync_collected(job)
+        if job.error is not None:
+            for f in commit.synced:
+                if f.failed is None:
+                    f.set_failed(f"fsync failed: {job.error}")
+        else:
+            for f, writes in commit.synced.items():
+                f.synced_off_loop(writes)
+        # A file that failed, by this sync or an earlier one (whose pages the kernel may
+        # have dropped), holds nothing durable of this pass.
+        results = [WriteResult([], f.failed)
+                   if (f := j.file) in commit.synced and f.failed is not None else r
+                   for (j, _), r in zip(commit.work, commit.results, strict=True)]
+        i = 0
+        for _, pairs in commit.readers:
+            for rfile, ops in pairs:
+                if rfile in commit.synced and rfile.failed is not None:
+                    for op in ops[commit.covered[i]:]:
+                        if op.failed is None:
+                            op.failed = rfile.failed
+                i += 1
+        self._finish_round(commit.work, results, commit.readers)
+        owed = min((d for j in {j for j, _ in (*commit.work, *commit.readers)}
+                    if (d := j.fsync_deadline()) is not None), default=None)
+        if owed is not None and owed < self._asleep_until:
+            self._wake.set()
+
+    def wait_pass_commit(self, commit: PassCommit) -> None:
+        """Block until `commit`'s sync has run (a shutdown: a job is never abandoned)."""
+        self._writer.pass_sync.wait(commit.job)
+
+    def notify_pass_commits(self, notify: Callable[[], None]) -> None:
+        """Call `notify` (from the sync thread) whenever a pass's sync is done."""
+        self._writer.pass_sync.notify = notify
+
     async def wait_round(self) -> None:
         """Until the writer has no round (or pause) under way: a checkpoint, say."""
         while self._in_round or self._writer.busy:
@@ -666,3 +760,35 @@ async def open_data_dir(
                 unsaved = exc  # raised below (after another failure, that one goes up)
     if unsaved is not None:
         raise unsaved
+
+
+def _owes_sync(j: QueueJournal) -> bool:
+    """`j`'s planned changes go to a file synced on every write (fsync `always`)."""
+    if j.planned and j.file.fsync.mode is FsyncMode.ALWAYS:
+        return True
+    return j.has_reader_ops and any(
+        rfile.fsync.mode is FsyncMode.ALWAYS for rfile, _ in j.planned_readers)
+
+
+def _opens_files(j: QueueJournal) -> bool:
+    """Writing `j`'s planned changes opens, replaces or closes a file."""
+    planned = j.planned
+    if planned and (j.file.fd is None or any(c.rotate for c in planned)):
+        return True
+    return j.has_reader_ops and any(
+        rfile.fd is None or not all(op.appends for op in ops)
+        for rfile, ops in j.planned_readers)
+
+
+@dataclass(eq=False, slots=True)
+class PassCommit:
+    """A pass's changes, written, waiting for their sync (`DataDir.commit_begin`):
+    `covered[i]`: how many ops of the i-th reader file are durable whatever the sync
+    does; `synced`: each file the sync covers, with its batches written then."""
+
+    job: SyncJob
+    work: list[tuple[QueueJournal, list[Planned]]]
+    results: list[WriteResult]
+    readers: list[tuple[QueueJournal, ReaderWork]]
+    covered: list[int]
+    synced: dict[SyncedFile, int]

@@ -46,7 +46,7 @@ class SyncedFile:
     """
 
     __slots__ = ("_failed", "_fd", "_last_fsync", "_size", "_unsynced", "directory",
-                 "fsync", "fsyncs", "observe_fsync", "queue", "write_errors")
+                 "fsync", "fsyncs", "observe_fsync", "queue", "write_errors", "writes")
 
     def __init__(
         self,
@@ -60,6 +60,7 @@ class SyncedFile:
         self.fsync = fsync
         self.fsyncs = 0
         self.write_errors = 0
+        self.writes = 0  # batches written so far (a pass's sync knows what it covered)
         self.observe_fsync = observe_fsync
         self._fd: int | None = None
         self._size = 0
@@ -157,6 +158,14 @@ class SyncedFile:
         self._unsynced = False
         self._last_fsync = time.monotonic()
 
+    def synced_off_loop(self, writes: int) -> None:
+        """A pass's sync (queued.storage.pass_sync) covered this file as it was when it
+        had written `writes` batches: unsynced still if it has written more since."""
+        self.fsyncs += 1
+        if self.writes == writes:
+            self._unsynced = False
+        self._last_fsync = time.monotonic()
+
     def _fsync(self) -> None:
         if self._fd is not None and self._unsynced:
             started = time.monotonic()
@@ -230,6 +239,7 @@ class SegmentFile(SyncedFile):
                 break
             self._size += written
             self._unsynced = True
+            self.writes += 1
             done.append(
                 Written(self._number, created, offset, self._size, chunk.count,
                         chunk.first_id, chunk.last_id,
@@ -307,9 +317,12 @@ class ReaderFile(SyncedFile):
     def describe(self) -> str:
         return f"queue {self.queue!r} reader {self.reader!r}"
 
-    def write(self, ops: Sequence[ReaderOp]) -> None:
+    def write(self, ops: Sequence[ReaderOp], *, sync: bool = True) -> int:
         """Carry out `ops` in order, then sync the appends as the policy says; sets
-        `failed` on every op that is not durable. One that fails stops the rest."""
+        `failed` on every op that is not durable. One that fails stops the rest.
+        Returns how many ops are durable whatever a later sync does (rewrites and
+        removals are synced as they are made); `sync=False`: the caller syncs the
+        appends after those (and fails them if that fails)."""
         covered = 0  # ops before this index are durable whatever the last sync does
         for i, op in enumerate(ops):
             try:
@@ -329,12 +342,15 @@ class ReaderFile(SyncedFile):
                     rest.failed = error
                 ops = ops[:i]
                 break
+        if not sync:
+            return covered
         try:
             self._sync_by_policy()
         except OSError as exc:
             error = self.set_failed(f"fsync failed: {exc}")
             for op in ops[covered:]:
                 op.failed = error
+        return covered
 
     def can_write_inline(self, ops: Sequence[ReaderOp]) -> bool:
         """True when `ops` are appends to the open file that need no fsync now."""
@@ -348,6 +364,7 @@ class ReaderFile(SyncedFile):
         _writev_all(self._fd, [records, jf.encode_check(records, self._size)])
         self._size += len(records) + jf.CHECK_RECORD_SIZE
         self._unsynced = True
+        self.writes += 1
 
     def _open(self) -> None:
         try:

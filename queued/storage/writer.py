@@ -28,6 +28,7 @@ import trio
 from queued.config.policies import FsyncMode, FsyncPolicy
 from queued.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
 from queued.storage import fileio
+from queued.storage.pass_sync import PassSyncThread, SyncJob
 from queued.storage.round_thread import RoundThread
 from queued.storage.synced_files import ReaderFile, SegmentFile, SyncedFile
 from queued.storage.write_plans import (
@@ -64,7 +65,7 @@ def run_round(
     system's journal commits: 100 files' fsyncs took 4 ms instead of 11 ms, measured);
     a file is only ever touched by one thread. Reader ops report on themselves."""
     if readers:
-        jobs: list[Callable[[], WriteResult | None]] = [
+        jobs: list[Callable[[], WriteResult | int]] = [
             *(functools.partial(file.write, chunks) for file, chunks in work),
             *(functools.partial(rfile.write, ops) for rfile, ops in readers)]
         if pool is not None and len(jobs) > 1:
@@ -106,10 +107,15 @@ class Writer:
         self._fsync_lock = threading.Lock()  # files sync from the pool's threads at once
         self._thread = RoundThread()
         self._pool: ThreadPoolExecutor | None = None
+        #: the syncs of reactor passes in flight (`submit_pass_sync`); no round or pause
+        #: runs while one is (the lock is taken, then they are waited for)
+        self.pass_sync = PassSyncThread()
+        self._settled: trio.Event | None = None
 
     def close(self) -> None:
         """Stop the round threads (no round may run: call it after the last one)."""
         self._thread.close()
+        self.pass_sync.close()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
@@ -126,6 +132,33 @@ class Writer:
         with self._fsync_lock:
             self._fsync.observe(seconds)
 
+    # -- a pass's sync off the loop (queued.storage.pass_sync) ---------------------------
+
+    def submit_pass_sync(self, job: SyncJob) -> None:
+        """Start `job` (a pass has written its files and owes their sync); counts as a
+        round. Not while a round or pause is under way."""
+        assert not self._lock.locked(), "a round or pause is under way"
+        self._rounds += 1
+        self.pass_sync.submit(job)
+
+    def pass_sync_collected(self, job: SyncJob) -> None:
+        """The loop took `job`'s outcome: a round or pause waiting for the passes' syncs
+        goes on once none is left."""
+        self.pass_sync.collected(job)
+        if job.seconds:
+            self._observe_fsync(job.seconds)
+        if not self.pass_sync.in_flight and self._settled is not None:
+            self._settled.set()
+            self._settled = None
+
+    async def _settle(self) -> None:
+        """(With the lock held) until no pass's sync is in flight: their files may be
+        written, opened or closed from now on."""
+        while self.pass_sync.in_flight:
+            if self._settled is None:
+                self._settled = trio.Event()
+            await self._settled.wait()
+
     async def write_round(
         self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
         periodic: Sequence[SyncedFile] = (),
@@ -135,6 +168,7 @@ class Writer:
         reader file's ops carried out (appends: one writev and one fsync), then the due
         periodic fsyncs of `periodic`. Returns one result per `work` entry."""
         async with self._lock:
+            await self._settle()
             if not periodic and all(f.can_write_inline(chunks) for f, chunks in work) and (
                 sum(c.nbytes for _, chunks in work for c in chunks) <= INLINE_ROUND_BYTES
             ) and all(rf.can_write_inline(ops) for rf, ops in readers):
@@ -158,6 +192,7 @@ class Writer:
         hand-off to the round thread would only add its cost. Several files are synced
         at once by the pool (their fsyncs share the file system's journal commits)."""
         assert not self._lock.locked(), "a round or pause is under way"
+        assert not self.pass_sync.in_flight, "a pass's sync is under way"
         pool = None
         if len(work) + len(readers) > 1 and any(
                 f.fsync.mode is FsyncMode.ALWAYS for f in (*(f for f, _ in work),
@@ -191,7 +226,7 @@ class Writer:
     async def wait_idle(self) -> None:
         """Until the round or pause under way (if any) is over."""
         async with self._lock:
-            pass
+            await self._settle()
 
     @property
     def busy(self) -> bool:
@@ -206,7 +241,8 @@ class Writer:
         needs no fsync, opens no file, is small and no round or pause is under way; None
         (nothing done) otherwise. The caller makes sure no earlier chunk of `file` or op
         of those readers waits for a round."""
-        if (self._lock.locked() or sum(c.nbytes for c in chunks) > INLINE_ROUND_BYTES
+        if (self._lock.locked() or self.pass_sync.in_flight
+                or sum(c.nbytes for c in chunks) > INLINE_ROUND_BYTES
                 or (chunks and not file.can_write_inline(chunks))
                 or (readers and not all(rf.can_write_inline(ops) for rf, ops in readers))):
             return None
@@ -217,8 +253,10 @@ class Writer:
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
-        """No round runs inside this block (to remove a queue's files, say)."""
+        """No round runs inside this block (to remove a queue's files, say), nor any
+        pass's sync."""
         async with self._lock:
+            await self._settle()
             yield
 
     def statistics(self) -> WriterStats:
