@@ -14,7 +14,8 @@ BROWSER_STAMP = $(VENV)/.installed-browser
 # Material for MkDocs prints a notice about MkDocs 2.0 on every build; this turns it off.
 MKDOCS = NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 
-.PHONY: run test test-docker test-browser docs lint bench bench-load clean
+.PHONY: run test compiled run-compiled test-compiled test-docker test-browser docs lint bench \
+	bench-load clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +48,24 @@ test: $(TEST_STAMP)
 	$(PY) -m ruff check queued tests bench tools deploy/spark pyspark_queued.py
 	$(PY) -m mypy
 	$(PY) -m mypy --strict tools/unasync.py
+
+# The compiled build (docs/development.md "Compiled with mypyc"): tools/build_compiled.py
+# copies queued/ into COMPILED_DIR and compiles the hot modules there with mypyc (the
+# test extra's), so a .so never sits in the source tree; it rebuilds only when queued/
+# changed. `make run-compiled` serves with it first on PYTHONPATH (the start-up log line
+# says which build runs); `make test-compiled` runs the whole suite against it, each
+# process checking that the compiled modules are the ones imported (tests/compiled_util.py).
+COMPILED_DIR ?= build/compiled
+
+compiled: $(TEST_STAMP)
+	$(PY) tools/build_compiled.py --out $(COMPILED_DIR)
+
+run-compiled: compiled
+	mkdir -p data
+	PYTHONPATH=$(abspath $(COMPILED_DIR)) $(VENV)/bin/queued serve --data-dir ./data --host 127.0.0.1
+
+test-compiled: compiled
+	COMPILED_BUILD=$(abspath $(COMPILED_DIR)) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The Docker image end to end (tests/docker): setup.sh makes sure a dockerd runs (installs
 # docker.io and starts dockerd in the background if none answers; it is left running) and

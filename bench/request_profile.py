@@ -10,9 +10,11 @@ server's user and system CPU per request (from /proc, without py-spy attached: t
 workload runs twice, once measured, once profiled).
 
     python bench/request_profile.py [--workload set] [--conns 32] [--requests N]
-        [--fsync never] [--top 25] [--raw FILE] [--no-profile]
+        [--fsync never] [--top 25] [--raw FILE] [--no-profile] [--queued-cmd CMD]
 
---no-profile: the CPU per request only, without py-spy.
+--no-profile: the CPU per request only, without py-spy. --queued-cmd: start another build
+(QUEUED_CMD's placeholders, as vs_darner.py's): the compiled one is
+`env PYTHONPATH=build/compiled .venv/bin/queued serve ...` (docs/development.md).
 
 Workloads (64 B items, queue `q`; every connection has one request in flight):
 
@@ -42,7 +44,7 @@ from collections import Counter
 from pathlib import Path
 
 import msgpack
-from benchlib import CpuWindow, QueuedServer, recording
+from benchlib import QUEUED_CMD, CpuWindow, QueuedServer, recording
 
 HOST = "127.0.0.1"
 ITEM = b"x" * 64
@@ -188,13 +190,15 @@ def main() -> None:
     ap.add_argument("--raw", default=None, help="keep py-spy's raw output in this file")
     ap.add_argument("--no-profile", action="store_true",
                     help="only the server's CPU per request: no py-spy run")
+    ap.add_argument("--queued-cmd", default=QUEUED_CMD,
+                    help="the command that starts queued (placeholders as QUEUED_CMD's)")
     a = ap.parse_args()
     spy = None if a.no_profile else py_spy()
     rpc = a.workload.startswith("rpc")
     if a.requests is None:
         a.requests = 4000 if rpc else 64000
     with tempfile.TemporaryDirectory(prefix="request-profile-") as tmp, \
-            QueuedServer(tmp, a.fsync) as server:
+            QueuedServer(tmp, a.fsync, cmd=a.queued_cmd) as server:
         port = server.ports["rpc"] if rpc else server.port
         items_per_request = RPC_BATCH if rpc else 1
         if a.workload in ("get", "rpc-getconfirm"):  # both phases need items

@@ -10,12 +10,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import compiled_util  # first: under make test-compiled, it puts the build on sys.path
 import pytest
 import trio.testing
 from disk_util import tmpfs_mount
 from security_util import USERS, Pki, users_toml
 from server_util import ServerProcess
 from wait_util import held_clock
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `make test-compiled`, every process of the run (xdist's workers too) checks
+    that it imports the compiled build's modules (compiled_util.check)."""
+    compiled_util.check()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return compiled_util.check() or "queued: pure Python (the source tree)"
 
 
 @pytest.fixture

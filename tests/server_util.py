@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import compiled_util
 import msgpack
 import trio
 from pymemcache.client.base import Client as MemcacheClient
@@ -300,6 +301,8 @@ class ServerProcess:
             found = dict(_LISTEN_RE.findall(self.log()))
             if {b"memcache", b"text", b"rpc", b"http"} <= found.keys():
                 self.ports = {k.decode(): int(v) for k, v in found.items()}
+                if compiled_util.BUILD is not None:  # the server runs the build under test
+                    assert compiled_util.server_build_ok(self.log()), self.log()[:2000]
                 return self
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited with {self.proc.returncode}:\n"

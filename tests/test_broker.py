@@ -975,8 +975,10 @@ def test_the_shared_empty_containers_refuse_writes() -> None:
         NO_ENTRIES[1] = 2
     with pytest.raises(TypeError):
         NO_ENTRIES.setdefault(1, 2)
-    with pytest.raises(AttributeError):
+    with pytest.raises(TypeError):
         NO_IDS.add(1)
+    with pytest.raises(TypeError):
+        NO_IDS.update({1})
     with pytest.raises(TypeError):
         journal_module.NO_ENTRIES[1] = 2
     assert NO_ENTRIES.pop(1, None) is None and not NO_ENTRIES and not NO_IDS

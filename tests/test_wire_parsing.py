@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from compiled_util import not_compiled
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -100,6 +101,10 @@ def test_integers_are_plain_decimals_only(token: bytes) -> None:
         wire.parse_int(token, "count", 0, 2**63)
 
 
+#: Words subclasses LineParser in Python, which a compiled LineParser does not allow.
+PURE_LINE_PARSER = not_compiled("an interpreted subclass of LineParser")
+
+
 class Words(wire.LineParser[bytes]):
     """A line protocol for the test: each line is an event; "bad" closes the connection."""
 
@@ -112,6 +117,7 @@ class Words(wire.LineParser[bytes]):
         return line
 
 
+@PURE_LINE_PARSER
 def test_a_closing_failure_is_sticky_and_later_bytes_are_dropped() -> None:
     p = Words()
     p.receive_data(b"one\nbad\ntwo\n")
@@ -126,6 +132,7 @@ def test_a_closing_failure_is_sticky_and_later_bytes_are_dropped() -> None:
     assert again.value is first.value
 
 
+@PURE_LINE_PARSER
 def test_end_of_stream_is_fed_once() -> None:
     p = Words()
     p.receive_data(b"last\n")

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from queued import __version__
+from queued import __version__, build
 from queued.cli.client_commands import CLIENT_COMMANDS, add_client_commands, client_command
 from queued.cli.client_options import CLIENT_EPILOG, EXIT_OK
 from queued.cli.journal_tools import (
@@ -37,11 +37,24 @@ __all__ = ["CHECK_MAX_LOOKS", "CHECK_PAUSE", "CHECK_STABLE_LOOKS", "build_parser
            "describe", "dump", "main", "parse_args", "run"]
 
 
+class VersionAction(argparse.Action):
+    """`--version`: the version and which build the server would run (the server's modules
+    imported first, so a compiled build shows)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        import queued.server.reactor  # noqa: F401
+
+        print(f"queued {__version__} ({build()})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="queued", description="queued: a durable queue server",
         epilog=CLIENT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"queued {__version__}")
+    parser.add_argument("--version", action=VersionAction, nargs=0,
+                        help="show the version and the build (pure Python or compiled) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     p_dump = sub.add_parser("dump", help="print every record of a journal file")
     p_dump.add_argument("file", type=Path)

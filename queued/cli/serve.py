@@ -15,7 +15,7 @@ from functools import partial
 
 import trio
 
-from queued import __version__
+from queued import __version__, build
 from queued import config as qconfig
 from queued.cli.logs import setup_logging
 from queued.config import ConfigError, load_config
@@ -54,8 +54,9 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     setup_logging(config.log_level, config.log_format, sys.stderr)
     log = logging.getLogger("queued")
-    log.info("queued %s starting (pid %d) with this config:\n%s", __version__, os.getpid(),
-             qconfig.describe(config), extra={"event": "starting", "version": __version__})
+    log.info("queued %s (%s) starting (pid %d) with this config:\n%s", __version__, build(),
+             os.getpid(), qconfig.describe(config),
+             extra={"event": "starting", "version": __version__, "build": build()})
     tune_process()
     try:
         trio.run(partial(serve, config, handle_signals=True))

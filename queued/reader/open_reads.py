@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from typing import Final
 
 #: The timeout heap is compacted when it holds twice as many reads as are still open,
 #: and never below this many (a fast get/confirm loop would grow it without bound).
@@ -32,13 +33,16 @@ class OpenReadsStatistics:
     readers: int  # (queue, reader) pairs with a read open
 
 
+#: Ledger ids, one sequence for the process (module state, not a class attribute: a class
+#: compiled by mypyc would make each instance a counter of its own).
+_LEDGER_IDS: Final = itertools.count(1)
+
+
 class OpenReads:
     """One connection's reliable reads: (queue, reader) -> {item id: deadline or None}."""
 
-    _ids = itertools.count(1)
-
     def __init__(self, name: str = "") -> None:
-        self.id = next(self._ids)
+        self.id = next(_LEDGER_IDS)
         self.name = name or f"client-{self.id}"
         self.open: dict[Key, dict[int, float | None]] = {}
         self.open_total = 0

@@ -33,7 +33,21 @@ class _NoEntries(dict[Any, Any]):
 #: and `done` and `delayed` until their first id (an empty dict is ~64 B, an empty set
 #: ~216 B, on each of 10,000 idle queues). Shared and immutable, as NO_ITEMS is.
 NO_ENTRIES: Final[Any] = _NoEntries()
-NO_IDS: Final[Any] = frozenset()
+
+
+class _NoIds(set[Any]):
+    """An empty set that refuses members: a set (as NO_ENTRIES is a dict), so that a
+    compiled module reading a reader's `done` (typed set[int]) accepts it."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("NO_IDS is shared: make the reader its own set first")
+
+    add = update = __ior__ = symmetric_difference_update = __ixor__ = _refuse  # type: ignore[assignment]
+
+
+NO_IDS: Final[Any] = _NoIds()
 
 
 class ReaderLimits(Protocol):

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import trio
 
@@ -116,20 +116,39 @@ class TaskPath:
     requests: int
     request_since: float
 
-    if TYPE_CHECKING:  # the session's replies (queued.server.session)
-        def reply(self, req: c.Request, reply: c.Reply | None) -> None: ...
-        def answer(self, req: c.Request, reply: c.Reply) -> None: ...
-        def failure(self, req: c.Request, exc: Exception) -> c.Failure: ...
-        def deny(self, r: c.Request, why: str) -> None: ...
-        def refused(self, r: c.Parsed) -> None: ...
-        def answer_puts(self, group: list[tuple[c.Request, c.Put]],
-                        result: PendingPut | Exception | None,
-                        answer: tuple[int, int, bool] | None = None) -> None: ...
-        def put_of(self, group: list[tuple[c.Request, c.Put]],
-                   ) -> tuple[str, Sequence[bytes], int | None, int, int,
-                              Sequence[bytes] | None]: ...
-        def place_owed(self, owed: list[Owed]) -> None: ...
-        def reply_after(self, ticket: Ticket) -> None: ...
+    # The session's replies, defined by queued.server.session's Session. Declared as
+    # methods rather than under TYPE_CHECKING so the task path compiles with mypyc as
+    # the session's base class.
+    def reply(self, req: c.Request, reply: c.Reply | None) -> None:
+        raise NotImplementedError
+
+    def answer(self, req: c.Request, reply: c.Reply) -> None:
+        raise NotImplementedError
+
+    def failure(self, req: c.Request, exc: Exception) -> c.Failure:
+        raise NotImplementedError
+
+    def deny(self, r: c.Request, why: str) -> None:
+        raise NotImplementedError
+
+    def refused(self, r: c.Parsed) -> None:
+        raise NotImplementedError
+
+    def answer_puts(self, group: list[tuple[c.Request, c.Put]],
+                    result: PendingPut | Exception | None,
+                    answer: tuple[int, int, bool] | None = None) -> None:
+        raise NotImplementedError
+
+    def put_of(self, group: list[tuple[c.Request, c.Put]],
+               ) -> tuple[str, Sequence[bytes], int | None, int, int,
+                          Sequence[bytes] | None]:
+        raise NotImplementedError
+
+    def place_owed(self, owed: list[Owed]) -> None:
+        raise NotImplementedError
+
+    def reply_after(self, ticket: Ticket) -> None:
+        raise NotImplementedError
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -219,7 +238,7 @@ class TaskPath:
                      extra={"event": "request_timeout", "peer": self.name})
         self.done = True
 
-    async def _receive(self) -> bytes:
+    async def _receive(self) -> bytes | bytearray:
         data = await self.transport.receive(RECEIVE_SIZE)
         self.counters.bytes_read += len(data)
         if data:

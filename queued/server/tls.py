@@ -119,7 +119,7 @@ class TlsTransport:
                 raise trio.BrokenResourceError("connection closed during the handshake")
         await self._write_out()  # the last flight (TLS 1.3: and the session tickets)
 
-    async def receive(self, max_bytes: int) -> bytes:
+    async def receive(self, max_bytes: int) -> bytes | bytearray:
         """Every byte decrypted so far, up to `max_bytes`; b"" once the peer is gone.
 
         A fresh bytearray (the session's codecs take bytes or bytearray), decrypted into
@@ -141,7 +141,7 @@ class TlsTransport:
                 await self._write_out()
             if n:
                 del buf[n:]
-                return buf  # type: ignore[return-value]  # a bytearray serves as bytes
+                return buf
             if self.closed or not await self._read_in():
                 self.closed = True
                 return b""

@@ -35,8 +35,9 @@ def _read_into(fd: int, buffer: memoryview) -> int:
 
 
 class Transport(Protocol):
-    async def receive(self, max_bytes: int) -> bytes:
-        """Up to `max_bytes`; b"" once the peer ended its side or is gone."""
+    async def receive(self, max_bytes: int) -> bytes | bytearray:
+        """Up to `max_bytes` (the codecs take bytes or bytearray); b"" once the peer ended
+        its side or is gone."""
 
     async def send(self, data: bytes) -> None:
         """All of `data`; raises trio.BrokenResourceError if the peer is gone."""

@@ -209,9 +209,9 @@ class QueueJournal:
         #: producer snapshot is written there: compaction keeps no PRODUCER record)
         self.before_compact: Callable[[], Awaitable[None]] | None = None
         #: the producer marks recovery read (snapshot and segments), for the queue to take
-        self.producer_marks: list[jf.ProducerMark] = NO_CHUNKS
+        self.producer_marks: Sequence[jf.ProducerMark] = NO_CHUNKS
         #: the deduplication keys recovery read (snapshot and segments), likewise
-        self.dedup_marks: list[jf.DedupMark] = NO_CHUNKS
+        self.dedup_marks: Sequence[jf.DedupMark] = NO_CHUNKS
         self._pending: list[Planned] = NO_CHUNKS  # a list from the first append on
         self._pending_bytes = 0
         self._reader_ops: dict[str, list[PlannedOp]] = NO_ENTRIES  # a dict from the first op

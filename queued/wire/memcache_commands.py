@@ -239,7 +239,8 @@ class MemcacheCodec(c.LineCodec):
         return None if auth is None else c.Request(auth, ev, "auth")
 
     def next_request(self) -> c.Request | ConnectionClosed | NeedData | None:
-        ev = self._ready
+        # Annotated: the parser's events are wider than `_ready`'s (mypyc checks the type).
+        ev: mc.Event | NeedData | None = self._ready
         if ev is not None:
             self._ready = None
         else:
