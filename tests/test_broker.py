@@ -958,11 +958,16 @@ async def test_an_idle_queue_holds_little_memory(tmp_path: Path) -> None:
     """Hostile input may make max_queues (10,000) queues: each idle one must stay small.
     Containers, locks and files a queue may never use are made on first use, shared
     while empty, or dropped once idle (3.5 KiB for an empty queue before; 1.7 KiB now)."""
-    # (park_after 0: no queue is parked while the traced run takes its time)
+    # (park_after 0: no queue is parked while the traced run takes its time.) Each figure
+    # is the smaller of two batches measured apart: a one-time allocation of a few MB
+    # (seen now and then in make test's workers, once in a fresh clone) lands in one
+    # batch at most, while a cost per queue shows in both.
     async with open_broker(make_config(tmp_path, park_after=0)) as broker:
         await heap_per_queue(broker, "warm", 20, put=True)  # first-use caches, code paths
-        empty = await heap_per_queue(broker, "e", 300, put=False)
-        taken = await heap_per_queue(broker, "t", 200, put=True)
+        empty = min([await heap_per_queue(broker, f"e{batch}-", 150, put=False)
+                     for batch in range(2)])
+        taken = min([await heap_per_queue(broker, f"t{batch}-", 100, put=True)
+                     for batch in range(2)])
         assert len(broker.queues) == 520
     assert empty < 2200, f"an empty queue holds {empty:.0f} B"
     assert taken < 4600, f"a queue whose item was taken holds {taken:.0f} B"
