@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import tracemalloc
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from wire_util import Err, chunkings, cut, kept_rows, run
 
 from queued import errors
 from queued.errors import ProtocolError
@@ -37,43 +37,8 @@ from queued.wire.memcache_protocol import (
 from queued.wire.parsing import NEED_DATA, ConnectionClosed
 
 
-@dataclass(frozen=True)
-class Err:
-    kind: str
-    reply: bytes
-    close: bool
-
-
 def make() -> MemcacheParser:
     return MemcacheParser(max_line=2048, max_item_size=64)
-
-
-def run(parser: MemcacheParser, chunks: Iterable[bytes]) -> list[object]:
-    """Feeds chunks, draining events after each; stops after a closing error."""
-    out: list[object] = []
-    for chunk in chunks:
-        parser.receive_data(chunk)
-        while True:
-            try:
-                event = parser.next_event()
-            except ProtocolError as e:
-                out.append(Err(type(e).__name__, e.reply, e.close))
-                if e.close:
-                    return out
-                continue
-            if event is NEED_DATA:
-                break
-            out.append(event)
-            if isinstance(event, ConnectionClosed):
-                return out
-    return out
-
-
-def chunkings(data: bytes) -> Iterable[list[bytes]]:
-    yield [data]
-    yield [data[i : i + 1] for i in range(len(data))]
-    for i in range(1, len(data)):
-        yield [data[:i], data[i:]]
 
 
 def bad(msg: str, close: bool = False) -> Err:
@@ -215,7 +180,7 @@ def test_table_in_every_chunking(data: bytes, expected: list[object]) -> None:
 
 
 def test_pipelined_commands_come_out_in_order() -> None:
-    keep = [(d, e) for d, e in TABLE if not any(isinstance(x, Err) and x.close for x in e)]
+    keep = kept_rows(TABLE)
     stream = b"".join(d for d, _ in keep)
     expected = [x for _, e in keep for x in e]
     assert run(make(), [stream]) == expected
@@ -225,13 +190,10 @@ def test_pipelined_commands_come_out_in_order() -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_any_chunking_of_a_valid_stream_gives_the_same_events(data: st.DataObject) -> None:
-    keep = [(d, e) for d, e in TABLE if not any(isinstance(x, Err) and x.close for x in e)]
-    picked = data.draw(st.lists(st.sampled_from(keep), max_size=12))
+    picked = data.draw(st.lists(st.sampled_from(kept_rows(TABLE)), max_size=12))
     stream = b"".join(d for d, _ in picked)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=10)))
-    bounds = zip([0, *cuts], [*cuts, len(stream)], strict=True)
-    chunks = [stream[a:b] for a, b in bounds if a < b]  # b"" would mean end of stream
-    assert run(make(), chunks) == [x for _, e in picked for x in e]
+    assert run(make(), cut(stream, cuts)) == [x for _, e in picked for x in e]
 
 
 def test_trailing_garbage_waits_for_a_line_end_then_is_an_unknown_command() -> None:

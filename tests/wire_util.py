@@ -1,11 +1,16 @@
-"""Helpers for the tests of the protocols' command tables (queued.wire.*_commands): the
-limits a session gives its codec, and every request a codec decodes from some bytes."""
+"""Helpers for the tests of the protocols' parsers and command tables (queued.wire): the
+limits a session gives its codec, every request a codec decodes from some bytes, and a
+parser's events from a stream cut into chunks (every chunking of a table's rows)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
 from queued.errors import ProtocolError
 from queued.wire import commands as c
-from queued.wire.parsing import NEED_DATA
+from queued.wire.parsing import NEED_DATA, ConnectionClosed
 
 LIMITS = c.Limits(max_line=2048, max_item_size=1 << 20, max_frame=1 << 20, max_batch=1000)
 
@@ -24,3 +29,55 @@ def decode_all(codec: c.Codec, data: bytes) -> list[object]:
         if r is NEED_DATA:
             return out
         out.append(r)
+
+
+@dataclass(frozen=True)
+class Err:
+    """A parser's protocol error as an event: its class name, reply and whether it closes."""
+
+    kind: str
+    reply: bytes
+    close: bool
+
+
+def run(parser: Any, chunks: Iterable[bytes]) -> list[object]:
+    """Feeds chunks, draining events after each; stops after a closing error."""
+    out: list[object] = []
+    for chunk in chunks:
+        parser.receive_data(chunk)
+        while True:
+            try:
+                event = parser.next_event()
+            except ProtocolError as e:
+                out.append(Err(type(e).__name__, e.reply, e.close))
+                if e.close:
+                    return out
+                continue
+            if event is NEED_DATA:
+                break
+            out.append(event)
+            if isinstance(event, ConnectionClosed):
+                return out
+    return out
+
+
+def chunkings(data: bytes) -> Iterable[list[bytes]]:
+    """The data whole, byte by byte, and cut in two at every place."""
+    yield [data]
+    yield [data[i : i + 1] for i in range(len(data))]
+    for i in range(1, len(data)):
+        yield [data[:i], data[i:]]
+
+
+Table = Sequence[tuple[bytes, list[object]]]
+
+
+def kept_rows(table: Table) -> list[tuple[bytes, list[object]]]:
+    """The rows whose input leaves the parser open (they may be sent one after another)."""
+    return [(d, e) for d, e in table if not any(isinstance(x, Err) and x.close for x in e)]
+
+
+def cut(stream: bytes, cuts: Sequence[int]) -> list[bytes]:
+    """`stream` cut at the sorted offsets `cuts` (no empty chunk: b"" means its end)."""
+    bounds = zip([0, *cuts], [*cuts, len(stream)], strict=True)
+    return [stream[a:b] for a, b in bounds if a < b]
