@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from queued.broker import parking
+from queued.broker.gets import GetPath
 from queued.broker.live_readers import LiveReader
-from queued.broker.puts import PutPath
 from queued.broker.queues import QueueState
 from queued.broker.readback import read_live
 from queued.errors import BadNameError, JournalError
@@ -42,9 +42,9 @@ class BrokerStatistics:
     closing: bool
 
 
-class AdminOps(PutPath):
-    """The admin half of `Broker` (see the module docstring); a move puts through the
-    put path."""
+class AdminOps(GetPath):
+    """The admin layer of `Broker`, over the get and put paths (see the module docstring
+    of queued.broker.broker); a move puts through the put path."""
 
     @property
     def paused(self) -> frozenset[str]:

@@ -1,9 +1,11 @@
 """What every part of the broker shares: the registry of queues, the ledger of open reads,
 the counters, latency histograms and clock (`BrokerBase`).
 
-The broker's public face is `queued.broker.broker.Broker`; its subjects are mixins of this
-base, each in a module of its own (`puts`, `gets`, `admin`), so a request calls the method
-it needs with no hop between objects. No sockets, no background loops.
+The broker's public face is `queued.broker.broker.Broker`; its subjects are layers over this
+base, each in a module of its own and each a subclass of the one before (`PutPath` in
+`puts`, `GetPath` in `gets`, `AdminOps` in `admin`, then `Broker`: one chain, as a
+compiled class allows one base only), so a request calls the method it needs with no hop
+between objects. No sockets, no background loops.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ The registry (`queued.broker.registry`) finds and creates queues and readers; ea
 queue's own logic is `queued.broker.queues`; open reads across queues, `queued.broker.reliable`;
 the per-reader state machine is pure, in `queued.reader.state`.
 
-`Broker` is the one public face; its subjects are mixins, a module each: the put path
-(`queued.broker.puts`), the get and confirm path (`queued.broker.gets`), whole-queue
-operations and statistics (`queued.broker.admin`), over the shared state
-(`queued.broker.base`). This module adds the lifecycle: loading, the pass's commit, the
+`Broker` is the one public face; its subjects are layers, a module each, each the subclass
+of the one before (one chain of single inheritance, which mypyc compiles): the shared
+state (`queued.broker.base`), the put path (`queued.broker.puts`), the get and confirm
+path (`queued.broker.gets`), whole-queue operations and statistics
+(`queued.broker.admin`). This module adds the lifecycle: loading, the pass's commit, the
 rounds of upkeep, reconfiguration and shutdown.
 
 Readers. `q` is reader "" of queue q; `q+name` is reader `name`. A new named
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from queued.broker.admin import AdminOps, BrokerStatistics
 from queued.broker.base import wall_ms
-from queued.broker.gets import AfterCommit, GetPath, MustWait
+from queued.broker.gets import AfterCommit, MustWait
 from queued.broker.puts import JoinedPut, JoinedPuts
 from queued.broker.queues import PendingPut
 from queued.broker.registry import BrokerCounters
@@ -45,7 +46,7 @@ __all__ = ["AfterCommit", "Broker", "BrokerCounters", "BrokerStatistics", "Joine
 log = logging.getLogger("queued.broker")
 
 
-class Broker(GetPath, AdminOps):
+class Broker(AdminOps):
     """See the module docstring. Create with `queued.broker.upkeep.open_broker`."""
 
     async def load(self) -> None:

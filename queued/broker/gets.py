@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from queued.broker.base import BrokerBase
 from queued.broker.live_readers import LiveReader, Waiter, Wake
-from queued.broker.puts import JoinedPuts
+from queued.broker.puts import JoinedPuts, PutPath
 from queued.broker.queues import QueueState
 from queued.broker.reliable import Owe
 from queued.reader.open_reads import OpenReads
@@ -33,8 +32,9 @@ class AfterCommit(trio.WouldBlock):
     run the get again after it rather than answer it empty."""
 
 
-class GetPath(BrokerBase):
-    """The get and confirm half of `Broker` (see the module docstring)."""
+class GetPath(PutPath):
+    """The get and confirm layer of `Broker`, over the put path (see the module docstring
+    of queued.broker.broker)."""
 
     async def get(
         self,

@@ -170,7 +170,8 @@ class JoinedPuts:
 
 
 class PutPath(BrokerBase):
-    """The put half of `Broker` (see the module docstring)."""
+    """The put layer of `Broker`, over the shared state (see the module docstring of
+    queued.broker.broker)."""
 
     async def put(
         self,

@@ -50,6 +50,27 @@ class _NoIds(set[Any]):
 NO_IDS: Final[Any] = _NoIds()
 
 
+class _NoList(list[Any]):
+    """An empty list that refuses items: a list (as NO_IDS is a set), for attributes typed
+    `list` that compiled code reads (a compiled module checks that they hold a list). As
+    with NO_IDS, a compiled `append` calls `PyList_Append` directly, past the refusal:
+    compiled code must make the list its own first (`is NO_LIST`), and the pure suite
+    guards that it does."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("NO_LIST is shared: make the owner its own list first")
+
+    append = extend = insert = __setitem__ = __iadd__ = __imul__ = _refuse  # type: ignore[assignment]
+
+
+#: What a list attribute holds until its first item where the attribute is typed `list`
+#: (a journal's planned chunks, a reader's unpacked block and delay heap): shared and
+#: immutable, as NO_ITEMS is, and a list.
+NO_LIST: Final[Any] = _NoList()
+
+
 class ReaderLimits(Protocol):
     """The part of QueueConfig a reader needs."""
 

@@ -419,7 +419,7 @@ class DataDir:
             if j is None:
                 await trio.to_thread.run_sync(remove)
                 return
-            async with j.exclusive():
+            async with j.maintenance_lock:
                 await trio.to_thread.run_sync(remove)
 
     def paused_queues(self) -> set[str]:

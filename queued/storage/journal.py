@@ -17,8 +17,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
@@ -33,7 +32,7 @@ from queued.errors import (
     JournalWriteError,
 )
 from queued.journal import format as jf
-from queued.reader.shared import NO_ENTRIES, NO_ITEMS
+from queued.reader.shared import NO_ENTRIES, NO_ITEMS, NO_LIST
 from queued.storage import compaction
 from queued.storage.compaction import CompactionResult, SegmentStore
 from queued.storage.files import (
@@ -61,8 +60,9 @@ MAX_BATCH_BYTES = 64 * MiB
 
 #: What a journal's planned chunks hold until the first (its reader ops and reader files
 #: hold NO_ENTRIES): a server may hold 10,000 idle queues, an empty list or dict each is
-#: ~60 B; shared and immutable, as a reader's empty containers are (queued.reader.shared).
-NO_CHUNKS: Final[Any] = NO_ITEMS
+#: ~60 B; shared and immutable, as a reader's empty containers are (queued.reader.shared),
+#: and a list, as the attribute's type says.
+NO_CHUNKS: Final[Any] = NO_LIST
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,9 +209,9 @@ class QueueJournal:
         #: producer snapshot is written there: compaction keeps no PRODUCER record)
         self.before_compact: Callable[[], Awaitable[None]] | None = None
         #: the producer marks recovery read (snapshot and segments), for the queue to take
-        self.producer_marks: Sequence[jf.ProducerMark] = NO_CHUNKS
+        self.producer_marks: Sequence[jf.ProducerMark] = NO_ITEMS
         #: the deduplication keys recovery read (snapshot and segments), likewise
-        self.dedup_marks: Sequence[jf.DedupMark] = NO_CHUNKS
+        self.dedup_marks: Sequence[jf.DedupMark] = NO_ITEMS
         self._pending: list[Planned] = NO_CHUNKS  # a list from the first append on
         self._pending_bytes = 0
         self._reader_ops: dict[str, list[PlannedOp]] = NO_ENTRIES  # a dict from the first op
@@ -237,7 +237,9 @@ class QueueJournal:
 
     @property
     def maintenance_lock(self) -> trio.Lock:
-        """Held while compaction or a drop changes the segment list."""
+        """Held while compaction or a drop changes the segment list: no compaction or drop
+        of this queue runs inside `async with journal.maintenance_lock` (checkpoints are
+        round work: pause the writer for those)."""
         lock = self._maintenance_lock
         if lock is None:
             lock = self._maintenance_lock = trio.Lock()
@@ -807,13 +809,6 @@ class QueueJournal:
         for _, ops in self.take_reader_ops():
             for op in ops:
                 op.ticket.resolve(error)
-
-    @asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        """No compaction or drop of this queue runs inside this block (checkpoints are
-        round work: pause the writer for those)."""
-        async with self.maintenance_lock:
-            yield
 
     def statistics(self) -> JournalStats:
         return JournalStats(

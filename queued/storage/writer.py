@@ -16,9 +16,8 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar, cast
@@ -104,12 +103,12 @@ class Writer:
         self._rounds = 0
         self._fsync = Histogram(FSYNC_BUCKETS)
         self._fsync_lock = threading.Lock()  # files sync from the pool's threads at once
-        self._thread = RoundThread()
+        self._round_thread = RoundThread()
         self._pool: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
         """Stop the round threads (no round may run: call it after the last one)."""
-        self._thread.close()
+        self._round_thread.close()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
@@ -144,7 +143,8 @@ class Writer:
             else:
                 if len(work) + len(readers) > 1 and self._pool is None:
                     self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
-                results = await self._thread.run(run_round, work, periodic, self._pool, readers)
+                results = await self._round_thread.run(run_round, work, periodic, self._pool,
+                                                       readers)
         self._rounds += 1
         return results
 
@@ -215,11 +215,11 @@ class Writer:
             rfile.write(ops)
         return file.write(chunks) if chunks else WriteResult([])
 
-    @asynccontextmanager
-    async def paused(self) -> AsyncIterator[None]:
-        """No round runs inside this block (to remove a queue's files, say)."""
-        async with self._lock:
-            yield
+    def paused(self) -> trio.Lock:
+        """No round runs inside `async with writer.paused()` (to remove a queue's files,
+        say): the lock rounds hold. (A lock rather than an async generator, which a
+        compiled module cannot hold.)"""
+        return self._lock
 
     def statistics(self) -> WriterStats:
         return WriterStats(rounds=self._rounds, fsync=self._fsync.snapshot())
