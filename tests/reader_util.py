@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from queued.journal.format import Put
 from queued.reader.state import Reader
@@ -20,17 +21,19 @@ class Limits:
     discard_old_when_full: bool = False
 
 
-class SmallPackReader(Reader):
-    """Packs as the server does, in blocks of 2 once 3 items wait (the state machine
-    rarely holds 256)."""
-
-    pack_at = 3
-    pack_block = 2
+def small_pack_reader(*args: Any, **kwargs: Any) -> Reader:
+    """A Reader that packs as the server does, in blocks of 2 once 3 items wait (the state
+    machine rarely holds 256). Set on the instance, not in a subclass: a compiled Reader
+    takes no interpreted subclass."""
+    r = Reader(*args, **kwargs)
+    r.pack_at = 3
+    r.pack_block = 2
+    return r
 
 
 def held(r: Reader) -> list[Put]:
     """The items a reader holds in memory, in delivery order."""
-    return [*r.front, *reversed(r.unpacked), *r.packed, *r.mem]
+    return [*r.front, *reversed(r.unpacked), *(r.packed or ()), *r.mem]
 
 
 def item(i: int, size: int = 10, *, expire: int | None = None, add: int = T0) -> Put:

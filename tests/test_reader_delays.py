@@ -11,7 +11,7 @@ from reader_util import T0, Limits
 
 from queued.journal.format import DelayedPut, Put
 from queued.reader.delays import delay_key, key_due, key_id, key_size
-from queued.reader.shared import NO_ITEMS
+from queued.reader.shared import NO_ITEMS, NO_LIST
 from queued.reader.state import Reader
 
 
@@ -74,7 +74,7 @@ def test_drop_and_flush_take_delayed_items_with_them() -> None:
     assert sorted(r.drop_delayed(lambda i: i != 2)) == [1, 3]
     assert r.items == 1 and r.counters.discarded == 2 and r.delayed_ids() == [2]
     assert r.flush() == 1
-    assert r.delayed is NO_ITEMS and r.due is NO_ITEMS and not r.parked
+    assert r.delayed is NO_LIST and r.due is NO_ITEMS and not r.parked
     assert r.delay_low is None and r.delayed_ids() == []
 
 

@@ -20,7 +20,6 @@ from hypothesis.stateful import (
 from reader_util import (
     T0,
     Limits,
-    SmallPackReader,
     abort_ids,
     held,
     item,
@@ -29,6 +28,7 @@ from reader_util import (
     reader,
     refill,
     replay,
+    small_pack_reader,
     take_consume,
     take_id,
     take_open,
@@ -38,7 +38,6 @@ from queued.journal.format import DelayedPut, Put
 from queued.reader.delays import key_id
 from queued.reader.open_reads import OpenReads, TimeoutHeap
 from queued.reader.packed_items import BLOCK_ITEMS
-from queued.reader.shared import NO_ITEMS
 from queued.reader.state import PACK_AT, Reader
 
 # -- add / take order ------------------------------------------------------------------
@@ -583,7 +582,7 @@ class ReaderMachine(RuleBasedStateMachine):
     @initialize(cap=st.sampled_from([CAP, 1 << 20]), packing=st.booleans())
     def setup(self, cap: int, packing: bool) -> None:
         self.limits = Limits(max_memory_size=cap)
-        self.r = (SmallPackReader if packing else Reader)("q", "", self.limits)
+        self.r = (small_pack_reader if packing else Reader)("q", "", self.limits)
         self.journal: dict[int, Put] = {}
         self.consumed: set[int] = set()
         self.next_id = 1
@@ -1027,7 +1026,7 @@ def test_a_reader_packs_its_backlog_and_gives_it_back_in_order() -> None:
     while (it := r.take(T0, [])) is not None:
         got.append(it)
     assert got == items[:n // 2] + items[n // 2 + 10:]
-    assert r.mem_bytes == 0 and r.items == 0 and r.packed is NO_ITEMS and not r.unpacked
+    assert r.mem_bytes == 0 and r.items == 0 and r.packed is None and not r.unpacked
 
 
 def test_a_consumer_that_keeps_up_packs_nothing() -> None:
@@ -1037,7 +1036,7 @@ def test_a_consumer_that_keeps_up_packs_nothing() -> None:
     for i in range(PACK_AT - 1, 10 * PACK_AT):
         r.add([packable(i)])
         assert r.take(T0, []) == packable(i - PACK_AT + 2)
-        assert r.packed is NO_ITEMS
+        assert r.packed is None
 
 
 def test_due_items_wait_behind_a_due_item_on_disk() -> None:
@@ -1098,8 +1097,8 @@ class _Pair:
 
     def __init__(self, cap: int) -> None:
         self.limits = Limits(max_memory_size=cap)
-        self.bulk = SmallPackReader("q", "", self.limits)
-        self.single = SmallPackReader("q", "", self.limits)
+        self.bulk = small_pack_reader("q", "", self.limits)
+        self.single = small_pack_reader("q", "", self.limits)
         self.store: dict[int, Put] = {}
         self.consumed: set[int] = set()
 
@@ -1236,7 +1235,7 @@ def test_bulk_take_and_confirm_match_the_per_item_paths(
                     r.put_back(back)
                 head, done = r.checkpoint()
                 assert replay(p.store, head, done) == set(p.store) - p.consumed
-                fresh = SmallPackReader("q", "", p.limits, head=head, done=done,
+                fresh = small_pack_reader("q", "", p.limits, head=head, done=done,
                                         tail=next_id, delays=r.delays.items())
                 left = sorted(replay(p.store, head, done))
                 fresh.restore([], left[0] if left else None, len(left),

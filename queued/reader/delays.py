@@ -22,10 +22,9 @@ import dataclasses
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from queued.journal.format import DelayedPut, Put
-from queued.reader.shared import NO_ENTRIES, NO_ITEMS, ReaderCounters, ReaderLimits
+from queued.reader.shared import NO_ENTRIES, NO_ITEMS, NO_LIST, ReaderCounters, ReaderLimits
 
 #: Delay heap keys: due ms << DUE_SHIFT | id << SIZE_BITS | data size.
 SIZE_BITS = 32
@@ -63,9 +62,14 @@ class DelayedItems:
     done: set[int]
     errors: dict[int, int]
 
-    if TYPE_CHECKING:  # the reader's, which a delayed item's data is held and read by
-        def held_size(self, it: Put) -> int: ...
-        def refill_budget(self) -> int: ...
+    # The reader's, which a delayed item's data is held and read by: methods here (not
+    # declared under TYPE_CHECKING, which a compiled class body cannot hold), Reader's
+    # override them.
+    def held_size(self, it: Put) -> int:
+        raise NotImplementedError
+
+    def refill_budget(self) -> int:
+        raise NotImplementedError
 
     def start_delays(self, delays: Iterable[tuple[int, int]]) -> None:
         """Empty delay state; `delays`: (id, due ms) of items an abort delayed, from the
@@ -74,7 +78,7 @@ class DelayedItems:
         #: reader's file: the PUT record does not know it)
         self.delays: dict[int, int] = {i: d for i, d in delays
                                        if i > self.head and i not in self.done} or NO_ENTRIES
-        self.delayed: list[int] = NO_ITEMS  # heap of delay_key(due, id, size), not due yet
+        self.delayed: list[int] = NO_LIST  # heap of delay_key(due, id, size), not due yet
         self.parked: dict[int, Put] = NO_ENTRIES  # data of delayed items held in memory
         self.due: deque[Put | int] = NO_ITEMS  # due: items, or keys whose data is on disk
         #: lowest id delayed or due, or lower (exact while `low_exact`); None: none since
@@ -87,7 +91,7 @@ class DelayedItems:
         memory if `keep` and memory is under half full with it, else on disk (read back
         once due): the other half stays for read-behind of the items that flow."""
         n = len(it.data)
-        if self.delayed is NO_ITEMS:
+        if self.delayed is NO_LIST:
             self.delayed = []
         heapq.heappush(self.delayed, delay_key(due_ms, it.id, n))
         if keep and (self.mem_bytes + n + len(it.headers) <= self.limits.max_memory_size // 2
@@ -116,7 +120,7 @@ class DelayedItems:
     def restore_delayed(self, entries: Iterable[tuple[int, int, int]]) -> None:
         """After recovery: (due ms, id, size) of delayed items on disk (already counted
         by `restore`)."""
-        if self.delayed is NO_ITEMS:
+        if self.delayed is NO_LIST:
             self.delayed = []
         for due_ms, item_id, size in entries:
             self.delayed.append(delay_key(due_ms, item_id, size))
@@ -244,7 +248,7 @@ class DelayedItems:
 
     def clear_delays(self) -> None:
         """Every delayed and due item is gone (a flush; the reader recounts itself)."""
-        self.delayed = NO_ITEMS
+        self.delayed = NO_LIST
         self.parked.clear()
         self.due = NO_ITEMS
         self.delays.clear()

@@ -43,7 +43,14 @@ from typing import Final
 from queued.journal.format import DelayedPut, HeadedPut, Put
 from queued.reader.delays import DUE_SHIFT, DelayedItems
 from queued.reader.packed_items import BLOCK_ITEMS, SMALL_MAX, PackedItems
-from queued.reader.shared import NO_ENTRIES, NO_IDS, NO_ITEMS, ReaderCounters, ReaderLimits
+from queued.reader.shared import (
+    NO_ENTRIES,
+    NO_IDS,
+    NO_ITEMS,
+    NO_LIST,
+    ReaderCounters,
+    ReaderLimits,
+)
 
 Item = Put
 #: items the bulk add takes (a DelayedPut is a Put subclass: not in it)
@@ -116,10 +123,11 @@ class Reader(DelayedItems):
         self.queue = queue
         self.name = name
         self.limits = limits
-        # Unused, these hold NO_ITEMS (see there); a container is made on first use.
+        # Unused, the deques hold NO_ITEMS, `unpacked` NO_LIST and `packed` None (see
+        # queued.reader.shared); a container is made on first use.
         self.front: deque[Item] = NO_ITEMS
-        self.unpacked: list[Item] = NO_ITEMS  # the oldest packed block, made again, newest first
-        self.packed: PackedItems = NO_ITEMS  # items older than `mem`'s, packed
+        self.unpacked: list[Item] = NO_LIST  # the oldest packed block, made again, newest first
+        self.packed: PackedItems | None = None  # items older than `mem`'s, packed
         self.mem: deque[Item] = NO_ITEMS
         self.mem_bytes = 0
         self.behind: int | None = None
@@ -160,14 +168,16 @@ class Reader(DelayedItems):
     def _held(self) -> Iterator[Item]:
         """The items of `unpacked`, `packed` and `mem`, in delivery order."""
         yield from reversed(self.unpacked)
-        yield from self.packed
+        if self.packed is not None:
+            yield from self.packed
         yield from self.mem
 
     def _unpack(self) -> None:
         """`unpacked` is empty and `packed` is not: its oldest block moves to `unpacked`."""
+        assert self.packed is not None
         self.unpacked = self.packed.unpack_next()
         if not self.packed:
-            self.packed = NO_ITEMS  # (its truth test is a call; NO_ITEMS' is not)
+            self.packed = None  # (its truth test is a call; None's is not)
 
     def _next_held(self) -> Item | None:
         """The first item `_held` gives (None if none), left in place."""
@@ -181,7 +191,7 @@ class Reader(DelayedItems):
     def _pack(self) -> None:
         """`mem` holds pack_at items or more: its oldest go to `packed`, a block at a time."""
         mem, packed = self.mem, self.packed
-        if packed is NO_ITEMS:
+        if packed is None:
             packed = self.packed = PackedItems()
         take, block = mem.popleft, range(self.pack_block)
         while len(mem) >= self.pack_at:
@@ -648,8 +658,8 @@ class Reader(DelayedItems):
         if listing and self.behind is not None:
             ids.extend(range(self.behind, self.tail + 1))
         self.front = NO_ITEMS
-        self.unpacked = NO_ITEMS
-        self.packed = NO_ITEMS
+        self.unpacked = NO_LIST
+        self.packed = None
         self.mem = NO_ITEMS
         self.mem_bytes = 0
         self.behind = None
@@ -711,7 +721,8 @@ class Reader(DelayedItems):
     @property
     def mem_count(self) -> int:
         """Items available in memory, in delivery order (aborted, packed, newest)."""
-        return len(self.front) + len(self.unpacked) + len(self.packed) + len(self.mem)
+        return (len(self.front) + len(self.unpacked) + (len(self.packed) if self.packed else 0)
+                + len(self.mem))
 
     @property
     def open_count(self) -> int:
