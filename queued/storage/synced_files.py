@@ -341,15 +341,17 @@ class ReaderFile(SyncedFile):
         return self._fd is not None and all(op.appends for op in ops) and self._inline_ok()
 
     def _append(self, op: ReaderOp) -> None:
-        if self._fd is None:
-            self._open()
-            assert self._fd is not None
+        # (through a local: mypy would hold `self._fd` None after `_open`, and compiled
+        # code checks what it reads against that)
+        fd = self._fd if self._fd is not None else self._open()
         records = jf.encode_reader_records(op.head, op.done, op.errors, op.delays)
-        _writev_all(self._fd, [records, jf.encode_check(records, self._size)])
+        _writev_all(fd, [records, jf.encode_check(records, self._size)])
         self._size += len(records) + jf.CHECK_RECORD_SIZE
         self._unsynced = True
 
-    def _open(self) -> None:
+    def _open(self) -> int:
+        """Open the file for appends (created empty if missing and `create_missing`);
+        returns its fd."""
         try:
             fd = fileio.open_fd(self.path, os.O_WRONLY | os.O_APPEND)
         except FileNotFoundError:
@@ -361,6 +363,7 @@ class ReaderFile(SyncedFile):
         self._fd = fd
         self._size = os.fstat(fd).st_size
         self._unsynced = False
+        return fd
 
     def _drop_fd(self) -> None:
         """Forget the open file: it was replaced or removed, so what it holds unsynced
