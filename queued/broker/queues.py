@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("queued.broker")
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, init=False)
 class Inflight:
     puts: list[jf.Put]
     nbytes: int = 0  # item data bytes of `puts`
@@ -51,8 +51,17 @@ class Inflight:
     done: bool = False
     error: BaseException | None = None
 
+    # (written out: a compiled class compiles it; see queued.journal.records.Put)
+    def __init__(self, puts: list[jf.Put], nbytes: int = 0, due_ms: int | None = None,
+                 done: bool = False, error: BaseException | None = None) -> None:
+        self.puts = puts
+        self.nbytes = nbytes
+        self.due_ms = due_ms
+        self.done = done
+        self.error = error
 
-@dataclass(eq=False, slots=True)
+
+@dataclass(eq=False, slots=True, init=False)
 class PendingPut:
     """A put handed to the writer, not yet known durable (see Broker.begin_put).
 
@@ -68,6 +77,18 @@ class PendingPut:
     answer: tuple[int, int, bool] | None = None
     producer: ProducerEntry | None = None  # the entry this put stored
     keys: Sequence[bytes] = ()  # the deduplication keys this put stored (its parts')
+
+    # (written out, as Inflight's is)
+    def __init__(self, qs: QueueState, entry: Inflight, ticket: Ticket | None,
+                 started: float = 0.0, answer: tuple[int, int, bool] | None = None,
+                 producer: ProducerEntry | None = None, keys: Sequence[bytes] = ()) -> None:
+        self.qs = qs
+        self.entry = entry
+        self.ticket = ticket
+        self.started = started
+        self.answer = answer
+        self.producer = producer
+        self.keys = keys
 
 
 def durable(pending: object) -> bool:

@@ -183,7 +183,7 @@ def sealed_start(head: bytes | bytearray | memoryview) -> int:
 # -- records --------------------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Put:
     """An item added to a queue (writer files only).
 
@@ -197,6 +197,11 @@ class Put:
     the allocator's 80-byte size class, which holds a sixth.
 
     `headers`: b"" here; a HeadedPut (or a DelayedPut) holds an item's headers block.
+
+    Its `__init__` is written out (the dataclass's, with `init=False`): a compiled class
+    compiles one written in its body, while the one `dataclass` makes is Python, run on
+    every item (and slower there than in a pure build). The same for its subclasses and
+    the other objects made per request on the put path.
     """
 
     id: int
@@ -206,6 +211,16 @@ class Put:
     error_count: int = 0
     flags: int = 0
 
+    def __init__(self, id: int, data: bytes, add_time_ms: int,
+                 expire_time_ms: int | None = None, error_count: int = 0,
+                 flags: int = 0) -> None:
+        self.id = id
+        self.data = data
+        self.add_time_ms = add_time_ms
+        self.expire_time_ms = expire_time_ms
+        self.error_count = error_count
+        self.flags = flags
+
     @property
     def headers(self) -> bytes:
         """The item's headers block (queued.journal.headers); b"": none. Not a slot:
@@ -213,7 +228,7 @@ class Put:
         return b""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class DelayedPut(Put):
     """A Put with a delay: invisible to readers until `due_ms` (unix ms).
 
@@ -227,8 +242,20 @@ class DelayedPut(Put):
     due_ms: int = 0
     headers: bytes = b""
 
+    def __init__(self, id: int, data: bytes, add_time_ms: int,
+                 expire_time_ms: int | None = None, error_count: int = 0, flags: int = 0,
+                 due_ms: int = 0, headers: bytes = b"") -> None:
+        self.id = id
+        self.data = data
+        self.add_time_ms = add_time_ms
+        self.expire_time_ms = expire_time_ms
+        self.error_count = error_count
+        self.flags = flags
+        self.due_ms = due_ms
+        self.headers = headers
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class HeadedPut(Put):
     """A Put with headers (and no delay: a delayed one is a DelayedPut with headers).
 
@@ -238,6 +265,17 @@ class HeadedPut(Put):
     """
 
     headers: bytes = b""
+
+    def __init__(self, id: int, data: bytes, add_time_ms: int,
+                 expire_time_ms: int | None = None, error_count: int = 0, flags: int = 0,
+                 headers: bytes = b"") -> None:
+        self.id = id
+        self.data = data
+        self.add_time_ms = add_time_ms
+        self.expire_time_ms = expire_time_ms
+        self.error_count = error_count
+        self.flags = flags
+        self.headers = headers
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,12 +129,25 @@ class Ticket:
         self.event.set()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Planned(Chunk):
     """A chunk waiting for the writer, with the tickets of the appends it carries."""
 
     tickets: list[Ticket] = field(default_factory=list)
     marks: int = 0  # PRODUCER and DEDUP records in it
+
+    # (written out, as Chunk's is: one is made per queue and round)
+    def __init__(self, rotate: bool, tickets: list[Ticket] | None = None,
+                 marks: int = 0) -> None:
+        self.rotate = rotate
+        self.pieces = []
+        self.small = bytearray()
+        self.nbytes = 0
+        self.count = 0
+        self.first_id = 0
+        self.last_id = 0
+        self.tickets = [] if tickets is None else tickets
+        self.marks = marks
 
 
 @dataclass(eq=False, slots=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 ZERO_COPY_BYTES = 4096
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Chunk:
     """Records planned for the writer (by the journal); one chunk becomes one checked batch.
 
@@ -29,6 +29,19 @@ class Chunk:
     count: int = 0
     first_id: int = 0
     last_id: int = 0
+
+    # (written out, with the others made per round here: a compiled class compiles an
+    # `__init__` in its body, not the one `dataclass` makes; see queued.journal.records.Put)
+    def __init__(self, rotate: bool, pieces: list[bytes | bytearray] | None = None,
+                 small: bytearray | None = None, nbytes: int = 0, count: int = 0,
+                 first_id: int = 0, last_id: int = 0) -> None:
+        self.rotate = rotate
+        self.pieces = [] if pieces is None else pieces
+        self.small = bytearray() if small is None else small
+        self.nbytes = nbytes
+        self.count = count
+        self.first_id = first_id
+        self.last_id = last_id
 
     def add(self, head: bytes, data: bytes) -> None:
         if len(data) >= ZERO_COPY_BYTES:
@@ -49,7 +62,7 @@ class Chunk:
         return self.pieces
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Written:
     """What the writer did with one chunk: bytes [offset, end) of segment `number`."""
 
@@ -62,14 +75,29 @@ class Written:
     last_id: int
     inode: int  # of a created segment, else 0
 
+    def __init__(self, number: int, created: bool, offset: int, end: int, count: int,
+                 first_id: int, last_id: int, inode: int) -> None:
+        self.number = number
+        self.created = created
+        self.offset = offset
+        self.end = end
+        self.count = count
+        self.first_id = first_id
+        self.last_id = last_id
+        self.inode = inode
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class WriteResult:
     """One queue's share of a round: the chunks written and durable, in order, and
     the error that stopped the rest (chunks past len(written) were not stored)."""
 
     written: list[Written]
     error: BaseException | None = None
+
+    def __init__(self, written: list[Written], error: BaseException | None = None) -> None:
+        self.written = written
+        self.error = error
 
 
 

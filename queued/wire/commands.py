@@ -44,7 +44,7 @@ Item = records.Put
 # -- commands -----------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Put:
     """Journal `items`; expiry relative (`ttl_ms`) or absolute (`expire_at_ms`, unix ms);
     `flags`: every item's memcache flags (u32, kept with the item, 0 for most)."""
@@ -64,13 +64,29 @@ class Put:
     #: a deduplication key (memcache, text, RPC): stored once within the queue's window
     key: bytes | None = None
 
+    # (written out, as queued.journal.records.Put's is: compiled, one made per request)
+    def __init__(self, queue: str, items: Sequence[bytes], ttl_ms: int | None = None,
+                 expire_at_ms: int | None = None, flags: int = 0, delay_ms: int = 0,
+                 producer: bytes | None = None, sequence: int = 0,
+                 headers: Sequence[bytes] | None = None, key: bytes | None = None) -> None:
+        self.queue = queue
+        self.items = items
+        self.ttl_ms = ttl_ms
+        self.expire_at_ms = expire_at_ms
+        self.flags = flags
+        self.delay_ms = delay_ms
+        self.producer = producer
+        self.sequence = sequence
+        self.headers = headers
+        self.key = key
+
     def expire_ms(self, now_ms: int) -> int | None:
         if self.expire_at_ms is not None:
             return self.expire_at_ms
         return None if self.ttl_ms is None else now_ms + self.ttl_ms
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Get:
     """Kestrel's get: up to `max_items`, waiting `timeout_ms` for the first.
 
@@ -96,6 +112,28 @@ class Get:
     max_bytes: int = 0  # stop adding items past this much data (0: no cap; one at least)
     delay_ms: int = 0  # with `abort`: the returned items wait that long (retry back-off)
     reject: bool = False  # the open reads on the queue give up now (see Reject); takes nothing
+
+    # (written out, as Put's is)
+    def __init__(self, queue: str, reader: str | None = None, max_items: int = 1,
+                 timeout_ms: int = 0, open: bool = False,
+                 close: bool = False, abort: bool = False, peek: bool = False,
+                 open_timeout_ms: int | None = None, exclusive: bool = False,
+                 line_safe: bool = False, max_bytes: int = 0, delay_ms: int = 0,
+                 reject: bool = False) -> None:
+        self.queue = queue
+        self.reader = reader
+        self.max_items = max_items
+        self.timeout_ms = timeout_ms
+        self.open = open
+        self.close = close
+        self.abort = abort
+        self.peek = peek
+        self.open_timeout_ms = open_timeout_ms
+        self.exclusive = exclusive
+        self.line_safe = line_safe
+        self.max_bytes = max_bytes
+        self.delay_ms = delay_ms
+        self.reject = reject
 
 
 @dataclass(slots=True)
