@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "queued"
 
 #: The compiled modules, chosen by measurement (docs/benchmarks.md "Compiled with mypyc"):
-#: the synchronous request path from the codecs down to the journal's records.
+#: the synchronous request path from the codecs down to the journal's append (what stays
+#: Python, and why: docs/development.md "Compiled with mypyc").
 COMPILED = [
     "queued/errors.py",
     "queued/sansio.py",
