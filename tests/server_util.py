@@ -60,6 +60,18 @@ async def running(config: ServerConfig) -> AsyncIterator[Server]:
             server.request_shutdown("test finished")
 
 
+@asynccontextmanager
+async def running_conn(config: ServerConfig) -> AsyncIterator[Conn]:
+    """`running(config)` and one raw memcache connection to it (`.port` is the server's
+    memcache port), closed at the end."""
+    async with running(config) as server:
+        conn = await Conn.open(server.ports["memcache"])
+        try:
+            yield conn
+        finally:
+            await conn.aclose()
+
+
 def data_files(data_dir: Path) -> list[str]:
     """The files in `data_dir`, but the write probe a running server makes now and then."""
     if not data_dir.exists():
@@ -73,16 +85,17 @@ def data_files(data_dir: Path) -> list[str]:
 class Conn:
     """A raw client connection with a line-oriented receive buffer."""
 
-    def __init__(self, stream: trio.SocketStream, newline: bytes) -> None:
+    def __init__(self, stream: trio.SocketStream, newline: bytes, port: int = 0) -> None:
         self.stream = stream
         self.newline = newline
+        self.port = port  # the server port it was opened on (0: made from a stream)
         self.buf = bytearray()
         self.eof = False
 
     @classmethod
     async def open(cls, port: int, newline: bytes = b"\r\n") -> Conn:
         with trio.fail_after(WAIT):
-            return cls(await trio.open_tcp_stream(HOST, port), newline)
+            return cls(await trio.open_tcp_stream(HOST, port), newline, port)
 
     async def send(self, data: bytes) -> None:
         with trio.fail_after(WAIT):
@@ -130,6 +143,12 @@ class Conn:
     async def set(self, queue: str, data: bytes, exptime: int = 0) -> bytes:
         await self.send(b"set %s 0 %d %d\r\n%s\r\n" % (queue.encode(), exptime, len(data), data))
         return await self.line()
+
+    async def store(self, queue: str, *values: bytes) -> None:
+        """memcache `set` of each value in turn; asserts each is STORED."""
+        for value in values:
+            reply = await self.set(queue, value)
+            assert reply == b"STORED", (queue, value, reply)
 
     async def get(self, key: str, timeout: float = WAIT) -> bytes | None:
         """memcache `get key`: the value, or None for END. Asserts the VALUE line echoes key."""
