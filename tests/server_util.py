@@ -395,6 +395,35 @@ def send_lines(port: int, data: bytes, *, until: bytes, timeout: float = WAIT) -
         return out
 
 
+def recv_until(sock: socket.socket, end: bytes, timeout: float = WAIT) -> bytes:
+    """Blocking: what `sock` receives until it ends with `end` (the peer may not close)."""
+    sock.settimeout(timeout)
+    got = b""
+    while not got.endswith(end):
+        chunk = sock.recv(4096)
+        assert chunk, got
+        got += chunk
+    return got
+
+
+@asynccontextmanager
+async def served_sockets(port: int, n: int) -> AsyncIterator[list[socket.socket]]:
+    """`n` plain blocking sockets to `port`, each accepted and served (a `version`
+    answered), for sends with no await between them; closed at the end."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            socks.append(socket.create_connection((HOST, port), timeout=WAIT))
+        for sock in socks:
+            sock.sendall(b"version\r\n")
+            assert (await trio.to_thread.run_sync(recv_until, sock, b"\r\n")).startswith(
+                b"VERSION")
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def killed_at_end(tmp_path: Path, config_text: str) -> Iterator[ServerProcess]:
     """For a fixture: a ServerProcess (not yet started) with `config_text` as its config
     file, always SIGKILLed by PID at the end."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,15 @@ from hypothesis import strategies as st
 from journal_util import COMPACTING, checked, dumped, segments, wait_compacted
 from ops_util import NONE, scrape
 from rpc_util import Rpc
-from server_util import WAIT, Conn, killed_at_end, make_config, pymc, running
+from server_util import (
+    Conn,
+    killed_at_end,
+    make_config,
+    pymc,
+    recv_until,
+    running,
+    served_sockets,
+)
 from wait_util import wait_until
 
 from queued.config import ServerConfig
@@ -215,16 +222,6 @@ async def test_same_key_twice_in_one_pass_stores_one(tmp_path: Path) -> None:
             await conn.aclose()
 
 
-def read_socket(sock: socket.socket, end: bytes) -> bytes:
-    sock.settimeout(WAIT)
-    got = b""
-    while not got.endswith(end):
-        chunk = sock.recv(4096)
-        assert chunk
-        got += chunk
-    return got
-
-
 async def test_two_connections_one_key_one_pass_and_the_order_sent_kept(
         tmp_path: Path) -> None:
     """Both connections' sets arrive before the reactor runs (plain sockets, no await
@@ -233,21 +230,12 @@ async def test_two_connections_one_key_one_pass_and_the_order_sent_kept(
     connection's) keeps its place: ids follow the order each connection sent."""
     async with running(cfg(tmp_path)) as server:
         port = server.ports["memcache"]
-        a = socket.create_connection(("127.0.0.1", port))
-        b = socket.create_connection(("127.0.0.1", port))
-        try:
-            for sock in (a, b):  # both accepted and served by the reactor
-                sock.sendall(b"version\r\n")
-                assert (await trio.to_thread.run_sync(read_socket, sock, b"\r\n")).startswith(
-                    b"VERSION")
+        async with served_sockets(port, 2) as (a, b):
             a.sendall(mc_set(b"q", b"a1") + mc_set(b"q/key=k", b"a2") + mc_set(b"q", b"a3"))
             b.sendall(mc_set(b"q", b"b1") + mc_set(b"q/key=k", b"b2") + mc_set(b"q", b"b3"))
             for sock in (a, b):
                 assert await trio.to_thread.run_sync(
-                    read_socket, sock, b"STORED\r\n" * 3) == b"STORED\r\n" * 3
-        finally:
-            a.close()
-            b.close()
+                    recv_until, sock, b"STORED\r\n" * 3) == b"STORED\r\n" * 3
         c = await Rpc.open(server.ports["rpc"])
         got = await drain(c, "q")
         assert sorted(got) in ([b"a1", b"a2", b"a3", b"b1", b"b3"],
