@@ -331,11 +331,9 @@ async def test_reject_without_an_error_queue_drops_the_item(tmp_path: Path) -> N
         assert err is not None and err[0] == 17  # type: ignore[index]
         assert await rpc.call("abort", "w", [2]) == (None, 1)
         await rpc.aclose()
-    async with running(config) as server:  # the drop was journaled
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(config) as c:  # the drop was journaled
         assert await c.get("w") == b"b"
         assert await c.get("w") is None
-        await c.aclose()
 
 
 async def test_max_errors_keeps_its_meaning_with_a_backoff(tmp_path: Path) -> None:
