@@ -96,6 +96,25 @@ def refill(r: Reader, journal: dict[int, Put]) -> None:
     r.load(start, got, next_id)
 
 
+def take_all(r: Reader, journal: dict[int, Put], *, max_mem: int | None = None) -> list[int]:
+    """Take, open and confirm every item, refilling from `journal` whenever the reader is
+    behind: the ids in the order taken (memory within `max_mem` after each, if given)."""
+    got: list[int] = []
+    for _ in range(100 * (len(journal) + 1)):
+        it = r.take(T0, [])
+        if it is None:
+            if r.behind is None:
+                return got
+            refill(r, journal)
+            continue
+        r.open_read(it)
+        r.confirm(it.id)
+        got.append(it.id)
+        if max_mem is not None:
+            assert r.mem_bytes <= max_mem
+    raise AssertionError(f"no end after {got}")
+
+
 def replay(journal: dict[int, Put], head: int, done: Iterable[int]) -> set[int]:
     d = set(done)
     return {i for i in journal if i > head and i not in d}
