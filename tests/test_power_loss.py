@@ -451,12 +451,17 @@ class PowerCuts(RuleBasedStateMachine):
         if held:
             self._confirm(k, self._pick(held, picks))
 
-    def _confirm(self, k: int, chosen: list[Item]) -> None:
+    def _end_reads(self, k: int, end: str, chosen: list[Item]) -> None:
+        """The broker's `end` ("confirm" or "abort") of client k's chosen open reads: each
+        counted, and acknowledged (its tickets settled) on return."""
         tickets: list[Ticket] = []
-        n = self.host.sync(lambda: self.broker.confirm(
+        n = self.host.sync(lambda: getattr(self.broker, end)(
             self.clients[k], "q", ids=[it.id for it in chosen], owe=tickets.append))
         assert n == len(chosen)
-        self._settle(tickets)  # acknowledged from here on
+        self._settle(tickets)
+
+    def _confirm(self, k: int, chosen: list[Item]) -> None:
+        self._end_reads(k, "confirm", chosen)  # acknowledged from here on
         for it in chosen:
             it.state = "confirmed"
             it.confirm_durable = self._durable_now()
@@ -468,11 +473,7 @@ class PowerCuts(RuleBasedStateMachine):
             self._abort(k, self._pick(held, picks))
 
     def _abort(self, k: int, chosen: list[Item]) -> None:
-        tickets: list[Ticket] = []
-        n = self.host.sync(lambda: self.broker.abort(
-            self.clients[k], "q", ids=[it.id for it in chosen], owe=tickets.append))
-        assert n == len(chosen)
-        self._settle(tickets)
+        self._end_reads(k, "abort", chosen)
         for it in chosen:
             it.state = "avail"
             it.errors += 1
