@@ -64,8 +64,7 @@ class RawRpc(Rpc):
 
     async def raw(self, method: str, *params: Any) -> bytes:
         """The reply to one call, as sent (call it with no other reply in flight)."""
-        _, data = self.request(method, *params)
-        await self.send(data)
+        await self.send_request(method, *params)
         buf = b""
         with trio.fail_after(WAIT):
             while True:

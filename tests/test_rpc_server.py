@@ -201,8 +201,7 @@ async def test_disconnect_returns_open_reads(tmp_path: Path) -> None:
         waiter = await Rpc.open(server.ports["rpc"])
         assert await c.call("put", "jobs", [b"a", b"b"]) == 2
         assert len(await c.call("get", "jobs", 2, 0, 60_000)) == 2
-        mid, req = waiter.request("get", "jobs", 5, 5_000, 60_000)
-        await waiter.send(req)
+        mid = await waiter.send_request("get", "jobs", 5, 5_000, 60_000)
         await trio.testing.wait_all_tasks_blocked()
         await c.aclose()  # hangs up holding both
         _, _, error, got = await waiter.response(mid)
@@ -214,8 +213,7 @@ async def test_disconnect_returns_open_reads(tmp_path: Path) -> None:
 async def test_a_waiting_get_of_a_closed_connection_takes_nothing(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         c = await Rpc.open(server.ports["rpc"])
-        _, req = c.request("get", "jobs", 1, 10_000)
-        await c.send(req)
+        await c.send_request("get", "jobs", 1, 10_000)
         await trio.testing.wait_all_tasks_blocked()
         assert server.broker.reader_info("jobs")["waiters"] == 1
         await c.aclose()
@@ -270,8 +268,7 @@ journal_full_policy = "refuse"
         assert (await c.error("put", "tiny", [b"x" * 11]))[0] == E.ITEM_TOO_LARGE
         assert await c.call("put", "tiny", [b"x" * 10]) == 1
         for _ in range(30):
-            msgid, req = c.request("put", "capped", [b"y" * 100])
-            await c.send(req)
+            msgid = await c.send_request("put", "capped", [b"y" * 100])
             _, _, error, _ = await c.response(msgid)
             if error is not None:
                 assert error[0] == E.JOURNAL_FULL
@@ -288,8 +285,7 @@ async def test_frame_over_the_cap_is_answered_then_closed(tmp_path: Path) -> Non
     async with running(cfg(tmp_path, rpc_max_frame="64KiB")) as server:
         c = await Rpc.open(server.ports["rpc"])
         assert await c.call("put", "q", [b"x" * 60_000]) == 1
-        mid, req = c.request("put", "q", [b"y" * 70_000])
-        await c.send(req)
+        mid = await c.send_request("put", "q", [b"y" * 70_000])
         _, _, error, _ = await c.response(mid)
         assert error[0] == E.TOO_LARGE and "65536" in error[1]
         await c.expect_closed()
@@ -367,8 +363,7 @@ async def test_notifications(tmp_path: Path) -> None:
 async def test_shutdown_answers_waiting_gets_empty(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         c = await Rpc.open(server.ports["rpc"])
-        mid, req = c.request("get", "idle", 1, 30_000)
-        await c.send(req)
+        mid = await c.send_request("get", "idle", 1, 30_000)
         await trio.testing.wait_all_tasks_blocked()
         server.request_shutdown("test")
         assert (await c.response(mid))[2:] == [None, []]
