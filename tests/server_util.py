@@ -285,6 +285,18 @@ def pymc(port: int) -> MemcacheClient:
                           timeout=WAIT)
 
 
+def gets_until_dry(client: MemcacheClient, queue: str, limit: int = 1000) -> list[bytes]:
+    """Blocking: memcache gets of `queue` until one finds nothing (a queue not dry after
+    `limit` gets fails)."""
+    out: list[bytes] = []
+    for _ in range(limit):
+        value = client.get(queue)
+        if value is None:
+            return out
+        out.append(value)
+    raise AssertionError(f"{queue} did not run dry after {limit} gets")
+
+
 # -- a server subprocess -----------------------------------------------------------------------
 
 _LISTEN_RE = re.compile(rb"listening for (\w+) on [0-9.]+:(\d+)")
