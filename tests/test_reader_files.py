@@ -62,6 +62,18 @@ def records(path: Path) -> list[jf.Record]:
             if not isinstance(d.record, jf.Check)]
 
 
+async def two_appends_after(path: Path, head: int) -> Path:
+    """Queue q in `path`: items 1 to 5, its reader's checkpoint written at `head`, then two
+    appends (3 done, 4 done), each durable; the reader's file."""
+    async with open_data_dir(path) as dd:
+        q = dd.queue("q")
+        await q.append([data_for(i) for i in range(1, 6)], T0)
+        await q.write_checkpoint("", head)
+        await wait_durable(q.note_read("", done=[3]))
+        await wait_durable(q.note_read("", done=[4]))
+    return path / "q.read."
+
+
 async def test_confirms_and_error_counts_are_appended_and_recovered(tmp_path: Path) -> None:
     async with open_data_dir(tmp_path) as dd:
         q = dd.queue("q")
@@ -124,13 +136,7 @@ async def test_a_rewrite_covers_the_appends_planned_before_it(tmp_path: Path) ->
 
 
 async def test_a_torn_append_is_cut_at_recovery_and_appends_go_on(tmp_path: Path) -> None:
-    async with open_data_dir(tmp_path) as dd:
-        q = dd.queue("q")
-        await q.append([data_for(i) for i in range(1, 6)], T0)
-        await q.write_checkpoint("", 1)
-        await wait_durable(q.note_read("", done=[3]))
-        await wait_durable(q.note_read("", done=[4]))
-    cp = tmp_path / "q.read."
+    cp = await two_appends_after(tmp_path, head=1)
     whole = cp.read_bytes()
     cp.write_bytes(whole[:-4])  # the last append torn by a crash: never acknowledged
     dd2 = DataDir.open(tmp_path)
@@ -145,13 +151,7 @@ async def test_a_torn_append_is_cut_at_recovery_and_appends_go_on(tmp_path: Path
 
 
 async def test_damage_before_a_verified_append_is_corruption(tmp_path: Path) -> None:
-    async with open_data_dir(tmp_path) as dd:
-        q = dd.queue("q")
-        await q.append([data_for(i) for i in range(1, 6)], T0)
-        await q.write_checkpoint("", 2)
-        await wait_durable(q.note_read("", done=[3]))
-        await wait_durable(q.note_read("", done=[4]))
-    cp = tmp_path / "q.read."
+    cp = await two_appends_after(tmp_path, head=2)
     raw = bytearray(cp.read_bytes())
     first_append = len(jf.encode_checkpoint(2, ()))
     raw[first_append + 6] ^= 0xFF  # inside the first append's id; the second verifies
