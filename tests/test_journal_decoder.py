@@ -260,13 +260,12 @@ def record_soup(draw: st.DrawFn) -> bytes:
     out = bytearray(WRITER_MAGIC)
     for frags in draw(st.lists(st.lists(fragments, max_size=4), max_size=4)):
         body = b"".join(frags)
-        crc = check_crc(body, len(out))
-        if draw(st.booleans()) and draw(st.booleans()):
-            crc ^= 1
-        if draw(st.booleans()):  # either form of check record
-            out += body + struct.pack("<BII", 0x72, len(body), crc)
-        else:
-            out += body + struct.pack("<BiBII", 0xD1, 9, 1, len(body), crc)
+        bad_crc = draw(st.booleans()) and draw(st.booleans())
+        seal = check_rec if draw(st.booleans()) else new_check_rec  # either form
+        check = bytearray(seal(body, len(out)))
+        if bad_crc:
+            check[-4] ^= 1  # the crc's low bit
+        out += body + check
     out += draw(st.binary(max_size=12))
     return bytes(out)
 
@@ -312,8 +311,7 @@ def equal_runs(draw: st.DrawFn) -> bytes:
             if k == odd and kind == "cmd":
                 body[-len(data) - 25] = draw(st.sampled_from([0x00, 0x87, 0x31, 0xD1]))
             xid += 1
-        crc = check_crc(bytes(body), len(out))
-        out += body + struct.pack("<BiBII", 0xD1, 9, 1, len(body), crc)
+        out += body + new_check_rec(bytes(body), len(out))
     out += draw(st.binary(max_size=40))
     return bytes(out)
 
