@@ -5,6 +5,7 @@ the interop tests of the RPC port (test_rpc_server) and the exactly-once puts
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgpack
@@ -37,6 +38,16 @@ class Rpc:
         msgid, data = self.request(method, *params)
         await self.send(data)
         return msgid
+
+    async def send_pipelined(self, requests: Iterable[Sequence[Any]]) -> list[int]:
+        """Send requests, each (method, *params), in one write: their msgids, in order."""
+        ids, frames = [], []
+        for method, *params in requests:
+            msgid, frame = self.request(method, *params)
+            ids.append(msgid)
+            frames.append(frame)
+        await self.send(b"".join(frames))
+        return ids
 
     async def send(self, data: bytes) -> None:
         with trio.fail_after(WAIT):

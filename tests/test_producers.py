@@ -351,14 +351,10 @@ async def test_puts_with_and_without_a_producer_on_one_connection_keep_their_ord
     async with running(cfg(tmp_path)) as server:
         c = await Rpc.open(server.ports["rpc"])
         assert await c.call("put", "q", [b"first"]) == 1  # (a loaded queue: joins happen)
-        wire = b""
-        for i in range(20):
-            if i % 2:
-                wire += c.request("put", "q", [b"%d" % i], 0, 0, 0, P, i // 2 + 1)[1]
-            else:
-                wire += c.request("put", "q", [b"%d" % i])[1]
-        await c.send(wire)
-        for msgid in range(c.msgid - 19, c.msgid + 1):
+        ids = await c.send_pipelined(
+            ("put", "q", [b"%d" % i], *((0, 0, 0, P, i // 2 + 1) if i % 2 else ()))
+            for i in range(20))
+        for msgid in ids:
             assert (await c.response(msgid))[2] is None
         assert await drain(c, "q") == [b"first"] + [b"%d" % i for i in range(20)]
         await c.aclose()

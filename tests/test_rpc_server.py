@@ -109,14 +109,9 @@ async def test_pipelined_requests_answered_by_msgid(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         c = await Rpc.open(server.ports["rpc"])
         # One write: a long-polling get, then puts and a plain get behind it.
-        wait_id, wait = c.request("get", "late", 1, 5_000)
-        put_ids, batch = [], [wait]
-        for i in range(50):
-            mid, data = c.request("put", "q", [b"%d" % i])
-            put_ids.append(mid)
-            batch.append(data)
-        get_id, get = c.request("get", "q", 100)
-        await c.send(b"".join([*batch, get]))
+        wait_id, *put_ids, get_id = await c.send_pipelined([
+            ("get", "late", 1, 5_000), *(("put", "q", [b"%d" % i]) for i in range(50)),
+            ("get", "q", 100)])
         for mid in put_ids:
             assert (await c.response(mid))[2:] == [None, 1]
         got = await c.response(get_id)
@@ -133,13 +128,7 @@ async def test_consecutive_puts_share_one_append_round(tmp_path: Path) -> None:
         assert await c.call("put", "q", [b"warm"]) == 1
         journal = server.broker.queues["q"].journal
         fsyncs = journal.statistics().fsyncs
-        ids = []
-        data = []
-        for i in range(20):
-            mid, frame = c.request("put", "q", [b"x%d" % i] * 10)
-            ids.append(mid)
-            data.append(frame)
-        await c.send(b"".join(data))
+        ids = await c.send_pipelined(("put", "q", [b"x%d" % i] * 10) for i in range(20))
         for mid in ids:
             assert (await c.response(mid))[2:] == [None, 10]
         st = journal.statistics()
@@ -339,9 +328,8 @@ async def test_a_malformed_request_with_a_msgid_is_answered_and_the_connection_g
 async def test_too_many_waiting_gets_are_refused(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         c = await Rpc.open(server.ports["rpc"])
-        reqs = [c.request("get", "idle", 1, 30_000) for _ in range(MAX_WAITING + 1)]
-        await c.send(b"".join(data for _, data in reqs))
-        _, _, error, _ = await c.response(reqs[-1][0])
+        ids = await c.send_pipelined([("get", "idle", 1, 30_000)] * (MAX_WAITING + 1))
+        _, _, error, _ = await c.response(ids[-1])
         assert error[0] == E.BUSY
         assert await c.call("version") == __version__
         await c.aclose()
