@@ -43,8 +43,9 @@ class Err:
     close: bool
 
 
-def run(parser: Any, chunks: Iterable[bytes]) -> list[object]:
-    """Feeds chunks, draining events after each; stops after a closing error."""
+def run(parser: Any, chunks: Iterable[bytes], *, raw_errors: bool = False) -> list[object]:
+    """Feeds chunks, draining events after each; stops after a closing error. A protocol
+    error is an Err, or itself with `raw_errors`."""
     out: list[object] = []
     for chunk in chunks:
         parser.receive_data(chunk)
@@ -52,7 +53,7 @@ def run(parser: Any, chunks: Iterable[bytes]) -> list[object]:
             try:
                 event = parser.next_event()
             except ProtocolError as e:
-                out.append(Err(type(e).__name__, e.reply, e.close))
+                out.append(e if raw_errors else Err(type(e).__name__, e.reply, e.close))
                 if e.close:
                     return out
                 continue
