@@ -9,6 +9,8 @@ free 127.0.0.1 ports over a fresh data directory; every wait is bounded.
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import msgpack
@@ -23,6 +25,7 @@ from queued import __version__
 from queued.config import ServerConfig
 from queued.reader.open_reads import TIMEOUT_HEAP_MIN
 from queued.server.task_path import MAX_WAITING
+from queued.storage.journal import QueueJournal
 from queued.wire.rpc_protocol import ErrorCode
 
 E = ErrorCode
@@ -122,11 +125,21 @@ async def test_pipelined_requests_answered_by_msgid(tmp_path: Path) -> None:
         await c.aclose()
 
 
-async def test_consecutive_puts_share_one_append_round(tmp_path: Path) -> None:
+@asynccontextmanager
+async def warm_queue(tmp_path: Path) -> AsyncIterator[tuple[Rpc, QueueJournal]]:
+    """A server, an RPC connection to it and the journal of its queue q, which one put
+    made (so that what follows is not the queue's first append)."""
     async with running(cfg(tmp_path)) as server:
         c = await Rpc.open(server.ports["rpc"])
-        assert await c.call("put", "q", [b"warm"]) == 1
-        journal = server.broker.queues["q"].journal
+        try:
+            assert await c.call("put", "q", [b"warm"]) == 1
+            yield c, server.broker.queues["q"].journal
+        finally:
+            await c.aclose()
+
+
+async def test_consecutive_puts_share_one_append_round(tmp_path: Path) -> None:
+    async with warm_queue(tmp_path) as (c, journal):
         fsyncs = journal.statistics().fsyncs
         ids = await c.send_pipelined(("put", "q", [b"x%d" % i] * 10) for i in range(20))
         for mid in ids:
@@ -135,19 +148,14 @@ async def test_consecutive_puts_share_one_append_round(tmp_path: Path) -> None:
         assert st.items_appended == 201
         # 20 pipelined puts of 10 items: far fewer fsyncs than puts (usually one).
         assert 1 <= st.fsyncs - fsyncs <= 3
-        await c.aclose()
 
 
 async def test_a_batch_put_is_one_append_and_one_fsync(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Rpc.open(server.ports["rpc"])
-        assert await c.call("put", "q", [b"warm"]) == 1
-        journal = server.broker.queues["q"].journal
+    async with warm_queue(tmp_path) as (c, journal):
         before = journal.statistics()
         assert await c.call("put", "q", [b"%d" % i for i in range(1000)]) == 1000
         after = journal.statistics()
         assert (after.appends - before.appends, after.fsyncs - before.fsyncs) == (1, 1)
-        await c.aclose()
 
 
 # -- open reads -----------------------------------------------------------------------------------
