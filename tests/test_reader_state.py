@@ -27,6 +27,7 @@ from reader_util import (
     items,
     read_range,
     reader,
+    recovered,
     refill,
     replay,
     take_all,
@@ -872,19 +873,8 @@ class ReaderMachine(RuleBasedStateMachine):
         self.reads, self.heap, self.deadlines = OpenReads(), TimeoutHeap(min_size=4), {}
         head, done = self.r.checkpoint()
         r = Reader("q", "", self.limits, head=head, done=done, tail=max(self.journal, default=0))
-        mem: list[Put] = []
-        mem_bytes = count = nbytes = 0
-        behind = None
-        for i in sorted(replay(self.journal, head, done)):  # what readback.count_unconsumed counts
-            p = self.journal[i]
-            count += 1
-            nbytes += len(p.data)
-            if behind is None and (mem_bytes + len(p.data) <= self.limits.max_memory_size
-                                   or not mem):
-                mem.append(p)
-                mem_bytes += len(p.data)
-            elif behind is None:
-                behind = i
+        mem, behind, count, nbytes, _ = recovered(self.journal, head, done,
+                                                  self.limits.max_memory_size)
         r.restore(mem, behind, count, nbytes)
         self.r = r
         self.front = []
