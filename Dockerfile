@@ -6,10 +6,16 @@
 # The server listens on 0.0.0.0 here, so without a users file it refuses to start; for a
 # quick local try without users, accept that risk explicitly: -e QUEUED_ALLOW_ANONYMOUS=1.
 #
-# BASE_IMAGE is any Debian-like image with python3 (>= 3.11) and its venv module; both
-# stages use it, so the venv's interpreter is the runtime's. `make test-docker` passes a
+# BASE_IMAGE is any Debian-like image with python3 (>= 3.11) and its venv module; every
+# stage uses it, so the venv's interpreter is the runtime's. `make test-docker` passes a
 # local one built from Debian packages (tests/docker/setup.sh).
+#
+# QUEUED_BUILD=compiled (the default) serves the mypyc-compiled build of the hot modules
+# (`make compiled`, docs/development.md "Compiled with mypyc"); QUEUED_BUILD=pure serves
+# the same code as plain Python. The compile stage needs gcc and Python's headers (from
+# Debian's apt) and mypy (from PyPI); none of them reaches the runtime image.
 ARG BASE_IMAGE=python:3.12-slim
+ARG QUEUED_BUILD=compiled
 
 # -- build: the project and its dependencies in a venv at /opt/queued ------------------------
 FROM ${BASE_IMAGE} AS build
@@ -31,6 +37,33 @@ RUN /opt/queued/bin/python -m pip install --no-deps . \
  && /opt/queued/bin/python -m pip check \
  && /opt/queued/bin/queued --help >/dev/null
 
+# -- the venv as it runs: pure, or with the compiled modules in place ---------------------------
+FROM build AS venv-pure
+
+FROM build AS venv-compiled
+# The compiler: gcc, and Python's headers where the base image lacks them (Debian's python3
+# has them in python3-dev; python:*-slim images ship their own).
+RUN if ! python3 -c "import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then \
+        headers=python3-dev; \
+    fi \
+ && apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gcc libc6-dev ${headers:-} >/dev/null \
+ && rm -rf /var/lib/apt/lists/*
+# mypy (mypyc) and setuptools go into a copy of the venv that only this stage uses: the
+# build type-checks against the server's own dependencies, and the venv that ships stays
+# without them.
+COPY tools/build_compiled.py tools/
+RUN cp -a /opt/queued /opt/compiler \
+ && /opt/compiler/bin/python -m pip install "mypy>=1.10" setuptools \
+ && /opt/compiler/bin/python tools/build_compiled.py --out /tmp/compiled \
+ && site=$(/opt/queued/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
+ && cp /tmp/compiled/*.so "$site"/ \
+ && (cd /tmp/compiled && find queued -name '*.so' -exec cp --parents {} "$site" \;) \
+ && /opt/queued/bin/queued --version | tee /dev/stderr | grep -q "compiled with mypyc" \
+ && rm -rf /opt/compiler /tmp/compiled
+
+FROM venv-${QUEUED_BUILD} AS venv
+
 # -- runtime ---------------------------------------------------------------------------------
 FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="queued" \
@@ -43,7 +76,7 @@ RUN groupadd --system --gid 10001 queued \
  && mkdir -p /var/lib/queued \
  && chown queued:queued /var/lib/queued \
  && chmod 0750 /var/lib/queued
-COPY --from=build /opt/queued /opt/queued
+COPY --from=venv /opt/queued /opt/queued
 
 # Settings go in QUEUED_<KEY> variables (`docker run -e QUEUED_FSYNC=never ...`) or as
 # flags after the image name (`docker run queued --log-level DEBUG`); flags win over

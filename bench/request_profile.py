@@ -23,6 +23,8 @@ Workloads (64 B items, queue `q`; every connection has one request in flight):
                   queues (`f0`..`f99`): vs_darner's fan-in shape
   get             memcache `get` (the queue is filled first)
   rpc-put         MessagePack-RPC `put` of 100 items per request
+  rpc-put-idem    the same put as the client sends it by default (idempotent): a producer
+                  id per connection and the next sequence
   rpc-getconfirm  RPC `get` of 100 items (auto_abort 30 s) then `confirm` of them
 
 py-spy (https://github.com/benfred/py-spy) must be on PATH or beside this Python:
@@ -33,6 +35,7 @@ ptrace allowed.
 from __future__ import annotations
 
 import argparse
+import secrets
 import shutil
 import signal
 import socket
@@ -87,6 +90,8 @@ class Conn:
         self.buf = b""
         self.unpacker = msgpack.Unpacker(raw=False)
         self.msgid = 0
+        self.producer = secrets.token_bytes(16)  # rpc-put-idem: its producer id
+        self.sequence = 0  # and its last sequence
 
     def until(self, end: bytes) -> bytes:
         while not self.buf.endswith(end):
@@ -148,6 +153,15 @@ def run_rounds(conns: list[Conn], workload: str, requests: int) -> int:
                 c.call("put", ["q", [ITEM] * RPC_BATCH])
             for c in conns:
                 items += int(c.reply())  # type: ignore[call-overload]
+        elif workload == "rpc-put-idem":
+            for c in conns:
+                c.sequence += 1
+                c.call("put", ["q", [ITEM] * RPC_BATCH, 0, 0, 0, c.producer, c.sequence])
+            for c in conns:
+                count, _first_id, duplicate = c.reply()  # type: ignore[misc]
+                if duplicate:
+                    raise RuntimeError("a put with a new sequence was taken for a duplicate")
+                items += count
         else:
             for c in conns:
                 c.call("get", ["q", RPC_BATCH, 0, 30000])
@@ -180,7 +194,8 @@ def py_spy() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="set",
-                    choices=["set", "fanin", "get", "rpc-put", "rpc-getconfirm"])
+                    choices=["set", "fanin", "get", "rpc-put", "rpc-put-idem",
+                             "rpc-getconfirm"])
     ap.add_argument("--conns", type=int, default=32)
     ap.add_argument("--requests", type=int, default=None,
                     help="requests per phase (default 64,000; RPC 4,000, of 100 items each: "

@@ -369,6 +369,8 @@ def run_phase(server: Server, workers: Workers, fsync: str, op: str, label: str,
     errors = [p.error for p in parts if p.error]
     if errors:
         notes.append(f"{len(errors)} worker error(s)")
+        if any("got 7" in e for e in errors):
+            notes.append("a server older than idempotent puts: run with --idempotent off")
     return Row(fsync, size, batch, conns, label, items, secs, items / secs,
                items * size / secs / MB, p50, p99, sum(p.calls for p in parts),
                srv / wall, client_cpu / wall, other / wall, "; ".join(notes), errors,
@@ -743,7 +745,9 @@ def main() -> None:
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--queued-tree", type=Path, default=None,
                     help="run the server from this queued source tree (PYTHONPATH) with this "
-                         "venv, e.g. another checkout for a before/after comparison")
+                         "venv, e.g. another checkout for a before/after comparison (a tree "
+                         "older than idempotent puts, 5803d6e, refuses the default client's "
+                         "puts as BAD_PARAMS: give it --idempotent off)")
     ap.add_argument("--tree-clients", action="store_true",
                     help="with --queued-tree: the clients (worker processes) from that tree "
                          "too (the bench runs itself again with PYTHONPATH set to it)")

@@ -15,6 +15,12 @@ def compiled_modules() -> list[str]:
                   and not str(getattr(module, "__file__", None) or ".py").endswith(".py"))
 
 
+def build_kind() -> str:
+    """"mypyc" when compiled modules are imported, else "pure" (the `build` label of the
+    queued_build_info metric)."""
+    return "mypyc" if compiled_modules() else "pure"
+
+
 def build() -> str:
     """Which build runs, for the start-up log line and `queued --version`: "pure Python",
     or how many of the imported modules are compiled and from where."""

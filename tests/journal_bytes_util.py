@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from hypothesis import HealthCheck, settings
 
@@ -94,6 +95,7 @@ def put_len(p: Put) -> int:
 # -- walking a decoder ------------------------------------------------------------
 
 Outcome = EndOfData | TornTail | CorruptRecordError
+Step = TypeVar("Step", Decoded, Batch)
 
 
 def split_at(data: bytes, cuts: Iterable[int]) -> list[bytes]:
@@ -111,35 +113,7 @@ def run_events(
     Any exception other than CorruptRecordError escapes and fails the test.
     """
     dec = RecordDecoder() if dec is None else dec
-    records: list[Decoded] = []
-
-    def drain(at_eof: bool) -> Outcome | None:
-        while True:
-            try:
-                ev = dec.next_event()
-            except CorruptRecordError as exc:
-                return exc
-            if ev is NEED_DATA:
-                assert not at_eof, "NEED_DATA after end of file would loop forever"
-                return None
-            if isinstance(ev, Decoded):
-                if records:
-                    assert ev.offset == records[-1].end
-                assert ev.end > ev.offset
-                records.append(ev)
-                continue
-            assert isinstance(ev, EndOfData | TornTail), ev
-            return ev
-
-    for chunk in chunks:
-        assert chunk
-        dec.receive_data(chunk)
-        end = drain(at_eof=False)
-        if end is not None:
-            return records, end, dec
-    dec.receive_data(b"")
-    end = drain(at_eof=True)
-    assert end is not None
+    records, end = _walk(chunks, dec, dec.next_event, Decoded, 1)
     return records, end, dec
 
 
@@ -150,22 +124,32 @@ def run_batches(
     """Like run_events, through next_batch (which appends PUT offsets to `puts` and sets
     the flags of PUTs led by a FLAGS record in `flags`)."""
     dec = RecordDecoder() if dec is None else dec
-    batches: list[Batch] = []
+    batches, end = _walk(chunks, dec, lambda: dec.next_batch(puts, flags), Batch, CHECK_LEN)
+    return batches, end, dec
+
+
+def _walk(
+    chunks: Sequence[bytes], dec: RecordDecoder, pull: Callable[[], object], kind: type[Step],
+    min_size: int,
+) -> tuple[list[Step], Outcome]:
+    """Feed chunks then EOF to `dec`, pulling `kind` steps until it ends: each step starts
+    where the last ended and spans at least `min_size` bytes."""
+    steps: list[Step] = []
 
     def drain(at_eof: bool) -> Outcome | None:
         while True:
             try:
-                ev = dec.next_batch(puts, flags)
+                ev = pull()
             except CorruptRecordError as exc:
                 return exc
             if ev is NEED_DATA:
                 assert not at_eof, "NEED_DATA after end of file would loop forever"
                 return None
-            if isinstance(ev, Batch):
-                if batches:
-                    assert ev.offset == batches[-1].end
-                assert ev.end >= ev.offset + CHECK_LEN
-                batches.append(ev)
+            if isinstance(ev, kind):
+                if steps:
+                    assert ev.offset == steps[-1].end
+                assert ev.end >= ev.offset + min_size
+                steps.append(ev)
                 continue
             assert isinstance(ev, EndOfData | TornTail), ev
             return ev
@@ -175,11 +159,11 @@ def run_batches(
         dec.receive_data(chunk)
         end = drain(at_eof=False)
         if end is not None:
-            return batches, end, dec
+            return steps, end
     dec.receive_data(b"")
     end = drain(at_eof=True)
     assert end is not None
-    return batches, end, dec
+    return steps, end
 
 
 # -- building files with hand-counted offsets ----------------------------------------

@@ -1,11 +1,16 @@
-"""Helpers for the storage tests: item data, configs, segment files, filling a queue."""
+"""Helpers for the storage tests: item data, configs, segment files, filling a queue, a
+server's journals compacted away, and `queued check` / `queued dump` read back."""
 
 from __future__ import annotations
 
+import io
 import struct
 from collections import Counter
 from pathlib import Path
 
+from wait_util import wait_until
+
+from queued.cli import check, dump
 from queued.config import JournalConfig
 from queued.journal import format as jf
 from queued.storage.datadir import DataDir, open_data_dir
@@ -27,6 +32,38 @@ def segments(path: Path, queue: str = "q") -> list[Path]:
     found = [p for p in path.iterdir() if (n := jf.parse_file_name(p.name)) and n.queue == queue
              and n.role is jf.FileRole.SEGMENT]
     return sorted(found, key=lambda p: int(p.name.split(".")[1]))
+
+
+#: A server's config (TOML) whose journals roll every KiB and whose checkpoints, every
+#: 20 ms, compact the consumed segments away.
+COMPACTING = """
+[server]
+checkpoint_interval = "20ms"
+
+[default]
+journal_size = "1KiB"
+"""
+
+
+async def wait_compacted(path: Path, queue: str = "q") -> None:
+    """Wait for a running server's checkpoint, then the compaction it starts, to leave
+    `queue` at most one segment in `path`."""
+    await wait_until(lambda: len(segments(path, queue)) <= 1,
+                     why="the checkpoint, then the compaction it starts")
+
+
+def checked(path: Path) -> str:
+    """`queued check`'s report on the data directory `path`, which must pass."""
+    report = io.StringIO()
+    assert check(path, report) == 0, report.getvalue()
+    return report.getvalue()
+
+
+def dumped(path: Path) -> str:
+    """`queued dump` of one journal file."""
+    out = io.StringIO()
+    dump(path, out)
+    return out.getvalue()
 
 
 def queue_files(path: Path, queue: str = "q") -> list[str]:

@@ -3,11 +3,11 @@ taking and aborting as the broker does, and read-behind over an in-memory journa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from queued.journal.format import Put
+from queued.journal.format import DelayedPut, Put
 from queued.reader.state import Reader
 
 T0 = 1_700_000_000_000
@@ -97,6 +97,51 @@ def refill(r: Reader, journal: dict[int, Put]) -> None:
     start = r.behind
     got, next_id = read_range(journal, start, r.tail, r.refill_budget())
     r.load(start, got, next_id)
+
+
+def take_all(r: Reader, journal: dict[int, Put], *, max_mem: int | None = None) -> list[int]:
+    """Take, open and confirm every item, refilling from `journal` whenever the reader is
+    behind: the ids in the order taken (memory within `max_mem` after each, if given)."""
+    got: list[int] = []
+    for _ in range(100 * (len(journal) + 1)):
+        it = r.take(T0, [])
+        if it is None:
+            if r.behind is None:
+                return got
+            refill(r, journal)
+            continue
+        r.open_read(it)
+        r.confirm(it.id)
+        got.append(it.id)
+        if max_mem is not None:
+            assert r.mem_bytes <= max_mem
+    raise AssertionError(f"no end after {got}")
+
+
+def recovered(journal: dict[int, Put], head: int, done: Iterable[int], max_memory_size: int,
+              due: Mapping[int, int] | None = None
+              ) -> tuple[list[Put], int | None, int, int, list[tuple[int, int, int]]]:
+    """What recovery (broker/readback) hands a restarted reader checkpointed at `head`,
+    `done`: the items it has not consumed, as (the first of them that fit in memory, the id
+    where the rest begins on disk or None, their count, their bytes, the delayed ones as
+    (due, id, size)). An item is delayed if it is a DelayedPut or `due` has its id."""
+    due = {} if due is None else due
+    mem: list[Put] = []
+    delayed: list[tuple[int, int, int]] = []
+    mem_bytes = count = nbytes = 0
+    behind = None
+    for i in sorted(replay(journal, head, done)):  # what readback.count_unconsumed counts
+        p = journal[i]
+        count += 1
+        nbytes += len(p.data)
+        if type(p) is DelayedPut or i in due:
+            delayed.append((due.get(i, getattr(p, "due_ms", 0)), i, len(p.data)))
+        elif behind is None and (mem_bytes + len(p.data) <= max_memory_size or not mem):
+            mem.append(p)
+            mem_bytes += len(p.data)
+        elif behind is None:
+            behind = i
+    return mem, behind, count, nbytes, delayed
 
 
 def replay(journal: dict[int, Put], head: int, done: Iterable[int]) -> set[int]:

@@ -5,6 +5,7 @@ the interop tests of the RPC port (test_rpc_server) and the exactly-once puts
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgpack
@@ -31,6 +32,22 @@ class Rpc:
         self.msgid += 1
         return self.msgid, msgpack.packb([0, self.msgid, method, list(params)],
                                          use_bin_type=True)
+
+    async def send_request(self, method: str, *params: Any) -> int:
+        """Send one request without waiting for its reply: its msgid (for `response`)."""
+        msgid, data = self.request(method, *params)
+        await self.send(data)
+        return msgid
+
+    async def send_pipelined(self, requests: Iterable[Sequence[Any]]) -> list[int]:
+        """Send requests, each (method, *params), in one write: their msgids, in order."""
+        ids, frames = [], []
+        for method, *params in requests:
+            msgid, frame = self.request(method, *params)
+            ids.append(msgid)
+            frames.append(frame)
+        await self.send(b"".join(frames))
+        return ids
 
     async def send(self, data: bytes) -> None:
         with trio.fail_after(WAIT):
@@ -59,16 +76,12 @@ class Rpc:
 
     async def call(self, method: str, *params: Any) -> Any:
         """The result; AssertionError with the error when the server answered one."""
-        msgid, data = self.request(method, *params)
-        await self.send(data)
-        _, _, error, result = await self.response(msgid)
+        _, _, error, result = await self.response(await self.send_request(method, *params))
         assert error is None, error
         return result
 
     async def error(self, method: str, *params: Any) -> tuple[int, str]:
-        msgid, data = self.request(method, *params)
-        await self.send(data)
-        _, _, error, result = await self.response(msgid)
+        _, _, error, result = await self.response(await self.send_request(method, *params))
         assert error is not None and result is None, (error, result)
         code, message = error
         assert isinstance(message, str) and message

@@ -60,6 +60,18 @@ async def running(config: ServerConfig) -> AsyncIterator[Server]:
             server.request_shutdown("test finished")
 
 
+@asynccontextmanager
+async def running_conn(config: ServerConfig) -> AsyncIterator[Conn]:
+    """`running(config)` and one raw memcache connection to it (`.port` is the server's
+    memcache port), closed at the end."""
+    async with running(config) as server:
+        conn = await Conn.open(server.ports["memcache"])
+        try:
+            yield conn
+        finally:
+            await conn.aclose()
+
+
 def data_files(data_dir: Path) -> list[str]:
     """The files in `data_dir`, but the write probe a running server makes now and then."""
     if not data_dir.exists():
@@ -73,16 +85,17 @@ def data_files(data_dir: Path) -> list[str]:
 class Conn:
     """A raw client connection with a line-oriented receive buffer."""
 
-    def __init__(self, stream: trio.SocketStream, newline: bytes) -> None:
+    def __init__(self, stream: trio.SocketStream, newline: bytes, port: int = 0) -> None:
         self.stream = stream
         self.newline = newline
+        self.port = port  # the server port it was opened on (0: made from a stream)
         self.buf = bytearray()
         self.eof = False
 
     @classmethod
     async def open(cls, port: int, newline: bytes = b"\r\n") -> Conn:
         with trio.fail_after(WAIT):
-            return cls(await trio.open_tcp_stream(HOST, port), newline)
+            return cls(await trio.open_tcp_stream(HOST, port), newline, port)
 
     async def send(self, data: bytes) -> None:
         with trio.fail_after(WAIT):
@@ -130,6 +143,12 @@ class Conn:
     async def set(self, queue: str, data: bytes, exptime: int = 0) -> bytes:
         await self.send(b"set %s 0 %d %d\r\n%s\r\n" % (queue.encode(), exptime, len(data), data))
         return await self.line()
+
+    async def store(self, queue: str, *values: bytes) -> None:
+        """memcache `set` of each value in turn; asserts each is STORED."""
+        for value in values:
+            reply = await self.set(queue, value)
+            assert reply == b"STORED", (queue, value, reply)
 
     async def get(self, key: str, timeout: float = WAIT) -> bytes | None:
         """memcache `get key`: the value, or None for END. Asserts the VALUE line echoes key."""
@@ -266,6 +285,18 @@ def pymc(port: int) -> MemcacheClient:
                           timeout=WAIT)
 
 
+def gets_until_dry(client: MemcacheClient, queue: str, limit: int = 1000) -> list[bytes]:
+    """Blocking: memcache gets of `queue` until one finds nothing (a queue not dry after
+    `limit` gets fails)."""
+    out: list[bytes] = []
+    for _ in range(limit):
+        value = client.get(queue)
+        if value is None:
+            return out
+        out.append(value)
+    raise AssertionError(f"{queue} did not run dry after {limit} gets")
+
+
 # -- a server subprocess -----------------------------------------------------------------------
 
 _LISTEN_RE = re.compile(rb"listening for (\w+) on [0-9.]+:(\d+)")
@@ -374,6 +405,35 @@ def send_lines(port: int, data: bytes, *, until: bytes, timeout: float = WAIT) -
                 break
             out += chunk
         return out
+
+
+def recv_until(sock: socket.socket, end: bytes, timeout: float = WAIT) -> bytes:
+    """Blocking: what `sock` receives until it ends with `end` (the peer may not close)."""
+    sock.settimeout(timeout)
+    got = b""
+    while not got.endswith(end):
+        chunk = sock.recv(4096)
+        assert chunk, got
+        got += chunk
+    return got
+
+
+@asynccontextmanager
+async def served_sockets(port: int, n: int) -> AsyncIterator[list[socket.socket]]:
+    """`n` plain blocking sockets to `port`, each accepted and served (a `version`
+    answered), for sends with no await between them; closed at the end."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            socks.append(socket.create_connection((HOST, port), timeout=WAIT))
+        for sock in socks:
+            sock.sendall(b"version\r\n")
+            assert (await trio.to_thread.run_sync(recv_until, sock, b"\r\n")).startswith(
+                b"VERSION")
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def killed_at_end(tmp_path: Path, config_text: str) -> Iterator[ServerProcess]:

@@ -1,5 +1,6 @@
 """Helpers for the Spark tests: journals written by the real journal code (small segments),
-and rows read back from a DataFrame or straight from the journal, to compare."""
+rows read back from a DataFrame or straight from the journal, to compare, and a streaming
+read run to its end into a memory table."""
 
 from __future__ import annotations
 
@@ -42,3 +43,15 @@ def rows(df: Any) -> list[tuple[str, int, int, int | None, int, bytes]]:
 def journal_rows(path: Path, queue: str) -> list[tuple[str, int, int, int | None, int, bytes]]:
     puts = DataDir.open(path).queues[queue].iter_puts(1)
     return [(queue, p.id, p.add_time_ms, p.expire_time_ms, p.error_count, p.data) for p in puts]
+
+
+def stream_to_table(stream: Any, name: str, checkpoint: Path, timeout: float = 120) -> Any:
+    """Run the streaming DataFrame `stream` to its end (trigger availableNow) into the memory
+    table `name`, checkpointing in `checkpoint`; the table."""
+    q = (stream.writeStream.format("memory").queryName(name)
+         .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+    try:
+        assert q.awaitTermination(timeout)
+    finally:
+        q.stop()
+    return stream.sparkSession.table(name)

@@ -24,6 +24,7 @@ from server_util import (
     WAIT,
     Conn,
     ServerProcess,
+    gets_until_dry,
     killed_at_end,
     make_config,
     pymc,
@@ -69,13 +70,7 @@ def put_all(server: ServerProcess, queue: str, values: list[bytes]) -> None:
 def drain(server: ServerProcess, queue: str, limit: int = 2000) -> list[bytes]:
     client = pymc(server.memcache)
     try:
-        out: list[bytes] = []
-        for _ in range(limit):
-            value = client.get(queue)
-            if value is None:
-                return out
-            out.append(value)
-        raise AssertionError(f"{queue} did not run dry after {limit} gets")
+        return gets_until_dry(client, queue, limit)
     finally:
         client.close()
 

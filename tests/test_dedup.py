@@ -13,10 +13,7 @@ table and the DEDUP record are tested in test_reader_dedup.py.
 from __future__ import annotations
 
 import contextlib
-import io
 import signal
-import socket
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,11 +21,20 @@ import trio
 from disk_util import fill
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from journal_util import COMPACTING, checked, dumped, segments, wait_compacted
+from ops_util import NONE, scrape
 from rpc_util import Rpc
-from server_util import WAIT, Conn, killed_at_end, make_config, pymc, running
+from server_util import (
+    Conn,
+    killed_at_end,
+    make_config,
+    pymc,
+    recv_until,
+    running,
+    served_sockets,
+)
 from wait_util import wait_until
 
-from queued.cli import check, dump
 from queued.config import ServerConfig
 from queued.journal import format as jf
 from queued.wire.rpc_protocol import ErrorCode
@@ -216,16 +222,6 @@ async def test_same_key_twice_in_one_pass_stores_one(tmp_path: Path) -> None:
             await conn.aclose()
 
 
-def read_socket(sock: socket.socket, end: bytes) -> bytes:
-    sock.settimeout(WAIT)
-    got = b""
-    while not got.endswith(end):
-        chunk = sock.recv(4096)
-        assert chunk
-        got += chunk
-    return got
-
-
 async def test_two_connections_one_key_one_pass_and_the_order_sent_kept(
         tmp_path: Path) -> None:
     """Both connections' sets arrive before the reactor runs (plain sockets, no await
@@ -234,21 +230,12 @@ async def test_two_connections_one_key_one_pass_and_the_order_sent_kept(
     connection's) keeps its place: ids follow the order each connection sent."""
     async with running(cfg(tmp_path)) as server:
         port = server.ports["memcache"]
-        a = socket.create_connection(("127.0.0.1", port))
-        b = socket.create_connection(("127.0.0.1", port))
-        try:
-            for sock in (a, b):  # both accepted and served by the reactor
-                sock.sendall(b"version\r\n")
-                assert (await trio.to_thread.run_sync(read_socket, sock, b"\r\n")).startswith(
-                    b"VERSION")
+        async with served_sockets(port, 2) as (a, b):
             a.sendall(mc_set(b"q", b"a1") + mc_set(b"q/key=k", b"a2") + mc_set(b"q", b"a3"))
             b.sendall(mc_set(b"q", b"b1") + mc_set(b"q/key=k", b"b2") + mc_set(b"q", b"b3"))
             for sock in (a, b):
                 assert await trio.to_thread.run_sync(
-                    read_socket, sock, b"STORED\r\n" * 3) == b"STORED\r\n" * 3
-        finally:
-            a.close()
-            b.close()
+                    recv_until, sock, b"STORED\r\n" * 3) == b"STORED\r\n" * 3
         c = await Rpc.open(server.ports["rpc"])
         got = await drain(c, "q")
         assert sorted(got) in ([b"a1", b"a2", b"a3", b"b1", b"b3"],
@@ -295,14 +282,7 @@ async def test_a_parked_queue_keeps_its_keys(tmp_path: Path) -> None:
 async def test_keys_survive_restart_consumption_and_compaction(tmp_path: Path) -> None:
     """DEDUP records in segments that compaction removed are in the key snapshot (q.dedup),
     written before the segments went; after a restart a duplicate is still one."""
-    toml = """
-[server]
-checkpoint_interval = "20ms"
-
-[default]
-journal_size = "1KiB"
-"""
-    config = cfg(tmp_path, toml)
+    config = cfg(tmp_path, COMPACTING)
     data = tmp_path / "data"
     async with running(config) as server:
         c = await Rpc.open(server.ports["rpc"])
@@ -310,18 +290,12 @@ journal_size = "1KiB"
             assert await c.call("put", "q", [b"x" * 100], *keyed(b"key-%d" % i)) == [
                 1, i, False]
         assert len(await drain(c, "q")) == 60
-        await wait_until(lambda: len([f for f in data.iterdir() if f.name.startswith("q.")
-                                      and f.name[2:].isdigit()]) <= 1,
-                         why="the checkpoint, then the compaction it starts")
+        await wait_compacted(data)
         assert (data / jf.dedup_name("q")).exists()
         await c.aclose()
-    report = io.StringIO()
-    assert check(data, report) == 0
-    assert "ok    q.dedup: 60 deduplication keys" in report.getvalue()
-    (segment,) = (f for f in data.iterdir() if f.name[2:].isdigit())
-    dumped = io.StringIO()
-    dump(segment, dumped)
-    assert "DEDUP key=b'key-60' first_id=60 count=1" in dumped.getvalue()
+    assert "ok    q.dedup: 60 deduplication keys" in checked(data)
+    (segment,) = segments(data)
+    assert "DEDUP key=b'key-60' first_id=60 count=1" in dumped(segment)
     async with running(config) as server:
         c = await Rpc.open(server.ports["rpc"])
         for i in (1, 30, 60):
@@ -388,12 +362,11 @@ async def test_oldest_key_evicted_past_max_dedup_keys_and_counted(tmp_path: Path
         # a is forgotten: its re-send is stored again (at-least-once, never lost).
         assert await c.call("put", "q", [b"a"], *keyed(b"a")) == [1, 4, False]
         assert await c.call("put", "q", [b"c"], *keyed(b"c")) == [1, 3, True]
-        url = f"http://127.0.0.1:{server.ports['http']}/metrics"
-        metrics = (await trio.to_thread.run_sync(
-            lambda: urllib.request.urlopen(url, timeout=WAIT).read())).decode()
-        for line in ("queued_dedup_keys 2.0", "queued_dedup_evictions_total 2.0",
-                     "queued_dedup_duplicates_total 2.0", "queued_dedup_expiries_total 0.0"):
-            assert line in metrics.splitlines(), line
+        metrics = await scrape(server)
+        for name, value in {"queued_dedup_keys": 2, "queued_dedup_evictions_total": 2,
+                            "queued_dedup_duplicates_total": 2,
+                            "queued_dedup_expiries_total": 0}.items():
+            assert metrics[(name, NONE)] == value, name
         assert await drain(c, "q") == [b"a", b"b", b"c", b"a"]
         await c.aclose()
 

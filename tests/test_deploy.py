@@ -130,7 +130,7 @@ METRIC_LABELS: Mapping[str, set[str]] = {
     "queued_connections_refused_total": {"protocol"},
     "queued_commands_total": {"protocol", "command"},
     "queued_protocol_errors_total": {"protocol"},
-    "queued_build_info": {"version", "python"},
+    "queued_build_info": {"version", "python", "build"},
 }
 _METRIC_RE = re.compile(r"\b(?:queued|process)_[a-z0-9_]+")
 _SERIES_SUFFIXES = ("_bucket", "_sum", "_count")

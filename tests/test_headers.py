@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +63,7 @@ class RawRpc(Rpc):
 
     async def raw(self, method: str, *params: Any) -> bytes:
         """The reply to one call, as sent (call it with no other reply in flight)."""
-        _, data = self.request(method, *params)
-        await self.send(data)
+        await self.send_request(method, *params)
         buf = b""
         with trio.fail_after(WAIT):
             while True:
@@ -301,15 +299,6 @@ async def test_the_command_line_puts_gets_and_dumps_headers(tmp_path: Path) -> N
 
 
 # -- a crash ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def server_proc(tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path / "data", tmp_path / "server.log")
-    try:
-        yield proc
-    finally:
-        proc.kill()
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -28,6 +29,7 @@ from journal_bytes_util import (
     I64_MIN,
     PROPS,
     PUT_HDR,
+    Outcome,
     build_writer,
     check_crc,
     check_rec,
@@ -120,19 +122,23 @@ def test_any_chunking_same_records(batches: list[list[Put]], data: st.DataObject
         assert dec.detected_kind is FileKind.WRITER
 
 
-@PROPS
-@given(put_batches(), st.data())
-def test_any_chunking_same_batches(batches: list[list[Put]], data: st.DataObject) -> None:
-    blob, records, expected = build_writer(batches)
-    # Batches agree with the records too, not only with the builder.
+def assert_batches_match_records(batches: list[Batch], records: list[Decoded]) -> None:
+    """Each batch ends at a CHECK record's end and counts the PUTs before it, first to last."""
     check_ends = [d.end for d in records if isinstance(d.record, Check)]
-    assert [b.end for b in expected] == check_ends
-    for b in expected:
+    assert [b.end for b in batches] == check_ends
+    for b in batches:
         puts = [
             d.record for d in records if isinstance(d.record, Put) and b.offset <= d.offset < b.end
         ]
         assert b.count == len(puts)
         assert (b.first_id, b.last_id) == ((puts[0].id, puts[-1].id) if puts else (0, 0))
+
+
+@PROPS
+@given(put_batches(), st.data())
+def test_any_chunking_same_batches(batches: list[list[Put]], data: st.DataObject) -> None:
+    blob, records, expected = build_writer(batches)
+    assert_batches_match_records(expected, records)  # not only the builder's word
     cuts = data.draw(st.lists(st.integers(0, len(blob)), max_size=30), label="cuts")
     chunkings = [split_at(blob, cuts), [blob]]
     if len(blob) <= 400:
@@ -179,39 +185,42 @@ kinds = st.sampled_from([FileKind.WRITER, FileKind.READER, None])
 caps = st.sampled_from([jf.MAX_DATA_SIZE, 16])
 
 
-@PROPS
-@given(prefixes, st.binary(max_size=300), kinds, caps, st.data())
-def test_garbage_next_event_only_our_errors(
-    prefix: bytes, garbage: bytes, kind: FileKind | None, cap: int, data: st.DataObject
+def assert_only_our_errors(
+    run: Callable[..., tuple[list[Any], Outcome, RecordDecoder]],
+    pull: Callable[[RecordDecoder], object], blob: bytes, kind: FileKind | None, cap: int,
+    data: st.DataObject,
 ) -> None:
-    blob = prefix + garbage
+    """`blob` cut at drawn places, through `run` (run_events or run_batches): it ends in
+    one of our errors, which is sticky, or in an end that `pull` repeats."""
     cuts = data.draw(st.lists(st.integers(0, len(blob)), max_size=10), label="cuts")
     dec = RecordDecoder(kind, max_data_size=cap)
-    _, end, dec = run_events(split_at(blob, cuts), dec)
+    _, end, dec = run(split_at(blob, cuts), dec)
     if isinstance(end, CorruptRecordError):
         assert isinstance(end, QueuedError)
         with pytest.raises(CorruptRecordError) as again:
-            dec.next_event()
+            pull(dec)
         assert again.value is end  # the error is sticky
     else:
-        assert dec.next_event() == end
+        assert pull(dec) == end
+
+
+#: The garbage properties' input: a blob (a prefix, then garbage), the kind told, the cap.
+garbage_given = given(st.builds(bytes.__add__, prefixes, st.binary(max_size=300)), kinds, caps,
+                      st.data())
 
 
 @PROPS
-@given(prefixes, st.binary(max_size=300), kinds, caps, st.data())
+@garbage_given
+def test_garbage_next_event_only_our_errors(
+    blob: bytes, kind: FileKind | None, cap: int, data: st.DataObject) -> None:
+    assert_only_our_errors(run_events, RecordDecoder.next_event, blob, kind, cap, data)
+
+
+@PROPS
+@garbage_given
 def test_garbage_next_batch_only_our_errors(
-    prefix: bytes, garbage: bytes, kind: FileKind | None, cap: int, data: st.DataObject
-) -> None:
-    blob = prefix + garbage
-    cuts = data.draw(st.lists(st.integers(0, len(blob)), max_size=10), label="cuts")
-    dec = RecordDecoder(kind, max_data_size=cap)
-    _, end, dec = run_batches(split_at(blob, cuts), dec)
-    if isinstance(end, CorruptRecordError):
-        with pytest.raises(CorruptRecordError) as again:
-            dec.next_batch()
-        assert again.value is end
-    else:
-        assert dec.next_batch() == end
+    blob: bytes, kind: FileKind | None, cap: int, data: st.DataObject) -> None:
+    assert_only_our_errors(run_batches, RecordDecoder.next_batch, blob, kind, cap, data)
 
 
 def _rec_put(xid: int, data: bytes = b"") -> bytes:
@@ -252,13 +261,12 @@ def record_soup(draw: st.DrawFn) -> bytes:
     out = bytearray(WRITER_MAGIC)
     for frags in draw(st.lists(st.lists(fragments, max_size=4), max_size=4)):
         body = b"".join(frags)
-        crc = check_crc(body, len(out))
-        if draw(st.booleans()) and draw(st.booleans()):
-            crc ^= 1
-        if draw(st.booleans()):  # either form of check record
-            out += body + struct.pack("<BII", 0x72, len(body), crc)
-        else:
-            out += body + struct.pack("<BiBII", 0xD1, 9, 1, len(body), crc)
+        bad_crc = draw(st.booleans()) and draw(st.booleans())
+        seal = check_rec if draw(st.booleans()) else new_check_rec  # either form
+        check = bytearray(seal(body, len(out)))
+        if bad_crc:
+            check[-4] ^= 1  # the crc's low bit
+        out += body + check
     out += draw(st.binary(max_size=12))
     return bytes(out)
 
@@ -304,8 +312,7 @@ def equal_runs(draw: st.DrawFn) -> bytes:
             if k == odd and kind == "cmd":
                 body[-len(data) - 25] = draw(st.sampled_from([0x00, 0x87, 0x31, 0xD1]))
             xid += 1
-        crc = check_crc(bytes(body), len(out))
-        out += body + struct.pack("<BiBII", 0xD1, 9, 1, len(body), crc)
+        out += body + new_check_rec(bytes(body), len(out))
     out += draw(st.binary(max_size=40))
     return bytes(out)
 
@@ -364,14 +371,7 @@ def assert_runs_agree(blob: bytes) -> None:
 def assert_next_batch_agrees(blob: bytes) -> None:
     records, ev_end, _ = run_events([blob])
     batches, b_end, _ = run_batches([blob])
-    check_ends = [d.end for d in records if isinstance(d.record, Check)]
-    assert [b.end for b in batches] == check_ends
-    for b in batches:
-        puts = [
-            d.record for d in records if isinstance(d.record, Put) and b.offset <= d.offset < b.end
-        ]
-        assert b.count == len(puts)
-        assert (b.first_id, b.last_id) == ((puts[0].id, puts[-1].id) if puts else (0, 0))
+    assert_batches_match_records(batches, records)
     if isinstance(ev_end, CorruptRecordError):
         assert isinstance(b_end, CorruptRecordError)
         assert b_end.offset == ev_end.offset

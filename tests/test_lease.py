@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from server_util import HOST, WAIT, Conn, Rpc, make_config, pymc, running
+from server_util import HOST, WAIT, Conn, Rpc, make_config, pymc, running, running_conn
 from wait_util import autojumping, wait_for
 
 from queued.client import AsyncClient, Client, NotOpen
@@ -29,6 +29,14 @@ def cfg(tmp_path: Path, toml: str | None = None, **settings: object) -> ServerCo
 SHORT = '[queues.t]\nopen_transaction_timeout = "300ms"\n'
 
 
+async def held_job(port: int) -> tuple[Conn, Conn]:
+    """Two connections: a worker that holds the item `job` of queue t open, and another."""
+    worker, other = await Conn.open(port), await Conn.open(port)
+    assert await worker.set("t", b"job") == b"STORED"
+    assert await worker.get("t/open") == b"job"
+    return worker, other
+
+
 # -- lease extension ---------------------------------------------------------------------------
 
 
@@ -36,10 +44,7 @@ async def test_memcache_touch_extends_an_open_read_past_its_first_timeout(
         tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     async with running(cfg(tmp_path, SHORT)) as server:
         with autojumping(trio_clock):  # (no thread works in this test)
-            port = server.ports["memcache"]
-            worker, other = await Conn.open(port), await Conn.open(port)
-            assert await worker.set("t", b"job") == b"STORED"
-            assert await worker.get("t/open") == b"job"
+            worker, other = await held_job(server.ports["memcache"])
             assert await worker.cmd(b"touch t 5000") == b"TOUCHED"
             # Without the touch the read would be back after 300 ms: a 1.5 s long poll gets nothing.
             assert await other.get("t/t=1500") is None
@@ -68,10 +73,7 @@ async def test_touched_read_still_times_out_at_its_new_deadline(
         tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
     async with running(cfg(tmp_path, SHORT)) as server:
         with autojumping(trio_clock):  # (no thread works in this test)
-            port = server.ports["memcache"]
-            worker, other = await Conn.open(port), await Conn.open(port)
-            assert await worker.set("t", b"job") == b"STORED"
-            assert await worker.get("t/open") == b"job"
+            worker, other = await held_job(server.ports["memcache"])
             start = trio.current_time()
             assert await worker.cmd(b"touch t 800") == b"TOUCHED"
             assert await other.get("t/t=5000") == b"job"
@@ -250,10 +252,8 @@ BACKOFF = '[queues.r]\nretry_backoff = ["600ms", "1h"]\n'
 
 
 async def test_retry_backoff_delays_an_aborted_read_by_the_next_step(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path, BACKOFF)) as server:
-        c = await Conn.open(server.ports["memcache"])
-        assert await c.set("r", b"flaky") == b"STORED"
-        assert await c.set("r", b"next") == b"STORED"
+    async with running_conn(cfg(tmp_path, BACKOFF)) as c:
+        await c.store("r", b"flaky", b"next")
         assert await c.get("r/open") == b"flaky"
         start = trio.current_time()
         assert await c.get("r/abort") is None
@@ -264,37 +264,30 @@ async def test_retry_backoff_delays_an_aborted_read_by_the_next_step(tmp_path: P
         assert await c.get("r/t=1000") is None
         stats = await c.stats()
         assert stats["queue_r_items"] == "1" and stats["queue_r_delayed"] == "1"
-        await c.aclose()
 
 
 async def test_retry_backoff_applies_to_a_timed_out_read(tmp_path: Path) -> None:
     toml = '[queues.r]\nretry_backoff = ["1h"]\nopen_transaction_timeout = "100ms"\n'
-    async with running(cfg(tmp_path, toml)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path, toml)) as c:
         assert await c.set("r", b"slow") == b"STORED"
         assert await c.get("r/open") == b"slow"
         # until the timeout has returned it (delayed)
         await wait_for(c.stats, lambda stats: stats["queue_r_delayed"] == "1")
         assert await c.get("r/t=500") is None
-        await c.aclose()
 
 
 async def test_backoff_state_survives_a_restart(tmp_path: Path) -> None:
     config = cfg(tmp_path, BACKOFF)
-    async with running(config) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(config) as c:
         assert await c.set("r", b"flaky") == b"STORED"
         assert await c.get("r/open") == b"flaky"
         assert await c.get("r/abort") is None
         assert await c.get("r/t=1000/open") == b"flaky"
         assert await c.get("r/abort") is None  # now waits an hour
-        await c.aclose()
-    async with running(config) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(config) as c:
         stats = await c.stats()
         assert stats["queue_r_items"] == "1" and stats["queue_r_delayed"] == "1"
         assert await c.get("r/t=300") is None
-        await c.aclose()
 
 
 async def test_deliveries_count_every_return(tmp_path: Path) -> None:
@@ -316,8 +309,7 @@ async def test_deliveries_count_every_return(tmp_path: Path) -> None:
 
 async def test_reject_sends_to_the_error_queue_at_once(tmp_path: Path) -> None:
     toml = '[queues.w]\nerror_queue = "dead"\nmax_errors = 5\n'
-    async with running(cfg(tmp_path, toml)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path, toml)) as c:
         assert await c.set("w", b"poison") == b"STORED"
         assert await c.get("w/open") == b"poison"
         assert await c.get("w/reject") is None
@@ -325,7 +317,6 @@ async def test_reject_sends_to_the_error_queue_at_once(tmp_path: Path) -> None:
         assert await c.get("w") is None
         assert (await c.stats())["queue_w_rejected"] == "1"
         assert await c.get("w/reject") is None  # nothing open: nothing happens
-        await c.aclose()
 
 
 async def test_reject_without_an_error_queue_drops_the_item(tmp_path: Path) -> None:
@@ -340,11 +331,9 @@ async def test_reject_without_an_error_queue_drops_the_item(tmp_path: Path) -> N
         assert err is not None and err[0] == 17  # type: ignore[index]
         assert await rpc.call("abort", "w", [2]) == (None, 1)
         await rpc.aclose()
-    async with running(config) as server:  # the drop was journaled
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(config) as c:  # the drop was journaled
         assert await c.get("w") == b"b"
         assert await c.get("w") is None
-        await c.aclose()
 
 
 async def test_max_errors_keeps_its_meaning_with_a_backoff(tmp_path: Path) -> None:

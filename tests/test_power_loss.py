@@ -161,6 +161,23 @@ def headers_for(datas: list[bytes]) -> list[bytes]:
     return [headers_of(d) for d in datas]
 
 
+async def one_pass(b: Broker, add: Callable[[JoinedPuts], T]) -> T:
+    """As the reactor's pass puts: `add` joins the puts, all begun with the writes
+    deferred, then one commit for every queue touched, and the puts ended; what `add`
+    returned."""
+    joined = JoinedPuts(b)
+    b.defer_writes(True)
+    try:
+        added = add(joined)
+        joined.begin_all()
+    finally:
+        b.defer_writes(False)
+    while not b.commit_now():
+        await b.wait_round()
+    joined.end_all()
+    return added
+
+
 class PowerCuts(RuleBasedStateMachine):
     """See the module docstring. FSYNC: the queue's fsync policy."""
 
@@ -270,24 +287,14 @@ class PowerCuts(RuleBasedStateMachine):
         # (here q and three others: one durable point for them all, fileio.sync_files).
         datas = self._new_items(sizes)
 
-        async def one_pass() -> JoinedPut:
-            b = self.broker
-            joined = JoinedPuts(b)
-            b.defer_writes(True)
-            try:
-                part = joined.add("q", datas, None, 0, 0, headers_for(datas))
-                assert isinstance(part, JoinedPut)
-                for side in ("side1", "side2", "side3"):
-                    joined.add(side, [b"s"], None, 0, 0)
-                joined.begin_all()
-            finally:
-                b.defer_writes(False)
-            while not b.commit_now():
-                await b.wait_round()
-            joined.end_all()
+        def add(joined: JoinedPuts) -> JoinedPut:
+            part = joined.add("q", datas, None, 0, 0, headers_for(datas))
+            assert isinstance(part, JoinedPut)
+            for side in ("side1", "side2", "side3"):
+                joined.add(side, [b"s"], None, 0, 0)
             return part
 
-        part = self.host.run(one_pass)
+        part = self.host.run(lambda: one_pass(self.broker, add))
         assert part.ended and part.error is None
         for data in datas:
             self.items[data].put_durable = self._durable_now()
@@ -348,25 +355,17 @@ class PowerCuts(RuleBasedStateMachine):
                 first[key] = self._new_items([10], b"J")[0]
                 puts.append((key, first[key]))
 
-        async def one_pass() -> list[JoinedPut | Any]:
-            b = self.broker
-            joined = JoinedPuts(b)
-            b.defer_writes(True)
-            try:
-                parts = [joined.add("q", [data], None, 0, 0, headers_for([data]), key)
-                         for key, data in puts]
-                joined.begin_all()
-            finally:
-                b.defer_writes(False)
-            while not b.commit_now():
-                await b.wait_round()
-            joined.end_all()
+        async def keyed_pass() -> list[JoinedPut | Any]:
+            parts = await one_pass(self.broker, lambda joined: [
+                joined.add("q", [data], None, 0, 0, headers_for([data]), key)
+                for key, data in puts])
             for p in parts:  # a duplicate of a key held before the pass: a PendingPut
                 if not isinstance(p, JoinedPut):
-                    assert b.end_put_nowait(p) == 0 and p.answer is not None and p.answer[2]
+                    assert (self.broker.end_put_nowait(p) == 0 and p.answer is not None
+                            and p.answer[2])
             return parts
 
-        parts = self.host.run(one_pass)
+        parts = self.host.run(keyed_pass)
         for (key, data), part in zip(puts, parts, strict=True):
             if isinstance(part, JoinedPut):
                 assert part.ended and part.error is None and part.answer is not None
@@ -451,12 +450,17 @@ class PowerCuts(RuleBasedStateMachine):
         if held:
             self._confirm(k, self._pick(held, picks))
 
-    def _confirm(self, k: int, chosen: list[Item]) -> None:
+    def _end_reads(self, k: int, end: str, chosen: list[Item]) -> None:
+        """The broker's `end` ("confirm" or "abort") of client k's chosen open reads: each
+        counted, and acknowledged (its tickets settled) on return."""
         tickets: list[Ticket] = []
-        n = self.host.sync(lambda: self.broker.confirm(
+        n = self.host.sync(lambda: getattr(self.broker, end)(
             self.clients[k], "q", ids=[it.id for it in chosen], owe=tickets.append))
         assert n == len(chosen)
-        self._settle(tickets)  # acknowledged from here on
+        self._settle(tickets)
+
+    def _confirm(self, k: int, chosen: list[Item]) -> None:
+        self._end_reads(k, "confirm", chosen)  # acknowledged from here on
         for it in chosen:
             it.state = "confirmed"
             it.confirm_durable = self._durable_now()
@@ -468,11 +472,7 @@ class PowerCuts(RuleBasedStateMachine):
             self._abort(k, self._pick(held, picks))
 
     def _abort(self, k: int, chosen: list[Item]) -> None:
-        tickets: list[Ticket] = []
-        n = self.host.sync(lambda: self.broker.abort(
-            self.clients[k], "q", ids=[it.id for it in chosen], owe=tickets.append))
-        assert n == len(chosen)
-        self._settle(tickets)
+        self._end_reads(k, "abort", chosen)
         for it in chosen:
             it.state = "avail"
             it.errors += 1

@@ -11,8 +11,6 @@ test_reader_producers.py, the record in test_journal_records.py.
 from __future__ import annotations
 
 import contextlib
-import io
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -20,11 +18,12 @@ import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from journal_util import COMPACTING, checked, dumped, segments, wait_compacted
+from ops_util import NONE, scrape
 from rpc_util import Rpc
-from server_util import WAIT, ServerProcess, make_config, running
+from server_util import ServerProcess, make_config, running
 from wait_util import wait_until
 
-from queued.cli import check, dump
 from queued.client import AsyncClient, ClientError
 from queued.config import ServerConfig
 from queued.journal import format as jf
@@ -122,14 +121,7 @@ async def test_concurrent_connections_resending_one_put_store_it_once(tmp_path: 
 async def test_table_survives_restart_consumption_and_compaction(tmp_path: Path) -> None:
     """Marks in segments that compaction removed are in the snapshot file (q.producers),
     written before the segments went; after a restart a repeat is still a repeat."""
-    toml = """
-[server]
-checkpoint_interval = "20ms"
-
-[default]
-journal_size = "1KiB"
-"""
-    config = cfg(tmp_path, toml)
+    config = cfg(tmp_path, COMPACTING)
     data = tmp_path / "data"
     async with running(config) as server:
         c = await Rpc.open(server.ports["rpc"])
@@ -140,19 +132,13 @@ journal_size = "1KiB"
             assert await c.call("put", "q", [b"x" * 100], 0, 0, 0, P, seq) == [1, seq + 1,
                                                                                False]
         assert len(await drain(c, "q")) == 61
-        # the checkpoint, then the compaction it starts
-        await wait_until(lambda: len([f for f in data.iterdir() if f.name.startswith("q.")
-                                      and f.name[2:].isdigit()]) <= 1)
+        await wait_compacted(data)
         assert (data / jf.producers_name("q")).exists()
         await c.aclose()
     # `queued check` reads the snapshot; `queued dump` shows a segment's PRODUCER records.
-    report = io.StringIO()
-    assert check(data, report) == 0
-    assert "ok    q.producers: 2 producers" in report.getvalue()
-    (segment,) = (f for f in data.iterdir() if f.name[2:].isdigit())
-    dumped = io.StringIO()
-    dump(segment, dumped)
-    assert "PRODUCER id=b'producer-1' sequence=60 first_id=61 count=1" in dumped.getvalue()
+    assert "ok    q.producers: 2 producers" in checked(data)
+    (segment,) = segments(data)
+    assert "PRODUCER id=b'producer-1' sequence=60 first_id=61 count=1" in dumped(segment)
     async with running(config) as server:
         c = await Rpc.open(server.ports["rpc"])
         assert await c.call("put", "q", [b"x" * 100], 0, 0, 0, P, 60) == [1, 61, True]
@@ -194,12 +180,11 @@ max_producers = 2
         # ... which evicted a, the least recently used now.
         assert await c.call("put", "q", [b"a"], 0, 0, 0, b"a", 1) == [1, 5, False]
         assert counters.evicted == 3
-        url = f"http://127.0.0.1:{server.ports['http']}/metrics"
-        metrics = (await trio.to_thread.run_sync(
-            lambda: urllib.request.urlopen(url, timeout=WAIT).read())).decode()
-        for line in ("queued_producers 2.0", "queued_producer_evictions_total 3.0",
-                     "queued_producer_duplicates_total 1.0", "queued_producer_gaps_total 0.0"):
-            assert line in metrics.splitlines(), line
+        metrics = await scrape(server)
+        for name, value in {"queued_producers": 2, "queued_producer_evictions_total": 3,
+                            "queued_producer_duplicates_total": 1,
+                            "queued_producer_gaps_total": 0}.items():
+            assert metrics[(name, NONE)] == value, name
         await c.aclose()
 
 
@@ -366,14 +351,10 @@ async def test_puts_with_and_without_a_producer_on_one_connection_keep_their_ord
     async with running(cfg(tmp_path)) as server:
         c = await Rpc.open(server.ports["rpc"])
         assert await c.call("put", "q", [b"first"]) == 1  # (a loaded queue: joins happen)
-        wire = b""
-        for i in range(20):
-            if i % 2:
-                wire += c.request("put", "q", [b"%d" % i], 0, 0, 0, P, i // 2 + 1)[1]
-            else:
-                wire += c.request("put", "q", [b"%d" % i])[1]
-        await c.send(wire)
-        for msgid in range(c.msgid - 19, c.msgid + 1):
+        ids = await c.send_pipelined(
+            ("put", "q", [b"%d" % i], *((0, 0, 0, P, i // 2 + 1) if i % 2 else ()))
+            for i in range(20))
+        for msgid in ids:
             assert (await c.response(msgid))[2] is None
         assert await drain(c, "q") == [b"first"] + [b"%d" % i for i in range(20)]
         await c.aclose()

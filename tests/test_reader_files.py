@@ -9,6 +9,8 @@ The server-level crash tests for durable confirms are in test_confirm_durability
 from __future__ import annotations
 
 import errno
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from queued.journal import format as jf
 from queued.storage import fileio
 from queued.storage.datadir import DataDir, open_data_dir
 from queued.storage.files import Checkpoint, decode_checkpoint
-from queued.storage.journal import wait_durable
+from queued.storage.journal import QueueJournal, wait_durable
 
 
 class Tracker(fileio.FileIO):
@@ -57,16 +59,44 @@ class Tracker(fileio.FileIO):
         self.names.pop(fd, None)
 
 
+@pytest.fixture
+def tracker(monkeypatch: pytest.MonkeyPatch) -> Tracker:
+    """A Tracker in place of the storage layer's file calls for the test."""
+    tracker = Tracker()
+    monkeypatch.setattr(fileio, "_current", tracker)
+    return tracker
+
+
+@asynccontextmanager
+async def checkpointed(path: Path, n: int, head: int, fsync: str | None = None
+                       ) -> AsyncIterator[QueueJournal]:
+    """Queue q of a data directory open in `path`: items 1 to n, its reader's checkpoint
+    written at `head` (under fsync policy `fsync`, if given)."""
+    policy = None if fsync is None else FsyncPolicy.parse(fsync)
+    queue_config = None if policy is None else (lambda _: cfg(fsync=policy))
+    async with open_data_dir(path, queue_config=queue_config) as dd:
+        q = dd.queue("q")
+        await q.append([data_for(i) for i in range(1, n + 1)], T0)
+        await q.write_checkpoint("", head)
+        yield q
+
+
 def records(path: Path) -> list[jf.Record]:
     return [d.record for d in jf.decode_all(path.read_bytes(), jf.FileKind.READER)
             if not isinstance(d.record, jf.Check)]
 
 
+async def two_appends_after(path: Path, head: int) -> Path:
+    """Queue q in `path`: items 1 to 5, its reader's checkpoint written at `head`, then two
+    appends (3 done, 4 done), each durable; the reader's file."""
+    async with checkpointed(path, 5, head) as q:
+        await wait_durable(q.note_read("", done=[3]))
+        await wait_durable(q.note_read("", done=[4]))
+    return path / "q.read."
+
+
 async def test_confirms_and_error_counts_are_appended_and_recovered(tmp_path: Path) -> None:
-    async with open_data_dir(tmp_path) as dd:
-        q = dd.queue("q")
-        await q.append([data_for(i) for i in range(1, 9)], T0)
-        await q.write_checkpoint("", 1)
+    async with checkpointed(tmp_path, 8, 1) as q:
         await wait_durable(q.note_read("", done=[5, 3]))
         await wait_durable(q.note_read("", errors=[(2, 1), (4, 2)]))
         await wait_durable(q.note_read("", errors=[(2, 3)], done=[4]))
@@ -82,15 +112,9 @@ async def test_confirms_and_error_counts_are_appended_and_recovered(tmp_path: Pa
 
 
 async def test_appends_planned_before_a_round_share_one_batch_and_one_fsync(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tracker: Tracker
 ) -> None:
-    tracker = Tracker()
-    monkeypatch.setattr(fileio, "_current", tracker)
-    conf = cfg(fsync=FsyncPolicy.parse("always"))
-    async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
-        q = dd.queue("q")
-        await q.append([data_for(i) for i in range(1, 5)], T0)
-        await q.write_checkpoint("", 0)
+    async with checkpointed(tmp_path, 4, 0, fsync="always") as q:
         fsyncs = tracker.fsynced.count("q.read.")
         tickets = [q.note_read("", done=[i]) for i in (4, 2, 3)]
         for ticket in tickets:
@@ -102,10 +126,7 @@ async def test_appends_planned_before_a_round_share_one_batch_and_one_fsync(
 
 
 async def test_a_rewrite_covers_the_appends_planned_before_it(tmp_path: Path) -> None:
-    async with open_data_dir(tmp_path) as dd:
-        q = dd.queue("q")
-        await q.append([data_for(i) for i in range(1, 6)], T0)
-        await q.write_checkpoint("", 0)
+    async with checkpointed(tmp_path, 5, 0) as q:
         before = q.note_read("", done=[2])
         async with trio.open_nursery() as nursery:  # append, rewrite, append, in this order
             nursery.start_soon(q.write_checkpoint, "", 2, [], [(3, 1)])
@@ -124,13 +145,7 @@ async def test_a_rewrite_covers_the_appends_planned_before_it(tmp_path: Path) ->
 
 
 async def test_a_torn_append_is_cut_at_recovery_and_appends_go_on(tmp_path: Path) -> None:
-    async with open_data_dir(tmp_path) as dd:
-        q = dd.queue("q")
-        await q.append([data_for(i) for i in range(1, 6)], T0)
-        await q.write_checkpoint("", 1)
-        await wait_durable(q.note_read("", done=[3]))
-        await wait_durable(q.note_read("", done=[4]))
-    cp = tmp_path / "q.read."
+    cp = await two_appends_after(tmp_path, head=1)
     whole = cp.read_bytes()
     cp.write_bytes(whole[:-4])  # the last append torn by a crash: never acknowledged
     dd2 = DataDir.open(tmp_path)
@@ -145,13 +160,7 @@ async def test_a_torn_append_is_cut_at_recovery_and_appends_go_on(tmp_path: Path
 
 
 async def test_damage_before_a_verified_append_is_corruption(tmp_path: Path) -> None:
-    async with open_data_dir(tmp_path) as dd:
-        q = dd.queue("q")
-        await q.append([data_for(i) for i in range(1, 6)], T0)
-        await q.write_checkpoint("", 2)
-        await wait_durable(q.note_read("", done=[3]))
-        await wait_durable(q.note_read("", done=[4]))
-    cp = tmp_path / "q.read."
+    cp = await two_appends_after(tmp_path, head=2)
     raw = bytearray(cp.read_bytes())
     first_append = len(jf.encode_checkpoint(2, ()))
     raw[first_append + 6] ^= 0xFF  # inside the first append's id; the second verifies
@@ -175,14 +184,9 @@ async def test_an_append_to_a_reader_without_its_file_fails_unless_it_may_create
 
 
 async def test_a_failed_append_is_not_acknowledged_and_later_ones_work(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tracker: Tracker
 ) -> None:
-    tracker = Tracker()
-    monkeypatch.setattr(fileio, "_current", tracker)
-    async with open_data_dir(tmp_path) as dd:
-        q = dd.queue("q")
-        await q.append([data_for(i) for i in range(1, 4)], T0)
-        await q.write_checkpoint("", 0)
+    async with checkpointed(tmp_path, 3, 0) as q:
         await wait_durable(q.note_read("", done=[1]))
         tracker.fail_writes_to = "q.read."
         with pytest.raises(JournalWriteError):
@@ -195,17 +199,11 @@ async def test_a_failed_append_is_not_acknowledged_and_later_ones_work(
 
 
 async def test_periodic_fsync_covers_reader_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tracker: Tracker
 ) -> None:
     """fsync = "<ms>": a confirm is acknowledged after its write and fsynced when the
     interval is over, by the writer waking itself (nothing else is written meanwhile)."""
-    tracker = Tracker()
-    monkeypatch.setattr(fileio, "_current", tracker)
-    conf = cfg(fsync=FsyncPolicy.parse("20"))
-    async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
-        q = dd.queue("q")
-        await q.append([data_for(i) for i in range(1, 4)], T0)
-        await q.write_checkpoint("", 0)
+    async with checkpointed(tmp_path, 3, 0, fsync="20") as q:
         await wait_durable(q.note_read("", done=[2]))
         await wait_until(lambda: "q.read." not in tracker.unsynced, timeout=10)
         assert tracker.fsynced.count("q.read.") >= 1

@@ -26,7 +26,7 @@ from compiled_util import not_compiled
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from reader_util import Limits, held, read_range
+from reader_util import Limits, held, read_range, recovered
 
 from queued.broker.upkeep import open_broker
 from queued.journal.format import DelayedPut, HeadedPut, Put
@@ -314,25 +314,8 @@ class PackedVsPlain(RuleBasedStateMachine):
         assert (head, done, errors, delays) == (
             *self.b.checkpoint(), self.b.error_counts(), self.b.delay_entries())
         tail = self.a.tail
-        mem: list[Put] = []
-        delayed: list[tuple[int, int, int]] = []
-        mem_bytes = count = nbytes = 0
-        behind = None
-        due = dict(delays)
-        for i in sorted(self.journal):
-            p = self.journal[i]
-            if i <= head or i in done:
-                continue
-            count += 1
-            nbytes += len(p.data)
-            if type(p) is DelayedPut or i in due:
-                delayed.append((due.get(i, getattr(p, "due_ms", 0)), i, len(p.data)))
-            elif behind is None and (mem_bytes + len(p.data) <= self.limits.max_memory_size
-                                     or not mem):
-                mem.append(p)
-                mem_bytes += len(p.data)
-            elif behind is None:
-                behind = i
+        mem, behind, count, nbytes, delayed = recovered(
+            self.journal, head, done, self.limits.max_memory_size, dict(delays))
         self.a, self.b = (cls("q", "", self.limits, head=head, done=done, tail=tail,
                               errors=errors, delays=delays) for cls in (tiny_pack, never_pack))
         self.both("restore", mem, behind, count, nbytes)

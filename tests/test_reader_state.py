@@ -26,9 +26,11 @@ from reader_util import (
     items,
     read_range,
     reader,
+    recovered,
     refill,
     replay,
     small_pack_reader,
+    take_all,
     take_consume,
     take_id,
     take_open,
@@ -164,19 +166,7 @@ def test_read_behind_delivers_everything_in_order() -> None:
     r = reader(max_memory_size=250)
     journal = {p.id: p for p in items(range(1, 21), 100)}
     r.add(journal.values())
-    got = []
-    while True:
-        it = r.take(T0, [])
-        if it is None:
-            if r.behind is None:
-                break
-            refill(r, journal)
-            continue
-        r.open_read(it)
-        r.confirm(it.id)
-        got.append(it.id)
-        assert r.mem_bytes <= 250
-    assert got == list(range(1, 21))
+    assert take_all(r, journal, max_mem=250) == list(range(1, 21))
     assert r.items == 0 and r.checkpoint() == (20, [])
 
 
@@ -882,19 +872,8 @@ class ReaderMachine(RuleBasedStateMachine):
         self.reads, self.heap, self.deadlines = OpenReads(), TimeoutHeap(min_size=4), {}
         head, done = self.r.checkpoint()
         r = Reader("q", "", self.limits, head=head, done=done, tail=max(self.journal, default=0))
-        mem: list[Put] = []
-        mem_bytes = count = nbytes = 0
-        behind = None
-        for i in sorted(replay(self.journal, head, done)):  # what readback.count_unconsumed counts
-            p = self.journal[i]
-            count += 1
-            nbytes += len(p.data)
-            if behind is None and (mem_bytes + len(p.data) <= self.limits.max_memory_size
-                                   or not mem):
-                mem.append(p)
-                mem_bytes += len(p.data)
-            elif behind is None:
-                behind = i
+        mem, behind, count, nbytes, _ = recovered(self.journal, head, done,
+                                                  self.limits.max_memory_size)
         r.restore(mem, behind, count, nbytes)
         self.r = r
         self.front = []
@@ -969,18 +948,7 @@ def test_restore_then_refill_order(cap: int) -> None:
     r = Reader("q", "", Limits(max_memory_size=cap), head=3, done=[5, 6, 20], tail=30)
     keep = sorted(replay(journal, 3, [5, 6, 20]))
     r.restore([journal[i] for i in keep[:6]], keep[6], len(keep), 50 * len(keep))
-    got = []
-    while True:
-        it = r.take(T0, [])
-        if it is None:
-            if r.behind is None:
-                break
-            refill(r, journal)
-            continue
-        r.open_read(it)
-        r.confirm(it.id)
-        got.append(it.id)
-    assert got == keep
+    assert take_all(r, journal) == keep
 
 
 def test_flush_with_an_open_read_lists_at_most_the_cap_of_done_ids() -> None:

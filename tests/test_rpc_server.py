@@ -9,6 +9,8 @@ free 127.0.0.1 ports over a fresh data directory; every wait is bounded.
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import msgpack
@@ -23,6 +25,7 @@ from queued import __version__
 from queued.config import ServerConfig
 from queued.reader.open_reads import TIMEOUT_HEAP_MIN
 from queued.server.task_path import MAX_WAITING
+from queued.storage.journal import QueueJournal
 from queued.wire.rpc_protocol import ErrorCode
 
 E = ErrorCode
@@ -109,14 +112,9 @@ async def test_pipelined_requests_answered_by_msgid(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         c = await Rpc.open(server.ports["rpc"])
         # One write: a long-polling get, then puts and a plain get behind it.
-        wait_id, wait = c.request("get", "late", 1, 5_000)
-        put_ids, batch = [], [wait]
-        for i in range(50):
-            mid, data = c.request("put", "q", [b"%d" % i])
-            put_ids.append(mid)
-            batch.append(data)
-        get_id, get = c.request("get", "q", 100)
-        await c.send(b"".join([*batch, get]))
+        wait_id, *put_ids, get_id = await c.send_pipelined([
+            ("get", "late", 1, 5_000), *(("put", "q", [b"%d" % i]) for i in range(50)),
+            ("get", "q", 100)])
         for mid in put_ids:
             assert (await c.response(mid))[2:] == [None, 1]
         got = await c.response(get_id)
@@ -127,38 +125,37 @@ async def test_pipelined_requests_answered_by_msgid(tmp_path: Path) -> None:
         await c.aclose()
 
 
-async def test_consecutive_puts_share_one_append_round(tmp_path: Path) -> None:
+@asynccontextmanager
+async def warm_queue(tmp_path: Path) -> AsyncIterator[tuple[Rpc, QueueJournal]]:
+    """A server, an RPC connection to it and the journal of its queue q, which one put
+    made (so that what follows is not the queue's first append)."""
     async with running(cfg(tmp_path)) as server:
         c = await Rpc.open(server.ports["rpc"])
-        assert await c.call("put", "q", [b"warm"]) == 1
-        journal = server.broker.queues["q"].journal
+        try:
+            assert await c.call("put", "q", [b"warm"]) == 1
+            yield c, server.broker.queues["q"].journal
+        finally:
+            await c.aclose()
+
+
+async def test_consecutive_puts_share_one_append_round(tmp_path: Path) -> None:
+    async with warm_queue(tmp_path) as (c, journal):
         fsyncs = journal.statistics().fsyncs
-        ids = []
-        data = []
-        for i in range(20):
-            mid, frame = c.request("put", "q", [b"x%d" % i] * 10)
-            ids.append(mid)
-            data.append(frame)
-        await c.send(b"".join(data))
+        ids = await c.send_pipelined(("put", "q", [b"x%d" % i] * 10) for i in range(20))
         for mid in ids:
             assert (await c.response(mid))[2:] == [None, 10]
         st = journal.statistics()
         assert st.items_appended == 201
         # 20 pipelined puts of 10 items: far fewer fsyncs than puts (usually one).
         assert 1 <= st.fsyncs - fsyncs <= 3
-        await c.aclose()
 
 
 async def test_a_batch_put_is_one_append_and_one_fsync(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Rpc.open(server.ports["rpc"])
-        assert await c.call("put", "q", [b"warm"]) == 1
-        journal = server.broker.queues["q"].journal
+    async with warm_queue(tmp_path) as (c, journal):
         before = journal.statistics()
         assert await c.call("put", "q", [b"%d" % i for i in range(1000)]) == 1000
         after = journal.statistics()
         assert (after.appends - before.appends, after.fsyncs - before.fsyncs) == (1, 1)
-        await c.aclose()
 
 
 # -- open reads -----------------------------------------------------------------------------------
@@ -201,8 +198,7 @@ async def test_disconnect_returns_open_reads(tmp_path: Path) -> None:
         waiter = await Rpc.open(server.ports["rpc"])
         assert await c.call("put", "jobs", [b"a", b"b"]) == 2
         assert len(await c.call("get", "jobs", 2, 0, 60_000)) == 2
-        mid, req = waiter.request("get", "jobs", 5, 5_000, 60_000)
-        await waiter.send(req)
+        mid = await waiter.send_request("get", "jobs", 5, 5_000, 60_000)
         await trio.testing.wait_all_tasks_blocked()
         await c.aclose()  # hangs up holding both
         _, _, error, got = await waiter.response(mid)
@@ -214,8 +210,7 @@ async def test_disconnect_returns_open_reads(tmp_path: Path) -> None:
 async def test_a_waiting_get_of_a_closed_connection_takes_nothing(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         c = await Rpc.open(server.ports["rpc"])
-        _, req = c.request("get", "jobs", 1, 10_000)
-        await c.send(req)
+        await c.send_request("get", "jobs", 1, 10_000)
         await trio.testing.wait_all_tasks_blocked()
         assert server.broker.reader_info("jobs")["waiters"] == 1
         await c.aclose()
@@ -270,8 +265,7 @@ journal_full_policy = "refuse"
         assert (await c.error("put", "tiny", [b"x" * 11]))[0] == E.ITEM_TOO_LARGE
         assert await c.call("put", "tiny", [b"x" * 10]) == 1
         for _ in range(30):
-            msgid, req = c.request("put", "capped", [b"y" * 100])
-            await c.send(req)
+            msgid = await c.send_request("put", "capped", [b"y" * 100])
             _, _, error, _ = await c.response(msgid)
             if error is not None:
                 assert error[0] == E.JOURNAL_FULL
@@ -288,8 +282,7 @@ async def test_frame_over_the_cap_is_answered_then_closed(tmp_path: Path) -> Non
     async with running(cfg(tmp_path, rpc_max_frame="64KiB")) as server:
         c = await Rpc.open(server.ports["rpc"])
         assert await c.call("put", "q", [b"x" * 60_000]) == 1
-        mid, req = c.request("put", "q", [b"y" * 70_000])
-        await c.send(req)
+        mid = await c.send_request("put", "q", [b"y" * 70_000])
         _, _, error, _ = await c.response(mid)
         assert error[0] == E.TOO_LARGE and "65536" in error[1]
         await c.expect_closed()
@@ -343,9 +336,8 @@ async def test_a_malformed_request_with_a_msgid_is_answered_and_the_connection_g
 async def test_too_many_waiting_gets_are_refused(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         c = await Rpc.open(server.ports["rpc"])
-        reqs = [c.request("get", "idle", 1, 30_000) for _ in range(MAX_WAITING + 1)]
-        await c.send(b"".join(data for _, data in reqs))
-        _, _, error, _ = await c.response(reqs[-1][0])
+        ids = await c.send_pipelined([("get", "idle", 1, 30_000)] * (MAX_WAITING + 1))
+        _, _, error, _ = await c.response(ids[-1])
         assert error[0] == E.BUSY
         assert await c.call("version") == __version__
         await c.aclose()
@@ -367,8 +359,7 @@ async def test_notifications(tmp_path: Path) -> None:
 async def test_shutdown_answers_waiting_gets_empty(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         c = await Rpc.open(server.ports["rpc"])
-        mid, req = c.request("get", "idle", 1, 30_000)
-        await c.send(req)
+        mid = await c.send_request("get", "idle", 1, 30_000)
         await trio.testing.wait_all_tasks_blocked()
         server.request_shutdown("test")
         assert (await c.response(mid))[2:] == [None, []]

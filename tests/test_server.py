@@ -10,9 +10,7 @@ the point (relative expiry, open-read timeouts, long-poll timeouts).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 import trio
@@ -25,9 +23,11 @@ from pymemcache.exceptions import (
 from server_util import (
     Conn,
     data_files,
+    in_thread,
     make_config,
     pymc,
     running,
+    running_conn,
     wait_for_stat,
 )
 from wait_util import autojumping, wait_for
@@ -36,19 +36,21 @@ from queued import __version__
 from queued.config import ServerConfig
 from queued.server.app import serve
 
-T = TypeVar("T")
-
 #: Background sweeps never race a test that counts expired items itself.
 NO_SWEEP = {"expiration_timer": "1h"}
 
 
-async def in_thread(fn: Callable[[], T]) -> T:
-    """Run a blocking pymemcache call off the event loop."""
-    return await trio.to_thread.run_sync(fn)
-
-
 def cfg(tmp_path: Path, toml: str | None = None, **settings: object) -> ServerConfig:
     return make_config(tmp_path / "data", toml, **settings)
+
+
+async def long_poller(port: int, key: str, waiters: int = 1) -> Conn:
+    """A new connection whose `get <key>` long-polls, once the server counts `waiters`
+    waiting on the key's queue."""
+    conn = await Conn.open(port)
+    await conn.send(b"get %s\r\n" % key.encode())
+    await wait_for_stat(port, f"queue_{key.split('/')[0]}_waiters", waiters)
+    return conn
 
 
 # -- set / get ---------------------------------------------------------------------------------
@@ -73,9 +75,7 @@ async def test_pymemcache_set_get_fifo(tmp_path: Path) -> None:
 
 
 async def test_value_echoes_the_key_with_options(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
+    async with running_conn(cfg(tmp_path)) as c:
         assert await c.set("q", b"hello") == b"STORED"
         await c.send(b"get q/t=10/open\r\n")
         assert await c.line() == b"VALUE q/t=10/open 0 5"
@@ -85,24 +85,21 @@ async def test_value_echoes_the_key_with_options(tmp_path: Path) -> None:
         assert await c.cmd(b"get q") == b"END"
         # pymemcache maps replies by key: it only finds the value if the key is echoed.
         assert await c.set("q", b"again") == b"STORED"
-        client = pymc(port)
+        client = pymc(c.port)
         try:
             assert await in_thread(lambda: client.get("q/t=10/open")) == b"again"
             assert await in_thread(lambda: client.get("q/close/t=10")) is None
             assert await in_thread(lambda: client.get("q/t=1")) is None
         finally:
             client.close()
-        await c.aclose()
 
 
 async def test_long_poll_is_answered_by_a_set_on_another_connection(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         port = server.ports["memcache"]
-        poller = await Conn.open(port)
         producer = await Conn.open(port)
         start = trio.current_time()
-        await poller.send(b"get q/t=5000\r\n")
-        await wait_for_stat(port, "queue_q_waiters", 1)
+        poller = await long_poller(port, "q/t=5000")
         assert await producer.set("q", b"wake") == b"STORED"
         assert await poller.read_value("q/t=5000") == b"wake"
         assert trio.current_time() - start < 4.5
@@ -113,10 +110,7 @@ async def test_long_poll_is_answered_by_a_set_on_another_connection(tmp_path: Pa
 async def test_long_poll_waiters_are_served_first_come_first_served(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         port = server.ports["memcache"]
-        pollers = [await Conn.open(port) for _ in range(3)]
-        for n, p in enumerate(pollers, 1):
-            await p.send(b"get q/t=5000\r\n")
-            await wait_for_stat(port, "queue_q_waiters", n)
+        pollers = [await long_poller(port, "q/t=5000", n) for n in (1, 2, 3)]
         producer = await Conn.open(port)
         await producer.send(b"".join(b"set q 0 0 1\r\n%d\r\n" % i for i in range(3)))
         assert [await producer.line() for _ in range(3)] == [b"STORED"] * 3
@@ -143,11 +137,8 @@ async def test_long_poll_times_out_with_end(
 async def test_long_poll_peek_and_get_waiters(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         port = server.ports["memcache"]
-        peeker, getter = await Conn.open(port), await Conn.open(port)
-        await peeker.send(b"get q/t=5000/peek\r\n")
-        await wait_for_stat(port, "queue_q_waiters", 1)
-        await getter.send(b"get q/t=5000\r\n")
-        await wait_for_stat(port, "queue_q_waiters", 2)
+        peeker = await long_poller(port, "q/t=5000/peek")
+        getter = await long_poller(port, "q/t=5000", 2)
         c = await Conn.open(port)
         assert await c.set("q", b"seen-twice") == b"STORED"
         assert await peeker.read_value("q/t=5000/peek") == b"seen-twice"
@@ -160,9 +151,7 @@ async def test_long_poll_peek_and_get_waiters(tmp_path: Path) -> None:
 async def test_long_poller_skips_an_item_that_arrives_expired(tmp_path: Path) -> None:
     async with running(cfg(tmp_path, **NO_SWEEP)) as server:
         port = server.ports["memcache"]
-        poller = await Conn.open(port)
-        await poller.send(b"get q/t=5000\r\n")
-        await wait_for_stat(port, "queue_q_waiters", 1)
+        poller = await long_poller(port, "q/t=5000")
         c = await Conn.open(port)
         assert await c.set("q", b"dead on arrival", exptime=-1) == b"STORED"
         assert await c.set("q", b"alive") == b"STORED"
@@ -187,20 +176,17 @@ async def test_large_values(tmp_path: Path) -> None:
 
 
 async def test_thousands_of_pipelined_commands(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         n = 3000
         await c.send(b"".join(b"set many 0 0 5\r\n%05d\r\n" % i for i in range(n)))
         assert [await c.line() for _ in range(n)] == [b"STORED"] * n
         await c.send(b"get many\r\n" * n)
         got = [await c.read_value("many") for _ in range(n)]
         assert got == [b"%05d" % i for i in range(n)]
-        await c.aclose()
 
 
 async def test_max_open_reads_per_connection(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path, "[server]\nmax_open_reads = 2\n")) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path, "[server]\nmax_open_reads = 2\n")) as c:
         for q in ("q1", "q2", "q3"):
             assert await c.set(q, q.encode()) == b"STORED"
         assert await c.get("q1/open") == b"q1"
@@ -212,12 +198,10 @@ async def test_max_open_reads_per_connection(tmp_path: Path) -> None:
         assert await c.get("q2/close") is None
         stats = await c.stats()
         assert stats["curr_items"] == "0"
-        await c.aclose()
 
 
 async def test_pipelined_commands_answer_in_order(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         await c.send(b"".join(b"set p 0 0 %d\r\nv%03d\r\n" % (4, i) for i in range(100)))
         assert [await c.line() for _ in range(100)] == [b"STORED"] * 100
         # sets and gets mixed in one send: each reply in its place.
@@ -230,15 +214,13 @@ async def test_pipelined_commands_answer_in_order(tmp_path: Path) -> None:
         assert got == [b"v%03d" % i for i in range(2, 100)]
         assert await c.get("p") == b"z"
         assert await c.get("p") is None
-        await c.aclose()
 
 
 async def test_pipelined_requests_run_together_answer_each(tmp_path: Path) -> None:
     """Pipelined sets to one queue are one append and pipelined plain gets of one key one
     take (Request.count), but each request keeps its own answer and its own count: a full
     queue refuses exactly the sets past its limit, gets past the items answer END."""
-    async with running(cfg(tmp_path, "[queues.full]\nmax_items = 3\n")) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path, "[queues.full]\nmax_items = 3\n")) as c:
         await c.send(b"".join(b"set full 0 0 2\r\nf%d\r\n" % i for i in range(5)))
         assert [await c.line() for _ in range(5)] == [b"STORED"] * 3 + [b"NOT_STORED"] * 2
         await c.send(b"get full\r\n" * 5)
@@ -256,7 +238,6 @@ async def test_pipelined_requests_run_together_answer_each(tmp_path: Path) -> No
         assert (stats["cmd_set"], stats["cmd_get"], stats["cmd_peek"], stats["get_hits"],
                 stats["get_misses"]) == ("10", "10", "1", "9", "2")
         assert stats["total_items"] == "8"
-        await c.aclose()
 
 
 async def test_pipelined_gets_with_a_read_open_answer_one_error_and_close(
@@ -265,8 +246,7 @@ async def test_pipelined_gets_with_a_read_open_answer_one_error_and_close(
     closes; pipelined plain gets joined into one still answer that once, then close."""
     async with running(cfg(tmp_path)) as server:
         c = await Conn.open(server.ports["memcache"])
-        for v in (b"a", b"b", b"c"):
-            assert await c.set("q", v) == b"STORED"
+        await c.store("q", b"a", b"b", b"c")
         assert await c.get("q/open") == b"a"
         await c.send(b"get q\r\nget q\r\nget q\r\n")
         assert await c.expect_closed() == b"ERROR\r\n"
@@ -277,40 +257,32 @@ async def test_pipelined_gets_with_a_read_open_answer_one_error_and_close(
 
 
 async def test_noreply_set_is_silent(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         await c.send(b"set q 0 0 1 noreply\r\na\r\nset q 0 0 1 noreply\r\nb\r\n")
         assert await c.get("q") == b"a"
         assert await c.get("q") == b"b"
-        await c.aclose()
 
 
 # -- reliable reads ----------------------------------------------------------------------------
 
 
 async def test_open_close_and_close_open(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
-        for v in (b"a", b"b", b"c"):
-            assert await c.set("q", v) == b"STORED"
+    async with running_conn(cfg(tmp_path)) as c:
+        await c.store("q", b"a", b"b", b"c")
         assert await c.get("q/open") == b"a"
-        stats = await wait_for_stat(port, "queue_q_open_transactions", 1)
+        stats = await wait_for_stat(c.port, "queue_q_open_transactions", 1)
         assert stats["queue_q_items"] == "2"
         assert await c.get("q/close/open") == b"b"  # confirms a, opens b
         assert await c.get("q/close") is None  # confirms b
-        await wait_for_stat(port, "queue_q_open_transactions", 0)
+        await wait_for_stat(c.port, "queue_q_open_transactions", 0)
         assert await c.get("q/close") is None  # nothing open: still just END
         assert await c.get("q") == b"c"
         assert await c.get("q") is None
-        await c.aclose()
 
 
 async def test_abort_puts_the_item_back_at_the_head(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
-        for v in (b"a", b"b"):
-            assert await c.set("q", v) == b"STORED"
+    async with running_conn(cfg(tmp_path)) as c:
+        await c.store("q", b"a", b"b")
         assert await c.get("q/open") == b"a"
         assert await c.get("q/abort") is None
         assert await c.get("q/open") == b"a"  # same item again, before b
@@ -318,30 +290,25 @@ async def test_abort_puts_the_item_back_at_the_head(tmp_path: Path) -> None:
         assert await c.get("q/abort") is None  # nothing open: END
         assert await c.get("q") == b"a"
         assert await c.get("q") == b"b"
-        await c.aclose()
 
 
 @pytest.mark.parametrize("second", [b"get q/open", b"get q", b"get q/t=50/open"])
 async def test_second_read_while_one_is_open_is_an_error(tmp_path: Path, second: bytes) -> None:
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
-        for v in (b"a", b"b"):
-            assert await c.set("q", v) == b"STORED"
+    async with running_conn(cfg(tmp_path)) as c:
+        await c.store("q", b"a", b"b")
         assert await c.get("q/open") == b"a"
         assert await c.get("q/peek") == b"b"  # peeking is allowed meanwhile
         assert await c.cmd(second) == b"ERROR"
         assert await c.expect_closed() == b""
         # The connection is gone, so its open read went back to the head.
-        other = await Conn.open(port)
+        other = await Conn.open(c.port)
         assert await other.get("q") == b"a"
         assert await other.get("q") == b"b"
         await other.aclose()
 
 
 async def test_open_reads_on_two_queues_are_independent(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         assert await c.set("q1", b"1") == b"STORED"
         assert await c.set("q2", b"2") == b"STORED"
         assert await c.get("q1/open") == b"1"
@@ -350,7 +317,6 @@ async def test_open_reads_on_two_queues_are_independent(tmp_path: Path) -> None:
         assert await c.get("q2/abort") is None
         assert await c.get("q2") == b"2"
         assert await c.get("q1") is None
-        await c.aclose()
 
 
 async def test_disconnect_with_open_read_feeds_a_long_poller(tmp_path: Path) -> None:
@@ -359,9 +325,7 @@ async def test_disconnect_with_open_read_feeds_a_long_poller(tmp_path: Path) -> 
         reader = await Conn.open(port)
         assert await reader.set("q", b"precious") == b"STORED"
         assert await reader.get("q/open") == b"precious"
-        poller = await Conn.open(port)
-        await poller.send(b"get q/t=5000/open\r\n")
-        await wait_for_stat(port, "queue_q_waiters", 1)
+        poller = await long_poller(port, "q/t=5000/open")
         await reader.aclose()  # the open read must go to the waiting poller
         assert await poller.read_value("q/t=5000/open") == b"precious"
         assert await poller.get("q/close") is None
@@ -373,9 +337,7 @@ async def test_disconnect_with_open_read_feeds_a_long_poller(tmp_path: Path) -> 
 async def test_disconnected_long_poller_does_not_swallow_an_item(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         port = server.ports["memcache"]
-        gone = await Conn.open(port)
-        await gone.send(b"get q/t=3000\r\n")
-        await wait_for_stat(port, "queue_q_waiters", 1)
+        gone = await long_poller(port, "q/t=3000")
         await gone.aclose()
         await wait_for_stat(port, "queue_q_waiters", 0)  # the server has seen the FIN
         c = await Conn.open(port)
@@ -394,9 +356,7 @@ async def test_open_read_held_by_a_long_poll_cancelled_by_shutdown_returns(tmp_p
             holder = await Conn.open(port)
             assert await holder.set("q", b"held") == b"STORED"
             assert await holder.get("q/open") == b"held"
-            poller = await Conn.open(port)
-            await poller.send(b"get other/t=20000\r\n")
-            await wait_for_stat(port, "queue_other_waiters", 1)
+            poller = await long_poller(port, "other/t=20000")
             ctl = await Conn.open(port)
             await ctl.send(b"shutdown\r\n")
             assert await ctl.expect_closed() == b""
@@ -416,15 +376,13 @@ async def test_open_read_held_by_a_long_poll_cancelled_by_shutdown_returns(tmp_p
 
 
 async def test_peek_does_not_remove(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         assert await c.get("q/peek") is None
         assert await c.set("q", b"a") == b"STORED"
         assert await c.get("q/peek") == b"a"
         assert await c.get("q/peek") == b"a"
         assert await c.get("q") == b"a"
         assert await c.get("q/peek") is None
-        await c.aclose()
 
 
 @pytest.mark.parametrize("key", [
@@ -432,13 +390,11 @@ async def test_peek_does_not_remove(tmp_path: Path) -> None:
     "q/bogus", "q/t=abc", "q/t=-1", "q/t=99999999999",
 ])
 async def test_invalid_get_options_are_client_error_and_close(tmp_path: Path, key: str) -> None:
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
+    async with running_conn(cfg(tmp_path)) as c:
         assert await c.set("q", b"a") == b"STORED"
         assert (await c.cmd(b"get " + key.encode())).startswith(b"CLIENT_ERROR")
         assert await c.expect_closed() == b""
-        other = await Conn.open(port)
+        other = await Conn.open(c.port)
         assert await other.get("q") == b"a"  # untouched
         await other.aclose()
 
@@ -462,8 +418,7 @@ async def test_pymemcache_sees_errors(tmp_path: Path) -> None:
 
 
 async def test_relative_exptime_expires(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path, **NO_SWEEP)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path, **NO_SWEEP)) as c:
         assert await c.set("q", b"short", exptime=1) == b"STORED"
         assert await c.set("q", b"long", exptime=100) == b"STORED"
         # exptime counts whole seconds of the wall clock: wait until the first has gone
@@ -472,12 +427,10 @@ async def test_relative_exptime_expires(tmp_path: Path) -> None:
         assert await c.get("q") is None
         stats = await c.stats()
         assert stats["queue_q_expired_items"] == "1"
-        await c.aclose()
 
 
 async def test_absolute_exptime_and_flush_expired(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path, **NO_SWEEP)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path, **NO_SWEEP)) as c:
         now = int(time.time())
         assert await c.set("q", b"past1", exptime=now - 10) == b"STORED"
         assert await c.set("q", b"past2", exptime=now - 5) == b"STORED"
@@ -492,59 +445,49 @@ async def test_absolute_exptime_and_flush_expired(tmp_path: Path) -> None:
         assert await c.set("q", b"gone", exptime=now - 1) == b"STORED"
         assert await c.cmd(b"flush_all_expired") == b"1"
         assert await c.get("q") is None
-        await c.aclose()
 
 
 async def test_max_age_expires_items(tmp_path: Path) -> None:
     toml = '[queues.aged]\nmax_age = "300ms"\n'
-    async with running(cfg(tmp_path, toml, **NO_SWEEP)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path, toml, **NO_SWEEP)) as c:
         assert await c.set("aged", b"a") == b"STORED"
         assert await c.set("fresh", b"f") == b"STORED"
         assert await c.get("aged/peek") == b"a"
         await wait_for(lambda: c.get("aged/peek"), lambda head: head is None)  # wall clock
         assert await c.get("aged") is None
         assert await c.get("fresh") == b"f"  # other queues keep the default (no max_age)
-        await c.aclose()
 
 
 async def test_expired_items_move_to_expire_to_queue(tmp_path: Path) -> None:
     toml = '[queues.src]\nexpire_to_queue = "dst"\n'
-    async with running(cfg(tmp_path, toml, **NO_SWEEP)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path, toml, **NO_SWEEP)) as c:
         past = int(time.time()) - 60
         assert await c.set("src", b"old", exptime=past) == b"STORED"
         assert await c.set("src", b"live") == b"STORED"
         assert await c.get("src") == b"live"
         assert await c.get("dst/t=2000") == b"old"
         assert await c.get("src") is None
-        await c.aclose()
 
 
 async def test_background_sweep_expires(tmp_path: Path) -> None:
     toml = '[server]\nexpiration_timer = "50ms"\n[queues.src]\nexpire_to_queue = "dst"\n'
-    async with running(cfg(tmp_path, toml)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path, toml)) as c:
         assert await c.set("src", b"old", exptime=-1) == b"STORED"
         # Nobody reads src: the sweep alone must move the item.
         assert await c.get("dst/t=3000") == b"old"
-        await c.aclose()
 
 
 async def test_max_queue_age_deletes_an_idle_empty_queue(tmp_path: Path) -> None:
     toml = '[server]\nexpiration_timer = "50ms"\n[queues.tmp]\nmax_queue_age = "100ms"\n'
     data = tmp_path / "data"
-    async with running(cfg(tmp_path, toml)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
+    async with running_conn(cfg(tmp_path, toml)) as c:
         assert await c.set("tmp", b"x") == b"STORED"
         assert await c.set("keep", b"y") == b"STORED"
         assert await c.get("tmp") == b"x"
-        stats = await wait_for_stat(port, "queue_expires", 1)
+        stats = await wait_for_stat(c.port, "queue_expires", 1)
         assert "queue_tmp_items" not in stats
         assert stats["queue_keep_items"] == "1"
         assert not any(f.startswith("tmp.") for f in data_files(data))
-        await c.aclose()
 
 
 # -- queue names -------------------------------------------------------------------------------
@@ -555,8 +498,7 @@ async def test_max_queue_age_deletes_an_idle_empty_queue(tmp_path: Path) -> None
     b"get a\\b", b"get \xc3\xa9",
 ])
 async def test_bad_names_in_get_are_client_error(tmp_path: Path, command: bytes) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         assert (await c.cmd(command)).startswith(b"CLIENT_ERROR")
         await c.expect_closed()
         assert data_files(tmp_path / "data") == []
@@ -564,8 +506,7 @@ async def test_bad_names_in_get_are_client_error(tmp_path: Path, command: bytes)
 
 @pytest.mark.parametrize("name", [b"a/b", b"a.b", b"..", b"n" * 251, b"q+r", b"q*"])
 async def test_bad_names_in_set_are_client_error(tmp_path: Path, name: bytes) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         await c.send(b"set %s 0 0 5\r\nhello\r\n" % name)
         assert (await c.line()).startswith(b"CLIENT_ERROR")
         # The data block was skipped: the connection is still in step.
@@ -581,28 +522,23 @@ async def test_bad_names_in_set_are_client_error(tmp_path: Path, name: bytes) ->
 async def test_queue_names_must_fit_in_a_file_name(tmp_path: Path) -> None:
     # The grammar allows 250 characters, but `<q>.<14 digits>~~` must fit in 255 bytes:
     # 238 is the longest queue name; longer ones are refused before any file exists.
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         reply = await c.set("n" * 239, b"x")
         assert reply.startswith(b"CLIENT_ERROR") and b"too long" in reply, reply
         assert data_files(tmp_path / "data") == []
         assert await c.set("n" * 238, b"x") == b"STORED"
         assert await c.get("n" * 238) == b"x"
-        await c.aclose()
 
 
 async def test_longest_valid_reader_name_does_not_crash_the_server(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
+    async with running_conn(cfg(tmp_path)) as c:
         assert await c.set("q", b"x") == b"STORED"
         reply = await c.cmd(b"get q+" + b"r" * 250)
         assert reply.startswith(b"CLIENT_ERROR") and b"too long" in reply, reply
         assert await c.cmd(b"get q+" + b"r" * 241) == b"VALUE q+" + b"r" * 241 + b" 0 1"
-        other = await Conn.open(port)
+        other = await Conn.open(c.port)
         assert await other.cmd(b"version") == b"VERSION " + __version__.encode()
         await other.aclose()
-        await c.aclose()
 
 
 # -- admin commands ----------------------------------------------------------------------------
@@ -634,9 +570,7 @@ async def test_delete_removes_the_queue_and_its_files(tmp_path: Path) -> None:
 async def test_delete_wakes_a_long_poller(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         port = server.ports["memcache"]
-        poller = await Conn.open(port)
-        await poller.send(b"get q/t=20000\r\n")
-        await wait_for_stat(port, "queue_q_waiters", 1)
+        poller = await long_poller(port, "q/t=20000")
         c = await Conn.open(port)
         assert await c.cmd(b"delete q") == b"DELETED"
         assert await poller.read_value("q/t=20000", timeout=5) is None
@@ -648,24 +582,20 @@ async def test_delete_wakes_a_long_poller(tmp_path: Path) -> None:
 
 
 async def test_open_read_on_a_deleted_queue_does_not_lock_the_client_out(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
+    async with running_conn(cfg(tmp_path)) as c:
         assert await c.set("q", b"old") == b"STORED"
         assert await c.get("q/open") == b"old"
-        admin = await Conn.open(port)
+        admin = await Conn.open(c.port)
         assert await admin.cmd(b"delete q") == b"DELETED"
         assert await admin.set("q", b"new") == b"STORED"
         assert await c.get("q/close") is None
         assert await c.get("q/open") == b"new"
         assert await c.get("q/close") is None
-        for conn in (c, admin):
-            await conn.aclose()
+        await admin.aclose()
 
 
 async def test_flush_and_flush_all(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         for q in ("a", "b"):
             for i in range(3):
                 assert await c.set(q, b"%d" % i) == b"STORED"
@@ -676,7 +606,6 @@ async def test_flush_and_flush_all(tmp_path: Path) -> None:
         assert await c.get("b") is None
         stats = await c.stats()
         assert stats["curr_items"] == "0"
-        await c.aclose()
 
 
 async def test_stats_use_kestrel_names(tmp_path: Path) -> None:
@@ -750,23 +679,18 @@ async def test_reload_applies_queue_settings(tmp_path: Path) -> None:
 
 
 async def test_unsupported_storage_commands_are_refused(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         await c.send(b"add q 0 0 1\r\na\r\nappend q 0 0 1\r\nb\r\n")
         assert (await c.line()).startswith(b"CLIENT_ERROR")
         assert (await c.line()).startswith(b"CLIENT_ERROR")
         assert (await c.cmd(b"get a b")).startswith(b"CLIENT_ERROR")  # multi-key get
         assert (await c.set("q+r", b"x")).startswith(b"CLIENT_ERROR")  # write to a reader
         assert await c.get("q") is None
-        await c.aclose()
 
 
 async def test_monitor_and_confirm_over_memcache(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
-        for v in (b"a", b"b", b"c"):
-            assert await c.set("q", v) == b"STORED"
+    async with running_conn(cfg(tmp_path)) as c:
+        await c.store("q", b"a", b"b", b"c")
         await c.send(b"monitor q 2 2\r\n")
         assert await c.read_block("q") == b"a"
         assert await c.read_block("q") == b"b"
@@ -778,7 +702,7 @@ async def test_monitor_and_confirm_over_memcache(tmp_path: Path) -> None:
         assert stats["queue_q_open_transactions"] == "1"
         assert stats["queue_q_items"] == "1"
         await c.aclose()  # b was not confirmed: back to the head
-        other = await Conn.open(port)
+        other = await Conn.open(c.port)
         assert await other.get("q/t=1000") == b"b"
         assert await other.get("q") == b"c"
         assert await other.get("q") is None
@@ -832,32 +756,27 @@ async def test_max_items_full_is_not_stored(tmp_path: Path) -> None:
 
 async def test_queue_max_item_size_is_not_stored(tmp_path: Path) -> None:
     toml = '[queues.tiny]\nmax_item_size = "10B"\n'
-    async with running(cfg(tmp_path, toml)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path, toml)) as c:
         assert await c.set("tiny", b"x" * 11) == b"NOT_STORED"
         assert await c.set("tiny", b"x" * 10) == b"STORED"
         assert await c.set("other", b"x" * 11) == b"STORED"
         assert await c.get("tiny") == b"x" * 10
         assert await c.get("tiny") is None
-        await c.aclose()
 
 
 async def test_huge_declared_item_is_refused_without_reading_it(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
+    async with running_conn(cfg(tmp_path)) as c:
         await c.send(b"set q 0 0 999999999999\r\n" + b"z" * 100_000)
         assert await c.line() == b"NOT_STORED"
         await c.aclose()  # half of nothing: the rest is never sent
-        other = await Conn.open(port)
+        other = await Conn.open(c.port)
         assert await other.get("q") is None
         assert (await other.stats())["curr_connections"] == "1"
         await other.aclose()
 
 
 async def test_item_over_server_max_item_size_is_skipped(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path, max_item_size="1KiB")) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path, max_item_size="1KiB")) as c:
         payload = (b"get q\r\n" * 800)[:5000]  # looks like commands: must not run
         big = b"set q 0 0 5000\r\n" + payload + b"\r\n"
         await c.send(big[:3000])
@@ -866,13 +785,11 @@ async def test_item_over_server_max_item_size_is_skipped(tmp_path: Path) -> None
         assert await c.set("q", b"small") == b"STORED"  # the 5000 bytes were skipped
         assert await c.get("q") == b"small"
         assert await c.get("q") is None
-        await c.aclose()
 
 
 async def test_read_behind_backlog_bigger_than_memory(tmp_path: Path) -> None:
     toml = '[queues.deep]\nmax_memory_size = "1KiB"\n'
-    async with running(cfg(tmp_path, toml)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path, toml)) as c:
         values = [b"%04d" % i + b"." * 96 for i in range(300)]
         await c.send(b"".join(b"set deep 0 0 100\r\n%s\r\n" % v for v in values))
         assert [await c.line() for _ in range(300)] == [b"STORED"] * 300
@@ -890,7 +807,6 @@ async def test_read_behind_backlog_bigger_than_memory(tmp_path: Path) -> None:
                 assert [await c.line() for _ in range(50)] == [b"STORED"] * 50
         assert got == values
         assert [await c.get("deep") for _ in range(51)] == [*values[:50], None]
-        await c.aclose()
 
 
 # -- fanout ------------------------------------------------------------------------------------
@@ -898,10 +814,8 @@ async def test_read_behind_backlog_bigger_than_memory(tmp_path: Path) -> None:
 
 async def test_fanout_readers(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
-        for v in (b"1", b"2"):
-            assert await c.set("q", v) == b"STORED"
+    async with running_conn(cfg(tmp_path)) as c:
+        await c.store("q", b"1", b"2")
         # The first named reader takes over the default reader's backlog.
         assert await c.get("q+a") == b"1"
         # A second reader starts at the tail, and so does a new default reader.
@@ -909,8 +823,7 @@ async def test_fanout_readers(tmp_path: Path) -> None:
         assert await c.get("q") is None
         assert "q.read.a" in data_files(data)
         assert "q.read.b" in data_files(data)
-        for v in (b"3", b"4"):
-            assert await c.set("q", v) == b"STORED"
+        await c.store("q", b"3", b"4")
         assert [await c.get("q+a") for _ in range(4)] == [b"2", b"3", b"4", None]
         assert [await c.get("q+b") for _ in range(3)] == [b"3", b"4", None]
         assert [await c.get("q") for _ in range(3)] == [b"3", b"4", None]
@@ -930,15 +843,13 @@ async def test_fanout_readers(tmp_path: Path) -> None:
         assert "q.read.b" not in data_files(data)
         assert await c.set("q", b"6") == b"STORED"
         assert await c.get("q+a") == b"6"
-        await c.aclose()
 
 
 async def test_open_read_survives_the_fanout_takeover(tmp_path: Path) -> None:
     async with running(cfg(tmp_path)) as server:
         port = server.ports["memcache"]
         a, b = await Conn.open(port), await Conn.open(port)
-        assert await a.set("q", b"x") == b"STORED"
-        assert await a.set("q", b"y") == b"STORED"
+        await a.store("q", b"x", b"y")
         assert await a.get("q/open") == b"x"
         assert await b.get("q+a") == b"y"  # takes over the default reader, x still open
         assert await a.get("q/close") is None  # a confirms x
@@ -948,20 +859,14 @@ async def test_open_read_survives_the_fanout_takeover(tmp_path: Path) -> None:
 
 
 async def test_fanout_long_pollers_each_get_the_item(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
+    async with running_conn(cfg(tmp_path)) as c:
         assert await c.get("q+a") is None
         assert await c.get("q+b") is None
-        pa, pb = await Conn.open(port), await Conn.open(port)
-        await pa.send(b"get q+a/t=5000\r\n")
-        await pb.send(b"get q+b/t=5000\r\n")
-        await wait_for_stat(port, "queue_q+a_waiters", 1)
-        await wait_for_stat(port, "queue_q+b_waiters", 1)
+        pa, pb = await long_poller(c.port, "q+a/t=5000"), await long_poller(c.port, "q+b/t=5000")
         assert await c.set("q", b"both") == b"STORED"
         assert await pa.read_value("q+a/t=5000") == b"both"
         assert await pb.read_value("q+b/t=5000") == b"both"
-        for conn in (c, pa, pb):
+        for conn in (pa, pb):
             await conn.aclose()
 
 
@@ -970,10 +875,8 @@ async def test_fanout_long_pollers_each_get_the_item(tmp_path: Path) -> None:
 
 async def test_item_aborted_max_errors_times_goes_to_the_error_queue(tmp_path: Path) -> None:
     toml = '[queues.work]\nerror_queue = "dead"\nmax_errors = 2\n'
-    async with running(cfg(tmp_path, toml)) as server:
-        c = await Conn.open(server.ports["memcache"])
-        assert await c.set("work", b"poison") == b"STORED"
-        assert await c.set("work", b"fine") == b"STORED"
+    async with running_conn(cfg(tmp_path, toml)) as c:
+        await c.store("work", b"poison", b"fine")
         assert await c.get("work/open") == b"poison"
         assert await c.get("work/abort") is None
         assert await c.get("work/open") == b"poison"  # one error: still here
@@ -981,7 +884,6 @@ async def test_item_aborted_max_errors_times_goes_to_the_error_queue(tmp_path: P
         assert await c.get("dead/t=2000") == b"poison"
         assert await c.get("work") == b"fine"
         assert await c.get("work") is None
-        await c.aclose()
 
 
 async def test_disconnects_count_as_errors(tmp_path: Path) -> None:
@@ -1043,26 +945,23 @@ async def test_garbage_lines_are_errors_and_the_connection_survives(tmp_path: Pa
 
 
 async def test_half_sent_item_is_not_stored_and_nothing_is_lost(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
+    async with running_conn(cfg(tmp_path)) as c:
         assert await c.set("q", b"before") == b"STORED"
         assert await c.get("q/open") == b"before"
         await c.send(b"set q 0 0 5\r\nwhole\r\nset q 0 0 10\r\nabc")
         assert await c.line() == b"STORED"
         await c.aclose()
-        other = await Conn.open(port)
+        other = await Conn.open(c.port)
         assert await other.get("q/t=1000") == b"before"  # the open read came back
         assert await other.get("q") == b"whole"
         assert await other.get("q") is None  # the half item was not stored
-        await wait_for_stat(port, "curr_connections", 2)  # other + the stats poller
+        await wait_for_stat(c.port, "curr_connections", 2)  # other + the stats poller
         assert (await other.stats())["curr_items"] == "0"
         await other.aclose()
 
 
 async def test_half_closed_client_still_gets_its_replies(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         await c.send(b"set q 0 0 1\r\na\r\nget q/t=200\r\nget q/t=200\r\n")
         await c.stream.send_eof()  # like `printf ... | nc -N`
         rest = await c.expect_closed()
@@ -1070,47 +969,40 @@ async def test_half_closed_client_still_gets_its_replies(tmp_path: Path) -> None
 
 
 async def test_quit_ends_the_batch(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
+    async with running_conn(cfg(tmp_path)) as c:
         await c.send(b"set q 0 0 1\r\na\r\nquit\r\nset q 0 0 1\r\nb\r\n")
         assert await c.expect_closed() == b"STORED\r\n"
-        other = await Conn.open(port)
+        other = await Conn.open(c.port)
         assert await other.get("q") == b"a"
         assert await other.get("q") is None
         await other.aclose()
 
 
 async def test_bad_data_block_terminator_closes(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        port = server.ports["memcache"]
-        c = await Conn.open(port)
+    async with running_conn(cfg(tmp_path)) as c:
         await c.send(b"set q 0 0 1\r\nabc\r\nget q\r\n")
         assert (await c.line()).startswith(b"CLIENT_ERROR")
         assert await c.expect_closed() == b""
-        other = await Conn.open(port)
+        other = await Conn.open(c.port)
         assert await other.get("q") is None
         await other.aclose()
 
 
 @pytest.mark.parametrize("newline", [True, False])
 async def test_line_over_max_line_is_client_error_and_close(tmp_path: Path, newline: bool) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         await c.send(b"get " + b"q" * 5000 + (b"\r\n" if newline else b""))
         assert (await c.line()).startswith(b"CLIENT_ERROR")
         assert await c.expect_closed() == b""
 
 
 async def test_one_byte_at_a_time(tmp_path: Path) -> None:
-    async with running(cfg(tmp_path)) as server:
-        c = await Conn.open(server.ports["memcache"])
+    async with running_conn(cfg(tmp_path)) as c:
         c.stream.setsockopt(6, 1, 1)  # TCP_NODELAY: really separate segments
         for b in b"set q 0 0 3\r\nabc\r\nget q/open\r\n":
             await c.send(bytes([b]))
         assert await c.line() == b"STORED"
         assert await c.read_value("q/open") == b"abc"
-        await c.aclose()
 
 
 # -- text protocol -----------------------------------------------------------------------------

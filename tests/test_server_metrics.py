@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 from server_util import HOST, WAIT, Conn, running
 from wait_util import wait_for
 
-from queued import __version__
+from queued import __version__, build_kind
 from queued.server import metrics as qmetrics
 from queued.server.listeners import Server
 from queued.server.metrics import Snapshot, disk_usage, render, take_snapshot
@@ -112,8 +112,8 @@ async def test_a_snapshot_renders_its_figures_in_both_formats(tmp_path: Path) ->
     assert m[("queued_recovering", NONE)] == 0
     assert m[("queued_commands_total", lab(protocol="memcache", command="set"))] == 2
     assert m[("queued_put_latency_seconds_count", NONE)] == 2
-    assert m[("queued_build_info", lab(version=__version__,
-                                       python=platform.python_version()))] == 1
+    assert m[("queued_build_info", lab(version=__version__, python=platform.python_version(),
+                                       build=build_kind()))] == 1
     types = {f.name: f.type for f in parse_text(text_body.decode())}
     assert types["queued_queue_items"] == "gauge"
     assert types["queued_queue_puts"] == "counter"
@@ -279,9 +279,10 @@ async def test_metrics_per_queue_and_reader(tmp_path: Path) -> None:
         assert m[("queued_queues", NONE)] == 1
         assert m[("queued_ready", NONE)] == 1
         assert m[("queued_recovering", NONE)] == 0
+        # (a server of `make test-compiled` runs the compiled build, as this process does)
         assert m[("queued_build_info", lab(version=__version__,
-                                           python=platform.python_version()))
-                 ] == 1
+                                           python=platform.python_version(),
+                                           build=build_kind()))] == 1
         assert m[("process_resident_memory_bytes", NONE)] > 0
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from server_util import WAIT, Conn, make_config, running
+from server_util import WAIT, Conn, make_config, recv_until, running, served_sockets
 from wait_util import autojumping, wait_until
 
 from queued.server.reactor import BUFFER_CAP, PASS_REQUESTS
@@ -158,30 +158,11 @@ async def test_a_get_in_the_pass_of_a_put_to_its_queue_waits_for_the_commit(
         warm = await Conn.open(port)
         assert await warm.set("q", b"0") == b"STORED"
         assert await warm.get("q") == b"0"  # the queue exists and is empty
-        producer = socket.create_connection(("127.0.0.1", port))
-        consumer = socket.create_connection(("127.0.0.1", port))
-
-        def read(sock: socket.socket, end: bytes) -> bytes:
-            sock.settimeout(WAIT)
-            got = b""
-            while not got.endswith(end):
-                chunk = sock.recv(4096)
-                assert chunk
-                got += chunk
-            return got
-
-        try:
-            for sock in (producer, consumer):  # both accepted and served by the reactor
-                sock.sendall(b"version\r\n")
-                assert (await trio.to_thread.run_sync(read, sock, b"\r\n")).startswith(
-                    b"VERSION")
+        # (both accepted and served by the reactor before the two sends)
+        async with served_sockets(port, 2) as (producer, consumer):
             producer.sendall(b"set q 0 0 1\r\n1\r\n")
             consumer.sendall(b"get q\r\n")
-
-            assert await trio.to_thread.run_sync(read, producer, b"\r\n") == b"STORED\r\n"
-            assert await trio.to_thread.run_sync(read, consumer, b"END\r\n") == (
+            assert await trio.to_thread.run_sync(recv_until, producer, b"\r\n") == b"STORED\r\n"
+            assert await trio.to_thread.run_sync(recv_until, consumer, b"END\r\n") == (
                 b"VALUE q 0 1\r\n1\r\nEND\r\n")
-        finally:
-            producer.close()
-            consumer.close()
         await warm.aclose()

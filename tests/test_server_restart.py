@@ -18,8 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pymemcache.client.base import Client as MemcacheClient
-from server_util import ServerProcess, data_files, killed_at_end, pymc, send_lines
+from server_util import (
+    ServerProcess,
+    data_files,
+    gets_until_dry,
+    killed_at_end,
+    pymc,
+    send_lines,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,16 +51,6 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
 def wait_past_checkpoints() -> None:
     """Long enough for several checkpoint rounds (checkpoint_interval is 100 ms)."""
     time.sleep(CHECKPOINT_MS * 5 / 1000)
-
-
-def drain(client: MemcacheClient, queue: str, limit: int = 1000) -> list[bytes]:
-    out: list[bytes] = []
-    for _ in range(limit):
-        value = client.get(queue)
-        if value is None:
-            return out
-        out.append(value)
-    raise AssertionError(f"{queue} did not run dry after {limit} gets")
 
 
 def items(n: int) -> list[bytes]:
@@ -85,7 +81,7 @@ def test_kill_9_keeps_unconfirmed_and_open_items(server: ServerProcess) -> None:
     try:
         stats = after.stats()
         assert stats[b"queue_q_items"] == 14
-        assert drain(after, "q") == values[5:8] + values[9:]
+        assert gets_until_dry(after, "q") == values[5:8] + values[9:]
     finally:
         after.close()
     log = server.log()
@@ -105,7 +101,7 @@ def test_kill_9_keeps_every_acknowledged_pipelined_put(server: ServerProcess) ->
     server.start()
     client = pymc(server.memcache)
     try:
-        assert drain(client, "p") == [b"p-%05d" % i for i in range(n)]
+        assert gets_until_dry(client, "p") == [b"p-%05d" % i for i in range(n)]
     finally:
         client.close()
 
@@ -135,7 +131,7 @@ def test_clean_stop_exits_0_and_open_reads_come_back(server: ServerProcess, how:
     server.start()
     after = pymc(server.memcache)
     try:
-        assert drain(after, "q") == values[1:]
+        assert gets_until_dry(after, "q") == values[1:]
     finally:
         after.close()
     assert b"queue q: 4 items" in server.log()
@@ -164,8 +160,8 @@ def test_fanout_readers_and_deletes_survive_restart(server: ServerProcess) -> No
     server.start()
     client = pymc(server.memcache)
     try:
-        assert drain(client, "q+a") == [b"2", b"3"]
-        assert drain(client, "q+b") == [b"3"]
+        assert gets_until_dry(client, "q+a") == [b"2", b"3"]
+        assert gets_until_dry(client, "q+b") == [b"3"]
         stats = client.stats()
         assert b"queue_gone_items" not in stats
         assert b"queue_q_items" not in stats  # no default reader any more
@@ -193,7 +189,7 @@ def test_text_protocol_open_reads_survive_a_kill(server: ServerProcess) -> None:
     server.start()
     client = pymc(server.memcache)
     try:
-        assert drain(client, "t") == [b"B", b"C"]
+        assert gets_until_dry(client, "t") == [b"B", b"C"]
     finally:
         client.close()
 

@@ -20,7 +20,9 @@ from server_util import WAIT, Conn, make_config, running
 from wait_util import wait_until
 
 from queued import __version__
+from queued.broker.broker import Broker
 from queued.broker.upkeep import open_broker
+from queued.config import ServerConfig
 from queued.server.listeners import Server
 from queued.server.session import Session
 from queued.server.task_path import ServerCounters
@@ -105,6 +107,21 @@ async def test_hang_up_during_a_long_poll_is_an_ordinary_event(
 # -- the session needs only a trio.abc.Stream --------------------------------------------------
 
 
+def memory_session(broker: Broker, config: ServerConfig,
+                   codec: type[MemcacheCodec | TextCodec | RpcCodec], stats: ProtocolStats,
+                   ) -> tuple[Session, trio.abc.Stream]:
+    """A Session speaking `codec` on one end of an in-memory stream pair, its reads
+    registered with the broker: the session and the client's end."""
+    client, server_end = trio.testing.memory_stream_pair()
+    limits = c.Limits(config.max_line, config.max_item_size, config.rpc_max_frame,
+                      config.rpc_max_batch)
+    session = Session(Server(broker, config), broker, server_end, codec(limits), name="memory",
+                      max_item_size=config.max_item_size, counters=ServerCounters(),
+                      stats=stats)
+    broker.register(session.reads)
+    return session, client
+
+
 @pytest.mark.parametrize(("codec", "request_bytes", "reply"), [
     (MemcacheCodec, b"set q 0 0 2\r\nhi\r\nget q\r\n", b"STORED\r\nVALUE q 0 2\r\nhi\r\nEND\r\n"),
     (TextCodec, b"put q:\nhi\n\nget q\n", b"+1\n:hi\n"),
@@ -118,15 +135,8 @@ async def test_session_over_an_in_memory_stream(
 ) -> None:
     config = make_config(tmp_path / "data", fsync="never")
     async with open_broker(config) as broker:
-        server = Server(broker, config)
-        client, server_end = trio.testing.memory_stream_pair()
-        limits = c.Limits(config.max_line, config.max_item_size, config.rpc_max_frame,
-                          config.rpc_max_batch)
         stats = ProtocolStats()
-        session = Session(server, broker, server_end, codec(limits), name="memory",
-                          max_item_size=config.max_item_size, counters=ServerCounters(),
-                          stats=stats)
-        broker.register(session.reads)
+        session, client = memory_session(broker, config, codec, stats)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(session.run)
             await client.send_all(request_bytes)
@@ -188,14 +198,7 @@ async def test_touch_and_extend_run_in_the_pass_without_a_hand_off(
     the read's deadline moves. One it cannot do is answered there too, with its error."""
     config = make_config(tmp_path / "data", fsync="never")
     async with open_broker(config) as broker:
-        server = Server(broker, config)
-        _, server_end = trio.testing.memory_stream_pair()
-        limits = c.Limits(config.max_line, config.max_item_size, config.rpc_max_frame,
-                          config.rpc_max_batch)
-        session = Session(server, broker, server_end, codec(limits), name="memory",
-                          max_item_size=config.max_item_size, counters=ServerCounters(),
-                          stats=ProtocolStats())
-        broker.register(session.reads)
+        session, _ = memory_session(broker, config, codec, ProtocolStats())
         await broker.put("q", [b"job"])
         item = await broker.get("q", client=session.reads, open=True,
                                 open_timeout_ms=1000)

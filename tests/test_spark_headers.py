@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import trio
 from server_util import ServerProcess
+from spark_util import stream_to_table
 
 from queued.client import Client
 from queued.config import JournalConfig
@@ -79,14 +80,7 @@ def test_include_headers_adds_the_kafka_sources_column(spark: Any, tmp_path: Pat
     assert both.columns[-2:] == ["flags", "headers"] and collected(both) == want
     stream = (spark.readStream.format("queued").option("includeHeaders", "true")
               .option("maxOffsetsPerTrigger", "50").load(str(data)))
-    q = (stream.writeStream.format("memory").queryName("headers_stream")
-         .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True)
-         .start())
-    try:
-        assert q.awaitTermination(120)
-    finally:
-        q.stop()
-    assert collected(spark.table("headers_stream")) == want
+    assert collected(stream_to_table(stream, "headers_stream", tmp_path / "ckpt")) == want
 
 
 def test_the_column_leaves_out_expired_items_alike(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 from server_util import ServerProcess
-from spark_util import SMALL, T0, item, journal_rows, rows, write_items
+from spark_util import SMALL, T0, item, journal_rows, rows, stream_to_table, write_items
 
 from queued.client import Client
 from queued.config import DataDirConfig
@@ -97,14 +97,8 @@ def test_include_flags_adds_each_items_memcache_flags(spark: Any, tmp_path: Path
     assert got == [(p.id, p.flags, p.data) for p in puts]
     stream = (spark.readStream.format("queued").option("include_flags", "true")
               .option("max_items_per_trigger", "120").load(str(data)))
-    q = (stream.writeStream.format("memory").queryName("flags_stream")
-         .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True)
-         .start())
-    try:
-        assert q.awaitTermination(120)
-    finally:
-        q.stop()
-    streamed = spark.table("flags_stream").select("id", "flags", "data").collect()
+    streamed = (stream_to_table(stream, "flags_stream", tmp_path / "ckpt")
+                .select("id", "flags", "data").collect())
     assert sorted((r[0], r[1], bytes(r[2])) for r in streamed) == got
 
 def _pack_sizes(sizes: list[int], budget: int) -> list[list[int]]:

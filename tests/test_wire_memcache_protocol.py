@@ -8,7 +8,13 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from wire_util import Err, chunkings, cut, kept_rows, run
+from wire_util import (
+    Err,
+    assert_any_chunking,
+    assert_every_chunking,
+    assert_pipelined_in_order,
+    run,
+)
 
 from queued import errors
 from queued.errors import ProtocolError
@@ -175,25 +181,17 @@ TABLE: list[tuple[bytes, list[object]]] = [
 
 @pytest.mark.parametrize(("data", "expected"), TABLE, ids=[repr(d[:30]) for d, _ in TABLE])
 def test_table_in_every_chunking(data: bytes, expected: list[object]) -> None:
-    for chunks in chunkings(data):
-        assert run(make(), chunks) == expected, chunks
+    assert_every_chunking(make, data, expected)
 
 
 def test_pipelined_commands_come_out_in_order() -> None:
-    keep = kept_rows(TABLE)
-    stream = b"".join(d for d, _ in keep)
-    expected = [x for _, e in keep for x in e]
-    assert run(make(), [stream]) == expected
-    assert run(make(), [stream[i : i + 7] for i in range(0, len(stream), 7)]) == expected
+    assert_pipelined_in_order(make, TABLE, step=7)
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_any_chunking_of_a_valid_stream_gives_the_same_events(data: st.DataObject) -> None:
-    picked = data.draw(st.lists(st.sampled_from(kept_rows(TABLE)), max_size=12))
-    stream = b"".join(d for d, _ in picked)
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=10)))
-    assert run(make(), cut(stream, cuts)) == [x for _, e in picked for x in e]
+    assert_any_chunking(make, TABLE, data)
 
 
 def test_trailing_garbage_waits_for_a_line_end_then_is_an_unknown_command() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgpack
 import pytest
+import wire_util
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -469,19 +470,7 @@ def test_a_whole_request_with_a_bad_method_or_params_does_not_close(obj: Any) ->
     stream = encode_request(4, "stats", []) + packb(obj) + encode_request(6, "version", [])
     for chunks in every_chunking(stream):
         parser = RpcParser()
-        events: list[object] = []
-        for chunk in chunks:
-            parser.receive_data(chunk)
-            while True:
-                try:
-                    event = parser.next_event()
-                except RpcError as refused:
-                    events.append(refused)
-                    continue
-                if event is NEED_DATA:
-                    break
-                events.append(event)
-        first, err, last = events
+        first, err, last = wire_util.run(parser, chunks, raw_errors=True)
         assert first == Request(4, "stats", [])
         assert last == Request(6, "version", [])
         assert isinstance(err, RpcError)

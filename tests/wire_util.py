@@ -1,12 +1,15 @@
 """Helpers for the tests of the protocols' parsers and command tables (queued.wire): the
-limits a session gives its codec, every request a codec decodes from some bytes, and a
-parser's events from a stream cut into chunks (every chunking of a table's rows)."""
+limits a session gives its codec, every request a codec decodes from some bytes, a
+parser's events from a stream cut into chunks (every chunking of a table's rows), and the
+checks of a parser's table that the memcache and text parsers' tests share."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from hypothesis import strategies as st
 
 from queued.errors import ProtocolError
 from queued.wire import commands as c
@@ -40,8 +43,9 @@ class Err:
     close: bool
 
 
-def run(parser: Any, chunks: Iterable[bytes]) -> list[object]:
-    """Feeds chunks, draining events after each; stops after a closing error."""
+def run(parser: Any, chunks: Iterable[bytes], *, raw_errors: bool = False) -> list[object]:
+    """Feeds chunks, draining events after each; stops after a closing error. A protocol
+    error is an Err, or itself with `raw_errors`."""
     out: list[object] = []
     for chunk in chunks:
         parser.receive_data(chunk)
@@ -49,7 +53,7 @@ def run(parser: Any, chunks: Iterable[bytes]) -> list[object]:
             try:
                 event = parser.next_event()
             except ProtocolError as e:
-                out.append(Err(type(e).__name__, e.reply, e.close))
+                out.append(e if raw_errors else Err(type(e).__name__, e.reply, e.close))
                 if e.close:
                     return out
                 continue
@@ -81,3 +85,31 @@ def cut(stream: bytes, cuts: Sequence[int]) -> list[bytes]:
     """`stream` cut at the sorted offsets `cuts` (no empty chunk: b"" means its end)."""
     bounds = zip([0, *cuts], [*cuts, len(stream)], strict=True)
     return [stream[a:b] for a, b in bounds if a < b]
+
+
+# -- the table checks every parser's tests make (memcache, text) ------------------------------
+
+
+def assert_every_chunking(parser: Callable[[], Any], data: bytes, expected: list[object]) -> None:
+    """One table row: a new parser gives `expected` for `data` in every chunking."""
+    for chunks in chunkings(data):
+        assert run(parser(), chunks) == expected, chunks
+
+
+def assert_pipelined_in_order(parser: Callable[[], Any], table: Table, step: int) -> None:
+    """The kept rows sent one after another, whole and cut every `step` bytes: each row's
+    events, in order."""
+    keep = kept_rows(table)
+    stream = b"".join(d for d, _ in keep)
+    expected = [x for _, e in keep for x in e]
+    assert run(parser(), [stream]) == expected
+    assert run(parser(), [stream[i : i + step] for i in range(0, len(stream), step)]) == expected
+
+
+def assert_any_chunking(parser: Callable[[], Any], table: Table, data: st.DataObject) -> None:
+    """Up to 12 kept rows drawn from the table, sent as one stream cut at up to 10 drawn
+    places: the rows' events, in order."""
+    picked = data.draw(st.lists(st.sampled_from(kept_rows(table)), max_size=12))
+    stream = b"".join(d for d, _ in picked)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=10)))
+    assert run(parser(), cut(stream, cuts)) == [x for _, e in picked for x in e]

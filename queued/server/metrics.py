@@ -35,7 +35,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from queued import __version__
+from queued import __version__, build_kind
 from queued.broker.broker import Broker
 from queued.reader.dedup import DedupCounters
 from queued.reader.producers import ProducerCounters
@@ -242,9 +242,10 @@ class SnapshotCollector(Collector):
             yield from self._readers()
             yield from self._journals()
             return
-        info = GaugeMetricFamily("queued_build_info", "Version of the running server (always 1).",
-                                 labels=["version", "python"])
-        info.add_metric([__version__, platform.python_version()], 1)
+        info = GaugeMetricFamily("queued_build_info",
+                                 "Version and build (pure or mypyc) of the running server "
+                                 "(always 1).", labels=["version", "python", "build"])
+        info.add_metric([__version__, platform.python_version(), build_kind()], 1)
         yield info
         yield GaugeMetricFamily("queued_ready", "1 when /readyz answers 200.", value=int(s.ready))
         yield GaugeMetricFamily("queued_recovering", "1 while the journals are being recovered.",

@@ -357,6 +357,10 @@ def test_container_serves_stops_cleanly_and_keeps_its_volume(dock: Docker) -> No
         assert build_value == 1
         assert build_labels["version"] == __version__
         assert re.fullmatch(r"3\.\d+\.\d+", build_labels["python"]), build_labels
+        # The image serves the mypyc-compiled build (the Dockerfile's QUEUED_BUILD default).
+        assert build_labels["build"] == "mypyc", build_labels
+        assert re.search(r"\(compiled with mypyc: \d+ modules, /opt/queued/lib/python3\.\d+/"
+                         r"site-packages\) starting", dock.logs(first)), dock.logs(first)
         assert samples["queued_ready"] == [({}, 1.0)]
         assert queue_items(samples, QUEUE) == ITEMS - TAKEN
         assert queue_items(samples, MC_QUEUE) == 1
