@@ -269,25 +269,21 @@ def test_constructor_refuses_silly_caps() -> None:
 
 
 def run_garbage(parser: RpcParser, chunks: Iterable[bytes]) -> RpcError | None:
-    """Feeds garbage: only messages, NEED_DATA or RpcError may come out. Returns a closing error."""
-    for chunk in chunks:
-        parser.receive_data(chunk)
-        while True:
-            try:
-                event = parser.next_event()
-            except RpcError as err:
-                assert isinstance(err, QueuedError)
-                assert err.code in ErrorCode
-                assert_reply_shape(err)
-                if err.close:
-                    return err
-                # A request that is whole but not [0, msgid, str, list]: the stream goes on.
-                assert err.code is ErrorCode.MALFORMED and err.msgid is not None
-                continue
-            if event is NEED_DATA:
-                break
-            assert isinstance(event, Request | Notification | Response)
-    return None
+    """Feeds garbage (wire_util.run): only messages or RpcErrors of a shape a client can
+    read may come out. Returns the closing error, if one ended the stream."""
+    out = wire_util.run(parser, chunks, raw_errors=True)
+    for event in out:
+        if not isinstance(event, RpcError):
+            assert isinstance(event, Request | Notification | Response), event
+            continue
+        assert isinstance(event, QueuedError)
+        assert event.code in ErrorCode
+        assert_reply_shape(event)
+        if not event.close:
+            # A request that is whole but not [0, msgid, str, list]: the stream goes on.
+            assert event.code is ErrorCode.MALFORMED and event.msgid is not None
+    last = out[-1] if out else None
+    return last if isinstance(last, RpcError) and last.close else None
 
 
 def assert_sticky(parser: RpcParser, err: RpcError) -> None:

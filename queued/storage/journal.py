@@ -136,19 +136,15 @@ class Planned(Chunk):
     tickets: list[Ticket] = field(default_factory=list)
     marks: int = 0  # PRODUCER and DEDUP records in it
 
-    # (written out, as Chunk's is: one is made per queue and round; the dataclass's own
-    # signature, Chunk's fields first: tests/test_dataclass_inits.py)
+    # (written out, as Chunk's is: one is made per queue and round, so Chunk's part goes
+    # through its `__init__` (named: a slots dataclass is a new class, which zero-argument
+    # super() does not see); the dataclass's own signature, Chunk's fields first:
+    # tests/test_dataclass_inits.py)
     def __init__(self, rotate: bool, pieces: list[bytes | bytearray] | None = None,
                  small: bytearray | None = None, nbytes: int = 0, count: int = 0,
                  first_id: int = 0, last_id: int = 0, tickets: list[Ticket] | None = None,
                  marks: int = 0) -> None:
-        self.rotate = rotate
-        self.pieces = [] if pieces is None else pieces
-        self.small = bytearray() if small is None else small
-        self.nbytes = nbytes
-        self.count = count
-        self.first_id = first_id
-        self.last_id = last_id
+        Chunk.__init__(self, rotate, pieces, small, nbytes, count, first_id, last_id)
         self.tickets = [] if tickets is None else tickets
         self.marks = marks
 
