@@ -11,11 +11,13 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -419,13 +421,19 @@ def recv_until(sock: socket.socket, end: bytes, timeout: float = WAIT) -> bytes:
 
 
 @asynccontextmanager
-async def served_sockets(port: int, n: int) -> AsyncIterator[list[socket.socket]]:
-    """`n` plain blocking sockets to `port`, each accepted and served (a `version`
-    answered), for sends with no await between them; closed at the end."""
+async def served_sockets(port: int, n: int, tls: ssl.SSLContext | None = None,
+                         ) -> AsyncIterator[list[socket.socket]]:
+    """`n` blocking sockets to `port` (plain, or TLS with the client context `tls`),
+    each accepted and served (a `version` answered), for sends with no await between
+    them; closed at the end."""
     socks: list[socket.socket] = []
     try:
         for _ in range(n):
-            socks.append(socket.create_connection((HOST, port), timeout=WAIT))
+            sock = socket.create_connection((HOST, port), timeout=WAIT)
+            if tls is not None:  # (the handshake in a thread: the server runs on this one)
+                sock = await trio.to_thread.run_sync(
+                    partial(tls.wrap_socket, sock, server_hostname=HOST))
+            socks.append(sock)
         for sock in socks:
             sock.sendall(b"version\r\n")
             assert (await trio.to_thread.run_sync(recv_until, sock, b"\r\n")).startswith(

@@ -1,20 +1,23 @@
-"""The reactor (queued.server.reactor): one task, one pass per wake-up, for every plain
-connection. What only this path has: one commit for a pass of many connections, no
-starving (a flood is read a pass at a time), backpressure on a peer that does not
-read, deadlines kept without a task per connection, and long polls without a task.
-Everything else (every protocol, TLS aside, on a plain connection) the whole suite
-runs through it. Real servers on 127.0.0.1 port 0.
+"""The reactor (queued.server.reactor): one task, one pass per wake-up, for every
+connection, plain or TLS. What only this path has, on both: one commit for a pass of
+many connections, no starving (a flood is read a pass at a time), deadlines kept
+without a task per connection, long polls without a task; on plain connections,
+backpressure on a peer that does not read. Everything else (every protocol) the whole
+suite runs through it. Real servers on 127.0.0.1 port 0, real TLS (trustme).
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
+from security_util import Pki, tls_open, tls_settings
 from server_util import WAIT, Conn, make_config, recv_until, running, served_sockets
 from wait_util import autojumping, wait_until
 
@@ -26,34 +29,65 @@ def reactor_config(tmp_path: Path, **settings: object):  # type: ignore[no-untyp
     return make_config(tmp_path / "data", **settings)
 
 
-async def test_a_pass_serves_many_connections_with_one_commit(tmp_path: Path) -> None:
-    async with running(reactor_config(tmp_path, fsync="always")) as server:
-        conns = [await Conn.open(server.ports["memcache"]) for _ in range(20)]
-        rounds = server.broker.datadir.statistics().rounds
-        for i, conn in enumerate(conns):  # all sent before any is read
-            await conn.send(b"set q 0 0 1\r\n%d\r\n" % (i % 10))
-        for conn in conns:
-            assert await conn.line() == b"STORED"
-        commits = server.broker.datadir.statistics().rounds - rounds
-        # Fewer commits than puts: the sets that arrived together shared one.
-        assert 0 < commits < 20
-        assert server.reactor is not None
-        stats = server.reactor.statistics()
-        assert stats.connections == 20 and stats.requests >= 20 and stats.passes >= commits
-        reader = await Conn.open(server.ports["memcache"])
+@dataclass
+class Wire:
+    """How a test's clients connect: plain TCP, or TLS with `pki`'s certificate."""
+
+    pki: Pki | None
+
+    def config(self, tmp_path: Path, **settings: object):  # type: ignore[no-untyped-def]
+        tls = {} if self.pki is None else tls_settings(self.pki)
+        return reactor_config(tmp_path, **tls, **settings)
+
+    def client(self) -> ssl.SSLContext | None:
+        return None if self.pki is None else self.pki.client()
+
+    async def stream(self, port: int) -> trio.abc.Stream:
+        if self.pki is None:
+            with trio.fail_after(WAIT):
+                return await trio.open_tcp_stream("127.0.0.1", port)
+        return await tls_open(port, self.pki.client())
+
+    async def open(self, port: int) -> Conn:
+        return Conn(await self.stream(port), b"\r\n")  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["plain", "tls"])
+def wire(request: pytest.FixtureRequest, tmp_path: Path) -> Wire:
+    return Wire(None if request.param == "plain" else Pki(tmp_path))
+
+
+async def test_a_pass_serves_many_connections_with_one_commit(tmp_path: Path,
+                                                              wire: Wire) -> None:
+    async with running(wire.config(tmp_path, fsync="always")) as server:
+        port = server.ports["memcache"]
+        async with served_sockets(port, 20, wire.client()) as socks:
+            rounds = server.broker.datadir.statistics().rounds
+            for i, sock in enumerate(socks):  # all sent before any is read (no await)
+                sock.sendall(b"set q 0 0 1\r\n%d\r\n" % (i % 10))
+            for sock in socks:
+                assert await trio.to_thread.run_sync(recv_until, sock, b"\r\n") == (
+                    b"STORED\r\n")
+            commits = server.broker.datadir.statistics().rounds - rounds
+            # Fewer commits than puts: the sets that arrived together shared one.
+            assert 0 < commits < 20
+            assert server.reactor is not None
+            stats = server.reactor.statistics()
+            assert stats.connections == 20 and stats.requests >= 20 and stats.passes >= commits
+        reader = await wire.open(port)
         got = [await reader.get("q") for _ in range(20)]
         assert sorted(got) == sorted(b"%d" % (i % 10) for i in range(20))  # type: ignore[type-var]
-        for conn in [*conns, reader]:
-            await conn.aclose()
+        await reader.aclose()
 
 
-async def test_a_flood_on_one_connection_does_not_starve_another(tmp_path: Path) -> None:
+async def test_a_flood_on_one_connection_does_not_starve_another(tmp_path: Path,
+                                                                wire: Wire) -> None:
     n = 32 * PASS_REQUESTS
-    async with running(reactor_config(tmp_path, fsync="never")) as server:
+    async with running(wire.config(tmp_path, fsync="never")) as server:
         port = server.ports["memcache"]
-        prober = await Conn.open(port)
+        prober = await wire.open(port)
         assert await prober.set("b", b"x") == b"STORED"
-        flood = await trio.open_tcp_stream("127.0.0.1", port)
+        flood = await wire.stream(port)
         async with trio.open_nursery() as nursery:
             # Read by the server a pass (PASS_REQUESTS) at a time, however much is sent.
             nursery.start_soon(flood.send_all, b"set a 0 0 1\r\nz\r\n" * n)
@@ -115,11 +149,11 @@ async def test_a_peer_that_never_reads_is_not_read_and_is_closed_at_the_deadline
 
 
 async def test_a_trickled_request_completes_and_a_stalled_one_is_closed(
-
-        tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
-    async with running(reactor_config(tmp_path, request_timeout=300)) as server:
+        tmp_path: Path, trio_clock: trio.testing.MockClock, wire: Wire) -> None:
+    # (over TLS each byte is a record of its own)
+    async with running(wire.config(tmp_path, request_timeout=300)) as server:
         with autojumping(trio_clock):  # (no thread works in this test)
-            conn = await Conn.open(server.ports["memcache"])
+            conn = await wire.open(server.ports["memcache"])
             for byte in b"set q 0 0 2\r\nhi\r\n":
                 await conn.send(bytes([byte]))
                 await trio.sleep(0.005)
@@ -130,10 +164,10 @@ async def test_a_trickled_request_completes_and_a_stalled_one_is_closed(
             assert server.broker.reader_info("q")["items"] == 1
 
 
-async def test_long_polls_wait_in_line_without_a_task(tmp_path: Path) -> None:
-    async with running(reactor_config(tmp_path)) as server:
+async def test_long_polls_wait_in_line_without_a_task(tmp_path: Path, wire: Wire) -> None:
+    async with running(wire.config(tmp_path)) as server:
         port = server.ports["memcache"]
-        first, second, producer = [await Conn.open(port) for _ in range(3)]
+        first, second, producer = [await wire.open(port) for _ in range(3)]
         await first.send(b"get q/t=5000\r\n")
         await wait_until(lambda: server.broker.reader_info("q").get("waiters") == 1)
         await second.send(b"get q/t=5000\r\n")
@@ -166,3 +200,28 @@ async def test_a_get_in_the_pass_of_a_put_to_its_queue_waits_for_the_commit(
             assert await trio.to_thread.run_sync(recv_until, consumer, b"END\r\n") == (
                 b"VALUE q 0 1\r\n1\r\nEND\r\n")
         await warm.aclose()
+
+
+async def test_a_long_poll_in_the_connections_task_reads_what_arrives_meanwhile(
+        tmp_path: Path, wire: Wire) -> None:
+    # A peek that waits runs in the connection's task, which reads the socket itself
+    # meanwhile (over TLS, decrypting): a request sent while it waits runs after it.
+    async with running(wire.config(tmp_path)) as server:
+        port = server.ports["memcache"]
+        waiter, producer = await wire.open(port), await wire.open(port)
+        await waiter.send(b"get q/peek/t=5000\r\n")
+        await wait_until(lambda: server.broker.reader_info("q").get("waiters") == 1)
+        await waiter.send(b"set r 0 0 2\r\nhi\r\n")
+        await wait_until(lambda: server.counters.bytes_read >= len(
+            b"get q/peek/t=5000\r\nset r 0 0 2\r\nhi\r\n"))
+        assert server.broker.reader_info("r").get("items", 0) == 0  # (behind the peek)
+        assert await producer.set("q", b"1") == b"STORED"
+        assert await waiter.read_value("q/peek/t=5000") == b"1"
+        assert await waiter.line() == b"STORED"
+        assert await producer.get("r") == b"hi"
+        assert await producer.get("q") == b"1"  # (a peek leaves it)
+        await waiter.send(b"get q/peek/t=5000\r\n")  # then it hangs up while waiting:
+        await wait_until(lambda: server.broker.reader_info("q").get("waiters") == 1)
+        await waiter.aclose()
+        await wait_until(lambda: server.broker.reader_info("q").get("waiters") == 0)
+        await producer.aclose()

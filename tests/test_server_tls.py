@@ -6,8 +6,10 @@ the handshake. Real servers on 127.0.0.1 port 0, real TLS clients."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -218,3 +220,47 @@ async def test_every_tls_port_refuses_plaintext_and_a_missing_client_certificate
         stats = (server.protocols[proto] if proto != "http" else None)
         if stats is not None:
             assert stats.tls_handshake_failures == 2
+
+
+async def test_items_across_record_and_read_boundaries(tmp_path: Path, pki: Pki) -> None:
+    """Each set alone in flight, sized around a TLS record (16 KiB of plaintext) and the
+    server's read (64 KiB): a record that a read cuts in two is decrypted once its rest
+    arrives, with nothing after it to push it along."""
+    sizes = [1, 16_383, 16_384, 16_385, 65_000, 65_536, 70_000, 131_077, 300_000]
+    async with running(make_config(tmp_path / "data", **tls_settings(pki))) as server:
+        mc = tls_conn(await tls_open(server.ports["memcache"], pki.client()))
+        for size in sizes:
+            data = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
+            assert await mc.set("q", data) == b"STORED", size
+            assert await mc.get("q") == data, size
+        await mc.stream.aclose()
+
+
+async def test_a_request_sent_with_the_handshakes_last_flight_is_answered(
+        tmp_path: Path, pki: Pki) -> None:
+    """The client's Finished and its first requests in one write: the server's handshake
+    reads them together, and the requests are run without waiting for more bytes."""
+    async with running(make_config(tmp_path / "data", **tls_settings(pki))) as server:
+        stream = await trio.open_tcp_stream(HOST, server.ports["memcache"])
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = pki.client().wrap_bio(incoming, outgoing, server_hostname="127.0.0.1")
+        with trio.fail_after(WAIT):
+            while True:
+                try:
+                    tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    pass
+                if outgoing.pending:
+                    await stream.send_all(outgoing.read())
+                incoming.write(await stream.receive_some(65536))
+            tls.write(b"set q 0 0 2\r\nhi\r\nget q\r\n")
+            await stream.send_all(outgoing.read())  # Finished, then the requests
+            got = b""
+            while not got.endswith(b"END\r\n"):
+                incoming.write(await stream.receive_some(65536))
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    while chunk := tls.read(65536):
+                        got += chunk
+        assert got == b"STORED\r\nVALUE q 0 2\r\nhi\r\nEND\r\n"
+        await stream.aclose()

@@ -30,8 +30,8 @@ from queued.server.metrics import disk_usage
 from queued.server.reactor import Reactor, ReactorTransport
 from queued.server.session import Session
 from queued.server.task_path import Guard, ServerCounters
-from queued.server.tls import ServerTls, accept_transport
-from queued.server.transport import Transport, peer_name
+from queued.server.tls import ServerTls, TlsChannel, accept_channel
+from queued.server.transport import peer_name
 from queued.stats import ProtocolStats
 from queued.storage.files import probe_writable
 from queued.wire import commands as c
@@ -67,7 +67,7 @@ class Server:
         self.closing = False
         self.shutdown_requested = trio.Event()
         self._sessions: set[Session] = set()
-        #: serves every plain connection (made in `run`; TLS ones keep a task each)
+        #: serves every queue protocol connection, plain and TLS (made in `run`)
         self.reactor: Reactor | None = None
         self._disk_warned_at: float | None = None
         #: why the data dir failed its last write probe (None: it took the probe's write)
@@ -146,29 +146,25 @@ class Server:
         name = peer_name(stream)
         session: Session | None = None
         try:
-            transport: Transport | None = None
+            channel: TlsChannel | None = None
             if self.tls is not None:
                 left = started + guard.auth_timeout - trio.current_time()
-                transport = await accept_transport(self.tls, stream, name, left)
-                if transport is None:
+                channel = await accept_channel(self.tls, stream, name, left)
+                if channel is None:
                     stats.tls_handshake_failures += 1
                     with trio.CancelScope(shield=True), trio.move_on_after(1):
                         await stream.aclose()
                     return
-            reactor = self.reactor if transport is None else None  # (TLS: a task of its own)
-            if reactor is not None:
-                transport = ReactorTransport(stream)
+            reactor = self.reactor
+            assert reactor is not None  # (made before the listeners start)
+            transport = ReactorTransport(stream, channel)
             session = Session(self, self.broker, stream, codec, name=name,
                               max_item_size=self.config.max_item_size,
                               counters=self.counters, stats=stats, guard=guard,
                               started=started, transport=transport)
             self._sessions.add(session)
             self.broker.register(session.reads)
-            if reactor is not None:
-                assert isinstance(transport, ReactorTransport)
-                await reactor.serve(session, stream, transport)
-            else:
-                await session.run()
+            await reactor.serve(session, stream, transport)
         except Exception:  # one connection's failure must not take the server down
             # (a peer that goes away is not one: the session handles broken streams itself)
             log.exception("%s: session failed; closing the connection", name)

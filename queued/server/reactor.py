@@ -1,7 +1,8 @@
-"""The reactor: one task serves every ready plain connection, one pass per wake-up.
+"""The reactor: one task serves every ready connection, one pass per wake-up.
 
-Owns an epoll over the plain TCP connections (TLS ones keep a task each) and the
-pass: read every ready connection once (into one reused 64 KiB buffer), run every
+Owns an epoll over the queue protocols' connections, plain and TLS, and the pass: read
+every ready connection once (into one reused 64 KiB buffer; a TLS connection's
+ciphertext is decrypted there, and what it is sent encrypted on the way out), run every
 complete request of all of them that needs no wait through the session's synchronous
 core (`Session.run_nowait`), commit once for the whole pass (`Broker.commit_now`: one
 write per touched file, then each file's fsync policy, on this thread: under `always`
@@ -21,6 +22,7 @@ import logging
 import math
 import os
 import select
+import ssl
 from dataclasses import dataclass
 from itertools import count
 
@@ -28,6 +30,7 @@ import trio
 
 from queued.broker.broker import Broker, JoinedPuts
 from queued.server.session import Session
+from queued.server.tls import TlsChannel
 from queued.server.transport import SocketTransport
 from queued.wire import commands as c
 
@@ -54,20 +57,22 @@ _OUT = select.EPOLLOUT
 class ReactorStatistics:
     passes: int  # wake-ups that looked for work (since start)
     requests: int  # requests taken from the codecs by passes
-    connections: int  # plain connections it serves now
+    connections: int  # connections it serves now (plain and TLS)
 
 
 class Link:
     """One connection as the reactor holds it (see `Turns` in queued.server.session)."""
 
     __slots__ = ("closing", "deadline", "drained", "fd", "fresh", "handed", "in_task",
-                 "mask", "poll_due", "reactor", "rest", "seen", "session", "turn", "unsent",
-                 "unsent_since", "waiting_since", "wants_task")
+                 "mask", "poll_due", "reactor", "rest", "seen", "session", "tls", "turn",
+                 "unsent", "unsent_since", "waiting_since", "wants_task")
 
-    def __init__(self, reactor: Reactor, session: Session, fd: int) -> None:
+    def __init__(self, reactor: Reactor, session: Session, fd: int,
+                 tls: TlsChannel | None) -> None:
         self.reactor = reactor
         self.session = session
         self.fd = fd
+        self.tls = tls  # the TLS session (None: plaintext)
         self.unsent = bytearray()
         self.unsent_since = 0.0
         self.mask = 0  # the events registered in the epoll
@@ -104,12 +109,35 @@ class Link:
 
 class ReactorTransport(SocketTransport):
     """The session's transport under the reactor: sends go through the link (one
-    order, whoever sends: the pass or a task answering a waiting get); receives (in
-    the task's turn only) are the socket's own."""
+    order, whoever sends: the pass or a task answering a waiting get; over TLS the
+    link encrypts); receives (in the task's turn only) are the socket's own, or over
+    TLS what `channel` decrypts of them."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream, channel: TlsChannel | None = None) -> None:
         super().__init__(stream)
         self.link: Link | None = None
+        self.channel = channel
+
+    async def receive(self, max_bytes: int) -> bytes | bytearray:
+        channel = self.channel
+        if channel is None:
+            return await super().receive(max_bytes)
+        link = self.link
+        assert link is not None
+        while True:
+            data = channel.decrypt(max_bytes)
+            owed = channel.to_send()
+            if owed:
+                link.reactor.send_raw(link, owed)
+            if data:
+                return data
+            if channel.ended:
+                return b""
+            # Into the reactor's buffer: no checkpoint from the read to the feed.
+            got = await self.receive_into(link.reactor.view)
+            if not got:
+                return b""
+            channel.feed(link.reactor.view[:got])
 
     async def send(self, data: bytes) -> None:
         link = self.link
@@ -153,13 +181,15 @@ class Reactor:
                     transport: ReactorTransport) -> None:
         """Serve `session` until it ends (called in the connection's task)."""
         fd = stream.socket.fileno()
-        link = Link(self, session, fd)
+        link = Link(self, session, fd, transport.channel)
         transport.link = link
         session.notify = lambda: self._ready(link)
         session.joined = self.joined
         self.links[fd] = link
         self._set_mask(link)
         self._watch(link, trio.current_time())
+        if link.tls is not None and link.tls.has_input():
+            self.again[link] = None  # (a request sent along with the handshake's end)
         self.wake()  # (it may sleep past the new connection's login deadline)
         try:
             await session.serve_turns(link)
@@ -220,12 +250,25 @@ class Reactor:
     # -- sending ----------------------------------------------------------------------------
 
     def write(self, link: Link, data: bytes | bytearray) -> bool:
-        """Send `data` after whatever is unsent; what the socket does not take now waits
-        for EPOLLOUT. False once the peer is gone."""
+        """Send `data` (encrypted, over TLS) after whatever is unsent; what the socket
+        does not take now waits for EPOLLOUT. False once the peer is gone."""
         session = link.session
         if session.lost:
             return False
         session.counters.bytes_written += len(data)
+        if link.tls is not None:
+            try:
+                data = link.tls.encrypt(data)
+            except ssl.SSLError as exc:
+                self._lost(link, exc)
+                return False
+        return self.send_raw(link, data)
+
+    def send_raw(self, link: Link, data: bytes | bytearray) -> bool:
+        """`write` for bytes as they go on the wire (over TLS: records)."""
+        session = link.session
+        if session.lost:
+            return False
         if link.unsent:
             link.unsent += data
             return True
@@ -445,6 +488,9 @@ class Reactor:
         self.again.clear()
         for old in touched:
             old.fresh = False
+            tls = old.tls
+            if tls is not None and tls.has_input() and not (old.in_task or old.closing):
+                old.fresh = self._decrypted(old)  # (read by its task, or the handshake)
         links = self.links
         view = self.view
         for fd, ev in events:
@@ -468,7 +514,11 @@ class Reactor:
                 if exc.errno not in _GONE:
                     raise
                 n = 0
-            if n:
+            if n and link.tls is not None:
+                link.tls.feed(view[:n])
+                if not self._decrypted(link):
+                    continue  # (part of a record)
+            elif n:
                 session.counters.bytes_read += n
                 session.codec.receive_data(bytes(view[:n]))
             elif not session.eof:
@@ -479,6 +529,31 @@ class Reactor:
             link.fresh = True
             touched[link] = None
         return list(touched)
+
+    def _decrypted(self, link: Link) -> bool:
+        """Hand the link's codec what its TLS session decrypts of the ciphertext fed to
+        it (all of it: the reads that fed it are bounded); send what the session owes.
+        False if nothing came of it (part of a record)."""
+        tls = link.tls
+        assert tls is not None
+        session = link.session
+        try:
+            data = tls.decrypt(1 << 62)
+        except Exception:  # one connection's failure must not stop the others
+            log.exception("%s: decrypting failed; closing the connection", session.name)
+            data = bytearray()
+            tls.ended = True
+        owed = tls.to_send()
+        if owed:
+            self.send_raw(link, owed)
+        if data:
+            session.counters.bytes_read += len(data)
+            session.codec.receive_data(data)
+        if tls.ended and not session.eof:
+            session.eof = True  # (close_notify, or bytes that are not TLS)
+            session.codec.receive_data(b"")
+            return True
+        return bool(data)
 
     async def _run_pass(self, touched: list[Link]) -> None:
         broker = self.broker

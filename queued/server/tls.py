@@ -6,11 +6,12 @@ SIGHUP (new connections get the new context, open ones carry on; a bad file keep
 old context), and the handshake under a deadline: a plaintext client or one that
 stalls is closed and logged, nothing else is disturbed.
 
-The queue protocols' sessions get a `TlsTransport`: `ssl.SSLObject` over memory BIOs
-on the direct socket calls of `SocketTransport`, handing the session everything
-decrypted so far in one call (trio.SSLStream gives one TLS record, 16 KiB at most,
-per receive: a 100-item RPC put of 1 KiB items took seven trips through the
-session's loop). The operations port keeps `trio.SSLStream` (`accept`).
+The queue protocols' connections get a `TlsChannel`: `ssl.SSLObject` over memory BIOs,
+with no I/O of its own, so that the reactor serves a TLS connection in its passes as
+it does a plain one (it decrypts what a pass reads, encrypts what it sends), and the
+session sees everything decrypted so far at once (trio.SSLStream gives one TLS record,
+16 KiB at most, per receive). The handshake runs in the connection's task, under its
+deadline. The operations port keeps `trio.SSLStream` (`accept`).
 """
 
 from __future__ import annotations
@@ -82,114 +83,113 @@ class ServerTls:
         return None
 
 
-#: Bytes of ciphertext read from the socket at once.
-RECEIVE_SIZE = 256 * 1024
+#: Bytes of ciphertext read from the socket at once during a handshake.
+RECEIVE_SIZE = 64 * 1024
 
-#: Where every connection of an event loop reads ciphertext into (one buffer per loop,
+#: Where every handshake of an event loop reads ciphertext into (one buffer per loop,
 #: not per connection: each copies its bytes out before it next awaits anything).
 _SCRATCH: trio.lowlevel.RunVar[memoryview] = trio.lowlevel.RunVar("tls_scratch")
 
 
-class TlsTransport:
-    """A server-side TLS connection as a session's transport (see the module doc).
-
-    One receiver at a time (the session's loop, or its long-poll watcher) and one
-    sender at a time (the session's `_flush`); records the receive side must answer
-    (a TLS 1.3 key update) are sent by it, or by a send under way, never by both.
+class TlsChannel:
+    """A server-side TLS session with no I/O of its own: `ssl.SSLObject` over memory
+    BIOs. Whoever owns the socket feeds it the ciphertext it reads (`feed`), takes the
+    plaintext (`decrypt`), encrypts what it sends (`encrypt`) and sends what the session
+    owes the peer unasked (`to_send`: a TLS 1.3 key update's answer), all in one order.
     """
 
-    def __init__(self, raw: SocketTransport, context: ssl.SSLContext) -> None:
-        self.raw = raw
+    __slots__ = ("ended", "incoming", "outgoing", "tls")
+
+    def __init__(self, context: ssl.SSLContext) -> None:
         self.incoming = ssl.MemoryBIO()
         self.outgoing = ssl.MemoryBIO()
         self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
-        self.writing = False  # ciphertext is being written to the socket
-        self.closed = False  # the peer ended the TLS session, or broke it
+        self.ended = False  # the peer ended the TLS session (close_notify), or broke it
 
-    async def handshake(self) -> None:
-        """The server handshake; raises ssl.SSLError or trio.BrokenResourceError."""
+    def feed(self, ciphertext: bytes | bytearray | memoryview) -> None:
+        self.incoming.write(ciphertext)
+
+    def has_input(self) -> bool:
+        """Ciphertext or plaintext is buffered (perhaps only part of a record)."""
+        return not self.ended and bool(self.incoming.pending or self.tls.pending())
+
+    def decrypt(self, max_bytes: int) -> bytearray:
+        """Every byte decrypted so far, up to `max_bytes`: empty if only part of a record
+        is buffered, or once the session `ended` (the peer's close_notify, or bytes that
+        are not TLS: logged at debug, the connection is done for).
+
+        A fresh bytearray (the codecs take bytes or bytearray), decrypted into in place:
+        no chunk per record to join (~6 of ~39 us per 100 KiB here).
+        """
+        tls, incoming = self.tls, self.incoming
+        buf = bytearray()
+        n = 0
+        while not self.ended:
+            # Ciphertext is never shorter than its plaintext, so this much room holds what
+            # is buffered, but for a record whose first part OpenSSL took in already
+            # (it is in neither count): a second round takes that one.
+            room = min(max_bytes - n, incoming.pending + tls.pending())
+            if room <= 0:
+                break
+            buf.extend(bytes(n + room - len(buf)))
+            with memoryview(buf) as whole, whole[n:n + room] as view:
+                got, self.ended, error = read_records(tls, incoming, view)
+            if error is not None:
+                log.debug("TLS error from the peer: %s", error)
+            n += got
+            if got < room:
+                break  # (the rest of a record is on its way)
+        del buf[n:]
+        return buf
+
+    def encrypt(self, data: bytes | bytearray) -> bytes:
+        """`data` as TLS records (after anything owed); raises ssl.SSLError."""
+        self.tls.write(data)
+        return self.outgoing.read()
+
+    def to_send(self) -> bytes:
+        """The records to send that no `encrypt` carried (b"": none)."""
+        return self.outgoing.read() if self.outgoing.pending else b""
+
+    async def handshake(self, raw: SocketTransport) -> None:
+        """The server handshake over `raw`; raises ssl.SSLError or
+        trio.BrokenResourceError. Ciphertext read past it (a request sent along with the
+        client's last flight) stays buffered: `has_input` says so."""
         while True:
             try:
                 self.tls.do_handshake()
                 break
             except ssl.SSLWantReadError:
                 pass
-            await self._write_out()
-            if not await self._read_in():
+            await self._write_out(raw)
+            try:
+                scratch = _SCRATCH.get()
+            except LookupError:
+                scratch = memoryview(bytearray(RECEIVE_SIZE))
+                _SCRATCH.set(scratch)
+            got = await raw.receive_into(scratch)
+            # No checkpoint from the read to here: the scratch buffer is the event loop's.
+            if not got:
                 raise trio.BrokenResourceError("connection closed during the handshake")
-        await self._write_out()  # the last flight (TLS 1.3: and the session tickets)
-
-    async def receive(self, max_bytes: int) -> bytes | bytearray:
-        """Every byte decrypted so far, up to `max_bytes`; b"" once the peer is gone.
-
-        A fresh bytearray (the session's codecs take bytes or bytearray), decrypted into
-        in place: no chunk per record to join (~6 of ~39 us per 100 KiB here).
-        """
-        tls, incoming = self.tls, self.incoming
-        while True:
-            n = 0
-            # Ciphertext is never shorter than its plaintext: this much room holds it all.
-            room = min(max_bytes, incoming.pending + tls.pending())
-            buf = bytearray(room if not self.closed else 0)
-            if buf:
-                with memoryview(buf) as view:
-                    n, ended, error = read_records(tls, incoming, view)
-                if error is not None:  # not TLS: the peer is done for
-                    log.debug("TLS error from the peer: %s", error)
-                self.closed = self.closed or ended
-            if self.outgoing.pending:
-                await self._write_out()
-            if n:
-                del buf[n:]
-                return buf
-            if self.closed or not await self._read_in():
-                self.closed = True
-                return b""
-
-    async def send(self, data: bytes) -> None:
-        """All of `data`, encrypted; raises trio.BrokenResourceError if the peer is gone."""
-        if self.closed and not data:
-            return
-        try:
-            self.tls.write(data)
-        except ssl.SSLError as exc:
-            raise trio.BrokenResourceError(f"TLS: {exc}") from exc
-        await self._write_out()
-
-    async def _read_in(self) -> bool:
-        """Ciphertext from the socket into the TLS object; False once the peer is gone."""
-        try:
-            scratch = _SCRATCH.get()
-        except LookupError:
-            scratch = memoryview(bytearray(RECEIVE_SIZE))
-            _SCRATCH.set(scratch)
-        got = await self.raw.receive_into(scratch)
-        # No checkpoint from the read to here: the scratch buffer is the event loop's.
-        if got:
             self.incoming.write(scratch[:got])
-        return got > 0
+        await self._write_out(raw)  # the last flight (TLS 1.3: and the session tickets)
 
-    async def _write_out(self) -> None:
-        if self.writing:
-            return  # the write under way loops until nothing is pending
-        self.writing = True
-        try:
-            while self.outgoing.pending:
-                await self.raw.send(self.outgoing.read())
-        finally:
-            self.writing = False
+    async def _write_out(self, raw: SocketTransport) -> None:
+        while self.outgoing.pending:
+            await raw.send(self.outgoing.read())
 
 
-async def accept_transport(tls: ServerTls, stream: trio.SocketStream, peer: str,
-                           timeout: float) -> TlsTransport | None:
-    """A session's transport for `stream` after the server handshake, or None (logged;
-    the caller counts it and closes `stream`) if it fails or takes over `timeout` s."""
-    transport = TlsTransport(SocketTransport(stream), tls.context)
+async def accept_channel(tls: ServerTls, stream: trio.SocketStream, peer: str,
+                         timeout: float) -> TlsChannel | None:
+    """The connection's TLS session after the server handshake on `stream`, or None
+    (logged; the caller counts it and closes `stream`) if it fails or takes over
+    `timeout` s."""
+    channel = TlsChannel(tls.context)
     why = ""
     with trio.move_on_after(timeout) as timer:
         try:
-            await transport.handshake()
-            return transport
+            await channel.handshake(SocketTransport(stream))
+            return channel
         except (ssl.SSLError, trio.BrokenResourceError) as exc:
             why = str(exc) or type(exc).__name__
     if timer.cancelled_caught:

@@ -86,7 +86,7 @@ class SocketTransport:
             self._ready = 0
             await trio.lowlevel.checkpoint()
 
-    async def receive(self, max_bytes: int) -> bytes:
+    async def receive(self, max_bytes: int) -> bytes | bytearray:
         data = await self._read(os.read, max_bytes, b"")
         self._drained = len(data) < max_bytes
         return data

@@ -1,5 +1,5 @@
 """Decrypting what a TLS object (ssl.SSLObject over memory BIOs) has buffered: the loop the
-server's TlsTransport and the clients' TlsChannel share. No I/O: the caller feeds the
+server's and the clients' TlsChannel share. No I/O: the caller feeds the
 ciphertext and sends what the object owes."""
 
 from __future__ import annotations
