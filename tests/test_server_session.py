@@ -1,7 +1,7 @@
-"""The one session (queued.server.session): every protocol through one receive loop.
+"""The one session (queued.server.session): every protocol through one core.
 
 Real servers on 127.0.0.1 port 0 for the socket behaviours (half-close, hang-ups), and a
-session over trio's in-memory streams to pin that it needs only a `trio.abc.Stream`.
+session's synchronous core fed by hand over a real socket pair.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from queued.config import ServerConfig
 from queued.server.listeners import Server
 from queued.server.session import Session
 from queued.server.task_path import ServerCounters
+from queued.server.transport import SocketTransport
 from queued.stats import ProtocolStats
 from queued.wire import commands as c
 from queued.wire.memcache_commands import MemcacheCodec
@@ -104,52 +105,6 @@ async def test_hang_up_during_a_long_poll_is_an_ordinary_event(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
-# -- the session needs only a trio.abc.Stream --------------------------------------------------
-
-
-def memory_session(broker: Broker, config: ServerConfig,
-                   codec: type[MemcacheCodec | TextCodec | RpcCodec], stats: ProtocolStats,
-                   ) -> tuple[Session, trio.abc.Stream]:
-    """A Session speaking `codec` on one end of an in-memory stream pair, its reads
-    registered with the broker: the session and the client's end."""
-    client, server_end = trio.testing.memory_stream_pair()
-    limits = c.Limits(config.max_line, config.max_item_size, config.rpc_max_frame,
-                      config.rpc_max_batch)
-    session = Session(Server(broker, config), broker, server_end, codec(limits), name="memory",
-                      max_item_size=config.max_item_size, counters=ServerCounters(),
-                      stats=stats)
-    broker.register(session.reads)
-    return session, client
-
-
-@pytest.mark.parametrize(("codec", "request_bytes", "reply"), [
-    (MemcacheCodec, b"set q 0 0 2\r\nhi\r\nget q\r\n", b"STORED\r\nVALUE q 0 2\r\nhi\r\nEND\r\n"),
-    (TextCodec, b"put q:\nhi\n\nget q\n", b"+1\n:hi\n"),
-    (RpcCodec, msgpack.packb([0, 7, "put", ["q", [b"hi"]]])
-     + msgpack.packb([0, 8, "get", ["q", 1]]),
-     msgpack.packb([1, 7, None, 1]) + msgpack.packb([1, 8, None, [[1, b"hi"]]])),
-])
-async def test_session_over_an_in_memory_stream(
-    tmp_path: Path, codec: type[MemcacheCodec | TextCodec | RpcCodec], request_bytes: bytes,
-    reply: bytes,
-) -> None:
-    config = make_config(tmp_path / "data", fsync="never")
-    async with open_broker(config) as broker:
-        stats = ProtocolStats()
-        session, client = memory_session(broker, config, codec, stats)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(session.run)
-            await client.send_all(request_bytes)
-            got = b""
-            with trio.fail_after(WAIT):
-                while len(got) < len(reply):
-                    got += await client.receive_some()
-            assert got == reply
-            await client.aclose()
-        assert session.eof
-        assert sum(stats.commands.values()) == 2
-
-
 @pytest.mark.parametrize(("proto", "line"), [
     ("memcache", b"monitor m 20\r\n"), ("text", b"monitor m 20000\n"),
 ])
@@ -183,6 +138,22 @@ async def test_a_monitor_stops_taking_items_once_its_peer_is_lost(
 # -- the reactor's synchronous core ---------------------------------------------------------------
 
 
+def core_session(broker: Broker, config: ServerConfig,
+                 codec: type[MemcacheCodec | TextCodec | RpcCodec], stats: ProtocolStats,
+                 ) -> Session:
+    """A Session speaking `codec` over one end of a socket pair, its reads registered
+    with the broker, for its synchronous core to be fed by hand (no reactor runs it)."""
+    ours, _ = trio.socket.socketpair()
+    stream = trio.SocketStream(ours)
+    limits = c.Limits(config.max_line, config.max_item_size, config.rpc_max_frame,
+                      config.rpc_max_batch)
+    session = Session(Server(broker, config), broker, stream, codec(limits), name="core",
+                      max_item_size=config.max_item_size, counters=ServerCounters(),
+                      stats=stats, transport=SocketTransport(stream))
+    broker.register(session.reads)
+    return session
+
+
 @pytest.mark.parametrize(("codec", "touch", "reply", "refused"), [
     (MemcacheCodec, b"touch q 5000\r\n", b"TOUCHED\r\n", b"touch none 5000\r\n"),
     (TextCodec, b"touch q 5000\n", b"+1\n", b"touch none 5000\n"),
@@ -198,7 +169,7 @@ async def test_touch_and_extend_run_in_the_pass_without_a_hand_off(
     the read's deadline moves. One it cannot do is answered there too, with its error."""
     config = make_config(tmp_path / "data", fsync="never")
     async with open_broker(config) as broker:
-        session, _ = memory_session(broker, config, codec, ProtocolStats())
+        session = core_session(broker, config, codec, ProtocolStats())
         await broker.put("q", [b"job"])
         item = await broker.get("q", client=session.reads, open=True,
                                 open_timeout_ms=1000)

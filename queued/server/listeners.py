@@ -66,7 +66,6 @@ class Server:
         self.ports: dict[str, int] = {}
         self.closing = False
         self.shutdown_requested = trio.Event()
-        self._sessions: set[Session] = set()
         #: serves every queue protocol connection, plain and TLS (made in `run`)
         self.reactor: Reactor | None = None
         self._disk_warned_at: float | None = None
@@ -112,8 +111,6 @@ class Server:
                 self.broker.wake_waiters()
                 if self.reactor is not None:
                     self.reactor.shut_down()
-                for session in list(self._sessions):
-                    session.stop_if_idle()
                 outer.start_soon(self._deadline, conns.cancel_scope)
             outer.cancel_scope.cancel()
         log.info("all connections closed")
@@ -162,7 +159,6 @@ class Server:
                               max_item_size=self.config.max_item_size,
                               counters=self.counters, stats=stats, guard=guard,
                               started=started, transport=transport)
-            self._sessions.add(session)
             self.broker.register(session.reads)
             await reactor.serve(session, stream, transport)
         except Exception:  # one connection's failure must not take the server down
@@ -171,7 +167,6 @@ class Server:
         finally:
             stats.connections -= 1
             if session is not None:
-                self._sessions.discard(session)
                 # Its open reads go back to their queues (not an error when we are stopping).
                 self.broker.release(session.reads, count_error=not self.closing)
                 with trio.CancelScope(shield=True), trio.move_on_after(1):

@@ -1,12 +1,11 @@
 """One connection, whatever its protocol: its state, its replies, and the reactor's
 synchronous core.
 
-Two ways in: the reactor (queued.server.reactor) feeds a plain connection's bytes and runs
-what needs no wait through the synchronous core (`run_nowait`, `end_pass`), handing the
-rest to the connection's task (`serve_turns`); a TLS connection (or any other
-`trio.abc.Stream`) runs the receive loop of its own task (`run`). That task path (the
-loops, the login, long-poll gets with hang-up detection, monitor, the send) is the
-`TaskPath` mixin (queued.server.task_path). This module owns the connection's state and
+The reactor (queued.server.reactor) feeds a connection's bytes (plain or decrypted) and
+runs what needs no wait through the synchronous core (`run_nowait`, `end_pass`), handing
+the rest to the connection's task (`serve_turns`). That task path (the login, long-poll
+gets with hang-up detection, monitor, the send) is the `TaskPath` mixin
+(queued.server.task_path). This module owns the connection's state and
 open-read ledger, the core, the reactor's long polls, and the replies: a codec
 (`queued.wire.*_commands`) turns bytes into protocol-neutral requests and replies into
 bytes; `handlers` says what each command does. Replies go out only once the confirms and
@@ -48,7 +47,7 @@ from queued.server.task_path import (
     TaskPath,
     same_append,
 )
-from queued.server.transport import Transport, transport_of
+from queued.server.transport import Transport
 from queued.stats import ProtocolStats
 from queued.storage.journal import Ticket
 from queued.wire import commands as c
@@ -92,13 +91,13 @@ class Session(TaskPath):
     def __init__(self, server: ServerControl, broker: Broker, stream: trio.abc.Stream,
                  codec: c.Codec, *, name: str, max_item_size: int, counters: ServerCounters,
                  stats: ProtocolStats, guard: Guard | None = None,
-                 started: float | None = None, transport: Transport | None = None) -> None:
+                 transport: Transport, started: float | None = None) -> None:
         self.server = server
         self.broker = broker
         self.max_item_size = max_item_size
         self.counters = counters
         self.stream = stream
-        self.transport = transport_of(stream) if transport is None else transport
+        self.transport = transport
         self.codec = codec
         self.ordered = codec.ordered
         self.name = name
@@ -107,7 +106,6 @@ class Session(TaskPath):
         self.out = bytearray()
         self.sending = False  # a send is under way (see _flush)
         self.sent: trio.Event | None = None  # set when it ends, if anyone waits
-        self.receive_scope: trio.CancelScope | None = None
         self.nursery: trio.Nursery | None = None
         self.busy = False
         self.done = False  # stop reading (quit, shutdown, or a closing error was answered)
@@ -128,7 +126,6 @@ class Session(TaskPath):
             now = trio.current_time() if started is None else started
             self.login_by = now + guard.auth_timeout  # type: ignore[union-attr]
         self.requests = 0  # parsed so far: progress, for request_timeout
-        self.request_since = 0.0  # when the request now buffered in part began to arrive
         self.owing: list[Ticket] = []  # the tickets of the request being run
         self.owed: list[Owed] = []  # replies in `out`'s order, each waiting for its tickets
         #: the reactor's long poll this connection waits in (its later requests wait)
@@ -148,12 +145,6 @@ class Session(TaskPath):
         #: runs again after it (once: `deferred` is the request)
         self.after_commit = False
         self.deferred: c.Request | None = None
-
-    def stop_if_idle(self) -> None:
-        """Shutdown: stop reading; a batch that runs finishes, waiting gets (woken empty
-        by the broker) still answer."""
-        if not self.busy and self.receive_scope is not None:
-            self.receive_scope.cancel()
 
     def reply_after(self, ticket: Ticket) -> None:
         """See handlers.Conn.reply_after."""

@@ -1,6 +1,5 @@
-"""A connection's own task: the receive loop of a TLS connection (or any other
-`trio.abc.Stream`: `run`), the turns the reactor hands a plain connection (`serve_turns`),
-the login, and what may wait: a batch run in order (`_run`), puts that make room or wait
+"""A connection's own task: the turns the reactor hands it (`serve_turns`), the login,
+and what may wait: a batch run in order (`_run`), puts that make room or wait
 for their write (`_puts`), long-poll gets that watch the stream for a hang-up, `monitor`,
 the send (`_flush`) and the wait for the writes that held-back replies acknowledge
 (`_settle`). Also the values both paths share: the listener's `Guard`, the connection's
@@ -15,7 +14,6 @@ through the broker.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass
@@ -104,7 +102,6 @@ class TaskPath:
     begun: list[tuple[list[tuple[c.Request, c.Put]], PendingPut | JoinedPut | Exception]]
     sending: bool
     sent: trio.Event | None
-    receive_scope: trio.CancelScope | None
     nursery: trio.Nursery | None
     busy: bool
     done: bool
@@ -114,7 +111,6 @@ class TaskPath:
     waiting: int
     waits: set[trio.CancelScope]
     requests: int
-    request_since: float
 
     # The session's replies, defined by queued.server.session's Session. Declared as
     # methods rather than under TYPE_CHECKING so the task path compiles with mypyc as
@@ -150,12 +146,6 @@ class TaskPath:
     def reply_after(self, ticket: Ticket) -> None:
         raise NotImplementedError
 
-    async def run(self) -> None:
-        async with trio.open_nursery() as nursery:
-            self.nursery = nursery
-            await self._receive_loop()
-            self._end(nursery)
-
     def _end(self, nursery: trio.Nursery) -> None:
         """The connection stops reading: what becomes of the gets still waiting."""
         if self.server.closing:
@@ -190,40 +180,6 @@ class TaskPath:
                     self.busy = False
                 turns.give_back()
             self._end(nursery)
-
-    async def _receive_loop(self) -> None:
-        # One scope for the whole loop (not one per receive: they cost a few us each); it
-        # is only ever cancelled while the loop waits for data (not `busy`), by shutdown
-        # or by its deadline: the login's, or that of a request begun but not complete.
-        with trio.CancelScope() as scope:
-            self.receive_scope = scope
-            guard = self.guard
-            while not (self.done or self.eof or self.server.closing):
-                fresh = False  # the bytes to come begin a request
-                if self.login_by is not None:
-                    deadline: float | None = self.login_by
-                elif guard is not None and self.codec.pending():
-                    deadline = self.request_since + guard.request_timeout
-                else:
-                    deadline, fresh = None, True
-                if deadline is not None:
-                    scope.deadline = deadline
-                    await self._receive()
-                    scope.deadline = math.inf
-                else:
-                    await self._receive()
-                self.busy = True  # no checkpoint between the receive and here
-                try:
-                    seen = self.requests
-                    await self._run_batch()
-                    await self._flush()
-                    if fresh or self.requests != seen:  # what is buffered began just now
-                        self.request_since = trio.current_time()
-                finally:
-                    self.batches += 1
-                    self.busy = False
-        if scope.cancelled_caught and not self.server.closing and not self.done:
-            self.time_out()
 
     def time_out(self) -> None:
         """The login, or a request begun, took too long: count it, log it, stop."""
@@ -275,8 +231,6 @@ class TaskPath:
         except trio.BrokenResourceError as exc:
             log.debug("%s: connection lost: %s", self.name, exc)
             self.lost = self.done = True
-            if not self.busy and self.receive_scope is not None:
-                self.receive_scope.cancel()  # the loop waits for data that won't come
         finally:
             self.sending = False
             if self.sent is not None:

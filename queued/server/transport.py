@@ -1,14 +1,12 @@
-"""How a session reads and writes its connection: two calls, whatever is under them.
+"""How a connection's task reads and writes its socket: two calls (`Transport`).
 
-`SocketTransport` is the hot path for plain TCP: it calls the kernel directly on the
-non-blocking socket and enters the event loop only when the kernel says the call would
-block (trio's own socket methods yield to the scheduler on every call, ready or not:
-a third of a small request's cost). So that a connection that always has data ready
-cannot starve the others, it yields once every `YIELD_EVERY` calls that did not block.
-`StreamTransport` serves any other `trio.abc.Stream` (TLS goes there), unchanged.
-
-Both turn a peer that is gone into b"" (receive) or `trio.BrokenResourceError` (send),
-the same way.
+`SocketTransport` calls the kernel directly on the non-blocking socket and enters the
+event loop only when the kernel says the call would block (trio's own socket methods
+yield to the scheduler on every call, ready or not: a third of a small request's cost).
+So that a connection that always has data ready cannot starve the others, it yields once
+every `YIELD_EVERY` calls that did not block. It turns a peer that is gone into b""
+(receive) or `trio.BrokenResourceError` (send). The reactor's transport (sends through
+the reactor, TLS decrypted) builds on it.
 """
 
 from __future__ import annotations
@@ -41,25 +39,6 @@ class Transport(Protocol):
 
     async def send(self, data: bytes) -> None:
         """All of `data`; raises trio.BrokenResourceError if the peer is gone."""
-
-
-class StreamTransport:
-    """Any trio stream (TLS, test streams): its own calls."""
-
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self.stream = stream
-
-    async def receive(self, max_bytes: int) -> bytes:
-        try:
-            return bytes(await self.stream.receive_some(max_bytes))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return b""
-
-    async def send(self, data: bytes) -> None:
-        try:
-            await self.stream.send_all(data)
-        except trio.ClosedResourceError as exc:
-            raise trio.BrokenResourceError(str(exc)) from exc
 
 
 class SocketTransport:
@@ -153,8 +132,3 @@ def peer_name(stream: trio.SocketStream) -> str:
         return "?"
 
 
-def transport_of(stream: trio.abc.Stream) -> Transport:
-    """The fastest transport that serves `stream`."""
-    if type(stream) is trio.SocketStream:
-        return SocketTransport(stream)
-    return StreamTransport(stream)
