@@ -49,7 +49,8 @@ from benchlib import kib_field, recording
 
 from queued.config import FsyncMode, FsyncPolicy, JournalConfig
 from queued.journal import format as jf
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
+from queued.storage.opening import open_data_dir
 
 KiB = 1 << 10
 MiB = 1 << 20

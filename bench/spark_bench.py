@@ -25,7 +25,7 @@ import trio
 from benchlib import QueuedServer, recording, spark_done, spark_session
 
 from queued.config import FsyncPolicy, JournalConfig
-from queued.storage.datadir import open_data_dir
+from queued.storage.opening import open_data_dir
 
 T0 = 1_700_000_000_000
 AGG = ["count(queue)", "sum(id)", "max(add_time)", "count(expire_time)", "sum(error_count)",

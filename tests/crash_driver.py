@@ -37,8 +37,8 @@ from pathlib import Path
 import trio
 
 from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
-from queued.storage.datadir import open_data_dir
 from queued.storage.journal import QueueJournal, wait_durable
+from queued.storage.opening import open_data_dir
 
 QUEUE = "jobs"
 STRAGGLER_EVERY = 37

@@ -13,7 +13,8 @@ from wait_util import wait_until
 from queued.cli import check, dump
 from queued.config import JournalConfig
 from queued.journal import format as jf
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
+from queued.storage.opening import open_data_dir
 
 T0 = 1_700_000_000_000
 

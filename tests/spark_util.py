@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from queued.config import DataDirConfig, JournalConfig
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
+from queued.storage.opening import open_data_dir
 
 T0 = 1_700_000_000_000
 SMALL = JournalConfig(journal_size=8192)

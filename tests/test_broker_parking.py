@@ -643,9 +643,9 @@ async def test_sweep_does_not_expire_items_of_a_queue_parked_meanwhile(tmp_path:
         await wait_until(lambda: b.clock() > put_at + 30)  # y's items are past max_age
         y = b.queues["y"]
         y.used = False
-        lock = b.datadir._writer._lock
+        lock = b.datadir.writer.paused()  # (the lock rounds hold)
         # The writer held, as a round would: the park waits first, the sweep's delete next.
-        async with trio.open_nursery() as nursery, b.datadir._writer.paused():
+        async with trio.open_nursery() as nursery, b.datadir.writer.paused():
             nursery.start_soon(b.registry.park, y)
             await wait_until(lambda: lock.statistics().tasks_waiting == 1)
             nursery.start_soon(b.sweep)  # its delete of `old` waits behind the park

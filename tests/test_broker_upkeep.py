@@ -27,7 +27,7 @@ from compiled_util import not_compiled
 import queued.broker.queues
 from queued.broker.broker import Broker
 from queued.broker.upkeep import Upkeep, open_broker
-from queued.storage.datadir import open_data_dir
+from queued.storage.opening import open_data_dir
 
 
 async def test_delete_during_background_refill_keeps_the_broker_alive(

@@ -26,7 +26,7 @@ from queued import cli
 from queued.cli import check
 from queued.client import Client
 from queued.journal import format as jf
-from queued.storage.datadir import open_data_dir
+from queued.storage.opening import open_data_dir
 
 #: Small segments and frequent checkpoints: files are created, grown, retired and
 #: compacted all the time. fsync "never" keeps the writes coming without pauses.

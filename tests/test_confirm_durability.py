@@ -36,9 +36,9 @@ from queued.client import Client
 from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
 from queued.errors import JournalWriteError
 from queued.storage import fileio
-from queued.storage.datadir import open_data_dir
 from queued.storage.files import read_checkpoint
 from queued.storage.journal import wait_durable
+from queued.storage.opening import open_data_dir
 
 pytestmark = pytest.mark.slow
 

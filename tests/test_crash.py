@@ -28,8 +28,9 @@ import pytest
 from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
 from queued.journal import format as jf
 from queued.storage import fileio
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
 from queued.storage.journal import QueueJournal, wait_durable
+from queued.storage.opening import open_data_dir
 
 pytestmark = pytest.mark.slow
 

@@ -24,8 +24,8 @@ from queued.client import Client
 from queued.config import FsyncPolicy, JournalConfig
 from queued.errors import NotSavedError
 from queued.storage import fileio
-from queued.storage.datadir import open_data_dir
 from queued.storage.files import PROBE_NAME, probe_writable
+from queued.storage.opening import open_data_dir
 
 T0 = 1_700_000_000_000
 

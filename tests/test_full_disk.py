@@ -22,8 +22,9 @@ from queued.errors import JournalWriteError
 from queued.journal import format as jf
 from queued.storage import fileio
 from queued.storage import journal as journal_module
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
 from queued.storage.journal import QueueJournal, wait_durable
+from queued.storage.opening import open_data_dir
 
 pytestmark = pytest.mark.slow
 

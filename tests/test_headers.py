@@ -28,7 +28,8 @@ from wait_util import wait_until
 from queued.client import AsyncClient, Client
 from queued.journal import format as jf
 from queued.journal.headers import encode_headers
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
+from queued.storage.opening import open_data_dir
 from queued.wire.rpc_protocol import ErrorCode
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

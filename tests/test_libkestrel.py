@@ -32,10 +32,11 @@ from queued.cli import main as cli_main
 from queued.errors import CorruptJournalError
 from queued.journal import format as jf
 from queued.journal.headers import encode_headers
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
 from queued.storage.files import decode_checkpoint, read_checkpoint
 from queued.storage.journal import wait_durable
 from queued.storage.journal_scan import scan_segment
+from queued.storage.opening import open_data_dir
 
 BIG = b"x" * 100  # with journal_size=620, 4 such items fill a segment
 #: A headers block (W3C trace context), for items with headers.

@@ -22,9 +22,10 @@ from queued.config import FsyncPolicy
 from queued.errors import JournalWriteError
 from queued.journal import format as jf
 from queued.storage import fileio
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
 from queued.storage.files import Checkpoint, decode_checkpoint
 from queued.storage.journal import QueueJournal, wait_durable
+from queued.storage.opening import open_data_dir
 
 
 class Tracker(fileio.FileIO):

@@ -212,8 +212,8 @@ async def _real_journal(path: Path) -> None:
     the first ids consumed and the journal compacted."""
     from queued.config import JournalConfig
     from queued.journal.headers import encode_headers
-    from queued.storage.datadir import open_data_dir
     from queued.storage.journal import wait_durable
+    from queued.storage.opening import open_data_dir
 
     async with open_data_dir(path, queue_config=lambda _: JournalConfig(
             journal_size=1 << 18)) as dd:

@@ -25,7 +25,7 @@ import pytest
 import trio
 from server_util import ServerProcess, drain_queue
 
-from queued.storage.datadir import open_data_dir
+from queued.storage.opening import open_data_dir
 
 try:
     import pyspark

@@ -36,7 +36,7 @@ from server_util import ServerProcess, drain_queue
 
 from queued.client import Client
 from queued.config import JournalConfig
-from queued.storage.datadir import open_data_dir
+from queued.storage.opening import open_data_dir
 
 try:
     import pyarrow as pa

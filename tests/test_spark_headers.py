@@ -19,7 +19,7 @@ from spark_util import stream_to_table
 from queued.client import Client
 from queued.config import JournalConfig
 from queued.journal.headers import encode_headers
-from queued.storage.datadir import open_data_dir
+from queued.storage.opening import open_data_dir
 
 try:
     import pyarrow as pa

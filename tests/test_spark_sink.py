@@ -19,7 +19,7 @@ from security_util import Pki, users_toml
 from server_util import ServerProcess, drain_queue
 
 from queued.client import Client
-from queued.storage.datadir import open_data_dir
+from queued.storage.opening import open_data_dir
 
 try:
     import pyarrow as pa

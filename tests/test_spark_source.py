@@ -19,7 +19,8 @@ from queued.client import Client
 from queued.config import DataDirConfig
 from queued.journal import format as jf
 from queued.storage import journal_scan as js
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
+from queued.storage.opening import open_data_dir
 
 try:
     from queued.spark import QueuedDataSourceError, register

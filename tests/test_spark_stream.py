@@ -21,7 +21,7 @@ from spark_util import SMALL, T0, item, journal_rows, rows, write_items
 from queued.client import Client
 from queued.config import JournalConfig
 from queued.storage import journal_scan as js
-from queued.storage.datadir import open_data_dir
+from queued.storage.opening import open_data_dir
 
 try:
     from queued.spark.stream import QueuedStreamReader

@@ -13,8 +13,9 @@ from queued.config import DataDirConfig
 from queued.journal import format as jf
 from queued.storage import compaction
 from queued.storage.compaction import CompactionResult, live_upper_bound, plan_compaction
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
 from queued.storage.files import Checkpoint, SegmentInfo, read_segment
+from queued.storage.opening import open_data_dir
 
 # -- the plan (pure) --------------------------------------------------------------------
 

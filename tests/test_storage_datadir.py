@@ -31,10 +31,10 @@ from queued.errors import (
 )
 from queued.journal import format as jf
 from queued.storage import fileio, writer
-from queued.storage import writer as writer_module
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
 from queued.storage.files import Checkpoint, SegmentInfo
 from queued.storage.journal import wait_durable
+from queued.storage.opening import open_data_dir
 
 # -- recovery of a directory --------------------------------------------------------
 
@@ -308,21 +308,20 @@ async def test_fsync_never_writes_without_any_fsync(tmp_path: Path) -> None:
 
 
 async def test_an_append_that_needs_no_fsync_is_written_at_once_and_in_order(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     """fsync never: append_nowait itself writes when the writer is idle (the ticket is
     durable before anything yields); while a round is under way (the first write opens
     the segment, so it goes to the writer's thread, held here until released) later
     appends wait for the next round instead, so the file keeps id order."""
     release = threading.Event()
-    real_round = writer.run_round
 
     def held_round(*args: Any) -> Any:
         release.wait(10)
-        return real_round(*args)
+        return writer.run_round(*args)
 
-    monkeypatch.setattr(writer, "run_round", held_round)
     conf = cfg(fsync=FsyncPolicy.parse("never"), journal_size=1000)
     async with open_data_dir(tmp_path, queue_config=lambda _: conf) as dd:
+        dd.writer.run_round = held_round
         q = dd.queue("q")
         _, first = q.append_nowait([data_for(1)], T0)  # opens a file: the writer's round
         assert not first.event.is_set()
@@ -463,23 +462,20 @@ async def test_aclose_writes_what_was_planned_before_it(tmp_path: Path) -> None:
 ITEM = b"x" * 100  # PUT record 125 bytes; with journal_size=620 a segment holds 4 items
 
 
-async def test_delete_queue_during_a_round_leaves_no_segment_behind(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_delete_queue_during_a_round_leaves_no_segment_behind(tmp_path: Path) -> None:
     # delete_queue snapshots j.segments BEFORE waiting for the round lock; a segment the
     # in-flight round creates is added by finish_round afterwards and is never unlinked.
     # The deleted queue comes back (with its items) at the next start.
     entered, release = threading.Event(), threading.Event()
-    real_round = writer_module.run_round
 
     def slow_round(work, periodic, *pool):  # type: ignore[no-untyped-def]
         if work:
             entered.set()
             release.wait(5)
-        return real_round(work, periodic, *pool)
+        return writer.run_round(work, periodic, *pool)
 
-    monkeypatch.setattr(writer_module, "run_round", slow_round)
     async with open_data_dir(tmp_path) as dd:
+        dd.writer.run_round = slow_round
         q = dd.queue("q")
 
         async def put() -> None:
@@ -538,9 +534,10 @@ async def test_failed_periodic_fsync_does_not_spin_the_writer(
 async def test_read_back_during_compaction_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A read-back right after compaction retires the replaced originals (as a
-    # consumer's read-behind in another worker thread could) finds every record:
-    # the new segment list is published before the originals go.
+    # A read-back right after compaction retires a replaced original (as a consumer's
+    # read-behind in another worker thread could) finds every record: the new segment
+    # list is published before the originals go. (The read runs in the file system seam,
+    # right after the unlink: a compiled DataDir's methods cannot be replaced.)
     conf = JournalConfig(journal_size=620)
     seen: list[object] = []
 
@@ -552,16 +549,18 @@ async def test_read_back_during_compaction_window(
             (1, 4), (5, 8), (9, 12), (13, 13)
         ]
         await q.write_checkpoint("", 0, [1, 2, 3, 5, 6, 7])
-        real_retire = dd.retire_segments
 
-        def retire_then_read(segs):  # type: ignore[no-untyped-def]
-            real_retire(segs)
-            try:
-                seen.append([p.id for p in q.iter_puts(1)])
-            except Exception as exc:
-                seen.append(exc)
+        class UnlinkThenRead(fileio.FileIO):
+            def unlink(self, path: fileio.StrPath) -> None:
+                super().unlink(path)
+                parsed = jf.parse_file_name(Path(path).name)
+                if parsed is not None and parsed.role is jf.FileRole.SEGMENT:
+                    try:
+                        seen.append([p.id for p in q.iter_puts(1)])
+                    except Exception as exc:
+                        seen.append(exc)
 
-        monkeypatch.setattr(dd, "retire_segments", retire_then_read)
+        monkeypatch.setattr(fileio, "_current", UnlinkThenRead())
         result = await q.compact()
         assert result.rewritten == 2
     assert seen == [[4, 8, 9, 10, 11, 12, 13]], seen

@@ -15,8 +15,9 @@ from queued.cli import check, dump
 from queued.config import FullPolicy
 from queued.errors import JournalFullError
 from queued.journal import format as jf
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
 from queued.storage.files import Checkpoint, SegmentInfo
+from queued.storage.opening import open_data_dir
 
 # -- appends and read-back ---------------------------------------------------------
 

@@ -13,7 +13,8 @@ import trio
 from queued.config import JournalConfig
 from queued.journal import format as jf
 from queued.storage import journal_scan as js
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
+from queued.storage.opening import open_data_dir
 
 T0 = 1_700_000_000_000
 

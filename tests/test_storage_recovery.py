@@ -16,7 +16,8 @@ from queued.cli import check
 from queued.config import CorruptionPolicy, JournalConfig
 from queued.errors import CorruptJournalError
 from queued.journal import format as jf
-from queued.storage.datadir import DataDir, open_data_dir
+from queued.storage.datadir import DataDir
+from queued.storage.opening import open_data_dir
 from queued.storage.recovery import inspect_segment, scan_segment
 
 T0 = 1_700_000_000_000

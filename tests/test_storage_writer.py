@@ -82,20 +82,19 @@ async def test_periodic_fsync_deadline(tmp_path: Path) -> None:
 
 
 async def test_only_a_small_round_without_fsync_or_new_file_runs_inline(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     """A round off the event loop is held in its thread here until released, so one that
     ran on the loop instead is seen at once."""
     loop_thread = threading.current_thread()
     release = threading.Event()
-    real_round = writer_module.run_round
 
     def held_round(*args: Any) -> Any:
         if threading.current_thread() is not loop_thread:
             release.wait(10)
-        return real_round(*args)
+        return writer_module.run_round(*args)
 
-    monkeypatch.setattr(writer_module, "run_round", held_round)
     writer = Writer(tmp_path)
+    writer.run_round = held_round
     file = writer.segment_file("q", FsyncPolicy.parse("never"), 0)
     results: list[WriteResult] = []
 

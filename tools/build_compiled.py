@@ -55,6 +55,8 @@ COMPILED = [
     "queued/storage/write_plans.py",
     "queued/storage/synced_files.py",
     "queued/storage/journal.py",
+    "queued/storage/writer.py",
+    "queued/storage/datadir.py",
     "queued/broker/base.py",
     "queued/broker/puts.py",
     "queued/broker/gets.py",

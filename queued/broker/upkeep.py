@@ -35,7 +35,7 @@ from queued.errors import (
     QueueFullError,
 )
 from queued.reader.state import Item
-from queued.storage.datadir import open_data_dir
+from queued.storage.opening import open_data_dir
 
 if TYPE_CHECKING:
     from queued.config import ServerConfig

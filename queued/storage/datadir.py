@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,7 +125,8 @@ class DataDir:
         self.queue_config = queue_config
         self.queues: dict[str, QueueJournal] = {}
         self.report = RecoveryReport()
-        self._writer = Writer(path)
+        #: its rounds (a test holds one by replacing the writer's `run_round`)
+        self.writer = Writer(path)
         self._dirty: dict[QueueJournal, None] = {}
         self._wake = trio.Event()
         self._closing = False
@@ -327,7 +327,7 @@ class DataDir:
         readers: dict[str, Checkpoint], last_id: int,
     ) -> QueueJournal:
         last_number = max((s.number for s in segments), default=0)
-        file = self._writer.segment_file(name, config.fsync, last_number)
+        file = self.writer.segment_file(name, config.fsync, last_number)
         # A queue with no segment starts a new life (deleted and created again, Spark's
         # streams must tell); one with segments keeps the newest incarnation they name (a
         # header recovery rewrote names none).
@@ -368,7 +368,7 @@ class DataDir:
     async def sync_segment(self, journal: QueueJournal) -> None:
         """fsync what `journal`'s segment has written and not synced, whatever its policy,
         between rounds (a round may be writing it)."""
-        async with self._writer.paused():
+        async with self.writer.paused():
             await trio.to_thread.run_sync(journal.file.sync_now)
 
     async def park_queue(self, name: str, detach: Callable[[QueueJournal], bool]) -> bool:
@@ -378,7 +378,7 @@ class DataDir:
         `detach` runs with no writer round under way and nothing between it and the
         closing yields: what it checks still holds when the files close. A load of the
         queue after that opens new handles (its first append starts a new segment)."""
-        async with self._writer.paused():
+        async with self.writer.paused():
             j = self.queues.get(name)
             if (j is None or j.planned or j.has_reader_ops or j in self._dirty
                     or j.fsync_deadline() is not None or j.failed is not None
@@ -415,7 +415,7 @@ class DataDir:
             fsync_dir(self.path)
 
         # No round, compaction or checkpoint of this queue may run while its files go.
-        async with self._writer.paused():
+        async with self.writer.paused():
             if j is None:
                 await trio.to_thread.run_sync(remove)
                 return
@@ -466,7 +466,7 @@ class DataDir:
     # -- the writer loop --------------------------------------------------------------
 
     def reader_file(self, queue: str, reader: str, fsync: FsyncPolicy) -> ReaderFile:
-        return self._writer.reader_file(queue, reader, fsync)
+        return self.writer.reader_file(queue, reader, fsync)
 
     def note_pending(self, journal: QueueJournal) -> None:
         """`journal` has planned appends (or reader file changes): written here and now
@@ -497,13 +497,13 @@ class DataDir:
         task has a round under way (its files are busy): call `wait_round` and again."""
         if not self._dirty:
             return True
-        if self._in_round or self._closing or self._writer.busy:
+        if self._in_round or self._closing or self.writer.busy:
             return False
         work = [(j, j.take_pending()) for j in self._dirty]
         readers = [(j, ops) for j in self._dirty if (ops := j.take_reader_ops())]
         work = [(j, chunks) for j, chunks in work if chunks]
         self._dirty.clear()
-        results = self._writer.write_round_now([(j.file, chunks) for j, chunks in work],
+        results = self.writer.write_round_now([(j.file, chunks) for j, chunks in work],
                                                [pair for _, ops in readers for pair in ops])
         self._finish_round(work, results, readers)
         # Periodic policy: what was just written owes an fsync the writer's task must
@@ -516,15 +516,15 @@ class DataDir:
 
     async def wait_round(self) -> None:
         """Until the writer has no round (or pause) under way: a checkpoint, say."""
-        while self._in_round or self._writer.busy:
-            await self._writer.wait_idle()  # (a round holds its lock from start to end)
+        while self._in_round or self.writer.busy:
+            await self.writer.wait_idle()  # (a round holds its lock from start to end)
 
     def _write_now(self, journal: QueueJournal) -> bool:
         """Write `journal`'s planned changes at once if the writer allows; True if done."""
         if self._in_round or self._closing:
             return False
         readers = journal.planned_readers if journal.has_reader_ops else []
-        result = self._writer.write_now(journal.file, journal.planned, readers)
+        result = self.writer.write_now(journal.file, journal.planned, readers)
         if result is None:
             return False
         self._dirty.pop(journal, None)
@@ -540,8 +540,9 @@ class DataDir:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The writer loop: one round = one writer call for every queue with planned appends.
 
-        Shielded from cancellation: it ends with `aclose` (as `open_data_dir` always
-        calls it), since a shutdown still writes (checkpoints are rounds too)."""
+        Shielded from cancellation: it ends with `aclose` (as `open_data_dir`, in
+        queued.storage.opening, always calls it), since a shutdown still writes
+        (checkpoints are rounds too)."""
         task_status.started()
         with trio.CancelScope(shield=True):
             await self._run()
@@ -578,7 +579,7 @@ class DataDir:
                 # No write here and now until these are written: they come first.
                 self._in_round = True
                 try:
-                    results = await self._writer.write_round(
+                    results = await self.writer.write_round(
                         [(j.file, chunks) for j, chunks in work], periodic,
                         [pair for _, ops in readers for pair in ops],
                     )
@@ -631,10 +632,10 @@ class DataDir:
             try:
                 await trio.to_thread.run_sync(close_all)
             finally:
-                self._writer.close()
+                self.writer.close()
 
     def statistics(self) -> DataDirStats:
-        writer = self._writer.statistics()
+        writer = self.writer.statistics()
         return DataDirStats(
             path=str(self.path),
             queues=len(self.queues),
@@ -643,26 +644,3 @@ class DataDir:
             recovery_seconds=self.report.seconds,
             truncated_bytes=self.report.truncated_bytes,
         )
-
-
-@asynccontextmanager
-async def open_data_dir(
-    path: str | Path,
-    config: DataDirConfig | None = None,
-    queue_config: Callable[[str], JournalConfig] | None = None,
-) -> AsyncIterator[DataDir]:
-    """Recover `path` (in a worker thread), run its writer, close it cleanly on exit
-    (NotSavedError, not wrapped in an exception group, when a journal could not be)."""
-    dd = await trio.to_thread.run_sync(DataDir.open, path, config, queue_config)
-    unsaved: NotSavedError | None = None
-    async with trio.open_nursery() as nursery:
-        await nursery.start(dd.run)
-        try:
-            yield dd
-        finally:
-            try:
-                await dd.aclose()
-            except NotSavedError as exc:
-                unsaved = exc  # raised below (after another failure, that one goes up)
-    if unsaved is not None:
-        raise unsaved

@@ -80,6 +80,13 @@ def run_round(
     return results
 
 
+#: The signature of `run_round` (`Writer.run_round` holds it).
+RoundFunction = Callable[
+    [Sequence[tuple[SegmentFile, Sequence[Chunk]]], Sequence[SyncedFile],
+     ThreadPoolExecutor | None, Sequence[tuple[ReaderFile, Sequence[ReaderOp]]]],
+    list[WriteResult]]
+
+
 def _write_one(entry: tuple[SegmentFile, Sequence[Chunk]]) -> WriteResult:
     return entry[0].write(entry[1])
 
@@ -105,6 +112,10 @@ class Writer:
         self._fsync_lock = threading.Lock()  # files sync from the pool's threads at once
         self._round_thread = RoundThread()
         self._pool: ThreadPoolExecutor | None = None
+        #: the round itself (`run_round`), called through this attribute: the seam a test
+        #: replaces on the instance to hold a round (a compiled module calls its own
+        #: functions directly, past a replacement of the module's global)
+        self.run_round: RoundFunction = run_round
 
     def close(self) -> None:
         """Stop the round threads (no round may run: call it after the last one)."""
@@ -139,12 +150,12 @@ class Writer:
             ) and all(rf.can_write_inline(ops) for rf, ops in readers):
                 # A small round that needs no fsync and opens no file: a write()
                 # into the page cache is cheaper than a hand-off to a thread.
-                results = run_round(work, periodic, None, readers)
+                results = self.run_round(work, periodic, None, readers)
             else:
                 if len(work) + len(readers) > 1 and self._pool is None:
                     self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
-                results = await self._round_thread.run(run_round, work, periodic, self._pool,
-                                                       readers)
+                results = await self._round_thread.run(self.run_round, work, periodic,
+                                                       self._pool, readers)
         self._rounds += 1
         return results
 
@@ -168,13 +179,13 @@ class Writer:
         self._rounds += 1
         together = [f for f, _ in work if f.fsync.mode is FsyncMode.ALWAYS]
         if len(together) < SYNC_TOGETHER:
-            return run_round(work, (), pool, readers)
+            return self.run_round(work, (), pool, readers)
         # Many segment files to sync: write them all, then one durable point for them
         # (syncfs: one journal commit) rather than an fsync each.
         results = [file.write(chunks, sync=file.fsync.mode is not FsyncMode.ALWAYS)
                    for file, chunks in work]
         if readers:
-            run_round([], (), pool, readers)
+            self.run_round([], (), pool, readers)
         started = time.monotonic()
         try:
             fileio.sync_files([fd for f in together if (fd := f.fd) is not None],
