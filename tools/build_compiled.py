@@ -46,6 +46,7 @@ COMPILED = [
     "queued/wire/text_commands.py",
     "queued/wire/rpc_protocol.py",
     "queued/wire/rpc_commands.py",
+    "queued/wire/tls_records.py",
     "queued/reader/state.py",
     "queued/reader/delays.py",
     "queued/reader/packed_items.py",
@@ -72,6 +73,7 @@ COMPILED = [
     "queued/server/handlers.py",
     "queued/server/transport.py",
     "queued/server/replies.py",
+    "queued/server/tls.py",
 ]
 
 #: The mypy settings of pyproject.toml that the compile needs (mypyc type-checks first).

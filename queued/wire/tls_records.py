@@ -5,7 +5,7 @@ ciphertext and sends what the object owes."""
 from __future__ import annotations
 
 import ssl
-from typing import cast
+from typing import Any
 
 
 def read_records(tls: ssl.SSLObject, incoming: ssl.MemoryBIO,
@@ -15,10 +15,12 @@ def read_records(tls: ssl.SSLObject, incoming: ssl.MemoryBIO,
     whether the session ended (close_notify, or the stream's end), and the error if the
     peer's bytes are not TLS (or not its); what came before the error is counted."""
     n, limit = 0, len(view)
+    # With a buffer, read returns a count (typeshed says bytes: compiled, a call typed so
+    # would have its result checked as one).
+    read: Any = tls.read
     while n < limit and (incoming.pending or tls.pending()):
         try:
-            # With a buffer, read returns a count (typeshed says bytes).
-            got = cast(int, tls.read(limit - n, view[n:]))
+            got: int = read(limit - n, view[n:])
         except ssl.SSLWantReadError:  # the rest of a record is on its way
             break
         except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
