@@ -239,6 +239,8 @@ class ConnSpec:
     pipeline: int | None = None  # requests in flight on this connection (default: the spec's)
     background: bool = False  # runs only while a connection that is not background runs:
     # stops sending once every foreground connection (in every client process) is done
+    rate: float = 0.0  # > 0: send at most this many requests per second (paced from the
+    # start: an offered load below the server's capacity); 0: as fast as replies allow
 
 
 @dataclass
@@ -296,6 +298,7 @@ class Conn:
         "errors",
         "fd",
         "first_ns",
+        "gap_ns",
         "hist",
         "inflight",
         "last_ns",
@@ -339,6 +342,7 @@ class Conn:
         self.backoff_until = 0
         self.first_ns = self.last_ns = 0
         self.closed = False
+        self.gap_ns = 0  # paced (ConnSpec.rate): ns between sends; 0: not paced
 
 
 def tls_io(sock: ssl.SSLSocket) -> tuple[Callable[[bytes], int], Callable[[int], bytes]]:
@@ -499,6 +503,8 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection,
             reqs = [get_request(q + get_options) for q in queues]
             c = Conn(sock, "get", cs.quota, reqs[0], parse_get, request_maker(reqs, None),
                      cs.pipeline or spec.pipeline, cs.background)
+        if cs.rate > 0:
+            c.gap_ns = max(1, int(NS / cs.rate))
         conns[c.fd] = c
         ep.register(c.fd, select.EPOLLIN)
     pipe.send({"ready": True})
@@ -524,6 +530,12 @@ def _worker(spec: WorkerSpec, pipe: multiprocessing.connection.Connection,
         n = min(c.pipeline - c.inflight, c.quota - c.ok - c.errors - c.inflight)
         if n <= 0:
             return
+        if c.gap_ns:  # paced: no more sent than the rate allows since the start
+            sent = c.ok + c.errors + c.inflight
+            n = min(n, (now - t0) // c.gap_ns + 1 - sent)
+            if n <= 0:
+                c.backoff_until = t0 + sent * c.gap_ns
+                return
         t = clock()
         if not c.first_ns:
             c.first_ns = t

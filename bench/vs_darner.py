@@ -28,7 +28,9 @@ flight per connection; every phase is bounded by an item count and by wall-clock
   put rate, get rate, the final backlog, and end-to-end latency: a put's payload starts
   with its send time (perf_counter_ns, CLOCK_MONOTONIC, shared by the client processes),
   read back by the consumer that gets it; a consumer's empty reply (a miss) waits
-  --miss-backoff-ms before its next get;
+  --miss-backoff-ms before its next get; with --steady-rate R the producers offer R
+  items/s together, paced from the start (unpaced, the faster server saturates and a
+  backlog grows if its consumers answer a little slower than its producers);
 * steady-lp: steady with consumers long-polling as Kestrel's do, ``get q/t=MS``
   (--long-poll-ms, 100): a poll that times out empty is a miss, polled again at once, and
   does not extend the get window (the rate is up to the last item got);
@@ -381,14 +383,19 @@ def mixed(c: Ctx, specs: list[ConnSpec], queues: list[str], long_poll_ms: int = 
     return rows
 
 
+def steady_specs(c: Ctx) -> list[ConnSpec]:
+    """4 producers and 4 consumers; with --steady-rate the producers are paced."""
+    rate = c.a.steady_rate / 4
+    return [ConnSpec(role, n, rate=rate if role == "put" else 0.0)
+            for role in ("put", "get") for n in split(c.items, 4)]
+
+
 def w_steady(c: Ctx) -> list[Row]:
-    return mixed(c, [ConnSpec(role, n) for role in ("put", "get") for n in split(c.items, 4)],
-                 ["q"])
+    return mixed(c, steady_specs(c), ["q"])
 
 
 def w_steady_lp(c: Ctx) -> list[Row]:
-    return mixed(c, [ConnSpec(role, n) for role in ("put", "get") for n in split(c.items, 4)],
-                 ["q"], c.a.long_poll_ms)
+    return mixed(c, steady_specs(c), ["q"], c.a.long_poll_ms)
 
 
 def fanin_producers(c: Ctx, names: list[str], conns: int = 4) -> list[ConnSpec]:
@@ -760,7 +767,9 @@ def report(bench: Bench, meta: dict[str, Any]) -> str:
               + (f"memory workload, once, queued-{a.memory_fsync} and darner; "
                  if a.memory else f"medians of {a.runs} run(s), targets alternating; ")
               + f"every phase bounded by its item count and {a.timeout:g} s"
-              + ("" if a.memory else f" (steady: {a.seconds:g} s)"), ""]
+              + ("" if a.memory else f" (steady: {a.seconds:g} s"
+                 + (f", producers paced to {a.steady_rate:,.0f} items/s" if a.steady_rate
+                    else "") + ")"), ""]
     ops: list[tuple[str, int, str]] = []
     for s in summary:
         key = (s["workload"], s["payload"], s["op"])
@@ -991,6 +1000,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--long-poll-ms", type=int, default=100,
                     help="the long poll of steady-lp and fanin-lp consumers: get q/t=MS "
                          "(default 100)")
+    ap.add_argument("--steady-rate", type=float, default=0.0,
+                    help="steady and steady-lp: the producers together offer at most this "
+                         "many items/s, paced from the start (end-to-end latency at a load "
+                         "below both servers' capacity); default 0: as fast as they can")
     ap.add_argument("--procs", type=int, default=2, help="client processes (default 2)")
     ap.add_argument("--fill", choices=("random", "x"), default="random",
                     help="payload bytes: random (distinct, incompressible; default) or x "

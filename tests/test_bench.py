@@ -100,6 +100,13 @@ SMOKE = {s.name or s.script: s for s in [
                         "--seconds", "0.3", "--workloads", "latency,fanin-lp", "--targets",
                         "queued-never"),
           r"\| fanin-lp \| 64 B \| get \| queued-never \| [0-9,]+ \|"),
+    Smoke("vs_darner", ("--dir", "{tmp}", "--quick", "--runs", "1", "--seconds", "1",
+                        "--workloads", "steady", "--steady-rate", "2000",
+                        "--targets", "queued-never"),
+          # (paced: about 2,000 puts a second, not the tens of thousands unpaced)
+          r"producers paced to 2,000 items/s[\s\S]*"
+          r"\| steady \| 64 B \| put \| queued-never \| (1,[5-9][0-9]{2}|2,[0-2][0-9]{2}) \|",
+          name="vs_darner --steady-rate"),
     Smoke("vs_darner", ("--dir", "{tmp}", "--quick", "--runs", "1", "--scale", "0.02",
                         "--workloads", "drain", "--targets", "queued-never,darner"),
           r"\| drain \| 1 KiB \| dequeue \| [0-9,]+ \| [0-9,]+ \| [0-9.]+ \|",
