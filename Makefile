@@ -43,7 +43,7 @@ run: $(RUN_STAMP)
 TEST_WORKERS ?= 2
 
 test: $(TEST_STAMP)
-	$(MKDOCS) build --strict --quiet
+	$(MKDOCS) build --strict  # (not --quiet: it hides the warnings that --strict fails on)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(PY) -m ruff check queued tests bench tools deploy/spark pyspark_queued.py
 	$(PY) -m mypy

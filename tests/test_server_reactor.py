@@ -2,7 +2,7 @@
 connection, plain or TLS. What only this path has, on both: one commit for a pass of
 many connections, no starving (a flood is read a pass at a time), deadlines kept
 without a task per connection, long polls without a task; on plain connections,
-backpressure on a peer that does not read. Everything else (every protocol) the whole
+backpressure on a peer that does not read (TLS replies take the same buffer and mask). Everything else (every protocol) the whole
 suite runs through it. Real servers on 127.0.0.1 port 0, real TLS (trustme).
 """
 

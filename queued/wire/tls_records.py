@@ -26,7 +26,9 @@ def read_records(tls: ssl.SSLObject, incoming: ssl.MemoryBIO,
         except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
             return n, True, None
         except ssl.SSLError as exc:
-            return n, True, exc
+            # (without its traceback: the frames in it hold a slice of `view`, and the
+            # caller's buffer could not be resized while the error lives)
+            return n, True, exc.with_traceback(None)
         if not got:  # close_notify
             return n, True, None
         n += got
