@@ -188,7 +188,9 @@ class Reactor:
         self.links[fd] = link
         self._set_mask(link)
         self._watch(link, trio.current_time())
-        if link.tls is not None and link.tls.has_input():
+        if self.closing:
+            self._end(link)  # (its handshake ended after the server began to stop)
+        elif link.tls is not None and link.tls.has_input():
             self.again[link] = None  # (a request sent along with the handshake's end)
         self.wake()  # (it may sleep past the new connection's login deadline)
         try:
