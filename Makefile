@@ -42,8 +42,9 @@ run: $(RUN_STAMP)
 # tests/conftest.py keeps each test file in one worker and the tests of the SparkSession together.
 TEST_WORKERS ?= 2
 
+# The docs build is strict and not --quiet (which hides the warnings --strict fails on).
 test: $(TEST_STAMP)
-	$(MKDOCS) build --strict  # (not --quiet: it hides the warnings that --strict fails on)
+	$(MKDOCS) build --strict
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(PY) -m ruff check queued tests bench tools deploy/spark pyspark_queued.py
 	$(PY) -m mypy
