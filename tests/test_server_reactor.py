@@ -22,7 +22,8 @@ from security_util import Pki, tls_open, tls_settings
 from server_util import WAIT, Conn, make_config, recv_until, running, served_sockets
 from wait_util import autojumping, wait_until
 
-from queued.server.reactor import BUFFER_CAP, PASS_REQUESTS
+from queued.server.connections import BUFFER_CAP
+from queued.server.reactor import PASS_REQUESTS
 from queued.server.task_path import RECEIVE_SIZE
 
 

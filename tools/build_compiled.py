@@ -69,6 +69,7 @@ COMPILED = [
     "queued/broker/live_readers.py",
     "queued/server/session.py",
     "queued/server/task_path.py",
+    "queued/server/connections.py",
     "queued/server/reactor.py",
     "queued/server/handlers.py",
     "queued/server/transport.py",

@@ -25,9 +25,10 @@ from queued.broker.broker import Broker
 from queued.config import ConfigError, ServerConfig, reload_queue_configs
 from queued.errors import DataDirError
 from queued.server.auth import Authenticator
+from queued.server.connections import ReactorTransport
 from queued.server.memory import pin_mmap_threshold, trim_when_drained
 from queued.server.metrics import disk_usage
-from queued.server.reactor import Reactor, ReactorTransport
+from queued.server.reactor import Reactor
 from queued.server.session import Session
 from queued.server.task_path import Guard, ServerCounters
 from queued.server.tls import ServerTls, TlsChannel, accept_channel
