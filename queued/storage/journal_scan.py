@@ -265,8 +265,8 @@ def scan_segment(path: str | os.PathLike[str], ids: IdFilter = ALL_IDS, *,
     Our (sealed) files yield only records of batches whose check record verifies;
     files of another implementation yield every structurally valid record. Either
     way the scan stops quietly at a torn tail or a zero byte (the newest segment of
-    a running server ends mid-batch while a write is in flight) and raises
-    ScanError on corruption.
+    a running server ends mid-batch while a write is in flight, or is still empty
+    between its creation and its first write) and raises ScanError on corruption.
 
     With `mapped`, the file is mapped into memory (whatever its size) rather than read:
     the kernel copies none of its bytes. Only for a file no writer changes any more (a
@@ -276,6 +276,8 @@ def scan_segment(path: str | os.PathLike[str], ids: IdFilter = ALL_IDS, *,
     """
     scanner = _Scanner(ids, rows_per_chunk, whole_max, mapped)
     with open(path, "rb") as f:
+        if not os.fstat(f.fileno()).st_size:
+            return  # (the newest segment, just made: its head is not written yet)
         try:
             yield from scanner.run(f, chunk_size)
         except CorruptRecordError as exc:
