@@ -30,6 +30,7 @@ from server_util import (
 from wait_util import wait_until
 
 from queued.config import ConfigError
+from queued.server.tls import TlsChannel, server_context
 
 
 async def test_tls_on_every_protocol(tmp_path: Path, pki: Pki) -> None:
@@ -301,3 +302,56 @@ async def test_a_request_sent_with_the_handshakes_last_flight_is_answered(
         assert await client.receive_until(b"END\r\n") == (
             b"STORED\r\nVALUE q 0 2\r\nhi\r\nEND\r\n")
         await client.stream.aclose()
+
+
+async def test_a_peer_that_stops_inside_a_record_is_closed_at_request_timeout(
+        tmp_path: Path, pki: Pki) -> None:
+    """Half a record decrypts to nothing, but a request has begun to arrive: its
+    connection is closed at request_timeout like a plain one that stops mid-request,
+    while the others carry on (and an idle one stays open)."""
+    config = make_config(tmp_path / "data", **tls_settings(pki), request_timeout=300)
+    async with running(config) as server:
+        port = server.ports["memcache"]
+        idle = tls_conn(await tls_open(port, pki.client()))
+        assert await idle.set("q", b"0") == b"STORED"
+        staller = await BioClient.connect(port, pki.client())
+        await staller.stream.send_all(staller.records(b"get q\r\n"))  # (its last flight)
+        assert await staller.receive_until(b"END\r\n") == b"VALUE q 0 1\r\n0\r\nEND\r\n"
+        record = staller.records(b"set q 0 0 5\r\nhello\r\n")
+        await staller.stream.send_all(record[: len(record) // 2])  # and nothing more
+        with trio.fail_after(WAIT):
+            assert await staller.stream.receive_some(65536) == b""  # closed
+        assert server.protocols["memcache"].request_timeouts == 1
+        assert await idle.set("q", b"1") == b"STORED"  # the other carries on
+        assert server.broker.reader_info("q")["items"] == 1
+        await idle.stream.aclose()
+
+
+def test_the_channel_follows_the_record_framing_of_what_it_is_fed(pki: Pki) -> None:
+    """`mid_record` is true from a record's first byte to its last, however the bytes
+    are cut (one at a time here), and through the handshake's records too."""
+    server = TlsChannel(server_context(pki.cert, pki.key, None))
+    c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = pki.client().wrap_bio(c_in, c_out, server_hostname="127.0.0.1")
+    for _ in range(10):  # the handshake, fed whole
+        with contextlib.suppress(ssl.SSLWantReadError):
+            client.do_handshake()
+        server.feed(c_out.read())
+        assert not server.mid_record()
+        with contextlib.suppress(ssl.SSLWantReadError):
+            server.tls.do_handshake()
+        c_in.write(server.to_send())
+    assert server.tls.version() is not None and not server.mid_record()
+    client.write(b"set q 0 0 2\r\nhi\r\n")
+    client.write(b"get q\r\n")  # (two records)
+    records = c_out.read()
+    got = bytearray()
+    ends = 0
+    for i in range(len(records)):
+        server.feed(records[i:i + 1])
+        more = server.decrypt(1 << 20)
+        got += more
+        ends += bool(more)
+        # mid-record at every byte but the one that ends a record (which decrypts)
+        assert server.mid_record() == (not more), i
+    assert got == b"set q 0 0 2\r\nhi\r\nget q\r\n" and ends == 2

@@ -327,7 +327,7 @@ class Connections:
         """After the link's part of a pass: when its begun request (or its unread
         replies) started to wait, and the deadline that follows."""
         session = link.session
-        if session.codec.pending():
+        if session.codec.pending() or (link.tls is not None and link.tls.mid_record()):
             if session.requests != link.seen or link.waiting_since < 0:
                 link.waiting_since = now  # a new request began to arrive
         else:

@@ -164,7 +164,9 @@ class Reactor(Connections):
             if n and link.tls is not None:
                 link.tls.feed(view[:n])
                 if not self._decrypted(link):
-                    continue  # (part of a record)
+                    if link.waiting_since < 0:  # (part of a record: a request has begun)
+                        self.watch(link, trio.current_time())
+                    continue
             elif n:
                 session.counters.bytes_read += n
                 session.codec.receive_data(bytes(view[:n]))

@@ -98,16 +98,43 @@ class TlsChannel:
     owes the peer unasked (`to_send`: a TLS 1.3 key update's answer), all in one order.
     """
 
-    __slots__ = ("ended", "incoming", "outgoing", "tls")
+    __slots__ = ("ended", "head", "incoming", "left", "outgoing", "tls")
 
     def __init__(self, context: ssl.SSLContext) -> None:
         self.incoming = ssl.MemoryBIO()
         self.outgoing = ssl.MemoryBIO()
         self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
         self.ended = False  # the peer ended the TLS session (close_notify), or broke it
+        # The record framing of what was fed (OpenSSL may take in part of a record, so
+        # neither BIO says whether one has begun): the next record's header bytes seen
+        # so far, and the bytes still to come of the record under way.
+        self.head = b""
+        self.left = 0
 
     def feed(self, ciphertext: bytes | bytearray | memoryview) -> None:
         self.incoming.write(ciphertext)
+        # Follow the record framing: a 5-byte header whose last two bytes are the
+        # length of what follows.
+        n = len(ciphertext)
+        i = 0
+        head, left = self.head, self.left
+        while i < n:
+            if left:
+                step = min(left, n - i)
+                left -= step
+                i += step
+                continue
+            piece = bytes(ciphertext[i:i + 5 - len(head)])
+            head += piece
+            i += len(piece)
+            if len(head) == 5:
+                left = int.from_bytes(head[3:5], "big")
+                head = b""
+        self.head, self.left = head, left
+
+    def mid_record(self) -> bool:
+        """Part of a record has come, and not the rest: a request may be under way."""
+        return not self.ended and bool(self.head or self.left)
 
     def has_input(self) -> bool:
         """Ciphertext or plaintext is buffered (perhaps only part of a record)."""
@@ -176,7 +203,7 @@ class TlsChannel:
             # No checkpoint from the read to here: the scratch buffer is the event loop's.
             if not got:
                 raise trio.BrokenResourceError("connection closed during the handshake")
-            self.incoming.write(scratch[:got])
+            self.feed(scratch[:got])
         await self._write_out(raw)  # the last flight (TLS 1.3: and the session tickets)
 
     async def _write_out(self, raw: SocketTransport) -> None:
