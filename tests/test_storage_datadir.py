@@ -324,16 +324,16 @@ async def test_an_append_that_needs_no_fsync_is_written_at_once_and_in_order(
         dd.writer.run_round = held_round
         q = dd.queue("q")
         _, first = q.append_nowait([data_for(1)], T0)  # opens a file: the writer's round
-        assert not first.event.is_set()
+        assert not first.done
         await trio.testing.wait_all_tasks_blocked()  # the round waits in its thread
         _, during = q.append_nowait([data_for(2)], T0)
-        assert not during.event.is_set()  # not ahead of the round
+        assert not during.done  # not ahead of the round
         release.set()
         await wait_durable(first)
         await wait_durable(during)
         rounds = dd.statistics().rounds
         _, now = q.append_nowait([data_for(3), data_for(4)], T0)
-        assert now.event.is_set() and now.error is None  # written already, no round
+        assert now.done and now.error is None  # written already, no round
         assert dd.statistics().rounds == rounds + 1 and q.statistics().pending_bytes == 0
         for i in range(5, 40):  # fills the segment: a rotation goes to the writer again
             await wait_durable(q.append_nowait([data_for(i)], T0)[1])
@@ -356,7 +356,7 @@ async def test_a_periodic_fsync_is_owed_after_a_write_done_at_once(tmp_path: Pat
         await trio.testing.wait_all_tasks_blocked()  # the writer sleeps, nothing owed
         rounds = dd.statistics().rounds
         _, ticket = q.append_nowait([data_for(2)], T0)
-        assert ticket.event.is_set()  # written at once: no fsync was due yet
+        assert ticket.done  # written at once: no fsync was due yet
         assert dd.statistics().rounds == rounds + 1
         # (time.monotonic's 100 ms: the writer's clock is the real one)
         await wait_until(lambda: q.statistics().fsyncs >= 2, timeout=5)

@@ -111,7 +111,7 @@ class AdminOps(GetPath):
             self.counters.moved += 1
             if ticket is not None:
                 with trio.CancelScope(shield=True):
-                    await ticket.event.wait()
+                    await ticket.wait()
                 if ticket.error is not None:
                     raise ticket.error
             if interval:

@@ -93,7 +93,7 @@ class PendingPut:
 
 def durable(pending: object) -> bool:
     """A producer entry's ticket says its put is durable."""
-    return isinstance(pending, Ticket) and pending.event.is_set() and pending.error is None
+    return isinstance(pending, Ticket) and pending.done and pending.error is None
 
 
 class Runner(Protocol):
@@ -318,7 +318,7 @@ class QueueState:
         ProducerGapError for a gap."""
         t = self.producer_table()
         e = t.entries.get(producer)
-        if e is not None and isinstance(e.pending, Ticket) and e.pending.event.is_set():
+        if e is not None and isinstance(e.pending, Ticket) and e.pending.done:
             if e.pending.error is not None:
                 t.forget(producer, e)  # its put failed: never stored
             else:
@@ -426,7 +426,7 @@ class QueueState:
         a duplicate), or None; an entry whose put failed is forgotten first."""
         t = self.dedup_table()
         e = t.entries.get(key)
-        if e is not None and isinstance(e.pending, Ticket) and e.pending.event.is_set():
+        if e is not None and isinstance(e.pending, Ticket) and e.pending.done:
             if e.pending.error is not None:
                 t.forget(key, e)  # its put failed: never stored
             else:
@@ -488,8 +488,8 @@ class QueueState:
     async def end_put(self, pending: PendingPut) -> int:
         """Wait until durable, then deliver (in id order); the number of items."""
         ticket = pending.ticket
-        if ticket is not None and not ticket.event.is_set():
-            await ticket.event.wait()
+        if ticket is not None:
+            await ticket.wait()
         return self.end_put_nowait(pending)
 
     def end_put_nowait(self, pending: PendingPut) -> int:
@@ -497,7 +497,7 @@ class QueueState:
         entry, ticket = pending.entry, pending.ticket
         if ticket is None:
             return 0
-        assert ticket.event.is_set(), "end_put_nowait before the write was done"
+        assert ticket.done, "end_put_nowait before the write was done"
         error = ticket.error
         if error is not None and not isinstance(error, Exception):
             raise error  # (as wait_durable would: not a write's failure)

@@ -148,7 +148,7 @@ class Session(TaskPath):
 
     def reply_after(self, ticket: Ticket) -> None:
         """See handlers.Conn.reply_after."""
-        if not ticket.event.is_set() or ticket.error is not None:
+        if not ticket.done or ticket.error is not None:
             self.owing.append(ticket)
 
     def place_owed(self, owed: list[Owed]) -> None:
@@ -575,11 +575,11 @@ class Session(TaskPath):
         still not durable (a write the commit did not make): `serve_turns` then waits
         for it."""
         for _, p in self.begun:
-            if type(p) is PendingPut and p.ticket is not None and not p.ticket.event.is_set():
+            if type(p) is PendingPut and p.ticket is not None and not p.ticket.done:
                 return False
             if type(p) is JoinedPut and not p.ended:
                 return False
-        if self.owed and any(not t.event.is_set() for o in self.owed for t in o.tickets):
+        if self.owed and any(not t.done for o in self.owed for t in o.tickets):
             return False
         begun, self.begun = self.begun, []
         for group, pending in begun:

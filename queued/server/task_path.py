@@ -243,12 +243,11 @@ class TaskPath:
         acknowledges failed, `handlers.not_durable`'s error (the broker has undone its
         confirms: the client may send them again). The connection stays open."""
         owed, self.owed = self.owed, []
-        if not all(t.event.is_set() for o in owed for t in o.tickets):
+        if not all(t.done for o in owed for t in o.tickets):
             self.broker.write_ready()  # the batch's confirms, in one write if no fsync
         for o in owed:
             for ticket in o.tickets:
-                if not ticket.event.is_set():
-                    await ticket.event.wait()
+                await ticket.wait()
         self.place_owed(owed)
 
     # -- one batch ---------------------------------------------------------------------------
@@ -384,7 +383,7 @@ class TaskPath:
             except Exception as exc:
                 failed = exc  # answered (or retried one by one) below, under the shield
             else:
-                if pending.ticket is None or pending.ticket.event.is_set():
+                if pending.ticket is None or pending.ticket.done:
                     await self._end_puts([(groups[0], pending)])  # does not yield
                 else:
                     with trio.CancelScope(shield=True):

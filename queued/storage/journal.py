@@ -95,20 +95,36 @@ def headers_overhead(headers: Sequence[bytes] | None) -> int:
 
 
 class Ticket:
-    """Set once a planned write is durable, or failed (`error`). What was changed in
+    """Done once a planned write is durable, or failed (`error`). What was changed in
     memory ahead of a write that fails can be undone by `on_failure` callbacks, run when
-    the failure is known, before anyone waiting for the ticket wakes."""
+    the failure is known, before anyone waiting for the ticket wakes. A trio event is
+    made only for a task that waits (`wait`): the reactor's passes, which answer after
+    their commit, never do, and most tickets are theirs."""
 
-    __slots__ = ("error", "event", "undo")
+    __slots__ = ("_event", "done", "error", "undo")
 
     def __init__(self) -> None:
-        self.event = trio.Event()
+        self.done = False
         self.error: BaseException | None = None
         self.undo: list[Callable[[BaseException], None]] | None = None
+        self._event: trio.Event | None = None
+
+    def set(self) -> None:
+        """Done (with `error` as it stands): wake whoever waits."""
+        self.done = True
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        """Until done."""
+        if not self.done:
+            if self._event is None:
+                self._event = trio.Event()
+            await self._event.wait()
 
     def on_failure(self, undo: Callable[[BaseException], None]) -> None:
         """Call `undo(error)` if the write fails (now, if it failed already)."""
-        if self.event.is_set():
+        if self.done:
             if self.error is not None:
                 undo(self.error)
         elif self.undo is None:
@@ -126,7 +142,7 @@ class Ticket:
                     fn(error)
                 except Exception:  # a bug there must not stop the writer's loop
                     log.exception("undoing what a failed write acknowledged failed")
-        self.event.set()
+        self.set()
 
 
 @dataclass(slots=True, init=False)
@@ -401,7 +417,7 @@ class QueueJournal:
         self._appends += 1
         self._items += len(puts)
         if not puts:
-            ticket.event.set()
+            ticket.set()
         else:
             self.host.note_pending(self)
         return puts, ticket
@@ -632,7 +648,7 @@ class QueueJournal:
                     ticket.error = ticket.error or error
         for chunk in chunks:
             for ticket in chunk.tickets:
-                ticket.event.set()
+                ticket.set()
         if error is not None:
             # Start afresh in a new segment: what was planned no longer matches the files.
             self._proj_size = None
@@ -817,7 +833,7 @@ class QueueJournal:
             self._pending_bytes -= chunk.nbytes
             for ticket in chunk.tickets:
                 ticket.error = error
-                ticket.event.set()
+                ticket.set()
         for _, ops in self.take_reader_ops():
             for op in ops:
                 op.ticket.resolve(error)
@@ -840,7 +856,6 @@ class QueueJournal:
 
 
 async def wait_durable(ticket: Ticket) -> None:
-    if not ticket.event.is_set():  # tickets of one round are set together: wait once
-        await ticket.event.wait()
+    await ticket.wait()  # (tickets of one round are set together: wait once)
     if ticket.error is not None:
         raise ticket.error
