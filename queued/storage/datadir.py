@@ -10,6 +10,7 @@ quarantine folder.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,8 @@ from queued.storage.files import (
 )
 from queued.storage.journal import Planned, QueueJournal, ReaderWork
 from queued.storage.recovery import Damage, scan_segment
+from queued.storage.synced_files import SegmentFile
+from queued.storage.write_plans import Chunk, ReaderOp
 from queued.storage.writer import ReaderFile, Writer, WriteResult
 
 log = logging.getLogger("queued.datadir")
@@ -499,18 +502,32 @@ class DataDir:
             return True
         if self._in_round or self._closing or self.writer.busy:
             return False
-        work = [(j, j.take_pending()) for j in self._dirty]
-        readers = [(j, ops) for j in self._dirty if (ops := j.take_reader_ops())]
-        work = [(j, chunks) for j, chunks in work if chunks]
+        # (one loop, not a comprehension per list: a pass's commit usually has one queue)
+        work: list[tuple[QueueJournal, list[Planned]]] = []
+        files: list[tuple[SegmentFile, Sequence[Chunk]]] = []
+        readers: list[tuple[QueueJournal, ReaderWork]] = []
+        reader_ops: list[tuple[ReaderFile, Sequence[ReaderOp]]] = []
+        journals = list(self._dirty)
         self._dirty.clear()
-        results = self.writer.write_round_now([(j.file, chunks) for j, chunks in work],
-                                               [pair for _, ops in readers for pair in ops])
+        for j in journals:
+            chunks = j.take_pending()
+            if chunks:
+                work.append((j, chunks))
+                files.append((j.file, chunks))
+            if j.has_reader_ops:
+                ops = j.take_reader_ops()
+                readers.append((j, ops))
+                reader_ops += ops
+        results = self.writer.write_round_now(files, reader_ops)
         self._finish_round(work, results, readers)
         # Periodic policy: what was just written owes an fsync the writer's task must
         # come back for (it may sleep past it, or for good when nothing else is written).
-        owed = min((d for j in {j for j, _ in (*work, *readers)}
-                    if (d := j.fsync_deadline()) is not None), default=None)
-        if owed is not None and owed < self._asleep_until:
+        owed = math.inf
+        for j in journals:
+            d = j.fsync_deadline()
+            if d is not None and d < owed:
+                owed = d
+        if owed < self._asleep_until:
             self._wake.set()
         return True
 

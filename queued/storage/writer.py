@@ -169,6 +169,9 @@ class Writer:
         hand-off to the round thread would only add its cost. Several files are synced
         at once by the pool (their fsyncs share the file system's journal commits)."""
         assert not self._lock.locked(), "a round or pause is under way"
+        self._rounds += 1
+        if len(work) + len(readers) < 2:  # (one file: no pool, no syncfs; the usual pass)
+            return self.run_round(work, (), None, readers)
         pool = None
         if len(work) + len(readers) > 1 and any(
                 f.fsync.mode is FsyncMode.ALWAYS for f in (*(f for f, _ in work),
@@ -176,7 +179,6 @@ class Writer:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
             pool = self._pool
-        self._rounds += 1
         together = [f for f, _ in work if f.fsync.mode is FsyncMode.ALWAYS]
         if len(together) < SYNC_TOGETHER:
             return self.run_round(work, (), pool, readers)
