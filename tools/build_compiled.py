@@ -68,6 +68,7 @@ COMPILED = [
     "queued/broker/reliable.py",
     "queued/broker/live_readers.py",
     "queued/server/session.py",
+    "queued/server/pass_gets.py",
     "queued/server/task_path.py",
     "queued/server/connections.py",
     "queued/server/reactor.py",
