@@ -24,7 +24,7 @@ from wait_util import wait_for, wait_until
 from queued import __version__
 from queued.config import ServerConfig
 from queued.reader.open_reads import TIMEOUT_HEAP_MIN
-from queued.server.task_path import MAX_WAITING
+from queued.server.task_gets import MAX_WAITING
 from queued.storage.journal import QueueJournal
 from queued.wire.rpc_protocol import ErrorCode
 

@@ -24,7 +24,7 @@ from wait_util import autojumping, wait_until
 
 from queued.server.connections import BUFFER_CAP
 from queued.server.reactor import PASS_REQUESTS
-from queued.server.task_path import RECEIVE_SIZE
+from queued.server.task_base import RECEIVE_SIZE
 
 
 def reactor_config(tmp_path: Path, **settings: object):  # type: ignore[no-untyped-def]

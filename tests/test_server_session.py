@@ -25,7 +25,7 @@ from queued.broker.upkeep import open_broker
 from queued.config import ServerConfig
 from queued.server.listeners import Server
 from queued.server.session import Session
-from queued.server.task_path import ServerCounters
+from queued.server.task_base import ServerCounters
 from queued.server.transport import SocketTransport
 from queued.stats import ProtocolStats
 from queued.wire import commands as c

@@ -69,6 +69,8 @@ COMPILED = [
     "queued/broker/live_readers.py",
     "queued/server/session.py",
     "queued/server/pass_gets.py",
+    "queued/server/task_base.py",
+    "queued/server/task_gets.py",
     "queued/server/task_path.py",
     "queued/server/connections.py",
     "queued/server/reactor.py",

@@ -45,7 +45,7 @@ OUT_EVENTS = select.EPOLLOUT
 
 
 class Link:
-    """One connection as the reactor holds it (see `Turns` in queued.server.session)."""
+    """One connection as the reactor holds it (see `Turns` in queued.server.task_path)."""
 
     __slots__ = ("closing", "deadline", "drained", "fd", "fresh", "handed", "in_task",
                  "mask", "poll_due", "reactor", "rest", "seen", "session", "tls", "turn",

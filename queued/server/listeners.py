@@ -30,7 +30,7 @@ from queued.server.memory import pin_mmap_threshold, trim_when_drained
 from queued.server.metrics import disk_usage
 from queued.server.reactor import Reactor
 from queued.server.session import Session
-from queued.server.task_path import Guard, ServerCounters
+from queued.server.task_base import Guard, ServerCounters
 from queued.server.tls import ServerTls, TlsChannel, accept_channel
 from queued.server.transport import peer_name
 from queued.stats import ProtocolStats

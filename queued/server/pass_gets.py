@@ -6,8 +6,9 @@ connection (`polls`, later requests go on), answered by the reactor's next pass 
 woken or out of time (`end_long_poll`, `end_polls`).
 
 A base of `queued.server.session.Session`, which owns the connection's state (declared
-here as the task path declares it) and the replies; the chain is TaskPath -> PassGets ->
-Session. Never parses bytes itself and never touches the journal but through the broker.
+here as the task path declares it) and the replies; the chain is TaskBase -> TaskGets ->
+TaskPath -> PassGets -> Session. Never parses bytes itself and never touches the journal
+but through the broker.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from queued.broker.broker import AfterCommit, JoinedPuts, MustWait
 from queued.broker.live_readers import LiveReader, Waiter
 from queued.broker.queues import QueueState
 from queued.reader.state import Item
-from queued.server.task_path import MAX_WAITING, TaskPath
+from queued.server.task_gets import MAX_WAITING
+from queued.server.task_path import TaskPath
 from queued.storage.journal import Ticket
 from queued.wire import commands as c
 

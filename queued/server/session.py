@@ -33,13 +33,8 @@ from queued.errors import ItemTooLargeError, RemoteProtocolError
 from queued.reader.open_reads import OpenReads
 from queued.server.handlers import ServerControl, not_durable
 from queued.server.pass_gets import LongPoll, PassGets
-from queued.server.task_path import (
-    RECEIVE_SIZE,
-    Guard,
-    Owed,
-    ServerCounters,
-    same_append,
-)
+from queued.server.task_base import RECEIVE_SIZE, Guard, Owed, ServerCounters
+from queued.server.task_path import same_append
 from queued.server.transport import Transport
 from queued.stats import ProtocolStats
 from queued.storage.journal import Ticket

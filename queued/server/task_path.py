@@ -1,55 +1,32 @@
 """A connection's own task: the turns the reactor hands it (`serve_turns`), the login,
-and what may wait: a batch run in order (`_run`), puts that make room or wait
-for their write (`_puts`), long-poll gets that watch the stream for a hang-up, `monitor`,
-the send (`_flush`) and the wait for the writes that held-back replies acknowledge
-(`_settle`). Also the values both paths share: the listener's `Guard`, the connection's
-`ServerCounters`, a held-back reply (`Owed`), the batch limits.
+and what may wait: a batch run in order (`_run`), puts that make room or wait for their
+write (`_puts`). The gets that wait (long polls, `monitor`) are `TaskGets`' (task_gets);
+the send and the state it shares with the session, `TaskBase`'s (task_base).
 
-A mixin of `queued.server.session.Session`, which owns the connection's state, the
+A layer of `queued.server.session.Session`, which owns the connection's state, the
 replies (`reply`, `answer`, `failure`, ...) and the reactor's synchronous core
-(`run_nowait`, `end_pass`). Never parses bytes itself and never touches the journal but
+(`run_nowait`, `end_pass`); the chain is `TaskBase` -> `TaskGets` -> `TaskPath` ->
+`PassGets` -> `Session`. Never parses bytes itself and never touches the journal but
 through the broker.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from contextlib import suppress
-from dataclasses import dataclass
 from typing import Protocol
 
 import trio
 
-from queued.broker.broker import Broker, JoinedPut, PendingPut
-from queued.reader.open_reads import OpenReads
-from queued.reader.state import Item
-from queued.server.auth import Authenticator
-from queued.server.handlers import HANDLERS, ServerControl
-from queued.server.transport import Transport
-from queued.stats import ProtocolStats
-from queued.storage.journal import Ticket
+from queued.broker.broker import PendingPut
+from queued.server.handlers import HANDLERS
+from queued.server.task_base import RECEIVE_SIZE
+from queued.server.task_gets import TaskGets
 from queued.wire import commands as c
-from queued.wire.access import Grant
 
 log = logging.getLogger("queued.server")
 
-RECEIVE_SIZE = 256 * 1024
 #: Requests parsed from the receive buffer before they are run (bounds the batch).
 MAX_BATCH = 1024
-#: Gets waiting at once in tasks of their own (RPC) on one connection; more are refused.
-MAX_WAITING = 1024
-
-
-@dataclass(slots=True)
-class Guard:
-    """What every session of a listener is held to: who may log in (None: no users,
-    everyone may do everything) and the deadlines, in seconds."""
-
-    login: Authenticator | None
-    request_timeout: float
-    auth_timeout: float
-    limits: c.Limits  # the parser's caps once authenticated
 
 
 class Turns(Protocol):
@@ -63,88 +40,8 @@ class Turns(Protocol):
         """This turn is done: the reactor serves the connection again."""
 
 
-@dataclass(slots=True)
-class Owed:
-    """A reply held back until the confirms and aborts it acknowledges are durable."""
-
-    at: int  # where in `out` it goes
-    request: c.Request
-    reply: c.Reply
-    tickets: list[Ticket]
-
-
-@dataclass(slots=True)
-class ServerCounters:
-    bytes_read: int = 0
-    bytes_written: int = 0
-
-
-class TaskPath:
+class TaskPath(TaskGets):
     """The task half of a `Session` (see the module docstring)."""
-
-    # The session's own state (set by Session.__init__) that the task path uses.
-    server: ServerControl
-    broker: Broker
-    codec: c.Codec
-    transport: Transport
-    stats: ProtocolStats
-    counters: ServerCounters
-    reads: OpenReads
-    name: str
-    ordered: bool
-    max_item_size: int
-    guard: Guard | None
-    login: Authenticator | None
-    grant: Grant | None
-    login_by: float | None
-    out: bytearray
-    owed: list[Owed]
-    begun: list[tuple[list[tuple[c.Request, c.Put]], PendingPut | JoinedPut | Exception]]
-    sending: bool
-    sent: trio.Event | None
-    nursery: trio.Nursery | None
-    busy: bool
-    done: bool
-    eof: bool
-    lost: bool
-    batches: int
-    waiting: int
-    waits: set[trio.CancelScope]
-    requests: int
-
-    # The session's replies, defined by queued.server.session's Session. Declared as
-    # methods rather than under TYPE_CHECKING so the task path compiles with mypyc as
-    # the session's base class.
-    def reply(self, req: c.Request, reply: c.Reply | None) -> None:
-        raise NotImplementedError
-
-    def answer(self, req: c.Request, reply: c.Reply) -> None:
-        raise NotImplementedError
-
-    def failure(self, req: c.Request, exc: Exception) -> c.Failure:
-        raise NotImplementedError
-
-    def deny(self, r: c.Request, why: str) -> None:
-        raise NotImplementedError
-
-    def refused(self, r: c.Parsed) -> None:
-        raise NotImplementedError
-
-    def answer_puts(self, group: list[tuple[c.Request, c.Put]],
-                    result: PendingPut | Exception | None,
-                    answer: tuple[int, int, bool] | None = None) -> None:
-        raise NotImplementedError
-
-    def put_of(self, group: list[tuple[c.Request, c.Put]],
-               ) -> tuple[str, Sequence[bytes], int | None, int, int,
-                          Sequence[bytes] | None]:
-        raise NotImplementedError
-
-    def place_owed(self, owed: list[Owed]) -> None:
-        raise NotImplementedError
-
-    def reply_after(self, ticket: Ticket) -> None:
-        raise NotImplementedError
 
     def _end(self, nursery: trio.Nursery) -> None:
         """The connection stops reading: what becomes of the gets still waiting."""
@@ -174,7 +71,7 @@ class TaskPath:
                     if rest:
                         await self._run(rest)
                     await self._run_batch()
-                    await self._flush()
+                    await self.flush()
                 finally:
                     self.batches += 1
                     self.busy = False
@@ -194,68 +91,12 @@ class TaskPath:
                      extra={"event": "request_timeout", "peer": self.name})
         self.done = True
 
-    async def _receive(self) -> bytes | bytearray:
-        data = await self.transport.receive(RECEIVE_SIZE)
-        self.counters.bytes_read += len(data)
-        if data:
-            self.codec.receive_data(data)
-        elif not self.eof:  # the end of the stream is fed once, however often it is seen
-            self.eof = True
-            self.codec.receive_data(b"")
-        return data
-
-    async def _flush(self) -> None:
-        """Send what the replies added so far; a lost peer ends the session quietly.
-
-        One sender at a time (the loop, or a waiting get's task): a flag, and an event
-        made only when someone has to wait (a trio.Lock would yield on every send).
-        """
-        while self.sending:
-            if self.sent is None:
-                self.sent = trio.Event()
-            await self.sent.wait()
-        if not (self.out or self.owed):
-            return
-        self.sending = True  # while the owed writes settle too: one sender at a time
-        try:
-            while self.owed:  # more may be owed while it waits
-                await self._settle()
-            if not self.out:
-                return
-            data = bytes(self.out)
-            self.out.clear()  # in place: a waiting get's task may hold a reference
-            if self.lost:
-                return  # nobody to answer
-            self.counters.bytes_written += len(data)
-            await self.transport.send(data)
-        except trio.BrokenResourceError as exc:
-            log.debug("%s: connection lost: %s", self.name, exc)
-            self.lost = self.done = True
-        finally:
-            self.sending = False
-            if self.sent is not None:
-                self.sent.set()
-                self.sent = None
-
-    async def _settle(self) -> None:
-        """Wait until every owed write is durable (the caller is the one sender), then put
-        each held-back reply in its place in `out`: the reply, or, if a write it
-        acknowledges failed, `handlers.not_durable`'s error (the broker has undone its
-        confirms: the client may send them again). The connection stays open."""
-        owed, self.owed = self.owed, []
-        if not all(t.done for o in owed for t in o.tickets):
-            self.broker.write_ready()  # the batch's confirms, in one write if no fsync
-        for o in owed:
-            for ticket in o.tickets:
-                await ticket.wait()
-        self.place_owed(owed)
-
     # -- one batch ---------------------------------------------------------------------------
 
     async def _run_batch(self) -> None:
         """Run every complete request buffered, in order; replies collect in `out`.
 
-        Loops because a long poll reads ahead (see `_watching`): requests that arrived
+        Loops because a long poll reads ahead (see `TaskGets.take`): requests that arrived
         while it waited are run before the session waits for the network again.
         """
         while not self.done:
@@ -269,7 +110,7 @@ class TaskPath:
             self.requests += len(requests)
             await self._run(requests)
             if len(self.out) >= RECEIVE_SIZE:
-                await self._flush()
+                await self.flush()
 
     def _parse(self) -> list[c.Parsed]:
         return self.codec.next_requests(MAX_BATCH)
@@ -346,7 +187,7 @@ class TaskPath:
             else:
                 self.refused(r)
             if len(self.out) >= RECEIVE_SIZE:  # replies of a long batch go out as they grow
-                await self._flush()
+                await self.flush()
 
     async def _execute(self, req: c.Request) -> None:
         try:
@@ -426,106 +267,6 @@ class TaskPath:
                                            delay_ms=delay_ms, producer=first.producer,
                                            sequence=first.sequence, headers=headers,
                                            key=first.key)
-
-    # -- gets (see handlers.Conn) --------------------------------------------------------------
-
-    async def take(self, cmd: c.Get) -> list[Item]:
-        """A get answered in place. A long poll also watches the stream, so a client that
-        hangs up while waiting is noticed at once and takes no item with it; after the
-        peer's end of stream a get does not wait (its reply still goes out)."""
-        timeout = 0 if self.eof else cmd.timeout_ms
-        item: Item | None = None
-        error: Exception | None = None
-        if timeout <= 0:
-            if cmd.max_items > 1:  # pipelined gets joined (Request.count): each wants one
-                return await self.broker.get_many(
-                    cmd.queue, cmd.reader, cmd.max_items, client=self.reads, open=cmd.open,
-                    open_timeout_ms=cmd.open_timeout_ms, separate=True)
-            item = await self.broker.get(cmd.queue, cmd.reader, client=self.reads,
-                                         open=cmd.open, peek=cmd.peek,
-                                         open_timeout_ms=cmd.open_timeout_ms)
-            return [] if item is None else [item]
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_for_eof, nursery.cancel_scope)
-            try:
-                item = await self.broker.get(cmd.queue, cmd.reader, timeout_ms=timeout,
-                                             client=self.reads, open=cmd.open, peek=cmd.peek,
-                                             open_timeout_ms=cmd.open_timeout_ms)
-            except Exception as exc:  # re-raised bare, not wrapped in an ExceptionGroup
-                error = exc
-            nursery.cancel_scope.cancel()
-        if error is not None:
-            raise error
-        return [] if item is None else [item]
-
-    async def _watch_for_eof(self, scope: trio.CancelScope) -> None:
-        # Bytes that arrive meanwhile are pipelined requests: hand them to the parser
-        # (its caps bound them) and stop reading once a batch's worth is buffered.
-        while self.codec.buffered_bytes() < RECEIVE_SIZE:
-            if not await self._receive():
-                scope.cancel()
-                return
-        await trio.sleep_forever()
-
-    async def get_later(self, cmd: c.Get, req: c.Request) -> c.Reply | None:
-        """A get whose reply is matched by id: if it has to wait, it moves to a task of
-        its own (started when it answers or begins to wait) and later requests go on."""
-        if cmd.timeout_ms <= 0:
-            return c.Items(await self._get_many(cmd))
-        if self.waiting >= MAX_WAITING:
-            return c.Failure(c.ErrorKind.BUSY,
-                             f"{MAX_WAITING} gets are already waiting on this connection")
-        assert self.nursery is not None
-        await self.nursery.start(self._waiting_get, cmd, req)
-        return None
-
-    async def _get_many(self, cmd: c.Get,
-                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-                        ) -> list[Item]:
-        return await self.broker.get_many(
-            cmd.queue, cmd.reader, cmd.max_items, timeout_ms=cmd.timeout_ms,
-            client=self.reads, open=cmd.open, open_timeout_ms=cmd.open_timeout_ms,
-            max_bytes=cmd.max_bytes, task_status=task_status)
-
-    async def _waiting_get(self, cmd: c.Get, req: c.Request,
-                           task_status: trio.TaskStatus[None]) -> None:
-        batch = self.batches
-        self.waiting += 1
-        reply: c.Reply
-        items: list[Item] = []
-        scope = trio.CancelScope()  # cancelled: answered empty (see run)
-        self.waits.add(scope)
-        try:
-            with scope:
-                items = await self._get_many(cmd, task_status)
-            reply = c.Items(items)
-        except Exception as exc:
-            reply = self.failure(req, exc)
-            with suppress(RuntimeError):  # failed before it started: report started now
-                task_status.started()
-        finally:
-            self.waiting -= 1
-            self.waits.discard(scope)
-        self.answer(req, reply)
-        if batch != self.batches or not self.busy:
-            await self._flush()  # answered after its batch went out: send it now
-
-    async def monitor(self, cmd: c.Monitor, req: c.Request) -> c.Reply:
-        """Send items as they arrive (open reads, confirmed with `confirm`) until time is up."""
-        deadline = trio.current_time() + cmd.timeout_ms / 1000
-        sent = 0
-        while cmd.max_items is None or sent < cmd.max_items:
-            left = deadline - trio.current_time()
-            if left <= 0 or self.server.closing or self.done:  # done: the peer is lost
-                break
-            items = await self.take(c.Get(cmd.queue, cmd.reader,
-                                          timeout_ms=max(1, int(left * 1000)), open=True))
-            if not items:
-                break
-            self.out += self.codec.encode_item(req, items[0])
-            sent += 1
-            await self._flush()
-        return c.Done()
 
 
 def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c.Put]]:
