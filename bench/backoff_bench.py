@@ -19,6 +19,7 @@ count, so far less noise on a shared machine; it prints the CPU-per-item ratio.
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import socket
 import statistics
@@ -128,7 +129,9 @@ def main() -> None:
                 print(f"pair {pair} {name:>7} backoff: {rate[name]:9,.0f} items/s, "
                       f"server CPU {cpu_per[name] * 1e6:6.1f} us/item", flush=True)
             ratios.append(rate["with"] / rate["without"])
-            cpu_ratios.append(cpu_per["without"] / cpu_per["with"])
+            # (nan when a run was too short for the CPU clock's 10 ms ticks to see it)
+            cpu_ratios.append(cpu_per["without"] / cpu_per["with"] if cpu_per["with"]
+                              else math.nan)
         print(f"with / without, items/s: median {statistics.median(ratios):.3f} "
               f"(pairs {', '.join(f'{r:.3f}' for r in ratios)})")
         print(f"without / with, server CPU per item: median "

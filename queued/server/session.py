@@ -3,13 +3,15 @@ synchronous core.
 
 The reactor (queued.server.reactor) feeds a connection's bytes (plain or decrypted) and
 runs what needs no wait through the synchronous core (`run_nowait`, `end_pass`), handing
-the rest to the connection's task (`serve_turns`). That task path (the login, long-poll
-gets with hang-up detection, monitor, the send) is the `TaskPath` base
-(queued.server.task_path), and the pass's gets and long polls are `PassGets`
-(queued.server.pass_gets). This module owns the connection's state and open-read
-ledger, the core (puts, confirms, the answers after the commit), and the replies: a codec
-(`queued.wire.*_commands`) turns bytes into protocol-neutral requests and replies into
-bytes; `handlers` says what each command does. Replies go out only once the confirms and
+the rest to the connection's task (`serve_turns`). That task path is the chain of bases
+`TaskBase` (queued.server.task_base: the send, the wait for owed writes) -> `TaskGets`
+(queued.server.task_gets: long-poll gets with hang-up detection, monitor) -> `TaskPath`
+(queued.server.task_path: the turns, the login, batches in order, puts that wait); the
+pass's gets and long polls are `PassGets` (queued.server.pass_gets), the last base.
+This module owns the connection's state and open-read ledger, the core (puts, confirms,
+the answers after the commit), and the replies: a codec (`queued.wire.*_commands`) turns
+bytes into protocol-neutral requests and replies into bytes; `handlers` says what each
+command does. Replies go out only once the confirms and
 aborts they acknowledge are durable (one wait per batch, the writer's round shared by
 all); one that could not be made durable is answered with an error instead
 (`handlers.not_durable`). Never parses bytes itself and never touches the journal but
@@ -68,7 +70,7 @@ class Session(PassGets):
         self.stats = stats
         self.reads = OpenReads(name)
         self.out = bytearray()
-        self.sending = False  # a send is under way (see _flush)
+        self.sending = False  # a send is under way (see flush)
         self.sent: trio.Event | None = None  # set when it ends, if anyone waits
         self.nursery: trio.Nursery | None = None
         self.busy = False
