@@ -130,12 +130,14 @@ def main() -> None:
                       f"server CPU {cpu_per[name] * 1e6:6.1f} us/item", flush=True)
             ratios.append(rate["with"] / rate["without"])
             # (nan when a run was too short for the CPU clock's 10 ms ticks to see it)
-            cpu_ratios.append(cpu_per["without"] / cpu_per["with"] if cpu_per["with"]
-                              else math.nan)
+            cpu_ratios.append(cpu_per["without"] / cpu_per["with"]
+                              if cpu_per["with"] and cpu_per["without"] else math.nan)
         print(f"with / without, items/s: median {statistics.median(ratios):.3f} "
               f"(pairs {', '.join(f'{r:.3f}' for r in ratios)})")
+        seen = [r for r in cpu_ratios if not math.isnan(r)]  # (nan: too short to see)
         print(f"without / with, server CPU per item: median "
-              f"{statistics.median(cpu_ratios):.3f} (>= 1.0: with costs no more; pairs "
+              f"{statistics.median(seen) if seen else math.nan:.3f} (>= 1.0: with costs no "
+              f"more; pairs "
               f"{', '.join(f'{r:.3f}' for r in cpu_ratios)})")
     finally:
         for proc, _ in servers.values():

@@ -17,6 +17,8 @@ import msgpack
 import pytest
 import trio
 import trustme
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pymemcache.client.base import Client as MemcacheClient
 from security_util import Pki, tls_conn, tls_open, tls_settings
 from server_util import (
@@ -355,3 +357,39 @@ def test_the_channel_follows_the_record_framing_of_what_it_is_fed(pki: Pki) -> N
         # mid-record at every byte but the one that ends a record (which decrypts)
         assert server.mid_record() == (not more), i
     assert got == b"set q 0 0 2\r\nhi\r\nget q\r\n" and ends == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=6),
+       st.lists(st.integers(1, 400), max_size=12))
+def test_the_record_framing_holds_wherever_the_reads_cut(sizes: list[int],
+                                                         cuts: list[int]) -> None:
+    """Records (empty ones too) cut into reads anywhere (a header split, a record's tail
+    and the next one's head in one read): `mid_record` is false exactly at the records'
+    ends."""
+    channel = TlsChannel(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
+    wire = b"".join(bytes([23, 3, 3]) + n.to_bytes(2, "big") + b"\xab" * n for n in sizes)
+    ends, at = set(), 0
+    for n in sizes:
+        at += 5 + n
+        ends.add(at)
+    fed = 0
+    for cut in [*cuts, len(wire)]:
+        piece = wire[fed:fed + cut]
+        channel.feed(piece)
+        fed += len(piece)
+        assert channel.mid_record() == (fed not in ends and fed > 0), fed
+        if fed == len(wire):
+            break
+    assert fed == len(wire) and not channel.mid_record()
+
+
+def test_a_hello_in_the_old_sslv2_form_turns_the_framing_off() -> None:
+    """A first record that is not a TLS record's header (an SSLv2-format hello, 2-byte
+    header) is not followed: no record is said to be under way from then on, rather than
+    lengths read from the wrong bytes."""
+    channel = TlsChannel(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
+    channel.feed(b"\x80\x2e\x01\x03\x03" + b"\x00" * 20)  # (cut short)
+    assert not channel.mid_record()
+    channel.feed(b"\x17\x03\x03\x00\x10" + b"\x00" * 3)  # a TLS header after it: not read
+    assert not channel.mid_record()

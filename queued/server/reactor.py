@@ -164,8 +164,9 @@ class Reactor(Connections):
             if n and link.tls is not None:
                 link.tls.feed(view[:n])
                 if not self._decrypted(link):
-                    if link.waiting_since < 0:  # (part of a record: a request has begun)
-                        self.watch(link, trio.current_time())
+                    # Part of a record (a request has begun), or a record that holds no
+                    # data (a key update, an alert) after one: the deadline follows.
+                    self.watch(link, trio.current_time())
                     continue
             elif n:
                 session.counters.bytes_read += n

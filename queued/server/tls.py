@@ -98,7 +98,7 @@ class TlsChannel:
     owes the peer unasked (`to_send`: a TLS 1.3 key update's answer), all in one order.
     """
 
-    __slots__ = ("ended", "head", "incoming", "left", "outgoing", "tls")
+    __slots__ = ("ended", "framed", "head", "incoming", "left", "outgoing", "tls")
 
     def __init__(self, context: ssl.SSLContext) -> None:
         self.incoming = ssl.MemoryBIO()
@@ -107,14 +107,20 @@ class TlsChannel:
         self.ended = False  # the peer ended the TLS session (close_notify), or broke it
         # The record framing of what was fed (OpenSSL may take in part of a record, so
         # neither BIO says whether one has begun): the next record's header bytes seen
-        # so far, and the bytes still to come of the record under way.
+        # so far, and the bytes still to come of the record under way. `framed` turns
+        # False for good at a header that is not a TLS record's (an SSLv2-format hello,
+        # which OpenSSL may still take; garbage, which ends the session): no record is
+        # said to be under way from then on.
+        self.framed = True
         self.head = b""
         self.left = 0
 
     def feed(self, ciphertext: bytes | bytearray | memoryview) -> None:
         self.incoming.write(ciphertext)
-        # Follow the record framing: a 5-byte header whose last two bytes are the
-        # length of what follows.
+        if not self.framed:
+            return
+        # Follow the record framing: a 5-byte header (type 20-24, version 3.x) whose
+        # last two bytes are the length of what follows.
         n = len(ciphertext)
         i = 0
         head, left = self.head, self.left
@@ -124,12 +130,21 @@ class TlsChannel:
                 left -= step
                 i += step
                 continue
-            piece = bytes(ciphertext[i:i + 5 - len(head)])
-            head += piece
-            i += len(piece)
-            if len(head) == 5:
-                left = int.from_bytes(head[3:5], "big")
-                head = b""
+            if not head and n - i >= 5:  # (the usual case: a whole header at hand)
+                head = bytes(ciphertext[i:i + 5])
+                i += 5
+            else:
+                piece = bytes(ciphertext[i:i + 5 - len(head)])
+                head += piece
+                i += len(piece)
+                if len(head) < 5:
+                    break
+            if not (20 <= head[0] <= 24 and head[1] == 3):
+                self.framed = False
+                head, left = b"", 0
+                break
+            left = (head[3] << 8) | head[4]
+            head = b""
         self.head, self.left = head, left
 
     def mid_record(self) -> bool:
