@@ -173,9 +173,8 @@ class Writer:
         if len(work) + len(readers) < 2:  # (one file: no pool, no syncfs; the usual pass)
             return self.run_round(work, (), None, readers)
         pool = None
-        if len(work) + len(readers) > 1 and any(
-                f.fsync.mode is FsyncMode.ALWAYS for f in (*(f for f, _ in work),
-                                                            *(r for r, _ in readers))):
+        if any(f.fsync.mode is FsyncMode.ALWAYS for f in (*(f for f, _ in work),
+                                                          *(r for r, _ in readers))):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
             pool = self._pool
