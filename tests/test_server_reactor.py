@@ -18,13 +18,16 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
+from compiled_util import not_compiled
 from security_util import Pki, tls_open, tls_settings
 from server_util import WAIT, Conn, make_config, recv_until, running, served_sockets
 from wait_util import autojumping, wait_until
 
 from queued.server.connections import BUFFER_CAP
 from queued.server.reactor import PASS_REQUESTS
+from queued.server.session import Session
 from queued.server.task_base import RECEIVE_SIZE
+from queued.wire import commands as c
 
 
 def reactor_config(tmp_path: Path, **settings: object):  # type: ignore[no-untyped-def]
@@ -231,3 +234,31 @@ async def test_a_long_poll_in_the_connections_task_reads_what_arrives_meanwhile(
         await waiter.aclose()
         await wait_until(lambda: server.broker.reader_info("q").get("waiters") == 0)
         await producer.aclose()
+
+
+@not_compiled("replaces a method of Session, which a compiled class does not allow")
+async def test_a_request_that_fails_in_a_pass_closes_only_its_connection(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, wire: Wire,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug that raises out of the synchronous core for one connection (a get of queue
+    `boom` here) is logged and closes that connection; the pass's others are answered
+    and the reactor serves on."""
+    run_nowait = Session.run_nowait
+
+    def failing(self: Session, requests: list[c.Parsed]) -> int:
+        if any(type(r) is c.Request and type(r.command) is c.Get
+               and r.command.queue == "boom" for r in requests):
+            raise RuntimeError("a bug")
+        return run_nowait(self, requests)
+
+    monkeypatch.setattr(Session, "run_nowait", failing)
+    async with running(wire.config(tmp_path)) as server:
+        port = server.ports["memcache"]
+        bad, good = await wire.open(port), await wire.open(port)
+        with caplog.at_level(logging.ERROR, logger="queued.server"):
+            await bad.send(b"get boom\r\n")
+            await bad.expect_closed()
+        assert "a request failed; closing the connection" in caplog.text
+        assert await good.set("q", b"1") == b"STORED"
+        assert await good.get("q") == b"1"
+        await good.aclose()

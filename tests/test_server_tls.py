@@ -17,6 +17,7 @@ import msgpack
 import pytest
 import trio
 import trustme
+from compiled_util import not_compiled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pymemcache.client.base import Client as MemcacheClient
@@ -393,3 +394,32 @@ def test_a_hello_in_the_old_sslv2_form_turns_the_framing_off() -> None:
     assert not channel.mid_record()
     channel.feed(b"\x17\x03\x03\x00\x10" + b"\x00" * 3)  # a TLS header after it: not read
     assert not channel.mid_record()
+
+
+@not_compiled("replaces a method of TlsChannel, which a compiled class does not allow")
+async def test_a_decrypt_that_fails_closes_only_its_connection(
+        tmp_path: Path, pki: Pki, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure out of a TLS connection's decrypt other than the peer's bad bytes (a bug:
+    here, for the connection that sends `boom`) is logged and ends that connection; the
+    others are served on."""
+    decrypt = TlsChannel.decrypt
+
+    def failing(self: TlsChannel, max_bytes: int) -> bytearray:
+        data = decrypt(self, max_bytes)
+        if b"boom" in data:
+            raise RuntimeError("a bug")
+        return data
+
+    monkeypatch.setattr(TlsChannel, "decrypt", failing)
+    async with running(make_config(tmp_path / "data", **tls_settings(pki))) as server:
+        port = server.ports["memcache"]
+        bad = tls_conn(await tls_open(port, pki.client()))
+        good = tls_conn(await tls_open(port, pki.client()))
+        with caplog.at_level(logging.ERROR, logger="queued.server"):
+            await bad.send(b"get boom\r\n")
+            await bad.expect_closed()
+        assert "decrypting failed; closing the connection" in caplog.text
+        assert await good.set("q", b"1") == b"STORED"
+        assert await good.get("q") == b"1"
+        await good.stream.aclose()

@@ -131,7 +131,8 @@ class TlsChannel:
                 i += step
                 continue
             if not head and n - i >= 5:  # (the usual case: a whole header at hand)
-                head = bytes(ciphertext[i:i + 5])
+                kind, major, high, low = (ciphertext[i], ciphertext[i + 1],
+                                          ciphertext[i + 3], ciphertext[i + 4])
                 i += 5
             else:
                 piece = bytes(ciphertext[i:i + 5 - len(head)])
@@ -139,12 +140,13 @@ class TlsChannel:
                 i += len(piece)
                 if len(head) < 5:
                     break
-            if not (20 <= head[0] <= 24 and head[1] == 3):
+                kind, major, high, low = head[0], head[1], head[3], head[4]
+                head = b""
+            if not (20 <= kind <= 24 and major == 3):
                 self.framed = False
-                head, left = b"", 0
+                left = 0
                 break
-            left = (head[3] << 8) | head[4]
-            head = b""
+            left = (high << 8) | low
         self.head, self.left = head, left
 
     def mid_record(self) -> bool:

@@ -152,8 +152,8 @@ class Writer:
                 # into the page cache is cheaper than a hand-off to a thread.
                 results = self.run_round(work, periodic, None, readers)
             else:
-                if len(work) + len(readers) > 1 and self._pool is None:
-                    self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
+                if len(work) + len(readers) > 1:
+                    self._started_pool()
                 results = await self._round_thread.run(self.run_round, work, periodic,
                                                        self._pool, readers)
         self._rounds += 1
@@ -175,9 +175,7 @@ class Writer:
         pool = None
         if any(f.fsync.mode is FsyncMode.ALWAYS for f in (*(f for f, _ in work),
                                                           *(r for r, _ in readers))):
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
-            pool = self._pool
+            pool = self._started_pool()
         together = [f for f, _ in work if f.fsync.mode is FsyncMode.ALWAYS]
         if len(together) < SYNC_TOGETHER:
             return self.run_round(work, (), pool, readers)
@@ -199,6 +197,12 @@ class Writer:
         for f in together:
             f.synced_with_others()
         return results
+
+    def _started_pool(self) -> ThreadPoolExecutor:
+        """The pool that writes and syncs several files at once (started on first use)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(ROUND_THREADS, "queued-writer")
+        return self._pool
 
     async def wait_idle(self) -> None:
         """Until the round or pause under way (if any) is over."""
