@@ -26,6 +26,7 @@ from wait_util import wait_for
 
 from queued.client import AsyncClient, Client, ConnectionFailed, Item, parse_servers
 from queued.client.servers import Pool
+from queued.config import ConfigError
 
 NAME = "queued.fleet.test"
 
@@ -98,14 +99,33 @@ def test_pool_follows_its_dns_names() -> None:
 @asynccontextmanager
 async def fleet(tmp_path: Path, hosts: Sequence[str] = FLEET_HOSTS,
                 port: int | None = None) -> AsyncIterator[list[str]]:
-    """In-process servers, one per host, all on the same RPC port; yields "host:port"s."""
-    port = port or common_free_port(hosts)
-    async with AsyncExitStack() as stack:
-        for host in hosts:
-            (tmp_path / host).mkdir(parents=True)
-            config = make_config(tmp_path / host / "data", host=host, rpc_port=port)
-            await stack.enter_async_context(running(config))
-        yield [f"{host}:{port}" for host in hosts]
+    """In-process servers, one per host, all on the same RPC port; yields "host:port"s.
+    A port found free (`common_free_port`) can be taken by another process before the
+    last server binds it: then the servers started are stopped and another port is tried
+    (at most 5 times)."""
+    for attempt in range(5):
+        use = port or common_free_port(hosts)
+        stack = AsyncExitStack()
+        try:
+            for host in hosts:
+                (tmp_path / host).mkdir(parents=True, exist_ok=True)
+                config = make_config(tmp_path / host / "data", host=host, rpc_port=use)
+                await stack.enter_async_context(running(config))
+        except Exception as exc:
+            await stack.aclose()
+            if port or attempt == 4 or not port_taken(exc):
+                raise
+            continue
+        async with stack:
+            yield [f"{host}:{use}" for host in hosts]
+        return
+
+
+def port_taken(exc: BaseException) -> bool:
+    """`exc` says a port was in use (a server's start-up raises it inside a group)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(port_taken(e) for e in exc.exceptions)
+    return isinstance(exc, ConfigError) and "Address already in use" in str(exc)
 
 
 async def counts(servers: Sequence[str], queue: str) -> list[int]:
