@@ -36,7 +36,7 @@ from reader_util import (
     take_open,
 )
 
-from queued.journal.format import DelayedPut, Put
+from queued.journal.format import DelayedPut, HeadedPut, Put
 from queued.reader.delays import key_id
 from queued.reader.open_reads import OpenReads, TimeoutHeap
 from queued.reader.packed_items import BLOCK_ITEMS
@@ -1005,6 +1005,41 @@ def test_a_consumer_that_keeps_up_packs_nothing() -> None:
         r.add([packable(i)])
         assert r.take(T0, []) == packable(i - PACK_AT + 2)
         assert r.packed is None
+
+
+def _state(r: Reader) -> tuple[object, ...]:
+    """What a reader holds, as takes see it, and how much of it waits unpacked."""
+    return (r.tail, r.items, r.bytes, r.behind, r.mem_bytes, r.mem_count, r.counters.total_items,
+            r.checkpoint(), r.first_items(T0, 1000), len(r.mem))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 120), st.sampled_from(["put", "headed", "delayed"])),
+                min_size=1, max_size=40),
+       st.sampled_from([300, 5000, 1 << 30]), st.integers(0, 3))
+def test_items_added_one_at_a_time_or_together_leave_the_same_reader(
+    shapes: list[tuple[int, str]], cap: int, old: int,
+) -> None:
+    """Reader.add of one plain put (its single-item path) and of a list (the bulk path and
+    the general loop) agree: counts, memory, what goes behind, what is packed, the order
+    of takes; ids at or below the tail (the first `old`, added again) are ignored."""
+    made: list[Put] = []
+    for i, (size, kind) in enumerate(shapes, 1):
+        data = bytes([i % 256]) * size
+        made.append(HeadedPut(i, data, T0, headers=b"h") if kind == "headed" else
+                    DelayedPut(i, data, T0, due_ms=T0 - 1) if kind == "delayed" else
+                    Put(i, data, T0))
+    # (packing in blocks of 2 from 3 items held, as the state machine's readers do)
+    one = small_pack_reader("q", "", Limits(max_memory_size=cap))
+    together = small_pack_reader("q", "", Limits(max_memory_size=cap))
+    for it in made:
+        one.add([it])
+    for it in made[:old]:
+        one.add([it])  # (repeats: ignored)
+    together.add(made)
+    assert _state(one) == _state(together)
+    journal = {p.id: p for p in made}
+    assert take_all(one, journal) == take_all(together, journal)
 
 
 def test_due_items_wait_behind_a_due_item_on_disk() -> None:

@@ -6,17 +6,22 @@ Recovery and writer rounds: test_storage_datadir.py; compaction: test_storage_co
 from __future__ import annotations
 
 import io
+import tempfile
 from pathlib import Path
 
 import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from journal_util import T0, all_puts, cfg, data_for, fill, segments
 
 from queued.cli import check, dump
-from queued.config import FullPolicy
+from queued.config import FsyncPolicy, FullPolicy
 from queued.errors import JournalFullError
 from queued.journal import format as jf
 from queued.storage.datadir import DataDir
 from queued.storage.files import Checkpoint, SegmentInfo
+from queued.storage.journal import wait_durable
 from queued.storage.opening import open_data_dir
 
 # -- appends and read-back ---------------------------------------------------------
@@ -204,5 +209,65 @@ async def test_bad_item_in_a_batch_changes_nothing(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="out of range"):
             await q.append([b"a", b"b"], T0, error_count=1 << 40)
         assert q.last_id == 1 and q.statistics().pending_bytes == 0
+        assert (await q.append([b"next"], T0))[0].id == 2
+    assert [p.data for p in all_puts(tmp_path)] == [b"ok", b"next"]
+
+
+# One item in an append: the journal's single-item path (a bytes item) writes what the
+# general path (the same item as a bytearray, which it converts) writes, byte for byte:
+# FLAGS records, expiry, error counts, a check record per batch, segment rotation.
+_one_item = st.tuples(
+    st.binary(max_size=40) | st.builds(lambda n: b"z" * n, st.sampled_from([4095, 4096, 5000])),
+    st.sampled_from([None, T0 + 5_000]),  # expiry
+    st.sampled_from([0, 3]),  # error count
+    st.sampled_from([0, 7]),  # flags
+)
+
+
+async def _append_one_by_one(path: Path, items: list[tuple[bytes, int | None, int, int]],
+                             policy: str, wait: bool, as_bytes: bool) -> list[jf.Put]:
+    """`items` appended one per call: each waited for (every append opens a round's
+    batch), or none (they share rounds: the first opens the segment)."""
+    puts: list[jf.Put] = []
+    conf = cfg(journal_size=256, fsync=FsyncPolicy.parse(policy))
+    async with open_data_dir(path, queue_config=lambda _: conf) as dd:
+        q = dd.queue("q")
+        for data, expire, errors, flags in items:
+            one = data if as_bytes else bytearray(data)
+            got, ticket = q.append_nowait([one], T0, expire, errors, flags)
+            puts.extend(got)
+            if wait:
+                await wait_durable(ticket)
+    return puts
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_one_item, min_size=1, max_size=30), st.sampled_from(["never", "always"]),
+       st.booleans())
+def test_single_item_appends_write_what_the_general_path_writes(
+    items: list[tuple[bytes, int | None, int, int]], policy: str, wait: bool,
+) -> None:
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        fast = trio.run(_append_one_by_one, Path(a), items, policy, wait, True)
+        general = trio.run(_append_one_by_one, Path(b), items, policy, wait, False)
+        assert fast == general
+        assert [(p.id, p.data, p.expire_time_ms, p.error_count, p.flags) for p in fast] == [
+            (i, d, e, c, f) for i, (d, e, c, f) in enumerate(items, 1)]
+        files_a, files_b = segments(Path(a)), segments(Path(b))
+        assert len(files_a) == len(files_b) >= 1
+        head = len(jf.segment_head(T0))  # (its incarnation differs: a directory's own)
+        for fa, fb in zip(files_a, files_b, strict=True):
+            assert fa.read_bytes()[head:] == fb.read_bytes()[head:]
+        assert [p.data for p in all_puts(Path(a))] == [d for d, *_ in items]
+
+
+async def test_single_item_append_out_of_range_changes_nothing(tmp_path: Path) -> None:
+    async with open_data_dir(tmp_path) as dd:
+        q = dd.queue("q")
+        await q.append([b"ok"], T0)
+        for bad in ({"error_count": 1 << 40}, {"flags": -1}, {"expire_time_ms": 1 << 70}):
+            with pytest.raises(ValueError, match="out of range"):
+                q.append_nowait([b"one"], T0, **bad)  # type: ignore[arg-type]
+            assert q.last_id == 1 and q.statistics().pending_bytes == 0
         assert (await q.append([b"next"], T0))[0].id == 2
     assert [p.data for p in all_puts(tmp_path)] == [b"ok", b"next"]

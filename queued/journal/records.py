@@ -479,6 +479,22 @@ def encode_put(put: Put) -> bytes:
     return head + data
 
 
+def put_head(size: int, xid: int, add_time_ms: int, expire_time_ms: int | None = None,
+             error_count: int = 0, flags: int = 0) -> bytes:
+    """One PUT's header bytes (led by its FLAGS record when `flags` is not 0): what
+    `put_header_packer(...)(size, xid)` gives, for a single item without making the
+    packer. Raises ValueError when a field is out of range."""
+    try:
+        if expire_time_ms is None:
+            head = PUT_STRUCT.pack(PUT_BYTE, size, error_count, xid, add_time_ms)
+        else:
+            head = PUT_EXPIRE_STRUCT.pack(PUT_EXPIRE_BYTE, size, error_count, xid, add_time_ms,
+                                          expire_time_ms)
+    except struct.error as exc:
+        raise ValueError(f"PUT field out of range: {exc}") from None
+    return flags_record(flags) + head if flags else head
+
+
 def put_header_packer(
     add_time_ms: int, expire_time_ms: int | None = None, error_count: int = 0, flags: int = 0,
     due_ms: int | None = None,

@@ -257,6 +257,23 @@ class Reader(DelayedItems):
         cap = self.limits.max_memory_size
         if type(items) is not list:
             items = list(items)
+        if len(items) == 1 and self.behind is None:
+            it = items[0]
+            if type(it) is Put and it.id > self.tail:
+                # One plain put, new, fitting in memory: the bulk case below for one item
+                # (a client with one request in flight, a pass fanning in to many queues).
+                n = len(it.data)
+                if self.mem_bytes + n <= cap:
+                    self.tail = it.id
+                    self.items += 1
+                    self.bytes += n
+                    self.counters.total_items += 1
+                    mem = self._mem()
+                    mem.append(it)
+                    self.mem_bytes += n
+                    if len(mem) >= self.pack_at:
+                        self._pack()
+                    return
         types = set(map(type, items)) if self.behind is None else None
         if types is not None and items and items[0].id > self.tail and types <= _PUT_ONLY:
             # The usual case (one append's plain puts, all new, all fitting in memory) in bulk.

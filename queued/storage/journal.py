@@ -316,6 +316,12 @@ class QueueJournal:
         if self.file.failed is not None:
             raise JournalWriteError(f"queue {self.name!r} refuses writes: {self.file.failed}")
         ticket = Ticket()
+        if (len(datas) == 1 and due_ms is None and producer is None and not dedup
+                and headers is None):
+            one = self._append_one(datas[0], ticket, add_time_ms, expire_time_ms, error_count,
+                                   flags)
+            if one is not None:
+                return one, ticket
         # Check everything before touching any state, so a bad item changes nothing.
         pack_head = jf.put_header_packer(add_time_ms, expire_time_ms, error_count, flags,
                                          due_ms)
@@ -430,6 +436,52 @@ class QueueJournal:
         if self._proj_size is not None:
             self._proj_size += len(mark)
         self._pending_bytes += len(mark)
+
+    def _append_one(self, data: bytes, ticket: Ticket, add_time_ms: int,
+                    expire_time_ms: int | None, error_count: int, flags: int,
+                    ) -> list[jf.Put] | None:
+        """append_nowait's path for one small plain item (no delay, producer, key or
+        headers) that fits the current segment and batch: the usual put of a client with
+        one request in flight, and each queue's put in a pass fanning in to many. What
+        _append_small does for it, without making a packer or the bulk lists. None, with
+        nothing changed, when it does not apply (the general path then takes the item).
+        Raises ValueError (nothing changed) for a field out of range."""
+        size = self._proj_size  # (None: the append opens a segment; the general path)
+        if size is None or type(data) is not bytes or len(data) >= ZERO_COPY_BYTES:
+            return None
+        xid = self.last_id + 1
+        if xid > jf.MAX_ID:
+            return None  # (the general path refuses it)
+        head = jf.put_head(len(data), xid, add_time_ms, expire_time_ms, error_count, flags)
+        total = len(head) + len(data)
+        pending = self._pending
+        chunk = pending[-1] if pending else None
+        # (no chunk yet: this append opens the round's batch, which a check record seals)
+        proj = size + (jf.CHECK_RECORD_SIZE if chunk is None else 0)
+        if (proj + total > self.config.journal_size
+                or (chunk is not None and chunk.nbytes + total > MAX_BATCH_BYTES)):
+            return None
+        if chunk is None:
+            chunk = self._new_chunk(rotate=False)
+        small = chunk.small
+        small += head
+        small += data
+        chunk.nbytes += total
+        if not chunk.count:
+            chunk.first_id = xid
+        chunk.count += 1
+        chunk.last_id = xid
+        tickets = chunk.tickets
+        if not tickets or tickets[-1] is not ticket:
+            tickets.append(ticket)
+        self._proj_size = proj + total
+        self._proj_count += 1
+        self._pending_bytes += total
+        self.last_id = xid
+        self._appends += 1
+        self._items += 1
+        self.host.note_pending(self)
+        return [jf.Put(xid, data, add_time_ms, expire_time_ms, error_count, flags)]
 
     def _append_small(
         self,
