@@ -54,6 +54,7 @@ COMPILED = [
     "queued/reader/producers.py",
     "queued/reader/dedup.py",
     "queued/storage/write_plans.py",
+    "queued/storage/files.py",
     "queued/storage/synced_files.py",
     "queued/storage/journal.py",
     "queued/storage/writer.py",

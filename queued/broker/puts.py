@@ -142,10 +142,11 @@ class JoinedPuts:
             self._begun.append((pending, [part for part, _, _ in parts]))
             for part, _, _ in parts:
                 part.pending = pending
-            puts = pending.entry.puts
-            for (start, end, _), part in zip(keys, (p for p, _, k in parts if k is not None),
-                                             strict=True):
-                part.answer = (puts[start].id, end - start, False)
+            if keys:
+                puts = pending.entry.puts
+                for (start, end, _), part in zip(keys, (p for p, _, k in parts if k is not None),
+                                                 strict=True):
+                    part.answer = (puts[start].id, end - start, False)
         self._joins.clear()
 
     def end_all(self) -> None:

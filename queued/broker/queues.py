@@ -353,7 +353,7 @@ class QueueState:
         if cfg.max_age:
             cap = now + cfg.max_age
             expire_ms = cap if expire_ms is None else min(expire_ms, cap)
-        return now, expire_ms, sum(map(len, datas))
+        return now, expire_ms, len(datas[0]) if len(datas) == 1 else sum(map(len, datas))
 
     def _reserve(self, datas: Sequence[bytes], now: int, expire_ms: int | None,
                  error_count: int, flags: int, delay_ms: int, nbytes: int,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import trio
 
-from queued.config.policies import DataDirConfig, FsyncMode, FsyncPolicy, JournalConfig
+from queued.config.policies import DataDirConfig, FsyncPolicy, JournalConfig
 from queued.errors import (
     CorruptJournalError,
     CorruptRecordError,
@@ -44,7 +44,7 @@ from queued.storage.files import (
 )
 from queued.storage.journal import Planned, QueueJournal, ReaderWork
 from queued.storage.recovery import Damage, scan_segment
-from queued.storage.synced_files import SegmentFile
+from queued.storage.synced_files import NEVER, SegmentFile
 from queued.storage.write_plans import Chunk, ReaderOp
 from queued.storage.writer import ReaderFile, Writer, WriteResult
 
@@ -189,7 +189,7 @@ class DataDir:
         numbers = sorted(f.number for f in files if f.role is jf.FileRole.SEGMENT)
         # Only the newest segment can be torn: the writer fsyncs a segment before
         # it rotates away (unless fsync is "never").
-        never = config.fsync.mode is FsyncMode.NEVER
+        never = config.fsync.mode is NEVER
         for number in numbers:
             path = self.path / jf.segment_name(name, number)
             result = scan_segment(path, number, self.config.corruption, quarantine,

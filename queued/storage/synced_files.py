@@ -19,6 +19,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Final
 
 from queued.config.policies import FsyncMode, FsyncPolicy
 from queued.errors import JournalWriteError
@@ -34,6 +35,12 @@ log = logging.getLogger("queued.journal")
 RECOVERABLE_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 #: Most iovecs one writev takes (IOV_MAX on Linux).
 IOV_MAX = 1024
+#: The fsync modes, looked up once. Compiled code reading `FsyncMode.ALWAYS` takes a
+#: slow attribute look-up on every use (the enum is an interpreted module's, and Python
+#: 3.11's EnumType has a `__getattr__` hook); a Final name here is a C static.
+ALWAYS: Final = FsyncMode.ALWAYS
+NEVER: Final = FsyncMode.NEVER
+PERIODIC: Final = FsyncMode.PERIODIC
 
 
 class SyncedFile:
@@ -102,7 +109,7 @@ class SyncedFile:
 
     def fsync_deadline(self) -> float | None:
         """When a periodic fsync falls due (time.monotonic()), if one is owed."""
-        if self.fsync.mode is FsyncMode.PERIODIC and self._unsynced and not self._failed:
+        if self.fsync.mode is PERIODIC and self._unsynced and not self._failed:
             return self._last_fsync + self.fsync.interval_ms / 1000
         return None
 
@@ -134,14 +141,14 @@ class SyncedFile:
         return self.set_failed(f"write failed: {exc}")
 
     def _sync_by_policy(self) -> None:
-        if self.fsync.mode is FsyncMode.ALWAYS:
+        if self.fsync.mode is ALWAYS:
             self._fsync()
-        elif self.fsync.mode is FsyncMode.PERIODIC:
+        elif self.fsync.mode is PERIODIC:
             self.fsync_if_due()
 
     def _inline_ok(self) -> bool:
         """True when a write now needs no fsync (the file being open is the caller's)."""
-        if self.fsync.mode is FsyncMode.ALWAYS or self._failed is not None:
+        if self.fsync.mode is ALWAYS or self._failed is not None:
             return False
         deadline = self.fsync_deadline()  # periodic: no fsync may fall due in this round
         return deadline is None or deadline > time.monotonic()
@@ -199,7 +206,7 @@ class SegmentFile(SyncedFile):
         done: list[Written] = []
         created_any = False
         error: BaseException | None = None
-        never = self.fsync.mode is FsyncMode.NEVER
+        never = self.fsync.mode is NEVER
         for chunk in chunks:
             if (chunk.rotate or self._fd is None) and self._fd is not None:
                 # The segment being left holds batches of this round: sync it first.

@@ -24,11 +24,11 @@ from typing import TypeVar, cast
 
 import trio
 
-from queued.config.policies import FsyncMode, FsyncPolicy
+from queued.config.policies import FsyncPolicy
 from queued.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
 from queued.storage import fileio
 from queued.storage.round_thread import RoundThread
-from queued.storage.synced_files import ReaderFile, SegmentFile, SyncedFile
+from queued.storage.synced_files import ALWAYS, ReaderFile, SegmentFile, SyncedFile
 from queued.storage.write_plans import (
     ZERO_COPY_BYTES,
     Chunk,
@@ -173,15 +173,15 @@ class Writer:
         if len(work) + len(readers) < 2:  # (one file: no pool, no syncfs; the usual pass)
             return self.run_round(work, (), None, readers)
         pool = None
-        if any(f.fsync.mode is FsyncMode.ALWAYS for f in (*(f for f, _ in work),
+        if any(f.fsync.mode is ALWAYS for f in (*(f for f, _ in work),
                                                           *(r for r, _ in readers))):
             pool = self._started_pool()
-        together = [f for f, _ in work if f.fsync.mode is FsyncMode.ALWAYS]
+        together = [f for f, _ in work if f.fsync.mode is ALWAYS]
         if len(together) < SYNC_TOGETHER:
             return self.run_round(work, (), pool, readers)
         # Many segment files to sync: write them all, then one durable point for them
         # (syncfs: one journal commit) rather than an fsync each.
-        results = [file.write(chunks, sync=file.fsync.mode is not FsyncMode.ALWAYS)
+        results = [file.write(chunks, sync=file.fsync.mode is not ALWAYS)
                    for file, chunks in work]
         if readers:
             self.run_round([], (), pool, readers)
