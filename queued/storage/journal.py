@@ -316,9 +316,10 @@ class QueueJournal:
         if self.file.failed is not None:
             raise JournalWriteError(f"queue {self.name!r} refuses writes: {self.file.failed}")
         ticket = Ticket()
-        if (len(datas) == 1 and due_ms is None and producer is None and not dedup
+        first: object = datas[0] if len(datas) == 1 else None  # (a bytes-like is copied)
+        if (type(first) is bytes and due_ms is None and producer is None and not dedup
                 and headers is None):
-            one = self._append_one(datas[0], ticket, add_time_ms, expire_time_ms, error_count,
+            one = self._append_one(first, ticket, add_time_ms, expire_time_ms, error_count,
                                    flags)
             if one is not None:
                 return one, ticket
@@ -447,7 +448,7 @@ class QueueJournal:
         nothing changed, when it does not apply (the general path then takes the item).
         Raises ValueError (nothing changed) for a field out of range."""
         size = self._proj_size  # (None: the append opens a segment; the general path)
-        if size is None or type(data) is not bytes or len(data) >= ZERO_COPY_BYTES:
+        if size is None or len(data) >= ZERO_COPY_BYTES:
             return None
         xid = self.last_id + 1
         if xid > jf.MAX_ID:
