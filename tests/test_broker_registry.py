@@ -7,13 +7,13 @@ with the slow one (every item decoded) and with what was put.
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PosixPath
+from typing import Any
 
 import pytest
 from broker_util import make_config, stats, with_default
 
 import queued.broker.registry
-import queued.storage.journal
 from queued.broker.upkeep import open_broker
 from queued.reader.open_reads import OpenReads
 
@@ -40,36 +40,43 @@ async def fill(tmp_path: Path) -> tuple[int, int]:
     return 3000 - len(consumed), sum(n for i, n in enumerate(sizes, 1) if i not in consumed)
 
 
+class _CountingPath(PosixPath):
+    """A segment's path that notes each time the segment file is opened (to be read)."""
+
+    opened: list[str] = []
+
+    def open(self, *args: Any, **kwargs: Any) -> Any:
+        _CountingPath.opened.append(self.name)
+        return super().open(*args, **kwargs)
+
+
 @pytest.mark.parametrize("fast", [True, False])
 async def test_restart_counts_the_backlog_exactly(
     tmp_path: Path, fast: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     items, nbytes = await fill(tmp_path)
     cfg = with_default(make_config(tmp_path), max_memory_size=2048, journal_size=4096)
-    if not fast:  # as if recovery had not learnt the data bytes: every item is decoded
-        real = queued.broker.registry.count_unconsumed
+    real = queued.broker.registry.count_unconsumed
+    decoded = _CountingPath.opened
+    decoded.clear()
 
-        def slow(journal, head, done):  # type: ignore[no-untyped-def]
-            for seg in journal.segments:
+    # (the function the registry hands to a thread: an interpreted module's, looked up
+    # in the registry's globals. Segment reads are counted through each segment's path,
+    # which the compiled journal and files code open: their functions call each other
+    # directly, so no module name of theirs can be replaced.)
+    def counting(journal, head, done):  # type: ignore[no-untyped-def]
+        for seg in journal.segments:
+            seg.path = _CountingPath(seg.path)
+            if not fast:  # as if recovery had not learnt the data bytes: all decoded
                 seg.data_bytes = None
-            return real(journal, head, done)
+        return real(journal, head, done)
 
-        monkeypatch.setattr(queued.broker.registry, "count_unconsumed", slow)
-    decoded: list[int] = []
-    real_read = queued.storage.journal.read_segment
-
-    def spy(seg, from_id, to_id):  # type: ignore[no-untyped-def]
-        decoded.append(seg.number)
-        return real_read(seg, from_id, to_id)
-
-    # (the module function QueueJournal.iter_segment calls: a compiled class's methods
-    # cannot be replaced, a name it looks up in its module can)
-    monkeypatch.setattr(queued.storage.journal, "read_segment", spy)
+    monkeypatch.setattr(queued.broker.registry, "count_unconsumed", counting)
     async with open_broker(cfg) as broker:
         segments = len(broker.queues["q"].journal.segments)
         # Fast: only the segment holding the done ids is decoded to count (read-behind
         # then warms memory from the first segments); slow: every segment.
-        assert (len(decoded) < 5) if fast else (len(decoded) >= segments)
+        assert (1 <= len(decoded) < 5) if fast else (len(decoded) >= segments)
         got = stats(broker)
         assert (got["items"], got["bytes"]) == (items, nbytes)
         assert got["mem_bytes"] <= 2048
