@@ -21,11 +21,12 @@ from compiled_util import not_compiled
 from queued.broker import queues
 from queued.journal import records
 from queued.storage import journal, write_plans
-from queued.wire import commands
+from queued.wire import commands, memcache_protocol
 
 WRITTEN_OUT: list[type[Any]] = [
     records.Put, records.DelayedPut, records.HeadedPut,
-    commands.Put, commands.Get,
+    commands.Put, commands.Get, commands.Request, commands.Stored, commands.Items,
+    commands.Count, memcache_protocol.Set,
     queues.Inflight, queues.PendingPut,
     write_plans.Chunk, write_plans.Written, write_plans.WriteResult,
     journal.Planned,

@@ -324,9 +324,13 @@ class Failure:
     message: str
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Stored:
     count: int
+
+    # (written out, as Put's is: one is made per put answered)
+    def __init__(self, count: int) -> None:
+        self.count = count
 
 
 @dataclass(slots=True)
@@ -339,16 +343,24 @@ class ProducerStored:
     duplicate: bool
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Items:
     items: Sequence[Item]
 
+    # (written out: one is made per get answered)
+    def __init__(self, items: Sequence[Item]) -> None:
+        self.items = items
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Count:
     """How many items a confirm, abort, flush or flush_expired touched."""
 
     n: int
+
+    # (written out: one is made per confirm answered)
+    def __init__(self, n: int) -> None:
+        self.n = n
 
 
 @dataclass(slots=True)
@@ -422,7 +434,7 @@ class Limits:
     max_batch: int
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Request:
     """One command as parsed: what to run, the wire context its replies need (a memcache
     event with its key and noreply, an RPC msgid), and its name for the metrics.
@@ -437,6 +449,13 @@ class Request:
     context: Any
     name: str
     count: int = 1
+
+    # (written out: one is made per request)
+    def __init__(self, command: Command, context: Any, name: str, count: int = 1) -> None:
+        self.command = command
+        self.context = context
+        self.name = name
+        self.count = count
 
     def split(self) -> list[Request]:
         """A joined put as the single-item puts it stands for (else [self])."""

@@ -48,7 +48,7 @@ I64_MAX: Final = (1 << 63) - 1
 # -- commands -------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)  # not frozen: one per item, and 4x cheaper to build (never changed)
+@dataclass(slots=True, init=False)  # not frozen: one per item, 4x cheaper to build
 class Set:
     queue: str
     flags: int
@@ -57,6 +57,17 @@ class Set:
     noreply: bool = False
     delay_ms: int = 0  # `set <queue>/delay=<ms>`: invisible that long (a sixth slot: free)
     key: bytes | None = None  # `set <queue>/key=<k>`: a deduplication key
+
+    # (written out, as queued.journal.records.Put's is: one is made per set)
+    def __init__(self, queue: str, flags: int, exptime: int, data: bytes,
+                 noreply: bool = False, delay_ms: int = 0, key: bytes | None = None) -> None:
+        self.queue = queue
+        self.flags = flags
+        self.exptime = exptime
+        self.data = data
+        self.noreply = noreply
+        self.delay_ms = delay_ms
+        self.key = key
 
 
 @dataclass(frozen=True, slots=True)
