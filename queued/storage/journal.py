@@ -316,7 +316,8 @@ class QueueJournal:
         if self.file.failed is not None:
             raise JournalWriteError(f"queue {self.name!r} refuses writes: {self.file.failed}")
         ticket = Ticket()
-        first: object = datas[0] if len(datas) == 1 else None  # (a bytes-like is copied)
+        # (exactly bytes: the general path copies anything else to bytes first)
+        first: object = datas[0] if len(datas) == 1 else None
         if (type(first) is bytes and due_ms is None and producer is None and not dedup
                 and headers is None):
             one = self._append_one(first, ticket, add_time_ms, expire_time_ms, error_count,

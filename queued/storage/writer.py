@@ -174,7 +174,7 @@ class Writer:
             return self.run_round(work, (), None, readers)
         pool = None
         if any(f.fsync.mode is ALWAYS for f in (*(f for f, _ in work),
-                                                          *(r for r, _ in readers))):
+                                                *(r for r, _ in readers))):
             pool = self._started_pool()
         together = [f for f, _ in work if f.fsync.mode is ALWAYS]
         if len(together) < SYNC_TOGETHER:
