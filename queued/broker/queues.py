@@ -561,7 +561,8 @@ class QueueState:
             readers = list(self.readers.values())
             most = pack_max_for(len(readers))  # the readers share these objects
             for h in readers:
-                h.reader.pack_max = most
+                if h.reader.pack_max != most:  # (one reader: the class default, no slot set)
+                    h.reader.pack_max = most
                 h.reader.add(entry.puts)
                 self.serve(h)
             if entry.due_ms is not None:

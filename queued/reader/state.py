@@ -257,43 +257,34 @@ class Reader(DelayedItems):
         cap = self.limits.max_memory_size
         if type(items) is not list:
             items = list(items)
-        if len(items) == 1 and self.behind is None:
-            it = items[0]
-            if type(it) is Put and it.id > self.tail:
-                # One plain put, new, fitting in memory: the bulk case below for one item
-                # (a client with one request in flight, a pass fanning in to many queues).
-                n = len(it.data)
-                if self.mem_bytes + n <= cap:
-                    self.tail = it.id
-                    self.items += 1
-                    self.bytes += n
-                    self.counters.total_items += 1
-                    mem = self._mem()
-                    mem.append(it)
-                    self.mem_bytes += n
-                    if len(mem) >= self.pack_at:
-                        self._pack()
-                    return
-        types = set(map(type, items)) if self.behind is None else None
-        if types is not None and items and items[0].id > self.tail and types <= _PUT_ONLY:
-            # The usual case (one append's plain puts, all new, all fitting in memory) in bulk.
-            nbytes = sum(map(len, map(_DATA, items)))
+        first = items[0] if len(items) == 1 else None
+        if type(first) is Put and self.behind is None and first.id > self.tail:
+            # One plain put, new (a client with one request in flight, a pass fanning in
+            # to many queues): the bulk case below without its type set and sums.
+            bulk, nbytes = True, len(first.data)
             held = nbytes
-            if HeadedPut in types:  # (their headers are held too)
+        else:
+            types = set(map(type, items)) if self.behind is None else None
+            bulk, nbytes = False, 0
+            if types is not None and items and items[0].id > self.tail and types <= _PUT_ONLY:
+                bulk, nbytes = True, sum(map(len, map(_DATA, items)))
+            held = nbytes
+            if bulk and types is not None and HeadedPut in types:  # (their headers are held)
                 held += sum(map(len, map(_HEADERS, items)))
                 self.headed = True
-            if self.mem_bytes + held <= cap:
-                k = len(items)
-                self.tail = items[-1].id
-                self.items += k
-                self.bytes += nbytes
-                self.counters.total_items += k
-                mem = self._mem()
-                mem.extend(items)
-                self.mem_bytes += held
-                if len(mem) >= self.pack_at:
-                    self._pack()
-                return
+        if bulk and self.mem_bytes + held <= cap:
+            # The usual case (one append's plain puts, all new, all fitting in memory) in bulk.
+            k = len(items)
+            self.tail = items[-1].id
+            self.items += k
+            self.bytes += nbytes
+            self.counters.total_items += k
+            mem = self._mem()
+            mem.extend(items)
+            self.mem_bytes += held
+            if len(mem) >= self.pack_at:
+                self._pack()
+            return
         mem = self.mem
         for it in items:
             if it.id <= self.tail:
