@@ -7,6 +7,7 @@ subprocess is killed by its PID when the test ends.
 from __future__ import annotations
 
 import http.client
+import logging
 import os
 import re
 import signal
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 
 import compiled_util
 import msgpack
+import pytest
 import trio
 from pymemcache.client.base import Client as MemcacheClient
 from wait_util import WAIT, wait_for
@@ -201,6 +203,20 @@ class Conn:
     async def aclose(self) -> None:
         with trio.move_on_after(WAIT):
             await self.stream.aclose()
+
+
+async def only_the_failing_one_closes(bad: Conn, good: Conn, logged: str,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    """`bad` sends `get boom`, which the test made fail inside the server (a bug, not bad
+    input): the server logs `logged` and closes `bad` alone; `good` is served on (and
+    closed after)."""
+    with caplog.at_level(logging.ERROR, logger="queued.server"):
+        await bad.send(b"get boom\r\n")
+        await bad.expect_closed()
+    assert logged in caplog.text
+    assert await good.set("q", b"1") == b"STORED"
+    assert await good.get("q") == b"1"
+    await good.aclose()
 
 
 class Rpc:
