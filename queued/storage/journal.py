@@ -468,22 +468,29 @@ class QueueJournal:
         small = chunk.small
         small += head
         small += data
-        chunk.nbytes += total
-        if not chunk.count:
-            chunk.first_id = xid
-        chunk.count += 1
-        chunk.last_id = xid
-        tickets = chunk.tickets
-        if not tickets or tickets[-1] is not ticket:
-            tickets.append(ticket)
-        self._proj_size = proj + total
-        self._proj_count += 1
-        self._pending_bytes += total
+        self._proj_size = proj
+        self._booked(chunk, xid, 1, total, ticket)
         self.last_id = xid
         self._appends += 1
         self._items += 1
         self.host.note_pending(self)
         return [jf.Put(xid, data, add_time_ms, expire_time_ms, error_count, flags)]
+
+    def _booked(self, chunk: Planned, first: int, n: int, total: int, ticket: Ticket) -> None:
+        """`n` items from id `first` (`total` bytes, records included) were just copied
+        into `chunk` for `ticket`: its counts, and the journal's projection, follow."""
+        chunk.nbytes += total
+        if not chunk.count:
+            chunk.first_id = first
+        chunk.count += n
+        chunk.last_id = first + n - 1
+        tickets = chunk.tickets
+        if not tickets or tickets[-1] is not ticket:
+            tickets.append(ticket)
+        assert self._proj_size is not None
+        self._proj_size += total
+        self._proj_count += n
+        self._pending_bytes += total
 
     def _append_small(
         self,
@@ -520,16 +527,7 @@ class QueueJournal:
             parts[::2] = map(operator.add, leads, parts[::2])
         parts[1::2] = datas
         chunk.small += b"".join(parts)
-        chunk.nbytes += total
-        if not chunk.count:
-            chunk.first_id = first
-        chunk.count += n
-        chunk.last_id = first + n - 1
-        if not chunk.tickets or chunk.tickets[-1] is not ticket:
-            chunk.tickets.append(ticket)
-        self._proj_size += total
-        self._proj_count += n
-        self._pending_bytes += total
+        self._booked(chunk, first, n, total, ticket)
         if due_ms is not None:
             return [jf.DelayedPut(i, d, add_time_ms, expire_time_ms, error_count, flags, due_ms,
                                   h) for i, d, h in zip(ids, datas, headers or repeat(b"", n),
