@@ -1,5 +1,5 @@
 """The pure open-read ledger and timeout heap (queued.reader.open_reads): a hypothesis state
-machine checks them together against a plain dict model (opening, closing, forgetting,
+machine checks them together against a plain dict model (opening, closing, taking, forgetting,
 expiring and compacting never lose or duplicate an open read; due reads come out in
 deadline order), plus a few targeted cases."""
 
@@ -114,6 +114,21 @@ class OpenReadsMachine(RuleBasedStateMachine):
         want = mine if asked is None else [n for n in dict.fromkeys(asked) if n in mine]
         assert self.ledgers[i].choose(q, r, count, asked) == (
             want if count is None else want[:count])
+
+    @precondition(lambda self: bool(self.open))
+    @rule(data=st.data(), count=st.none() | st.integers(0, 3))
+    def take(self, data: st.DataObject, count: int | None) -> None:
+        """A confirm's bulk close: what `choose` picks, closed, with its deadlines."""
+        i, q, r, _ = data.draw(st.sampled_from(sorted(self.open)))
+        mine = [k[3] for k in self.open if k[:3] == (i, q, r)]
+        asked = data.draw(st.none() | st.lists(item_id, max_size=5))
+        want = mine if asked is None else [n for n in dict.fromkeys(asked) if n in mine]
+        if count is not None:
+            want = want[:count]
+        taken = self.ledgers[i].take(q, r, count, asked)
+        assert list(taken.items()) == [(n, self.open[(i, q, r, n)]) for n in want]
+        for n in want:
+            del self.open[(i, q, r, n)]
 
     @invariant()
     def ledgers_match(self) -> None:

@@ -757,7 +757,7 @@ class ReaderMachine(RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(sorted(self.r.open)), min_size=1,
                                  unique=True))
         stranger = max(self.journal, default=0) + 1  # never open: not confirmed
-        assert self.r.confirm_many([*ids, stranger]) == ids
+        assert [it.id for it in self.r.confirm_many([*ids, stranger])] == ids
         self.consumed.update(ids)
         for i in ids:
             self._settled(i)
@@ -1074,9 +1074,9 @@ def _due_before_plain(bulk: bool) -> tuple[dict[int, Put], Reader]:
     r.add(list(store.values()))
     a, b = take_open(r, T0 + 10), take_open(r, T0 + 10)
     assert (a.id, b.id) == (2, 3)  # due first, ahead of the plain item 1
-    assert (r.confirm_many([2]) if bulk else [2] * r.confirm(2)) == [2]
+    assert ([it.id for it in r.confirm_many([2])] if bulk else [2] * r.confirm(2)) == [2]
     r.checkpoint()  # finds nothing delayed any more
-    assert (r.confirm_many([3]) if bulk else [3] * r.confirm(3)) == [3]
+    assert ([it.id for it in r.confirm_many([3])] if bulk else [3] * r.confirm(3)) == [3]
     return store, r
 
 
@@ -1147,7 +1147,7 @@ class _Pair:
 
     def confirm(self, r: Reader, ids: list[int], *, bulk: bool) -> list[int]:
         if bulk:
-            return r.confirm_many(ids)
+            return [it.id for it in r.confirm_many(ids)]
         return [i for i in ids if r.confirm(i)]
 
     def state(self, r: Reader) -> tuple[object, ...]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import trio
 
@@ -101,51 +101,54 @@ class ReliableReads:
         get) the confirms are appended to the reader's file and `owe` gets the ticket.
         A confirm takes effect at once; if its append fails, it is undone (`_unconfirm`)
         before the ticket wakes anyone: a refused confirm leaves its reads open."""
-        chosen = client.choose(queue, rname, count, ids)
-        if not chosen:
+        taken = client.take(queue, rname, count, ids)  # id -> deadline, closed
+        if not taken:
             return 0
-        deadlines = client.deadlines(queue, rname, chosen) if journal else None
-        client.remove_many(queue, rname, chosen)
         qs = self.queues.get(queue)
         if qs is None:
-            return len(chosen)
-        confirmed: dict[int, tuple[LiveReader, list[int]]] = {}
+            return len(taken)
+        confirmed: list[tuple[LiveReader, list[Item]]] = []
         h = qs.readers.get(rname)
-        others = chosen
-        held: dict[int, Item] = {}
-        if deadlines is not None:  # what `_unconfirm` needs, should the append fail
-            for i in chosen:
-                o = qs.owner(rname, i)
-                if o is not None:
-                    held[i] = o.reader.open[i]
+        others: Iterable[int] = taken
         if h is not None:  # (the usual case: every read is the named reader's)
-            others = [i for i in chosen if i not in h.reader.open]
-            done = h.reader.confirm_many([i for i in chosen if i in h.reader.open]
-                                         if others else chosen)
-            if done and journal:
-                confirmed[id(h)] = (h, done)
+            items = h.reader.confirm_many(taken)
+            if items:
+                confirmed.append((h, items))
+            if len(items) == len(taken):
+                others = ()
+            else:
+                got = {it.id for it in items}
+                others = [i for i in taken if i not in got]
+        by_owner: dict[int, tuple[LiveReader, list[Item]]] = {}
         for i in others:  # taken under a name another reader took over since
             o = qs.owner(rname, i)
-            if o is not None and o.reader.confirm(i) and journal:
-                confirmed.setdefault(id(o), (o, []))[1].append(i)
-        for o, done in confirmed.values():
-            ticket = qs.note_read(o, done=done)
-            if ticket is not None and deadlines is not None:
-                ticket.on_failure(functools.partial(
-                    self._unconfirm, client, qs, o, rname,
-                    [(held[i], deadlines[i]) for i in done]))
-            if ticket is not None and owe is not None:
+            if o is not None:
+                it = o.reader.open[i]
+                if o.reader.confirm(i):
+                    by_owner.setdefault(id(o), (o, []))[1].append(it)
+        confirmed.extend(by_owner.values())
+        if not journal:
+            return len(taken)
+        for o, done in confirmed:
+            ticket = qs.note_read(o, done=[it.id for it in done])
+            if ticket is None:
+                continue
+            ticket.on_failure(functools.partial(self._unconfirm, client, qs, o, rname, done,
+                                                taken))
+            if owe is not None:
                 owe(ticket)
-        return len(chosen)
+        return len(taken)
 
     def _unconfirm(self, client: OpenReads, qs: QueueState, h: LiveReader, rname: str,
-                   reads: list[tuple[Item, float | None]], error: BaseException) -> None:
+                   items: list[Item], deadlines: dict[int, float | None],
+                   error: BaseException) -> None:
         """Confirms whose append failed are undone: the reads are open again on their
         connection, with their deadlines; or, if it has ended meanwhile, back at the
         head of the queue as its other reads went. Nothing was acknowledged, so nothing
         is lost: the items are delivered again unless a confirm of them succeeds."""
         if qs.deleted or h.closed:
             return  # deleted with its queue: there is nothing left to deliver
+        reads = [(it, deadlines[it.id]) for it in items]
         log.warning("queue %s: %d confirms of %s undone, not durable: %s", qs.name,
                     len(reads), client.name, error)
         for it, _ in reads:

@@ -71,6 +71,29 @@ class OpenReads:
             held = self.open_ids(queue, reader)
         return held if count is None else held[:count]
 
+    def take(
+        self, queue: str, reader: str, count: int | None, ids: Sequence[int] | None
+    ) -> dict[int, float | None]:
+        """`choose` and `remove_many` in one go (a confirm's bulk case): the chosen reads,
+        closed, each with its deadline, in `choose`'s order."""
+        key = (queue, reader)
+        mine = self.open.get(key)
+        if not mine:
+            return {}
+        pop = mine.pop
+        if ids is None:
+            chosen: Iterable[int] = list(mine) if count is None else list(mine)[:count]
+            taken = {i: pop(i) for i in chosen}
+        elif count is None:
+            taken = {i: pop(i) for i in dict.fromkeys(ids) if i in mine}
+        else:
+            chosen = [i for i in dict.fromkeys(ids) if i in mine][:count]
+            taken = {i: pop(i) for i in chosen}
+        if not mine:
+            del self.open[key]
+        self.open_total -= len(taken)
+        return taken
+
     def add(self, queue: str, reader: str, item_id: int, deadline: float | None) -> None:
         """`item_id` is open until `deadline` (None: no deadline). Adding an id that is
         open already only moves its deadline."""

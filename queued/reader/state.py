@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Iterable, Iterator
-from itertools import islice
+from itertools import islice, repeat
 from operator import attrgetter
 from typing import Final
 
@@ -547,12 +547,12 @@ class Reader(DelayedItems):
         self.consume(item_id)
         return True
 
-    def confirm_many(self, ids: Iterable[int]) -> list[int]:
-        """`confirm` each of `ids` (distinct); those that were open, in order."""
-        pop = self.open.pop
-        done = [i for i in ids if pop(i, None) is not None]
-        if not done:
-            return done
+    def confirm_many(self, ids: Iterable[int]) -> list[Item]:
+        """`confirm` each of `ids` (distinct); the items of those that were open, in order."""
+        items = [it for it in map(self.open.pop, ids, repeat(None)) if it is not None]
+        if not items:
+            return items
+        done = [it.id for it in items]
         if not self.open:
             self.open = NO_ENTRIES
         self.dirty = True
@@ -568,7 +568,7 @@ class Reader(DelayedItems):
         else:
             # As `consume` does for the last of them: nothing lower is outstanding.
             self.head = max(self.head, top)
-        return done
+        return items
 
     def reopen(self, it: Item) -> None:
         """Undo `confirm` of `it`: its confirm could not be made durable, so it is open
