@@ -9,6 +9,7 @@ suite runs through it. Real servers on 127.0.0.1 port 0, real TLS (trustme).
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import ssl
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from server_util import (
 from wait_util import autojumping, wait_until
 
 from queued.server.connections import BUFFER_CAP
-from queued.server.reactor import PASS_REQUESTS
+from queued.server.reactor import LINGER_BACKOFF, PASS_REQUESTS, trio_epoll
 from queued.server.session import Session
 from queued.server.task_base import RECEIVE_SIZE
 from queued.wire import commands as c
@@ -265,3 +266,58 @@ async def test_a_request_that_fails_in_a_pass_closes_only_its_connection(
         bad, good = await wire.open(port), await wire.open(port)
         await only_the_failing_one_closes(bad, good, "a request failed; closing the connection",
                                           caplog)
+
+
+def test_the_reactor_finds_trios_epoll_to_linger_on() -> None:
+    """The linger needs trio's own epoll (a private attribute of trio's): if a trio
+    release moves it, this fails, rather than the reactor silently going back to a
+    scheduler round trip per one-request pass."""
+    assert trio_epoll() is None  # (outside a run there is none)
+
+    async def inside() -> select.epoll | None:
+        return trio_epoll()
+
+    assert isinstance(trio.run(inside), select.epoll)
+
+
+async def test_a_one_request_client_is_served_without_a_trip_through_trio(
+        tmp_path: Path) -> None:
+    """A client with one request in flight, in another thread: after each reply the
+    reactor waits on its own epoll, and the next request finds it there."""
+    n = 300
+    async with running(reactor_config(tmp_path, fsync="never")) as server:
+        assert server.reactor is not None
+        before = server.reactor.statistics()
+        async with served_sockets(server.ports["memcache"], 1) as (sock,):
+
+            def one_at_a_time() -> None:
+                for i in range(n):
+                    sock.sendall(b"set q 0 0 %d\r\n%d\r\n" % (len(b"%d" % i), i))
+                    assert recv_until(sock, b"\r\n") == b"STORED\r\n"
+
+            await trio.to_thread.run_sync(one_at_a_time)
+        stats = server.reactor.statistics()
+        assert 0 < stats.lingered - before.lingered <= n
+        assert server.broker.reader_info("q")["items"] == n
+
+
+async def test_the_reactor_gives_way_to_what_trio_waits_for(tmp_path: Path) -> None:
+    """A client in the server's own trio run (as the console's or a TLS handshake's task
+    is) cannot send while the reactor lingers. A linger ends as soon as the client's
+    reply is readable to trio; when the client was still to run in the reactor's batch
+    (trio shows no such task), it times out, and the reactor does not linger for the
+    next LINGER_BACKOFF passes."""
+    n = 400
+    async with running(reactor_config(tmp_path, fsync="never")) as server:
+        assert server.reactor is not None
+        conn = await Conn.open(server.ports["memcache"])
+        before = server.reactor.statistics()
+        for i in range(n):
+            assert await conn.set("q", b"%d" % i) == b"STORED"
+        stats = server.reactor.statistics()
+        await conn.aclose()
+        assert stats.lingered == before.lingered
+        gave_way = stats.gave_way - before.gave_way
+        timed_out = stats.lingers - before.lingers - gave_way
+        assert gave_way > 0
+        assert timed_out <= (stats.passes - before.passes) // LINGER_BACKOFF + 1

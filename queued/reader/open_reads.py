@@ -84,8 +84,8 @@ class OpenReads:
         if ids is None:
             chosen: Iterable[int] = list(mine) if count is None else list(mine)[:count]
             taken = {i: pop(i) for i in chosen}
-        elif count is None:
-            taken = {i: pop(i) for i in dict.fromkeys(ids) if i in mine}
+        elif count is None:  # (a repeated id is not in `mine` once popped)
+            taken = {i: pop(i) for i in ids if i in mine}
         else:
             chosen = [i for i in dict.fromkeys(ids) if i in mine][:count]
             taken = {i: pop(i) for i in chosen}
