@@ -33,7 +33,7 @@ from server_util import (
 from wait_util import autojumping, wait_until
 
 from queued.server.connections import BUFFER_CAP
-from queued.server.reactor import LINGER_BACKOFF, PASS_REQUESTS, trio_epoll
+from queued.server.reactor import LINGER_BACKOFF, PASS_REQUESTS, TrioLoop
 from queued.server.session import Session
 from queued.server.task_base import RECEIVE_SIZE
 from queued.wire import commands as c
@@ -268,16 +268,23 @@ async def test_a_request_that_fails_in_a_pass_closes_only_its_connection(
                                           caplog)
 
 
-def test_the_reactor_finds_trios_epoll_to_linger_on() -> None:
-    """The linger needs trio's own epoll (a private attribute of trio's): if a trio
-    release moves it, this fails, rather than the reactor silently going back to a
-    scheduler round trip per one-request pass."""
-    assert trio_epoll() is None  # (outside a run there is none)
+def test_the_reactor_finds_what_it_reads_of_trios_loop() -> None:
+    """The linger reads private attributes of trio's (`TrioLoop`): if a trio release
+    moves them, this fails, rather than the reactor silently going back to a scheduler
+    round trip per one-request pass."""
+    assert TrioLoop.find() is None  # (outside a run there is none)
 
-    async def inside() -> select.epoll | None:
-        return trio_epoll()
+    async def inside() -> tuple[bool, bool, bool]:
+        loop = TrioLoop.find()
+        assert loop is not None and isinstance(loop.epoll, select.epoll)
+        idle = loop.busy()
+        trio.lowlevel.current_trio_token().run_sync_soon(lambda: None)
+        callback = loop.busy()
+        with trio.move_on_after(5):
+            near = loop.next_deadline() - trio.current_time()
+        return idle, callback, 0 < near <= 5
 
-    assert isinstance(trio.run(inside), select.epoll)
+    assert trio.run(inside) == (False, True, True)
 
 
 async def test_a_one_request_client_is_served_without_a_trip_through_trio(

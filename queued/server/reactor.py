@@ -16,12 +16,14 @@ inside a pass but for the commit's fsyncs; every few passes it yields to trio.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
 import os
 import select
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 from trio._core._run import GLOBAL_RUN_CONTEXT
@@ -59,14 +61,41 @@ LINGER_BUDGET = 0.002
 LINGER_BACKOFF = 32
 
 
-def trio_epoll() -> select.epoll | None:
-    """trio's own epoll, where its run loop waits for everything its tasks wait on
-    (sockets, its wake-up socket for signals and threads), or None where there is none
-    to find. A private attribute of trio's, read defensively: without it the reactor
-    does not linger, and only costs the CPU it did before (a test says which)."""
-    runner = getattr(GLOBAL_RUN_CONTEXT, "runner", None)
-    epoll = getattr(getattr(runner, "io_manager", None), "_epoll", None)
-    return epoll if isinstance(epoll, select.epoll) and not epoll.closed else None
+class TrioLoop:
+    """What the reactor reads of trio's run loop to linger (see `Reactor._linger`):
+    its epoll, where it waits for everything its tasks wait on (sockets, its wake-up
+    socket for signals and threads); its run queue and its queue of callbacks from
+    other threads; its next deadline. Private attributes of trio's, read defensively
+    (`find`); `trio.lowlevel.current_statistics` has all but the epoll at several
+    times the cost. Without them the reactor does not linger (a test says which)."""
+
+    def __init__(self, epoll: select.epoll, runner: Any) -> None:
+        self.epoll = epoll
+        self.runq: Any = runner.runq
+        self.entries: Any = runner.entry_queue
+        self.deadlines: Any = runner.deadlines
+
+    @staticmethod
+    def find() -> TrioLoop | None:
+        """The running trio loop's (None outside a run, or where trio keeps them
+        elsewhere)."""
+        runner = getattr(GLOBAL_RUN_CONTEXT, "runner", None)
+        epoll = getattr(getattr(runner, "io_manager", None), "_epoll", None)
+        entries = getattr(runner, "entry_queue", None)
+        if not (isinstance(epoll, select.epoll) and not epoll.closed
+                and isinstance(getattr(runner, "runq", None), collections.deque)
+                and hasattr(entries, "queue") and hasattr(entries, "idempotent_queue")
+                and callable(getattr(getattr(runner, "deadlines", None), "next_deadline",
+                                     None))):
+            return None
+        return TrioLoop(epoll, runner)
+
+    def busy(self) -> bool:
+        """Whether a task is runnable, or a callback waits to run."""
+        return bool(self.runq or self.entries.queue or self.entries.idempotent_queue)
+
+    def next_deadline(self) -> float:
+        return float(self.deadlines.next_deadline())
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +120,7 @@ class Reactor(Connections):
         #: the reactor's epoll and trio's together (made when it runs): readable when a
         #: connection or anything trio waits for is; None: it does not linger
         self.linger_poll: select.epoll | None = None
+        self.trio_loop: TrioLoop | None = None
         self.lingers = 0
         self.lingered = 0
         self.gave_way = 0
@@ -134,11 +164,11 @@ class Reactor(Connections):
         scheduler at least every YIELD_EVERY passes."""
         streak = 0
         turn = trio.current_time()  # when trio's scheduler last ran
-        theirs = trio_epoll()
-        if theirs is not None:
+        self.trio_loop = TrioLoop.find()
+        if self.trio_loop is not None:
             self.linger_poll = select.epoll()
             self.linger_poll.register(self.epoll.fileno(), select.EPOLLIN)
-            self.linger_poll.register(theirs.fileno(), select.EPOLLIN)
+            self.linger_poll.register(self.trio_loop.epoll.fileno(), select.EPOLLIN)
         try:
             while True:
                 if not (self.again or streak):
@@ -189,8 +219,8 @@ class Reactor(Connections):
         reactor's. A task trio woke in the same batch as the reactor, which no
         statistic shows, waits LINGER_BUDGET at most; and after a linger that timed
         out the next LINGER_BACKOFF passes do not linger."""
-        poll = self.linger_poll
-        if poll is None or self.passes < self.linger_after:
+        poll, loop = self.linger_poll, self.trio_loop
+        if poll is None or loop is None or self.passes < self.linger_after or loop.busy():
             return False
         now = trio.current_time()
         wait = min(LINGER, turn + LINGER_BUDGET - now)
@@ -198,12 +228,7 @@ class Reactor(Connections):
             wait = min(wait, self.timers[0][0] - now)
         if self.poll_timers:
             wait = min(wait, self.poll_timers[0][0] - now)
-        if wait <= 0:
-            return False
-        stats = trio.lowlevel.current_statistics()
-        if stats.tasks_runnable or stats.run_sync_soon_queue_size:
-            return False
-        wait = min(wait, stats.seconds_to_next_deadline)
+        wait = min(wait, loop.next_deadline() - now)
         if wait <= 0:
             return False
         self.lingers += 1
