@@ -105,26 +105,27 @@ class OpenReadsMachine(RuleBasedStateMachine):
         assert self.heap.compact() == len(self.pushed) - len(live)
         self.pushed = live
 
-    @precondition(lambda self: bool(self.open))
-    @rule(data=st.data(), count=st.none() | st.integers(0, 3))
-    def choose(self, data: st.DataObject, count: int | None) -> None:
+    def pick(self, data: st.DataObject, count: int | None
+             ) -> tuple[int, str, str, list[int] | None, list[int]]:
+        """An open (ledger, queue, reader), the ids asked for (None: all) and what the
+        model says `choose` picks of them: (ledger, queue, reader, asked, picked)."""
         i, q, r, _ = data.draw(st.sampled_from(sorted(self.open)))
         mine = [k[3] for k in self.open if k[:3] == (i, q, r)]
         asked = data.draw(st.none() | st.lists(item_id, max_size=5))
         want = mine if asked is None else [n for n in dict.fromkeys(asked) if n in mine]
-        assert self.ledgers[i].choose(q, r, count, asked) == (
-            want if count is None else want[:count])
+        return i, q, r, asked, want if count is None else want[:count]
+
+    @precondition(lambda self: bool(self.open))
+    @rule(data=st.data(), count=st.none() | st.integers(0, 3))
+    def choose(self, data: st.DataObject, count: int | None) -> None:
+        i, q, r, asked, want = self.pick(data, count)
+        assert self.ledgers[i].choose(q, r, count, asked) == want
 
     @precondition(lambda self: bool(self.open))
     @rule(data=st.data(), count=st.none() | st.integers(0, 3))
     def take(self, data: st.DataObject, count: int | None) -> None:
         """A confirm's bulk close: what `choose` picks, closed, with its deadlines."""
-        i, q, r, _ = data.draw(st.sampled_from(sorted(self.open)))
-        mine = [k[3] for k in self.open if k[:3] == (i, q, r)]
-        asked = data.draw(st.none() | st.lists(item_id, max_size=5))
-        want = mine if asked is None else [n for n in dict.fromkeys(asked) if n in mine]
-        if count is not None:
-            want = want[:count]
+        i, q, r, asked, want = self.pick(data, count)
         taken = self.ledgers[i].take(q, r, count, asked)
         assert list(taken.items()) == [(n, self.open[(i, q, r, n)]) for n in want]
         for n in want:
