@@ -50,10 +50,10 @@ YIELD_EVERY = 8
 #: After a pass, how long (seconds) the reactor may wait for the next requests outside
 #: trio's scheduler (see `_linger`): a client with one request in flight sends its next
 #: one within this, and a wake-up through the scheduler costs some 15 us of CPU, more
-#: than a one-request pass's own Python. epoll waits whole milliseconds.
+#: than a one-request pass's own Python. (One millisecond: epoll's unit.)
 LINGER = 0.001
-#: ... and no longer than this since the scheduler last ran: the bound on how late a
-#: task that trio made runnable along with the reactor's may start.
+#: ... and only if the wait ends within this of the scheduler's last run: the bound on
+#: how late a task that trio made runnable along with the reactor's may start.
 LINGER_BUDGET = 0.002
 #: Passes after a linger that timed out before the reactor lingers again: nothing came
 #: within LINGER (an idle client, or one that was waiting to run in trio's batch along
@@ -214,25 +214,21 @@ class Reactor(Connections):
 
         It waits on `linger_poll`, so it stops as soon as anything trio waits for is
         ready (another task's socket, a signal, a thread's result), and only while
-        trio has nothing runnable: for at most LINGER, within LINGER_BUDGET of the
-        scheduler's last run at `turn`, never past a deadline of trio's or the
-        reactor's. A task trio woke in the same batch as the reactor, which no
-        statistic shows, waits LINGER_BUDGET at most; and after a linger that timed
-        out the next LINGER_BACKOFF passes do not linger."""
+        trio has nothing runnable: for LINGER at most, and only if that ends within
+        LINGER_BUDGET of the scheduler's last run at `turn` and before any deadline
+        of trio's or the reactor's. A task trio woke in the same batch as the reactor,
+        which no statistic shows, waits LINGER_BUDGET at most; and after a linger that
+        timed out the next LINGER_BACKOFF passes do not linger."""
         poll, loop = self.linger_poll, self.trio_loop
         if poll is None or loop is None or self.passes < self.linger_after or loop.busy():
             return False
-        now = trio.current_time()
-        wait = min(LINGER, turn + LINGER_BUDGET - now)
-        if self.timers:
-            wait = min(wait, self.timers[0][0] - now)
-        if self.poll_timers:
-            wait = min(wait, self.poll_timers[0][0] - now)
-        wait = min(wait, loop.next_deadline() - now)
-        if wait <= 0:
+        end = trio.current_time() + LINGER  # (a whole millisecond: epoll's unit)
+        if (end > turn + LINGER_BUDGET or end > loop.next_deadline()
+                or (self.timers and end > self.timers[0][0])
+                or (self.poll_timers and end > self.poll_timers[0][0])):
             return False
         self.lingers += 1
-        ready = poll.poll(wait)
+        ready = poll.poll(LINGER)
         # Anything of trio's: its scheduler runs first (the reactor's wait through it
         # ends at once if a connection has something too).
         if len(ready) == 1 and ready[0][0] == self.epoll.fileno():
