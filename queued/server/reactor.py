@@ -11,7 +11,9 @@ the replies go out once the pass's data is durable), answer (`Session.end_pass`)
 send every reply. A request that must wait (a login, a long poll with nothing to take,
 a put that makes room, a rare command) is handed to the connection's own task
 (`Session.serve_turns`), which gives the connection back when it is done. Never blocks
-inside a pass but for the commit's fsyncs; every few passes it yields to trio.
+inside a pass but for the commit's fsyncs; every few passes it yields to trio. Between
+passes it may wait for the next requests outside trio's scheduler for a millisecond,
+while trio has nothing to do (`Reactor._linger`).
 """
 
 from __future__ import annotations
