@@ -220,6 +220,8 @@ async def test_bad_item_in_a_batch_changes_nothing(tmp_path: Path) -> None:
 
 class _Bytes(bytes):
     """Item data the single-item path leaves to the general one (not exactly bytes)."""
+
+
 _one_item = st.tuples(
     st.binary(max_size=40) | st.builds(lambda n: b"z" * n, st.sampled_from([4095, 4096, 5000])),
     st.sampled_from([None, T0 + 5_000]),  # expiry

@@ -170,9 +170,7 @@ class ReliableReads:
         ids: Sequence[int] | None = None, *, count_error: bool = True, owe: Owe | None = None,
         delay_ms: int = 0,
     ) -> int:
-        chosen = client.choose(queue, rname, count, ids)
-        for i in chosen:
-            client.remove(queue, rname, i)
+        chosen = list(client.take(queue, rname, count, ids))
         qs = self.queues.get(queue)
         if qs is not None:
             self._return(qs, rname, chosen, count_error=count_error, owe=owe,

@@ -74,8 +74,8 @@ class OpenReads:
     def take(
         self, queue: str, reader: str, count: int | None, ids: Sequence[int] | None
     ) -> dict[int, float | None]:
-        """`choose` and `remove_many` in one go (a confirm's bulk case): the chosen reads,
-        closed, each with its deadline, in `choose`'s order."""
+        """`choose` and `remove_many` in one go (a confirm's or an abort's): the chosen
+        reads, closed, each with its deadline, in `choose`'s order."""
         key = (queue, reader)
         mine = self.open.get(key)
         if not mine:
@@ -111,11 +111,6 @@ class OpenReads:
         before = len(mine)
         mine.update(zip(ids, repeat(deadline)))
         self.open_total += len(mine) - before
-
-    def deadlines(self, queue: str, reader: str, ids: Iterable[int]) -> dict[int, float | None]:
-        """The deadlines of these reads (each open: as `choose` returned them)."""
-        mine = self.open[(queue, reader)]
-        return {i: mine[i] for i in ids}
 
     def held_with(self, queue: str, reader: str, ids: Iterable[int],
                   deadline: float) -> list[int]:

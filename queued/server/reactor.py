@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
-from trio._core._run import GLOBAL_RUN_CONTEXT
 
 from queued.broker.broker import Broker, JoinedPuts
 from queued.server.connections import (
@@ -81,6 +80,10 @@ class TrioLoop:
     def find() -> TrioLoop | None:
         """The running trio loop's (None outside a run, or where trio keeps them
         elsewhere)."""
+        try:  # (imported here: a trio that moved it still starts the server)
+            from trio._core._run import GLOBAL_RUN_CONTEXT
+        except ImportError:
+            return None
         runner = getattr(GLOBAL_RUN_CONTEXT, "runner", None)
         epoll = getattr(getattr(runner, "io_manager", None), "_epoll", None)
         entries = getattr(runner, "entry_queue", None)
