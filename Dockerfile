@@ -52,9 +52,11 @@ RUN if ! python3 -c "import os, sysconfig; raise SystemExit(not os.path.exists(o
 # mypy (mypyc) and setuptools go into a copy of the venv that only this stage uses: the
 # build type-checks against the server's own dependencies, and the venv that ships stays
 # without them.
-COPY tools/build_compiled.py tools/
+# (tools/mypyc_fixes.py mends mypyc's generated deallocators; the mypy range is
+# pyproject.toml's, the one those fixes are checked against)
+COPY tools/build_compiled.py tools/mypyc_fixes.py tools/
 RUN cp -a /opt/queued /opt/compiler \
- && /opt/compiler/bin/python -m pip install "mypy>=1.10" setuptools \
+ && /opt/compiler/bin/python -m pip install "mypy>=1.10,<2.5" setuptools \
  && /opt/compiler/bin/python tools/build_compiled.py --out /tmp/compiled \
  && site=$(/opt/queued/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
  && cp /tmp/compiled/*.so "$site"/ \

@@ -75,7 +75,7 @@ test-compiled: compiled
 # same volume. Exit status 77 of setup.sh: this machine cannot run dockerd; the test skips.
 test-docker: $(TEST_STAMP)
 	tests/docker/setup.sh || [ $$? -eq 77 ]
-	timeout -s INT -k 60 1800 $(PY) -m pytest -m docker -s -v tests/docker
+	timeout -s INT -k 60 1800 $(PY) -m pytest -m docker --timeout 1700 -s -v tests/docker
 
 $(BROWSER_STAMP): $(TEST_STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e '.[test,browser]'
@@ -88,7 +88,7 @@ $(BROWSER_STAMP): $(TEST_STAMP) pyproject.toml
 # saves the screenshots of the docs (docs/console.png, docs/console-queue.png) there.
 test-browser: $(BROWSER_STAMP)
 	tests/browser/setup.sh || [ $$? -eq 77 ]
-	timeout -s INT -k 60 900 $(PY) -m pytest -m browser -v tests/browser
+	timeout -s INT -k 60 900 $(PY) -m pytest -m browser --timeout 850 -v tests/browser
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check queued tests bench tools deploy/spark pyspark_queued.py

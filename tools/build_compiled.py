@@ -5,9 +5,10 @@ COMPILED there with mypyc, so the .so files live only beside their copies: nothi
 source tree is ever shadowed by a stale build. Run the result with OUT first on sys.path
 (`PYTHONPATH=build/compiled .venv/bin/queued serve ...`, or `make run-compiled`); every
 module not listed stays interpreted, from its copy. OUT/.fingerprint records what the
-build was made from (the sources, this file, mypy's and Python's versions): an unchanged
-tree is not rebuilt, a changed one is rebuilt from scratch, and `--check` says whether
-OUT is up to date with queued/ (tests/conftest.py refuses a stale build).
+build was made from (the sources, this file and mypyc_fixes.py, mypy's and Python's
+versions): an unchanged tree is not rebuilt, a changed one is rebuilt from scratch, and
+`--check` says whether OUT is up to date with queued/ (tests/conftest.py refuses a stale
+build). mypyc_fixes.py mends a mypyc bug in the generated code (its docstring says which).
 
     python tools/build_compiled.py [--out build/compiled] [-j 2] [--check] [--force]
 """
@@ -22,6 +23,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+if __package__:  # imported as tools.build_compiled (tests/compiled_util.py)
+    from tools import mypyc_fixes
+else:  # run as a script: tools/ is sys.path[0]
+    import mypyc_fixes
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "queued"
@@ -101,6 +107,7 @@ def fingerprint(modules: list[str]) -> str:
     h.update(f"{sys.version}\n{mypy.version.__version__}\n".encode())
     h.update("\n".join(modules).encode())
     h.update(Path(__file__).read_bytes())
+    h.update(Path(mypyc_fixes.__file__).read_bytes())
     for path in sorted((ROOT / PACKAGE).rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".so":
             h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
@@ -121,11 +128,19 @@ def build(out: Path, modules: list[str], jobs: int) -> None:
                     ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"))
     (out / "mypy.ini").write_text(MYPY_INI)
     setup = out / "setup_compiled.py"
+    # mypycify writes the C (into out/build) and setuptools compiles it; in between,
+    # tools/mypyc_fixes.py mends the deallocators mypyc wrote.
     setup.write_text(
+        "import sys\n"
+        "from pathlib import Path\n"
+        f"sys.path.insert(0, {str(ROOT / 'tools')!r})\n"
+        "import mypyc_fixes\n"
         "from setuptools import setup\n"
         "from mypyc.build import mypycify\n"
-        f"setup(name='queued-compiled', ext_modules=mypycify({modules!r}, opt_level='3',"
-        " debug_level='0', multi_file=True))\n")
+        f"exts = mypycify({modules!r}, opt_level='3', debug_level='0', multi_file=True)\n"
+        "print('mypyc_fixes:', mypyc_fixes.fix_generated_c(Path('build')),"
+        " 'deallocators mended')\n"
+        "setup(name='queued-compiled', ext_modules=exts)\n")
     # The compile runs in `out`: mypy resolves `queued` to the copy, and setuptools puts
     # the extension modules beside it (build_ext --inplace), its temp files in out/build.
     env = {**os.environ, "PYTHONPATH": str(out), "MYPY_CACHE_DIR": str(out / ".mypy_cache")}
@@ -135,6 +150,7 @@ def build(out: Path, modules: list[str], jobs: int) -> None:
         stem = out / mod[:-3]
         if not list(stem.parent.glob(stem.name + ".cpython-*.so")):
             raise SystemExit(f"build_compiled: no extension module for {mod} in {out}")
+    mypyc_fixes.check_generated_c(out / "build")
     (out / ".fingerprint").write_text(fingerprint(modules) + "\n")
 
 
