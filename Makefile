@@ -41,11 +41,16 @@ run: $(RUN_STAMP)
 # (servers, subprocesses, a JVM), so two workers on two cores take about half the time.
 # tests/conftest.py keeps each test file in one worker and the tests of the SparkSession together.
 TEST_WORKERS ?= 2
+# The whole suite takes 6-7 minutes here. A run that passes SUITE_LIMIT seconds (a worker
+# stuck where pytest-timeout's per-test limit cannot reach, such as a crash handler) is
+# interrupted, so CI fails with its output well before CI's own limit.
+SUITE_LIMIT ?= 1800
+PYTEST_SUITE = timeout -s INT -k 60 $(SUITE_LIMIT) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The docs build is strict and not --quiet (which hides the warnings --strict fails on).
 test: $(TEST_STAMP)
 	$(MKDOCS) build --strict
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST_SUITE)
 	$(PY) -m ruff check queued tests bench tools deploy/spark pyspark_queued.py
 	$(PY) -m mypy
 	$(PY) -m mypy --strict tools/unasync.py
@@ -66,7 +71,7 @@ run-compiled: compiled
 	PYTHONPATH=$(abspath $(COMPILED_DIR)) $(VENV)/bin/queued serve --data-dir ./data --host 127.0.0.1
 
 test-compiled: compiled
-	COMPILED_BUILD=$(abspath $(COMPILED_DIR)) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	COMPILED_BUILD=$(abspath $(COMPILED_DIR)) $(PYTEST_SUITE)
 
 # The Docker image end to end (tests/docker): setup.sh makes sure a dockerd runs (installs
 # docker.io and starts dockerd in the background if none answers; it is left running) and
