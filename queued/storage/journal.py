@@ -522,9 +522,16 @@ class QueueJournal:
         first = self.last_id + 1
         ids = range(first, first + n)
         parts: list[bytes] = [b""] * (2 * n)
-        parts[::2] = map(pack_head, map(len, datas), ids)
-        if leads is not None:
-            parts[::2] = map(operator.add, leads, parts[::2])
+        if expire_time_ms is None and not flags and due_ms is None and leads is None:
+            # (the usual put: its PUT headers packed here, not through pack_head's
+            # closure, which compiled code calls as any Python callable, per item)
+            pack, cmd = jf.PUT_STRUCT.pack, jf.PUT_BYTE
+            parts[::2] = [pack(cmd, len(d), error_count, i, add_time_ms)
+                          for d, i in zip(datas, ids, strict=True)]
+        else:
+            parts[::2] = map(pack_head, map(len, datas), ids)
+            if leads is not None:
+                parts[::2] = map(operator.add, leads, parts[::2])
         parts[1::2] = datas
         chunk.small += b"".join(parts)
         self._booked(chunk, first, n, total, ticket)
@@ -536,8 +543,9 @@ class QueueJournal:
             return [jf.HeadedPut(i, d, add_time_ms, expire_time_ms, error_count, flags, h) if h
                     else jf.Put(i, d, add_time_ms, expire_time_ms, error_count, flags)
                     for i, d, h in zip(ids, datas, headers, strict=True)]
-        put = jf.Put
-        return [put(i, d, add_time_ms, expire_time_ms, error_count, flags)
+        # (jf.Put by name, not a local alias: compiled, that is a direct call of the
+        # native class's constructor, not a call of a Python type object)
+        return [jf.Put(i, d, add_time_ms, expire_time_ms, error_count, flags)
                 for i, d in zip(ids, datas, strict=True)]
 
     def _new_chunk(self, *, rotate: bool) -> Planned:
