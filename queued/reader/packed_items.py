@@ -39,8 +39,7 @@ SMALL_MAX = 512
 _I64_MAX = (1 << 63) - 1
 _U32_MAX = (1 << 32) - 1
 _NO_EXPIRE = -1  # `exps` column: no expire time
-#: a Put's fields as _Block's columns take them
-_PUT_ONLY = {Put}
+_PUT_ONLY = {Put}  # (a block of only these, the usual one, takes the fast test)
 _PACKABLE = (Put, HeadedPut)  # (a HeadedPut's headers go to the block's headers column)
 _BYTES_ONLY = {bytes}  # other data (a memoryview's len() may not count bytes) stays as is
 
@@ -120,7 +119,8 @@ class _Block:
         data, ends = self.data, self.ends
         datas = [data[s:e] for s, e in zip([0, *ends[:-1]], ends, strict=True)]
         if self.exps is None and self.flgs is None:
-            out = list(map(Put, self.ids, datas, self.times))
+            # (a comprehension: compiled, Put's native constructor; map would call the type)
+            out = [Put(i, d, t) for i, d, t in zip(self.ids, datas, self.times, strict=True)]
         else:
             exps = (repeat(None) if self.exps is None
                     else [None if e == _NO_EXPIRE else e for e in self.exps])
