@@ -24,7 +24,7 @@ from queued.storage import journal, write_plans
 from queued.wire import commands, memcache_protocol
 
 WRITTEN_OUT: list[type[Any]] = [
-    records.Put, records.DelayedPut, records.HeadedPut,
+    records.Put, records.DelayedPut, records.HeadedPut, records.Decoded,
     commands.Put, commands.Get, commands.Request, commands.Stored, commands.Items,
     commands.Count, memcache_protocol.Set,
     queues.Inflight, queues.PendingPut,
