@@ -70,6 +70,7 @@ RUN = textwrap.dedent('''\
     print("ok")
     ''')
 
+
 def _compile(where: Path, mend: bool) -> int:
     """Compile probe.py in `where` with mypyc (mended or not); the deallocators mended."""
     env = {**os.environ, "MYPY_CACHE_DIR": str(where / ".mypy_cache")}
@@ -108,8 +109,8 @@ def test_a_generator_freed_while_another_is_made_keeps_the_new_ones_state(
         d.mkdir()
         (d / "probe.py").write_text(PROBE)
     mended = _compile(mended_dir, mend=True)
-    raw_c = "".join(p.read_text() for p in (mended_dir / "build").rglob("*.c"))
-    assert not mypyc_fixes.unsafe_deallocs(raw_c)
+    mended_c = "".join(p.read_text() for p in (mended_dir / "build").rglob("*.c"))
+    assert not mypyc_fixes.unsafe_deallocs(mended_c)
     done = _run(mended_dir)
     assert done.returncode == 0 and done.stdout.endswith("ok\n"), (done.stdout, done.stderr)
 
