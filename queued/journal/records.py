@@ -694,8 +694,9 @@ class Decoded:
     """One record and where it sits: bytes [offset, end) of the file.
 
     Treat it as frozen; it is not declared so, and its `__init__` is written out, for
-    Put's reasons: one is made per record a decoder reads (recovery, read-behind), and a
-    frozen dataclass's `__init__` cost ~1.2 µs, compiled or not.
+    Put's reasons: one is made per record `RecordDecoder` returns (read-behind, scans,
+    the recovery of another writer's files; our sealed segments recover by the batch),
+    and a frozen dataclass's `__init__` cost ~1.2 µs, compiled or not.
     """
 
     record: Record
