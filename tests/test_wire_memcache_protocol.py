@@ -507,3 +507,28 @@ def test_fast_path_matches_the_general_path(line: bytes) -> None:
     assert fast == slow
     byte_by_byte = run(make(), [stream[i : i + 1] for i in range(len(stream))])
     assert byte_by_byte == slow
+
+
+def test_parsers_share_the_line_cache_of_their_item_cap() -> None:
+    """One cache per item cap, shared by the server's connections: a line one parser
+    parsed is a lookup for the next, and a set a smaller cap refuses is not taken from a
+    cache filled under a larger cap."""
+    line = b"set shared_line_q 0 0 40"
+    stream = line + b"\r\n" + b"x" * 40 + b"\r\n"
+    roomy, other = (MemcacheParser(max_item_size=4096) for _ in range(2))
+    assert roomy._lines is other._lines
+    assert run(roomy, [stream]) == [Set("shared_line_q", 0, 0, b"x" * 40)]
+    assert line in other._lines  # parsed once, for both
+    assert run(other, [stream]) == [Set("shared_line_q", 0, 0, b"x" * 40)]
+    small = MemcacheParser(max_item_size=16)
+    assert small._lines is not roomy._lines
+    assert run(small, [stream]) == [Err("TooLarge", b"NOT_STORED\r\n", False)]
+    assert line not in small._lines
+
+
+def test_the_shared_line_cache_stays_bounded() -> None:
+    p = MemcacheParser(max_item_size=777)
+    for i in range(mp.LINE_CACHE + 10):
+        assert run(p, [b"get bounded_%d\r\n" % i]) == [Get(f"bounded_{i}", f"bounded_{i}")]
+        assert 0 < len(p._lines) <= mp.LINE_CACHE
+    assert len(p._lines) == 10  # it started again once full

@@ -337,10 +337,26 @@ _FAST_KEYED_SET: Final = re.compile(
     rb"([0-9]{1,10})"
 )
 _TO_DATA: Final = object()  # _fast switched to the DATA state
-#: Command lines a parser remembers parsed (then it starts again), and the longest it keeps:
-#: a client repeats the same few lines, and a repeated line costs one dict lookup.
-LINE_CACHE: Final = 64
+#: Command lines remembered parsed (then the cache starts again), and the longest kept: a
+#: client repeats the same few lines, and a repeated line costs one dict lookup. One cache
+#: serves every parser with the same item cap (`_line_cache`): the lines repeat across
+#: connections too (a producer feeding 100 queues, 64 clients of one queue), and the
+#: memory is bounded per server rather than per connection (~2 MiB when full).
+LINE_CACHE: Final = 4096
 LINE_CACHE_MAX_LINE: Final = 280
+#: item cap -> the line cache of the parsers with that cap (a parsed set's size was
+#: checked against the cap; nothing else a cached line holds depends on the parser)
+_LINE_CACHES: dict[int, dict[bytes, Get | tuple[str, int, int, int]]] = {}
+
+
+def _line_cache(max_item_size: int) -> dict[bytes, Get | tuple[str, int, int, int]]:
+    """The line cache shared by the parsers whose item cap is `max_item_size`."""
+    cache = _LINE_CACHES.get(max_item_size)
+    if cache is None:
+        if len(_LINE_CACHES) >= 8:  # (caps come from config: a handful at most)
+            _LINE_CACHES.clear()
+        cache = _LINE_CACHES[max_item_size] = {}
+    return cache
 _STORAGE: Final = frozenset({b"set", b"add", b"replace", b"append", b"prepend", b"cas"})
 _NOREPLY: Final = frozenset({b"delete", b"flush_all", b"touch"})  # besides the storage commands
 _Handler: TypeAlias = Callable[["MemcacheParser", list[bytes]], Command]
@@ -381,8 +397,8 @@ class MemcacheParser(LineParser["Command"]):
         self._pending: tuple[str, int, int, bool, int] | None = None
         self._pending_delay = 0  # the delay of the set whose data block is pending
         self._pending_key: bytes | None = None  # its deduplication key
-        #: line -> its Get, or (queue, flags, exptime, size) of a plain set
-        self._lines: dict[bytes, Get | tuple[str, int, int, int]] = {}
+        #: line -> its Get, or (queue, flags, exptime, size) of a plain set (shared)
+        self._lines = _line_cache(max_item_size)
 
     def _accept(self, data: bytes | bytearray) -> None:
         view = memoryview(data)

@@ -1,0 +1,41 @@
+"""The storage layer's one seam to the file system (queued.storage.fileio)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from queued.storage import fileio
+
+
+def test_the_hot_file_calls_follow_the_installed_fileio(tmp_path: Path) -> None:
+    """`fileio.use` routes write, writev and fsync too: the real FileIO's are the os
+    functions themselves (no Python frames between a writer and the system), any
+    other's go through it."""
+    assert (fileio.write, fileio.writev, fileio.fsync) == (os.write, os.writev, os.fsync)
+    calls: list[str] = []
+
+    class Counting(fileio.FileIO):
+        def writev(self, fd: int, buffers: Any) -> int:
+            calls.append("writev")
+            return super().writev(fd, buffers)
+
+        def fsync(self, fd: int) -> None:
+            calls.append("fsync")
+            super().fsync(fd)
+
+    previous = fileio.use(Counting())
+    try:
+        fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+        try:
+            assert fileio.writev(fd, [b"ab", b"c"]) == 3
+            fileio.fsync(fd)
+            fileio.write_all(fd, b"d")
+        finally:
+            os.close(fd)
+    finally:
+        fileio.use(previous)
+    assert calls == ["writev", "fsync"]
+    assert (tmp_path / "f").read_bytes() == b"abcd"
+    assert fileio.writev is os.writev
