@@ -901,7 +901,7 @@ def fdatasync_lines(fds: dict[str, dict[str, float]], targets: list[str],
     if not lat or not always or "darner" not in targets:
         lines += ["", "(no latency-workload cells of darner and a queued-*-always target: "
                   "no comparison with darner p50 + fdatasync p50)", ""]
-        return lines
+        return lines + always_ceiling_lines(sync, always, ops, index)
     lines += ["", f"Target: latency 1 x 1 under fsync always, p50 <= darner's p50 + one "
               f"fdatasync p50 ({sync:.3f} ms, the start's):", ""]
     for w, p, op in lat:
@@ -916,7 +916,38 @@ def fdatasync_lines(fds: dict[str, dict[str, float]], targets: list[str],
                          f"{bound:.3f} ms: {q['p50_ms'] / bound:.2f}x the bound ("
                          + ("met)" if q["p50_ms"] <= bound else "**not met**)"))
     lines.append("")
+    lines += always_ceiling_lines(sync, always, ops, index)
     return lines
+
+
+def always_ceiling_lines(sync: float, always: list[str], ops: list[tuple[str, int, str]],
+                         index: dict[tuple[str, int, str, str], dict[str, Any]]) -> list[str]:
+    """What fsync always can reach against darner where the load's clients wait for their
+    replies (a fixed number of puts in flight): a put is acknowledged no sooner than
+    darner's reply would come plus one fdatasync, so with the same clients the most is
+    darner's items/s x p50 / (p50 + fdatasync p50), from darner's own p50."""
+    rows = []
+    for w, p, op in ops:
+        if op != "enqueue":
+            continue
+        d = index.get((w, p, op, "darner"))
+        if not d or not d["p50_ms"] or not d["items_per_s"]:
+            continue
+        ceiling = d["p50_ms"] / (d["p50_ms"] + sync)
+        cells = []
+        for t in always:
+            q = index.get((w, p, op, t))
+            if q and q["items_per_s"]:
+                got = q["items_per_s"] / d["items_per_s"]
+                cells.append(f"{t} {got:.2f} ({got / ceiling:.2f} of the ceiling)")
+        rows.append(f"- {w} {size_name(p)} {op}: darner p50 {d['p50_ms']:.3f} ms, ceiling "
+                    f"{ceiling:.2f} of darner" + (": " + ", ".join(cells) if cells else ""))
+    if not rows:
+        return []
+    return ["The ceiling of fsync always against darner, puts with a fixed number in flight "
+            f"(darner's p50 / (its p50 + fdatasync p50 {sync:.3f} ms); a target of 0.8x "
+            "darner above the ceiling cannot be met on this machine's disk):", "",
+            *rows, ""]
 
 
 def memory_tables(mem: list[dict[str, Any]]) -> list[str]:
