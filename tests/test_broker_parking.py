@@ -724,3 +724,129 @@ async def test_max_queues_counts_parked_readers(tmp_path: Path) -> None:
         assert "f" in server.broker.queues and server.broker.registry.names() == 4
         assert await conn.get("g") == b"x"
         await conn.aclose()
+
+
+async def test_a_pass_loads_a_parked_queue_on_a_worker_thread(tmp_path: Path) -> None:
+    """A request of a parked queue leaves the reactor's pass for its connection's task,
+    which reads the queue's files on a worker thread: while the read is held, other
+    connections are served, and a second use of the same queue waits for that one load
+    (the files are read once). Then both are answered, in order, with nothing lost."""
+    import threading
+
+    async with running(cfg(tmp_path)) as server:
+        conn = await park_each(server, ["p"])
+        registry = server.broker.registry
+        real = registry.read_parked
+        entered: list[int] = []
+        release = threading.Event()
+
+        def held(name: str, p: parking.ParkedQueue) -> object:
+            entered.append(threading.get_ident())
+            assert release.wait(WAIT), "the test never released the load"
+            return real(name, p)
+
+        registry.read_parked = held  # type: ignore[method-assign,assignment]
+        getter = await Conn.open(server.ports["memcache"])
+        putter = await Conn.open(server.ports["memcache"])
+        other = await Conn.open(server.ports["memcache"])
+        try:
+            await getter.send(b"get p\r\n")
+            await wait_until(lambda: bool(entered))
+            await putter.send(b"set p 0 0 4\r\nlate\r\n")
+            # The reactor goes on: another queue's set and get are answered meanwhile.
+            for i in range(5):
+                assert await other.set("busy", b"%d" % i) == b"STORED"
+                assert await other.get("busy") == b"%d" % i
+            assert "p" in registry.parked and not getter.buf and not putter.buf
+            assert entered[0] != threading.get_ident()  # (not the event loop's thread)
+            release.set()
+            assert await getter.read_value("p") == b"x"
+            assert await putter.line() == b"STORED"
+            assert len(entered) == 1  # one read for both uses
+            assert "p" in server.broker.queues and "p" not in registry.parked
+            assert await getter.get("p") == b"late"
+        finally:
+            release.set()
+            registry.read_parked = real  # type: ignore[method-assign]
+            for c in (getter, putter, other, conn):
+                await c.aclose()
+
+
+async def test_a_delete_waits_for_a_load_of_the_parked_queue(tmp_path: Path) -> None:
+    """A delete of a parked queue whose files are being read (a load on a worker
+    thread) waits for that read, then deletes the queue it loaded: no file of it is
+    left, and no load puts it back."""
+    import threading
+
+    data = tmp_path / "data"
+    async with running(cfg(tmp_path)) as server:
+        conn = await park_each(server, ["gone"])
+        registry = server.broker.registry
+        real = registry.read_parked
+        entered = threading.Event()
+        release = threading.Event()
+
+        def held(name: str, p: parking.ParkedQueue) -> object:
+            entered.set()
+            assert release.wait(WAIT), "the test never released the load"
+            return real(name, p)
+
+        registry.read_parked = held  # type: ignore[method-assign,assignment]
+        deleted: list[bool] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(registry.load_parked, "gone")
+                await wait_until(entered.is_set)
+
+                async def delete() -> None:
+                    deleted.append(await server.broker.delete("gone"))
+
+                nursery.start_soon(delete)
+                await trio.sleep(0.05)
+                assert not deleted  # waiting for the read
+                release.set()
+            assert deleted == [True]
+            assert "gone" not in server.broker.queues and "gone" not in registry.parked
+            assert not [n for n in data_files(data) if n.startswith("gone.")]
+        finally:
+            release.set()
+            registry.read_parked = real  # type: ignore[method-assign]
+            await conn.aclose()
+
+
+async def test_a_load_made_moot_meanwhile_is_dropped(tmp_path: Path) -> None:
+    """A queue loaded here and now (`unpark`) while its load on a worker thread was
+    under way: the thread's copy is dropped, the queue loaded once, its item kept."""
+    import threading
+
+    async with running(cfg(tmp_path)) as server:
+        conn = await park_each(server, ["twice"])
+        registry = server.broker.registry
+        real = registry.read_parked
+        entered = threading.Event()
+        release = threading.Event()
+        reads: list[object] = []
+
+        def held(name: str, p: parking.ParkedQueue) -> object:
+            if threading.current_thread() is threading.main_thread():
+                return real(name, p)
+            entered.set()
+            assert release.wait(WAIT), "the test never released the load"
+            loaded = real(name, p)
+            reads.append(loaded)
+            return loaded
+
+        registry.read_parked = held  # type: ignore[method-assign,assignment]
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(registry.load_parked, "twice")
+                await wait_until(entered.is_set)
+                qs = registry.unpark("twice")  # a use outside a pass, here and now
+                release.set()
+            assert len(reads) == 1 and reads[0].journal is not qs.journal  # type: ignore[attr-defined]
+            assert server.broker.queues["twice"] is qs
+            assert await conn.get("twice") == b"x"
+        finally:
+            release.set()
+            registry.read_parked = real  # type: ignore[method-assign]
+            await conn.aclose()

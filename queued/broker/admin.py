@@ -17,7 +17,7 @@ from queued.broker.gets import GetPath
 from queued.broker.live_readers import LiveReader
 from queued.broker.queues import QueueState
 from queued.broker.readback import read_live
-from queued.errors import BadNameError, JournalError
+from queued.errors import BadNameError
 from queued.journal import format as jf
 from queued.reader.open_reads import TimeoutHeapStatistics
 from queued.reader.state import Item
@@ -153,9 +153,9 @@ class AdminOps(GetPath):
 
         A parked queue holding items loads to be flushed (and parks again later); an
         empty one only counts the flush in its summary. A load reads files (~0.3 ms,
-        ~4 ms at the parking limits), so the loop lets other tasks run after each one:
-        a flush_all over thousands of parked queues does not hold the event loop for
-        seconds. Queue by queue, as Kestrel's, not one atomic step across queues.
+        ~4 ms at the parking limits) on a worker thread, and the loop lets other tasks
+        run after each one: a flush_all over thousands of parked queues does not hold
+        the event loop. Queue by queue, as Kestrel's, not one atomic step across queues.
         """
         n = sum(h.flush() for qs in list(self.queues.values()) for h in qs.readers.values())
         registry = self.registry
@@ -171,11 +171,11 @@ class AdminOps(GetPath):
                     r.counters.flushes += 1
                 registry.parked[name] = parking.pack(p)
                 continue
-            try:
-                qs = registry.unpark(name)
-            except JournalError:
-                continue  # (logged) the others are flushed all the same
-            n += sum(h.flush() for h in qs.readers.values())
+            await registry.load_parked(name)  # (its files read on a worker thread)
+            loaded = self.queues.get(name)
+            if loaded is None:
+                continue  # could not load (logged), or deleted meanwhile: the others go on
+            n += sum(h.flush() for h in loaded.readers.values())
             await trio.lowlevel.checkpoint()
         return n
 
@@ -197,6 +197,7 @@ class AdminOps(GetPath):
         Deleting a queue's last reader leaves a default reader at the tail (written
         durably), so items put afterwards have a reader before and after a restart.
         """
+        await self.registry.wait_load(queue)  # (a parked queue's files are being read)
         qs = self.queues.get(queue)
         if qs is None and queue in self.registry.parked:
             if not reader:

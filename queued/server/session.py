@@ -219,6 +219,7 @@ class Session(PassGets):
         It also stops once `out` holds `out_cap` bytes (the reactor sends them first)."""
         i, n = 0, len(requests)
         cap = self.out_cap
+        parked = self.broker.registry.parked  # (a request of a parked queue: to the task)
         while i < n and not self.done:
             if len(self.out) >= cap:
                 return i
@@ -257,6 +258,9 @@ class Session(PassGets):
                 self.deny(r, why)
                 continue
             t = type(cmd)
+            if parked and (t is c.Get or t is c.Confirm or t is c.Abort or t is c.Touch) and (
+                    cmd.queue in parked):  # type: ignore[union-attr]
+                return i  # (its task loads it on a worker thread: `TaskPath.loaded`)
             if t is c.Get:
                 if not self.get_nowait(requests, i):
                     return i
@@ -301,10 +305,13 @@ class Session(PassGets):
         joined one that failed and is retried one by one on the task path)."""
         began = 0
         b = self.broker
+        parked = b.registry.parked
         n_run = len(run)
         while began < n_run:
             entry = run[began]
             first = entry[1]
+            if parked and first.queue in parked:
+                return began  # (its task loads it on a worker thread: `TaskPath.loaded`)
             end = began + 1
             while end < n_run and same_append(first, run[end][1]):
                 end += 1

@@ -13,7 +13,7 @@ through the broker.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Final, Protocol
 
 import trio
 
@@ -178,16 +178,30 @@ class TaskPath(TaskGets):
                             grant is None or grant.denied(put) is None):
                     run.append((ri, put))
                     i += 1
+                for queue in {put.queue for _, put in run}:
+                    await self.loaded(queue)
                 await self._puts(run)
                 continue
             i += 1
             if type(r) is c.Request:
                 self.stats.count(r.name, r.count)
+                cmd = r.command
+                if type(cmd) in _OF_A_QUEUE:
+                    await self.loaded(cmd.queue)  # type: ignore[union-attr]
                 await self._execute(r)
             else:
                 self.refused(r)
             if len(self.out) >= RECEIVE_SIZE:  # replies of a long batch go out as they grow
                 await self.flush()
+
+    async def loaded(self, queue: str) -> None:
+        """Queue `queue` loaded if it was parked, its files read on a worker thread: the
+        reactor's passes (every other connection) go on meanwhile, where a use in a pass
+        would hold them all for the read. (A pass hands a request of a parked queue to
+        its connection's task for this.)"""
+        registry = self.broker.registry
+        if queue in registry.parked:
+            await registry.load_parked(queue)
 
     async def _execute(self, req: c.Request) -> None:
         try:
@@ -267,6 +281,11 @@ class TaskPath(TaskGets):
                                            delay_ms=delay_ms, producer=first.producer,
                                            sequence=first.sequence, headers=headers,
                                            key=first.key)
+
+
+#: The commands a pass runs on a queue: a request of a parked one comes to the task,
+#: which loads it first (`TaskPath.loaded`).
+_OF_A_QUEUE: Final = frozenset({c.Get, c.Confirm, c.Abort, c.Touch})
 
 
 def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c.Put]]:

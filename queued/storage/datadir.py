@@ -344,12 +344,23 @@ class DataDir:
         self, name: str, segments: Sequence[int], readers: Sequence[str], last_id: int
     ) -> QueueJournal:
         """Recover parked queue `name` from its files as start-up does, here and now
-        (synchronous, on the event loop: the broker parks only queues whose files are
-        small). `segments` and `readers` name its files (no listing of a directory that
-        may hold 10,000 queues); a reader whose checkpoint was never written has none.
-        Ids stay above `last_id`."""
+        (`read_parked_queue` then `adopt_queue`, on the caller's thread)."""
         if name in self.queues:
             raise RuntimeError(f"queue {name!r} is loaded already")
+        j = self.read_parked_queue(name, segments, readers, last_id)
+        self.adopt_queue(j)
+        return j
+
+    def read_parked_queue(
+        self, name: str, segments: Sequence[int], readers: Sequence[str], last_id: int
+    ) -> QueueJournal:
+        """Parked queue `name`'s journal recovered from its files as start-up does, not
+        yet one of this data dir's queues (`adopt_queue`). Touches only that queue's files
+        and nothing of this object's state, so it may run on a worker thread while the
+        event loop goes on (the files of a parked queue change only when it is deleted,
+        which waits for a load under way). `segments` and `readers` name its files (no
+        listing of a directory that may hold 10,000 queues); a reader whose checkpoint
+        was never written has none. Ids stay above `last_id`."""
         entries = [(jf.segment_name(name, n), jf.JournalFileName(name, jf.FileRole.SEGMENT,
                                                                   number=n))
                    for n in segments]
@@ -365,8 +376,13 @@ class DataDir:
             entries.append((jf.dedup_name(name), jf.JournalFileName(name, jf.FileRole.DEDUP)))
         j = self._recover_queue(name, entries, report=False)
         j.last_id = max(j.last_id, last_id)
-        self.queues[name] = j
         return j
+
+    def adopt_queue(self, journal: QueueJournal) -> None:
+        """A journal `read_parked_queue` made is this data dir's queue from now on."""
+        if journal.name in self.queues:
+            raise RuntimeError(f"queue {journal.name!r} is loaded already")
+        self.queues[journal.name] = journal
 
     async def sync_segment(self, journal: QueueJournal) -> None:
         """fsync what `journal`'s segment has written and not synced, whatever its policy,
