@@ -6,7 +6,7 @@ import ast
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,19 +33,6 @@ def pytest_report_header(config: pytest.Config) -> str:
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A fresh 2 MiB tmpfs (skips the test where it cannot be mounted)."""
     yield from tmpfs_mount(tmp_path)
-
-
-@pytest.fixture
-def use_fileio() -> Iterator[Callable[[Any], Any]]:
-    """`fileio.use`, with the file calls put back at the end of the test (install a fake
-    this way, never by assigning `fileio._current`: `use` also routes the hot calls)."""
-    from queued.storage import fileio
-
-    previous = fileio.current()
-    try:
-        yield fileio.use
-    finally:
-        fileio.use(previous)
 
 
 @pytest.fixture

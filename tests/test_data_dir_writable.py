@@ -13,7 +13,7 @@ import errno
 import logging
 import signal
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -152,8 +152,7 @@ class FsyncFails(fileio.FileIO):
 
 
 async def test_journals_that_cannot_be_closed_are_each_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    use_fileio: Callable[[fileio.FileIO], object],
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     never = JournalConfig(fsync=FsyncPolicy.parse("never"))  # puts leave unsynced bytes
     monkeypatch.setattr(logging.getLogger("queued.datadir"), "disabled", True)
@@ -161,7 +160,7 @@ async def test_journals_that_cannot_be_closed_are_each_named(
         async with open_data_dir(tmp_path, queue_config=lambda _: never) as dd:
             for name in ("q1", "q2"):
                 await dd.queue(name).append([b"x"], T0)
-            use_fileio(FsyncFails())
+            monkeypatch.setattr(fileio, "_current", FsyncFails())
     then = "; what it wrote since its last fsync may be lost"
     assert caught.value.unsaved == [
         f"queue q1: journal not fsynced and closed (Input/output error){then}",

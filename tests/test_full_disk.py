@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import crash_driver as drv
@@ -307,7 +306,7 @@ class FailingFsync(fileio.FileIO):
 
 
 async def test_enospc_from_fsync_at_rotation_is_not_an_ack(
-    tmp_path: Path, use_fileio: Callable[[fileio.FileIO], object]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An fsync that fails (even with ENOSPC) must not acknowledge what it covered.
 
@@ -317,7 +316,7 @@ async def test_enospc_from_fsync_at_rotation_is_not_an_ack(
     per the durability contract a failed fsync is fatal to writes.
     """
     fake = FailingFsync()
-    use_fileio(fake)
+    monkeypatch.setattr(fileio, "_current", fake)
     datadir = tmp_path / "data"
     async with open_data_dir(datadir, DataDirConfig(), config(2048)) as dd:
         q = dd.queue(Q)

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from queued.storage import fileio
 
 
@@ -39,3 +41,22 @@ def test_the_hot_file_calls_follow_the_installed_fileio(tmp_path: Path) -> None:
     assert calls == ["writev", "fsync"]
     assert (tmp_path / "f").read_bytes() == b"abcd"
     assert fileio.writev is os.writev
+
+
+def test_a_monkeypatched_fileio_gets_the_hot_calls_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests install fakes by assigning `fileio._current` (monkeypatch.setattr) as well as
+    with `use`: the hot calls follow either way, and the undo puts the os functions back."""
+    class NoFsync(fileio.FileIO):
+        def fsync(self, fd: int) -> None:
+            raise OSError(5, "no fsync here")
+
+    monkeypatch.setattr(fileio, "_current", NoFsync())
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError, match="no fsync here"):
+            fileio.fsync(fd)
+    finally:
+        os.close(fd)
+    monkeypatch.undo()
+    assert fileio.fsync is os.fsync and type(fileio.current()) is fileio.FileIO

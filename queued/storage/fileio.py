@@ -14,6 +14,8 @@ import ctypes
 import ctypes.util
 import os
 import shutil
+import sys
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
@@ -184,6 +186,7 @@ def copy_file(src: StrPath, dst: StrPath) -> None:
 #: while the real FileIO is in use these module names are the `os` functions themselves,
 #: so a call reaches the system without two Python frames (which cost a compiled writer
 #: ~1 µs each); with any other FileIO they go through it, as every other call does.
+#: `use` rebinds them, and so does assigning `_current` (see `_Seam`).
 _VIA_CURRENT: Final = {"write": write, "writev": writev, "fsync": fsync}
 
 
@@ -195,7 +198,18 @@ def _bind_hot_calls(io: FileIO) -> None:
         names.update(_VIA_CURRENT)
 
 
+class _Seam(types.ModuleType):
+    """This module's type: assigning `_current` from outside (a test's monkeypatch of it,
+    and the monkeypatch's undo) routes the hot calls as `use` does."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name == "_current":
+            _bind_hot_calls(value)  # type: ignore[arg-type]
+
+
 _bind_hot_calls(_current)
+sys.modules[__name__].__class__ = _Seam
 
 
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
