@@ -14,8 +14,10 @@ import json
 import os
 import random
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -726,48 +728,68 @@ async def test_max_queues_counts_parked_readers(tmp_path: Path) -> None:
         await conn.aclose()
 
 
+
+class HeldLoads:
+    """Holds every load of a parked queue on a worker thread (`Registry.read_parked`, the
+    seam) until `release`; a load on the event loop's thread (`unpark`) goes through. It
+    records the threads that read and what they read; `restore` puts the seam back."""
+
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+        self.real = registry.read_parked
+        self.threads: list[int] = []
+        self.reads: list[Any] = []
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        registry.read_parked = self.read
+
+    def read(self, name: str, p: parking.ParkedQueue) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            return self.real(name, p)
+        self.threads.append(threading.get_ident())
+        self.entered.set()
+        assert self.released.wait(WAIT), "the test never released the load"
+        loaded = self.real(name, p)
+        self.reads.append(loaded)
+        return loaded
+
+    def release(self) -> None:
+        self.released.set()
+
+    def restore(self) -> None:
+        self.released.set()
+        self.registry.read_parked = self.real
+
+
 async def test_a_pass_loads_a_parked_queue_on_a_worker_thread(tmp_path: Path) -> None:
     """A request of a parked queue leaves the reactor's pass for its connection's task,
     which reads the queue's files on a worker thread: while the read is held, other
     connections are served, and a second use of the same queue waits for that one load
     (the files are read once). Then both are answered, in order, with nothing lost."""
-    import threading
-
     async with running(cfg(tmp_path)) as server:
         conn = await park_each(server, ["p"])
         registry = server.broker.registry
-        real = registry.read_parked
-        entered: list[int] = []
-        release = threading.Event()
-
-        def held(name: str, p: parking.ParkedQueue) -> object:
-            entered.append(threading.get_ident())
-            assert release.wait(WAIT), "the test never released the load"
-            return real(name, p)
-
-        registry.read_parked = held  # type: ignore[method-assign,assignment]
+        held = HeldLoads(registry)
         getter = await Conn.open(server.ports["memcache"])
         putter = await Conn.open(server.ports["memcache"])
         other = await Conn.open(server.ports["memcache"])
         try:
             await getter.send(b"get p\r\n")
-            await wait_until(lambda: bool(entered))
+            await wait_until(held.entered.is_set)
             await putter.send(b"set p 0 0 4\r\nlate\r\n")
             # The reactor goes on: another queue's set and get are answered meanwhile.
             for i in range(5):
                 assert await other.set("busy", b"%d" % i) == b"STORED"
                 assert await other.get("busy") == b"%d" % i
             assert "p" in registry.parked and not getter.buf and not putter.buf
-            assert entered[0] != threading.get_ident()  # (not the event loop's thread)
-            release.set()
+            held.release()
             assert await getter.read_value("p") == b"x"
             assert await putter.line() == b"STORED"
-            assert len(entered) == 1  # one read for both uses
+            assert len(held.reads) == 1  # one read for both uses, on a worker thread
             assert "p" in server.broker.queues and "p" not in registry.parked
             assert await getter.get("p") == b"late"
         finally:
-            release.set()
-            registry.read_parked = real  # type: ignore[method-assign]
+            held.restore()
             for c in (getter, putter, other, conn):
                 await c.aclose()
 
@@ -776,27 +798,16 @@ async def test_a_delete_waits_for_a_load_of_the_parked_queue(tmp_path: Path) -> 
     """A delete of a parked queue whose files are being read (a load on a worker
     thread) waits for that read, then deletes the queue it loaded: no file of it is
     left, and no load puts it back."""
-    import threading
-
     data = tmp_path / "data"
     async with running(cfg(tmp_path)) as server:
         conn = await park_each(server, ["gone"])
         registry = server.broker.registry
-        real = registry.read_parked
-        entered = threading.Event()
-        release = threading.Event()
-
-        def held(name: str, p: parking.ParkedQueue) -> object:
-            entered.set()
-            assert release.wait(WAIT), "the test never released the load"
-            return real(name, p)
-
-        registry.read_parked = held  # type: ignore[method-assign,assignment]
+        held = HeldLoads(registry)
         deleted: list[bool] = []
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(registry.load_parked, "gone")
-                await wait_until(entered.is_set)
+                await wait_until(held.entered.is_set)
 
                 async def delete() -> None:
                     deleted.append(await server.broker.delete("gone"))
@@ -804,49 +815,31 @@ async def test_a_delete_waits_for_a_load_of_the_parked_queue(tmp_path: Path) -> 
                 nursery.start_soon(delete)
                 await trio.sleep(0.05)
                 assert not deleted  # waiting for the read
-                release.set()
+                held.release()
             assert deleted == [True]
             assert "gone" not in server.broker.queues and "gone" not in registry.parked
             assert not [n for n in data_files(data) if n.startswith("gone.")]
         finally:
-            release.set()
-            registry.read_parked = real  # type: ignore[method-assign]
+            held.restore()
             await conn.aclose()
 
 
 async def test_a_load_made_moot_meanwhile_is_dropped(tmp_path: Path) -> None:
     """A queue loaded here and now (`unpark`) while its load on a worker thread was
     under way: the thread's copy is dropped, the queue loaded once, its item kept."""
-    import threading
-
     async with running(cfg(tmp_path)) as server:
         conn = await park_each(server, ["twice"])
         registry = server.broker.registry
-        real = registry.read_parked
-        entered = threading.Event()
-        release = threading.Event()
-        reads: list[object] = []
-
-        def held(name: str, p: parking.ParkedQueue) -> object:
-            if threading.current_thread() is threading.main_thread():
-                return real(name, p)
-            entered.set()
-            assert release.wait(WAIT), "the test never released the load"
-            loaded = real(name, p)
-            reads.append(loaded)
-            return loaded
-
-        registry.read_parked = held  # type: ignore[method-assign,assignment]
+        held = HeldLoads(registry)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(registry.load_parked, "twice")
-                await wait_until(entered.is_set)
+                await wait_until(held.entered.is_set)
                 qs = registry.unpark("twice")  # a use outside a pass, here and now
-                release.set()
-            assert len(reads) == 1 and reads[0].journal is not qs.journal  # type: ignore[attr-defined]
+                held.release()
+            assert len(held.reads) == 1 and held.reads[0].journal is not qs.journal
             assert server.broker.queues["twice"] is qs
             assert await conn.get("twice") == b"x"
         finally:
-            release.set()
-            registry.read_parked = real  # type: ignore[method-assign]
+            held.restore()
             await conn.aclose()
