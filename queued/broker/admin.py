@@ -17,7 +17,7 @@ from queued.broker.gets import GetPath
 from queued.broker.live_readers import LiveReader
 from queued.broker.queues import QueueState
 from queued.broker.readback import read_live
-from queued.errors import BadNameError
+from queued.errors import BadNameError, JournalError
 from queued.journal import format as jf
 from queued.reader.open_reads import TimeoutHeapStatistics
 from queued.reader.state import Item
@@ -174,7 +174,12 @@ class AdminOps(GetPath):
             await registry.load_parked(name)  # (its files read on a worker thread)
             loaded = self.queues.get(name)
             if loaded is None:
-                continue  # could not load (logged), or deleted meanwhile: the others go on
+                if name not in registry.parked:
+                    continue  # deleted meanwhile
+                try:
+                    loaded = registry.unpark(name)  # (the load failed: again, to report it)
+                except JournalError:
+                    continue  # (logged) the others are flushed all the same
             n += sum(h.flush() for h in loaded.readers.values())
             await trio.lowlevel.checkpoint()
         return n

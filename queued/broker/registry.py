@@ -318,7 +318,12 @@ class Registry:
         passes never call it for a request's queue (`load_parked` runs first, on the
         connection's task)."""
         p = parking.unpack(self.parked[name])
-        return self._install(name, p, self.read_parked(name, p))
+        try:
+            loaded = self.read_parked(name, p)
+        except JournalError as exc:
+            log.error("queue %s: loading the parked queue failed: %s", name, exc.__cause__)
+            raise
+        return self._install(name, p, loaded)
 
     async def load_parked(self, name: str) -> None:
         """Load parked queue `name` (if it still is) with its files read on a worker
@@ -326,7 +331,7 @@ class Registry:
         meanwhile; callers asking for the same queue during the load wait for it. A
         load that fails, or whose queue changed meanwhile (deleted, its summary
         rewritten), leaves it parked: a use then loads it here and now (`unpark`),
-        reporting any failure as before."""
+        which logs and reports any failure as before."""
         while name in self.parked and not self.closing:
             loading = self._loading.get(name)
             if loading is not None:
@@ -338,8 +343,8 @@ class Registry:
                 p = parking.unpack(data)
                 try:
                     loaded = await trio.to_thread.run_sync(self.read_parked, name, p)
-                except JournalError:
-                    return  # (logged) the use's own `unpark` answers it
+                except Exception:  # the use's own `unpark` answers it (and logs it)
+                    return
                 if self.parked.get(name) is data and not self.closing:
                     self._install(name, p, loaded)
                 else:
@@ -372,7 +377,6 @@ class Registry:
             journal = self.datadir.read_parked_queue(name, p.segments,
                                                      [r.name for r in p.readers], p.last_id)
         except (OSError, QueuedError) as exc:
-            log.error("queue %s: loading the parked queue failed: %s", name, exc)
             raise JournalError(f"queue {name!r}: loading it from disk failed: {exc}") from exc
         readers: list[tuple[str, Reader]] = []
         for rname, cp in sorted(journal.readers.items()):

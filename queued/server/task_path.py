@@ -283,9 +283,11 @@ class TaskPath(TaskGets):
                                            key=first.key)
 
 
-#: The commands a pass runs on a queue: a request of a parked one comes to the task,
-#: which loads it first (`TaskPath.loaded`).
-_OF_A_QUEUE: Final = frozenset({c.Get, c.Confirm, c.Abort, c.Touch})
+#: The commands that use their queue (a request of a parked one comes to the task,
+#: which loads it first on a worker thread: `TaskPath.loaded`); puts are loaded for as a
+#: run. Not `Delete` (a parked queue's files go without a load) nor `Pause` (a list).
+_OF_A_QUEUE: Final = frozenset({c.Get, c.Peek, c.Confirm, c.Abort, c.Touch, c.Reject,
+                                c.Browse, c.Flush, c.FlushExpired, c.Monitor, c.Move})
 
 
 def _one_by_one(group: list[tuple[c.Request, c.Put]]) -> list[tuple[c.Request, c.Put]]:
