@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from queued.broker.live_readers import LiveReader, Waiter, Wake
-from queued.broker.readback import FETCH_MAX_ITEMS, read_ids, read_range, segment_sizes
+from queued.broker.readback import (
+    FETCH_MAX_ITEMS,
+    LOAD_SLICE,
+    read_ids,
+    read_range,
+    segment_sizes,
+)
 from queued.errors import (
     ItemTooLargeError,
     JournalClosedError,
@@ -736,8 +742,19 @@ class QueueState:
                 log.error("queue %s: read-behind failed: %s", self.name, exc)
                 raise JournalError(
                     f"queue {self.name!r}: reading items back failed: {exc}") from exc
-            r.load(start, items, next_id)
-            self.serve(h)
+            # Into memory a slice at a time, with the event loop's other work (every
+            # connection the reactor serves) between the slices: a whole read (50,000
+            # items) took ~38 ms of the loop compiled, a stall for every client.
+            n = len(items)
+            for a in range(0, n, LOAD_SLICE):
+                b = a + LOAD_SLICE
+                upto = items[b].id if b < n else next_id
+                r.load(start, items[a:b], upto)
+                self.serve(h)
+                if b >= n or r.behind != upto or h.closed:
+                    break  # (done; or a flush moved read-behind meanwhile: the rest is moot)
+                start = upto
+                await trio.lowlevel.checkpoint()
 
     async def fetch_once(self, h: LiveReader) -> None:
         """Read the data of the next due items that wait on disk (in a worker thread)."""
