@@ -174,6 +174,25 @@ def test_flags_zero_costs_no_bytes_and_out_of_range_is_refused() -> None:
             jf.put_header_packer(0, None, 0, bad)
 
 
+@pytest.mark.parametrize(("expire", "errors", "flags", "due"),
+                         [(None, 0, 0, None), (None, 3, 0, None), (5000, 0, 0, None),
+                          (None, 0, 7, None), (None, 0, 0, 9000), (5000, 1, 2, 9000)])
+def test_put_heads_in_bulk_are_the_packers(expire: int | None, errors: int, flags: int,
+                                           due: int | None) -> None:
+    """pack_put_heads (the journal's bulk path) gives put_header_packer's bytes, per item,
+    for the plain put (its own comprehension) and every other shape."""
+    sizes, ids = [0, 5, 70000], [10, 11, 12]
+    packer = jf.put_header_packer(1000, expire, errors, flags, due)
+    assert jf.pack_put_heads(sizes, ids, 1000, expire, errors, flags, due) == [
+        packer(n, i) for n, i in zip(sizes, ids, strict=True)]
+
+
+def test_put_heads_in_bulk_refuse_what_the_record_cannot_hold() -> None:
+    for fields in ((), (5000,), (None, 0, 3)):  # plain, expiring, flagged
+        with pytest.raises(ValueError):
+            jf.pack_put_heads([1], [2**63], 1000, *fields)
+
+
 @pytest.mark.parametrize("form", ["envelope", "old"])
 def test_flagged_puts_in_a_sealed_batch_fast_path(form: str) -> None:
     put1, put2, put3 = (jf.encode_put(Put(1, b"a", 5)), jf.encode_put(Put(2, b"bb", 5)),

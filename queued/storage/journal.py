@@ -522,16 +522,10 @@ class QueueJournal:
         first = self.last_id + 1
         ids = range(first, first + n)
         parts: list[bytes] = [b""] * (2 * n)
-        if expire_time_ms is None and not flags and due_ms is None and leads is None:
-            # (the usual put: its PUT headers packed here, not through pack_head's
-            # closure, which compiled code calls as any Python callable, per item)
-            pack, cmd = jf.PUT_STRUCT.pack, jf.PUT_BYTE
-            parts[::2] = [pack(cmd, len(d), error_count, i, add_time_ms)
-                          for d, i in zip(datas, ids, strict=True)]
-        else:
-            parts[::2] = map(pack_head, map(len, datas), ids)
-            if leads is not None:
-                parts[::2] = map(operator.add, leads, parts[::2])
+        parts[::2] = jf.pack_put_heads(map(len, datas), ids, add_time_ms, expire_time_ms,
+                                       error_count, flags, due_ms)
+        if leads is not None:
+            parts[::2] = map(operator.add, leads, parts[::2])
         parts[1::2] = datas
         chunk.small += b"".join(parts)
         self._booked(chunk, first, n, total, ticket)
