@@ -351,6 +351,12 @@ class Ctx:
         return rows
 
 
+#: (connections, requests in flight on each) of the workloads whose clients put: many
+#: and latency their own, the others load.py's 4 x 8 (`Ctx.phase`, `Ctx.drain`, fan-in)
+SHAPES: dict[str, tuple[int, int]] = {"drain": (4, 8), "big": (4, 8), "reliable": (4, 8),
+                                      "fanin": (4, 8), "many": (64, 1), "latency": (1, 1)}
+
+
 def w_drain(c: Ctx) -> list[Row]:
     return c.drain()
 
@@ -360,11 +366,11 @@ def w_big(c: Ctx) -> list[Row]:
 
 
 def w_many(c: Ctx) -> list[Row]:
-    return c.drain(conns=64, pipeline=1)
+    return c.drain(*SHAPES["many"])
 
 
 def w_latency(c: Ctx) -> list[Row]:
-    return c.drain(conns=1, pipeline=1, procs=1)
+    return c.drain(*SHAPES["latency"], procs=1)
 
 
 def mixed(c: Ctx, specs: list[ConnSpec], queues: list[str], long_poll_ms: int = 0
@@ -921,8 +927,7 @@ def fdatasync_lines(fds: dict[str, dict[str, float]], targets: list[str],
 
 
 #: Puts in flight in each enqueue workload (its connections x their pipeline).
-ENQUEUE_IN_FLIGHT: dict[str, int] = {"drain": 32, "big": 32, "reliable": 32, "fanin": 32,
-                                     "many": 64, "latency": 1}
+ENQUEUE_IN_FLIGHT: dict[str, int] = {w: conns * depth for w, (conns, depth) in SHAPES.items()}
 
 
 def always_ceiling_lines(sync: float, always: list[str], ops: list[tuple[str, int, str]],

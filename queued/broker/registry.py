@@ -332,27 +332,24 @@ class Registry:
         load that fails, or whose queue changed meanwhile (deleted, its summary
         rewritten), leaves it parked: a use then loads it here and now (`unpark`),
         which logs and reports any failure as before."""
-        while name in self.parked and not self.closing:
-            loading = self._loading.get(name)
-            if loading is not None:
-                await loading.wait()
-                continue
-            data = self.parked[name]
-            done = self._loading[name] = trio.Event()
-            try:
-                p = parking.unpack(data)
-                try:
-                    loaded = await trio.to_thread.run_sync(self.read_parked, name, p)
-                except Exception:  # the use's own `unpark` answers it (and logs it)
-                    return
-                if self.parked.get(name) is data and not self.closing:
-                    self._install(name, p, loaded)
-                else:
-                    self._drop(name, loaded)
-            finally:
-                del self._loading[name]
-                done.set()
+        await self.wait_load(name)  # (then nothing yields until ours is registered)
+        data = self.parked.get(name)
+        if data is None or self.closing:
             return
+        done = self._loading[name] = trio.Event()
+        try:
+            p = parking.unpack(data)
+            try:
+                loaded = await trio.to_thread.run_sync(self.read_parked, name, p)
+            except Exception:  # the use's own `unpark` answers it (and logs it)
+                return
+            if self.parked.get(name) is data and not self.closing:
+                self._install(name, p, loaded)
+            else:
+                self._drop(name, loaded)
+        finally:
+            del self._loading[name]
+            done.set()
 
     @staticmethod
     def _drop(name: str, loaded: LoadedQueue) -> None:

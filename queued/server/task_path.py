@@ -178,8 +178,9 @@ class TaskPath(TaskGets):
                             grant is None or grant.denied(put) is None):
                     run.append((ri, put))
                     i += 1
-                for queue in {put.queue for _, put in run}:
-                    await self.loaded(queue)
+                if self.broker.registry.parked:
+                    for queue in {put.queue for _, put in run}:
+                        await self.loaded(queue)
                 await self._puts(run)
                 continue
             i += 1
