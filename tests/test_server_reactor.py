@@ -290,8 +290,10 @@ def test_the_reactor_finds_what_it_reads_of_trios_loop() -> None:
 async def test_a_one_request_client_is_served_without_a_trip_through_trio(
         tmp_path: Path) -> None:
     """A client with one request in flight, in another thread: after each reply the
-    reactor waits on its own epoll, and the next request finds it there."""
-    n = 300
+    reactor waits on its own epoll, and the next request finds it there. (It lingers
+    only within 2 ms of trio's last turn: on a machine busy with other work a round of
+    requests may see no linger at all, so up to three rounds are sent.)"""
+    n, rounds = 300, 3
     async with running(reactor_config(tmp_path, fsync="never")) as server:
         assert server.reactor is not None
         before = server.reactor.statistics()
@@ -302,10 +304,15 @@ async def test_a_one_request_client_is_served_without_a_trip_through_trio(
                     sock.sendall(b"set q 0 0 %d\r\n%d\r\n" % (len(b"%d" % i), i))
                     assert recv_until(sock, b"\r\n") == b"STORED\r\n"
 
-            await trio.to_thread.run_sync(one_at_a_time)
+            sent = 0
+            for _ in range(rounds):
+                await trio.to_thread.run_sync(one_at_a_time)
+                sent += n
+                if server.reactor.statistics().lingered > before.lingered:
+                    break
         stats = server.reactor.statistics()
-        assert 0 < stats.lingered - before.lingered <= n
-        assert server.broker.reader_info("q")["items"] == n
+        assert 0 < stats.lingered - before.lingered <= sent
+        assert server.broker.reader_info("q")["items"] == sent
 
 
 async def test_the_reactor_gives_way_to_what_trio_waits_for(tmp_path: Path) -> None:
