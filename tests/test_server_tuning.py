@@ -8,21 +8,27 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from queued.server import tuning
 
 PROBE = """
-import gc, json
+import gc, json, sys
 from queued.server.tuning import tune_process
-before = gc.get_threshold()
+before = [gc.get_threshold(), sys.getswitchinterval()]
 tune_process()
-print(json.dumps([before, gc.get_threshold()]))
+print(json.dumps([before, [gc.get_threshold(), sys.getswitchinterval()]]))
 """
 
 
-def test_tune_process_sets_the_servers_gc_thresholds_and_only_in_its_process() -> None:
+def test_tune_process_sets_the_servers_settings_and_only_in_its_process() -> None:
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
                          timeout=60, check=True).stdout
-    before, after = json.loads(out)
-    assert tuple(after) == tuning.GC_THRESHOLDS != tuple(before)
-    assert gc.get_threshold() != tuning.GC_THRESHOLDS  # importing the module changes nothing
+    (gc_before, switch_before), (gc_after, switch_after) = json.loads(out)
+    assert tuple(gc_after) == tuning.GC_THRESHOLDS != tuple(gc_before)
+    assert switch_after == pytest.approx(tuning.SWITCH_INTERVAL)
+    assert switch_before > 2 * tuning.SWITCH_INTERVAL
+    # importing the module changes nothing
+    assert gc.get_threshold() != tuning.GC_THRESHOLDS
+    assert sys.getswitchinterval() != pytest.approx(tuning.SWITCH_INTERVAL)
 
