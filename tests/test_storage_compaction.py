@@ -5,6 +5,7 @@ each step of the rewrite protocol."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from journal_util import T0, cfg, data_for, segments
@@ -129,6 +130,27 @@ async def test_rewrite_run_keeps_only_needed_records_under_the_last_name(
     assert run[0].path.read_bytes() == originals[run[0].path.name]
     assert not any("~~" in p.name for p in tmp_path.iterdir())
     assert needed == [4, 8, 9, 10, 11, 12, 13]
+
+
+async def test_rewrite_run_reads_from_past_the_lowest_readers_head(tmp_path: Path) -> None:
+    """Ids at or below every reader's head are needed by none: the rewrite does not
+    read (decode) them, and keeps what any reader still needs."""
+    await _straggler_queue(tmp_path)
+    dd = DataDir.open(tmp_path)
+    q = dd.queues["q"]
+    run = (q.segments[0], q.segments[1])
+    seen: list[int] = []
+
+    def read(seg: SegmentInfo, from_id: int, to_id: int | None) -> Iterator[jf.Put]:
+        for put in read_segment(seg, from_id, to_id):
+            seen.append(put.id)
+            yield put
+
+    readers = {"": Checkpoint(4, (5, 6, 7)), "b": Checkpoint(6)}
+    new = compaction.rewrite_run(run, readers, read, dd)
+    assert new is not None
+    assert [p.id for p in read_segment(new, 1, None)] == [7, 8]
+    assert seen == [5, 6, 7, 8]
 
 
 async def test_rewrite_run_with_nothing_needed_retires_the_run(tmp_path: Path) -> None:

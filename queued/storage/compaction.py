@@ -162,8 +162,12 @@ def _rewrite_run(
             batch = bytearray()
             count = first = 0
 
-        for seg in run:
-            for put in read(seg, seg.first_id, None):
+        # No reader needs an id at or below every reader's head: the reads start past
+        # the lowest head (from the segment's nearest indexed batch), rather than
+        # decoding the consumed part of the run (most of it, as a rule) only to drop it.
+        start = min((h for h, _ in snapshot), default=None)
+        for seg in run if start is not None else ():
+            for put in read(seg, max(seg.first_id, start + 1), None):
                 if not needed(put.id, snapshot):
                     continue
                 batch += jf.encode_put(put)
