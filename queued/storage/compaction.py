@@ -165,9 +165,11 @@ def _rewrite_run(
         # No reader needs an id at or below every reader's head: the reads start past
         # the lowest head (from the segment's nearest indexed batch), rather than
         # decoding the consumed part of the run (most of it, as a rule) only to drop it.
-        start = min((h for h, _ in snapshot), default=None)
-        for seg in run if start is not None else ():
-            for put in read(seg, max(seg.first_id, start + 1), None):
+        # (No readers: nothing is needed.)
+        lowest = min((h for h, _ in snapshot), default=None)
+        for seg in run if lowest is not None else ():
+            assert lowest is not None
+            for put in read(seg, max(seg.first_id, lowest + 1), None):
                 if not needed(put.id, snapshot):
                     continue
                 batch += jf.encode_put(put)
