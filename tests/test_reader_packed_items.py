@@ -136,6 +136,27 @@ def test_items_with_headers_are_packed_their_headers_in_a_column() -> None:
     assert got == items and [type(it) for it in got] == [type(it) for it in items]
 
 
+def test_a_block_of_consecutive_ids_holds_them_as_a_range() -> None:
+    """(White-box: how a block holds its ids.) Consecutive ids, a reader's usual block,
+    are a range; ids with a gap, or in another order with the same ends, an array.
+    Either way the items come back equal."""
+    n = BLOCK_ITEMS
+    shapes = {
+        "consecutive": list(range(10, 10 + n)),
+        "a gap": [*range(10, 10 + n - 1), 10 + n],
+        "same ends, out of order": [10, 12, 11, *range(13, 10 + n)],
+    }
+    for name, ids in shapes.items():
+        items = [plain(i) for i in ids]
+        packed = PackedItems()
+        packed.pack(items)
+        block = packed._blocks[0]
+        assert type(block.ids) is (range if name == "consecutive" else array), name
+        assert list(block.ids) == ids, name
+        assert packed.ids() == ids, name
+        assert packed.unpack_next() == items[::-1], name
+
+
 def test_a_block_of_big_items_is_kept_as_it_is() -> None:
     items = [Put(i, b"b" * (SMALL_MAX + i), T0) for i in range(1, 5)]
     packed = PackedItems()

@@ -9,7 +9,8 @@ in a deque (the steady state, where consumers keep up, never packs anything) and
 BLOCK_ITEMS of its oldest at a time to `pack` once enough wait: one `_Block` holds their
 data joined in one `bytes`, columns of ids and add times (`array('q')`, 8 B each) and
 data end offsets (`array('I')`, 4 B), so a 64 B item costs 84 B plus a share of its
-block. Columns for expire times and flags exist only in a block where an item has one,
+block; a block of consecutive ids (the usual one) holds them as a `range`, 8 B less per
+item. Columns for expire times and flags exist only in a block where an item has one,
 and so do the headers column (the blocks of a HeadedPut's headers joined in one `bytes`,
 their end offsets in an `array('I')`: an item's headers cost their bytes and 4 B); an
 item that is not plain (a DelayedPut, an error count, data over SMALL_MAX or not
@@ -103,7 +104,13 @@ class _Block:
                     heads[k] = it.headers
         self.data = b"".join(datas)
         self.ends = array("I", list(accumulate(sizes)))  # (from lists: sized exactly)
-        self.ids = array("q", [it.id for it in items])
+        ids = [it.id for it in items]
+        first, last = ids[0], ids[-1]
+        # Consecutive ids (a reader's, unless items between them were taken or dropped
+        # first) are a range: 8 B less per item, and no array to build.
+        self.ids: array[int] | range = (
+            range(first, last + 1) if last - first == len(ids) - 1
+            and ids == list(range(first, last + 1)) else array("q", ids))
         self.times = array("q", times)
         self.exps = None if exps is None else array("q", exps)
         self.flgs = None if flgs is None else array("I", flgs)
