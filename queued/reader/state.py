@@ -12,7 +12,7 @@ Every id in `front` or in `open` is lower than every held id, and every held id 
 lower than `behind`: that is what makes the checkpoint cheap to compute.
 
 Packing. New items join `mem`, a deque of objects; once `pack_at` wait there, its
-oldest go to `packed` (PackedItems), `pack_block` at a time: ~90 B of RSS a 64 B item
+oldest go to `packed` (PackedItems), `pack_block` at a time: ~84 B of RSS a 64 B item
 instead of ~237 B. Takes unpack a whole block into `unpacked` (equal copies, newest
 first, so that taking one is a list's `pop()`). Consumers that keep the backlog under
 `pack_at` never meet a packed block. Each reader packs its own copies, where objects
