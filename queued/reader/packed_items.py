@@ -10,13 +10,13 @@ BLOCK_ITEMS of its oldest at a time to `pack` once enough wait: one `_Block` hol
 data joined in one `bytes`, columns of ids and add times (`array('q')`, 8 B each) and
 data end offsets (`array('I')`, 4 B), so a 64 B item costs 84 B plus a share of its
 block; a block of consecutive ids (the usual one) holds them as a `range`: 76 B, 84 B of
-RSS measured with a million items held. Columns for expire times and flags exist only in a block where an item has one,
-and so do the headers column (the blocks of a HeadedPut's headers joined in one `bytes`,
-their end offsets in an `array('I')`: an item's headers cost their bytes and 4 B); an
-item that is not plain (a DelayedPut, an error count, data over SMALL_MAX or not
-`bytes`, a value no column holds) stays an object in the block's `objs`. `unpack_next`
-makes a whole block's items again at once (in bulk, half the cost of one at a time) for
-the reader to `pop()`.
+RSS measured with a million items held. Columns for expire times and flags exist only in
+a block where an item has one, and so do the headers column (the blocks of a HeadedPut's
+headers joined in one `bytes`, their end offsets in an `array('I')`: an item's headers
+cost their bytes and 4 B); an item that is not plain (a DelayedPut, an error count, data
+over SMALL_MAX or not `bytes`, a value no column holds) stays an object in the block's
+`objs`. `unpack_next` makes a whole block's items again at once (in bulk, half the cost
+of one at a time) for the reader to `pop()`.
 """
 
 from __future__ import annotations
