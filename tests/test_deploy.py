@@ -91,6 +91,7 @@ HISTOGRAMS = frozenset({
     "queued_fsync_duration_seconds",
     "queued_put_latency_seconds",
     "queued_get_latency_seconds",
+    "queued_reactor_pass_seconds",
 })
 SERVER_METRICS = frozenset({
     # The gauge of open connections is not "queued_connections": in OpenMetrics that is the

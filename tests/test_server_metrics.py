@@ -86,6 +86,7 @@ async def test_a_snapshot_copies_the_servers_figures(tmp_path: Path) -> None:
         assert snap.put_latency is not None and snap.put_latency.count == 3
         assert snap.get_latency is not None and snap.get_latency.count == 2
         assert snap.fsync is not None and snap.fsync.count >= 1
+        assert snap.pass_seconds is not None and snap.pass_seconds.count >= 2  # the gets'
         assert snap.disk is not None and snap.disk.total > 0
         # A copy: what the server does afterwards does not reach it.
         await put(server, "jobs", b"later")
@@ -119,6 +120,8 @@ async def test_a_snapshot_renders_its_figures_in_both_formats(tmp_path: Path) ->
     assert types["queued_queue_puts"] == "counter"
     assert types["queued_journal_fsyncs"] == "counter"
     assert types["queued_fsync_duration_seconds"] == "histogram"
+    assert types["queued_reactor_pass_seconds"] == "histogram"
+    assert m[("queued_reactor_pass_seconds_count", NONE)] >= 1  # the get's pass
     # OpenMetrics, read by the strict parser: the same queued_* samples.
     om_body, om_headers = render(snap, OPENMETRICS)
     assert dict(om_headers)["Content-Type"].startswith("application/openmetrics-text")

@@ -38,6 +38,7 @@ from queued.server.connections import BUFFER_CAP
 from queued.server.reactor import LINGER_BACKOFF, PASS_REQUESTS, TrioLoop
 from queued.server.session import Session
 from queued.server.task_base import RECEIVE_SIZE
+from queued.storage import fileio
 from queued.wire import commands as c
 
 
@@ -327,6 +328,47 @@ async def test_a_one_request_client_is_served_without_a_trip_through_trio(
         stats = server.reactor.statistics()
         assert 0 < stats.lingered - before.lingered <= sent, (before, stats)
         assert server.broker.reader_info("q")["items"] == sent
+
+
+class SlowFsync(fileio.FileIO):
+    """Journal fsyncs that take `seconds` longer (a disk busy with another's writes)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def fsync(self, fd: int) -> None:
+        time.sleep(self.seconds)
+        super().fsync(fd)
+
+
+async def test_a_slow_pass_is_counted_in_its_bucket_and_logged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Each pass that ran requests is timed, from its reads to its sends (the reactor's
+    `queued_reactor_pass_seconds`); one over SLOW_PASS is logged as well. A set under
+    `always` whose fsync takes 60 ms makes a pass of 60 ms or more."""
+    monkeypatch.setattr(reactor_module, "SLOW_PASS", 0.05)
+    async with running(reactor_config(tmp_path, fsync="always")) as server:
+        assert server.reactor is not None
+        conn = await Conn.open(server.ports["memcache"])
+        try:
+            assert await conn.set("q", b"quick") == b"STORED"
+            before = server.reactor.statistics().pass_seconds
+            assert before.count >= 1
+            monkeypatch.setattr(fileio, "_current", SlowFsync(0.06))
+            with caplog.at_level(logging.WARNING, logger="queued.server"):
+                assert await conn.set("q", b"slow") == b"STORED"
+            after = server.reactor.statistics().pass_seconds
+            monkeypatch.undo()
+        finally:
+            await conn.aclose()
+    assert after.count == before.count + 1
+    assert after.sum - before.sum >= 0.06
+    # Its bucket: none up to 0.05 s gained a pass, the 0.1 s one did.
+    gained = [a - b for a, b in zip(after.cumulative, before.cumulative, strict=True)]
+    assert all(g == 0 for bound, g in zip(after.bounds, gained, strict=True) if bound <= 0.05)
+    assert gained[after.bounds.index(0.1)] == 1
+    assert "a pass over 1 connection(s) took" in caplog.text
 
 
 async def test_the_reactor_gives_way_to_what_trio_waits_for(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import os
 import platform
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -41,6 +41,9 @@ from queued.reader.dedup import DedupCounters
 from queued.reader.producers import ProducerCounters
 from queued.stats import HistogramSnapshot, ProtocolStats
 from queued.storage.journal import JournalStats
+
+if TYPE_CHECKING:  # (the listeners own the reactor; this module only reads it)
+    from queued.server.reactor import Reactor
 
 #: Bodies at least this big are gzipped when the scraper accepts it.
 GZIP_MIN_BYTES = 1024
@@ -83,6 +86,8 @@ class StatsSource(Protocol):
     def protocols(self) -> Mapping[str, ProtocolStats]: ...
     @property
     def counters(self) -> ByteCounters: ...
+    @property
+    def reactor(self) -> Reactor | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +115,7 @@ class Snapshot:
     fsync: HistogramSnapshot | None = None
     put_latency: HistogramSnapshot | None = None
     get_latency: HistogramSnapshot | None = None
+    pass_seconds: HistogramSnapshot | None = None  # the reactor's passes
     recovery_seconds: float = 0.0
     truncated_bytes: int = 0
     disk: DiskUsage | None = None
@@ -158,6 +164,7 @@ def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
         fsync=dd.fsync,
         put_latency=broker.put_latency.snapshot(),
         get_latency=broker.get_latency.snapshot(),
+        pass_seconds=None if server.reactor is None else server.reactor.pass_seconds.snapshot(),
         recovery_seconds=dd.recovery_seconds,
         truncated_bytes=dd.truncated_bytes,
         disk=disk_usage(broker.datadir.path),
@@ -383,6 +390,11 @@ class SnapshotCollector(Collector):
                              "From a get's arrival to its answer, for gets that did not wait "
                              "for an item to arrive (long polls are not counted).",
                              s.get_latency)
+        if s.pass_seconds is not None:
+            yield _histogram("queued_reactor_pass_seconds",
+                             "Time each pass of the reactor that ran requests took, from its "
+                             "reads to its sends: the connections it did not serve waited "
+                             "that long.", s.pass_seconds)
         yield GaugeMetricFamily("queued_recovery_duration_seconds",
                                 "Time the startup recovery took.", value=s.recovery_seconds)
         yield GaugeMetricFamily("queued_recovery_truncated_bytes",

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import select
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ from queued.server.connections import (
     ReactorTransport,
 )
 from queued.server.session import Session
+from queued.stats import Histogram, HistogramSnapshot
 from queued.wire import commands as c
 
 log = logging.getLogger("queued.server")
@@ -60,6 +62,12 @@ LINGER_BUDGET = 0.002
 #: within LINGER (an idle client, or one that was waiting to run in trio's batch along
 #: with the reactor: a task of this process's), so the next passes wait through trio.
 LINGER_BACKOFF = 32
+#: Bucket bounds (seconds) of the time a pass takes, from its reads to its last send:
+#: every connection it did not serve waits that long (`queued_reactor_pass_seconds`).
+PASS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                0.25, 1.0)
+#: A pass longer than this (seconds) is logged: every other connection waited for it.
+SLOW_PASS = 1.0
 
 
 class TrioLoop:
@@ -111,6 +119,7 @@ class ReactorStatistics:
     lingers: int  # waits for the next requests outside trio's scheduler (`_linger`)
     lingered: int  # of those, the ones that ended with a connection to read
     gave_way: int  # ... and the ones that ended as trio had something (the rest timed out)
+    pass_seconds: HistogramSnapshot  # how long the passes that ran requests took
 
 
 class Reactor(Connections):
@@ -130,6 +139,7 @@ class Reactor(Connections):
         self.lingered = 0
         self.gave_way = 0
         self.linger_after = 0  # (passes) no linger before this many, after a timeout
+        self.pass_seconds = Histogram(PASS_BUCKETS)
 
     async def serve(self, session: Session, stream: trio.SocketStream,
                     transport: ReactorTransport) -> None:
@@ -159,7 +169,7 @@ class Reactor(Connections):
 
     def statistics(self) -> ReactorStatistics:
         return ReactorStatistics(self.passes, self.requests, len(self.links), self.lingers,
-                                 self.lingered, self.gave_way)
+                                 self.lingered, self.gave_way, self.pass_seconds.snapshot())
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -193,9 +203,11 @@ class Reactor(Connections):
                 events = self.epoll.poll(0)
                 if not events and streak and not self.again and self._linger(turn):
                     events = self.epoll.poll(0)
+                began = time.perf_counter()
                 touched = self._read(events)
                 if touched:
                     await self._run_pass(touched)
+                    self._took(time.perf_counter() - began, len(touched))
                     streak += 1
                 else:
                     streak = 0
@@ -211,6 +223,13 @@ class Reactor(Connections):
             if self.linger_poll is not None:
                 self.linger_poll.close()
             self.close()
+
+    def _took(self, seconds: float, links: int) -> None:
+        """A pass that ran requests took `seconds` (from its reads to its sends)."""
+        self.pass_seconds.observe(seconds)
+        if seconds > SLOW_PASS:
+            log.warning("a pass over %d connection(s) took %.0f ms: every other connection "
+                        "waited for it", links, seconds * 1000)
 
     def _linger(self, turn: float) -> bool:
         """After a pass that found work, with none waiting now: wait for the next
