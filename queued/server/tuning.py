@@ -61,15 +61,17 @@ SWITCH_INTERVAL = 0.0005
 def shorten_switch_interval() -> None:
     """Let the event loop have the GIL back sooner from a worker thread running Python.
 
-    A worker thread that runs Python for long (compaction's rewrite of a run of
-    segments decodes and encodes every item: ~1 s of CPU for a few 16 MiB segments of
-    64 B items; read-behind decodes items) takes the GIL whenever the event loop's
+    A worker thread that runs Python for long (compaction's rewrite decodes and
+    encodes the items it keeps, and did every item of the run before it read past the
+    readers' heads: ~1 s of CPU for one 16 MiB segment of 64 B items; read-behind
+    decodes the items it reads back) takes the GIL whenever the event loop's
     thread makes a system call, and keeps it until the interpreter makes it drop it:
     CPython's default of 5 ms after the loop's thread asks. A reactor pass makes
     several calls (recv, the commit's write and fsync, each reply's send), so one pass
     took 20-35 ms while compaction ran, and RPC get+confirm's p99 was 56-110 ms
     instead of ~7 (bench/rpc_bench.py, 64 B, batches of 100, 4 connections, fsync
-    always, 4.5 s of puts first; 7.9 ms with this interval). With one thread running,
+    always, 4.5 s of puts first; 9-20 ms with this interval alone, 7.7-9.5 ms with the
+    rewrite reading past the heads as well). With one thread running,
     the interval costs nothing: no thread asks for the GIL.
     """
     sys.setswitchinterval(SWITCH_INTERVAL)

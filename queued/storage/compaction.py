@@ -165,20 +165,19 @@ def _rewrite_run(
         # No reader needs an id at or below every reader's head: the reads start past
         # the lowest head (from the segment's nearest indexed batch), rather than
         # decoding the consumed part of the run (most of it, as a rule) only to drop it.
-        # (No readers: nothing is needed.)
         lowest = min((h for h, _ in snapshot), default=None)
-        for seg in run if lowest is not None else ():
-            assert lowest is not None
-            for put in read(seg, max(seg.first_id, lowest + 1), None):
-                if not needed(put.id, snapshot):
-                    continue
-                batch += jf.encode_put(put)
-                if not count:
-                    first = put.id
-                count += 1
-                last_id = put.id
-                if len(batch) >= REWRITE_BATCH_BYTES:
-                    flush()
+        if lowest is not None:  # (no readers: nothing is needed)
+            for seg in run:
+                for put in read(seg, max(seg.first_id, lowest + 1), None):
+                    if not needed(put.id, snapshot):
+                        continue
+                    batch += jf.encode_put(put)
+                    if not count:
+                        first = put.id
+                    count += 1
+                    last_id = put.id
+                    if len(batch) >= REWRITE_BATCH_BYTES:
+                        flush()
         flush()
         fileio.fsync(fd)
     finally:
