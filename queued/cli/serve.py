@@ -22,7 +22,7 @@ from queued.config import ConfigError, load_config
 from queued.config.users import hash_password
 from queued.errors import NotSavedError, QueuedError
 from queued.server.app import serve
-from queued.server.tuning import tune_process
+from queued.server.tuning import freeze_startup_heap, tune_process
 
 
 def passwd_command() -> int:
@@ -59,7 +59,7 @@ def serve_command(args: argparse.Namespace) -> int:
              extra={"event": "starting", "version": __version__, "build": build()})
     tune_process()
     try:
-        trio.run(partial(serve, config, handle_signals=True))
+        trio.run(_serve_tuned, config)
     except Exception as exc:
         root = _single(exc)  # trio nurseries wrap errors in exception groups
         if isinstance(root, ConfigError):
@@ -76,6 +76,17 @@ def serve_command(args: argparse.Namespace) -> int:
         raise
     return 0
 
+
+
+async def _serve_tuned(config: qconfig.ServerConfig) -> None:
+    """`serve`, with the start-up heap frozen once the server serves (see
+    `freeze_startup_heap`)."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve, config, handle_signals=True))
+        frozen = freeze_startup_heap()
+        logging.getLogger("queued").info(
+            "start-up heap: %d objects left out of garbage collections", frozen,
+            extra={"event": "heap_frozen", "objects": frozen})
 
 
 def _single(exc: BaseException) -> BaseException:
