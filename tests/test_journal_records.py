@@ -180,11 +180,14 @@ def test_flags_zero_costs_no_bytes_and_out_of_range_is_refused() -> None:
 def test_put_heads_in_bulk_are_the_packers(expire: int | None, errors: int, flags: int,
                                            due: int | None) -> None:
     """pack_put_heads (the journal's bulk path) gives put_header_packer's bytes, per item,
-    for the plain put (its own comprehension) and every other shape."""
+    for the plain put (its own comprehension) and every other shape, with or without the
+    caller's packer."""
     sizes, ids = [0, 5, 70000], [10, 11, 12]
     packer = jf.put_header_packer(1000, expire, errors, flags, due)
-    assert jf.pack_put_heads(sizes, ids, 1000, expire, errors, flags, due) == [
-        packer(n, i) for n, i in zip(sizes, ids, strict=True)]
+    want = [packer(n, i) for n, i in zip(sizes, ids, strict=True)]
+    assert jf.pack_put_heads(sizes, ids, 1000, expire, errors, flags, due) == want
+    # The caller's packer of the same fields (the journal's) gives the same bytes.
+    assert jf.pack_put_heads(sizes, ids, 1000, expire, errors, flags, due, packer) == want
 
 
 def test_put_heads_in_bulk_refuse_what_the_record_cannot_hold() -> None:

@@ -524,17 +524,20 @@ def put_header_packer(
 def pack_put_heads(
     sizes: Iterable[int], ids: Iterable[int], add_time_ms: int,
     expire_time_ms: int | None = None, error_count: int = 0, flags: int = 0,
-    due_ms: int | None = None,
+    due_ms: int | None = None, packer: Callable[[int, int], bytes] | None = None,
 ) -> list[bytes]:
     """`put_header_packer`'s headers for many items at once, one per (size, id). The
     usual plain put's in one comprehension: compiled, the packer's closure is a call
-    through Python's calling convention per item."""
+    through Python's calling convention per item. `packer`: the caller's
+    `put_header_packer` of the same fields, if it made one (else one is made here)."""
     try:
         if expire_time_ms is None and not flags and due_ms is None:
             pack, cmd = PUT_STRUCT.pack, PUT_BYTE
             return [pack(cmd, size, error_count, xid, add_time_ms)
                     for size, xid in zip(sizes, ids, strict=True)]
-        packer = put_header_packer(add_time_ms, expire_time_ms, error_count, flags, due_ms)
+        if packer is None:
+            packer = put_header_packer(add_time_ms, expire_time_ms, error_count, flags,
+                                       due_ms)
         return list(map(packer, sizes, ids))
     except struct.error as exc:
         raise ValueError(f"PUT field out of range: {exc}") from None

@@ -84,9 +84,10 @@ def freeze_startup_heap() -> int:
 
     A full collection walks every tracked object. Most are the start-up's (modules,
     functions, classes, the configuration, trio's and prometheus-client's own): ~50,000
-    of them, and a full collection took 17-23 ms with the reactor waiting, once or twice
-    per RPC benchmark run; 1.3-1.6 ms once they were frozen (`gc.callbacks`, compiled,
-    bench/rpc_bench.py 64 B in batches of 100 over 4 connections, fsync always).
+    of them, and a full collection took 17-27 ms with the reactor waiting, once or twice
+    per RPC benchmark run; 1.7-2.4 ms once they were frozen (`gc.callbacks`, compiled,
+    bench/rpc_bench.py 64 B in batches of 100 over 4 connections, fsync always). The
+    collect before the freeze takes ~27 ms once, the ports already listening.
     Frozen objects are still freed when their last reference goes (items recovered at
     start-up, say, once consumed); only a reference cycle among them is never
     collected, so garbage from before the freeze is collected first.

@@ -523,7 +523,7 @@ class QueueJournal:
         ids = range(first, first + n)
         parts: list[bytes] = [b""] * (2 * n)
         parts[::2] = jf.pack_put_heads(map(len, datas), ids, add_time_ms, expire_time_ms,
-                                       error_count, flags, due_ms)
+                                       error_count, flags, due_ms, pack_head)
         if leads is not None:
             parts[::2] = map(operator.add, leads, parts[::2])
         parts[1::2] = datas
