@@ -14,6 +14,7 @@ import trio.testing
 
 from queued.config import FsyncPolicy
 from queued.journal import format as jf
+from queued.storage import fileio, synced_files
 from queued.storage import writer as writer_module
 from queued.storage.writer import Chunk, RoundThread, Writer, WriteResult
 
@@ -203,3 +204,34 @@ def test_a_failed_sync_of_many_files_fails_them_all(tmp_path: Path) -> None:
         writer.close()
     finally:
         fileio.use(previous)
+
+
+# Small items are copied into one piece; an item of 4 KiB or more is a piece of its own
+# (and its header another): 600 of them are more pieces than one writev takes (IOV_MAX).
+@pytest.mark.parametrize(("items", "size"), [(3, 10), (600, 4096)])
+def test_a_short_writev_is_finished_with_the_rest_of_its_pieces(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, items: int, size: int) -> None:
+    """writev may write less than asked (a signal, a nearly full disk): the batch on disk
+    is still every piece, in order, once, whether the chunk fits in one writev or not."""
+    shorts: list[int] = []
+
+    class Short(fileio.FileIO):
+        def writev(self, fd: int, buffers: Any) -> int:
+            total = sum(len(b) for b in buffers)
+            if total < 20:
+                return super().writev(fd, buffers)
+            half = b"".join(buffers)[: total // 2 + 3]  # (stops inside a piece)
+            shorts.append(total)
+            return fileio.FileIO.write(self, fd, half)
+
+    monkeypatch.setattr(fileio, "_current", Short())
+    writer = Writer(tmp_path)
+    file = writer.segment_file("q", FsyncPolicy.parse("never"), 0)
+    datas = [b"%05d" % i + bytes(size - 5) for i in range(items)]
+    [result] = writer.write_round_now([(file, [chunk(1, datas)])])
+    assert result.error is None
+    assert shorts and (len(shorts) > 1) == (items * 2 > synced_files.IOV_MAX)
+    [w] = result.written
+    path = tmp_path / jf.segment_name("q", w.number)
+    assert path.stat().st_size == w.end
+    assert puts_in(path) == list(enumerate(datas, 1))

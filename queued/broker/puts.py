@@ -109,6 +109,7 @@ class JoinedPuts:
     def begin_all(self) -> None:
         b = self.broker
         self._joinable.clear()
+        started = time.perf_counter()  # (the pass's puts begin together)
         for (queue, expire_ms, flags, delay_ms), join in self._joins.items():
             items, parts, headers = join.items, join.parts, join.headers
             keys, start = [], 0  # (start, end, key) of the keyed parts
@@ -118,7 +119,8 @@ class JoinedPuts:
                 start += n
             try:
                 pending = b.begin_put_nowait(queue, items, expire_ms=expire_ms, flags=flags,
-                                             delay_ms=delay_ms, headers=headers, keys=keys)
+                                             delay_ms=delay_ms, headers=headers, keys=keys,
+                                             started=started)
             except Exception:  # (WouldBlock included) each part on its own, then
                 start = 0
                 qs = b.registry.queues.get(queue)
@@ -130,7 +132,7 @@ class JoinedPuts:
                             queue, items[start:start + n], expire_ms=expire_ms, flags=flags,
                             delay_ms=delay_ms,
                             headers=None if headers is None else headers[start:start + n],
-                            key=key)
+                            key=key, started=started)
                         part.answer = part.pending.answer
                     except trio.WouldBlock:
                         part.error = QueueFullError(f"queue {queue!r} is full")
@@ -151,11 +153,12 @@ class JoinedPuts:
 
     def end_all(self) -> None:
         """After the pass's commit (every ticket set)."""
+        now = time.perf_counter()  # (and end together)
         for pending, parts in self._begun:
             error: Exception | None = None
             if pending is not None:
                 try:
-                    self.broker.end_put_nowait(pending, len(parts))
+                    self.broker.end_put_nowait(pending, len(parts), now)
                 except Exception as exc:
                     error = exc
             for part in parts:
@@ -253,24 +256,30 @@ class PutPath(BrokerBase):
         headers: Sequence[bytes] | None = None,
         key: bytes | None = None,
         keys: Sequence[tuple[int, int, bytes]] = (),
+        started: float = -1.0,
     ) -> PendingPut:
         """`begin_put` that never waits: trio.WouldBlock (nothing changed) when the
         queue must make room first (a parked queue loads here, synchronously). `keys`:
-        see `QueueState.begin_put_nowait` (JoinedPuts)."""
-        started = time.perf_counter()
+        see `QueueState.begin_put_nowait` (JoinedPuts). `started`: when the put began
+        (`time.perf_counter`; -1: now), for the put latency."""
+        if started < 0:
+            started = time.perf_counter()
         pending = self.registry.queue(queue).begin_put_nowait(
             datas, expire_ms=expire_ms, error_count=0, flags=flags, delay_ms=delay_ms,
             producer=producer, sequence=sequence, headers=headers, key=key, keys=keys)
         pending.started = started
         return pending
 
-    def end_put_nowait(self, pending: PendingPut, puts: int = 1) -> int:
+    def end_put_nowait(self, pending: PendingPut, puts: int = 1, now: float = -1.0) -> int:
         """`end_put` once the put's write is done (its ticket set); `puts`: how many
-        puts it stands for (joined: each is one observation of the put latency)."""
+        puts it stands for (joined: each is one observation of the put latency); `now`:
+        `time.perf_counter` (-1: read here)."""
         n = pending.qs.end_put_nowait(pending)
         if pending.ticket is not None:
             self.counters.total_items += n
-            self.put_latency.observe(time.perf_counter() - pending.started, puts)
+            if now < 0:
+                now = time.perf_counter()
+            self.put_latency.observe(now - pending.started, puts)
         return n
 
     async def end_put(self, pending: PendingPut) -> int:

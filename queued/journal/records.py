@@ -16,6 +16,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
+from zlib import crc32
 
 from queued.sansio import MAX_DEDUP_KEY, MAX_DELAY_MS, NeedData
 
@@ -134,7 +135,8 @@ INCARNATION_MARK: Final = ext_mark(EXT_INCARNATION)
 MAX_ID: Final = (1 << 63) - 1
 MAX_DATA_SIZE: Final = (1 << 31) - 1
 MAX_FLAGS: Final = (1 << 32) - 1  # memcache flags are 32-bit unsigned
-_U64 = struct.Struct("<Q")
+#: (Final, bound and imported by name: compiled, a static each, not a lookup per call)
+_PACK_U64: Final = struct.Struct("<Q").pack
 
 
 def crc_seed(offset: int) -> int:
@@ -144,7 +146,7 @@ def crc_seed(offset: int) -> int:
     bytes that merely look like a valid batch (an item's payload holding a
     crafted check record, say) do not verify anywhere else.
     """
-    return zlib.crc32(_U64.pack(offset))
+    return crc32(_PACK_U64(offset))
 
 
 #: A check record covering nothing; written right after the magic of every file

@@ -255,38 +255,38 @@ class Reader(DelayedItems):
     def add(self, items: Iterable[Item]) -> None:
         """Durable items, in id order; ids at or below `tail` are ignored."""
         cap = self.limits.max_memory_size
-        if type(items) is not list:
-            items = list(items)
-        first = items[0] if len(items) == 1 else None
+        # (a list-typed name: compiled, its items are read as Puts, not looked up by name)
+        puts: list[Item] = items if type(items) is list else list(items)
+        first = puts[0] if len(puts) == 1 else None
         if type(first) is Put and self.behind is None and first.id > self.tail:
             # One plain put, new (a client with one request in flight, a pass fanning in
             # to many queues): the bulk case below without its type set and sums.
             bulk, nbytes = True, len(first.data)
             held = nbytes
         else:
-            types = set(map(type, items)) if self.behind is None else None
+            types = set(map(type, puts)) if self.behind is None else None
             bulk, nbytes = False, 0
-            if types is not None and items and items[0].id > self.tail and types <= _PUT_ONLY:
-                bulk, nbytes = True, sum(map(len, map(_DATA, items)))
+            if types is not None and puts and puts[0].id > self.tail and types <= _PUT_ONLY:
+                bulk, nbytes = True, sum(map(len, map(_DATA, puts)))
             held = nbytes
             if bulk and types is not None and HeadedPut in types:  # (their headers are held)
-                held += sum(map(len, map(_HEADERS, items)))
+                held += sum(map(len, map(_HEADERS, puts)))
                 self.headed = True
         if bulk and self.mem_bytes + held <= cap:
             # The usual case (one append's plain puts, all new, all fitting in memory) in bulk.
-            k = len(items)
-            self.tail = items[-1].id
+            k = len(puts)
+            self.tail = puts[-1].id
             self.items += k
             self.bytes += nbytes
             self.counters.total_items += k
             mem = self._mem()
-            mem.extend(items)
+            mem.extend(puts)
             self.mem_bytes += held
             if len(mem) >= self.pack_at:
                 self._pack()
             return
         mem = self.mem
-        for it in items:
+        for it in puts:
             if it.id <= self.tail:
                 continue
             self.tail = it.id

@@ -19,6 +19,7 @@ import os
 import select
 import ssl
 from itertools import count
+from typing import Final
 
 import trio
 
@@ -40,8 +41,12 @@ BUFFER_CAP = 256 * 1024
 GONE_ERRORS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT,
                    errno.EBADF, errno.ESHUTDOWN, errno.ECONNABORTED})
 #: The epoll events of a connection to read, and of one whose replies wait to be sent.
-IN_EVENTS = select.EPOLLIN | select.EPOLLRDHUP
-OUT_EVENTS = select.EPOLLOUT
+# (Final: compiled, a C static each rather than a look-up in `select` at each use)
+IN_EVENTS: Final = select.EPOLLIN | select.EPOLLRDHUP
+OUT_EVENTS: Final = select.EPOLLOUT
+#: what a ready connection is read for: input, a hang-up or an error
+READ_EVENTS: Final = IN_EVENTS | select.EPOLLHUP | select.EPOLLERR
+EPOLLIN: Final = select.EPOLLIN
 
 
 class Link:

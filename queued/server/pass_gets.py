@@ -29,6 +29,10 @@ from queued.server.task_path import TaskPath
 from queued.storage.journal import Ticket
 from queued.wire import commands as c
 
+# (named directly where compiled code tests a type: `c.Put` as a value is a lookup in the
+# module at each use, `Put` a static reference)
+from queued.wire.commands import Get, Request
+
 log = logging.getLogger("queued.server")
 
 
@@ -75,9 +79,9 @@ class PassGets(TaskPath):
         """handlers.get without waiting; False (nothing done but a confirm, which is
         then rewritten out of the request) when it must wait."""
         r = requests[i]
-        assert type(r) is c.Request
+        assert type(r) is Request
         cmd = r.command
-        assert type(cmd) is c.Get
+        assert type(cmd) is Get
         if cmd.peek or cmd.reject:
             return False  # (handlers.get)
         b, reads, reader = self.broker, self.reads, cmd.reader or ""
@@ -114,7 +118,7 @@ class PassGets(TaskPath):
                                   f"{MAX_WAITING} gets are already waiting on this connection")
             else:
                 ri = requests[i]
-                assert type(ri) is c.Request
+                assert type(ri) is Request
                 poll = LongPoll(ri, trio.current_time() + cmd.timeout_ms / 1000, self.notify)
                 poll.queue_state, poll.handle, poll.waiter = b.line_up(cmd.queue, cmd.reader,
                                                                       poll)
@@ -137,7 +141,7 @@ class PassGets(TaskPath):
         """Pipelined plain gets of one key (a joined Get, one item each): answered as far
         as `out_cap` leaves room; the rest stay in `requests` for later (False)."""
         r = requests[i]
-        assert type(r) is c.Request and type(r.command) is c.Get
+        assert type(r) is Request and type(r.command) is Get
         cmd = r.command
         room = max(1, self.out_cap - len(self.out))
         b = self.broker
@@ -206,7 +210,7 @@ class PassGets(TaskPath):
         self.long_poll = None
         r = poll.request
         cmd = r.command
-        assert type(cmd) is c.Get and poll.queue_state is not None and poll.handle is not None
+        assert type(cmd) is Get and poll.queue_state is not None and poll.handle is not None
         b = self.broker
         try:
             it = b.end_wait(poll.queue_state, poll.handle, cmd.reader or "", poll.waiter,
@@ -236,7 +240,7 @@ class PassGets(TaskPath):
                 continue
             r = poll.request
             cmd = r.command
-            assert type(cmd) is c.Get and poll.waiter is not None
+            assert type(cmd) is Get and poll.waiter is not None
             assert poll.queue_state is not None and poll.handle is not None
             client = self.reads if cmd.open else None
             try:

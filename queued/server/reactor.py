@@ -25,6 +25,7 @@ import math
 import os
 import select
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +34,10 @@ import trio
 from queued.broker.broker import Broker, JoinedPuts
 from queued.server.connections import (
     BUFFER_CAP,
+    EPOLLIN,
     GONE_ERRORS,
-    IN_EVENTS,
     OUT_EVENTS,
+    READ_EVENTS,
     Connections,
     Link,
     ReactorTransport,
@@ -140,6 +142,8 @@ class Reactor(Connections):
         self.gave_way = 0
         self.linger_after = 0  # (passes) no linger before this many, after a timeout
         self.pass_seconds = Histogram(PASS_BUCKETS)
+        #: trio's clock (`trio.current_time` without its two calls on the way), once run
+        self.clock: Callable[[], float] = trio.current_time
 
     async def serve(self, session: Session, stream: trio.SocketStream,
                     transport: ReactorTransport) -> None:
@@ -178,7 +182,8 @@ class Reactor(Connections):
         once (the next requests are often there already), going through trio's
         scheduler at least every YIELD_EVERY passes."""
         streak = 0
-        turn = trio.current_time()  # when trio's scheduler last ran
+        self.clock = clock = trio.lowlevel.current_clock().current_time
+        turn = clock()  # when trio's scheduler last ran
         self.trio_loop = TrioLoop.find()
         if self.trio_loop is not None:
             self.linger_poll = select.epoll()
@@ -194,11 +199,11 @@ class Reactor(Connections):
                     else:
                         with trio.move_on_at(deadline):
                             await trio.lowlevel.wait_readable(self.epoll.fileno())
-                    turn = trio.current_time()
+                    turn = clock()
                 elif streak >= YIELD_EVERY:
                     streak = 0
                     await trio.lowlevel.checkpoint()
-                    turn = trio.current_time()
+                    turn = clock()
                 self.passes += 1
                 events = self.epoll.poll(0)
                 if not events and streak and not self.again and self._linger(turn):
@@ -211,7 +216,7 @@ class Reactor(Connections):
                     streak += 1
                 else:
                     streak = 0
-                now = trio.current_time()
+                now = clock()
                 if (self.timers and self.timers[0][0] <= now) or (
                         self.poll_timers and self.poll_timers[0][0] <= now):
                     self.expire(now)
@@ -246,7 +251,7 @@ class Reactor(Connections):
         poll, loop = self.linger_poll, self.trio_loop
         if poll is None or loop is None or self.passes < self.linger_after or loop.busy():
             return False
-        end = trio.current_time() + LINGER  # (a whole millisecond: epoll's unit)
+        end = self.clock() + LINGER  # (a whole millisecond: epoll's unit)
         if (end > turn + LINGER_BUDGET or end > loop.next_deadline()
                 or (self.timers and end > self.timers[0][0])
                 or (self.poll_timers and end > self.poll_timers[0][0])):
@@ -283,8 +288,8 @@ class Reactor(Connections):
                 continue
             if ev & OUT_EVENTS and link.unsent:
                 self.flush_unsent(link)
-            if not ev & (IN_EVENTS | select.EPOLLHUP | select.EPOLLERR) or link.in_task or (
-                    link.closing or not link.mask & select.EPOLLIN):
+            if not ev & READ_EVENTS or link.in_task or (
+                    link.closing or not link.mask & EPOLLIN):
                 continue
             session = link.session
             try:
@@ -360,7 +365,7 @@ class Reactor(Connections):
         while not broker.commit_now():
             await broker.wait_round()  # (a checkpoint's round, say: rare)
         self.joined.end_all()
-        now = trio.current_time()
+        now = self.clock()
         for link in touched:
             if link.in_task or link.closing:
                 continue
@@ -411,9 +416,9 @@ class Reactor(Connections):
         budget = PASS_REQUESTS
         rest = link.rest
         if session.polls:
-            session.end_polls(trio.current_time())
+            session.end_polls(self.clock())
         if session.long_poll is not None:
-            if not session.end_long_poll(trio.current_time()):
+            if not session.end_long_poll(self.clock()):
                 return  # it waits on (what arrived meanwhile waits behind it)
             assert rest
             rest = rest[1:]  # (the long poll was the first)

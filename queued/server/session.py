@@ -42,6 +42,10 @@ from queued.stats import ProtocolStats
 from queued.storage.journal import Ticket
 from queued.wire import commands as c
 from queued.wire.access import Grant
+
+# (named directly where compiled code tests a type: `c.Put` as a value is a lookup in the
+# module at each use, `Put` a static reference)
+from queued.wire.commands import Abort, Confirm, Failure, Get, Put, Request, Touch
 from queued.wire.parsing import ConnectionClosed
 
 log = logging.getLogger("queued.server")
@@ -147,17 +151,17 @@ class Session(PassGets):
             owing, self.owing = self.owing, []
             if reply is not None:
                 self.owed.append(Owed(len(self.out), req, reply, owing))
-                if type(reply) is c.Failure and reply.kind in self.codec.closing:
+                if type(reply) is Failure and reply.kind in self.codec.closing:
                     self.done = True
         elif reply is not None:
             self.out += self.codec.encode(req, reply)
-            if type(reply) is c.Failure and reply.kind in self.codec.closing:
+            if type(reply) is Failure and reply.kind in self.codec.closing:
                 self.done = True
 
     def answer(self, req: c.Request, reply: c.Reply) -> None:
         """Add a reply (the hot path of `_execute` does the same inline)."""
         self.out += self.codec.encode(req, reply)
-        if type(reply) is c.Failure and reply.kind in self.codec.closing:
+        if type(reply) is Failure and reply.kind in self.codec.closing:
             self.done = True
 
     def failure(self, req: c.Request, exc: Exception) -> c.Failure:
@@ -199,8 +203,9 @@ class Session(PassGets):
             headers = [h for _, put in group
                        for h in (put.headers or [b""] * len(put.items))]
         limit = self.max_item_size
-        if items and max(map(len, items)) > limit:
-            raise ItemTooLargeError(f"item over the server's max_item_size ({limit} bytes)")
+        for d in items:  # (a loop: compiled, `max(map(len, ...))` looks up three builtins)
+            if len(d) > limit:
+                raise ItemTooLargeError(f"item over the server's max_item_size ({limit} bytes)")
         expire_ms = None if first.ttl_ms is None and first.expire_at_ms is None else (
             first.expire_ms(self.broker.clock()))
         return first.queue, items, expire_ms, first.flags, first.delay_ms, headers
@@ -224,7 +229,7 @@ class Session(PassGets):
             if len(self.out) >= cap:
                 return i
             r = requests[i]
-            if type(r) is not c.Request:
+            if type(r) is not Request:
                 if self.begun:
                     return i  # (its reply goes after theirs)
                 i += 1
@@ -232,11 +237,11 @@ class Session(PassGets):
                 continue
             grant = self.grant
             cmd = r.command
-            if type(cmd) is c.Put:
+            if type(cmd) is Put:
                 run: list[tuple[c.Request, c.Put]] = []
                 j = i
-                while j < n and type(rj := requests[j]) is c.Request and type(
-                        put := rj.command) is c.Put and (grant is None or grant.denied(put)
+                while j < n and type(rj := requests[j]) is Request and type(
+                        put := rj.command) is Put and (grant is None or grant.denied(put)
                                                          is None):
                     run.append((rj, put))
                     j += 1
@@ -258,20 +263,20 @@ class Session(PassGets):
                 self.deny(r, why)
                 continue
             t = type(cmd)
-            if parked and (t is c.Get or t is c.Confirm or t is c.Abort or t is c.Touch) and (
+            if parked and (t is Get or t is Confirm or t is Abort or t is Touch) and (
                     cmd.queue in parked):  # type: ignore[union-attr]
                 return i  # (its task loads it on a worker thread: `TaskPath.loaded`)
-            if t is c.Get:
+            if t is Get:
                 if not self.get_nowait(requests, i):
                     return i
-            elif t is c.Confirm or t is c.Abort or t is c.Touch:
+            elif t is Confirm or t is Abort or t is Touch:
                 self.stats.count(r.name, r.count)
                 try:
                     b = self.broker
-                    if t is c.Confirm:
+                    if t is Confirm:
                         count = b.confirm(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
                                           cmd.count, cmd.ids, owe=self.reply_after)  # type: ignore[union-attr]
-                    elif t is c.Abort:
+                    elif t is Abort:
                         count = b.abort(self.reads, cmd.queue, cmd.reader,  # type: ignore[union-attr]
                                         ids=cmd.ids, owe=self.reply_after,  # type: ignore[union-attr]
                                         delay_ms=cmd.delay_ms)  # type: ignore[union-attr]

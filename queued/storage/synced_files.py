@@ -16,10 +16,10 @@ import errno
 import logging
 import os
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
+from zlib import crc32  # (compiled: a global's lookup, not the module's attribute)
 
 from queued.config.policies import FsyncMode, FsyncPolicy
 from queued.errors import JournalWriteError
@@ -49,11 +49,11 @@ class SyncedFile:
 
     Touched only by a round: in the worker thread, or inline on the loop while
     no thread runs one. `fsync` is the queue's current policy (its journal keeps
-    it up to date); `failed` is read from the loop.
+    it up to date), `mode` its mode; `failed` is read from the loop.
     """
 
-    __slots__ = ("_failed", "_fd", "_last_fsync", "_size", "_unsynced", "directory",
-                 "fsync", "fsyncs", "observe_fsync", "queue", "write_errors")
+    __slots__ = ("_failed", "_fd", "_last_fsync", "_policy", "_size", "_unsynced",
+                 "directory", "fsyncs", "mode", "observe_fsync", "queue", "write_errors")
 
     def __init__(
         self,
@@ -64,7 +64,10 @@ class SyncedFile:
     ) -> None:
         self.directory = directory
         self.queue = queue
-        self.fsync = fsync
+        self._policy = fsync
+        #: the policy's mode, kept here: compiled, `fsync.mode` is a look-up by name in an
+        #: interpreted class, several per write
+        self.mode: FsyncMode = fsync.mode
         self.fsyncs = 0
         self.write_errors = 0
         self.observe_fsync = observe_fsync
@@ -73,6 +76,15 @@ class SyncedFile:
         self._unsynced = False
         self._last_fsync = time.monotonic()
         self._failed: JournalWriteError | None = None
+
+    @property
+    def fsync(self) -> FsyncPolicy:
+        return self._policy
+
+    @fsync.setter
+    def fsync(self, policy: FsyncPolicy) -> None:
+        self._policy = policy
+        self.mode = policy.mode
 
     @property
     def failed(self) -> JournalWriteError | None:
@@ -109,7 +121,7 @@ class SyncedFile:
 
     def fsync_deadline(self) -> float | None:
         """When a periodic fsync falls due (time.monotonic()), if one is owed."""
-        if self.fsync.mode is PERIODIC and self._unsynced and not self._failed:
+        if self.mode is PERIODIC and self._unsynced and not self._failed:
             return self._last_fsync + self.fsync.interval_ms / 1000
         return None
 
@@ -141,14 +153,15 @@ class SyncedFile:
         return self.set_failed(f"write failed: {exc}")
 
     def _sync_by_policy(self) -> None:
-        if self.fsync.mode is ALWAYS:
+        mode = self.mode
+        if mode is ALWAYS:
             self._fsync()
-        elif self.fsync.mode is PERIODIC:
+        elif mode is PERIODIC:
             self.fsync_if_due()
 
     def _inline_ok(self) -> bool:
         """True when a write now needs no fsync (the file being open is the caller's)."""
-        if self.fsync.mode is ALWAYS or self._failed is not None:
+        if self.mode is ALWAYS or self._failed is not None:
             return False
         deadline = self.fsync_deadline()  # periodic: no fsync may fall due in this round
         return deadline is None or deadline > time.monotonic()
@@ -206,7 +219,7 @@ class SegmentFile(SyncedFile):
         done: list[Written] = []
         created_any = False
         error: BaseException | None = None
-        never = self.fsync.mode is NEVER
+        never = self.mode is NEVER
         for chunk in chunks:
             if (chunk.rotate or self._fd is None) and self._fd is not None:
                 # The segment being left holds batches of this round: sync it first.
@@ -228,10 +241,11 @@ class SegmentFile(SyncedFile):
                 pieces = chunk.take_pieces()
                 crc = jf.crc_seed(offset)
                 for piece in pieces:
-                    crc = zlib.crc32(piece, crc)
+                    crc = crc32(piece, crc)
                 check = jf.encode_check_crc(chunk.nbytes, crc)
                 written = len(prefix) + chunk.nbytes + len(check)
-                _writev_all(self._fd, [prefix, *pieces, check] if prefix else [*pieces, check])
+                _writev_all(self._fd, [prefix, *pieces, check] if prefix else [*pieces, check],
+                            written)
             except OSError as exc:
                 error = self._write_failed(exc, created)
                 break
@@ -416,24 +430,28 @@ class ReaderFile(SyncedFile):
         return self._trimmed(exc, trim)
 
 
-def _writev_all(fd: int, pieces: list[bytes | bytearray]) -> None:
-    """Write every piece, in order, with as few syscalls as writev allows."""
-    i = 0
-    while i < len(pieces):
+def _writev_all(fd: int, pieces: list[bytes | bytearray], total: int = -1) -> None:
+    """Write every piece, in order, with as few syscalls as writev allows. `total`:
+    their length when the caller knows it (-1: summed here)."""
+    if len(pieces) <= IOV_MAX:  # (a round's batch: one call, no slice)
+        n = fileio.writev(fd, pieces)
+        if n != (total if total >= 0 else sum([len(p) for p in pieces])):
+            _write_rest(fd, pieces, n)
+        return
+    for i in range(0, len(pieces), IOV_MAX):
         batch = pieces[i : i + IOV_MAX]
         n = fileio.writev(fd, batch)
-        want = sum(len(p) for p in batch)
-        if n == want:
-            i += len(batch)
+        if n != sum([len(p) for p in batch]):
+            _write_rest(fd, batch, n)
+
+
+def _write_rest(fd: int, batch: list[bytes | bytearray], n: int) -> None:
+    """After a short writev of `batch` that wrote `n` bytes: the rest of it."""
+    for p in batch:
+        if n >= len(p):
+            n -= len(p)
             continue
-        # A short write: skip what went out, finish the piece it stopped in.
-        for p in batch:
-            if n >= len(p):
-                n -= len(p)
-                i += 1
-                continue
-            view = memoryview(p)[n:]
-            while view:
-                view = view[fileio.write(fd, view):]
-            i += 1
-            break
+        view = memoryview(p)[n:]
+        n = 0
+        while view:
+            view = view[fileio.write(fd, view):]

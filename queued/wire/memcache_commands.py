@@ -14,7 +14,12 @@ from queued.stats import command_name
 from queued.wire import commands as c
 from queued.wire import memcache_protocol as mc
 from queued.wire.access import MAX_PASSWORD, MAX_USER_NAME
-from queued.wire.commands import Item
+
+# (named directly where compiled code tests a type: `c.Stored` as a value is a lookup in the
+# module at each use, `Stored` a static reference)
+from queued.wire.commands import Failure, Item, Items, Stored
+from queued.wire.memcache_protocol import Get as McGet
+from queued.wire.memcache_protocol import Set as McSet
 from queued.wire.parsing import NEED_DATA, ConnectionClosed, NeedData
 
 #: memcache exptime values below this are relative seconds, as in memcached.
@@ -111,7 +116,7 @@ def _values(ev: mc.Get, reply: c.Items | c.Done, gets: int = 1) -> bytes:
     """The replies of `gets` pipelined gets of one key (see `Request.count`): a VALUE
     block and END for each item, END for each get left without one (an abort or a close
     alone: END)."""
-    if type(reply) is not c.Items or not reply.items:
+    if type(reply) is not Items or not reply.items:
         return END * gets
     items = reply.items
     if len(items) == 1:
@@ -134,7 +139,7 @@ def _stats(ev: mc.Stats | mc.DumpStats, reply: c.Value) -> bytes:
 REPLIES: Final[dict[type, Callable[[Any, Any], bytes]]] = {
     # (a Value: the set that authenticated the connection)
     mc.Set: lambda ev, r: b"" if ev.noreply else STORED * (
-        r.count if type(r) is c.Stored else 1),
+        r.count if type(r) is Stored else 1),
     mc.Get: _values,
     mc.Delete: lambda ev, r: b"" if ev.noreply else mc.deleted(),
     mc.Flush: lambda ev, r: mc.end(),
@@ -181,7 +186,7 @@ FAILURES: Final[dict[c.ErrorKind, Callable[[str], bytes]]] = {
 def _joins_set(a: object, b: mc.Set) -> bool:
     """May set `b` join the request whose context is `a` (one Put, one append)? Only
     with the same flags: a Put's items share them. A set with a key is a put of its own."""
-    return (type(a) is mc.Set and a.queue == b.queue and a.exptime == b.exptime
+    return (type(a) is McSet and a.queue == b.queue and a.exptime == b.exptime
             and a.flags == b.flags and a.delay_ms == b.delay_ms and not a.noreply
             and not b.noreply and a.key is None and b.key is None)
 
@@ -245,11 +250,11 @@ class MemcacheCodec(c.LineCodec):
             self._ready = None
         else:
             ev = self.parser.next_event()
-        if type(ev) is mc.Get:
+        if type(ev) is McGet:
             return self._get(ev)
         if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
             return ev
-        if type(ev) is mc.Set and self.known is not None and (
+        if type(ev) is McSet and self.known is not None and (
                 login := self._login(ev)) is not None:
             return login
         return c.Request(COMMANDS[type(ev)](ev), ev, command_name(ev))
@@ -270,7 +275,7 @@ class MemcacheCodec(c.LineCodec):
             self._ready = None
             n = 1
             first: c.Request | None
-            if isinstance(ready, mc.Get):
+            if isinstance(ready, McGet):
                 first = last = self._get(ready)
             elif (first := self._login(ready)) is None:  # (never joined: it is not an item)
                 first = last = c.Request(put_of(ready, [ready.data]), ready, "set")
@@ -291,7 +296,7 @@ class MemcacheCodec(c.LineCodec):
                     break
                 continue
             t = type(ev)
-            if t is mc.Set:
+            if t is McSet:
                 if self.known is not None and (login := self._login(ev)) is not None:
                     append(login)  # never joined: it is not an item
                     last = None
@@ -302,7 +307,7 @@ class MemcacheCodec(c.LineCodec):
                     continue
                 last = c.Request(put_of(ev, [ev.data]), ev, "set")
                 append(last)
-            elif t is mc.Get:
+            elif t is McGet:
                 if last is not None and last.context is ev and _plain(ev):
                     if last.count == 1:  # the cached request of the key: a run of its own
                         run = c.Get(ev.queue, ev.reader, exclusive=True)
@@ -326,7 +331,7 @@ class MemcacheCodec(c.LineCodec):
         """memcached's ASCII authentication: the first command is a set (any key) whose
         data is `<user> <password>`."""
         ev = request.context
-        if type(ev) is not mc.Set or request.count != 1:
+        if type(ev) is not McSet or request.count != 1:
             return None
         return credentials(ev.data)
 
@@ -340,13 +345,13 @@ class MemcacheCodec(c.LineCodec):
 
     def encode(self, request: c.Request, reply: c.Reply) -> bytes:
         ev = request.context
-        if isinstance(reply, c.Failure):
-            if isinstance(ev, mc.Set) and ev.noreply:
+        if isinstance(reply, Failure):
+            if isinstance(ev, McSet) and ev.noreply:
                 return b""
             # one per joined request, but the connection closes after the first closing one
             n = 1 if reply.kind in self.closing else request.count
             return FAILURES[reply.kind](reply.message) * n
-        if type(ev) is mc.Get:
+        if type(ev) is McGet:
             return _values(ev, reply, request.count)  # type: ignore[arg-type]
         return REPLIES[type(ev)](ev, reply)
 
