@@ -454,4 +454,7 @@ def _write_rest(fd: int, batch: list[bytes | bytearray], n: int) -> None:
         view = memoryview(p)[n:]
         n = 0
         while view:
-            view = view[fileio.write(fd, view):]
+            # (the call outside the slice: compiled, a slice bound is evaluated twice,
+            # docs/development.md "Compiled with mypyc")
+            wrote = fileio.write(fd, view)
+            view = view[wrote:]
