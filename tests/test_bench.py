@@ -39,7 +39,7 @@ class Smoke:
     script: str
     args: tuple[str, ...]  # "{tmp}" stands for the run's own temp dir
     expect: str  # a line of the report the run must print (a regex)
-    needs: str = ""  # "darner" or "py-spy": skipped without it
+    needs: str = ""  # "darner", "py-spy" or "valgrind": skipped without it
     name: str = ""  # when a script has several runs
 
 
@@ -49,6 +49,9 @@ SMOKE = {s.name or s.script: s for s in [
           r"with / without, items/s: median"),
     Smoke("backoff_bench", ("--in-process", "--items", "200", "--pairs", "2"),
           r"without / with, CPU per item: median [0-9.]+", name="backoff_bench --in-process"),
+    Smoke("callgrind_items", ("--dir", "{tmp}", "--workload", "latency", "--items", "30",
+                              "--warm", "5"),
+          r"\| this venv \| latency \| 1 x 1, 1 \| [0-9,]+ \|", needs="valgrind"),
     Smoke("dedup_bench", ("--seconds", "0.2", "--rounds", "1", "--conns", "1", "--window",
                           "8", "--fsync", "never"),
           r"  resent +[0-9]+ +[0-9.]+ +[0-9.]+"),
@@ -131,6 +134,8 @@ def missing(needs: str) -> str:
                 "/work/shared/peers/build-darner.sh builds it)")
     if needs == "py-spy" and not Path(PY_SPY).exists():
         return "py-spy is not installed (pip install py-spy)"
+    if needs == "valgrind" and shutil.which("callgrind_control") is None:
+        return "valgrind is not installed (apt-get install valgrind)"
     return ""
 
 
