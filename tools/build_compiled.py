@@ -39,6 +39,8 @@ COMPILED = [
     "queued/errors.py",
     "queued/sansio.py",
     "queued/stats.py",
+    "queued/config/policies.py",
+    "queued/config/settings.py",
     "queued/journal/records.py",
     "queued/journal/decoder.py",
     "queued/journal/headers.py",

@@ -180,13 +180,14 @@ class Session(PassGets):
                      answer: tuple[int, int, bool] | None = None) -> None:
         """A put's replies: stored (`result` ended well), or its failure. `answer` (first
         id, count, duplicate): a joined part's own, for a put with a key."""
-        encode = self.codec.encode
-        for r, put in group:
-            if isinstance(result, Exception):
+        if isinstance(result, Exception):  # (tested once a group: compiled, a look-up)
+            for r, _ in group:
                 self.answer(r, self.failure(r, result))
-                continue
-            if answer is None and result is not None:
-                answer = result.answer  # (a put with a producer or key: alone in its group)
+            return
+        encode = self.codec.encode
+        if answer is None and result is not None:
+            answer = result.answer  # (a put with a producer or key: alone in its group)
+        for r, put in group:
             if answer is not None:
                 self.out += encode(r, c.ProducerStored(answer[1], answer[0], answer[2]))
             else:
