@@ -2,9 +2,10 @@
 """Instructions per item: the server under valgrind's callgrind, counting the instructions
 its process runs (every thread, user space; the kernel's share is not counted) while a
 load client sends a fixed number of memcache sets. An instruction count does not move
-with the machine's load or clock as CPU time does, so an A/B of two builds shows a change
-of 1 % (the same build measured twice: within 0.2 % at fan-in); it says nothing of system
-calls or of the time the server waits.
+with the machine's speed as CPU time does, so an A/B of two builds shows a change of
+about 1 % (the same build measured twice on an idle machine: within 0.2 % at fan-in; run
+them on an idle machine, since a busy one changes how many requests a pass holds); it
+says nothing of system calls or of the time the server waits.
 
 Each server starts under callgrind (about 50 times slower), takes `--warm` sets (its
 queues made, its caches filled), then the counters are zeroed (`callgrind_control -z`),

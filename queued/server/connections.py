@@ -40,8 +40,8 @@ BUFFER_CAP = 256 * 1024
 #: errno values of a peer that went away (or a socket closed under us).
 GONE_ERRORS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT,
                    errno.EBADF, errno.ESHUTDOWN, errno.ECONNABORTED})
-#: The epoll events of a connection to read, and of one whose replies wait to be sent.
-# (Final: compiled, a C static each rather than a look-up in `select` at each use)
+#: The epoll events of a connection to read, and of one whose replies wait to be sent
+#: (Final: compiled, a C static each, not a look-up in `select` at each use).
 IN_EVENTS: Final = select.EPOLLIN | select.EPOLLRDHUP
 OUT_EVENTS: Final = select.EPOLLOUT
 #: what a ready connection is read for: input, a hang-up or an error

@@ -29,7 +29,7 @@ from queued.server.task_path import TaskPath
 from queued.storage.journal import Ticket
 from queued.wire import commands as c
 
-# (named directly where compiled code tests a type: `c.Put` as a value is a lookup in the
+# (named directly where compiled code tests a type: `c.Put` as a value is a look-up in the
 # module at each use, `Put` a static reference)
 from queued.wire.commands import Get, Request
 

@@ -43,7 +43,7 @@ from queued.storage.journal import Ticket
 from queued.wire import commands as c
 from queued.wire.access import Grant
 
-# (named directly where compiled code tests a type: `c.Put` as a value is a lookup in the
+# (named directly where compiled code tests a type: `c.Put` as a value is a look-up in the
 # module at each use, `Put` a static reference)
 from queued.wire.commands import Abort, Confirm, Failure, Get, Put, Request, Touch
 from queued.wire.parsing import ConnectionClosed

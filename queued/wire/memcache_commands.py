@@ -15,7 +15,7 @@ from queued.wire import commands as c
 from queued.wire import memcache_protocol as mc
 from queued.wire.access import MAX_PASSWORD, MAX_USER_NAME
 
-# (named directly where compiled code tests a type: `c.Stored` as a value is a lookup in the
+# (named directly where compiled code tests a type: `c.Stored` as a value is a look-up in the
 # module at each use, `Stored` a static reference)
 from queued.wire.commands import Failure, Item, Items, Stored
 from queued.wire.memcache_protocol import Get as McGet
@@ -265,10 +265,8 @@ class MemcacheCodec(c.LineCodec):
         consecutive plain gets (no options) of one key one Get of as many items. One pass:
         this is the hot loop of a memcache connection."""
         out: list[c.Parsed] = []
-        append = out.append
-        next_event = self.parser.next_event
         last: c.Request | None = None  # the request the next one may join
-        run = c.Get("")  # the Get of `last` once it is a run of gets
+        run: c.Get | None = None  # the Get of `last` once it is a run of gets
         n = 0
         ready = self._ready
         if ready is not None:  # (receive_data's fast path: the first event, parsed)
@@ -282,9 +280,11 @@ class MemcacheCodec(c.LineCodec):
             if self.parser.idle():
                 self._drained = True
                 return [first]  # (the common case: that chunk was all)
-            append(first)
+            out.append(first)
         elif self._drained:
             return out  # (asked again after that chunk: nothing to parse)
+        append = out.append
+        next_event = self.parser.next_event
         while n < limit:
             n += 1
             try:
@@ -296,7 +296,7 @@ class MemcacheCodec(c.LineCodec):
                     break
                 continue
             t = type(ev)
-            if t is McSet:
+            if type(ev) is McSet:  # (not `t is`: compiled, `ev` is then read as a Set)
                 if self.known is not None and (login := self._login(ev)) is not None:
                     append(login)  # never joined: it is not an item
                     last = None
@@ -307,11 +307,12 @@ class MemcacheCodec(c.LineCodec):
                     continue
                 last = c.Request(put_of(ev, [ev.data]), ev, "set")
                 append(last)
-            elif t is McGet:
+            elif type(ev) is McGet:
                 if last is not None and last.context is ev and _plain(ev):
                     if last.count == 1:  # the cached request of the key: a run of its own
                         run = c.Get(ev.queue, ev.reader, exclusive=True)
                         last = out[-1] = c.Request(run, ev, "get")
+                    assert run is not None  # (made by the run's first get, above)
                     run.max_items += 1
                     last.count += 1
                     continue

@@ -140,22 +140,19 @@ class ReceiveBuffer:
 
         Raises LineOverflow when more than `limit` bytes precede the line end.
         """
-        start = self._pos + self._scanned
-        end = self._pos + limit + 2
-        i = self._buf.find(b"\n", start, end)
+        buf, pos = self._buf, self._pos
+        i = buf.find(b"\n", pos + self._scanned, pos + limit + 2)
         if i < 0:
             if len(self) >= limit + 2:
                 raise LineOverflow(f"line longer than {limit} bytes")
             self._scanned = len(self)
             return None
-        line = bytes(self._buf[self._pos : i])
+        end = i - 1 if i > pos and buf[i - 1] == 13 else i  # (without its \r: one copy)
         self._pos = i + 1
         self._scanned = 0
-        if line.endswith(b"\r"):
-            line = line[:-1]
-        if len(line) > limit:
+        if end - pos > limit:
             raise LineOverflow(f"line longer than {limit} bytes")
-        return line
+        return bytes(buf[pos:end])
 
     def take(self, n: int) -> bytes | None:
         """Exactly `n` bytes, or None if fewer are buffered."""
