@@ -31,7 +31,7 @@ from queued.wire import commands as c
 log = logging.getLogger("queued.server")
 
 #: Bytes read from one connection per pass (a larger read costs more than it saves:
-#: glibc maps fresh memory for each big bytes object).
+#: glibc maps fresh memory for each bytes object over 128 KiB, and unmaps it).
 RECEIVE_SIZE = 64 * 1024
 #: A connection with this much unsent output is not read until it drains (nor one
 #: with complete requests left for the next pass).

@@ -2,8 +2,9 @@
 
 Runs the passes over the queue protocols' connections, plain and TLS (their links, the
 epoll, sending and deadlines are `queued.server.connections`'): read
-every ready connection once (into one reused 64 KiB buffer; a TLS connection's
-ciphertext is decrypted there, and what it is sent encrypted on the way out), run every
+every ready connection once (a plain one with `os.read` of at most 64 KiB, into the
+bytes its codec takes; a TLS connection's ciphertext into one reused 64 KiB buffer,
+decrypted there, and what it is sent encrypted on the way out), run every
 complete request of all of them that needs no wait through the session's synchronous
 core (`Session.run_nowait`), commit once for the whole pass (`Broker.commit_now`: one
 write per touched file, then each file's fsync policy, on this thread: under `always`
@@ -27,6 +28,8 @@ import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from os import read as _read_fd  # (by name: compiled, not a look-up in `os` per read)
+from os import readv as _readv_fd
 from typing import Any
 
 import trio
@@ -38,6 +41,7 @@ from queued.server.connections import (
     GONE_ERRORS,
     OUT_EVENTS,
     READ_EVENTS,
+    RECEIVE_SIZE,
     Connections,
     Link,
     ReactorTransport,
@@ -292,8 +296,15 @@ class Reactor(Connections):
                     link.closing or not link.mask & EPOLLIN):
                 continue
             session = link.session
+            data = b""
             try:
-                n = os.readv(fd, (view,))
+                if link.tls is None:
+                    # (the bytes the codec takes, read at once: callgrind, ~1,000
+                    # instructions fewer a read than into the buffer and copied out)
+                    data = _read_fd(fd, RECEIVE_SIZE)
+                    n = len(data)
+                else:
+                    n = _readv_fd(fd, (view,))
             except BlockingIOError:
                 continue
             except OSError as exc:
@@ -309,7 +320,7 @@ class Reactor(Connections):
                     continue
             elif n:
                 session.counters.bytes_read += n
-                session.codec.receive_data(bytes(view[:n]))
+                session.codec.receive_data(data)
             elif not session.eof:
                 session.eof = True
                 session.codec.receive_data(b"")
