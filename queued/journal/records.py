@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import struct
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
@@ -593,7 +592,7 @@ def encode_check(covered: bytes | bytearray | memoryview, offset: int) -> bytes:
     """The check record sealing `covered`: the bytes since the previous check,
     which start at file offset `offset`."""
     return CHECK_STRUCT.pack(EXT_BYTE, 9, EXT_CHECK, len(covered),
-                             zlib.crc32(covered, crc_seed(offset)))
+                             crc32(covered, crc_seed(offset)))
 
 
 def encode_record(record: Record) -> bytes:

@@ -49,11 +49,11 @@ class SyncedFile:
 
     Touched only by a round: in the worker thread, or inline on the loop while
     no thread runs one. `fsync` is the queue's current policy (its journal keeps
-    it up to date), `mode` its mode; `failed` is read from the loop.
+    it up to date); `failed` is read from the loop.
     """
 
-    __slots__ = ("_failed", "_fd", "_last_fsync", "_policy", "_size", "_unsynced",
-                 "directory", "fsyncs", "mode", "observe_fsync", "queue", "write_errors")
+    __slots__ = ("_failed", "_fd", "_last_fsync", "_size", "_unsynced", "directory",
+                 "fsync", "fsyncs", "observe_fsync", "queue", "write_errors")
 
     def __init__(
         self,
@@ -64,10 +64,7 @@ class SyncedFile:
     ) -> None:
         self.directory = directory
         self.queue = queue
-        self._policy = fsync
-        #: the policy's mode, kept here: compiled, `fsync.mode` is a look-up by name in an
-        #: interpreted class, several per write
-        self.mode: FsyncMode = fsync.mode
+        self.fsync = fsync  # (compiled, as config/policies.py is: its mode is a field read)
         self.fsyncs = 0
         self.write_errors = 0
         self.observe_fsync = observe_fsync
@@ -76,15 +73,6 @@ class SyncedFile:
         self._unsynced = False
         self._last_fsync = time.monotonic()
         self._failed: JournalWriteError | None = None
-
-    @property
-    def fsync(self) -> FsyncPolicy:
-        return self._policy
-
-    @fsync.setter
-    def fsync(self, policy: FsyncPolicy) -> None:
-        self._policy = policy
-        self.mode = policy.mode
 
     @property
     def failed(self) -> JournalWriteError | None:
@@ -121,7 +109,7 @@ class SyncedFile:
 
     def fsync_deadline(self) -> float | None:
         """When a periodic fsync falls due (time.monotonic()), if one is owed."""
-        if self.mode is PERIODIC and self._unsynced and not self._failed:
+        if self.fsync.mode is PERIODIC and self._unsynced and not self._failed:
             return self._last_fsync + self.fsync.interval_ms / 1000
         return None
 
@@ -153,7 +141,7 @@ class SyncedFile:
         return self.set_failed(f"write failed: {exc}")
 
     def _sync_by_policy(self) -> None:
-        mode = self.mode
+        mode = self.fsync.mode
         if mode is ALWAYS:
             self._fsync()
         elif mode is PERIODIC:
@@ -161,7 +149,7 @@ class SyncedFile:
 
     def _inline_ok(self) -> bool:
         """True when a write now needs no fsync (the file being open is the caller's)."""
-        if self.mode is ALWAYS or self._failed is not None:
+        if self.fsync.mode is ALWAYS or self._failed is not None:
             return False
         deadline = self.fsync_deadline()  # periodic: no fsync may fall due in this round
         return deadline is None or deadline > time.monotonic()
@@ -219,7 +207,7 @@ class SegmentFile(SyncedFile):
         done: list[Written] = []
         created_any = False
         error: BaseException | None = None
-        never = self.mode is NEVER
+        never = self.fsync.mode is NEVER
         for chunk in chunks:
             if (chunk.rotate or self._fd is None) and self._fd is not None:
                 # The segment being left holds batches of this round: sync it first.

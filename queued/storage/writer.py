@@ -173,14 +173,15 @@ class Writer:
         if len(work) + len(readers) < 2:  # (one file: no pool, no syncfs; the usual pass)
             return self.run_round(work, (), None, readers)
         pool = None
-        if any(f.mode is ALWAYS for f in (*(f for f, _ in work), *(r for r, _ in readers))):
+        if any(f.fsync.mode is ALWAYS
+               for f in (*(f for f, _ in work), *(r for r, _ in readers))):
             pool = self._started_pool()
-        together = [f for f, _ in work if f.mode is ALWAYS]
+        together = [f for f, _ in work if f.fsync.mode is ALWAYS]
         if len(together) < SYNC_TOGETHER:
             return self.run_round(work, (), pool, readers)
         # Many segment files to sync: write them all, then one durable point for them
         # (syncfs: one journal commit) rather than an fsync each.
-        results = [file.write(chunks, sync=file.mode is not ALWAYS)
+        results = [file.write(chunks, sync=file.fsync.mode is not ALWAYS)
                    for file, chunks in work]
         if readers:
             self.run_round([], (), pool, readers)
