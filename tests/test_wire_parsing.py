@@ -6,6 +6,7 @@ own parser: test_wire_memcache_protocol.py, test_wire_text_protocol.py."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 from compiled_util import not_compiled
@@ -61,6 +62,114 @@ def test_blocks_and_exact_reads_consume_only_what_they_return() -> None:
     assert buf.peek(0, 2) == b"de" and len(buf) == 4
     assert buf.take(5) is None and buf.take(2) == b"de"
     assert buf.skip(10) == 2 and len(buf) == 0
+
+
+class _Model:
+    """What a receive buffer must do, as plain slicing of everything received."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def take_line(self, limit: int) -> bytes | None:
+        i = self.data.find(b"\n", 0, limit + 2)
+        if i < 0:
+            if len(self.data) >= limit + 2:
+                raise wire.LineOverflow("too long")
+            return None
+        line, self.data = self.data[:i], self.data[i + 1:]  # (consumed, even if too long)
+        line = line[:-1] if line.endswith(b"\r") else line
+        if len(line) > limit:
+            raise wire.LineOverflow("too long")
+        return line
+
+    def take(self, n: int) -> bytes | None:
+        if len(self.data) < n:
+            return None
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+    def take_block(self, n: int) -> bytes | None:
+        if len(self.data) < n + 2 or self.data[n:n + 2] != b"\r\n":
+            return None
+        out, self.data = self.data[:n], self.data[n + 2:]
+        return out
+
+    def skip(self, n: int) -> int:
+        n = min(n, len(self.data))
+        self.data = self.data[n:]
+        return n
+
+
+def _outcome(take: Callable[[int], bytes | None], limit: int) -> object:
+    try:
+        return take(limit)
+    except wire.LineOverflow:
+        return wire.LineOverflow
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["line", "take", "block", "peek", "skip"]),
+                          st.integers(0, 40)), max_size=30)
+
+
+@given(st.binary(max_size=200).map(lambda b: b.replace(b"\n", b"\r\n")),
+       st.lists(st.integers(0, 400), max_size=12), _OPS,
+       st.sampled_from([bytes, bytearray, memoryview]))
+def test_every_read_agrees_with_plain_slicing_whatever_the_chunking(
+        data: bytes, cuts: list[int], ops: list[tuple[str, int]], kind: type) -> None:
+    """Chunks appended (as bytes, bytearray or memoryview) while some bytes are still
+    unread wait apart and are joined on demand: every line, block, exact read, peek and
+    skip still returns what slicing the whole stream would, and the length agrees."""
+    buf, model = wire.ReceiveBuffer(), _Model()
+    chunks = chunked(data, cuts)
+    steps = iter(ops)
+    for chunk in chunks:
+        buf.append(kind(chunk))
+        model.data += chunk
+        for op, n in itertools.islice(steps, 3):
+            if op == "line":
+                assert _outcome(buf.take_line, n) == _outcome(model.take_line, n)
+            elif op == "take":
+                assert buf.take(n) == model.take(n)
+            elif op == "block":
+                assert buf.take_block(n) == model.take_block(n)
+            elif op == "peek":
+                assert buf.peek(n // 2, n) == model.data[n // 2:n]
+            else:
+                assert buf.skip(n) == model.skip(n)
+            assert len(buf) == len(model.data)
+    assert buf.take(len(model.data)) == model.data
+
+
+@given(st.lists(st.tuples(st.booleans(), st.binary(max_size=40), st.booleans()), max_size=10),
+       st.lists(st.integers(0, 500), max_size=15))
+def test_lines_and_blocks_read_as_a_parser_does_whatever_the_chunking(
+        records: list[tuple[bool, bytes, bool]], cuts: list[int]) -> None:
+    """A stream of lines and data blocks (CRLF after each), read in order as the memcache
+    parser reads it: a line with take_line; a block with take_block, or as its DATA state
+    does (peek at the CRLF, take, skip 2); each retried after every received chunk."""
+    want = [data.replace(b"\n", b"") if is_line else data for is_line, data, _ in records]
+    stream = b"".join(w + b"\r\n" for w in want)
+    buf = wire.ReceiveBuffer()
+    got: list[bytes] = []
+    for chunk in chunked(stream, cuts):
+        buf.append(chunk)
+        while len(got) < len(records):
+            is_line, _, by_parts = records[len(got)]
+            size = len(want[len(got)])
+            if is_line:
+                out = buf.take_line(64)
+            elif not by_parts:
+                out = buf.take_block(size)
+            elif len(buf) < size + 2:
+                out = None
+            else:
+                assert buf.peek(size, size + 2) == b"\r\n"
+                out = buf.take(size)
+                assert buf.skip(2) == 2
+            if out is None:
+                break
+            got.append(out)
+    assert got == want and len(buf) == 0
 
 
 @pytest.mark.parametrize(("token", "want"), [

@@ -401,14 +401,16 @@ class MemcacheParser(LineParser["Command"]):
         self._lines = _line_cache(max_item_size)
 
     def _accept(self, data: bytes | bytearray) -> None:
-        view = memoryview(data)
         if self._state is _State.SKIP and not len(self.buffer):
-            n = min(self._skip, len(view))  # refused bytes never enter the buffer
+            n = min(self._skip, len(data))  # refused bytes never enter the buffer
             self._skip -= n
-            view = view[n:]
             if not self._skip:
                 self._state = _State.SKIP_END
-        self.buffer.append(view)
+            if n:
+                with memoryview(data) as view:
+                    self.buffer.append(view[n:])
+                return
+        self.buffer.append(data)
 
     def in_request(self) -> bool:
         return self._state is not _State.LINE or len(self.buffer) > 0

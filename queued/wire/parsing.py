@@ -116,72 +116,111 @@ def parse_put_options(options: Iterable[bytes], command: str) -> tuple[int, byte
 
 
 class ReceiveBuffer:
-    """Bytes received but not yet parsed. Consumed from the front without O(n) shifts."""
+    """Bytes received but not yet parsed, consumed from the front without O(n) shifts.
 
-    __slots__ = ("_buf", "_pos", "_scanned", "eof")
+    The usual read holds whole requests: it becomes the buffer as it is (no copy), and
+    a line or a data block is one slice of it. Bytes that arrive while some are still
+    unparsed wait in a list (no copy either: a big data block arriving read by read is
+    not copied once per read) and are joined to the unparsed rest, once, when a line
+    is looked for or a block's bytes are all there."""
+
+    __slots__ = ("_buf", "_more", "_parts", "_pos", "_scanned", "eof")
 
     def __init__(self) -> None:
-        self._buf = bytearray()
+        self._buf = b""  # unparsed from _pos on
         self._pos = 0
+        self._parts: list[bytes] = []  # received after _buf, not joined to it yet
+        self._more = 0  # their bytes
         self._scanned = 0  # bytes after _pos known to hold no b"\n"
         self.eof = False
 
     def __len__(self) -> int:
-        return len(self._buf) - self._pos
+        return len(self._buf) - self._pos + self._more
 
     def append(self, data: bytes | bytearray | memoryview) -> None:
-        if self._pos:
-            del self._buf[: self._pos]  # once per received chunk, not once per command
+        chunk = data if isinstance(data, bytes) else bytes(data)
+        if self._more or self._pos < len(self._buf):
+            self._parts.append(chunk)
+            self._more += len(chunk)
+        else:
+            self._buf = chunk
             self._pos = 0
-        self._buf += data
+            self._scanned = 0
+
+    def _join(self) -> None:
+        """Every buffered byte in `_buf`, from `_pos` = 0 (`_scanned` still holds)."""
+        pos = self._pos
+        rest = self._buf[pos:] if pos else self._buf
+        self._parts.insert(0, rest)
+        self._buf = b"".join(self._parts)
+        self._parts.clear()
+        self._pos = 0
+        self._more = 0
 
     def take_line(self, limit: int) -> bytes | None:
         """The next line without its `\\n` or `\\r\\n`, or None if incomplete.
 
         Raises LineOverflow when more than `limit` bytes precede the line end.
         """
+        if self._more:
+            self._join()
         buf, pos = self._buf, self._pos
         i = buf.find(b"\n", pos + self._scanned, pos + limit + 2)
         if i < 0:
-            if len(self) >= limit + 2:
+            n = len(buf) - pos
+            if n >= limit + 2:
                 raise LineOverflow(f"line longer than {limit} bytes")
-            self._scanned = len(self)
+            self._scanned = n
             return None
-        end = i - 1 if i > pos and buf[i - 1] == 13 else i  # (without its \r: one copy)
+        end = i - 1 if i > pos and buf[i - 1] == 13 else i  # (without its \r)
         self._pos = i + 1
         self._scanned = 0
         if end - pos > limit:
             raise LineOverflow(f"line longer than {limit} bytes")
-        return bytes(buf[pos:end])
+        return buf[pos:end]
 
     def take(self, n: int) -> bytes | None:
         """Exactly `n` bytes, or None if fewer are buffered."""
         if len(self) < n:
             return None
-        data = bytes(self._buf[self._pos : self._pos + n])
-        self._pos += n
+        pos = self._pos
+        if pos + n > len(self._buf):
+            self._join()
+            pos = 0
+        self._pos = end = pos + n
         self._scanned = 0
-        return data
+        return self._buf[pos:end]
 
     def take_block(self, n: int) -> bytes | None:
         """`n` bytes followed by CRLF (both consumed; the data returned), None if fewer
         than n + 2 are buffered or the CRLF is not there (nothing consumed then)."""
         pos = self._pos
         end = pos + n
+        if len(self._buf) < end + 2:
+            if len(self) < n + 2:
+                return None
+            self._join()
+            pos, end = 0, n
         buf = self._buf
-        if len(buf) < end + 2 or buf[end] != 13 or buf[end + 1] != 10:
+        if buf[end] != 13 or buf[end + 1] != 10:
             return None
         self._pos = end + 2
         self._scanned = 0
-        return bytes(buf[pos:end])
+        return buf[pos:end]
 
     def peek(self, start: int, end: int) -> bytes:
         """Buffered bytes [start, end) counted from the first unread byte, left unread."""
-        return bytes(self._buf[self._pos + start : self._pos + min(end, len(self))])
+        stop = min(end, len(self))
+        if self._pos + stop > len(self._buf):
+            self._join()
+        pos = self._pos
+        return self._buf[pos + start : pos + stop]
 
     def skip(self, n: int) -> int:
         """Drop up to `n` bytes; returns how many were dropped."""
         n = min(n, len(self))
+        if self._pos + n > len(self._buf):
+            self._join()
         self._pos += n
         self._scanned = 0
         return n
