@@ -25,11 +25,11 @@ import logging
 import math
 import os
 import select
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from os import read as _read_fd  # (by name: compiled, not a look-up in `os` per read)
 from os import readv as _readv_fd
+from time import perf_counter as _perf_counter
 from typing import Any
 
 import trio
@@ -193,30 +193,35 @@ class Reactor(Connections):
             self.linger_poll = select.epoll()
             self.linger_poll.register(self.epoll.fileno(), select.EPOLLIN)
             self.linger_poll.register(self.trio_loop.epoll.fileno(), select.EPOLLIN)
+        # (bound once: a compiled loop looks up a method of a module or of an object
+        # of a class it does not compile at every call)
+        poll = self.epoll.poll
+        epoll_fd = self.epoll.fileno()
+        wait_readable = trio.lowlevel.wait_readable
         try:
             while True:
                 if not (self.again or streak):
                     deadline = min(self.timers[0][0] if self.timers else math.inf,
                                    self.poll_timers[0][0] if self.poll_timers else math.inf)
                     if deadline == math.inf:  # (a cancel scope costs more than a pass's reply)
-                        await trio.lowlevel.wait_readable(self.epoll.fileno())
+                        await wait_readable(epoll_fd)
                     else:
                         with trio.move_on_at(deadline):
-                            await trio.lowlevel.wait_readable(self.epoll.fileno())
+                            await wait_readable(epoll_fd)
                     turn = clock()
                 elif streak >= YIELD_EVERY:
                     streak = 0
                     await trio.lowlevel.checkpoint()
                     turn = clock()
                 self.passes += 1
-                events = self.epoll.poll(0)
+                events = poll(0)
                 if not events and streak and not self.again and self._linger(turn):
-                    events = self.epoll.poll(0)
-                began = time.perf_counter()
+                    events = poll(0)
+                began = _perf_counter()
                 touched = self._read(events)
                 if touched:
                     await self._run_pass(touched)
-                    self._took(time.perf_counter() - began, len(touched))
+                    self._took(_perf_counter() - began, len(touched))
                     streak += 1
                 else:
                     streak = 0
@@ -274,8 +279,10 @@ class Reactor(Connections):
         return False
 
     def _read(self, events: list[tuple[int, int]]) -> list[Link]:
-        touched = dict.fromkeys(self.again)
-        self.again.clear()
+        touched: dict[Link, None] = {}
+        if self.again:
+            touched.update(self.again)
+            self.again.clear()
         for old in touched:
             old.fresh = False
             tls = old.tls

@@ -95,6 +95,24 @@ def _call(job: Callable[[], T]) -> T:
     return job()
 
 
+class RoundLock:
+    """The lock rounds and pauses hold, with a field that says so: a compiled caller
+    reads `held` from the object's struct, where `trio.Lock.locked()` is a call into an
+    interpreted method at every pass (~670 instructions, callgrind)."""
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+        self.held = False
+
+    async def __aenter__(self) -> None:
+        await self._lock.acquire()
+        self.held = True
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.held = False
+        self._lock.release()
+
+
 @dataclass(frozen=True, slots=True)
 class WriterStats:
     rounds: int
@@ -106,7 +124,7 @@ class Writer:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._lock = trio.Lock()
+        self._lock = RoundLock()
         self._rounds = 0
         self._fsync = Histogram(FSYNC_BUCKETS)
         self._fsync_lock = threading.Lock()  # files sync from the pool's threads at once
@@ -168,7 +186,7 @@ class Writer:
         caller that answers only once the round is done anyway (the reactor's pass): a
         hand-off to the round thread would only add its cost. Several files are synced
         at once by the pool (their fsyncs share the file system's journal commits)."""
-        assert not self._lock.locked(), "a round or pause is under way"
+        assert not self._lock.held, "a round or pause is under way"
         self._rounds += 1
         if len(work) + len(readers) < 2:  # (one file: no pool, no syncfs; the usual pass)
             return self.run_round(work, (), None, readers)
@@ -212,7 +230,7 @@ class Writer:
     @property
     def busy(self) -> bool:
         """A round or a pause is under way."""
-        return self._lock.locked()
+        return self._lock.held
 
     def write_now(
         self, file: SegmentFile, chunks: Sequence[Chunk],
@@ -222,7 +240,7 @@ class Writer:
         needs no fsync, opens no file, is small and no round or pause is under way; None
         (nothing done) otherwise. The caller makes sure no earlier chunk of `file` or op
         of those readers waits for a round."""
-        if (self._lock.locked() or sum(c.nbytes for c in chunks) > INLINE_ROUND_BYTES
+        if (self._lock.held or sum(c.nbytes for c in chunks) > INLINE_ROUND_BYTES
                 or (chunks and not file.can_write_inline(chunks))
                 or (readers and not all(rf.can_write_inline(ops) for rf, ops in readers))):
             return None
@@ -231,7 +249,7 @@ class Writer:
             rfile.write(ops)
         return file.write(chunks) if chunks else WriteResult([])
 
-    def paused(self) -> trio.Lock:
+    def paused(self) -> RoundLock:
         """No round runs inside `async with writer.paused()` (to remove a queue's files,
         say): the lock rounds hold. (A lock rather than an async generator, which a
         compiled module cannot hold.)"""
