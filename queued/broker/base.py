@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from time import time as _time  # (compiled: a global's lookup, not the module's attribute)
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import trio
 
@@ -25,6 +24,9 @@ from queued.storage.datadir import DataDir
 
 if TYPE_CHECKING:
     from queued.config import ServerConfig
+
+#: (a C static compiled, not a look-up in the module's globals and `time` at each call)
+_time: Final = time.time
 
 
 def wall_ms() -> int:

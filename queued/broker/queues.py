@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import trio
 
@@ -36,9 +36,10 @@ from queued.errors import (
     QueueFullError,
 )
 from queued.journal import format as jf
+from queued.reader import shared
 from queued.reader.dedup import DedupCounters, DedupEntry, DedupTable
 from queued.reader.producers import ProducerCounters, ProducerEntry, ProducerTable, Verdict
-from queued.reader.shared import NO_ENTRIES, NO_ITEMS
+from queued.reader.shared import NO_ENTRIES
 from queued.reader.state import Item, pack_max_for
 from queued.storage.journal import QueueJournal, Ticket, headers_overhead, put_overhead
 from queued.storage.recovery import SegmentInfo
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
     from queued.config import QueueConfig
 
 log = logging.getLogger("queued.broker")
+#: (C statics compiled, not look-ups in the module's globals at each use)
+NO_ITEMS: Final[Any] = shared.NO_ITEMS
+_new_deque: Final = deque
 
 
 @dataclass(eq=False, slots=True, init=False)
@@ -489,7 +493,7 @@ class QueueState:
                   n: int) -> PendingPut:
         entry = Inflight(puts, nbytes, due_ms)
         if self.inflight is NO_ITEMS:
-            self.inflight = deque()
+            self.inflight = _new_deque()
         self.inflight.append(entry)
         self.inflight_items += n
         self.inflight_bytes += nbytes

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import enum
 import struct
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
-from zlib import crc32
 
 from queued.sansio import MAX_DEDUP_KEY, MAX_DELAY_MS, NeedData
 
 __all__ = ["MAX_DEDUP_KEY", "MAX_DELAY_MS"]  # (re-exported: journal_format lists every name)
+
+#: (a C static compiled, rather than a look-up in the module's globals at each use)
+crc32: Final = zlib.crc32
 
 # -- magic bytes and command numbers (seed 002) ---------------------------------
 
@@ -75,33 +78,33 @@ OLD_INCARNATION_BYTE: Final = 0xC3  # command 12, 3 header words: i32 0, i64 inc
 
 #: Record layouts, shared with the decoder. The PUT ones also serve bulk readers
 #: that walk batches `RecordDecoder.next_batch` has verified (journal_scan).
-PUT_STRUCT = struct.Struct("<Biiqq")  # cmd, size, error_count, id, add_time
-PUT_EXPIRE_STRUCT = struct.Struct("<Biiqqq")  # ... expire_time
-READ_HEAD_STRUCT = struct.Struct("<Bq")
-READ_DONE_STRUCT = struct.Struct("<Bi")
-READ_ERRORS_STRUCT = struct.Struct("<Bi")
-READ_DELAYS_STRUCT = struct.Struct("<Bi")
-EXT_HEAD_STRUCT = struct.Struct("<BiB")  # EXT_BYTE, data size, kind
-CHECK_STRUCT = struct.Struct("<BiBII")  # EXT_BYTE, 9, EXT_CHECK, length, crc
-FLAGS_STRUCT = struct.Struct("<BiBI")  # EXT_BYTE, 5, EXT_FLAGS, flags
-DELAY_STRUCT = struct.Struct("<BiBq")  # EXT_BYTE, 9, EXT_DELAY, due ms
-COMPACTED_STRUCT = struct.Struct("<BiBqq")  # EXT_BYTE, 17, EXT_COMPACTED, first, last
-INCARNATION_STRUCT = struct.Struct("<BiBq")  # EXT_BYTE, 9, EXT_INCARNATION, incarnation
-PRODUCER_HEAD_STRUCT = struct.Struct("<BiBB")  # EXT_BYTE, size, kind (PRODUCER, DEDUP), length
-PRODUCER_TAIL_STRUCT = struct.Struct("<QqIq")  # sequence, first id, count, time ms
-DEDUP_TAIL_STRUCT = struct.Struct("<qIq")  # first id, count, time ms (after kind, length, key)
-OLD_CHECK_STRUCT = struct.Struct("<BII")
-OLD_COMPACTED_STRUCT = struct.Struct("<Bqq")
-OLD_FLAGS_STRUCT = struct.Struct("<BI")
-OLD_DELAY_STRUCT = struct.Struct("<Bq")
-OLD_INCARNATION_STRUCT = struct.Struct("<Biq")
-ERROR_ENTRY_STRUCT = struct.Struct("<qi")  # a READ_ERRORS entry: item id, error count
-I32_HEAD_STRUCT = struct.Struct("<Bi")  # a command byte and one i32 header word
-DELAY_ENTRY_STRUCT = struct.Struct("<qq")  # a READ_DELAYS entry: item id, due time (unix ms)
-I64_STRUCT = struct.Struct("<q")
-SIZE_ID_STRUCT = struct.Struct("<xi4xq")  # a PUT's data size and id
+PUT_STRUCT: Final = struct.Struct("<Biiqq")  # cmd, size, error_count, id, add_time
+PUT_EXPIRE_STRUCT: Final = struct.Struct("<Biiqqq")  # ... expire_time
+READ_HEAD_STRUCT: Final = struct.Struct("<Bq")
+READ_DONE_STRUCT: Final = struct.Struct("<Bi")
+READ_ERRORS_STRUCT: Final = struct.Struct("<Bi")
+READ_DELAYS_STRUCT: Final = struct.Struct("<Bi")
+EXT_HEAD_STRUCT: Final = struct.Struct("<BiB")  # EXT_BYTE, data size, kind
+CHECK_STRUCT: Final = struct.Struct("<BiBII")  # EXT_BYTE, 9, EXT_CHECK, length, crc
+FLAGS_STRUCT: Final = struct.Struct("<BiBI")  # EXT_BYTE, 5, EXT_FLAGS, flags
+DELAY_STRUCT: Final = struct.Struct("<BiBq")  # EXT_BYTE, 9, EXT_DELAY, due ms
+COMPACTED_STRUCT: Final = struct.Struct("<BiBqq")  # EXT_BYTE, 17, EXT_COMPACTED, first, last
+INCARNATION_STRUCT: Final = struct.Struct("<BiBq")  # EXT_BYTE, 9, EXT_INCARNATION, incarnation
+PRODUCER_HEAD_STRUCT: Final = struct.Struct("<BiBB")  # EXT_BYTE, size, kind (PRODUCER/DEDUP), len
+PRODUCER_TAIL_STRUCT: Final = struct.Struct("<QqIq")  # sequence, first id, count, time ms
+DEDUP_TAIL_STRUCT: Final = struct.Struct("<qIq")  # first id, count, ms (after kind, length, key)
+OLD_CHECK_STRUCT: Final = struct.Struct("<BII")
+OLD_COMPACTED_STRUCT: Final = struct.Struct("<Bqq")
+OLD_FLAGS_STRUCT: Final = struct.Struct("<BI")
+OLD_DELAY_STRUCT: Final = struct.Struct("<Bq")
+OLD_INCARNATION_STRUCT: Final = struct.Struct("<Biq")
+ERROR_ENTRY_STRUCT: Final = struct.Struct("<qi")  # a READ_ERRORS entry: item id, error count
+I32_HEAD_STRUCT: Final = struct.Struct("<Bi")  # a command byte and one i32 header word
+DELAY_ENTRY_STRUCT: Final = struct.Struct("<qq")  # a READ_DELAYS entry: item id, due time (unix ms)
+I64_STRUCT: Final = struct.Struct("<q")
+SIZE_ID_STRUCT: Final = struct.Struct("<xi4xq")  # a PUT's data size and id
 PUT_ID_AT: Final = 9  # a PUT's id (i64): after the command byte, size and error count
-I32_STRUCT = struct.Struct("<i")
+I32_STRUCT: Final = struct.Struct("<i")
 
 PUT_HEADER_SIZE: Final = PUT_STRUCT.size  # 25
 PUT_EXPIRE_HEADER_SIZE: Final = PUT_EXPIRE_STRUCT.size  # 33

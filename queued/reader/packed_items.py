@@ -26,16 +26,17 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import accumulate, repeat
+from typing import Final
 
 from queued.journal.records import HeadedPut, Put
 
 #: Items per packed block: its fixed cost (~400 B: five objects and their headers) is
 #: ~3 B per item, and the memory a partly taken block keeps is at most this many items'.
-BLOCK_ITEMS = 128
+BLOCK_ITEMS: Final = 128
 #: Data longer than this stays in its Put object: the ~170 B a Put costs beyond its data
 #: are < 1/3 of it, and copying it in and out of a block costs CPU (+0.1 us per 1 KiB item
 #: each way). A block of only such items is a list of them.
-SMALL_MAX = 512
+SMALL_MAX: Final = 512
 
 _I64_MAX = (1 << 63) - 1
 _U32_MAX = (1 << 32) - 1

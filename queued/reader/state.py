@@ -38,15 +38,15 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import islice, repeat
 from operator import attrgetter
-from typing import Final
+from typing import Any, Final
 
 from queued.journal.format import DelayedPut, HeadedPut, Put
+from queued.reader import shared
 from queued.reader.delays import DUE_SHIFT, DelayedItems
 from queued.reader.packed_items import BLOCK_ITEMS, SMALL_MAX, PackedItems
 from queued.reader.shared import (
     NO_ENTRIES,
     NO_IDS,
-    NO_ITEMS,
     NO_LIST,
     ReaderCounters,
     ReaderLimits,
@@ -55,8 +55,11 @@ from queued.reader.shared import (
 Item = Put
 #: items the bulk add takes (a DelayedPut is a Put subclass: not in it)
 _PUT_ONLY: Final = frozenset({Put, HeadedPut})
-_DATA = attrgetter("data")
-_HEADERS = attrgetter("headers")
+_DATA: Final = attrgetter("data")
+_HEADERS: Final = attrgetter("headers")
+#: (C statics compiled, not look-ups in the module's globals at each use)
+NO_ITEMS: Final[Any] = shared.NO_ITEMS
+_new_deque: Final = deque
 
 #: Most ids a flush lists in `done` while a lower id is still open (see Reader.flush).
 FLUSH_DONE_CAP = 100_000
@@ -162,7 +165,7 @@ class Reader(DelayedItems):
         """`mem`, made a deque on first use."""
         mem = self.mem
         if mem is NO_ITEMS:
-            mem = self.mem = deque()
+            mem = self.mem = _new_deque()
         return mem
 
     def _held(self) -> Iterator[Item]:
@@ -613,7 +616,7 @@ class Reader(DelayedItems):
     def put_back(self, it: Item) -> None:
         """An item this reader had handed out goes back to the head."""
         if self.front is NO_ITEMS:
-            self.front = deque()
+            self.front = _new_deque()
         self.front.appendleft(it)
         n = len(it.data)
         self.mem_bytes += self.held_size(it)

@@ -32,13 +32,13 @@ log = logging.getLogger("queued.server")
 
 #: Bytes read from one connection per pass (a larger read costs more than it saves:
 #: glibc maps fresh memory for each bytes object over 128 KiB, and unmaps it).
-RECEIVE_SIZE = 64 * 1024
+RECEIVE_SIZE: Final = 64 * 1024
 #: A connection with this much unsent output is not read until it drains (nor one
 #: with complete requests left for the next pass).
-BUFFER_CAP = 256 * 1024
+BUFFER_CAP: Final = 256 * 1024
 
 #: errno values of a peer that went away (or a socket closed under us).
-GONE_ERRORS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT,
+GONE_ERRORS: Final = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT,
                    errno.EBADF, errno.ESHUTDOWN, errno.ECONNABORTED})
 #: The epoll events of a connection to read, and of one whose replies wait to be sent
 #: (Final: compiled, a C static each, not a look-up in `select` at each use).

@@ -25,12 +25,10 @@ import logging
 import math
 import os
 import select
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from os import read as _read_fd  # (by name: compiled, not a look-up in `os` per read)
-from os import readv as _readv_fd
-from time import perf_counter as _perf_counter
-from typing import Any
+from typing import Any, Final
 
 import trio
 
@@ -51,11 +49,15 @@ from queued.stats import Histogram, HistogramSnapshot
 from queued.wire import commands as c
 
 log = logging.getLogger("queued.server")
+#: (C statics compiled: no look-up in `os` or in the module's globals per read)
+_read_fd: Final = os.read
+_readv_fd: Final = os.readv
+_perf_counter: Final = time.perf_counter
 
 #: Requests run for one connection per pass; more wait for the next pass.
-PASS_REQUESTS = 1024
+PASS_REQUESTS: Final = 1024
 #: Passes in a row without going through trio's scheduler.
-YIELD_EVERY = 8
+YIELD_EVERY: Final = 8
 #: After a pass, how long (seconds) the reactor may wait for the next requests outside
 #: trio's scheduler (see `_linger`): a client with one request in flight sends its next
 #: one within this, and a wake-up through the scheduler costs some 15 us of CPU, more
@@ -67,7 +69,7 @@ LINGER_BUDGET = 0.002
 #: Passes after a linger that timed out before the reactor lingers again: nothing came
 #: within LINGER (an idle client, or one that was waiting to run in trio's batch along
 #: with the reactor: a task of this process's), so the next passes wait through trio.
-LINGER_BACKOFF = 32
+LINGER_BACKOFF: Final = 32
 #: Bucket bounds (seconds) of the time a pass takes, from its reads to its last send:
 #: every connection it did not serve waits that long (`queued_reactor_pass_seconds`).
 PASS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,

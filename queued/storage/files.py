@@ -13,14 +13,14 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from queued.errors import CorruptRecordError, DataDirError, JournalError
 from queued.journal import format as jf
 from queued.storage import fileio
 
 #: Sparse index stride: one (first_id, offset) entry per this many bytes.
-INDEX_STRIDE = 1 << 20
+INDEX_STRIDE: Final = 1 << 20
 #: Bytes read per call when reading a segment back.
 READ_BACK_CHUNK = 1 << 20
 

@@ -16,10 +16,10 @@ import errno
 import logging
 import os
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
-from zlib import crc32  # (compiled: a global's lookup, not the module's attribute)
 
 from queued.config.policies import FsyncMode, FsyncPolicy
 from queued.errors import JournalWriteError
@@ -28,13 +28,15 @@ from queued.storage import fileio
 from queued.storage.files import fsync_dir, write_file_atomic, write_temp
 from queued.storage.write_plans import Chunk, ReaderOp, WriteResult, Written
 
+#: (a C static compiled, rather than a look-up in the module's globals at each use)
+crc32: Final = zlib.crc32
 # Failures are the queue's journal failing, as operators know it: log under its name.
 log = logging.getLogger("queued.journal")
 
 #: write() errors after which the file can be trimmed back and appends retried later.
 RECOVERABLE_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 #: Most iovecs one writev takes (IOV_MAX on Linux).
-IOV_MAX = 1024
+IOV_MAX: Final = 1024
 #: The fsync modes, looked up once. Compiled code reading `FsyncMode.ALWAYS` takes a
 #: slow attribute look-up on every use (the enum is an interpreted module's, and Python
 #: 3.11's EnumType has a `__getattr__` hook); a Final name here is a C static.

@@ -9,9 +9,10 @@ Owns these values only; the journal (queued.storage.journal) fills them, the fil
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 #: Item data at least this large is written from the caller's buffer (writev), not copied.
-ZERO_COPY_BYTES = 4096
+ZERO_COPY_BYTES: Final = 4096
 
 
 @dataclass(slots=True, init=False)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Final, TypeVar, cast
 
 import trio
 
@@ -49,7 +49,7 @@ ROUND_THREADS = 8
 INLINE_ROUND_BYTES = 256 * 1024
 #: Segment files a round on the caller's thread syncs together (`fileio.sync_files`)
 #: rather than one fsync each, from this many on.
-SYNC_TOGETHER = 4
+SYNC_TOGETHER: Final = 4
 
 
 def run_round(
@@ -111,6 +111,10 @@ class RoundLock:
     async def __aexit__(self, *exc_info: object) -> None:
         self.held = False
         self._lock.release()
+
+    def statistics(self) -> trio.LockStatistics:
+        """trio's statistics of the lock (who holds it, how many tasks wait)."""
+        return self._lock.statistics()
 
 
 @dataclass(frozen=True, slots=True)
