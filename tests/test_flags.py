@@ -121,15 +121,21 @@ async def test_pymemcache_flags_and_its_python_memcache_serde(tmp_path: Path) ->
 # -- raw memcache bytes ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("queue_exists", [False, True])
 async def test_raw_flags_in_value_lines_and_pipelined_sets_with_mixed_flags(
-    tmp_path: Path,
+    tmp_path: Path, queue_exists: bool,
 ) -> None:
     """Pipelined sets with different flags arrive in one chunk: those with the same flags
-    may be joined into one append, the others not, and every VALUE line has its own."""
-    flags = [5, 5, 0, 0, 9, MAX_FLAGS, 5]
+    may be joined into one append, the others not, every VALUE line has its own, and the
+    items come back in the order sent (with the queue loaded, the pass joins its puts: a
+    put after one with other flags must not join an earlier append of its own flags)."""
+    flags = [5, 5, 0, 0, 9, MAX_FLAGS, 5, 0, 5]
     sets = b"".join(b"set q %d 0 2\r\n%02d\r\n" % (f, i) for i, f in enumerate(flags))
     async with running(make_config(tmp_path / "data")) as server:
         conn = await Conn.open(server.ports["memcache"])
+        if queue_exists:
+            assert await conn.cmd(b"set q 0 0 1\r\nz") == b"STORED"
+            assert await value_and_flags(conn, "q") == (b"z", 0)
         await conn.send(sets)
         assert [await conn.line() for _ in flags] == [b"STORED"] * len(flags)
         got = [await value_and_flags(conn, "q") for _ in flags]

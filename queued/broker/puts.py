@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import trio
 
@@ -18,6 +18,11 @@ from queued.errors import QueueFullError
 
 if TYPE_CHECKING:
     pass
+
+#: (a C static compiled: no look-up of `time` and its attribute at each call)
+_perf_counter: Final = time.perf_counter
+#: The parts of a put joined, or begun on its own: [(part, how many items, key), ...].
+Parts = list[tuple["JoinedPut", int, bytes | None]]
 
 
 class JoinedPut:
@@ -35,22 +40,29 @@ class JoinedPut:
 
 
 class _Join:
-    """Puts joined into one append: the items, [(part, how many, key), ...], and the
-    items' headers blocks (a list once a part has any, b"" for an item without)."""
+    """Puts joined into one append to `queue` with the same expiry, flags and delay:
+    the items, [(part, how many, key), ...], and the items' headers blocks (a list once
+    a part has any, b"" for an item without)."""
 
-    __slots__ = ("headers", "items", "parts")
+    __slots__ = ("delay_ms", "expire_ms", "flags", "headers", "items", "parts", "queue")
 
-    def __init__(self) -> None:
+    def __init__(self, queue: str, expire_ms: int | None, flags: int, delay_ms: int) -> None:
+        self.queue = queue
+        self.expire_ms = expire_ms
+        self.flags = flags
+        self.delay_ms = delay_ms
         self.items: list[bytes] = []
-        self.parts: list[tuple[JoinedPut, int, bytes | None]] = []
+        self.parts: Parts = []
         self.headers: list[bytes] | None = None
 
 
 class JoinedPuts:
     """The puts of one pass (the reactor's), joined: every connection's put to a queue
-    with the same expiry, flags and delay becomes one journal append (one id range, one
-    hand-off to the readers), begun after every connection has run (`begin_all`) and
-    ended after the pass's commit (`end_all`). A queue that must make room first (or is
+    with the same expiry, flags and delay as the queue's last put in the pass joins that
+    one journal append (one id range, one hand-off to the readers); one with others
+    starts the queue's next append, so ids keep the order each connection sent them in.
+    They begin after every connection has run (`begin_all`), in the order their appends
+    began to fill, and end after the pass's commit (`end_all`). A queue that must make room first (or is
     not loaded) is not joined: its puts begin on their own. A joined append that is
     refused is retried part by part, so each connection gets its own answer.
 
@@ -60,16 +72,19 @@ class JoinedPuts:
 
     def __init__(self, broker: PutPath) -> None:
         self.broker = broker
-        #: (queue, expire_ms, flags, delay_ms) -> the puts joined
-        self._joins: dict[tuple[str, int | None, int, int], _Join] = {}
-        self._begun: list[tuple[PendingPut | None, list[JoinedPut]]] = []
+        #: the joins of the pass, in the order they began to fill, and each queue's last:
+        #: a put joins its queue's last join if it has the same expiry, flags and delay,
+        #: else it starts the next one (so ids keep the order each connection sent)
+        self._joins: list[_Join] = []
+        self._last: dict[str, _Join] = {}
+        self._begun: list[tuple[PendingPut | None, Parts]] = []
         self._followers: list[tuple[JoinedPut, JoinedPut]] = []  # (a duplicate, its leader)
         #: queues found joinable in this pass (nothing else runs during a pass to change it)
         self._joinable: set[str] = set()
 
     def has(self, queue: str) -> bool:
         """Puts to `queue` are joined, not yet begun."""
-        return any(key[0] == queue for key in self._joins)
+        return queue in self._last
 
     def can_join(self, queue: str) -> bool:
         if queue in self._joinable:
@@ -94,10 +109,11 @@ class JoinedPuts:
                 assert isinstance(seen.pending, JoinedPut)
                 self._followers.append((part, seen.pending))
                 return part
-        join_as = (queue, expire_ms, flags, delay_ms)
-        join = self._joins.get(join_as)
-        if join is None:
-            join = self._joins[join_as] = _Join()
+        join = self._last.get(queue)
+        if join is None or not (join.expire_ms == expire_ms and join.flags == flags
+                                and join.delay_ms == delay_ms):
+            join = self._last[queue] = _Join(queue, expire_ms, flags, delay_ms)
+            self._joins.append(join)
         if headers is not None or join.headers is not None:
             if join.headers is None:
                 join.headers = [b""] * len(join.items)
@@ -107,53 +123,59 @@ class JoinedPuts:
         return part
 
     def begin_all(self) -> None:
-        b = self.broker
         self._joinable.clear()
-        started = time.perf_counter()  # (the pass's puts begin together)
-        for (queue, expire_ms, flags, delay_ms), join in self._joins.items():
-            items, parts, headers = join.items, join.parts, join.headers
-            keys, start = [], 0  # (start, end, key) of the keyed parts
-            for _, n, key in parts:
-                if key is not None:
-                    keys.append((start, start + n, key))
-                start += n
-            try:
-                pending = b.begin_put_nowait(queue, items, expire_ms=expire_ms, flags=flags,
-                                             delay_ms=delay_ms, headers=headers, keys=keys,
-                                             started=started)
-            except Exception:  # (WouldBlock included) each part on its own, then
-                start = 0
-                qs = b.registry.queues.get(queue)
-                for part, n, key in parts:
-                    if key is not None and qs is not None:
-                        qs.unjoin_key(key, part)
-                    try:
-                        part.pending = b.begin_put_nowait(
-                            queue, items[start:start + n], expire_ms=expire_ms, flags=flags,
-                            delay_ms=delay_ms,
-                            headers=None if headers is None else headers[start:start + n],
-                            key=key, started=started)
-                        part.answer = part.pending.answer
-                    except trio.WouldBlock:
-                        part.error = QueueFullError(f"queue {queue!r} is full")
-                    except Exception as exc:
-                        part.error = exc
-                    self._begun.append((part.pending, [part]))
-                    start += n
-                continue
-            self._begun.append((pending, [part for part, _, _ in parts]))
-            for part, _, _ in parts:
-                part.pending = pending
-            if keys:
-                puts = pending.entry.puts
-                for (start, end, _), part in zip(keys, (p for p, _, k in parts if k is not None),
-                                                 strict=True):
-                    part.answer = (puts[start].id, end - start, False)
+        started = _perf_counter()  # (the pass's puts begin together)
+        for join in self._joins:
+            self._begin(join, started)
         self._joins.clear()
+        self._last.clear()
+
+    def _begin(self, join: _Join, started: float) -> None:
+        """One append for the puts joined in `join`; if it is refused, each part's own."""
+        b = self.broker
+        queue, items, parts, headers = join.queue, join.items, join.parts, join.headers
+        keys: list[tuple[int, int, bytes]] = []  # (start, end, key) of the keyed parts
+        start = 0
+        for _, n, key in parts:
+            if key is not None:
+                keys.append((start, start + n, key))
+            start += n
+        try:
+            pending = b.begin_put_nowait(queue, items, expire_ms=join.expire_ms,
+                                         flags=join.flags, delay_ms=join.delay_ms,
+                                         headers=headers, keys=keys, started=started)
+        except Exception:  # (WouldBlock included) each part on its own, then
+            start = 0
+            qs = b.registry.queues.get(queue)
+            for part, n, key in parts:
+                if key is not None and qs is not None:
+                    qs.unjoin_key(key, part)
+                try:
+                    part.pending = b.begin_put_nowait(
+                        queue, items[start:start + n], expire_ms=join.expire_ms,
+                        flags=join.flags, delay_ms=join.delay_ms,
+                        headers=None if headers is None else headers[start:start + n],
+                        key=key, started=started)
+                    part.answer = part.pending.answer
+                except trio.WouldBlock:
+                    part.error = QueueFullError(f"queue {queue!r} is full")
+                except Exception as exc:
+                    part.error = exc
+                self._begun.append((part.pending, [(part, n, key)]))
+                start += n
+            return
+        self._begun.append((pending, parts))
+        for part, _, _ in parts:
+            part.pending = pending
+        if keys:
+            puts = pending.entry.puts
+            for (start, end, _), part in zip(keys, (p for p, _, k in parts if k is not None),
+                                             strict=True):
+                part.answer = (puts[start].id, end - start, False)
 
     def end_all(self) -> None:
         """After the pass's commit (every ticket set)."""
-        now = time.perf_counter()  # (and end together)
+        now = _perf_counter()  # (and end together)
         for pending, parts in self._begun:
             error: Exception | None = None
             if pending is not None:
@@ -161,7 +183,7 @@ class JoinedPuts:
                     self.broker.end_put_nowait(pending, len(parts), now)
                 except Exception as exc:
                     error = exc
-            for part in parts:
+            for part, _, _ in parts:
                 part.ended = True
                 if part.error is None:
                     part.error = error
@@ -236,7 +258,7 @@ class PutPath(BrokerBase):
         Does not yield unless the queue is full (discard_old, read-behind) or near
         max_journal_size.
         """
-        started = time.perf_counter()
+        started = _perf_counter()
         pending = await self.registry.queue(queue).begin_put(
             datas, expire_ms=expire_ms, error_count=error_count, flags=flags, delay_ms=delay_ms,
             producer=producer, sequence=sequence, headers=headers, key=key)
@@ -263,7 +285,7 @@ class PutPath(BrokerBase):
         see `QueueState.begin_put_nowait` (JoinedPuts). `started`: when the put began
         (`time.perf_counter`; -1: now), for the put latency."""
         if started < 0:
-            started = time.perf_counter()
+            started = _perf_counter()
         pending = self.registry.queue(queue).begin_put_nowait(
             datas, expire_ms=expire_ms, error_count=0, flags=flags, delay_ms=delay_ms,
             producer=producer, sequence=sequence, headers=headers, key=key, keys=keys)
@@ -278,7 +300,7 @@ class PutPath(BrokerBase):
         if pending.ticket is not None:
             self.counters.total_items += n
             if now < 0:
-                now = time.perf_counter()
+                now = _perf_counter()
             self.put_latency.observe(now - pending.started, puts)
         return n
 
@@ -291,5 +313,5 @@ class PutPath(BrokerBase):
         n = await pending.qs.end_put(pending)
         if pending.ticket is not None:
             self.counters.total_items += n
-            self.put_latency.observe(time.perf_counter() - pending.started)
+            self.put_latency.observe(_perf_counter() - pending.started)
         return n
