@@ -55,6 +55,7 @@ COMPILED = [
     "queued/wire/rpc_protocol.py",
     "queued/wire/rpc_commands.py",
     "queued/wire/tls_records.py",
+    "queued/reader/counters.py",
     "queued/reader/state.py",
     "queued/reader/delays.py",
     "queued/reader/packed_items.py",

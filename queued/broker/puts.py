@@ -62,9 +62,10 @@ class JoinedPuts:
     one journal append (one id range, one hand-off to the readers); one with others
     starts the queue's next append, so ids keep the order each connection sent them in.
     They begin after every connection has run (`begin_all`), in the order their appends
-    began to fill, and end after the pass's commit (`end_all`). A queue that must make room first (or is
-    not loaded) is not joined: its puts begin on their own. A joined append that is
-    refused is retried part by part, so each connection gets its own answer.
+    began to fill, and end after the pass's commit (`end_all`). A queue that must make
+    room first (or is not loaded) is not joined: its puts begin on their own. A joined
+    append that is refused is retried part by part, so each connection gets its own
+    answer.
 
     A put with a deduplication key is joined too: its key is checked and reserved when it
     is added (`QueueState.join_key`), so a second put of the key in the pass follows the

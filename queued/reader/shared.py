@@ -1,5 +1,6 @@
-"""What the parts of a reader share: the limits it reads, its counters, and the shared
-empty containers an idle reader (or queue, or journal) holds until its first entry.
+"""What the parts of a reader share: the limits it reads, its counters (from
+queued.reader.counters: compiled, their fields read from the object's struct), and the
+shared empty containers an idle reader (or queue, or journal) holds until its first entry.
 
 PURE: no I/O. Values and constants only; the reader's state machine is reader/state.py,
 its delayed items reader/delays.py.
@@ -7,8 +8,11 @@ its delayed items reader/delays.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Final, Protocol
+
+from queued.reader.counters import ReaderCounters
+
+__all__ = ["NO_ENTRIES", "NO_IDS", "NO_ITEMS", "NO_LIST", "ReaderCounters", "ReaderLimits"]
 
 #: What a reader's front, unpacked, packed, mem and due hold until their first item: an
 #: empty deque costs ~760 B (its first block is made with it), a server may hold 10,000
@@ -83,16 +87,3 @@ class ReaderLimits(Protocol):
     @property
     def discard_old_when_full(self) -> bool: ...
 
-
-@dataclass(slots=True)
-class ReaderCounters:
-    total_items: int = 0  # items added to this reader since start
-    taken: int = 0  # items handed to clients (gets and open reads; an aborted item, taken
-    # again, counts again)
-    expired: int = 0
-    discarded: int = 0
-    transactions: int = 0  # reliable reads opened
-    canceled_transactions: int = 0  # aborted, timed out or returned on disconnect
-    flushes: int = 0
-    rejected: int = 0  # open reads given up on (reject): to error_queue, or dropped
-    age_ms: int = 0  # how long the last item taken had waited

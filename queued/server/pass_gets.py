@@ -31,7 +31,7 @@ from queued.wire import commands as c
 
 # (named directly where compiled code tests a type: `c.Put` as a value is a look-up in the
 # module at each use, `Put` a static reference)
-from queued.wire.commands import Get, Request
+from queued.wire.commands import Done, Get, Items, Request
 
 log = logging.getLogger("queued.server")
 
@@ -88,15 +88,15 @@ class PassGets(TaskPath):
         try:
             if cmd.abort:
                 b.abort(reads, cmd.queue, reader, owe=self.reply_after, delay_ms=cmd.delay_ms)
-                reply: c.Reply = c.Done()
+                reply: c.Reply = Done()
             elif cmd.close and not cmd.open:
                 b.confirm(reads, cmd.queue, reader, owe=self.reply_after)
-                reply = c.Done()
+                reply = Done()
             else:
                 if cmd.close:
                     b.confirm(reads, cmd.queue, reader, owe=self.reply_after)
                     cmd = replace(cmd, close=False)
-                    requests[i] = c.Request(cmd, r.context, r.name, r.count)
+                    requests[i] = Request(cmd, r.context, r.name, r.count)
                 if cmd.exclusive and reads.open_ids(cmd.queue, reader):
                     log.warning("%s: get %s with a read already open on it", self.name,
                                 cmd.queue)
@@ -154,18 +154,18 @@ class PassGets(TaskPath):
         k = len(items)
         if k == cmd.max_items or (not later and sum([len(it.data) for it in items]) < room):
             self.stats.count(r.name, r.count)
-            self.reply(r, c.Items(items))
+            self.reply(r, Items(items))
             return True
         if later:  # the rest after the pass's commit, which brings more items
             self.after_commit = True
         if not k:
             self.deferred = r
             return False
-        head = c.Request(replace(cmd, max_items=k), r.context, r.name, k)
+        head = Request(replace(cmd, max_items=k), r.context, r.name, k)
         self.stats.count(head.name, k)
-        self.reply(head, c.Items(items))
+        self.reply(head, Items(items))
         left = cmd.max_items - k
-        requests[i] = c.Request(replace(cmd, max_items=left), r.context, r.name, left)
+        requests[i] = Request(replace(cmd, max_items=left), r.context, r.name, left)
         if later:
             self.deferred = requests[i]  # type: ignore[assignment]
         return False
@@ -173,7 +173,7 @@ class PassGets(TaskPath):
     def _take_nowait(self, cmd: c.Get, defer: JoinedPuts | None) -> c.Reply:
         b = self.broker
         if not self.ordered:
-            return c.Items(b.get_many_nowait(
+            return Items(b.get_many_nowait(
                 cmd.queue, cmd.reader, cmd.max_items, wait=cmd.timeout_ms > 0,
                 client=self.reads, open=cmd.open, open_timeout_ms=cmd.open_timeout_ms,
                 max_bytes=cmd.max_bytes, defer=defer))
@@ -198,7 +198,7 @@ class PassGets(TaskPath):
                 b.abort(self.reads, cmd.queue, cmd.reader, ids=[it.id], count_error=False)
                 return c.Failure(c.ErrorKind.NOT_ENCODABLE, "item contains a newline")
             b.confirm(self.reads, cmd.queue, cmd.reader, ids=[it.id], journal=False)
-        return c.Items(items)
+        return Items(items)
 
     def end_long_poll(self, now: float) -> bool:
         """Answer the long poll if it can be: woken, out of time, or its peer gone or
@@ -252,7 +252,7 @@ class PassGets(TaskPath):
                     items += b.take_more(poll.queue_state, poll.handle, cmd.reader or "",
                                          cmd.max_items - 1, cmd.max_bytes, len(it.data),
                                          client=client, open_timeout_ms=cmd.open_timeout_ms)
-                reply: c.Reply = c.Items(items)
+                reply: c.Reply = Items(items)
             except Exception as exc:
                 reply = self.failure(r, exc)
             if not self.lost:

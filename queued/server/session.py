@@ -45,7 +45,17 @@ from queued.wire.access import Grant
 
 # (named directly where compiled code tests a type: `c.Put` as a value is a look-up in the
 # module at each use, `Put` a static reference)
-from queued.wire.commands import Abort, Confirm, Failure, Get, Put, Request, Touch
+from queued.wire.commands import (
+    Abort,
+    Confirm,
+    Failure,
+    Get,
+    ProducerStored,
+    Put,
+    Request,
+    Stored,
+    Touch,
+)
 from queued.wire.parsing import ConnectionClosed
 
 log = logging.getLogger("queued.server")
@@ -189,9 +199,9 @@ class Session(PassGets):
             answer = result.answer  # (a put with a producer or key: alone in its group)
         for r, put in group:
             if answer is not None:
-                self.out += encode(r, c.ProducerStored(answer[1], answer[0], answer[2]))
+                self.out += encode(r, ProducerStored(answer[1], answer[0], answer[2]))
             else:
-                self.out += encode(r, c.Stored(len(put.items)))
+                self.out += encode(r, Stored(len(put.items)))
 
     def put_of(self, group: list[tuple[c.Request, c.Put]],
                 ) -> tuple[str, Sequence[bytes], int | None, int, int, Sequence[bytes] | None]:

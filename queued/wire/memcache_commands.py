@@ -346,6 +346,8 @@ class MemcacheCodec(c.LineCodec):
 
     def encode(self, request: c.Request, reply: c.Reply) -> bytes:
         ev = request.context
+        if type(ev) is McSet and type(reply) is Stored:  # (the usual reply, read natively)
+            return b"" if ev.noreply else STORED * reply.count
         if isinstance(reply, Failure):
             if isinstance(ev, McSet) and ev.noreply:
                 return b""
