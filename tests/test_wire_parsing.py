@@ -124,6 +124,7 @@ def test_every_read_agrees_with_plain_slicing_whatever_the_chunking(
     steps = iter(ops)
     for chunk in chunks:
         buf.append(kind(chunk))
+        buf.append(kind(b""))  # (an empty chunk changes nothing)
         model.data += chunk
         for op, n in itertools.islice(steps, 3):
             if op == "line":

@@ -139,6 +139,8 @@ class ReceiveBuffer:
 
     def append(self, data: bytes | bytearray | memoryview) -> None:
         chunk = data if isinstance(data, bytes) else bytes(data)
+        if not chunk:
+            return
         if self._more or self._pos < len(self._buf):
             self._parts.append(chunk)
             self._more += len(chunk)
