@@ -268,7 +268,9 @@ class QueuedServer(MemcacheServer):
         self.args = list(args)
         self.certs = certs
         self.tls_ca = certs.ca if certs is not None else None
-        self.tree = tree
+        # (absolute: the server runs in `root`, where a relative PYTHONPATH would miss
+        # the build and import the venv's pure Python instead, without a word)
+        self.tree = tree.resolve() if tree is not None else None
         self.ports: dict[str, int] = {}
         self.config_path: Path | None = None
         if config is not None:

@@ -38,8 +38,9 @@ RECEIVE_SIZE: Final = 64 * 1024
 BUFFER_CAP: Final = 256 * 1024
 
 #: errno values of a peer that went away (or a socket closed under us).
-GONE_ERRORS: Final = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT,
-                   errno.EBADF, errno.ESHUTDOWN, errno.ECONNABORTED})
+GONE_ERRORS: Final = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN,
+                                errno.ETIMEDOUT, errno.EBADF, errno.ESHUTDOWN,
+                                errno.ECONNABORTED})
 #: The epoll events of a connection to read, and of one whose replies wait to be sent
 #: (Final: compiled, a C static each, not a look-up in `select` at each use).
 IN_EVENTS: Final = select.EPOLLIN | select.EPOLLRDHUP

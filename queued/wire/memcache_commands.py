@@ -137,9 +137,9 @@ def _stats(ev: mc.Stats | mc.DumpStats, reply: c.Value) -> bytes:
 
 #: parser event type -> the bytes of its successful reply
 REPLIES: Final[dict[type, Callable[[Any, Any], bytes]]] = {
-    # (a Value: the set that authenticated the connection)
-    mc.Set: lambda ev, r: b"" if ev.noreply else STORED * (
-        r.count if type(r) is Stored else 1),
+    # (a set stored is answered by `MemcacheCodec.encode` itself; here: a Value, the set
+    # that authenticated the connection)
+    mc.Set: lambda ev, r: b"" if ev.noreply else STORED,
     mc.Get: _values,
     mc.Delete: lambda ev, r: b"" if ev.noreply else mc.deleted(),
     mc.Flush: lambda ev, r: mc.end(),
@@ -295,8 +295,7 @@ class MemcacheCodec(c.LineCodec):
                 if e.close:
                     break
                 continue
-            t = type(ev)
-            if type(ev) is McSet:  # (not `t is`: compiled, `ev` is then read as a Set)
+            if type(ev) is McSet:  # (compiled, `ev` is then read as a Set)
                 if self.known is not None and (login := self._login(ev)) is not None:
                     append(login)  # never joined: it is not an item
                     last = None
@@ -325,7 +324,7 @@ class MemcacheCodec(c.LineCodec):
                 if isinstance(ev, ConnectionClosed):
                     append(ev)
                     break
-                append(c.Request(COMMANDS[t](ev), ev, command_name(ev)))
+                append(c.Request(COMMANDS[type(ev)](ev), ev, command_name(ev)))
         return out
 
     def auth_of(self, request: c.Request) -> c.Auth | None:
