@@ -163,6 +163,11 @@ class PowerLossFS(fileio.FileIO):
             self._wrote(fd)
         return super().writev(fd, buffers)
 
+    def pwrite(self, fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
+        with self._lock:
+            self._wrote(fd)
+        return super().pwrite(fd, data, offset)
+
     def ftruncate(self, fd: int, length: int) -> None:
         with self._lock:
             self._wrote(fd)
@@ -189,6 +194,20 @@ class PowerLossFS(fileio.FileIO):
         for fd in fds:
             self.fsync(fd)
         self.fsync_dir(directory)
+
+    def sync_all(self, directory: fileio.StrPath) -> None:
+        # syncfs: every file of the file system, open or not, and every directory.
+        with self._lock:
+            nodes = {id(n): n for n in (*self.names.values(), *self.fds.values())}
+            for node in nodes.values():
+                content = self._content(node)
+                if content is not None:
+                    node.durable = content
+                node.dirty = False
+            for d in self.durable_names:
+                self.durable_names[d] = {os.path.basename(p): n for p, n in self.names.items()
+                                         if os.path.dirname(p) == d}
+            self.fsyncs += 1
 
     def fsync_dir(self, path: fileio.StrPath) -> None:
         d = os.path.abspath(os.fspath(path))

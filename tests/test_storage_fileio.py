@@ -60,3 +60,19 @@ def test_a_monkeypatched_fileio_gets_the_hot_calls_too(
         os.close(fd)
     monkeypatch.undo()
     assert fileio.fsync is os.fsync and type(fileio.current()) is fileio.FileIO
+
+
+def test_pwrite_writes_at_its_offset_and_sync_all_syncs_the_file_system(
+        tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"0123456789")
+    fd = fileio.open_fd(path, os.O_WRONLY)
+    try:
+        assert fileio.pwrite(fd, b"ab", 3) == 2
+        assert fileio.pwrite(fd, memoryview(b"xyz"), 12) == 3  # past the end: a hole
+    finally:
+        fileio.close(fd)
+    assert path.read_bytes() == b"012ab56789\0\0xyz"
+    fileio.sync_all(tmp_path)  # (syncfs: what it made durable a power cut would show)
+    with pytest.raises(OSError):
+        fileio.sync_all(tmp_path / "missing")

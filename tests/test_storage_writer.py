@@ -3,6 +3,7 @@ fsync deadlines, and which rounds run inline on the event loop instead of in a t
 
 from __future__ import annotations
 
+import os
 import threading
 from functools import partial
 from pathlib import Path
@@ -146,19 +147,35 @@ async def test_the_round_thread_runs_jobs_off_the_loop_and_hands_back_errors() -
     assert not worker.is_alive()
 
 
-def test_a_round_on_the_callers_thread_syncs_many_files_at_once(tmp_path: Path) -> None:
+def _many_files_round(writer: Writer, n: int) -> tuple[list[Any], list[WriteResult]]:
+    files = [writer.segment_file(f"q{i}", FsyncPolicy(), 0) for i in range(n)]
+    results = writer.write_round_now([(f, [chunk(1, [b"x%d" % i])])
+                                      for i, f in enumerate(files)])
+    return files, results
+
+
+@pytest.mark.parametrize("log_fails", [False, True])
+def test_a_round_on_the_callers_thread_has_one_durable_point_for_many_files(
+        tmp_path: Path, log_fails: bool) -> None:
     # Power cut right after the round: every file's batches and every new file's name
-    # must be durable, though the round made one sync_files call, not an fsync each.
+    # must be durable (written back from the intent log by the next start), though the
+    # round made one fsync (of the intent log), not one per file. When the log cannot
+    # be written, the round syncs the files at once (sync_files) instead.
     from power_util import PowerLossFS
 
     from queued.storage import fileio
+    from queued.storage.intent_log import INTENT_FILE, replay
 
-    fs = PowerLossFS(tmp_path)
+    class LogFails(PowerLossFS):
+        def writev(self, fd: int, buffers: Any) -> int:
+            if os.readlink(f"/proc/self/fd/{fd}").endswith(INTENT_FILE):
+                raise OSError(28, "No space left on device")
+            return super().writev(fd, buffers)
+
+    fs = (LogFails if log_fails else PowerLossFS)(tmp_path)
     previous = fileio.use(fs)
     try:
         writer = Writer(tmp_path)
-        files = [writer.segment_file(f"q{i}", FsyncPolicy(), 0)
-                 for i in range(writer_module.SYNC_TOGETHER + 1)]
         calls: list[int] = []
         real = fs.sync_files
 
@@ -167,16 +184,25 @@ def test_a_round_on_the_callers_thread_syncs_many_files_at_once(tmp_path: Path) 
             real(fds, directory)
 
         fs.sync_files = counted  # type: ignore[method-assign]
-        results = writer.write_round_now([(f, [chunk(1, [b"x%d" % i])])
-                                          for i, f in enumerate(files)])
-        assert calls == [len(files)]
+        before = fs.fsyncs
+        files, results = _many_files_round(writer, writer_module.SYNC_TOGETHER + 1)
         assert all(r.error is None and r.written for r in results)
         assert all(f.fsyncs == 1 for f in files)
+        if log_fails:
+            assert calls == [len(files)] and writer.intents.failed is not None
+        else:
+            # the log's head and its directory entry when it is made, then one fsync
+            assert calls == [] and fs.fsyncs - before == 2 and writer.intents.appends == 1
+            assert all(fs.names[str(tmp_path / jf.segment_name(f"q{i}", r.written[0].number))
+                             ].durable == b"" for i, r in enumerate(results))
         cut = fs.cut()
         for f in files:
             f.close()
+        writer.intents.release()
         writer.close()
         fs.restore(cut)
+        replay(tmp_path)
+        assert not (tmp_path / INTENT_FILE).exists()
         for i, r in enumerate(results):
             path = tmp_path / jf.segment_name(f"q{i}", r.written[0].number)
             assert puts_in(path) == [(1, b"x%d" % i)]
@@ -185,18 +211,22 @@ def test_a_round_on_the_callers_thread_syncs_many_files_at_once(tmp_path: Path) 
 
 
 def test_a_failed_sync_of_many_files_fails_them_all(tmp_path: Path) -> None:
+    # The intent log's fsync fails, and so does the sync of the files that follows it.
     from queued.storage import fileio
 
     class FailingSync(fileio.FileIO):
+        def fsync(self, fd: int) -> None:
+            if os.readlink(f"/proc/self/fd/{fd}").endswith("queued-intents"):
+                raise OSError(5, "Input/output error")
+            super().fsync(fd)
+
         def sync_files(self, fds: Any, directory: Any) -> None:
             raise OSError(5, "Input/output error")
 
     previous = fileio.use(FailingSync())
     try:
         writer = Writer(tmp_path)
-        files = [writer.segment_file(f"q{i}", FsyncPolicy(), 0)
-                 for i in range(writer_module.SYNC_TOGETHER)]
-        results = writer.write_round_now([(f, [chunk(1, [b"x"])]) for f in files])
+        files, results = _many_files_round(writer, writer_module.SYNC_TOGETHER)
         assert all(not r.written and r.error is not None for r in results)
         assert all(f.failed is not None for f in files)  # they refuse writes for good
         for f in files:

@@ -118,6 +118,9 @@ class Snapshot:
     pass_seconds: HistogramSnapshot | None = None  # the reactor's passes
     recovery_seconds: float = 0.0
     truncated_bytes: int = 0
+    intent_appends: int = 0
+    intent_settles: int = 0
+    intents_replayed: int = 0
     disk: DiskUsage | None = None
     server_wide: bool = True
     #: exactly-once puts: producers remembered now (loaded queues), and what the tables did
@@ -167,6 +170,9 @@ def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
         pass_seconds=None if server.reactor is None else server.reactor.pass_seconds.snapshot(),
         recovery_seconds=dd.recovery_seconds,
         truncated_bytes=dd.truncated_bytes,
+        intent_appends=dd.intent_appends,
+        intent_settles=dd.intent_settles,
+        intents_replayed=dd.intents_replayed,
         disk=disk_usage(broker.datadir.path),
         producers=sum(len(qs.producers) for qs in broker.queues.values()
                       if qs.producers is not None),
@@ -400,6 +406,16 @@ class SnapshotCollector(Collector):
         yield GaugeMetricFamily("queued_recovery_truncated_bytes",
                                 "Bytes the startup recovery cut from torn journal tails.",
                                 value=s.truncated_bytes)
+        yield GaugeMetricFamily("queued_recovery_intents_replayed",
+                                "Intent log records the startup wrote back into their "
+                                "segments (after a crash).", value=s.intents_replayed)
+        yield CounterMetricFamily("queued_intent_log_appends",
+                                  "Passes over many queues under fsync always made durable "
+                                  "by one fsync of the intent log.", value=s.intent_appends)
+        yield CounterMetricFamily("queued_intent_log_settles",
+                                  "Times the intent log was emptied (a syncfs) before a "
+                                  "segment was removed or replaced, or once it was large.",
+                                  value=s.intent_settles)
         if s.disk is not None:
             yield GaugeMetricFamily("queued_disk_free_bytes",
                                     "Free bytes on the data directory's file system.",

@@ -48,6 +48,10 @@ class SegmentStore(Protocol):
         """A durable copy of `path` in the archive (the original stays)."""
         ...
 
+    def settle_intents(self) -> None:
+        """No intent log record stands for a segment from now on (before a replace)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class CompactionResult:
@@ -190,6 +194,7 @@ def _rewrite_run(
     if store.config.archive_dir is not None and last.compacted_from is None:
         # The rename below replaces the original: keep its records in the archive first.
         store.copy_to_archive(last.path)
+    store.settle_intents()  # no intent log record may stand for the file replaced
     fileio.replace(tmp, last.path)
     fsync_dir(last.path.parent)
     out.inode = last.path.stat().st_ino

@@ -42,6 +42,8 @@ from queued.storage.files import (
     write_checkpoint,
     write_file_atomic,
 )
+from queued.storage.intent_log import INTENT_FILE
+from queued.storage.intent_log import replay as replay_intents
 from queued.storage.journal import Planned, QueueJournal, ReaderWork
 from queued.storage.recovery import Damage, scan_segment
 from queued.storage.synced_files import NEVER, SegmentFile
@@ -75,6 +77,8 @@ class RecoveryReport:
     #: the totals of queues dropped from `queues` since (parked: see DataDir.park_queue),
     #: so the report's figures stay what the start-up recovery found
     forgotten: QueueRecovery = field(default_factory=lambda: QueueRecovery(""))
+    #: intent log records written back into their segments before recovery read them
+    intents_replayed: int = 0
 
     def forget(self, name: str) -> None:
         """Drop queue `name`'s entry (its memory), keeping its figures in the totals."""
@@ -101,6 +105,8 @@ class RecoveryReport:
         return (
             f"recovered {len(self.queues)} queues, {self.records} records, {self.bytes} bytes "
             f"in {self.seconds:.3f}s; truncated {self.truncated_bytes} bytes"
+            + (f"; {self.intents_replayed} intent log records written back"
+               if self.intents_replayed else "")
         )
 
 
@@ -112,6 +118,11 @@ class DataDirStats:
     fsync: HistogramSnapshot  # seconds per fsync (journal files; not directories)
     recovery_seconds: float
     truncated_bytes: int
+    #: the intent log: passes it made durable, times it was settled, records the start-up
+    #: wrote back
+    intent_appends: int = 0
+    intent_settles: int = 0
+    intents_replayed: int = 0
 
 
 class DataDir:
@@ -153,11 +164,13 @@ class DataDir:
         started = time.monotonic()
         dd = cls(Path(path), config or DataDirConfig(), queue_config or (lambda _: JournalConfig()))
         fileio.mkdir(dd.path)
+        # Before any segment is read: what the intent log stands for, back in its files.
+        dd.report.intents_replayed = replay_intents(dd.path)[0]
         by_queue: dict[str, list[tuple[str, jf.JournalFileName]]] = {}
         for entry in sorted(os.listdir(dd.path)):
             parsed = jf.parse_file_name(entry)
             if parsed is None:
-                if entry.startswith((PAUSED_FILE, HISTORY_FILE)):
+                if entry.startswith((PAUSED_FILE, HISTORY_FILE)) or entry == INTENT_FILE:
                     continue  # (read by `paused_queues`; a temp of it, by its next write)
                 if (dd.path / entry).is_file():
                     log.warning("data dir: ignoring %s (not a journal file name)", entry)
@@ -426,6 +439,7 @@ class DataDir:
         def remove() -> None:
             if j is not None:
                 j.close_files()
+            self.settle_intents()
             # List the directory now: a round or compaction may have made files since.
             for entry in os.listdir(self.path):
                 parsed = jf.parse_file_name(entry)
@@ -460,6 +474,7 @@ class DataDir:
         compaction outputs are deleted (their records are in the archived originals
         already); without it, all are deleted."""
         archive = self.config.archive_dir
+        self.settle_intents()
         for seg in segs:
             if archive is None or seg.compacted_from is not None:
                 fileio.unlink(seg.path, missing_ok=True)
@@ -473,6 +488,11 @@ class DataDir:
         if archive is not None and archive.exists():
             fsync_dir(archive)
         fsync_dir(self.path)
+
+    def settle_intents(self) -> None:
+        """No record of the intent log stands for a segment from here on: call it before
+        a segment is removed, renamed over or moved (queued.storage.intent_log)."""
+        self.writer.settle_intents()
 
     def copy_to_archive(self, path: Path) -> None:
         """A durable copy of `path` in archive_dir (the original stays)."""
@@ -659,6 +679,11 @@ class DataDir:
                                        f"({exc.strerror or exc}); what it wrote since its "
                                        f"last fsync may be lost")
                         log.error("closing queue %s: %s", j.name, exc)
+                try:
+                    self.writer.intents.close()  # every file it names synced, then gone
+                except OSError as exc:
+                    unsaved.append(f"intent log: not settled ({exc.strerror or exc}); the "
+                                   f"next start writes its records back")
                 if unsaved:
                     raise NotSavedError(unsaved)
 
@@ -676,4 +701,7 @@ class DataDir:
             fsync=writer.fsync,
             recovery_seconds=self.report.seconds,
             truncated_bytes=self.report.truncated_bytes,
+            intent_appends=self.writer.intents.appends,
+            intent_settles=self.writer.intents.settles,
+            intents_replayed=self.report.intents_replayed,
         )

@@ -38,6 +38,18 @@ def _find_syncfs() -> Callable[[int], int] | None:
 _SYNCFS = _find_syncfs()
 
 
+def _syncfs(directory: StrPath) -> None:
+    """syncfs(2) on `directory`'s file system (Linux)."""
+    assert _SYNCFS is not None
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _SYNCFS(dfd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        os.close(dfd)
+
+
 class FileIO:
     """The file system calls the storage layer makes; see the module docstring."""
 
@@ -50,6 +62,9 @@ class FileIO:
 
     def writev(self, fd: int, buffers: Sequence[bytes | bytearray | memoryview]) -> int:
         return os.writev(fd, buffers)
+
+    def pwrite(self, fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
@@ -71,13 +86,15 @@ class FileIO:
                 os.fsync(fd)
             self.fsync_dir(directory)
             return
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            if _SYNCFS(dfd) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err))
-        finally:
-            os.close(dfd)
+        _syncfs(directory)
+
+    def sync_all(self, directory: StrPath) -> None:
+        """Make every file of `directory`'s file system durable, open or not, with the
+        directory's entries: syncfs(2) (else sync(2))."""
+        if _SYNCFS is None:  # pragma: no cover (not Linux)
+            os.sync()
+            return
+        _syncfs(directory)
 
     def fsync_dir(self, path: StrPath) -> None:
         """Make the directory's entries (files created, renamed, removed) durable."""
@@ -138,6 +155,10 @@ def writev(fd: int, buffers: Sequence[bytes | bytearray | memoryview]) -> int:
     return _current.writev(fd, buffers)
 
 
+def pwrite(fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
+    return _current.pwrite(fd, data, offset)
+
+
 def fsync(fd: int) -> None:
     _current.fsync(fd)
 
@@ -152,6 +173,10 @@ def close(fd: int) -> None:
 
 def sync_files(fds: Sequence[int], directory: StrPath) -> None:
     _current.sync_files(fds, directory)
+
+
+def sync_all(directory: StrPath) -> None:
+    _current.sync_all(directory)
 
 
 def fsync_dir(path: StrPath) -> None:

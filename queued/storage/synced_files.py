@@ -26,6 +26,7 @@ from queued.errors import JournalWriteError
 from queued.journal import format as jf
 from queued.storage import fileio
 from queued.storage.files import fsync_dir, write_file_atomic, write_temp
+from queued.storage.intent_log import Intent
 from queued.storage.write_plans import Chunk, ReaderOp, WriteResult, Written
 
 #: (a C static compiled, rather than a look-up in the module's globals at each use)
@@ -196,11 +197,14 @@ class SegmentFile(SyncedFile):
         #: the queue's incarnation, named in the head of every segment it opens (0: none)
         self.incarnation = 0
 
-    def write(self, chunks: Sequence[Chunk], *, sync: bool = True) -> WriteResult:
+    def write(self, chunks: Sequence[Chunk], *, sync: bool = True,
+              intents: list[Intent] | None = None) -> WriteResult:
         """Write the chunks, then sync as the policy says. Nothing is returned as
         written unless the fsync policy's syncs for it succeeded. `sync=False`: the
         caller syncs this file (and its directory) with others at once, and drops the
-        result if that fails (`Writer.write_round_now`)."""
+        result if that fails (`Writer.write_round_now`); `intents`: the bytes each
+        write put where are added to it, for the caller's intent log to stand for them
+        (queued.storage.intent_log)."""
         if self._failed is not None:
             # Chunks planned before the failure was known: writing them and fsyncing again
             # would "succeed" (Linux reports a write-back error once), acknowledging data
@@ -234,11 +238,14 @@ class SegmentFile(SyncedFile):
                     crc = crc32(piece, crc)
                 check = jf.encode_check_crc(chunk.nbytes, crc)
                 written = len(prefix) + chunk.nbytes + len(check)
-                _writev_all(self._fd, [prefix, *pieces, check] if prefix else [*pieces, check],
-                            written)
+                buffers = [prefix, *pieces, check] if prefix else [*pieces, check]
+                _writev_all(self._fd, buffers, written)
             except OSError as exc:
                 error = self._write_failed(exc, created)
                 break
+            if intents is not None:
+                intents.append((jf.segment_name(self.queue, self._number), self._size,
+                                buffers))
             self._size += written
             self._unsynced = True
             done.append(

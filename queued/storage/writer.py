@@ -27,6 +27,7 @@ import trio
 from queued.config.policies import FsyncPolicy
 from queued.stats import FSYNC_BUCKETS, Histogram, HistogramSnapshot
 from queued.storage import fileio
+from queued.storage.intent_log import PASS_BYTES, Intent, IntentLog
 from queued.storage.round_thread import RoundThread
 from queued.storage.synced_files import ALWAYS, ReaderFile, SegmentFile, SyncedFile
 from queued.storage.write_plans import (
@@ -134,13 +135,17 @@ class Writer:
         self._fsync_lock = threading.Lock()  # files sync from the pool's threads at once
         self._round_thread = RoundThread()
         self._pool: ThreadPoolExecutor | None = None
+        #: the one durable point of a pass that wrote many segment files
+        self.intents = IntentLog(directory)
         #: the round itself (`run_round`), called through this attribute: the seam a test
         #: replaces on the instance to hold a round (a compiled module calls its own
         #: functions directly, past a replacement of the module's global)
         self.run_round: RoundFunction = run_round
 
     def close(self) -> None:
-        """Stop the round threads (no round may run: call it after the last one)."""
+        """Stop the round threads (no round may run: call it after the last one) and let
+        go of the intent log's file (as it is: `IntentLog.close` settles it first)."""
+        self.intents.release()
         self._round_thread.close()
         if self._pool is not None:
             self._pool.shutdown()
@@ -202,15 +207,29 @@ class Writer:
         if len(together) < SYNC_TOGETHER:
             return self.run_round(work, (), pool, readers)
         # Many segment files to sync: write them all, then one durable point for them
-        # (syncfs: one journal commit) rather than an fsync each.
-        results = [file.write(chunks, sync=file.fsync.mode is not ALWAYS)
-                   for file, chunks in work]
+        # rather than an fsync each: the intent log's append (one fsync of one file),
+        # else syncfs (one journal commit, but every dirty file written back).
+        intents: list[Intent] | None = [] if self.intents.usable else None
+        nbytes = 0
+        results: list[WriteResult] = []
+        for file, chunks in work:
+            if file.fsync.mode is ALWAYS:
+                for c in chunks:
+                    nbytes += c.nbytes
+                results.append(file.write(chunks, sync=False, intents=intents))
+            else:
+                results.append(file.write(chunks))
         if readers:
             self.run_round([], (), pool, readers)
         started = time.monotonic()
         try:
-            fileio.sync_files([fd for f in together if (fd := f.fd) is not None],
-                              self.directory)
+            if intents is None or nbytes > PASS_BYTES or not self._logged(intents):
+                fileio.sync_files([fd for f in together if (fd := f.fd) is not None],
+                                  self.directory)
+            elif any(w.created for r in results for w in r.written):
+                # A file the pass made: its entry durable too, as after any new file
+                # (a later sync of the file alone would not bring it back).
+                fileio.fsync_dir(self.directory)
         except OSError as exc:
             failed = {id(f): f.set_failed(f"syncfs failed: {exc}") for f in together}
             return [WriteResult([], failed[id(f)]) if id(f) in failed else r
@@ -219,6 +238,22 @@ class Writer:
         for f in together:
             f.synced_with_others()
         return results
+
+    def _logged(self, intents: list[Intent]) -> bool:
+        """`intents` made durable by the intent log; False (nothing made durable) when
+        the log failed: the caller syncs the files instead."""
+        if not intents:
+            return True
+        try:
+            self.intents.append(intents)
+        except OSError:
+            return False  # (logged, and the log is not used again)
+        return True
+
+    def settle_intents(self) -> None:
+        """Before a segment is removed, renamed over or moved: no record of the intent
+        log may stand for it (see queued.storage.intent_log). OSError: not settled."""
+        self.intents.settle()
 
     def _started_pool(self) -> ThreadPoolExecutor:
         """The pool that writes and syncs several files at once (started on first use)."""

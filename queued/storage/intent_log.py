@@ -1,0 +1,300 @@
+"""The intent log: one durable point for a pass that appended to many segment files under
+fsync "always".
+
+Such a pass writes its batches to their segment files (the files of record, in the
+seed's format) without an fsync each; the same bytes, with each file's name and offset,
+are appended to this one log in the data directory, and one fsync of the log makes the
+whole pass durable: one commit of the file system's journal, where an fsync of each file
+in turn costs one commit each and `syncfs` writes back every dirty file of the file
+system on the server's thread. After a power cut, `replay` writes the log's records
+back into their files at their offsets before recovery reads a segment, so every byte
+the log holds is where the pass put it (a file the pass created and whose directory
+entry the cut took is made again).
+
+A record stands for bytes of a file by its name and offset, so it must never outlive a
+change of that file other than an append: before a segment is removed, renamed over or
+moved (retiring, compaction, deleting a queue), at a clean shutdown and once the log
+holds `SETTLE_BYTES`, the log is settled (`IntentLog.settle`): the file system synced
+(every file the log names is durable then), the log emptied and begun again under a new
+epoch. Segments are only ever appended to between those points (a partial batch trimmed
+after a failed write was never logged).
+
+The file: a head (`MAGIC`, a random epoch), then records, each `crc u32, data length
+u32, offset u64, name length u16, name, data` (big-endian). The crc covers everything
+after it, seeded with the head's crc: a record of an earlier epoch never checks. Replay
+stops at the first record that does not check: the tear of an append whose pass was
+never answered. The name has no "." (never a journal file name: our recovery and
+libkestrel pass it by).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+from queued.journal import format as jf
+from queued.storage import fileio
+
+log = logging.getLogger("queued.journal")
+
+#: The log's file name in the data directory (no ".": never a journal file name).
+INTENT_FILE: Final = "queued-intents"
+MAGIC: Final = b"QDINTENT"
+_HEAD: Final = struct.Struct(">8sQ")  # magic, epoch
+_CRC: Final = struct.Struct(">I")
+_FIXED: Final = struct.Struct(">IQH")  # data length, offset, name length (after the crc)
+RECORD_OVERHEAD: Final = _CRC.size + _FIXED.size
+#: Once the log holds this much, the pass that grew it settles it.
+SETTLE_BYTES: Final = 64 * 1024 * 1024
+#: A pass with more bytes than this syncs its files instead (`fileio.sync_files`): a
+#: second copy of big batches costs more than the commits it saves.
+PASS_BYTES: Final = 1024 * 1024
+#: Most iovecs one writev takes (IOV_MAX on Linux).
+IOV_MAX: Final = 1024
+crc32: Final = zlib.crc32
+
+#: One file's bytes of a pass: the file's name in the directory, the offset they were
+#: written at, the pieces written there in order.
+Intent = tuple[str, int, Sequence[bytes | bytearray]]
+
+
+class IntentLog:
+    """A data directory's intent log, writer side; see the module docstring.
+
+    `append` is called by the pass (the event loop's thread), `settle` by whoever is
+    about to remove or replace a segment (a worker thread, too): a lock orders them, so
+    a record appended while a settle runs lands after the log is emptied."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / INTENT_FILE
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._seed = 0
+        self._size = 0
+        self._records = 0  # since the log was last begun
+        #: why the log is no longer used (a write or fsync of it failed); passes sync
+        #: their files instead from then on, and settles still empty it
+        self.failed: str | None = None
+        self.appends = 0
+        self.settles = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.failed is None
+
+    @property
+    def size(self) -> int:
+        """Bytes in the log now (its head included)."""
+        return self._size
+
+    def append(self, intents: Sequence[Intent]) -> None:
+        """Make `intents` durable: appended to the log and the log fsynced. OSError: the
+        log failed (`failed` says why, it takes no more appends); nothing of `intents`
+        may be taken as durable. Settles the log first when it has grown past
+        `SETTLE_BYTES`."""
+        with self._lock:
+            if self.failed is not None:
+                raise OSError(f"intent log unusable: {self.failed}")
+            try:
+                if self._fd is None:
+                    self._begin()
+                elif self._size >= SETTLE_BYTES:
+                    self._settle()
+                fd = self._fd
+                assert fd is not None
+                buffers: list[bytes | bytearray] = []
+                total = 0
+                seed = self._seed
+                for name, offset, pieces in intents:
+                    encoded = name.encode()
+                    length = 0
+                    for piece in pieces:
+                        length += len(piece)
+                    fixed = _FIXED.pack(length, offset, len(encoded))
+                    crc = crc32(encoded, crc32(fixed, seed))
+                    for piece in pieces:
+                        crc = crc32(piece, crc)
+                    buffers.append(_CRC.pack(crc))
+                    buffers.append(fixed)
+                    buffers.append(encoded)
+                    buffers.extend(pieces)
+                    total += RECORD_OVERHEAD + len(encoded) + length
+                _write_buffers(fd, buffers)
+                fileio.fsync(fd)
+            except OSError as exc:
+                self._fail(f"{exc.strerror or exc}")
+                raise
+            self._size += total
+            self._records += len(intents)
+            self.appends += 1
+
+    def settle(self) -> None:
+        """Make every file the log names durable and empty the log; nothing to do when it
+        holds no record. OSError: not settled (what it names is still there to replay),
+        so the caller must not remove or replace a segment."""
+        with self._lock:
+            if self._records:
+                self._settle()
+
+    def close(self) -> None:
+        """Settle the log and remove its file (a clean shutdown); OSError if that fails
+        (the log is kept: the next start replays it)."""
+        with self._lock:
+            if self._fd is None:
+                return
+            if self._records:
+                self._settle()
+            fileio.close(self._fd)
+            self._fd = None
+            fileio.unlink(self.path, missing_ok=True)
+            fileio.fsync_dir(self.directory)
+
+    def release(self) -> None:
+        """Close the log's file as it is (after `close`, or when that failed: the next
+        start replays what it holds)."""
+        with self._lock:
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                try:
+                    fileio.close(fd)
+                except OSError as exc:
+                    log.error("intent log %s: closing: %s", self.path, exc)
+
+    def _begin(self) -> None:
+        """Create the log afresh: its head, fsynced, and its directory entry durable."""
+        fd = fileio.open_fd(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
+                            0o644)
+        self._fd = fd
+        head = _new_head()
+        fileio.write_all(fd, head)
+        fileio.fsync(fd)
+        fileio.fsync_dir(self.directory)
+        self._seed = crc32(head)
+        self._size = len(head)
+        self._records = 0
+
+    def _settle(self) -> None:
+        fd = self._fd
+        assert fd is not None
+        try:
+            # Every file of the file system written back: those the log names with them.
+            fileio.sync_all(self.directory)
+            fileio.ftruncate(fd, 0)
+            head = _new_head()
+            fileio.write_all(fd, head)
+            fileio.fsync(fd)
+        except OSError as exc:
+            self._fail(f"settling failed: {exc.strerror or exc}")
+            raise
+        self._seed = crc32(head)
+        self._size = len(head)
+        self._records = 0
+        self.settles += 1
+
+    def _fail(self, why: str) -> None:
+        if self.failed is None:
+            log.error("intent log %s: %s; passes sync their files instead from now on",
+                      self.path, why)
+        self.failed = why
+
+
+def _new_head() -> bytes:
+    return _HEAD.pack(MAGIC, int.from_bytes(os.urandom(8), "big"))
+
+
+def _write_buffers(fd: int, buffers: list[bytes | bytearray]) -> None:
+    """Every byte of `buffers`, in order (writev in batches of IOV_MAX, short writes
+    finished)."""
+    for i in range(0, len(buffers), IOV_MAX):
+        batch = buffers[i : i + IOV_MAX]
+        wrote = fileio.writev(fd, batch)
+        for piece in batch:
+            if wrote >= len(piece):
+                wrote -= len(piece)
+                continue
+            fileio.write_all(fd, memoryview(piece)[wrote:])
+            wrote = 0
+
+
+def read_intents(data: bytes) -> list[tuple[str, int, memoryview]]:
+    """The records of a log's content, in order, up to the first that does not check
+    (or that names anything but a segment file)."""
+    if len(data) < _HEAD.size or data[: len(MAGIC)] != MAGIC:
+        return []
+    seed = crc32(data[: _HEAD.size])
+    view = memoryview(data)
+    records: list[tuple[str, int, memoryview]] = []
+    pos = _HEAD.size
+    while pos + RECORD_OVERHEAD <= len(data):
+        (crc,) = _CRC.unpack_from(data, pos)
+        length, offset, name_len = _FIXED.unpack_from(data, pos + _CRC.size)
+        start = pos + RECORD_OVERHEAD
+        end = start + name_len + length
+        if end > len(data):
+            break
+        if crc32(view[pos + _CRC.size : end], seed) != crc:
+            break
+        try:
+            name = bytes(view[start : start + name_len]).decode()
+        except UnicodeDecodeError:
+            break
+        parsed = jf.parse_file_name(name)
+        if parsed is None or parsed.role is not jf.FileRole.SEGMENT or "/" in name:
+            break
+        records.append((name, offset, view[start + name_len : end]))
+        pos = end
+    return records
+
+
+def replay(directory: Path) -> tuple[int, int]:
+    """At start-up, before any segment is read: every record of the log written into its
+    file at its offset, those files fsynced (and the directory), then the log removed.
+    A file that is missing is made again only from a record at offset 0 (the pass that
+    created it); a record for another missing file is skipped with a warning (its file
+    was removed behind the server's back). Returns (records written, bytes)."""
+    path = directory / INTENT_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return 0, 0
+    records = read_intents(data)
+    fds: dict[str, int] = {}
+    written = nbytes = 0
+    try:
+        for name, offset, payload in records:
+            fd = fds.get(name)
+            if fd is None:
+                target = directory / name
+                if offset and not target.exists():
+                    log.warning("intent log: %s is missing: its record at %d not replayed",
+                                name, offset)
+                    continue
+                fd = fds[name] = fileio.open_fd(target, os.O_WRONLY | os.O_CREAT, 0o644)
+            view = payload
+            at = offset
+            while view:
+                wrote = fileio.pwrite(fd, view, at)
+                view = view[wrote:]
+                at += wrote
+            written += 1
+            nbytes += len(payload)
+        for fd in fds.values():
+            fileio.fsync(fd)
+    finally:
+        for fd in fds.values():
+            fileio.close(fd)
+    if fds:
+        fileio.fsync_dir(directory)
+    fileio.unlink(path)
+    fileio.fsync_dir(directory)
+    if records:
+        log.info("intent log: %d records (%d bytes) written back into %d segment files",
+                 written, nbytes, len(fds))
+    return written, nbytes

@@ -1,0 +1,315 @@
+"""The intent log (queued.storage.intent_log): one fsync for a pass that wrote many segment
+files under fsync "always", its records written back after a simulated power cut, and the
+settle that must come before any segment is removed or replaced (else a record would
+bring back a file that is gone, or write old bytes into the file that replaced it)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+from power_util import PowerLossFS
+
+from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
+from queued.journal import format as jf
+from queued.storage import fileio
+from queued.storage import writer as writer_module
+from queued.storage.datadir import DataDir
+from queued.storage.files import SegmentInfo
+from queued.storage.intent_log import (
+    _HEAD,
+    INTENT_FILE,
+    RECORD_OVERHEAD,
+    IntentLog,
+    read_intents,
+    replay,
+)
+from queued.storage.opening import open_data_dir
+from queued.storage.synced_files import SegmentFile
+from queued.storage.writer import Chunk, Writer, WriteResult
+
+T0 = 1_700_000_000_000
+N_FILES = writer_module.SYNC_TOGETHER + 1  # enough for a pass to use the log
+
+
+def chunk(first_id: int, datas: list[bytes]) -> Chunk:
+    pack = jf.put_header_packer(T0)
+    c = Chunk(rotate=False, count=len(datas), first_id=first_id,
+              last_id=first_id + len(datas) - 1)
+    for i, data in enumerate(datas):
+        c.add(pack(len(data), first_id + i), data)
+    return c
+
+
+def puts_in(path: Path) -> list[tuple[int, bytes]]:
+    return [(d.record.id, d.record.data) for d in jf.decode_all(path.read_bytes())
+            if isinstance(d.record, jf.Put)]
+
+
+@pytest.fixture
+def fs(tmp_path: Path) -> Iterator[PowerLossFS]:
+    fs = PowerLossFS(tmp_path)
+    previous = fileio.use(fs)
+    try:
+        yield fs
+    finally:
+        fileio.use(previous)
+
+
+def new_files(writer: Writer, n: int = N_FILES) -> list[SegmentFile]:
+    return [writer.segment_file(f"q{i}", FsyncPolicy(), 0) for i in range(n)]
+
+
+def a_pass(writer: Writer, files: list[SegmentFile], first_id: int,
+           tag: bytes) -> list[WriteResult]:
+    """One round of one item per file, as the reactor's pass commits it."""
+    results = writer.write_round_now([(f, [chunk(first_id, [tag + b"%d" % i])])
+                                      for i, f in enumerate(files)])
+    assert all(r.error is None and r.written for r in results)
+    return results
+
+
+def paths_of(tmp_path: Path, results: list[WriteResult]) -> list[Path]:
+    return [tmp_path / jf.segment_name(f"q{i}", r.written[0].number)
+            for i, r in enumerate(results)]
+
+
+def power_cut(fs: PowerLossFS, writer: Writer, files: list[SegmentFile]) -> None:
+    """The power goes out: the directory becomes what the disk holds."""
+    cut = fs.cut()
+    for f in files:
+        f.close()
+    writer.close()
+    fs.restore(cut)
+
+
+def test_passes_come_back_from_the_log_alone(fs: PowerLossFS, tmp_path: Path) -> None:
+    writer = Writer(tmp_path)
+    files = new_files(writer)
+    paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
+    a_pass(writer, files, 2, b"b")
+    assert writer.intents.appends == 2
+    assert all(fs.names[str(p)].durable == b"" for p in paths)  # no segment fsynced
+    power_cut(fs, writer, files)
+    # The files' entries are there (a pass that makes a file fsyncs the directory), their
+    # bytes are not: all of them are in the log.
+    assert [p.stat().st_size for p in paths] == [0] * N_FILES
+    records, nbytes = replay(tmp_path)
+    assert records == 2 * N_FILES
+    assert nbytes == sum(p.stat().st_size for p in paths) > 0
+    assert not (tmp_path / INTENT_FILE).exists()
+    for i, p in enumerate(paths):
+        assert puts_in(p) == [(1, b"a%d" % i), (2, b"b%d" % i)]
+    assert replay(tmp_path) == (0, 0)  # nothing left to do
+
+
+def test_a_file_the_cut_took_is_made_again_from_its_first_record(
+        fs: PowerLossFS, tmp_path: Path) -> None:
+    writer = Writer(tmp_path)
+    files = new_files(writer)
+    paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
+    power_cut(fs, writer, files)
+    for p in paths[:2]:
+        p.unlink()  # as if the directory entries were lost too
+    assert replay(tmp_path)[0] == N_FILES
+    assert [puts_in(p) for p in paths] == [[(1, b"a%d" % i)] for i in range(N_FILES)]
+
+
+def test_a_record_for_a_file_removed_behind_its_back_is_skipped(
+        fs: PowerLossFS, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    writer = Writer(tmp_path)
+    files = new_files(writer)
+    paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
+    writer.settle_intents()  # the files' first records are gone from the log
+    a_pass(writer, files, 2, b"b")
+    power_cut(fs, writer, files)
+    paths[0].unlink()  # (an operator, while the server was down)
+    with caplog.at_level(logging.WARNING, "queued.journal"):
+        records, _ = replay(tmp_path)
+    assert records == N_FILES - 1
+    assert not paths[0].exists()  # not made again as a hole with a batch at its end
+    assert f"{paths[0].name} is missing" in caplog.text
+    assert [puts_in(p) for p in paths[1:]] == [
+        [(1, b"a%d" % i), (2, b"b%d" % i)] for i in range(1, N_FILES)]
+
+
+def test_records_read_back_up_to_a_torn_one(tmp_path: Path) -> None:
+    log = IntentLog(tmp_path)
+    name = jf.segment_name("q", 5)
+    log.append([(name, 0, [b"head", b"er"]), (name, 6, [b"x" * 100])])
+    log.append([(name, 106, [b"y" * 50])])
+    data = (tmp_path / INTENT_FILE).read_bytes()
+    records = read_intents(data)
+    assert [(n, o, bytes(d)) for n, o, d in records] == [
+        (name, 0, b"header"), (name, 6, b"x" * 100), (name, 106, b"y" * 50)]
+    last = RECORD_OVERHEAD + len(name) + 50
+    for cut in range(len(data) - last, len(data)):  # the last record torn anywhere
+        assert len(read_intents(data[:cut])) == 2, cut
+    flipped = bytearray(data)
+    flipped[-1] ^= 1
+    assert len(read_intents(bytes(flipped))) == 2
+    log.release()
+
+
+def test_a_record_of_an_earlier_epoch_never_checks(tmp_path: Path) -> None:
+    log = IntentLog(tmp_path)
+    name = jf.segment_name("q", 5)
+    log.append([(name, 0, [b"old bytes"])])
+    old = (tmp_path / INTENT_FILE).read_bytes()
+    log.settle()
+    new = (tmp_path / INTENT_FILE).read_bytes()
+    assert len(new) == _HEAD.size and read_intents(new) == []
+    # Stale blocks of the log before the settle, read behind the new head:
+    assert read_intents(new + old[_HEAD.size:]) == []
+    assert log.settles == 1
+    log.release()
+
+
+def test_a_record_naming_anything_but_a_segment_stops_the_read(tmp_path: Path) -> None:
+    log = IntentLog(tmp_path)
+    log.append([(jf.segment_name("q", 5), 0, [b"a"]), ("q.read.r", 0, [b"b"]),
+                (jf.segment_name("q", 5), 1, [b"c"])])
+    assert [n for n, _, _ in read_intents((tmp_path / INTENT_FILE).read_bytes())] == [
+        jf.segment_name("q", 5)]
+    log.release()
+
+
+def test_a_settle_makes_every_file_durable_and_empties_the_log(
+        fs: PowerLossFS, tmp_path: Path) -> None:
+    writer = Writer(tmp_path)
+    files = new_files(writer)
+    paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
+    writer.settle_intents()
+    assert writer.intents.settles == 1
+    power_cut(fs, writer, files)
+    assert read_intents((tmp_path / INTENT_FILE).read_bytes()) == []
+    assert [puts_in(p) for p in paths] == [[(1, b"a%d" % i)] for i in range(N_FILES)]
+
+
+def test_a_clean_close_settles_and_removes_the_log(fs: PowerLossFS, tmp_path: Path) -> None:
+    writer = Writer(tmp_path)
+    files = new_files(writer)
+    paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
+    writer.intents.close()
+    assert not (tmp_path / INTENT_FILE).exists()
+    power_cut(fs, writer, files)  # (after the close: all of it durable)
+    assert [puts_in(p) for p in paths] == [[(1, b"a%d" % i)] for i in range(N_FILES)]
+
+
+def test_a_big_pass_syncs_its_files_instead(fs: PowerLossFS, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer_module, "PASS_BYTES", 100)
+    writer = Writer(tmp_path)
+    files = new_files(writer)
+    calls: list[int] = []
+    real = fs.sync_files
+    fs.sync_files = lambda fds, d: (calls.append(len(fds)), real(fds, d))[1]  # type: ignore
+    a_pass(writer, files, 1, b"a" * 30)
+    assert calls == [N_FILES] and writer.intents.appends == 0
+    writer.close()
+    for f in files:
+        f.close()
+
+
+def test_retiring_a_segment_settles_the_log_first(fs: PowerLossFS, tmp_path: Path) -> None:
+    """Without the settle, the log's record at offset 0 would bring the retired segment
+    back after a power cut (its records are in the log, its removal on disk)."""
+    dd = DataDir.open(tmp_path)
+    files = new_files(dd.writer)
+    paths = paths_of(tmp_path, a_pass(dd.writer, files, 1, b"a"))
+    files[0].close()
+    dd.retire_segments([SegmentInfo(1, paths[0], size=paths[0].stat().st_size)])
+    assert dd.writer.intents.settles == 1
+    power_cut(fs, dd.writer, files[1:])
+    replay(tmp_path)
+    assert not paths[0].exists()
+    assert [puts_in(p) for p in paths[1:]] == [[(1, b"a%d" % i)] for i in range(1, N_FILES)]
+
+
+def test_deleting_a_queue_settles_the_log_first(fs: PowerLossFS, tmp_path: Path) -> None:
+    dd = DataDir.open(tmp_path)
+    names = [f"q{i}" for i in range(N_FILES)]
+    for name in names:
+        dd.queue(name)
+    journals = [dd.queues[n] for n in names]
+    dd.deferring = True
+    for j in journals:
+        j.append_nowait([b"x-" + j.name.encode()], T0)
+    assert dd.commit_now()
+    assert dd.writer.intents.appends == 1
+    trio.run(dd.delete_queue, "q0")
+    assert dd.writer.intents.settles == 1
+    cut = fs.cut()
+    fs.restore(cut)
+    DataDir.open(tmp_path)  # replays what the log holds: none of q0
+    assert not [n for n in (p.name for p in tmp_path.iterdir()) if n.startswith("q0.")]
+
+
+class CutAtReplace(PowerLossFS):
+    """Takes the power cut's snapshot once the first rename over a segment is durable
+    (at the directory fsync after it)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.at_replace: dict[str, dict[str, bytes]] | None = None
+
+        self.replaced: Path | None = None
+
+    def replace(self, src: fileio.StrPath, dst: fileio.StrPath) -> None:
+        super().replace(src, dst)
+        parsed = jf.parse_file_name(Path(dst).name)
+        if self.replaced is None and parsed and parsed.role is jf.FileRole.SEGMENT:
+            self.replaced = Path(dst)
+
+    def fsync_dir(self, path: fileio.StrPath) -> None:
+        super().fsync_dir(path)
+        if self.replaced is not None and self.at_replace is None:
+            self.at_replace = self.cut()
+
+
+def test_compaction_settles_the_log_before_it_renames_over_a_segment(tmp_path: Path) -> None:
+    """The power goes out right after compaction renamed its output over a segment whose
+    appends the log holds: had the log not been settled first, recovery would write
+    those old bytes into the new file."""
+    fs = CutAtReplace(tmp_path)
+    previous = fileio.use(fs)
+    try:
+        def small(_name: str) -> JournalConfig:
+            return JournalConfig(journal_size=1024, fsync=FsyncPolicy.parse("always"))
+
+        async def fill_and_compact() -> tuple[list[int], list[bytes]]:
+            async with open_data_dir(tmp_path, DataDirConfig(), small) as dd:
+                journals = [dd.queue(f"q{i}") for i in range(N_FILES)]
+                dd.deferring = True
+                for n in range(30):  # passes of 10 items in every queue: logged
+                    for j in journals:
+                        j.append_nowait([b"%s-%03d-%d" % (j.name.encode(), n, k)
+                                         for k in range(10)], T0)
+                    assert dd.commit_now()
+                dd.deferring = False
+                q = journals[0]
+                assert len(q.segments) > 4 and dd.writer.intents.appends == 30
+                # A straggler: every 5th item still needed, so no segment is dead.
+                done = [i for i in range(1, q.last_id + 1) if i % 5]
+                await q.write_checkpoint("", 0, done)
+                settles = dd.writer.intents.settles
+                result = await q.compact()
+                assert result.rewritten and not result.removed, result
+                assert dd.writer.intents.settles > settles
+                needed = [p.id for p in q.iter_unconsumed("")]
+                return needed, [p.data for p in q.iter_unconsumed("")]
+
+        needed, datas = trio.run(fill_and_compact)
+        assert fs.at_replace is not None and fs.replaced is not None
+        output = fs.at_replace[str(tmp_path)][fs.replaced.name]  # (its temp was fsynced)
+        fs.restore(fs.at_replace)
+        dd = DataDir.open(tmp_path, DataDirConfig(), small)
+        assert fs.replaced.read_bytes() == output  # recovery wrote nothing into it
+        q = dd.queues["q0"]
+        assert [p.id for p in q.iter_unconsumed("")] == needed
+        assert [p.data for p in q.iter_unconsumed("")] == datas
+    finally:
+        fileio.use(previous)
