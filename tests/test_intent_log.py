@@ -5,9 +5,12 @@ bring back a file that is gone, or write old bytes into the file that replaced i
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -22,6 +25,7 @@ from queued.storage.files import SegmentInfo
 from queued.storage.intent_log import (
     _HEAD,
     INTENT_FILE,
+    PASS_BYTES,
     RECORD_OVERHEAD,
     IntentLog,
     read_intents,
@@ -199,15 +203,14 @@ def test_a_clean_close_settles_and_removes_the_log(fs: PowerLossFS, tmp_path: Pa
     assert [puts_in(p) for p in paths] == [[(1, b"a%d" % i)] for i in range(N_FILES)]
 
 
-def test_a_big_pass_syncs_its_files_instead(fs: PowerLossFS, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(writer_module, "PASS_BYTES", 100)
+def test_a_big_pass_syncs_its_files_instead(fs: PowerLossFS, tmp_path: Path) -> None:
     writer = Writer(tmp_path)
     files = new_files(writer)
     calls: list[int] = []
     real = fs.sync_files
     fs.sync_files = lambda fds, d: (calls.append(len(fds)), real(fds, d))[1]  # type: ignore
-    a_pass(writer, files, 1, b"a" * 30)
+    big = PASS_BYTES // (N_FILES - 1)  # (the pass: N_FILES of them, over PASS_BYTES)
+    a_pass(writer, files, 1, b"a" * big)
     assert calls == [N_FILES] and writer.intents.appends == 0
     writer.close()
     for f in files:
@@ -311,5 +314,72 @@ def test_compaction_settles_the_log_before_it_renames_over_a_segment(tmp_path: P
         q = dd.queues["q0"]
         assert [p.id for p in q.iter_unconsumed("")] == needed
         assert [p.data for p in q.iter_unconsumed("")] == datas
+    finally:
+        fileio.use(previous)
+
+
+class LogWritesFail(PowerLossFS):
+    """The intent log's next write (or fsync) fails with `errno_`, once."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.fail_write: int | None = None
+        self.fail_fsync: int | None = None
+
+    def _is_log(self, fd: int) -> bool:
+        return os.readlink(f"/proc/self/fd/{fd}").endswith(INTENT_FILE)
+
+    def writev(self, fd: int, buffers: Any) -> int:
+        if self.fail_write is not None and self._is_log(fd):
+            err, self.fail_write = self.fail_write, None
+            super().writev(fd, [bytes(buffers[0])[:3]])  # a part of it, then the error
+            raise OSError(err, os.strerror(err))
+        return super().writev(fd, buffers)
+
+    def fsync(self, fd: int) -> None:
+        if self.fail_fsync is not None and self._is_log(fd):
+            err, self.fail_fsync = self.fail_fsync, None
+            raise OSError(err, os.strerror(err))
+        super().fsync(fd)
+
+
+@pytest.mark.parametrize(("what", "err", "log_usable"), [
+    ("write", errno.ENOSPC, True),  # a full disk: trimmed, used again
+    ("write", errno.EIO, False),
+    ("fsync", errno.EIO, False),  # the page cache may have dropped what it held
+])
+def test_a_failed_append_falls_back_to_syncing_the_files(
+        tmp_path: Path, what: str, err: int, log_usable: bool,
+        caplog: pytest.LogCaptureFixture) -> None:
+    fs = LogWritesFail(tmp_path)
+    previous = fileio.use(fs)
+    try:
+        writer = Writer(tmp_path)
+        files = new_files(writer)
+        synced: list[int] = []
+        real = fs.sync_files
+
+        def counted(fds: Any, directory: Any) -> None:
+            synced.append(len(fds))
+            real(fds, directory)
+
+        fs.sync_files = counted  # type: ignore[method-assign]
+        paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
+        size = (tmp_path / INTENT_FILE).stat().st_size
+        setattr(fs, f"fail_{what}", err)
+        with caplog.at_level(logging.ERROR, "queued.journal"):
+            a_pass(writer, files, 2, b"b")  # answered all the same: the files synced
+        assert synced == [N_FILES]
+        if what == "write":
+            assert (tmp_path / INTENT_FILE).stat().st_size == size  # the part trimmed off
+        assert (writer.intents.failed is None) == log_usable
+        assert ("intent log" in caplog.text) == (not log_usable)  # logged when it ends
+        a_pass(writer, files, 3, b"c")
+        assert synced == [N_FILES] * (1 if log_usable else 2)
+        assert writer.intents.appends == (2 if log_usable else 1)
+        power_cut(fs, writer, files)
+        replay(tmp_path)
+        assert [puts_in(p) for p in paths] == [
+            [(1, b"a%d" % i), (2, b"b%d" % i), (3, b"c%d" % i)] for i in range(N_FILES)]
     finally:
         fileio.use(previous)

@@ -64,6 +64,7 @@ COMPILED = [
     "queued/reader/dedup.py",
     "queued/storage/write_plans.py",
     "queued/storage/files.py",
+    "queued/storage/intent_log.py",
     "queued/storage/synced_files.py",
     "queued/storage/journal.py",
     "queued/storage/writer.py",

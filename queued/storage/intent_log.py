@@ -29,6 +29,7 @@ libkestrel pass it by).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -55,6 +56,8 @@ SETTLE_BYTES: Final = 64 * 1024 * 1024
 #: A pass with more bytes than this syncs its files instead (`fileio.sync_files`): a
 #: second copy of big batches costs more than the commits it saves.
 PASS_BYTES: Final = 1024 * 1024
+#: write() errors after which the log is trimmed back and used again (a full disk).
+RECOVERABLE_WRITE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 #: Most iovecs one writev takes (IOV_MAX on Linux).
 IOV_MAX: Final = 1024
 crc32: Final = zlib.crc32
@@ -95,20 +98,22 @@ class IntentLog:
         return self._size
 
     def append(self, intents: Sequence[Intent]) -> None:
-        """Make `intents` durable: appended to the log and the log fsynced. OSError: the
-        log failed (`failed` says why, it takes no more appends); nothing of `intents`
-        may be taken as durable. Settles the log first when it has grown past
+        """Make `intents` durable: appended to the log and the log fsynced. OSError:
+        nothing of `intents` may be taken as durable. After a full disk (a write refused
+        and trimmed off) the log takes appends again; after any other failure (a failed
+        fsync above all: the page cache may have dropped what it held) it takes none
+        (`failed` says why). Settles the log first when it has grown past
         `SETTLE_BYTES`."""
         with self._lock:
             if self.failed is not None:
                 raise OSError(f"intent log unusable: {self.failed}")
+            if self._fd is None:
+                self._begin()
+            elif self._size >= SETTLE_BYTES:
+                self._settle()
+            fd = self._fd
+            assert fd is not None
             try:
-                if self._fd is None:
-                    self._begin()
-                elif self._size >= SETTLE_BYTES:
-                    self._settle()
-                fd = self._fd
-                assert fd is not None
                 buffers: list[bytes | bytearray] = []
                 total = 0
                 seed = self._seed
@@ -127,9 +132,13 @@ class IntentLog:
                     buffers.extend(pieces)
                     total += RECORD_OVERHEAD + len(encoded) + length
                 _write_buffers(fd, buffers)
+            except OSError as exc:
+                self._write_failed(fd, exc)
+                raise
+            try:
                 fileio.fsync(fd)
             except OSError as exc:
-                self._fail(f"{exc.strerror or exc}")
+                self._fail(f"fsync failed: {exc.strerror or exc}")
                 raise
             self._size += total
             self._records += len(intents)
@@ -168,17 +177,47 @@ class IntentLog:
                     log.error("intent log %s: closing: %s", self.path, exc)
 
     def _begin(self) -> None:
-        """Create the log afresh: its head, fsynced, and its directory entry durable."""
-        fd = fileio.open_fd(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
-                            0o644)
-        self._fd = fd
+        """Create the log afresh: its head, fsynced, and its directory entry durable.
+        OSError: no log (after a full disk the next append tries again; after anything
+        else none does)."""
+        try:
+            fd = fileio.open_fd(self.path,
+                                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        except OSError as exc:
+            if exc.errno not in RECOVERABLE_WRITE_ERRNOS:
+                self._fail(f"cannot create it: {exc.strerror or exc}")
+            raise
         head = _new_head()
-        fileio.write_all(fd, head)
-        fileio.fsync(fd)
-        fileio.fsync_dir(self.directory)
+        try:
+            fileio.write_all(fd, head)
+        except OSError as exc:
+            fileio.close(fd)
+            if exc.errno not in RECOVERABLE_WRITE_ERRNOS:
+                self._fail(f"write failed: {exc.strerror or exc}")
+            raise
+        try:
+            fileio.fsync(fd)
+            fileio.fsync_dir(self.directory)
+        except OSError as exc:
+            fileio.close(fd)
+            self._fail(f"fsync failed: {exc.strerror or exc}")
+            raise
+        self._fd = fd
         self._seed = crc32(head)
         self._size = len(head)
         self._records = 0
+
+    def _write_failed(self, fd: int, exc: OSError) -> None:
+        """An append's write failed: its part trimmed off; a full disk leaves the log in
+        use, anything else (or a failed trim) ends it."""
+        try:
+            fileio.ftruncate(fd, self._size)
+        except OSError as trim_exc:
+            self._fail(f"write failed ({exc.strerror or exc}) and could not be trimmed "
+                       f"({trim_exc.strerror or trim_exc})")
+            return
+        if exc.errno not in RECOVERABLE_WRITE_ERRNOS:
+            self._fail(f"write failed: {exc.strerror or exc}")
 
     def _settle(self) -> None:
         fd = self._fd
