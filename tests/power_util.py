@@ -168,6 +168,12 @@ class PowerLossFS(fileio.FileIO):
             self._wrote(fd)
         return super().pwrite(fd, data, offset)
 
+    def pwritev(self, fd: int, buffers: Sequence[bytes | bytearray | memoryview],
+                offset: int) -> int:
+        with self._lock:
+            self._wrote(fd)
+        return super().pwritev(fd, buffers, offset)
+
     def ftruncate(self, fd: int, length: int) -> None:
         with self._lock:
             self._wrote(fd)
@@ -182,6 +188,9 @@ class PowerLossFS(fileio.FileIO):
                     node.durable = f.read()
                 node.dirty = False
             self.fsyncs += 1
+
+    def fdatasync(self, fd: int) -> None:
+        self.fsync(fd)  # (the model keeps contents only: the size is a part of them)
 
     def close(self, fd: int) -> None:
         with self._lock:

@@ -24,6 +24,7 @@ from queued.storage.datadir import DataDir
 from queued.storage.files import SegmentInfo
 from queued.storage.intent_log import (
     _HEAD,
+    GROW_BYTES,
     INTENT_FILE,
     PASS_BYTES,
     RECORD_OVERHEAD,
@@ -146,14 +147,16 @@ def test_records_read_back_up_to_a_torn_one(tmp_path: Path) -> None:
     log.append([(name, 0, [b"head", b"er"]), (name, 6, [b"x" * 100])])
     log.append([(name, 106, [b"y" * 50])])
     data = (tmp_path / INTENT_FILE).read_bytes()
+    end = log.size
+    assert len(data) >= end and data[end:] == bytes(len(data) - end)  # zeros ahead
     records = read_intents(data)
     assert [(n, o, bytes(d)) for n, o, d in records] == [
         (name, 0, b"header"), (name, 6, b"x" * 100), (name, 106, b"y" * 50)]
     last = RECORD_OVERHEAD + len(name) + 50
-    for cut in range(len(data) - last, len(data)):  # the last record torn anywhere
-        assert len(read_intents(data[:cut])) == 2, cut
+    for cut in range(end - last, end):  # the last record torn anywhere (zeros after)
+        assert len(read_intents(data[:cut] + bytes(len(data) - cut))) == 2, cut
     flipped = bytearray(data)
-    flipped[-1] ^= 1
+    flipped[end - 1] ^= 1
     assert len(read_intents(bytes(flipped))) == 2
     log.release()
 
@@ -161,14 +164,21 @@ def test_records_read_back_up_to_a_torn_one(tmp_path: Path) -> None:
 def test_a_record_of_an_earlier_epoch_never_checks(tmp_path: Path) -> None:
     log = IntentLog(tmp_path)
     name = jf.segment_name("q", 5)
-    log.append([(name, 0, [b"old bytes"])])
+    log.append([(name, 0, [b"old bytes"]), (name, 9, [b"more"])])
+    end = log.size
     old = (tmp_path / INTENT_FILE).read_bytes()
     log.settle()
     new = (tmp_path / INTENT_FILE).read_bytes()
-    assert len(new) == _HEAD.size and read_intents(new) == []
-    # Stale blocks of the log before the settle, read behind the new head:
-    assert read_intents(new + old[_HEAD.size:]) == []
-    assert log.settles == 1
+    # A new head over the old one; the old records are still there behind it.
+    assert new[: _HEAD.size] != old[: _HEAD.size] and new[_HEAD.size :] == old[_HEAD.size :]
+    assert read_intents(old) != [] and read_intents(new) == []
+    assert log.settles == 1 and log.size == _HEAD.size
+    # The next record goes over the first old one; the second old one, after it, is
+    # of the old epoch: it ends the read (its crc would not check either).
+    log.append([(name, 0, [b"new bytes"])])
+    assert log.size == end - len(b"more") - RECORD_OVERHEAD - len(name)
+    assert [bytes(d) for _, _, d in read_intents((tmp_path / INTENT_FILE).read_bytes())] == [
+        b"new bytes"]
     log.release()
 
 
@@ -319,34 +329,43 @@ def test_compaction_settles_the_log_before_it_renames_over_a_segment(tmp_path: P
 
 
 class LogWritesFail(PowerLossFS):
-    """The intent log's next write (or fsync) fails with `errno_`, once."""
+    """The intent log's next write of zeros (`grow`), of records (`write`) or fdatasync
+    fails with the errno set, once."""
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
+        self.fail_grow: int | None = None
         self.fail_write: int | None = None
-        self.fail_fsync: int | None = None
+        self.fail_fdatasync: int | None = None
 
     def _is_log(self, fd: int) -> bool:
         return os.readlink(f"/proc/self/fd/{fd}").endswith(INTENT_FILE)
 
-    def writev(self, fd: int, buffers: Any) -> int:
+    def pwrite(self, fd: int, data: Any, offset: int) -> int:
+        if self.fail_grow is not None and self._is_log(fd) and not any(bytes(data)):
+            err, self.fail_grow = self.fail_grow, None
+            super().pwrite(fd, data, offset)  # some zeros made it, then the error
+            raise OSError(err, os.strerror(err))
+        return super().pwrite(fd, data, offset)
+
+    def pwritev(self, fd: int, buffers: Any, offset: int) -> int:
         if self.fail_write is not None and self._is_log(fd):
             err, self.fail_write = self.fail_write, None
-            super().writev(fd, [bytes(buffers[0])[:3]])  # a part of it, then the error
+            super().pwritev(fd, [bytes(buffers[0])[:3]], offset)  # a part, then the error
             raise OSError(err, os.strerror(err))
-        return super().writev(fd, buffers)
+        return super().pwritev(fd, buffers, offset)
 
-    def fsync(self, fd: int) -> None:
-        if self.fail_fsync is not None and self._is_log(fd):
-            err, self.fail_fsync = self.fail_fsync, None
+    def fdatasync(self, fd: int) -> None:
+        if self.fail_fdatasync is not None and self._is_log(fd):
+            err, self.fail_fdatasync = self.fail_fdatasync, None
             raise OSError(err, os.strerror(err))
-        super().fsync(fd)
+        super().fdatasync(fd)
 
 
 @pytest.mark.parametrize(("what", "err", "log_usable"), [
-    ("write", errno.ENOSPC, True),  # a full disk: trimmed, used again
+    ("grow", errno.ENOSPC, True),  # a full disk: the zeros trimmed off, used again
     ("write", errno.EIO, False),
-    ("fsync", errno.EIO, False),  # the page cache may have dropped what it held
+    ("fdatasync", errno.EIO, False),  # the page cache may have dropped what it held
 ])
 def test_a_failed_append_falls_back_to_syncing_the_files(
         tmp_path: Path, what: str, err: int, log_usable: bool,
@@ -364,14 +383,19 @@ def test_a_failed_append_falls_back_to_syncing_the_files(
             real(fds, directory)
 
         fs.sync_files = counted  # type: ignore[method-assign]
-        paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
-        size = (tmp_path / INTENT_FILE).stat().st_size
-        setattr(fs, f"fail_{what}", err)
-        with caplog.at_level(logging.ERROR, "queued.journal"):
-            a_pass(writer, files, 2, b"b")  # answered all the same: the files synced
-        assert synced == [N_FILES]
-        if what == "write":
-            assert (tmp_path / INTENT_FILE).stat().st_size == size  # the part trimmed off
+        if what == "grow":  # (the log grows when it is made: at the first pass)
+            fs.fail_grow = err
+            with caplog.at_level(logging.ERROR, "queued.journal"):
+                paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
+            assert synced == [N_FILES]
+            assert (tmp_path / INTENT_FILE).stat().st_size == _HEAD.size  # zeros trimmed
+            a_pass(writer, files, 2, b"b")
+        else:
+            paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
+            setattr(fs, f"fail_{what}", err)
+            with caplog.at_level(logging.ERROR, "queued.journal"):
+                a_pass(writer, files, 2, b"b")  # answered all the same: the files synced
+            assert synced == [N_FILES]
         assert (writer.intents.failed is None) == log_usable
         assert ("intent log" in caplog.text) == (not log_usable)  # logged when it ends
         a_pass(writer, files, 3, b"c")
@@ -383,3 +407,16 @@ def test_a_failed_append_falls_back_to_syncing_the_files(
             [(1, b"a%d" % i), (2, b"b%d" % i), (3, b"c%d" % i)] for i in range(N_FILES)]
     finally:
         fileio.use(previous)
+
+
+def test_the_log_grows_by_zeros_and_reads_back_across_the_step(tmp_path: Path) -> None:
+    log = IntentLog(tmp_path)
+    name = jf.segment_name("q", 5)
+    chunk_ = bytes(range(256)) * 4096  # 1 MiB
+    for i in range(6):
+        log.append([(name, i * len(chunk_), [chunk_])])
+    data = (tmp_path / INTENT_FILE).read_bytes()
+    assert len(data) == 2 * GROW_BYTES and data[log.size :] == bytes(len(data) - log.size)
+    assert [(o, bytes(d) == chunk_) for _, o, d in read_intents(data)] == [
+        (i * len(chunk_), True) for i in range(6)]
+    log.release()

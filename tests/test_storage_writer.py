@@ -167,11 +167,11 @@ def test_a_round_on_the_callers_thread_has_one_durable_point_for_many_files(
     from queued.storage import fileio
     from queued.storage.intent_log import INTENT_FILE, replay
 
-    class LogFails(PowerLossFS):
-        def writev(self, fd: int, buffers: Any) -> int:
+    class LogFails(PowerLossFS):  # (no room for the log's zeros)
+        def pwrite(self, fd: int, data: Any, offset: int) -> int:
             if os.readlink(f"/proc/self/fd/{fd}").endswith(INTENT_FILE):
                 raise OSError(28, "No space left on device")
-            return super().writev(fd, buffers)
+            return super().pwrite(fd, data, offset)
 
     fs = (LogFails if log_fails else PowerLossFS)(tmp_path)
     previous = fileio.use(fs)

@@ -66,8 +66,16 @@ class FileIO:
     def pwrite(self, fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
         return os.pwrite(fd, data, offset)
 
+    def pwritev(self, fd: int, buffers: Sequence[bytes | bytearray | memoryview],
+                offset: int) -> int:
+        return os.pwritev(fd, buffers, offset)
+
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
+
+    def fdatasync(self, fd: int) -> None:
+        """The file's data (and what reading it back needs: its size) made durable."""
+        os.fdatasync(fd)
 
     def ftruncate(self, fd: int, length: int) -> None:
         os.ftruncate(fd, length)
@@ -159,8 +167,16 @@ def pwrite(fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
     return _current.pwrite(fd, data, offset)
 
 
+def pwritev(fd: int, buffers: Sequence[bytes | bytearray | memoryview], offset: int) -> int:
+    return _current.pwritev(fd, buffers, offset)
+
+
 def fsync(fd: int) -> None:
     _current.fsync(fd)
+
+
+def fdatasync(fd: int) -> None:
+    _current.fdatasync(fd)
 
 
 def ftruncate(fd: int, length: int) -> None:

@@ -3,28 +3,31 @@ fsync "always".
 
 Such a pass writes its batches to their segment files (the files of record, in the
 seed's format) without an fsync each; the same bytes, with each file's name and offset,
-are appended to this one log in the data directory, and one fsync of the log makes the
-whole pass durable: one commit of the file system's journal, where an fsync of each file
-in turn costs one commit each and `syncfs` writes back every dirty file of the file
-system on the server's thread. After a power cut, `replay` writes the log's records
-back into their files at their offsets before recovery reads a segment, so every byte
-the log holds is where the pass put it (a file the pass created and whose directory
-entry the cut took is made again).
+are written to this one log in the data directory, and one fdatasync of the log makes
+the whole pass durable, where an fsync of each file in turn costs one each and `syncfs`
+writes back every dirty file of the file system on the server's thread. The log's file
+is zeros ahead of its records (grown in GROW_BYTES steps), so a record is written over
+blocks the file has and its fdatasync writes that data alone, not the file's size too.
+After a power cut, `replay` writes the log's records back into their files at their
+offsets before recovery reads a segment, so every byte the log holds is where the pass
+put it (a file the pass created and whose directory entry the cut took is made again).
 
 A record stands for bytes of a file by its name and offset, so it must never outlive a
 change of that file other than an append: before a segment is removed, renamed over or
 moved (retiring, compaction, deleting a queue), at a clean shutdown and once the log
 holds `SETTLE_BYTES`, the log is settled (`IntentLog.settle`): the file system synced
-(every file the log names is durable then), the log emptied and begun again under a new
-epoch. Segments are only ever appended to between those points (a partial batch trimmed
-after a failed write was never logged).
+(every file the log names is durable then), and a new head with a new epoch written over
+the old one; the next records are written from the head's end again. Segments are only
+ever appended to between those points (a partial batch trimmed after a failed write was
+never logged).
 
-The file: a head (`MAGIC`, a random epoch), then records, each `crc u32, data length
-u32, offset u64, name length u16, name, data` (big-endian). The crc covers everything
-after it, seeded with the head's crc: a record of an earlier epoch never checks. Replay
-stops at the first record that does not check: the tear of an append whose pass was
-never answered. The name has no "." (never a journal file name: our recovery and
-libkestrel pass it by).
+The file: a head (`MAGIC`, a random u64 epoch), then records, each `crc u32, epoch u32,
+data length u32, offset u64, name length u16, name, data` (big-endian; the record's
+epoch is the low 32 bits of the head's). The crc covers everything after it, seeded with
+the head's crc. Replay stops at the first record that does not check, or names another
+epoch: the zeros after the last record, a record of an earlier epoch written over, or
+the tear of an append whose pass was never answered. The name has no "." (never a
+journal file name: our recovery and libkestrel pass it by).
 """
 
 from __future__ import annotations
@@ -49,14 +52,18 @@ INTENT_FILE: Final = "queued-intents"
 MAGIC: Final = b"QDINTENT"
 _HEAD: Final = struct.Struct(">8sQ")  # magic, epoch
 _CRC: Final = struct.Struct(">I")
-_FIXED: Final = struct.Struct(">IQH")  # data length, offset, name length (after the crc)
+#: after the crc: the epoch's low 32 bits, data length, offset, name length
+_FIXED: Final = struct.Struct(">IIQH")
 RECORD_OVERHEAD: Final = _CRC.size + _FIXED.size
-#: Once the log holds this much, the pass that grew it settles it.
+#: Once the log holds this much, the next pass settles it first.
 SETTLE_BYTES: Final = 64 * 1024 * 1024
+#: The file grows by zeros in steps of this (records are written over them).
+GROW_BYTES: Final = 4 * 1024 * 1024
+ZERO_CHUNK: Final = 1024 * 1024
 #: A pass with more bytes than this syncs its files instead (`fileio.sync_files`): a
 #: second copy of big batches costs more than the commits it saves.
 PASS_BYTES: Final = 1024 * 1024
-#: write() errors after which the log is trimmed back and used again (a full disk).
+#: write() errors after which the log is used again (a full disk: its zeros trimmed off).
 RECOVERABLE_WRITE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 #: Most iovecs one writev takes (IOV_MAX on Linux).
 IOV_MAX: Final = 1024
@@ -80,7 +87,9 @@ class IntentLog:
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._seed = 0
-        self._size = 0
+        self._epoch = 0  # (its low 32 bits, as each record names it)
+        self._pos = 0  # where the next record goes (the head's end at first)
+        self._allocated = 0  # the file's size: zeros from _pos on
         self._records = 0  # since the log was last begun
         #: why the log is no longer used (a write or fsync of it failed); passes sync
         #: their files instead from then on, and settles still empty it
@@ -94,53 +103,58 @@ class IntentLog:
 
     @property
     def size(self) -> int:
-        """Bytes in the log now (its head included)."""
-        return self._size
+        """Bytes of the log in use now (its head included)."""
+        return self._pos
 
     def append(self, intents: Sequence[Intent]) -> None:
-        """Make `intents` durable: appended to the log and the log fsynced. OSError:
-        nothing of `intents` may be taken as durable. After a full disk (a write refused
-        and trimmed off) the log takes appends again; after any other failure (a failed
-        fsync above all: the page cache may have dropped what it held) it takes none
-        (`failed` says why). Settles the log first when it has grown past
-        `SETTLE_BYTES`."""
+        """Make `intents` durable: written into the log and the log fdatasynced. OSError:
+        nothing of `intents` may be taken as durable. After a full disk (the zeros that
+        grow the file refused, and trimmed off) the log takes appends again; after any
+        other failure (a failed fdatasync above all: the page cache may have dropped
+        what it held) it takes none (`failed` says why). Settles the log first when it
+        holds `SETTLE_BYTES`."""
         with self._lock:
             if self.failed is not None:
                 raise OSError(f"intent log unusable: {self.failed}")
             if self._fd is None:
                 self._begin()
-            elif self._size >= SETTLE_BYTES:
+            elif self._pos >= SETTLE_BYTES:
                 self._settle()
             fd = self._fd
             assert fd is not None
+            buffers: list[bytes | bytearray] = []
+            total = 0
+            seed = self._seed
+            epoch = self._epoch
+            for name, offset, pieces in intents:
+                encoded = name.encode()
+                length = 0
+                for piece in pieces:
+                    length += len(piece)
+                fixed = _FIXED.pack(epoch, length, offset, len(encoded))
+                crc = crc32(encoded, crc32(fixed, seed))
+                for piece in pieces:
+                    crc = crc32(piece, crc)
+                buffers.append(_CRC.pack(crc))
+                buffers.append(fixed)
+                buffers.append(encoded)
+                buffers.extend(pieces)
+                total += RECORD_OVERHEAD + len(encoded) + length
+            if self._pos + total > self._allocated:
+                self._grow(fd, self._pos + total)
             try:
-                buffers: list[bytes | bytearray] = []
-                total = 0
-                seed = self._seed
-                for name, offset, pieces in intents:
-                    encoded = name.encode()
-                    length = 0
-                    for piece in pieces:
-                        length += len(piece)
-                    fixed = _FIXED.pack(length, offset, len(encoded))
-                    crc = crc32(encoded, crc32(fixed, seed))
-                    for piece in pieces:
-                        crc = crc32(piece, crc)
-                    buffers.append(_CRC.pack(crc))
-                    buffers.append(fixed)
-                    buffers.append(encoded)
-                    buffers.extend(pieces)
-                    total += RECORD_OVERHEAD + len(encoded) + length
-                _write_buffers(fd, buffers)
+                _pwrite_buffers(fd, buffers, self._pos)
             except OSError as exc:
-                self._write_failed(fd, exc)
+                # (in place, over zeros: the partial record never checks, and the next
+                # append writes over it)
+                self._fail(f"write failed: {exc.strerror or exc}")
                 raise
             try:
-                fileio.fsync(fd)
+                fileio.fdatasync(fd)
             except OSError as exc:
-                self._fail(f"fsync failed: {exc.strerror or exc}")
+                self._fail(f"fdatasync failed: {exc.strerror or exc}")
                 raise
-            self._size += total
+            self._pos += total
             self._records += len(intents)
             self.appends += 1
 
@@ -177,47 +191,58 @@ class IntentLog:
                     log.error("intent log %s: closing: %s", self.path, exc)
 
     def _begin(self) -> None:
-        """Create the log afresh: its head, fsynced, and its directory entry durable.
-        OSError: no log (after a full disk the next append tries again; after anything
-        else none does)."""
+        """Create the log afresh: its head and GROW_BYTES of zeros, fsynced, and its
+        directory entry durable. OSError: no log (after a full disk the next append
+        tries again; after anything else none does)."""
         try:
-            fd = fileio.open_fd(self.path,
-                                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+            fd = fileio.open_fd(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as exc:
             if exc.errno not in RECOVERABLE_WRITE_ERRNOS:
                 self._fail(f"cannot create it: {exc.strerror or exc}")
             raise
-        head = _new_head()
+        head, epoch = _new_head()
         try:
             fileio.write_all(fd, head)
-        except OSError as exc:
-            fileio.close(fd)
-            if exc.errno not in RECOVERABLE_WRITE_ERRNOS:
-                self._fail(f"write failed: {exc.strerror or exc}")
-            raise
-        try:
-            fileio.fsync(fd)
+            self._allocated = len(head)
+            self._grow(fd, len(head))
             fileio.fsync_dir(self.directory)
         except OSError as exc:
             fileio.close(fd)
-            self._fail(f"fsync failed: {exc.strerror or exc}")
+            if self.failed is None and exc.errno not in RECOVERABLE_WRITE_ERRNOS:
+                self._fail(f"cannot make it: {exc.strerror or exc}")
             raise
         self._fd = fd
         self._seed = crc32(head)
-        self._size = len(head)
+        self._epoch = epoch
+        self._pos = len(head)
         self._records = 0
 
-    def _write_failed(self, fd: int, exc: OSError) -> None:
-        """An append's write failed: its part trimmed off; a full disk leaves the log in
-        use, anything else (or a failed trim) ends it."""
+    def _grow(self, fd: int, need: int) -> None:
+        """Zeros from the file's end to past `need` (a GROW_BYTES step), fsynced: a
+        record is then written over blocks the file has, and its fdatasync writes that
+        data alone, where an append would write the file's new size too (half the time
+        and CPU here: docs/benchmarks.md). A full disk trims the zeros off again."""
+        end = self._allocated
+        target = (need // GROW_BYTES + 1) * GROW_BYTES
+        zeros = bytes(min(target - end, ZERO_CHUNK))
         try:
-            fileio.ftruncate(fd, self._size)
-        except OSError as trim_exc:
-            self._fail(f"write failed ({exc.strerror or exc}) and could not be trimmed "
-                       f"({trim_exc.strerror or trim_exc})")
-            return
-        if exc.errno not in RECOVERABLE_WRITE_ERRNOS:
-            self._fail(f"write failed: {exc.strerror or exc}")
+            at = end
+            while at < target:
+                wrote = fileio.pwrite(fd, memoryview(zeros)[: min(len(zeros), target - at)],
+                                      at)
+                at += wrote
+            fileio.fsync(fd)
+        except OSError as exc:
+            try:
+                fileio.ftruncate(fd, end)
+            except OSError as trim_exc:
+                self._fail(f"growing it failed ({exc.strerror or exc}) and could not be "
+                           f"undone ({trim_exc.strerror or trim_exc})")
+                raise exc from None
+            if exc.errno not in RECOVERABLE_WRITE_ERRNOS:
+                self._fail(f"growing it failed: {exc.strerror or exc}")
+            raise
+        self._allocated = target
 
     def _settle(self) -> None:
         fd = self._fd
@@ -225,15 +250,17 @@ class IntentLog:
         try:
             # Every file of the file system written back: those the log names with them.
             fileio.sync_all(self.directory)
-            fileio.ftruncate(fd, 0)
-            head = _new_head()
-            fileio.write_all(fd, head)
-            fileio.fsync(fd)
+            # A new epoch in the head: the records after it, of the one before, no
+            # longer check (the file keeps its blocks for the next records).
+            head, epoch = _new_head()
+            fileio.pwrite(fd, head, 0)
+            fileio.fdatasync(fd)
         except OSError as exc:
             self._fail(f"settling failed: {exc.strerror or exc}")
             raise
         self._seed = crc32(head)
-        self._size = len(head)
+        self._epoch = epoch
+        self._pos = len(head)
         self._records = 0
         self.settles += 1
 
@@ -244,22 +271,30 @@ class IntentLog:
         self.failed = why
 
 
-def _new_head() -> bytes:
-    return _HEAD.pack(MAGIC, int.from_bytes(os.urandom(8), "big"))
+def _new_head() -> tuple[bytes, int]:
+    """A head with a new random epoch, and the epoch's low 32 bits."""
+    epoch = int.from_bytes(os.urandom(8), "big")
+    return _HEAD.pack(MAGIC, epoch), epoch & 0xFFFFFFFF
 
 
-def _write_buffers(fd: int, buffers: list[bytes | bytearray]) -> None:
-    """Every byte of `buffers`, in order (writev in batches of IOV_MAX, short writes
-    finished)."""
+def _pwrite_buffers(fd: int, buffers: list[bytes | bytearray], at: int) -> None:
+    """Every byte of `buffers`, in order, from offset `at` (pwritev in batches of IOV_MAX,
+    short writes finished)."""
     for i in range(0, len(buffers), IOV_MAX):
         batch = buffers[i : i + IOV_MAX]
-        wrote = fileio.writev(fd, batch)
+        wrote = fileio.pwritev(fd, batch, at)
         for piece in batch:
             if wrote >= len(piece):
                 wrote -= len(piece)
+                at += len(piece)
                 continue
-            fileio.write_all(fd, memoryview(piece)[wrote:])
+            view = memoryview(piece)[wrote:]
+            at += wrote
             wrote = 0
+            while view:
+                n = fileio.pwrite(fd, view, at)
+                view = view[n:]
+                at += n
 
 
 def read_intents(data: bytes) -> list[tuple[str, int, memoryview]]:
@@ -268,15 +303,16 @@ def read_intents(data: bytes) -> list[tuple[str, int, memoryview]]:
     if len(data) < _HEAD.size or data[: len(MAGIC)] != MAGIC:
         return []
     seed = crc32(data[: _HEAD.size])
+    epoch = _HEAD.unpack_from(data)[1] & 0xFFFFFFFF
     view = memoryview(data)
     records: list[tuple[str, int, memoryview]] = []
     pos = _HEAD.size
     while pos + RECORD_OVERHEAD <= len(data):
         (crc,) = _CRC.unpack_from(data, pos)
-        length, offset, name_len = _FIXED.unpack_from(data, pos + _CRC.size)
+        record_epoch, length, offset, name_len = _FIXED.unpack_from(data, pos + _CRC.size)
         start = pos + RECORD_OVERHEAD
         end = start + name_len + length
-        if end > len(data):
+        if record_epoch != epoch or end > len(data):
             break
         if crc32(view[pos + _CRC.size : end], seed) != crc:
             break
