@@ -56,6 +56,8 @@ SMOKE = {s.name or s.script: s for s in [
                           "8", "--fsync", "never"),
           r"  resent +[0-9]+ +[0-9.]+ +[0-9.]+"),
     Smoke("delay_bench", ("--items", "2000", "--late-items", "3"), r"lateness of 3 items due"),
+    Smoke("fsync_forms", ("--dir", "{tmp}", "--syncs", "20", "--size", "100", "--rounds", "1"),
+          r"\| overwrite zeros \+ fdatasync \| [0-9.]+ \| [0-9.]+ \|"),
     Smoke("fuzz_rss", ("--inputs", "2000", "--per-conn", "100", "--idle", "0"),
           r"after 0 s idle .*: [0-9.]+ \(target <= 1.10\)"),
     Smoke("headers_mem", ("--items", "2000", "--modes", "2"),
