@@ -341,15 +341,18 @@ def replay(directory: Path) -> tuple[int, int]:
         return 0, 0
     records = read_intents(data)
     fds: dict[str, int] = {}
+    missing: set[str] = set()
     written = nbytes = 0
     try:
         for name, offset, payload in records:
             fd = fds.get(name)
             if fd is None:
                 target = directory / name
-                if offset and not target.exists():
-                    log.warning("intent log: %s is missing: its record at %d not replayed",
-                                name, offset)
+                if name in missing or (offset and not target.exists()):
+                    if name not in missing:
+                        missing.add(name)
+                        log.warning("intent log: %s is missing: its records from offset "
+                                    "%d on are not written back", name, offset)
                     continue
                 fd = fds[name] = fileio.open_fd(target, os.O_WRONLY | os.O_CREAT, 0o644)
             view = payload
