@@ -411,7 +411,7 @@ class SnapshotCollector(Collector):
                                 "segments (after a crash).", value=s.intents_replayed)
         yield CounterMetricFamily("queued_intent_log_appends",
                                   "Passes over many queues under fsync always made durable "
-                                  "by one fsync of the intent log.", value=s.intent_appends)
+                                  "by one fdatasync of the intent log.", value=s.intent_appends)
         yield CounterMetricFamily("queued_intent_log_settles",
                                   "Times the intent log was emptied (a syncfs) before a "
                                   "segment was removed or replaced, or once it was large.",

@@ -207,8 +207,8 @@ class Writer:
         if len(together) < SYNC_TOGETHER:
             return self.run_round(work, (), pool, readers)
         # Many segment files to sync: write them all, then one durable point for them
-        # rather than an fsync each: the intent log's append (one fsync of one file),
-        # else syncfs (one journal commit, but every dirty file written back).
+        # rather than an fsync each: the intent log's append (one fdatasync of one file),
+        # else syncfs (every dirty file of the file system written back).
         intents: list[Intent] | None = [] if self.intents.usable else None
         nbytes = 0
         results: list[WriteResult] = []
@@ -231,7 +231,7 @@ class Writer:
                 # (a later sync of the file alone would not bring it back).
                 fileio.fsync_dir(self.directory)
         except OSError as exc:
-            failed = {id(f): f.set_failed(f"syncfs failed: {exc}") for f in together}
+            failed = {id(f): f.set_failed(f"the pass's sync failed: {exc}") for f in together}
             return [WriteResult([], failed[id(f)]) if id(f) in failed else r
                     for (f, _), r in zip(work, results, strict=True)]
         self._observe_fsync(time.monotonic() - started)
@@ -247,7 +247,7 @@ class Writer:
         try:
             self.intents.append(intents)
         except OSError:
-            return False  # (logged, and the log is not used again)
+            return False  # (the log said why, and whether it takes the next pass)
         return True
 
     def settle_intents(self) -> None:
