@@ -46,6 +46,8 @@ class PowerLossFS(fileio.FileIO):
         self.fds: dict[int, Node] = {}
         self.durable_names: dict[str, dict[str, Node]] = {}  # dir -> entries at its fsync
         self.fsyncs = 0
+        #: the files each sync_files call was given, by number, in order
+        self.sync_files_calls: list[int] = []
         self.bypasses: list[str] = []  # files changed without going through this layer
         self.adopt()
 
@@ -200,6 +202,7 @@ class PowerLossFS(fileio.FileIO):
     def sync_files(self, fds: Sequence[int], directory: fileio.StrPath) -> None:
         # What the storage layer may rely on of syncfs: these files and the directory
         # (a real syncfs makes more durable: every file of the file system).
+        self.sync_files_calls.append(len(fds))
         for fd in fds:
             self.fsync(fd)
         self.fsync_dir(directory)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import trio
 from power_util import PowerLossFS
+from segment_util import T0, chunk, puts_in
 
 from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
 from queued.journal import format as jf
@@ -34,24 +35,9 @@ from queued.storage.intent_log import (
 )
 from queued.storage.opening import open_data_dir
 from queued.storage.synced_files import SegmentFile
-from queued.storage.writer import Chunk, Writer, WriteResult
+from queued.storage.writer import Writer, WriteResult
 
-T0 = 1_700_000_000_000
 N_FILES = writer_module.SYNC_TOGETHER + 1  # enough for a pass to use the log
-
-
-def chunk(first_id: int, datas: list[bytes]) -> Chunk:
-    pack = jf.put_header_packer(T0)
-    c = Chunk(rotate=False, count=len(datas), first_id=first_id,
-              last_id=first_id + len(datas) - 1)
-    for i, data in enumerate(datas):
-        c.add(pack(len(data), first_id + i), data)
-    return c
-
-
-def puts_in(path: Path) -> list[tuple[int, bytes]]:
-    return [(d.record.id, d.record.data) for d in jf.decode_all(path.read_bytes())
-            if isinstance(d.record, jf.Put)]
 
 
 @pytest.fixture
@@ -217,9 +203,7 @@ def test_a_clean_close_settles_and_removes_the_log(fs: PowerLossFS, tmp_path: Pa
 def test_a_big_pass_syncs_its_files_instead(fs: PowerLossFS, tmp_path: Path) -> None:
     writer = Writer(tmp_path)
     files = new_files(writer)
-    calls: list[int] = []
-    real = fs.sync_files
-    fs.sync_files = lambda fds, d: (calls.append(len(fds)), real(fds, d))[1]  # type: ignore
+    calls = fs.sync_files_calls
     big = PASS_BYTES // (N_FILES - 1)  # (the pass: N_FILES of them, over PASS_BYTES)
     a_pass(writer, files, 1, b"a" * big)
     assert calls == [N_FILES] and writer.intents.appends == 0
@@ -376,14 +360,7 @@ def test_a_failed_append_falls_back_to_syncing_the_files(
     try:
         writer = Writer(tmp_path)
         files = new_files(writer)
-        synced: list[int] = []
-        real = fs.sync_files
-
-        def counted(fds: Any, directory: Any) -> None:
-            synced.append(len(fds))
-            real(fds, directory)
-
-        fs.sync_files = counted  # type: ignore[method-assign]
+        synced = fs.sync_files_calls
         if what == "grow":  # (the log grows when it is made: at the first pass)
             fs.fail_grow = err
             with caplog.at_level(logging.ERROR, "queued.journal"):

@@ -12,29 +12,15 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from segment_util import chunk, puts_in
 
 from queued.config import FsyncPolicy
 from queued.journal import format as jf
 from queued.storage import fileio, synced_files
 from queued.storage import writer as writer_module
-from queued.storage.writer import Chunk, RoundThread, Writer, WriteResult
+from queued.storage.writer import RoundThread, Writer, WriteResult
 
-T0 = 1_700_000_000_000
 PERIODIC = FsyncPolicy.parse("3600000")  # an hour: due only when a test says so
-
-
-def chunk(first_id: int, datas: list[bytes], *, rotate: bool = False) -> Chunk:
-    pack = jf.put_header_packer(T0)
-    c = Chunk(rotate=rotate, count=len(datas), first_id=first_id,
-              last_id=first_id + len(datas) - 1)
-    for i, data in enumerate(datas):
-        c.add(pack(len(data), first_id + i), data)
-    return c
-
-
-def puts_in(path: Path) -> list[tuple[int, bytes]]:
-    return [(d.record.id, d.record.data) for d in jf.decode_all(path.read_bytes())
-            if isinstance(d.record, jf.Put)]
 
 
 async def test_a_round_writes_one_checked_batch_per_chunk(tmp_path: Path) -> None:
@@ -177,14 +163,7 @@ def test_a_round_on_the_callers_thread_has_one_durable_point_for_many_files(
     previous = fileio.use(fs)
     try:
         writer = Writer(tmp_path)
-        calls: list[int] = []
-        real = fs.sync_files
-
-        def counted(fds: Any, directory: Any) -> None:
-            calls.append(len(fds))
-            real(fds, directory)
-
-        fs.sync_files = counted  # type: ignore[method-assign]
+        calls = fs.sync_files_calls
         before = fs.fsyncs
         files, results = _many_files_round(writer, writer_module.SYNC_TOGETHER + 1)
         assert all(r.error is None and r.written for r in results)
