@@ -145,8 +145,7 @@ class IntentLog:
             try:
                 _pwrite_buffers(fd, buffers, self._pos)
             except OSError as exc:
-                # (in place, over zeros: the partial record never checks, and the next
-                # append writes over it)
+                # (in place, over zeros: what part of it was written never checks)
                 self._fail(f"write failed: {exc.strerror or exc}")
                 raise
             try:
