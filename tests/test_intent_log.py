@@ -18,6 +18,7 @@ from power_util import PowerLossFS
 from segment_util import T0, chunk, puts_in
 
 from queued.config import DataDirConfig, FsyncPolicy, JournalConfig
+from queued.errors import NotSavedError
 from queued.journal import format as jf
 from queued.storage import fileio
 from queued.storage import writer as writer_module
@@ -131,8 +132,8 @@ def test_a_record_for_a_file_removed_behind_its_back_is_skipped(
 def test_records_read_back_up_to_a_torn_one(tmp_path: Path) -> None:
     log = IntentLog(tmp_path)
     name = jf.segment_name("q", 5)
-    log.append([(name, 0, [b"head", b"er"]), (name, 6, [b"x" * 100])])
-    log.append([(name, 106, [b"y" * 50])])
+    log.append([(name.encode(), 0, [b"head", b"er"]), (name.encode(), 6, [b"x" * 100])])
+    log.append([(name.encode(), 106, [b"y" * 50])])
     data = (tmp_path / INTENT_FILE).read_bytes()
     end = log.size
     assert len(data) >= end and data[end:] == bytes(len(data) - end)  # zeros ahead
@@ -151,7 +152,7 @@ def test_records_read_back_up_to_a_torn_one(tmp_path: Path) -> None:
 def test_a_record_of_an_earlier_epoch_never_checks(tmp_path: Path) -> None:
     log = IntentLog(tmp_path)
     name = jf.segment_name("q", 5)
-    log.append([(name, 0, [b"old bytes"]), (name, 9, [b"more"])])
+    log.append([(name.encode(), 0, [b"old bytes"]), (name.encode(), 9, [b"more"])])
     end = log.size
     old = (tmp_path / INTENT_FILE).read_bytes()
     log.settle()
@@ -162,7 +163,7 @@ def test_a_record_of_an_earlier_epoch_never_checks(tmp_path: Path) -> None:
     assert log.settles == 1 and log.size == _HEAD.size
     # The next record goes over the first old one; the second old one, after it, is
     # of the old epoch: it ends the read (its crc would not check either).
-    log.append([(name, 0, [b"new bytes"])])
+    log.append([(name.encode(), 0, [b"new bytes"])])
     assert log.size == end - len(b"more") - RECORD_OVERHEAD - len(name)
     assert [bytes(d) for _, _, d in read_intents((tmp_path / INTENT_FILE).read_bytes())] == [
         b"new bytes"]
@@ -171,8 +172,7 @@ def test_a_record_of_an_earlier_epoch_never_checks(tmp_path: Path) -> None:
 
 def test_a_record_naming_anything_but_a_segment_stops_the_read(tmp_path: Path) -> None:
     log = IntentLog(tmp_path)
-    log.append([(jf.segment_name("q", 5), 0, [b"a"]), ("q.read.r", 0, [b"b"]),
-                (jf.segment_name("q", 5), 1, [b"c"])])
+    log.append([(b"q.5", 0, [b"a"]), (b"q.read.r", 0, [b"b"]), (b"q.5", 1, [b"c"])])
     assert [n for n, _, _ in read_intents((tmp_path / INTENT_FILE).read_bytes())] == [
         jf.segment_name("q", 5)]
     log.release()
@@ -389,7 +389,7 @@ def test_a_failed_append_falls_back_to_syncing_the_files(
 
 def test_the_log_grows_by_zeros_and_reads_back_across_the_step(tmp_path: Path) -> None:
     log = IntentLog(tmp_path)
-    name = jf.segment_name("q", 5)
+    name = jf.segment_name("q", 5).encode()
     chunk_ = bytes(range(256)) * 4096  # 1 MiB
     for i in range(6):
         log.append([(name, i * len(chunk_), [chunk_])])
@@ -398,3 +398,48 @@ def test_the_log_grows_by_zeros_and_reads_back_across_the_step(tmp_path: Path) -
     assert [(o, bytes(d) == chunk_) for _, o, d in read_intents(data)] == [
         (i * len(chunk_), True) for i in range(6)]
     log.release()
+
+
+class SyncAllFails(PowerLossFS):
+    def sync_all(self, directory: fileio.StrPath) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+def test_a_settle_that_fails_removes_no_segment(tmp_path: Path) -> None:
+    """No syncfs, no settle: retiring refuses (the segment stays, what the log names
+    still replays into it), and the log takes no more passes."""
+    fs = SyncAllFails(tmp_path)
+    previous = fileio.use(fs)
+    try:
+        dd = DataDir.open(tmp_path)
+        files = new_files(dd.writer)
+        paths = paths_of(tmp_path, a_pass(dd.writer, files, 1, b"a"))
+        files[0].close()
+        with pytest.raises(OSError):
+            dd.retire_segments([SegmentInfo(1, paths[0], size=paths[0].stat().st_size)])
+        assert paths[0].exists() and dd.writer.intents.failed is not None
+        power_cut(fs, dd.writer, files[1:])
+        replay(tmp_path)
+        assert [puts_in(p) for p in paths] == [[(1, b"a%d" % i)] for i in range(N_FILES)]
+    finally:
+        fileio.use(previous)
+
+
+def test_a_stop_that_cannot_settle_the_log_says_so_and_keeps_it(tmp_path: Path) -> None:
+    fs = SyncAllFails(tmp_path)
+    previous = fileio.use(fs)
+    try:
+        async def run() -> None:
+            async with open_data_dir(tmp_path, DataDirConfig()) as dd:
+                journals = [dd.queue(f"q{i}") for i in range(N_FILES)]
+                dd.deferring = True
+                for j in journals:
+                    j.append_nowait([b"x-" + j.name.encode()], T0)
+                assert dd.commit_now() and dd.writer.intents.appends == 1
+
+        with pytest.raises(NotSavedError, match="intent log: not settled"):
+            trio.run(run)
+        assert (tmp_path / INTENT_FILE).exists()  # for the next start to write back
+        assert replay(tmp_path)[0] == N_FILES
+    finally:
+        fileio.use(previous)

@@ -69,9 +69,9 @@ RECOVERABLE_WRITE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.E
 IOV_MAX: Final = 1024
 crc32: Final = zlib.crc32
 
-#: One file's bytes of a pass: the file's name in the directory, the offset they were
-#: written at, the pieces written there in order.
-Intent = tuple[str, int, Sequence[bytes | bytearray]]
+#: One file's bytes of a pass: the file's name in the directory (encoded once, when the
+#: segment is opened), the offset they were written at, the pieces written there in order.
+Intent = tuple[bytes, int, Sequence[bytes | bytearray]]
 
 
 class IntentLog:
@@ -126,8 +126,7 @@ class IntentLog:
             total = 0
             seed = self._seed
             epoch = self._epoch
-            for name, offset, pieces in intents:
-                encoded = name.encode()
+            for encoded, offset, pieces in intents:
                 length = 0
                 for piece in pieces:
                     length += len(piece)

@@ -181,7 +181,7 @@ class SyncedFile:
 class SegmentFile(SyncedFile):
     """One queue's active segment, writer side (see SyncedFile)."""
 
-    __slots__ = ("_last_number", "_number", "incarnation")
+    __slots__ = ("_last_number", "_name", "_number", "incarnation")
 
     def __init__(
         self,
@@ -193,6 +193,7 @@ class SegmentFile(SyncedFile):
     ) -> None:
         super().__init__(directory, queue, fsync, observe_fsync)
         self._number = 0
+        self._name = b""  # the open segment's file name, as the intent log names it
         self._last_number = last_number
         #: the queue's incarnation, named in the head of every segment it opens (0: none)
         self.incarnation = 0
@@ -244,8 +245,7 @@ class SegmentFile(SyncedFile):
                 error = self._write_failed(exc, created)
                 break
             if intents is not None:
-                intents.append((jf.segment_name(self.queue, self._number), self._size,
-                                buffers))
+                intents.append((self._name, self._size, buffers))
             self._size += written
             self._unsynced = True
             done.append(
@@ -274,9 +274,10 @@ class SegmentFile(SyncedFile):
     def _open_segment(self) -> bytes:
         """Create the next segment file; returns the bytes it must start with."""
         number = max(int(time.time() * 1000), self._last_number + 1)
-        path = self.directory / jf.segment_name(self.queue, number)
-        fd = fileio.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        self._fd, self._number, self._size = fd, number, 0
+        name = jf.segment_name(self.queue, number)
+        fd = fileio.open_fd(self.directory / name,
+                            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        self._fd, self._number, self._size, self._name = fd, number, 0, name.encode()
         self._last_number = number
         return jf.segment_head(self.incarnation)
 
