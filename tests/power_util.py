@@ -170,12 +170,6 @@ class PowerLossFS(fileio.FileIO):
             self._wrote(fd)
         return super().pwrite(fd, data, offset)
 
-    def pwritev(self, fd: int, buffers: Sequence[bytes | bytearray | memoryview],
-                offset: int) -> int:
-        with self._lock:
-            self._wrote(fd)
-        return super().pwritev(fd, buffers, offset)
-
     def ftruncate(self, fd: int, length: int) -> None:
         with self._lock:
             self._wrote(fd)

@@ -98,6 +98,35 @@ def test_passes_come_back_from_the_log_alone(fs: PowerLossFS, tmp_path: Path) ->
     assert replay(tmp_path) == (0, 0)  # nothing left to do
 
 
+class ShortLogWrites(PowerLossFS):
+    """Each write of the intent log's records takes at most 7 bytes (a short write)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.short = 0
+
+    def pwrite(self, fd: int, data: Any, offset: int) -> int:
+        if any(bytes(data)) and os.readlink(f"/proc/self/fd/{fd}").endswith(INTENT_FILE):
+            self.short += 1
+            return super().pwrite(fd, bytes(data)[:7], offset)
+        return super().pwrite(fd, data, offset)
+
+
+def test_short_writes_of_the_log_are_finished(tmp_path: Path) -> None:
+    fs = ShortLogWrites(tmp_path)
+    previous = fileio.use(fs)
+    try:
+        writer = Writer(tmp_path)
+        files = new_files(writer)
+        paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
+        assert fs.short > 10  # the records took many writes
+        power_cut(fs, writer, files)
+        assert replay(tmp_path)[0] == N_FILES
+        assert [puts_in(p) for p in paths] == [[(1, b"a%d" % i)] for i in range(N_FILES)]
+    finally:
+        fileio.use(previous)
+
+
 def test_a_file_the_cut_took_is_made_again_from_its_first_record(
         fs: PowerLossFS, tmp_path: Path) -> None:
     writer = Writer(tmp_path)
@@ -327,18 +356,17 @@ class LogWritesFail(PowerLossFS):
         return os.readlink(f"/proc/self/fd/{fd}").endswith(INTENT_FILE)
 
     def pwrite(self, fd: int, data: Any, offset: int) -> int:
-        if self.fail_grow is not None and self._is_log(fd) and not any(bytes(data)):
-            err, self.fail_grow = self.fail_grow, None
-            super().pwrite(fd, data, offset)  # some zeros made it, then the error
-            raise OSError(err, os.strerror(err))
+        if self._is_log(fd):
+            zeros = not any(bytes(data))
+            if zeros and self.fail_grow is not None:
+                err, self.fail_grow = self.fail_grow, None
+                super().pwrite(fd, data, offset)  # some zeros made it, then the error
+                raise OSError(err, os.strerror(err))
+            if not zeros and self.fail_write is not None:
+                err, self.fail_write = self.fail_write, None
+                super().pwrite(fd, bytes(data)[:3], offset)  # a part, then the error
+                raise OSError(err, os.strerror(err))
         return super().pwrite(fd, data, offset)
-
-    def pwritev(self, fd: int, buffers: Any, offset: int) -> int:
-        if self.fail_write is not None and self._is_log(fd):
-            err, self.fail_write = self.fail_write, None
-            super().pwritev(fd, [bytes(buffers[0])[:3]], offset)  # a part, then the error
-            raise OSError(err, os.strerror(err))
-        return super().pwritev(fd, buffers, offset)
 
     def fdatasync(self, fd: int) -> None:
         if self.fail_fdatasync is not None and self._is_log(fd):

@@ -66,10 +66,6 @@ class FileIO:
     def pwrite(self, fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
         return os.pwrite(fd, data, offset)
 
-    def pwritev(self, fd: int, buffers: Sequence[bytes | bytearray | memoryview],
-                offset: int) -> int:
-        return os.pwritev(fd, buffers, offset)
-
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
 
@@ -165,10 +161,6 @@ def writev(fd: int, buffers: Sequence[bytes | bytearray | memoryview]) -> int:
 
 def pwrite(fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
     return _current.pwrite(fd, data, offset)
-
-
-def pwritev(fd: int, buffers: Sequence[bytes | bytearray | memoryview], offset: int) -> int:
-    return _current.pwritev(fd, buffers, offset)
 
 
 def fsync(fd: int) -> None:

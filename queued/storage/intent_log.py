@@ -55,6 +55,7 @@ _CRC: Final = struct.Struct(">I")
 #: after the crc: the epoch's low 32 bits, data length, offset, name length
 _FIXED: Final = struct.Struct(">IIQH")
 RECORD_OVERHEAD: Final = _CRC.size + _FIXED.size
+_NO_CRC: Final = bytes(_CRC.size)  # (a record's crc, filled in once it is whole)
 #: Once the log holds this much, the next pass settles it first.
 SETTLE_BYTES: Final = 64 * 1024 * 1024
 #: The file grows by zeros in steps of this (records are written over them).
@@ -65,8 +66,6 @@ ZERO_CHUNK: Final = 1024 * 1024
 PASS_BYTES: Final = 1024 * 1024
 #: write() errors after which the log is used again (a full disk: its zeros trimmed off).
 RECOVERABLE_WRITE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-#: Most iovecs one writev takes (IOV_MAX on Linux).
-IOV_MAX: Final = 1024
 crc32: Final = zlib.crc32
 
 #: One file's bytes of a pass: the file's name in the directory (encoded once, when the
@@ -122,27 +121,32 @@ class IntentLog:
                 self._settle()
             fd = self._fd
             assert fd is not None
-            buffers: list[bytes | bytearray] = []
-            total = 0
-            seed = self._seed
+            # every record of the pass in one buffer, its crc filled in once the buffer
+            # is whole (a view of it may not be held while it grows)
+            out = bytearray()
+            ends: list[int] = []
             epoch = self._epoch
             for encoded, offset, pieces in intents:
                 length = 0
                 for piece in pieces:
                     length += len(piece)
-                fixed = _FIXED.pack(epoch, length, offset, len(encoded))
-                crc = crc32(encoded, crc32(fixed, seed))
+                out += _NO_CRC
+                out += _FIXED.pack(epoch, length, offset, len(encoded))
+                out += encoded
                 for piece in pieces:
-                    crc = crc32(piece, crc)
-                buffers.append(_CRC.pack(crc))
-                buffers.append(fixed)
-                buffers.append(encoded)
-                buffers.extend(pieces)
-                total += RECORD_OVERHEAD + len(encoded) + length
+                    out += piece
+                ends.append(len(out))
+            seed = self._seed
+            start = 0
+            with memoryview(out) as view:
+                for end in ends:
+                    _CRC.pack_into(out, start, crc32(view[start + _CRC.size : end], seed))
+                    start = end
+            total = len(out)
             if self._pos + total > self._allocated:
                 self._grow(fd, self._pos + total)
             try:
-                _pwrite_buffers(fd, buffers, self._pos)
+                _pwrite_all(fd, out, self._pos)
             except OSError as exc:
                 # (in place, over zeros: what part of it was written never checks)
                 self._fail(f"write failed: {exc.strerror or exc}")
@@ -275,24 +279,13 @@ def _new_head() -> tuple[bytes, int]:
     return _HEAD.pack(MAGIC, epoch), epoch & 0xFFFFFFFF
 
 
-def _pwrite_buffers(fd: int, buffers: list[bytes | bytearray], at: int) -> None:
-    """Every byte of `buffers`, in order, from offset `at` (pwritev in batches of IOV_MAX,
-    short writes finished)."""
-    for i in range(0, len(buffers), IOV_MAX):
-        batch = buffers[i : i + IOV_MAX]
-        wrote = fileio.pwritev(fd, batch, at)
-        for piece in batch:
-            if wrote >= len(piece):
-                wrote -= len(piece)
-                at += len(piece)
-                continue
-            view = memoryview(piece)[wrote:]
-            at += wrote
-            wrote = 0
-            while view:
-                n = fileio.pwrite(fd, view, at)
-                view = view[n:]
-                at += n
+def _pwrite_all(fd: int, data: bytearray, at: int) -> None:
+    """Every byte of `data` from offset `at` (short writes finished)."""
+    wrote = fileio.pwrite(fd, data, at)
+    if wrote < len(data):
+        with memoryview(data) as view:
+            while wrote < len(data):
+                wrote += fileio.pwrite(fd, view[wrote:], at + wrote)
 
 
 def read_intents(data: bytes) -> list[tuple[str, int, memoryview]]:
