@@ -182,18 +182,18 @@ def test_put_heads_in_bulk_are_the_packers(expire: int | None, errors: int, flag
     """pack_put_heads (the journal's bulk path) gives put_header_packer's bytes, per item,
     for the plain put (its own comprehension) and every other shape, with or without the
     caller's packer."""
-    sizes, ids = [0, 5, 70000], [10, 11, 12]
+    datas, ids = [b"", b"x" * 5, b"y" * 70000], [10, 11, 12]
     packer = jf.put_header_packer(1000, expire, errors, flags, due)
-    want = [packer(n, i) for n, i in zip(sizes, ids, strict=True)]
-    assert jf.pack_put_heads(sizes, ids, 1000, expire, errors, flags, due) == want
+    want = [packer(len(d), i) for d, i in zip(datas, ids, strict=True)]
+    assert jf.pack_put_heads(datas, 10, 1000, expire, errors, flags, due) == want
     # The caller's packer of the same fields (the journal's) gives the same bytes.
-    assert jf.pack_put_heads(sizes, ids, 1000, expire, errors, flags, due, packer) == want
+    assert jf.pack_put_heads(datas, 10, 1000, expire, errors, flags, due, packer) == want
 
 
 def test_put_heads_in_bulk_refuse_what_the_record_cannot_hold() -> None:
     for fields in ((), (5000,), (None, 0, 3)):  # plain, expiring, flagged
         with pytest.raises(ValueError):
-            jf.pack_put_heads([1], [2**63], 1000, *fields)
+            jf.pack_put_heads([b"x"], 2**63, 1000, *fields)
 
 
 @pytest.mark.parametrize("form", ["envelope", "old"])

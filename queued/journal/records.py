@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import struct
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
@@ -526,23 +526,28 @@ def put_header_packer(
 
 
 def pack_put_heads(
-    sizes: Iterable[int], ids: Iterable[int], add_time_ms: int,
+    datas: Sequence[bytes], first_id: int, add_time_ms: int,
     expire_time_ms: int | None = None, error_count: int = 0, flags: int = 0,
     due_ms: int | None = None, packer: Callable[[int, int], bytes] | None = None,
 ) -> list[bytes]:
-    """`put_header_packer`'s headers for many items at once, one per (size, id). The
-    usual plain put's in one comprehension: compiled, the packer's closure is a call
-    through Python's calling convention per item. `packer`: the caller's
-    `put_header_packer` of the same fields, if it made one (else one is made here)."""
+    """`put_header_packer`'s headers for many items at once, one per item of `datas`,
+    their ids consecutive from `first_id`. The usual plain put's in one loop: compiled,
+    the packer's closure is a call through Python's calling convention per item.
+    `packer`: the caller's `put_header_packer` of the same fields, if it made one (else
+    one is made here)."""
     try:
         if expire_time_ms is None and not flags and due_ms is None:
-            pack, cmd = PUT_STRUCT.pack, PUT_BYTE
-            return [pack(cmd, size, error_count, xid, add_time_ms)
-                    for size, xid in zip(sizes, ids, strict=True)]
+            pack = PUT_STRUCT.pack
+            heads: list[bytes] = []
+            xid = first_id
+            for d in datas:
+                heads.append(pack(PUT_BYTE, len(d), error_count, xid, add_time_ms))
+                xid += 1
+            return heads
         if packer is None:
             packer = put_header_packer(add_time_ms, expire_time_ms, error_count, flags,
                                        due_ms)
-        return list(map(packer, sizes, ids))
+        return list(map(packer, map(len, datas), range(first_id, first_id + len(datas))))
     except struct.error as exc:
         raise ValueError(f"PUT field out of range: {exc}") from None
 

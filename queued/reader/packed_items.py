@@ -39,11 +39,12 @@ BLOCK_ITEMS: Final = 128
 SMALL_MAX: Final = 512
 
 _I64_MAX = (1 << 63) - 1
+#: The fast path's bound on add times: compiled, a constant that is a small int, so the
+#: test reads no global and takes no big-int compare (a later time takes the other path).
+_FAST_TIME_MAX: Final = (1 << 62) - 1
 _U32_MAX = (1 << 32) - 1
 _NO_EXPIRE = -1  # `exps` column: no expire time
-_PUT_ONLY = {Put}  # (a block of only these, the usual one, takes the fast test)
 _PACKABLE = (Put, HeadedPut)  # (a HeadedPut's headers go to the block's headers column)
-_BYTES_ONLY = {bytes}  # other data (a memoryview's len() may not count bytes) stays as is
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +62,44 @@ class _Block:
     __slots__ = ("data", "ends", "exps", "flgs", "hdata", "hends", "ids", "objs", "times")
 
     def __init__(self, items: list[Put], small_max: int = SMALL_MAX) -> None:
-        # One comprehension per column: compiled, each reads a field of the native Put
-        # per item (a few ns); interpreted, still less than attrgetter and zip(*) of
-        # every field.
+        # The usual block, plain Puts of small bytes with consecutive ids: one loop reads
+        # every field of each (compiled, a native field read apiece) and builds the
+        # columns as it checks; at the first item it cannot hold so, the general way.
+        datas: list[bytes] = []
+        times: list[int] = []
+        ends: list[int] = []
+        end = 0
+        next_id = items[0].id
+        plain = True
+        for it in items:
+            d = it.data
+            t = it.add_time_ms
+            if (type(it) is not Put or type(d) is not bytes or it.id != next_id
+                    or it.expire_time_ms is not None or it.error_count or it.flags
+                    or len(d) > small_max or t < 0 or t > _FAST_TIME_MAX):
+                plain = False
+                break
+            next_id += 1
+            datas.append(d)
+            times.append(t)
+            end += len(d)
+            ends.append(end)
+        if plain:
+            self.data = b"".join(datas)
+            self.ends = array("I", ends)
+            self.ids: array[int] | range = range(items[0].id, next_id)
+            self.times = array("q", times)
+            self.exps: array[int] | None = None
+            self.flgs: array[int] | None = None
+            self.hdata: bytes | None = None
+            self.hends: array[int] | None = None
+            self.objs: dict[int, Put] | None = None
+        else:
+            self._general(items, small_max)
+
+    def _general(self, items: list[Put], small_max: int) -> None:
+        """Any items: those that are not plain kept as objects, the columns an item
+        needs (expire times, flags, headers) made, ids as they come."""
         datas = [it.data for it in items]
         times = [it.add_time_ms for it in items]
         sizes = [len(d) for d in datas]
@@ -71,47 +107,39 @@ class _Block:
         exps: list[int] | None = None
         flgs: list[int] | None = None
         heads: list[bytes] | None = None
-        if not (set(map(type, items)) == _PUT_ONLY
-                and set(map(type, datas)) == _BYTES_ONLY
-                and not any([it.expire_time_ms is not None or it.error_count or it.flags
-                             for it in items])
-                and max(sizes) <= small_max
-                and min(times) >= 0 and max(times) <= _I64_MAX):
-            # (the fast test above fails for a block with one item not plain: sort it out)
-            for k, it in enumerate(items):
-                d, t, e, f = it.data, it.add_time_ms, it.expire_time_ms, it.flags
-                if (type(it) not in _PACKABLE or type(d) is not bytes or it.error_count
-                        or (type(it) is HeadedPut and not it.headers)
-                        or len(d) > small_max
-                        or not 0 <= t <= _I64_MAX or not 0 <= f <= _U32_MAX
-                        or (e is not None and not 0 <= e <= _I64_MAX)):
-                    if objs is None:
-                        objs = {}
-                    objs[k] = it
-                    datas[k] = b""
-                    sizes[k] = times[k] = 0
-                    continue
-                if e is not None:
-                    if exps is None:
-                        exps = [_NO_EXPIRE] * len(items)
-                    exps[k] = e
-                if f:
-                    if flgs is None:
-                        flgs = [0] * len(items)
-                    flgs[k] = f
-                if type(it) is HeadedPut:
-                    if heads is None:
-                        heads = [b""] * len(items)
-                    heads[k] = it.headers
+        for k, it in enumerate(items):
+            d, t, e, f = it.data, it.add_time_ms, it.expire_time_ms, it.flags
+            if (type(it) not in _PACKABLE or type(d) is not bytes or it.error_count
+                    or (type(it) is HeadedPut and not it.headers)
+                    or len(d) > small_max
+                    or not 0 <= t <= _I64_MAX or not 0 <= f <= _U32_MAX
+                    or (e is not None and not 0 <= e <= _I64_MAX)):
+                if objs is None:
+                    objs = {}
+                objs[k] = it
+                datas[k] = b""
+                sizes[k] = times[k] = 0
+                continue
+            if e is not None:
+                if exps is None:
+                    exps = [_NO_EXPIRE] * len(items)
+                exps[k] = e
+            if f:
+                if flgs is None:
+                    flgs = [0] * len(items)
+                flgs[k] = f
+            if type(it) is HeadedPut:
+                if heads is None:
+                    heads = [b""] * len(items)
+                heads[k] = it.headers
         self.data = b"".join(datas)
         self.ends = array("I", list(accumulate(sizes)))  # (from lists: sized exactly)
         ids = [it.id for it in items]
         first, last = ids[0], ids[-1]
         # Consecutive ids (a reader's, unless items between them were taken or dropped
         # first) are a range: 8 B less per item, and no array to build.
-        self.ids: array[int] | range = (
-            range(first, last + 1) if last - first == len(ids) - 1
-            and ids == list(range(first, last + 1)) else array("q", ids))
+        self.ids = (range(first, last + 1) if last - first == len(ids) - 1
+                    and ids == list(range(first, last + 1)) else array("q", ids))
         self.times = array("q", times)
         self.exps = None if exps is None else array("q", exps)
         self.flgs = None if flgs is None else array("I", flgs)

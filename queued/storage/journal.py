@@ -522,7 +522,7 @@ class QueueJournal:
         first = self.last_id + 1
         ids = range(first, first + n)
         parts: list[bytes] = [b""] * (2 * n)
-        parts[::2] = jf.pack_put_heads(map(len, datas), ids, add_time_ms, expire_time_ms,
+        parts[::2] = jf.pack_put_heads(datas, first, add_time_ms, expire_time_ms,
                                        error_count, flags, due_ms, pack_head)
         if leads is not None:
             parts[::2] = map(operator.add, leads, parts[::2])
@@ -539,8 +539,12 @@ class QueueJournal:
                     for i, d, h in zip(ids, datas, headers, strict=True)]
         # (jf.Put by name, not a local alias: compiled, that is a direct call of the
         # native class's constructor, not a call of a Python type object)
-        return [jf.Put(i, d, add_time_ms, expire_time_ms, error_count, flags)
-                for i, d in zip(ids, datas, strict=True)]
+        puts: list[jf.Put] = []
+        xid = first
+        for d in datas:
+            puts.append(jf.Put(xid, d, add_time_ms, expire_time_ms, error_count, flags))
+            xid += 1
+        return puts
 
     def _new_chunk(self, *, rotate: bool) -> Planned:
         """A new chunk at the end of the planned ones."""
