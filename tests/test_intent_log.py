@@ -453,6 +453,36 @@ def test_a_settle_that_fails_removes_no_segment(tmp_path: Path) -> None:
         fileio.use(previous)
 
 
+def test_a_failed_log_is_removed_by_its_next_settle(tmp_path: Path) -> None:
+    """A settle whose own fdatasync fails ends the log and refuses (the segment stays);
+    the next settle syncs the file system and removes the log's file, rather than
+    writing it a head again, which might fail for good and keep every segment from
+    being retired. What was appended is in its segment files after a power cut."""
+    fs = LogWritesFail(tmp_path)
+    previous = fileio.use(fs)
+    try:
+        dd = DataDir.open(tmp_path)
+        files = new_files(dd.writer)
+        paths = paths_of(tmp_path, a_pass(dd.writer, files, 1, b"a"))
+        files[0].close()
+        retired = [SegmentInfo(1, paths[0], size=paths[0].stat().st_size)]
+        fs.fail_fdatasync = errno.EIO
+        with pytest.raises(OSError):
+            dd.retire_segments(retired)
+        assert paths[0].exists() and dd.writer.intents.failed is not None
+        assert (tmp_path / INTENT_FILE).exists()
+        a_pass(dd.writer, files[1:], 2, b"b")  # (synced with syncfs: the log is done)
+        dd.retire_segments(retired)
+        assert not paths[0].exists() and not (tmp_path / INTENT_FILE).exists()
+        power_cut(fs, dd.writer, files[1:])
+        assert replay(tmp_path) == (0, 0)
+        assert [puts_in(p) for p in paths[1:]] == [[(1, b"a%d" % i), (2, b"b%d" % (i - 1))]
+                                                  for i in range(1, N_FILES)]
+        dd.writer.intents.close()  # nothing left to do
+    finally:
+        fileio.use(previous)
+
+
 def test_a_stop_that_cannot_settle_the_log_says_so_and_keeps_it(tmp_path: Path) -> None:
     fs = SyncAllFails(tmp_path)
     previous = fileio.use(fs)

@@ -172,10 +172,10 @@ class IntentLog:
         """Settle the log and remove its file (a clean shutdown); OSError if that fails
         (the log is kept: the next start replays it)."""
         with self._lock:
-            if self._fd is None:
-                return
             if self._records:
                 self._settle()
+            if self._fd is None:  # (none begun, or a failed log's settle removed it)
+                return
             fileio.close(self._fd)
             self._fd = None
             fileio.unlink(self.path, missing_ok=True)
@@ -247,6 +247,9 @@ class IntentLog:
         self._allocated = target
 
     def _settle(self) -> None:
+        if self.failed is not None:
+            self._settle_failed()
+            return
         fd = self._fd
         assert fd is not None
         try:
@@ -263,6 +266,23 @@ class IntentLog:
         self._seed = crc32(head)
         self._epoch = epoch
         self._pos = len(head)
+        self._records = 0
+        self.settles += 1
+
+    def _settle_failed(self) -> None:
+        """Settle a log that takes no more passes: once the file system is synced, what
+        it holds stands for nothing that is not durable, so its file is removed rather
+        than given a new head (whose write or fdatasync may be what failed: a settle
+        that kept failing so would keep every segment from being retired)."""
+        fileio.sync_all(self.directory)
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                fileio.close(fd)
+            except OSError as exc:
+                log.warning("intent log %s: closing: %s", self.path, exc)
+        fileio.unlink(self.path, missing_ok=True)
+        fileio.fsync_dir(self.directory)
         self._records = 0
         self.settles += 1
 
