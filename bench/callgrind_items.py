@@ -16,7 +16,12 @@ the `--items` sets are sent, and the counters are dumped (`callgrind_control -d`
   per queue a pass touches);
 - `many`: 64 connections x 1 in flight, one queue (the server is slow under callgrind,
   so a pass holds more requests than it would at full speed);
-- `latency`: 1 connection x 1 in flight (a pass per set: every cost of a pass is in it).
+- `latency`: 1 connection x 1 in flight (a pass per set: every cost of a pass is in it);
+- `rpc-put`: 4 MessagePack-RPC connections x 1 `put` of 100 items in flight, one queue;
+- `rpc-getconfirm`: the same, a `get` of 100 (a reliable read) then their `confirm`, on a
+  queue filled first by such puts (not counted).
+
+An RPC shape's count is per item (100 a request); `--items` and `--warm` count requests.
 
 `--tree` (repeatable) runs another build: a tree put first on PYTHONPATH
 (`build/compiled`, a copy of an older build); the default is this venv's `queued` as it
@@ -44,7 +49,8 @@ from benchlib import recording
 from benchlib.servers import HOST, QUEUED, QueuedServer
 
 #: workload -> (connections, sets in flight on each, queues)
-SHAPES = {"fanin": (4, 8, 100), "many": (64, 1, 1), "latency": (1, 1, 1)}
+SHAPES = {"fanin": (4, 8, 100), "many": (64, 1, 1), "latency": (1, 1, 1),
+          "rpc-put": (4, 1, 1), "rpc-getconfirm": (4, 1, 1)}
 TOTALS = re.compile(rb"^(?:summary|totals): (\d+)", re.M)
 PAYLOAD = b"x" * 64
 LOAD_SECONDS = 600.0  # bound of one load phase (callgrind is slow, not that slow)
@@ -108,6 +114,33 @@ def control(flag: str, pid: int) -> None:
                    timeout=60)
 
 
+def rpc_load(server: QueuedServer, workload: str, warm: int, requests: int) -> int:
+    """An RPC shape's warm-up and counted requests (request_profile.py's clients); the
+    items the counted requests moved."""
+    from request_profile import RPC_BATCH, Conn, run_rounds
+
+    n = SHAPES[workload][0]
+    conns = [Conn(server.ports["rpc"]) for _ in range(n)]
+
+    def moves(count: int) -> int:  # (run_rounds sends whole rounds, one per connection)
+        return max(1, count // n) * n * RPC_BATCH
+
+    try:
+        if workload == "rpc-getconfirm":  # items to take: the warm-up's and the count's
+            run_rounds(conns, "rpc-put", warm + requests + n)
+        if run_rounds(conns, workload, warm) != moves(warm):
+            raise RuntimeError("the warm-up's requests did not all move their items")
+        control("-z", server.pid)
+        moved = run_rounds(conns, workload, requests)
+        control("-d", server.pid)
+    finally:
+        for c in conns:
+            c.sock.close()
+    if moved != moves(requests):
+        raise RuntimeError(f"{moved} of {moves(requests)} items moved")
+    return moved
+
+
 def measure(tree: Path | None, workload: str, items: int, warm: int, fsync: str,
             root: Path, keep: Path | None) -> int:
     """Instructions per set of `workload` for the build in `tree` (None: this venv's)."""
@@ -119,13 +152,16 @@ def measure(tree: Path | None, workload: str, items: int, warm: int, fsync: str,
     server = QueuedServer(root, fsync, cmd=cmd, tree=tree, start_timeout=300)
     with server:
         pid = server.pid
-        if load(server.port, conns, depth, queues, warm) != warm:
-            raise RuntimeError("the warm-up's sets were not all stored")
-        control("-z", pid)
-        stored = load(server.port, conns, depth, queues, items)
-        control("-d", pid)
-        if stored != items:
-            raise RuntimeError(f"{stored} of {items} sets stored")
+        if workload.startswith("rpc-"):
+            items = rpc_load(server, workload, warm, items)
+        else:
+            if load(server.port, conns, depth, queues, warm) != warm:
+                raise RuntimeError("the warm-up's sets were not all stored")
+            control("-z", pid)
+            stored = load(server.port, conns, depth, queues, items)
+            control("-d", pid)
+            if stored != items:
+                raise RuntimeError(f"{stored} of {items} sets stored")
         dumps = sorted(root.glob(out.name + ".*"))
         deadline = time.monotonic() + 60
         while not dumps and time.monotonic() < deadline:
@@ -168,7 +204,7 @@ def main() -> None:
             prefix="callgrind-items-", dir=a.dir) as tmp:
         root = Path(tmp)
         print(f"instructions per set (callgrind, user space, every thread), fsync {a.fsync}, "
-              f"{a.items} sets counted after {a.warm}")
+              f"{a.items} sets counted after {a.warm} (RPC shapes: requests; per item)")
         print("| build | workload | connections x in flight, queues | instructions per set |")
         print("|---|---|---|---:|")
         for workload in workloads:

@@ -49,9 +49,10 @@ SMOKE = {s.name or s.script: s for s in [
           r"with / without, items/s: median"),
     Smoke("backoff_bench", ("--in-process", "--items", "200", "--pairs", "2"),
           r"without / with, CPU per item: median [0-9.]+", name="backoff_bench --in-process"),
-    Smoke("callgrind_items", ("--dir", "{tmp}", "--workload", "latency", "--items", "30",
-                              "--warm", "5"),
-          r"\| this venv \| latency \| 1 x 1, 1 \| [0-9,]+ \|", needs="valgrind"),
+    Smoke("callgrind_items", ("--dir", "{tmp}", "--workload", "latency,rpc-getconfirm",
+                              "--items", "30", "--warm", "5"),
+          r"\| this venv \| latency \| 1 x 1, 1 \| [0-9,]+ \|\n"
+          r"\| this venv \| rpc-getconfirm \| 4 x 1, 1 \| [0-9,]+ \|", needs="valgrind"),
     Smoke("dedup_bench", ("--seconds", "0.2", "--rounds", "1", "--conns", "1", "--window",
                           "8", "--fsync", "never"),
           r"  resent +[0-9]+ +[0-9.]+ +[0-9.]+"),
