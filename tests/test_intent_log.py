@@ -78,6 +78,17 @@ def power_cut(fs: PowerLossFS, writer: Writer, files: list[SegmentFile]) -> None
     fs.restore(cut)
 
 
+def a_retirable_segment(tmp_path: Path) -> tuple[
+        DataDir, list[SegmentFile], list[Path], list[SegmentInfo]]:
+    """A data dir whose writer made one logged pass, the first file's segment closed: the
+    dir, the files, their paths, and that segment to retire."""
+    dd = DataDir.open(tmp_path)
+    files = new_files(dd.writer)
+    paths = paths_of(tmp_path, a_pass(dd.writer, files, 1, b"a"))
+    files[0].close()
+    return dd, files, paths, [SegmentInfo(1, paths[0], size=paths[0].stat().st_size)]
+
+
 def test_passes_come_back_from_the_log_alone(fs: PowerLossFS, tmp_path: Path) -> None:
     writer = Writer(tmp_path)
     files = new_files(writer)
@@ -244,11 +255,8 @@ def test_a_big_pass_syncs_its_files_instead(fs: PowerLossFS, tmp_path: Path) -> 
 def test_retiring_a_segment_settles_the_log_first(fs: PowerLossFS, tmp_path: Path) -> None:
     """Without the settle, the log's record at offset 0 would bring the retired segment
     back after a power cut (its records are in the log, its removal on disk)."""
-    dd = DataDir.open(tmp_path)
-    files = new_files(dd.writer)
-    paths = paths_of(tmp_path, a_pass(dd.writer, files, 1, b"a"))
-    files[0].close()
-    dd.retire_segments([SegmentInfo(1, paths[0], size=paths[0].stat().st_size)])
+    dd, files, paths, retired = a_retirable_segment(tmp_path)
+    dd.retire_segments(retired)
     assert dd.writer.intents.settles == 1
     power_cut(fs, dd.writer, files[1:])
     replay(tmp_path)
@@ -439,12 +447,9 @@ def test_a_settle_that_fails_removes_no_segment(tmp_path: Path) -> None:
     fs = SyncAllFails(tmp_path)
     previous = fileio.use(fs)
     try:
-        dd = DataDir.open(tmp_path)
-        files = new_files(dd.writer)
-        paths = paths_of(tmp_path, a_pass(dd.writer, files, 1, b"a"))
-        files[0].close()
+        dd, files, paths, retired = a_retirable_segment(tmp_path)
         with pytest.raises(OSError):
-            dd.retire_segments([SegmentInfo(1, paths[0], size=paths[0].stat().st_size)])
+            dd.retire_segments(retired)
         assert paths[0].exists() and dd.writer.intents.failed is not None
         power_cut(fs, dd.writer, files[1:])
         replay(tmp_path)
@@ -461,11 +466,7 @@ def test_a_failed_log_is_removed_by_its_next_settle(tmp_path: Path) -> None:
     fs = LogWritesFail(tmp_path)
     previous = fileio.use(fs)
     try:
-        dd = DataDir.open(tmp_path)
-        files = new_files(dd.writer)
-        paths = paths_of(tmp_path, a_pass(dd.writer, files, 1, b"a"))
-        files[0].close()
-        retired = [SegmentInfo(1, paths[0], size=paths[0].stat().st_size)]
+        dd, files, paths, retired = a_retirable_segment(tmp_path)
         fs.fail_fdatasync = errno.EIO
         with pytest.raises(OSError):
             dd.retire_segments(retired)
