@@ -451,6 +451,9 @@ def test_a_settle_that_fails_removes_no_segment(tmp_path: Path) -> None:
         with pytest.raises(OSError):
             dd.retire_segments(retired)
         assert paths[0].exists() and dd.writer.intents.failed is not None
+        with pytest.raises(OSError):  # an ended log's settle needs the syncfs too
+            dd.retire_segments(retired)
+        assert paths[0].exists() and (tmp_path / INTENT_FILE).exists()
         power_cut(fs, dd.writer, files[1:])
         replay(tmp_path)
         assert [puts_in(p) for p in paths] == [[(1, b"a%d" % i)] for i in range(N_FILES)]

@@ -164,15 +164,15 @@ class _Block:
             for k, end in enumerate(ends.tolist()):
                 out.append(Put(xid + k, data[start:end], times[k]))
                 start = end
-        elif self.exps is None and self.flgs is None:
-            datas = [data[s:e] for s, e in zip([0, *ends[:-1]], ends, strict=True)]
-            out = [Put(i, d, t) for i, d, t in zip(ids, datas, self.times, strict=True)]
         else:
             datas = [data[s:e] for s, e in zip([0, *ends[:-1]], ends, strict=True)]
-            exps = (repeat(None) if self.exps is None
-                    else [None if e == _NO_EXPIRE else e for e in self.exps])
-            flgs = repeat(0) if self.flgs is None else self.flgs
-            out = list(map(Put, self.ids, datas, self.times, exps, repeat(0), flgs))
+            if self.exps is None and self.flgs is None:
+                out = [Put(i, d, t) for i, d, t in zip(ids, datas, self.times, strict=True)]
+            else:
+                exps = (repeat(None) if self.exps is None
+                        else [None if e == _NO_EXPIRE else e for e in self.exps])
+                flgs = repeat(0) if self.flgs is None else self.flgs
+                out = list(map(Put, ids, datas, self.times, exps, repeat(0), flgs))
         if self.hends is not None:
             self._with_headers(out)
         if self.objs is not None:
