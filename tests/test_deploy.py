@@ -108,8 +108,6 @@ SERVER_METRICS = frozenset({
     "queued_recovery_intents_replayed",
     "queued_intent_log_appends_total",
     "queued_intent_log_settles_total",
-    "queued_commit_pipelined_passes_total",
-    "queued_commit_pipelined_syncs_total",
     "queued_build_info",
     "queued_ready",
     "queued_queues",

@@ -46,7 +46,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from power_util import PowerLossFS
-from wait_util import WAIT
 
 from queued.broker.broker import Broker, JoinedPut, JoinedPuts
 from queued.broker.upkeep import open_broker
@@ -179,31 +178,6 @@ async def one_pass(b: Broker, add: Callable[[JoinedPuts], T]) -> T:
     return added
 
 
-async def pipelined_passes(b: Broker, adds: list[Callable[[JoinedPuts], T]]) -> list[T]:
-    """As the reactor's passes under fsync always: each pass's puts joined and begun,
-    its commit written (`commit_pass`) while the sync of the one before may still run on
-    the pipeline's thread; then, woken as the reactor is, every pass's puts ended once
-    the sync it waits for has ended."""
-    joined = JoinedPuts(b)
-    passes = []
-    for add in adds:
-        b.defer_writes(True)
-        try:
-            added = add(joined)
-            joined.begin_all()
-        finally:
-            b.defer_writes(False)
-        while (seq := b.commit_pass()) < 0:
-            await b.wait_round()
-        passes.append((seq, joined.take(), added))
-    with trio.fail_after(WAIT):
-        while b.synced() < passes[-1][0]:
-            await trio.sleep(0.001)
-    for _, taken, _ in passes:
-        joined.end(taken)
-    return [added for _, _, added in passes]
-
-
 class PowerCuts(RuleBasedStateMachine):
     """See the module docstring. FSYNC: the queue's fsync policy."""
 
@@ -324,30 +298,6 @@ class PowerCuts(RuleBasedStateMachine):
         assert part.ended and part.error is None
         for data in datas:
             self.items[data].put_durable = self._durable_now()
-    @rule(sizes=st.lists(st.lists(st.integers(0, 200), min_size=1, max_size=3),
-                         min_size=2, max_size=3), wide=st.booleans())
-    def puts_in_pipelined_passes(self, sizes: list[list[int]], wide: bool) -> None:
-        # Passes whose commits overlap (the reactor's pipeline); `wide`: the first also
-        # puts to three other queues (one durable point for them all: the intent log).
-        batches = [self._new_items(pass_sizes, b"L") for pass_sizes in sizes]
-
-        def adder(datas: list[bytes], side: bool) -> Callable[[JoinedPuts], JoinedPut]:
-            def add(joined: JoinedPuts) -> JoinedPut:
-                part = joined.add("q", datas, None, 0, 0, headers_for(datas))
-                assert isinstance(part, JoinedPut)
-                for name in ("side1", "side2", "side3") if side else ():
-                    joined.add(name, [b"s"], None, 0, 0)
-                return part
-            return add
-
-        parts = self.host.run(lambda: pipelined_passes(self.broker, [
-            adder(datas, wide and i == 0) for i, datas in enumerate(batches)]))
-        for part in parts:
-            assert part.ended and part.error is None
-        for datas in batches:
-            for data in datas:
-                self.items[data].put_durable = self._durable_now()
-
     @rule(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=3), again=st.booleans())
     def produce(self, sizes: list[int], again: bool) -> None:
         """An exactly-once put of producer P with its next sequence; `again`: then the

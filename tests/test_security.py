@@ -248,8 +248,7 @@ async def test_http_needs_basic_auth_except_probes(tmp_path: Path, users_file: P
 
 async def test_trickling_request_is_closed_after_request_timeout(
         tmp_path: Path, trio_clock: trio.testing.MockClock) -> None:
-    # (fsync never: under always each set's sync runs on the pipeline's thread)
-    config = make_config(tmp_path / "data", request_timeout=400, fsync="never")
+    config = make_config(tmp_path / "data", request_timeout=400)
     async with running(config) as server:
         with autojumping(trio_clock):  # (no thread at work in this test)
             port = server.ports["memcache"]

@@ -392,9 +392,6 @@ async def test_commands_errors_connections_and_latency(tmp_path: Path) -> None:
         assert m[("queued_recovery_intents_replayed", NONE)] == 0
         assert m[("queued_intent_log_appends_total", NONE)] == 0  # one queue per pass here
         assert m[("queued_intent_log_settles_total", NONE)] == 0
-        # The passes after the one that made the queue's file: synced on the sync thread.
-        assert m[("queued_commit_pipelined_passes_total", NONE)] >= (
-            m[("queued_commit_pipelined_syncs_total", NONE)]) >= 1
         assert m[("queued_disk_total_bytes", NONE)] > m[("queued_disk_free_bytes", NONE)] > 0
 
 

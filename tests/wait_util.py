@@ -8,9 +8,8 @@ Where a test must let time pass (a deadline that must fire, or one that must not
 runs on trio's MockClock: `held_clock()` gives one that stands still (but for a guard
 against hangs), and `autojumping(clock)` lets it jump to the next deadline as soon as
 every task waits, inside a block. Why not autojump for a whole server test: the server
-still hands some work to threads (the syncs of the reactor's passes under fsync always,
-reader checkpoint writes and takeovers, read-behind, password checks, recovery at
-start-up, the clients' DNS look-ups), and trio counts a
+still hands some work to threads (reader checkpoint writes and takeovers, read-behind,
+password checks, recovery at start-up, the clients' DNS look-ups), and trio counts a
 task waiting on a thread as blocked, so an autojump clock would run ahead of that work
 and fire deadlines (the test's own fail_after included) while it is still under way.
 Item times (expiry, max_age, delays) are the wall clock's, which no trio clock moves.

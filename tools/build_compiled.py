@@ -68,7 +68,6 @@ COMPILED = [
     "queued/storage/synced_files.py",
     "queued/storage/journal.py",
     "queued/storage/writer.py",
-    "queued/storage/pipeline.py",
     "queued/storage/datadir.py",
     "queued/broker/base.py",
     "queued/broker/puts.py",

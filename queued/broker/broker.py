@@ -27,13 +27,12 @@ plain `q` starts a new default reader at the tail.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from queued.broker.admin import AdminOps, BrokerStatistics
 from queued.broker.base import wall_ms
 from queued.broker.gets import AfterCommit, MustWait
-from queued.broker.puts import Begun, JoinedPut, JoinedPuts
+from queued.broker.puts import JoinedPut, JoinedPuts
 from queued.broker.queues import PendingPut
 from queued.broker.registry import BrokerCounters
 from queued.broker.reliable import Owe
@@ -41,7 +40,7 @@ from queued.broker.reliable import Owe
 if TYPE_CHECKING:
     from queued.config import ServerConfig
 
-__all__ = ["AfterCommit", "Begun", "Broker", "BrokerCounters", "BrokerStatistics", "JoinedPut",
+__all__ = ["AfterCommit", "Broker", "BrokerCounters", "BrokerStatistics", "JoinedPut",
            "JoinedPuts", "MustWait", "Owe", "PendingPut", "wall_ms"]
 
 log = logging.getLogger("queued.broker")
@@ -65,24 +64,6 @@ class Broker(AdminOps):
         """Every planned journal change written and synced by policy, here and now
         (the reactor's pass); False, nothing done, while a writer round is under way."""
         return self.datadir.commit_now()
-
-    def commit_pass(self) -> int:
-        """The reactor's commit of a pass (DataDir.commit_pass): written now, synced by
-        the pipeline; the seq of the sync its replies wait for (`synced`), or -1 with
-        nothing done while a writer round is under way (`wait_round`, then again)."""
-        return self.datadir.commit_pass()
-
-    def synced(self) -> int:
-        """The seq of the newest sync of the pipeline that has ended."""
-        return self.datadir.synced()
-
-    def drain_syncs(self) -> None:
-        """Every sync of the pipeline ended (blocking): before the reactor stops."""
-        self.datadir.drain_syncs()
-
-    def on_synced(self, notify: Callable[[], None]) -> None:
-        """`notify` is called (from the sync thread) when a sync of the pipeline ends."""
-        self.datadir.pipeline.notify = notify
 
     async def wait_round(self) -> None:
         """Until no writer round is under way (then `commit_now` can run)."""

@@ -23,9 +23,6 @@ if TYPE_CHECKING:
 _perf_counter: Final = time.perf_counter
 #: The parts of a put joined, or begun on its own: [(part, how many items, key), ...].
 Parts = list[tuple["JoinedPut", int, bytes | None]]
-#: A pass's begun joins (`JoinedPuts.take`): each append with its parts, and the
-#: duplicates answered as the part they repeat.
-Begun = tuple[list[tuple["PendingPut | None", Parts]], list[tuple["JoinedPut", "JoinedPut"]]]
 
 
 class JoinedPut:
@@ -177,22 +174,10 @@ class JoinedPuts:
                                              strict=True):
                 part.answer = (puts[start].id, end - start, False)
 
-    def take(self) -> Begun:
-        """The pass's begun joins (after `begin_all`), to `end` once its commit is
-        durable; the next pass joins afresh meanwhile."""
-        begun, followers = self._begun, self._followers
-        self._begun, self._followers = [], []
-        return begun, followers
-
     def end_all(self) -> None:
         """After the pass's commit (every ticket set)."""
-        self.end(self.take())
-
-    def end(self, taken: Begun) -> None:
-        """After the commit of the pass `taken` came from (every ticket set)."""
-        begun, followers = taken
         now = _perf_counter()  # (and end together)
-        for pending, parts in begun:
+        for pending, parts in self._begun:
             error: Exception | None = None
             if pending is not None:
                 try:
@@ -203,10 +188,12 @@ class JoinedPuts:
                 part.ended = True
                 if part.error is None:
                     part.error = error
-        for follower, leader in followers:  # answered as the part they repeat
+        for follower, leader in self._followers:  # answered as the part they repeat
             follower.ended, follower.error, follower.pending = True, leader.error, leader.pending
             if leader.answer is not None:
                 follower.answer = (leader.answer[0], leader.answer[1], True)
+        self._begun.clear()
+        self._followers.clear()
 
 
 class PutPath(BrokerBase):

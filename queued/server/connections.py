@@ -53,9 +53,9 @@ EPOLLIN: Final = select.EPOLLIN
 class Link:
     """One connection as the reactor holds it (see `Turns` in queued.server.task_path)."""
 
-    __slots__ = ("closing", "deadline", "drained", "fd", "fresh", "handed", "held", "in_task",
-                 "inflight", "mask", "poll_due", "reactor", "rest", "seen", "session", "tls",
-                 "turn", "unsent", "unsent_since", "waiting_since", "wants_task")
+    __slots__ = ("closing", "deadline", "drained", "fd", "fresh", "handed", "in_task",
+                 "mask", "poll_due", "reactor", "rest", "seen", "session", "tls", "turn",
+                 "unsent", "unsent_since", "waiting_since", "wants_task")
 
     def __init__(self, reactor: Connections, session: Session, fd: int,
                  tls: TlsChannel | None) -> None:
@@ -78,10 +78,6 @@ class Link:
         self.seen = 0  # the session's request count at the last look
         self.poll_due = 0.0  # the earliest deadline of its RPC gets in line, as last pushed
         self.fresh = False  # read in this pass
-        #: passes of it whose commit is not durable yet (the reactor's pipeline): it is
-        #: answered, and handed to its task, only once they are
-        self.inflight = 0
-        self.held = False  # it has such a pass and waits for it in this one
 
     async def next(self) -> list[c.Parsed] | None:
         """Turns.next: the task waits here while the reactor serves the connection."""
@@ -394,7 +390,7 @@ class Connections:
         link.closing = True
         self.set_mask(link)
         self.again.pop(link, None)
-        if not (link.in_task or link.inflight):  # (else once its commits are durable)
+        if not link.in_task:
             self.hand(link, None)
 
     def hand(self, link: Link, rest: list[c.Parsed] | None) -> None:

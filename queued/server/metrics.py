@@ -121,8 +121,6 @@ class Snapshot:
     intent_appends: int = 0
     intent_settles: int = 0
     intents_replayed: int = 0
-    pipelined_passes: int = 0
-    pipelined_syncs: int = 0
     disk: DiskUsage | None = None
     server_wide: bool = True
     #: exactly-once puts: producers remembered now (loaded queues), and what the tables did
@@ -175,8 +173,6 @@ def take_snapshot(server: StatsSource | None, *, ready: bool, max_readers: int,
         intent_appends=dd.intent_appends,
         intent_settles=dd.intent_settles,
         intents_replayed=dd.intents_replayed,
-        pipelined_passes=dd.pipelined_passes,
-        pipelined_syncs=dd.pipelined_syncs,
         disk=disk_usage(broker.datadir.path),
         producers=sum(len(qs.producers) for qs in broker.queues.values()
                       if qs.producers is not None),
@@ -403,9 +399,8 @@ class SnapshotCollector(Collector):
         if s.pass_seconds is not None:
             yield _histogram("queued_reactor_pass_seconds",
                              "Time each pass of the reactor that ran requests took, from its "
-                             "reads to its sends (under fsync always to its writes: its sync "
-                             "runs on the sync thread): the connections it did not serve "
-                             "waited that long.", s.pass_seconds)
+                             "reads to its sends: the connections it did not serve waited "
+                             "that long.", s.pass_seconds)
         yield GaugeMetricFamily("queued_recovery_duration_seconds",
                                 "Time the startup recovery took.", value=s.recovery_seconds)
         yield GaugeMetricFamily("queued_recovery_truncated_bytes",
@@ -421,14 +416,6 @@ class SnapshotCollector(Collector):
                                   "Times the intent log was emptied (a syncfs) before a "
                                   "segment was removed or replaced, or once it was large.",
                                   value=s.intent_settles)
-        yield CounterMetricFamily("queued_commit_pipelined_passes",
-                                  "Passes of the reactor under fsync always whose sync ran on "
-                                  "the sync thread while the next passes ran.",
-                                  value=s.pipelined_passes)
-        yield CounterMetricFamily("queued_commit_pipelined_syncs",
-                                  "Syncs of the sync thread: each makes every pass written "
-                                  "while the one before ran durable at once.",
-                                  value=s.pipelined_syncs)
         if s.disk is not None:
             yield GaugeMetricFamily("queued_disk_free_bytes",
                                     "Free bytes on the data directory's file system.",

@@ -6,17 +6,13 @@ every ready connection once (a plain one with `os.read` of at most 64 KiB, into 
 bytes its codec takes; a TLS connection's ciphertext into one reused 64 KiB buffer,
 decrypted there, and what it is sent encrypted on the way out), run every
 complete request of all of them that needs no wait through the session's synchronous
-core (`Session.run_nowait`), commit once for the whole pass (`Broker.commit_pass`: one
-write per touched file, then each file's fsync policy), answer (`Session.end_pass`),
-and send every reply. Under `always` the pass's sync runs on the pipeline's thread
-(queued.storage.pipeline) while the next passes run: the pass is answered (`_answer`)
-once the thread says it has ended, after every pass before it; meanwhile a connection
-of it may run more puts (answered after its earlier ones), and nothing else. A request
-that must wait (a login, a long poll with nothing to take,
+core (`Session.run_nowait`), commit once for the whole pass (`Broker.commit_now`: one
+write per touched file, then each file's fsync policy, on this thread: under `always`
+the replies go out once the pass's data is durable), answer (`Session.end_pass`), and
+send every reply. A request that must wait (a login, a long poll with nothing to take,
 a put that makes room, a rare command) is handed to the connection's own task
 (`Session.serve_turns`), which gives the connection back when it is done. Never blocks
-inside a pass but for a commit that opens or replaces a file (it waits for the syncs
-under way, then syncs on this thread); every few passes it yields to trio. Between
+inside a pass but for the commit's fsyncs; every few passes it yields to trio. Between
 passes it may wait for the next requests outside trio's scheduler for a millisecond,
 while trio has nothing to do (`Reactor._linger`).
 """
@@ -36,7 +32,7 @@ from typing import Any, Final
 
 import trio
 
-from queued.broker.broker import Begun, Broker, JoinedPuts
+from queued.broker.broker import Broker, JoinedPuts
 from queued.server.connections import (
     BUFFER_CAP,
     EPOLLIN,
@@ -132,7 +128,6 @@ class ReactorStatistics:
     lingered: int  # of those, the ones that ended with a connection to read
     gave_way: int  # ... and the ones that ended as trio had something (the rest timed out)
     pass_seconds: HistogramSnapshot  # how long the passes that ran requests took
-    overlapped: int = 0  # passes that ran while an earlier one's sync was under way
 
 
 class Reactor(Connections):
@@ -155,11 +150,6 @@ class Reactor(Connections):
         self.pass_seconds = Histogram(PASS_BUCKETS)
         #: trio's clock (`trio.current_time` without its two calls on the way), once run
         self.clock: Callable[[], float] = trio.current_time
-        #: passes whose commit is not durable yet, in order: the seq of the sync they
-        #: wait for (Broker.commit_pass), their joined puts, the links they ran
-        self.commits: collections.deque[tuple[int, Begun, list[Link]]] = collections.deque()
-        #: passes that ran while an earlier one's sync was under way
-        self.overlapped = 0
 
     async def serve(self, session: Session, stream: trio.SocketStream,
                     transport: ReactorTransport) -> None:
@@ -189,8 +179,7 @@ class Reactor(Connections):
 
     def statistics(self) -> ReactorStatistics:
         return ReactorStatistics(self.passes, self.requests, len(self.links), self.lingers,
-                                 self.lingered, self.gave_way, self.pass_seconds.snapshot(),
-                                 self.overlapped)
+                                 self.lingered, self.gave_way, self.pass_seconds.snapshot())
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -211,8 +200,6 @@ class Reactor(Connections):
         poll = self.epoll.poll
         epoll_fd = self.epoll.fileno()
         wait_readable = trio.lowlevel.wait_readable
-        broker = self.broker
-        broker.on_synced(self.wake)
         try:
             while True:
                 if not (self.again or streak):
@@ -234,14 +221,6 @@ class Reactor(Connections):
                     events = poll(0)
                 began = _perf_counter()
                 touched = self._read(events)
-                if self.commits:
-                    # A sync of the pipeline may have ended (its thread wakes the epoll,
-                    # after it says so: looked at once `_read` has taken the wake-up).
-                    done = broker.synced()
-                    if done >= self.commits[0][0]:
-                        self._answer(done)
-                    if touched and self.commits:
-                        self.overlapped += 1
                 if touched:
                     await self._run_pass(touched)
                     self._took(_perf_counter() - began, len(touched))
@@ -257,14 +236,9 @@ class Reactor(Connections):
                         if not link.in_task and not link.closing:
                             self.end(link)
         finally:
-            try:
-                if self.commits:  # their replies go (if the peers are still there)
-                    broker.drain_syncs()
-                    self._answer(broker.synced())
-            finally:
-                if self.linger_poll is not None:
-                    self.linger_poll.close()
-                self.close()
+            if self.linger_poll is not None:
+                self.linger_poll.close()
+            self.close()
 
     def _took(self, seconds: float, links: int) -> None:
         """A pass that ran requests took `seconds` (from its reads to its sends)."""
@@ -398,8 +372,6 @@ class Reactor(Connections):
         try:
             for link in touched:
                 if not (link.in_task or link.closing):
-                    if link.inflight and self._held(link):
-                        continue
                     try:
                         self._run(link)
                     except Exception:  # one connection's failure must not stop the others
@@ -410,83 +382,20 @@ class Reactor(Connections):
         finally:
             broker.defer_writes(False)
             self.in_pass = False
-        while (seq := broker.commit_pass()) < 0:
+        while not broker.commit_now():
             await broker.wait_round()  # (a checkpoint's round, say: rare)
-        done = broker.synced()
-        if seq <= done and not self.commits:  # durable now (fsync never, say)
-            self.joined.end_all()
-            now = self.clock()
-            for link in touched:
-                if not (link.in_task or link.closing):
-                    self._finish_safely(link, now)
-            return
-        # Its sync runs on the pipeline's thread (fsync always): answered once it ends
-        # (`_answer`, woken by the thread), after every earlier pass's; the next passes
-        # run meanwhile, over the other connections and more puts of these.
-        ran = [link for link in touched if not (link.held or link.in_task or link.closing)]
-        self.commits.append((seq, self.joined.take(), ran))
-        for link in ran:
-            link.inflight += 1
-        for link in touched:
-            link.held = False
-            if link.rest is not None and link.mask & EPOLLIN:
-                self.set_mask(link)  # (not read until it is answered)
-        if seq <= done:
-            self._answer(done)
-
-    @staticmethod
-    def _held(link: Link) -> bool:
-        """A link with a pass waiting for its sync runs more puts only (answered in
-        order after that pass's); True (`held`: it waits, not read) if it has anything
-        else to run or answer first."""
-        session = link.session
-        if link.rest is None and session.begun and not (
-                session.owed or session.polls or session.long_poll is not None):
-            return False
-        if link.rest is None:
-            link.rest = []  # (what it has buffered runs once it is answered)
-        link.held = True
-        return True
-
-    def _answer(self, done: int) -> None:
-        """Answer the passes whose sync ended (`done`: the newest seq that has): their
-        puts ended (made visible), each link's replies sent, its next step decided; a
-        link with a later pass still waiting gets the replies that are ready now."""
-        commits = self.commits
-        joined = self.joined
+        self.joined.end_all()
         now = self.clock()
-        while commits and commits[0][0] <= done:
-            _, taken, links = commits.popleft()
-            joined.end(taken)
-            for link in links:
-                link.inflight -= 1
-                if link.in_task:
-                    continue
-                if link.closing:  # (the server stops, say: its end waited for this)
-                    if not link.inflight:
-                        session = link.session
-                        if not session.lost and session.end_pass() and session.out:
-                            self.write(link, session.out)  # (before the socket closes)
-                            session.out.clear()
-                        self.hand(link, None)
-                    continue
-                if not link.inflight:
-                    self._finish_safely(link, now)
-                    continue
-                session = link.session
-                session.end_part()
-                if session.out:
-                    self.write(link, session.out)
-                    session.out.clear()
-
-    def _finish_safely(self, link: Link, now: float) -> None:
-        try:
-            self._finish(link, now)
-        except Exception:  # one connection's failure must not stop the others
-            log.exception("%s: answering a pass failed; closing the connection",
-                          link.session.name)
-            link.session.done = True
-            self.end(link)
+        for link in touched:
+            if link.in_task or link.closing:
+                continue
+            try:
+                self._finish(link, now)
+            except Exception:  # one connection's failure must not stop the others
+                log.exception("%s: answering a pass failed; closing the connection",
+                              link.session.name)
+                link.session.done = True
+                self.end(link)
 
     def _finish(self, link: Link, now: float) -> None:
         """After the pass's commit: answer, send, and decide what comes next for it."""

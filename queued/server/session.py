@@ -377,34 +377,6 @@ class Session(PassGets):
         if self.owed and any(not t.done for o in self.owed for t in o.tickets):
             return False
         begun, self.begun = self.begun, []
-        self._answer_begun(begun)
-        if self.owed:
-            owed, self.owed = self.owed, []
-            self.place_owed(owed)
-        return True
-
-    def end_part(self) -> None:
-        """After a commit while a later one of the reactor's pipeline has more of this
-        connection's puts (queued.storage.pipeline): answer the begun puts that ended
-        (the first ones), and the replies held back for confirms and aborts once they
-        are durable; the rest wait for that commit (`end_pass`)."""
-        begun = self.begun
-        k = 0
-        for _, p in begun:
-            if type(p) is PendingPut and p.ticket is not None and not p.ticket.done:
-                break
-            if type(p) is JoinedPut and not p.ended:
-                break
-            k += 1
-        if k:
-            self.begun = begun[k:]
-            self._answer_begun(begun[:k])
-        if self.owed and all(t.done for o in self.owed for t in o.tickets):
-            owed, self.owed = self.owed, []
-            self.place_owed(owed)
-
-    def _answer_begun(self, begun: list[tuple[list[tuple[c.Request, c.Put]],
-                                              PendingPut | JoinedPut | Exception]]) -> None:
         for group, pending in begun:
             result: PendingPut | Exception | None
             answer = None
@@ -420,5 +392,9 @@ class Session(PassGets):
             else:
                 result = pending  # type: ignore[assignment]
             self.answer_puts(group, result, answer)
+        if self.owed:
+            owed, self.owed = self.owed, []
+            self.place_owed(owed)
+        return True
 
 

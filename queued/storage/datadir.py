@@ -45,9 +45,8 @@ from queued.storage.files import (
 from queued.storage.intent_log import INTENT_FILE
 from queued.storage.intent_log import replay as replay_intents
 from queued.storage.journal import Planned, QueueJournal, ReaderWork
-from queued.storage.pipeline import Pipeline, SyncGroup
 from queued.storage.recovery import Damage, scan_segment
-from queued.storage.synced_files import ALWAYS, NEVER, SegmentFile
+from queued.storage.synced_files import NEVER, SegmentFile
 from queued.storage.write_plans import Chunk, ReaderOp
 from queued.storage.writer import ReaderFile, Writer, WriteResult
 
@@ -124,9 +123,6 @@ class DataDirStats:
     intent_appends: int = 0
     intent_settles: int = 0
     intents_replayed: int = 0
-    #: the pipelined commit: the reactor's passes it took, the syncs that covered them
-    pipelined_passes: int = 0
-    pipelined_syncs: int = 0
 
 
 class DataDir:
@@ -154,8 +150,6 @@ class DataDir:
         self.deferring = False
         #: when the sleeping writer wakes by itself (-inf while it is awake)
         self._asleep_until = float("-inf")
-        #: the reactor's passes under fsync "always": synced on a thread of their own
-        self.pipeline = Pipeline(path, self.writer.intents, self.writer.observe_fsync)
 
     # -- opening and recovery -----------------------------------------------------
 
@@ -544,81 +538,6 @@ class DataDir:
             return True
         if self._in_round or self._closing or self.writer.busy:
             return False
-        journals, work, files, readers, reader_ops = self._take_dirty()
-        results = self.writer.write_round_now(files, reader_ops)
-        self._finish_round(work, results, readers)
-        self._wake_for_periodic(journals)
-        return True
-
-    def commit_pass(self) -> int:
-        """The reactor's commit of a pass: every planned change written here and now;
-        the appends under fsync "always" made durable by the pipeline's sync thread
-        (queued.storage.pipeline) while the next passes run. Returns the seq of the
-        sync the pass's replies wait for (they may go once `synced()` reaches it: at
-        once for a pass with nothing to sync while none is under way), or -1, with
-        nothing done, while a writer round is under way or waits (call `wait_round` and
-        again). A pass that opens, rotates, replaces or removes a file first waits for
-        the syncs under way (`drain_syncs`), then commits as `commit_now` does."""
-        p = self.pipeline
-        if not self._dirty:
-            return p.latest
-        if self._in_round or self._closing or (
-                p.busy and self.writer.wanted) or (self.writer.busy and not p.busy):
-            self.drain_syncs()  # (a round waits for the writer's lock, which they hold)
-            return -1
-        journals, work, files, readers, reader_ops = self._take_dirty()
-        syncing: bool = p.busy
-        if not syncing:
-            for f, _ in files:
-                if f.fsync.mode is ALWAYS and f.failed is None:
-                    syncing = True
-                    break
-            else:
-                for rf, _ in reader_ops:
-                    if rf.fsync.mode is ALWAYS and rf.failed is None:
-                        syncing = True
-                        break
-        if syncing and p.can_take(files, reader_ops):
-            if not p.busy:
-                held = self.writer.hold_for_pipeline()
-                assert held, "the writer's lock is free when no round is under way"
-            seq = p.write(work, files, readers, reader_ops)
-        else:
-            self.drain_syncs()
-            results = self.writer.write_round_now(files, reader_ops)
-            self._finish_round(work, results, readers)
-            seq = p.done
-        self._wake_for_periodic(journals)
-        return seq
-
-    def synced(self) -> int:
-        """The seq of the newest sync of the pipeline that has ended (what it covered
-        noted on the journals, their tickets set); cheap while none has."""
-        p = self.pipeline
-        if p.running is not None:
-            group = p.poll()
-            if group is not None:
-                self._synced(group)
-        return p.done
-
-    def drain_syncs(self) -> None:
-        """Wait for every sync of the pipeline (blocking the caller's thread: at most
-        two syncs) and note what they covered; the writer's lock is let go."""
-        p = self.pipeline
-        while (group := p.wait()) is not None:
-            self._synced(group)
-
-    def _synced(self, group: SyncGroup) -> None:
-        for work in group.passes:
-            self._finish_round(*self.pipeline.results_of(group, work))
-        if not self.pipeline.busy:
-            self.writer.let_go_for_pipeline()
-
-    def _take_dirty(self) -> tuple[list[QueueJournal], list[tuple[QueueJournal, list[Planned]]],
-                                   list[tuple[SegmentFile, Sequence[Chunk]]],
-                                   list[tuple[QueueJournal, ReaderWork]],
-                                   list[tuple[ReaderFile, Sequence[ReaderOp]]]]:
-        """Every planned change, taken for a commit here and now."""
         # (one loop, not a comprehension per list: a pass's commit usually has one queue)
         work: list[tuple[QueueJournal, list[Planned]]] = []
         files: list[tuple[SegmentFile, Sequence[Chunk]]] = []
@@ -635,11 +554,10 @@ class DataDir:
                 ops = j.take_reader_ops()
                 readers.append((j, ops))
                 reader_ops += ops
-        return journals, work, files, readers, reader_ops
-
-    def _wake_for_periodic(self, journals: list[QueueJournal]) -> None:
-        """Periodic policy: what was just written owes an fsync the writer's task must
-        come back for (it may sleep past it, or for good when nothing else is written)."""
+        results = self.writer.write_round_now(files, reader_ops)
+        self._finish_round(work, results, readers)
+        # Periodic policy: what was just written owes an fsync the writer's task must
+        # come back for (it may sleep past it, or for good when nothing else is written).
         owed = math.inf
         for j in journals:
             d = j.fsync_deadline()
@@ -647,6 +565,7 @@ class DataDir:
                 owed = d
         if owed < self._asleep_until:
             self._wake.set()
+        return True
 
     async def wait_round(self) -> None:
         """Until the writer has no round (or pause) under way: a checkpoint, say."""
@@ -771,7 +690,6 @@ class DataDir:
             try:
                 await trio.to_thread.run_sync(close_all)
             finally:
-                self.pipeline.close()
                 self.writer.close()
 
     def statistics(self) -> DataDirStats:
@@ -786,6 +704,4 @@ class DataDir:
             intent_appends=self.writer.intents.appends,
             intent_settles=self.writer.intents.settles,
             intents_replayed=self.report.intents_replayed,
-            pipelined_passes=self.pipeline.passes,
-            pipelined_syncs=self.pipeline.syncs,
         )

@@ -265,11 +265,6 @@ class SegmentFile(SyncedFile):
             return WriteResult([], self.set_failed(f"fsync failed: {exc}"))
         return WriteResult(done, error)
 
-    def can_append(self, chunks: Sequence[Chunk]) -> bool:
-        """True when `chunks` go to the open segment (no rotation, no new file: nothing
-        but the file's own sync makes them durable)."""
-        return self._fd is not None and not any(c.rotate for c in chunks)
-
     def can_write_inline(self, chunks: Sequence[Chunk]) -> bool:
         """True when writing `chunks` needs no fsync and opens no file."""
         if self._fd is None or any(c.rotate for c in chunks):
@@ -331,11 +326,9 @@ class ReaderFile(SyncedFile):
     def describe(self) -> str:
         return f"queue {self.queue!r} reader {self.reader!r}"
 
-    def write(self, ops: Sequence[ReaderOp], *, sync: bool = True) -> None:
+    def write(self, ops: Sequence[ReaderOp]) -> None:
         """Carry out `ops` in order, then sync the appends as the policy says; sets
-        `failed` on every op that is not durable. One that fails stops the rest.
-        `sync=False`: appends only, synced by the caller (who sets `failed` on them if
-        that fails: the pipelined commit, queued.storage.pipeline)."""
+        `failed` on every op that is not durable. One that fails stops the rest."""
         covered = 0  # ops before this index are durable whatever the last sync does
         for i, op in enumerate(ops):
             try:
@@ -355,19 +348,12 @@ class ReaderFile(SyncedFile):
                     rest.failed = error
                 ops = ops[:i]
                 break
-        if not sync:
-            return
         try:
             self._sync_by_policy()
         except OSError as exc:
             error = self.set_failed(f"fsync failed: {exc}")
             for op in ops[covered:]:
                 op.failed = error
-
-    def can_append(self, ops: Sequence[ReaderOp]) -> bool:
-        """True when `ops` are appends to the open file (no file opened, replaced or
-        removed: nothing but the file's own sync makes them durable)."""
-        return self._fd is not None and all(op.appends for op in ops)
 
     def can_write_inline(self, ops: Sequence[ReaderOp]) -> bool:
         """True when `ops` are appends to the open file that need no fsync now."""

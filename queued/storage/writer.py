@@ -104,32 +104,12 @@ class RoundLock:
     def __init__(self) -> None:
         self._lock = trio.Lock()
         self.held = False
-        self.waiting = 0  # tasks waiting for it
 
     async def __aenter__(self) -> None:
-        self.waiting += 1
-        try:
-            await self._lock.acquire()
-        finally:
-            self.waiting -= 1
+        await self._lock.acquire()
         self.held = True
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self.held = False
-        self._lock.release()
-
-    def try_hold(self) -> bool:
-        """Take the lock without waiting (False: a round, a pause or a task waiting for
-        it has it); the same task lets go with `let_go` (the pipelined commit's, from the
-        reactor's task: see queued.storage.pipeline)."""
-        try:
-            self._lock.acquire_nowait()
-        except trio.WouldBlock:
-            return False
-        self.held = True
-        return True
-
-    def let_go(self) -> None:
         self.held = False
         self._lock.release()
 
@@ -173,32 +153,15 @@ class Writer:
 
     def segment_file(self, queue: str, fsync: FsyncPolicy, last_number: int) -> SegmentFile:
         """The writer side of queue `queue`, whose newest segment number is `last_number`."""
-        return SegmentFile(self.directory, queue, fsync, last_number, self.observe_fsync)
+        return SegmentFile(self.directory, queue, fsync, last_number, self._observe_fsync)
 
     def reader_file(self, queue: str, reader: str, fsync: FsyncPolicy) -> ReaderFile:
         """The writer side of reader `reader`'s checkpoint file of queue `queue`."""
-        return ReaderFile(self.directory, queue, reader, fsync, self.observe_fsync)
+        return ReaderFile(self.directory, queue, reader, fsync, self._observe_fsync)
 
-    def observe_fsync(self, seconds: float) -> None:
-        """One sync took `seconds` (from any thread)."""
+    def _observe_fsync(self, seconds: float) -> None:
         with self._fsync_lock:
             self._fsync.observe(seconds)
-
-    def hold_for_pipeline(self) -> bool:
-        """The writer's lock taken for the pipelined commit (queued.storage.pipeline),
-        without waiting; False if a round or pause has it or waits for it."""
-        if self._lock.try_hold():
-            self._rounds += 1
-            return True
-        return False
-
-    def let_go_for_pipeline(self) -> None:
-        self._lock.let_go()
-
-    @property
-    def wanted(self) -> bool:
-        """A task waits for the lock (a round, a pause): the pipeline lets go soon."""
-        return self._lock.waiting > 0
 
     async def write_round(
         self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]],
@@ -271,7 +234,7 @@ class Writer:
             failed = {id(f): f.set_failed(f"the pass's sync failed: {exc}") for f in together}
             return [WriteResult([], failed[id(f)]) if id(f) in failed else r
                     for (f, _), r in zip(work, results, strict=True)]
-        self.observe_fsync(time.monotonic() - started)
+        self._observe_fsync(time.monotonic() - started)
         for f in together:
             f.synced_with_others()
         return results
