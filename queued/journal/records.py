@@ -137,7 +137,6 @@ INCARNATION_MARK: Final = ext_mark(EXT_INCARNATION)
 MAX_ID: Final = (1 << 63) - 1
 MAX_DATA_SIZE: Final = (1 << 31) - 1
 MAX_FLAGS: Final = (1 << 32) - 1  # memcache flags are 32-bit unsigned
-#: (Final, bound and imported by name: compiled, a static each, not a look-up per call)
 
 
 def crc_seed(offset: int) -> int:
