@@ -55,7 +55,6 @@ _CRC: Final = struct.Struct(">I")
 #: after the crc: the epoch's low 32 bits, data length, offset, name length
 _FIXED: Final = struct.Struct(">IIQH")
 RECORD_OVERHEAD: Final = _CRC.size + _FIXED.size
-_EMPTY: Final = bytearray()  # (its `join` makes a bytearray: the crcs are packed into it)
 #: Once the log holds this much, the next pass settles it first.
 SETTLE_BYTES: Final = 64 * 1024 * 1024
 #: The file grows by zeros in steps of this (records are written over them).
@@ -142,14 +141,13 @@ class IntentLog:
                 parts += pieces
                 total += RECORD_OVERHEAD + len(encoded) + length
                 ends.append(total)
-            out = _EMPTY.join(parts)
+            out = bytearray().join(parts)  # (a bytearray: the crcs are packed into it)
             seed = self._seed
             start = 0
             with memoryview(out) as view:
                 for end in ends:
                     _CRC.pack_into(out, start, crc32(view[start + _CRC.size : end], seed))
                     start = end
-            total = len(out)
             if self._pos + total > self._allocated:
                 self._grow(fd, self._pos + total)
             try:
@@ -221,6 +219,10 @@ class IntentLog:
                 self._fail(f"cannot make it: {exc.strerror or exc}")
             raise
         self._fd = fd
+        self._headed(head, epoch)
+
+    def _headed(self, head: bytes, epoch: int) -> None:
+        """`head` (of `epoch`) is the log's, durable: the next records go after it."""
         self._seed = crc32(head)
         self._prefix = bytes(_CRC.size) + epoch.to_bytes(4, "big")
         self._pos = len(head)
@@ -270,10 +272,7 @@ class IntentLog:
         except OSError as exc:
             self._fail(f"settling failed: {exc.strerror or exc}")
             raise
-        self._seed = crc32(head)
-        self._prefix = bytes(_CRC.size) + epoch.to_bytes(4, "big")
-        self._pos = len(head)
-        self._records = 0
+        self._headed(head, epoch)
         self.settles += 1
 
     def _settle_failed(self) -> None:
