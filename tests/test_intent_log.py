@@ -89,9 +89,12 @@ def a_retirable_segment(tmp_path: Path) -> tuple[
     return dd, files, paths, [SegmentInfo(1, paths[0], size=paths[0].stat().st_size)]
 
 
-def test_passes_come_back_from_the_log_alone(fs: PowerLossFS, tmp_path: Path) -> None:
+# Many files, and one or two whose pass is small (LOG_SMALL_PASS): the log stands for them.
+@pytest.mark.parametrize("n_files", [1, 2, N_FILES])
+def test_passes_come_back_from_the_log_alone(fs: PowerLossFS, tmp_path: Path,
+                                             n_files: int) -> None:
     writer = Writer(tmp_path)
-    files = new_files(writer)
+    files = new_files(writer, n_files)
     paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
     a_pass(writer, files, 2, b"b")
     assert writer.intents.appends == 2
@@ -99,9 +102,9 @@ def test_passes_come_back_from_the_log_alone(fs: PowerLossFS, tmp_path: Path) ->
     power_cut(fs, writer, files)
     # The files' entries are there (a pass that makes a file fsyncs the directory), their
     # bytes are not: all of them are in the log.
-    assert [p.stat().st_size for p in paths] == [0] * N_FILES
+    assert [p.stat().st_size for p in paths] == [0] * n_files
     records, nbytes = replay(tmp_path)
-    assert records == 2 * N_FILES
+    assert records == 2 * n_files
     assert nbytes == sum(p.stat().st_size for p in paths) > 0
     assert not (tmp_path / INTENT_FILE).exists()
     for i, p in enumerate(paths):
@@ -250,6 +253,35 @@ def test_a_big_pass_syncs_its_files_instead(fs: PowerLossFS, tmp_path: Path) -> 
     writer.close()
     for f in files:
         f.close()
+
+
+@pytest.mark.parametrize("n_files", [1, N_FILES - 2])
+def test_a_pass_of_few_files_over_the_small_bytes_fsyncs_each(
+        fs: PowerLossFS, tmp_path: Path, n_files: int) -> None:
+    # Fewer files than SYNC_TOGETHER and more than LOG_SMALL_PASS bytes: each file's own
+    # fsync (on the pool when several), no log; then a small pass of them uses the log.
+    writer = Writer(tmp_path)
+    files = new_files(writer, n_files)
+    before = fs.fsyncs
+    a_pass(writer, files, 1, b"a" * (writer_module.LOG_SMALL_PASS // n_files + 1))
+    assert writer.intents.appends == 0 and fs.sync_files_calls == []
+    assert all(f.fsyncs == 1 for f in files) and fs.fsyncs - before == n_files
+    a_pass(writer, files, 2, b"b")
+    assert writer.intents.appends == 1 and all(f.fsyncs == 2 for f in files)
+    writer.close()
+    for f in files:
+        f.close()
+
+
+def test_a_pass_under_another_policy_never_uses_the_log(fs: PowerLossFS,
+                                                         tmp_path: Path) -> None:
+    writer = Writer(tmp_path)
+    for policy in ("never", "100"):
+        file = writer.segment_file(f"q{policy}", FsyncPolicy.parse(policy), 0)
+        assert writer.write_round_now([(file, [chunk(1, [b"a"])])])[0].written
+        file.close()
+    assert writer.intents.appends == 0 and not (tmp_path / INTENT_FILE).exists()
+    writer.close()
 
 
 def test_retiring_a_segment_settles_the_log_first(fs: PowerLossFS, tmp_path: Path) -> None:

@@ -390,7 +390,8 @@ async def test_commands_errors_connections_and_latency(tmp_path: Path) -> None:
         assert m[("queued_recovery_duration_seconds", NONE)] >= 0
         assert m[("queued_recovery_truncated_bytes", NONE)] == 0
         assert m[("queued_recovery_intents_replayed", NONE)] == 0
-        assert m[("queued_intent_log_appends_total", NONE)] == 0  # one queue per pass here
+        # (one queue per pass here, each pass small: the log makes each durable)
+        assert m[("queued_intent_log_appends_total", NONE)] >= 1
         assert m[("queued_intent_log_settles_total", NONE)] == 0
         assert m[("queued_disk_total_bytes", NONE)] > m[("queued_disk_free_bytes", NONE)] > 0
 

@@ -330,8 +330,9 @@ async def test_a_one_request_client_is_served_without_a_trip_through_trio(
         assert server.broker.reader_info("q")["items"] == sent
 
 
-class SlowFsync(fileio.FileIO):
-    """Journal fsyncs that take `seconds` longer (a disk busy with another's writes)."""
+class SlowSync(fileio.FileIO):
+    """Syncs (a segment's fsync, the intent log's fdatasync) that take `seconds` longer (a
+    disk busy with another's writes)."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -340,13 +341,17 @@ class SlowFsync(fileio.FileIO):
         time.sleep(self.seconds)
         super().fsync(fd)
 
+    def fdatasync(self, fd: int) -> None:
+        time.sleep(self.seconds)
+        super().fdatasync(fd)
+
 
 async def test_a_slow_pass_is_counted_in_its_bucket_and_logged(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """Each pass that ran requests is timed, from its reads to its sends (the reactor's
     `queued_reactor_pass_seconds`); one over SLOW_PASS is logged as well. A set under
-    `always` whose fsync takes 60 ms makes a pass of 60 ms or more."""
+    `always` whose sync takes 60 ms makes a pass of 60 ms or more."""
     monkeypatch.setattr(reactor_module, "SLOW_PASS", 0.05)
     async with running(reactor_config(tmp_path, fsync="always")) as server:
         assert server.reactor is not None
@@ -355,7 +360,7 @@ async def test_a_slow_pass_is_counted_in_its_bucket_and_logged(
             assert await conn.set("q", b"quick") == b"STORED"
             before = server.reactor.statistics().pass_seconds
             assert before.count >= 1
-            monkeypatch.setattr(fileio, "_current", SlowFsync(0.06))
+            monkeypatch.setattr(fileio, "_current", SlowSync(0.06))
             with caplog.at_level(logging.WARNING, logger="queued.server"):
                 assert await conn.set("q", b"slow") == b"STORED"
             after = server.reactor.statistics().pass_seconds

@@ -410,8 +410,9 @@ class SnapshotCollector(Collector):
                                 "Intent log records the startup wrote back into their "
                                 "segments (after a crash).", value=s.intents_replayed)
         yield CounterMetricFamily("queued_intent_log_appends",
-                                  "Passes over many queues under fsync always made durable "
-                                  "by one fdatasync of the intent log.", value=s.intent_appends)
+                                  "Passes under fsync always (over many queues, or small) "
+                                  "made durable by one fdatasync of the intent log.",
+                                  value=s.intent_appends)
         yield CounterMetricFamily("queued_intent_log_settles",
                                   "Times the intent log was emptied (a syncfs) before a "
                                   "segment was removed or replaced, or once it was large.",

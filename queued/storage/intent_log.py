@@ -1,11 +1,12 @@
 """The intent log: one durable point for a pass that appended to many segment files under
-fsync "always".
+fsync "always", or few bytes to one or a few (`writer.LOG_SMALL_PASS`).
 
 Such a pass writes its batches to their segment files (the files of record, in the
 seed's format) without an fsync each; the same bytes, with each file's name and offset,
 are written to this one log in the data directory, and one fdatasync of the log makes
-the whole pass durable, where an fsync of each file in turn costs one each and `syncfs`
-writes back every dirty file of the file system on the server's thread. The log's file
+the whole pass durable, where an fsync of each file in turn costs one each, `syncfs`
+writes back every dirty file of the file system on the server's thread, and even one
+appended file's fsync writes its new size as well as its data. The log's file
 is zeros ahead of its records (grown in GROW_BYTES steps), so a record is written over
 blocks the file has and its fdatasync writes that data alone, not the file's size too.
 After a power cut, `replay` writes the log's records back into their files at their

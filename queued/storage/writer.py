@@ -51,6 +51,12 @@ INLINE_ROUND_BYTES = 256 * 1024
 #: Segment files a round on the caller's thread syncs together (`fileio.sync_files`)
 #: rather than one fsync each, from this many on.
 SYNC_TOGETHER: Final = 4
+#: ... and a pass of fewer files whose bytes under `always` are at most this many goes
+#: through the intent log too: its fdatasync over zeros costs about half the time and
+#: CPU of an appended segment's fsync (`bench/fsync_forms.py`: 104 against 205 us for
+#: 4 KB, 115 against 215 for 32 KB), more than the log's second copy of so few bytes
+#: (docs/benchmarks.md, "The intent log for small passes").
+LOG_SMALL_PASS: Final = 32 * 1024
 
 
 def run_round(
@@ -135,7 +141,7 @@ class Writer:
         self._fsync_lock = threading.Lock()  # files sync from the pool's threads at once
         self._round_thread = RoundThread()
         self._pool: ThreadPoolExecutor | None = None
-        #: the one durable point of a pass that wrote many segment files
+        #: the one durable point of a pass that wrote many segment files, or few bytes
         self.intents = IntentLog(directory)
         #: the round itself (`run_round`), called through this attribute: the seam a test
         #: replaces on the instance to hold a round (a compiled module calls its own
@@ -197,18 +203,20 @@ class Writer:
         at once by the pool (their fsyncs share the file system's journal commits)."""
         assert not self._lock.held, "a round or pause is under way"
         self._rounds += 1
-        if len(work) + len(readers) < 2:  # (one file: no pool, no syncfs; the usual pass)
-            return self.run_round(work, (), None, readers)
+        one = len(work) + len(readers) < 2
+        if one and not (work and self._small_logged(work)):
+            return self.run_round(work, (), None, readers)  # (one file: no pool, no log)
         pool = None
         if any(f.fsync.mode is ALWAYS
                for f in (*(f for f, _ in work), *(r for r, _ in readers))):
             pool = self._started_pool()
         together = [f for f, _ in work if f.fsync.mode is ALWAYS]
-        if len(together) < SYNC_TOGETHER:
+        if len(together) < SYNC_TOGETHER and not (one or self._small_logged(work)):
             return self.run_round(work, (), pool, readers)
-        # Many segment files to sync: write them all, then one durable point for them
-        # rather than an fsync each: the intent log's append (one fdatasync of one file),
-        # else syncfs (every dirty file of the file system written back).
+        # Many segment files to sync, or a small pass: write them all, then one durable
+        # point for them rather than an fsync each: the intent log's append (one
+        # fdatasync of one file), else syncfs (every dirty file of the file system
+        # written back).
         intents: list[Intent] | None = [] if self.intents.usable else None
         nbytes = 0
         results: list[WriteResult] = []
@@ -238,6 +246,21 @@ class Writer:
         for f in together:
             f.synced_with_others()
         return results
+
+    def _small_logged(self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]]) -> bool:
+        """Whether a pass over fewer than SYNC_TOGETHER files goes through the intent log:
+        some file of it is synced `always` and those files' bytes are at most
+        LOG_SMALL_PASS."""
+        if not self.intents.usable:
+            return False
+        nbytes = 0
+        always = False
+        for file, chunks in work:
+            if file.fsync.mode is ALWAYS:
+                always = True
+                for c in chunks:
+                    nbytes += c.nbytes
+        return always and nbytes <= LOG_SMALL_PASS
 
     def _logged(self, intents: list[Intent]) -> bool:
         """`intents` made durable by the intent log; False (nothing made durable) when
