@@ -26,6 +26,7 @@ from queued.storage.datadir import DataDir
 from queued.storage.files import SegmentInfo
 from queued.storage.intent_log import (
     _HEAD,
+    FLUSH_BYTES,
     GROW_BYTES,
     INTENT_FILE,
     PASS_BYTES,
@@ -471,6 +472,54 @@ def test_the_log_grows_by_zeros_and_reads_back_across_the_step(tmp_path: Path) -
 class SyncAllFails(PowerLossFS):
     def sync_all(self, directory: fileio.StrPath) -> None:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+@pytest.mark.parametrize("sync_fails", [False, True])
+def test_the_file_system_is_synced_on_a_thread_every_flush_bytes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, sync_fails: bool) -> None:
+    """Past FLUSH_BYTES appended, a thread syncs the file system (the segments the log
+    stands for are then written back ahead of its settle); the log still stands for
+    them. A failed sync there is logged and changes nothing: the log goes on, and what it
+    holds comes back after a cut."""
+    fs = (SyncAllFails if sync_fails else PowerLossFS)(tmp_path)
+    previous = fileio.use(fs)
+    try:
+        writer = Writer(tmp_path)
+        file = writer.segment_file("q", FsyncPolicy(), 0)
+        data = b"x" * (1024 - 64)
+        last = 0
+        while writer.intents.size < FLUSH_BYTES // 2:  # (passes of 8 items, each logged)
+            last += 1
+            result = writer.write_round_now([(file, [chunk(last, [data] * 8)])])[0]
+            last += 7
+            assert result.written and writer.intents.appends
+        assert writer.intents.settles == 0 and fs.names[str(file_path(tmp_path, result))
+                                                        ].durable == b""
+        while writer.intents.size <= FLUSH_BYTES:
+            last += 1
+            result = writer.write_round_now([(file, [chunk(last, [data] * 8)])])[0]
+            last += 7
+        writer.intents.wait_flushed()
+        path = file_path(tmp_path, result)
+        durable = fs.names[str(path)].durable
+        if sync_fails:
+            assert durable == b"" and "syncing the file system ahead of a settle failed" in (
+                caplog.text)
+        else:  # (the file's bytes when the sync began: the log's less its records' heads)
+            assert len(durable) > FLUSH_BYTES // 2 and not caplog.records
+            assert path.read_bytes().startswith(durable)
+        assert writer.intents.settles == 0 and writer.intents.failed is None
+        last += 1
+        assert writer.write_round_now([(file, [chunk(last, [b"end"])])])[0].written
+        power_cut(fs, writer, [file])
+        assert replay(tmp_path)[0] > 0
+        assert [i for i, _ in puts_in(path)] == list(range(1, last + 1))
+    finally:
+        fileio.use(previous)
+
+
+def file_path(tmp_path: Path, result: WriteResult) -> Path:
+    return tmp_path / jf.segment_name("q", result.written[0].number)
 
 
 def test_a_settle_that_fails_removes_no_segment(tmp_path: Path) -> None:
