@@ -53,6 +53,8 @@ INTENT_FILE: Final = "queued-intents"
 MAGIC: Final = b"QDINTENT"
 _HEAD: Final = struct.Struct(">8sQ")  # magic, epoch
 _CRC: Final = struct.Struct(">I")
+_CRC_SIZE: Final = 4  # (_CRC.size, without its look-up at each use)
+_pack_crc: Final = _CRC.pack_into
 #: after the crc: the epoch's low 32 bits, data length, offset, name length
 _FIXED: Final = struct.Struct(">IIQH")
 RECORD_OVERHEAD: Final = _CRC.size + _FIXED.size
@@ -153,7 +155,7 @@ class IntentLog:
             start = 0
             with memoryview(out) as view:
                 for end in ends:
-                    _CRC.pack_into(out, start, crc32(view[start + _CRC.size : end], seed))
+                    _pack_crc(out, start, crc32(view[start + _CRC_SIZE : end], seed))
                     start = end
             if self._pos + total > self._allocated:
                 self._grow(fd, self._pos + total)
@@ -258,7 +260,7 @@ class IntentLog:
     def _headed(self, head: bytes, epoch: int) -> None:
         """`head` (of `epoch`) is the log's, durable: the next records go after it."""
         self._seed = crc32(head)
-        self._prefix = bytes(_CRC.size) + epoch.to_bytes(4, "big")
+        self._prefix = bytes(_CRC_SIZE) + epoch.to_bytes(4, "big")
         self._pos = len(head)
         self._records = 0
 

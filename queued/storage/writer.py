@@ -94,6 +94,16 @@ RoundFunction = Callable[
     list[WriteResult]]
 
 
+def _created(results: list[WriteResult]) -> bool:
+    """Whether a write of `results` made a segment file (loops: compiled, a nested
+    generator in `any` costs some 1,000 instructions a pass)."""
+    for r in results:
+        for w in r.written:
+            if w.created:
+                return True
+    return False
+
+
 def _write_one(entry: tuple[SegmentFile, Sequence[Chunk]]) -> WriteResult:
     return entry[0].write(entry[1])
 
@@ -206,11 +216,10 @@ class Writer:
         one = len(work) + len(readers) < 2
         if one and not (work and self._small_logged(work)):
             return self.run_round(work, (), None, readers)  # (one file: no pool, no log)
-        pool = None
-        if any(f.fsync.mode is ALWAYS
-               for f in (*(f for f, _ in work), *(r for r, _ in readers))):
-            pool = self._started_pool()
         together = [f for f, _ in work if f.fsync.mode is ALWAYS]
+        pool = None
+        if together or any(r.fsync.mode is ALWAYS for r, _ in readers):
+            pool = self._started_pool()
         if len(together) < SYNC_TOGETHER and not (one or self._small_logged(work)):
             return self.run_round(work, (), pool, readers)
         # Many segment files to sync, or a small pass: write them all, then one durable
@@ -234,7 +243,7 @@ class Writer:
             if intents is None or nbytes > PASS_BYTES or not self._logged(intents):
                 fileio.sync_files([fd for f in together if (fd := f.fd) is not None],
                                   self.directory)
-            elif any(w.created for r in results for w in r.written):
+            elif _created(results):
                 # A file the pass made: its entry durable too, as after any new file
                 # (a later sync of the file alone would not bring it back).
                 fileio.fsync_dir(self.directory)
