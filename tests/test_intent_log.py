@@ -456,6 +456,33 @@ def test_a_failed_append_falls_back_to_syncing_the_files(
         fileio.use(previous)
 
 
+def test_a_small_pass_whose_append_fails_syncs_its_file_then_fsyncs_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """One file's small pass: its log append fails (fdatasync), so its file is synced
+    instead and the pass answered; with the log ended, the next pass fsyncs its file as
+    before the log took small passes. Every pass comes back after a cut."""
+    fs = LogWritesFail(tmp_path)
+    previous = fileio.use(fs)
+    try:
+        writer = Writer(tmp_path)
+        files = new_files(writer, 1)
+        paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
+        assert writer.intents.appends == 1 and fs.sync_files_calls == []
+        fs.fail_fdatasync = errno.EIO
+        with caplog.at_level(logging.ERROR, "queued.journal"):
+            a_pass(writer, files, 2, b"b")
+        assert fs.sync_files_calls == [1] and writer.intents.failed is not None
+        fsyncs = files[0].fsyncs
+        a_pass(writer, files, 3, b"c")
+        assert fs.sync_files_calls == [1] and files[0].fsyncs == fsyncs + 1
+        assert writer.intents.appends == 1
+        power_cut(fs, writer, files)
+        replay(tmp_path)
+        assert puts_in(paths[0]) == [(1, b"a0"), (2, b"b0"), (3, b"c0")]
+    finally:
+        fileio.use(previous)
+
+
 def test_the_log_grows_by_zeros_and_reads_back_across_the_step(tmp_path: Path) -> None:
     log = IntentLog(tmp_path)
     name = jf.segment_name("q", 5).encode()

@@ -53,11 +53,11 @@ INTENT_FILE: Final = "queued-intents"
 MAGIC: Final = b"QDINTENT"
 _HEAD: Final = struct.Struct(">8sQ")  # magic, epoch
 _CRC: Final = struct.Struct(">I")
-_CRC_SIZE: Final = 4  # (_CRC.size, without its look-up at each use)
+_CRC_SIZE: Final = 4  # (_CRC.size, a constant: no look-up at each use)
 _pack_crc: Final = _CRC.pack_into
 #: after the crc: the epoch's low 32 bits, data length, offset, name length
 _FIXED: Final = struct.Struct(">IIQH")
-RECORD_OVERHEAD: Final = _CRC.size + _FIXED.size
+RECORD_OVERHEAD: Final = _CRC_SIZE + _FIXED.size
 #: Once the log holds this much, the next pass settles it first.
 SETTLE_BYTES: Final = 64 * 1024 * 1024
 #: After this many bytes appended, the file system is synced on a thread of its own
@@ -363,12 +363,12 @@ def read_intents(data: bytes) -> list[tuple[str, int, memoryview]]:
     pos = _HEAD.size
     while pos + RECORD_OVERHEAD <= len(data):
         (crc,) = _CRC.unpack_from(data, pos)
-        record_epoch, length, offset, name_len = _FIXED.unpack_from(data, pos + _CRC.size)
+        record_epoch, length, offset, name_len = _FIXED.unpack_from(data, pos + _CRC_SIZE)
         start = pos + RECORD_OVERHEAD
         end = start + name_len + length
         if record_epoch != epoch or end > len(data):
             break
-        if crc32(view[pos + _CRC.size : end], seed) != crc:
+        if crc32(view[pos + _CRC_SIZE : end], seed) != crc:
             break
         try:
             name = bytes(view[start : start + name_len]).decode()

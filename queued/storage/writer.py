@@ -214,25 +214,31 @@ class Writer:
         assert not self._lock.held, "a round or pause is under way"
         self._rounds += 1
         one = len(work) + len(readers) < 2
-        if one and not (work and self._small_logged(work)):
-            return self.run_round(work, (), None, readers)  # (one file: no pool, no log)
+        if one and not (work and work[0][0].fsync.mode is ALWAYS):
+            return self.run_round(work, (), None, readers)  # (the usual `never` pass)
         together = [f for f, _ in work if f.fsync.mode is ALWAYS]
-        pool = None
-        if together or any(r.fsync.mode is ALWAYS for r, _ in readers):
-            pool = self._started_pool()
-        if len(together) < SYNC_TOGETHER and not (one or self._small_logged(work)):
-            return self.run_round(work, (), pool, readers)
-        # Many segment files to sync, or a small pass: write them all, then one durable
-        # point for them rather than an fsync each: the intent log's append (one
-        # fdatasync of one file), else syncfs (every dirty file of the file system
-        # written back).
-        intents: list[Intent] | None = [] if self.intents.usable else None
-        nbytes = 0
-        results: list[WriteResult] = []
+        nbytes = 0  # what the log would copy: the bytes of the files synced `always`
         for file, chunks in work:
             if file.fsync.mode is ALWAYS:
                 for c in chunks:
                     nbytes += c.nbytes
+        # Many segment files to sync, or a small pass: write them all, then one durable
+        # point for them rather than an fsync each: the intent log's append (one
+        # fdatasync of one file), else (many files) syncfs (every dirty file of the file
+        # system written back).
+        logged = len(together) >= SYNC_TOGETHER or (
+            bool(together) and nbytes <= LOG_SMALL_PASS and self.intents.usable)
+        if one and not logged:
+            return self.run_round(work, (), None, readers)  # (one file: no pool, no log)
+        pool = None
+        if together or any(r.fsync.mode is ALWAYS for r, _ in readers):
+            pool = self._started_pool()
+        if not logged:
+            return self.run_round(work, (), pool, readers)
+        intents: list[Intent] | None = [] if self.intents.usable else None
+        results: list[WriteResult] = []
+        for file, chunks in work:
+            if file.fsync.mode is ALWAYS:
                 results.append(file.write(chunks, sync=False, intents=intents))
             else:
                 results.append(file.write(chunks))
@@ -255,21 +261,6 @@ class Writer:
         for f in together:
             f.synced_with_others()
         return results
-
-    def _small_logged(self, work: Sequence[tuple[SegmentFile, Sequence[Chunk]]]) -> bool:
-        """Whether a pass over fewer than SYNC_TOGETHER files goes through the intent log:
-        some file of it is synced `always` and those files' bytes are at most
-        LOG_SMALL_PASS."""
-        if not self.intents.usable:
-            return False
-        nbytes = 0
-        always = False
-        for file, chunks in work:
-            if file.fsync.mode is ALWAYS:
-                always = True
-                for c in chunks:
-                    nbytes += c.nbytes
-        return always and nbytes <= LOG_SMALL_PASS
 
     def _logged(self, intents: list[Intent]) -> bool:
         """`intents` made durable by the intent log; False (nothing made durable) when
