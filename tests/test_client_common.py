@@ -1,14 +1,19 @@
 """What both clients share (queued.client.common), pure: every error code of the RPC port
-becomes its own exception, carrying the code, the message and the server."""
+becomes its own exception, carrying the code, the message and the server; a get's reply
+becomes items equal to ones built by `Item(...)`, and a malformed one is refused."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from queued.client import (
+    BadResponse,
+    Item,
     RpcCallError,
 )
-from queued.client.common import ERRORS, call_error
+from queued.client.common import ERRORS, call_error, to_items
 from queued.wire.rpc_protocol import (
     ErrorCode,
 )
@@ -22,3 +27,36 @@ def test_every_error_code_has_its_exception(code: ErrorCode) -> None:
     assert code.name in str(exc)
     unknown = call_error([99, "new"], "h:1")
     assert type(unknown) is RpcCallError and unknown.code == 99
+
+
+@pytest.mark.parametrize("pair, expected", [
+    ([7, b"ab"], Item(7, b"ab", "q", "h:1", 3, client="c")),
+    ([7, "ab"], Item(7, b"ab", "q", "h:1", 3, client="c")),
+    ([7, b"ab", 5], Item(7, b"ab", "q", "h:1", 3, 5, client="c")),
+    ([7, b"ab", 5, 2], Item(7, b"ab", "q", "h:1", 3, 5, 2, client="c")),
+    ([7, b"ab", 5, 2, {"k": b"v"}], Item(7, b"ab", "q", "h:1", 3, 5, 2, {"k": b"v"}, "c")),
+])
+def test_get_reply_items_are_items(pair: list[object], expected: Item) -> None:
+    """to_items builds its items without Item's __init__ (see _NewItem): each is an Item
+    in every respect, every field as `Item(...)` sets it, and frozen."""
+    [item] = to_items([pair], "q", "h:1", 3, "c")
+    assert type(item) is Item
+    assert dataclasses.astuple(item) == dataclasses.astuple(expected)
+    assert item == expected and repr(item) == repr(expected)
+    if item.headers is None:  # (a dict of headers is not hashable)
+        assert hash(item) == hash(expected)
+    assert item.client == "c"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        item.id = 8  # type: ignore[misc]
+    many = to_items([pair] * 3, "q", "h:1", 3, "c")
+    assert many == [expected] * 3 and len({id(i) for i in many}) == 3
+
+
+@pytest.mark.parametrize("reply", [
+    {"not": "a list"}, [[7]], [[7, b"a", 1, 2, {}, 9]], [["7", b"a"]], [[7, 5]],
+    [[7, b"a", -1]], [[7, b"a", 2**32]], [[7, b"a", 1, -1]], [[7, b"a", 1, 1, {1: b"v"}]],
+    [[7, b"a", 1, 1, {"k": 5}]], [(7, b"a")], [[True, b"a"]],
+])
+def test_malformed_get_reply_is_refused(reply: object) -> None:
+    with pytest.raises(BadResponse):
+        to_items(reply, "q", "h:1", 0)
