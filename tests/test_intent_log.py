@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from queued.storage.intent_log import (
     INTENT_FILE,
     PASS_BYTES,
     RECORD_OVERHEAD,
+    SETTLE_BYTES,
+    ZERO_CHUNK,
     IntentLog,
     read_intents,
     replay,
@@ -489,11 +492,97 @@ def test_the_log_grows_by_zeros_and_reads_back_across_the_step(tmp_path: Path) -
     chunk_ = bytes(range(256)) * 4096  # 1 MiB
     for i in range(6):
         log.append([(name, i * len(chunk_), [chunk_])])
+    log.wait_flushed()
     data = (tmp_path / INTENT_FILE).read_bytes()
-    assert len(data) == 2 * GROW_BYTES and data[log.size :] == bytes(len(data) - log.size)
+    # (a step ahead once fewer than GROW_AHEAD of zeros were left: after the 2nd and 6th)
+    assert len(data) == 3 * GROW_BYTES and data[log.size :] == bytes(len(data) - log.size)
     assert [(o, bytes(d) == chunk_) for _, o, d in read_intents(data)] == [
         (i * len(chunk_), True) for i in range(6)]
     log.release()
+
+
+class ZerosWatched(LogWritesFail):
+    """LogWritesFail that notes the thread of each write of zeros to the log."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.zeros_on: list[str] = []
+
+    def pwrite(self, fd: int, data: Any, offset: int) -> int:
+        if self._is_log(fd) and not any(bytes(data)):
+            self.zeros_on.append(threading.current_thread().name)
+        return super().pwrite(fd, data, offset)
+
+
+def test_the_log_grows_ahead_on_its_own_thread(tmp_path: Path) -> None:
+    """Past its first step the log's zeros are written (and fsynced) on a thread of its
+    own, ahead of the records, never by a pass; up to the size a settle leaves it at.
+    Every pass comes back after a cut, one logged across each step's boundary too."""
+    fs = ZerosWatched(tmp_path)
+    previous = fileio.use(fs)
+    try:
+        log = IntentLog(tmp_path)
+        name = jf.segment_name("q", 5).encode()
+        piece = b"y" * (256 * 1024 - RECORD_OVERHEAD - len(name))
+        offset = 0
+        while log.size < SETTLE_BYTES:
+            log.append([(name, offset, [piece])])
+            offset += len(piece)
+        begun = fs.zeros_on[: GROW_BYTES // ZERO_CHUNK]  # (the log's making, in the pass)
+        assert begun == [threading.current_thread().name] * len(begun)
+        ahead = fs.zeros_on[len(begun) :]
+        assert ahead and set(ahead) == {"queued-intent-grow"}
+        log.wait_flushed()
+        size = (tmp_path / INTENT_FILE).stat().st_size
+        assert SETTLE_BYTES < size <= SETTLE_BYTES + GROW_BYTES
+        log.append([(name, offset, [piece])])  # (settles first: no growth past it)
+        log.wait_flushed()
+        assert (tmp_path / INTENT_FILE).stat().st_size == size
+        log.release()
+    finally:
+        fileio.use(previous)
+
+
+def test_a_failed_step_ahead_is_trimmed_and_the_pass_grows_the_log(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The thread's step of zeros fails (a full disk): logged, trimmed off, nothing else
+    changes; the pass that then needs the room grows the file itself. A second failure
+    there is the pass's (ENOSPC: its files synced instead, the log used again after)."""
+    fs = ZerosWatched(tmp_path)
+    previous = fileio.use(fs)
+    try:
+        writer = Writer(tmp_path)
+        files = new_files(writer)
+        paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
+        log = writer.intents
+        name = jf.segment_name("other", 1).encode()
+        fs.fail_grow = errno.ENOSPC
+        with caplog.at_level(logging.WARNING, "queued.journal"):
+            while log._grower is None:
+                log.append([(name, 0, [b"z" * 65536])])
+            log.wait_flushed()
+        assert "growing it ahead failed" in caplog.text and log.failed is None
+        assert (tmp_path / INTENT_FILE).stat().st_size == GROW_BYTES  # trimmed off
+        synced = list(fs.sync_files_calls)
+        zeros = len(fs.zeros_on)
+        fs.fail_grow = errno.ENOSPC  # (no thread tries again: the pass meets it)
+        while log.size + 65536 <= GROW_BYTES:
+            log.append([(name, 0, [b"z" * 65536])])
+        assert len(fs.zeros_on) == zeros
+        big = [(f, [chunk(2, [b"b" * (65536 - 200)])]) for f in files]
+        assert all(r.written for r in writer.write_round_now(big))  # the log refused
+        assert len(fs.sync_files_calls) == len(synced) + 1 and log.failed is None
+        assert fs.zeros_on[zeros:] == [threading.current_thread().name]  # the pass's try
+        a_pass(writer, files, 3, b"c")  # through the log again
+        assert len(fs.sync_files_calls) == len(synced) + 1
+        log.append([(name, 0, [b"z" * 65536])])  # past the room: this pass grows the log
+        assert (tmp_path / INTENT_FILE).stat().st_size == 2 * GROW_BYTES
+        assert set(fs.zeros_on[zeros + 1 :]) == {threading.current_thread().name}
+        power_cut(fs, writer, files)
+        replay(tmp_path)
+        assert [[i for i, _ in puts_in(p)] for p in paths] == [[1, 2, 3]] * len(paths)
+    finally:
+        fileio.use(previous)
 
 
 class SyncAllFails(PowerLossFS):

@@ -7,8 +7,9 @@ are written to this one log in the data directory, and one fdatasync of the log 
 the whole pass durable, where an fsync of each file in turn costs one each, `syncfs`
 writes back every dirty file of the file system on the server's thread, and even one
 appended file's fsync writes its new size as well as its data. The log's file
-is zeros ahead of its records (grown in GROW_BYTES steps), so a record is written over
-blocks the file has and its fdatasync writes that data alone, not the file's size too.
+is zeros ahead of its records (grown in GROW_BYTES steps, on a thread of its own while
+GROW_AHEAD of zeros are left), so a record is written over blocks the file has and its
+fdatasync writes that data alone, not the file's size too.
 After a power cut, `replay` writes the log's records back into their files at their
 offsets before recovery reads a segment, so every byte the log holds is where the pass
 put it (a file the pass created and whose directory entry the cut took is made again).
@@ -66,6 +67,10 @@ SETTLE_BYTES: Final = 64 * 1024 * 1024
 FLUSH_BYTES: Final = 4 * 1024 * 1024
 #: The file grows by zeros in steps of this (records are written over them).
 GROW_BYTES: Final = 4 * 1024 * 1024
+#: Once fewer zeros than this are left ahead of the records, the next step is written and
+#: fsynced on a thread of its own (`IntentLog._grow_ahead`) while passes go on: on the
+#: pass's thread each step held a pass 5-25 ms here, 16 times after each start.
+GROW_AHEAD: Final = GROW_BYTES // 2
 ZERO_CHUNK: Final = 1024 * 1024
 #: A pass with more bytes than this syncs its files instead (`fileio.sync_files`): a
 #: second copy of big batches costs more than the commits it saves.
@@ -100,6 +105,8 @@ class IntentLog:
         self._records = 0  # since the log was last begun
         self._unflushed = 0  # bytes appended since the last sync of the file system began
         self._flusher: threading.Thread | None = None  # that sync, on its thread
+        self._grower: threading.Thread | None = None  # a step of zeros, on its thread
+        self._grow_failed = False  # that step failed: the next one is a pass's (`_grow`)
         #: why the log is no longer used (a write or fsync of it failed); passes sync
         #: their files instead from then on, and settles still empty it
         self.failed: str | None = None
@@ -158,7 +165,9 @@ class IntentLog:
                     _pack_crc(out, start, crc32(view[start + _CRC_SIZE : end], seed))
                     start = end
             if self._pos + total > self._allocated:
-                self._grow(fd, self._pos + total)
+                self._join_grower()  # (a step it was writing may be enough)
+                if self._pos + total > self._allocated:
+                    self._grow(fd, self._pos + total)
             try:
                 _pwrite_all(fd, out, self._pos)
             except OSError as exc:
@@ -180,6 +189,14 @@ class IntentLog:
                 self._flusher = threading.Thread(target=self._flush, daemon=True,
                                                  name="queued-intent-flush")
                 self._flusher.start()
+            if (self._allocated - self._pos < GROW_AHEAD and self._allocated <= SETTLE_BYTES
+                    and not self._grow_failed
+                    and not (self._grower is not None and self._grower.is_alive())):
+                # (up to the size a settle leaves it at: the next records reuse its blocks)
+                self._grower = threading.Thread(
+                    target=self._grow_ahead, args=(fd, self._allocated), daemon=True,
+                    name="queued-intent-grow")
+                self._grower.start()
 
     def _flush(self) -> None:
         """Write back the file system (the segments the log stands for with it) while
@@ -193,11 +210,42 @@ class IntentLog:
                         "%s", self.path, exc.strerror or exc)
 
     def wait_flushed(self) -> None:
-        """Wait for a sync that `_flush` began (before the log's file closes, and in
-        tests)."""
+        """Wait for a sync that `_flush` began and a step that `_grow_ahead` is writing
+        (before the log's file closes, and in tests)."""
         flusher = self._flusher
         if flusher is not None:
             flusher.join()
+        self._join_grower()
+
+    def _grow_ahead(self, fd: int, end: int) -> None:
+        """`_grow`'s next step (zeros from `end`, the file's size, fsynced) on a thread
+        of its own: a pass writes below `end` meanwhile, and one that needs the step
+        joins this thread first. Only the step's completion is published (`_allocated`,
+        once its zeros are durable); a failure is logged and trimmed off, and the pass
+        that needs the room grows the file itself, meeting the failure as `_grow` says
+        (no thread tries again before a pass's step succeeds: not one a pass on a full
+        disk)."""
+        target = end + GROW_BYTES
+        try:
+            _write_zeros(fd, end, target)
+            fileio.fsync(fd)
+        except OSError as exc:
+            log.warning("intent log %s: growing it ahead failed: %s", self.path,
+                        exc.strerror or exc)
+            try:
+                fileio.ftruncate(fd, end)
+            except OSError as trim_exc:
+                log.warning("intent log %s: trimming a step that failed: %s", self.path,
+                            trim_exc.strerror or trim_exc)
+            self._grow_failed = True
+            return
+        self._allocated = target
+
+    def _join_grower(self) -> None:
+        grower = self._grower
+        if grower is not None:
+            grower.join()
+            self._grower = None
 
     def settle(self) -> None:
         """Make every file the log names durable and empty the log; nothing to do when it
@@ -271,13 +319,8 @@ class IntentLog:
         and CPU here: docs/benchmarks.md). A full disk trims the zeros off again."""
         end = self._allocated
         target = (need // GROW_BYTES + 1) * GROW_BYTES
-        zeros = bytes(min(target - end, ZERO_CHUNK))
         try:
-            at = end
-            while at < target:
-                wrote = fileio.pwrite(fd, memoryview(zeros)[: min(len(zeros), target - at)],
-                                      at)
-                at += wrote
+            _write_zeros(fd, end, target)
             fileio.fsync(fd)
         except OSError as exc:
             try:
@@ -290,6 +333,7 @@ class IntentLog:
                 self._fail(f"growing it failed: {exc.strerror or exc}")
             raise
         self._allocated = target
+        self._grow_failed = False
 
     def _settle(self) -> None:
         if self.failed is not None:
@@ -318,6 +362,7 @@ class IntentLog:
         than given a new head (whose write or fdatasync may be what failed: a settle
         that kept failing so would keep every segment from being retired)."""
         fileio.sync_all(self.directory)
+        self._join_grower()  # (before its file closes)
         fd, self._fd = self._fd, None
         if fd is not None:
             try:
@@ -340,6 +385,12 @@ def _new_head() -> tuple[bytes, int]:
     """A head with a new random epoch, and the epoch's low 32 bits."""
     epoch = int.from_bytes(os.urandom(8), "big")
     return _HEAD.pack(MAGIC, epoch), epoch & 0xFFFFFFFF
+
+
+def _write_zeros(fd: int, at: int, end: int) -> None:
+    zeros = memoryview(bytes(min(end - at, ZERO_CHUNK)))
+    while at < end:
+        at += fileio.pwrite(fd, zeros[: min(len(zeros), end - at)], at)
 
 
 def _pwrite_all(fd: int, data: bytearray, at: int) -> None:
