@@ -5,13 +5,14 @@ bring back a file that is gone, or write old bytes into the file that replaced i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import trio
@@ -47,7 +48,16 @@ N_FILES = writer_module.SYNC_TOGETHER + 1  # enough for a pass to use the log
 
 @pytest.fixture
 def fs(tmp_path: Path) -> Iterator[PowerLossFS]:
-    fs = PowerLossFS(tmp_path)
+    with installed(PowerLossFS(tmp_path)) as fs:
+        yield fs
+
+
+FS = TypeVar("FS", bound=PowerLossFS)
+
+
+@contextlib.contextmanager
+def installed(fs: FS) -> Iterator[FS]:
+    """`fs` is what queued.storage.fileio calls while the block runs."""
     previous = fileio.use(fs)
     try:
         yield fs
@@ -131,9 +141,7 @@ class ShortLogWrites(PowerLossFS):
 
 
 def test_short_writes_of_the_log_are_finished(tmp_path: Path) -> None:
-    fs = ShortLogWrites(tmp_path)
-    previous = fileio.use(fs)
-    try:
+    with installed(ShortLogWrites(tmp_path)) as fs:
         writer = Writer(tmp_path)
         files = new_files(writer)
         paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
@@ -141,8 +149,6 @@ def test_short_writes_of_the_log_are_finished(tmp_path: Path) -> None:
         power_cut(fs, writer, files)
         assert replay(tmp_path)[0] == N_FILES
         assert [puts_in(p) for p in paths] == [[(1, b"a%d" % i)] for i in range(N_FILES)]
-    finally:
-        fileio.use(previous)
 
 
 def test_a_file_the_cut_took_is_made_again_from_its_first_record(
@@ -345,9 +351,7 @@ def test_compaction_settles_the_log_before_it_renames_over_a_segment(tmp_path: P
     """The power goes out right after compaction renamed its output over a segment whose
     appends the log holds: had the log not been settled first, recovery would write
     those old bytes into the new file."""
-    fs = CutAtReplace(tmp_path)
-    previous = fileio.use(fs)
-    try:
+    with installed(CutAtReplace(tmp_path)) as fs:
         def small(_name: str) -> JournalConfig:
             return JournalConfig(journal_size=1024, fsync=FsyncPolicy.parse("always"))
 
@@ -382,8 +386,6 @@ def test_compaction_settles_the_log_before_it_renames_over_a_segment(tmp_path: P
         q = dd.queues["q0"]
         assert [p.id for p in q.iter_unconsumed("")] == needed
         assert [p.data for p in q.iter_unconsumed("")] == datas
-    finally:
-        fileio.use(previous)
 
 
 class LogWritesFail(PowerLossFS):
@@ -427,9 +429,7 @@ class LogWritesFail(PowerLossFS):
 def test_a_failed_append_falls_back_to_syncing_the_files(
         tmp_path: Path, what: str, err: int, log_usable: bool,
         caplog: pytest.LogCaptureFixture) -> None:
-    fs = LogWritesFail(tmp_path)
-    previous = fileio.use(fs)
-    try:
+    with installed(LogWritesFail(tmp_path)) as fs:
         writer = Writer(tmp_path)
         files = new_files(writer)
         synced = fs.sync_files_calls
@@ -455,8 +455,6 @@ def test_a_failed_append_falls_back_to_syncing_the_files(
         replay(tmp_path)
         assert [puts_in(p) for p in paths] == [
             [(1, b"a%d" % i), (2, b"b%d" % i), (3, b"c%d" % i)] for i in range(N_FILES)]
-    finally:
-        fileio.use(previous)
 
 
 def test_a_small_pass_whose_append_fails_syncs_its_file_then_fsyncs_it(
@@ -464,9 +462,7 @@ def test_a_small_pass_whose_append_fails_syncs_its_file_then_fsyncs_it(
     """One file's small pass: its log append fails (fdatasync), so its file is synced
     instead and the pass answered; with the log ended, the next pass fsyncs its file as
     before the log took small passes. Every pass comes back after a cut."""
-    fs = LogWritesFail(tmp_path)
-    previous = fileio.use(fs)
-    try:
+    with installed(LogWritesFail(tmp_path)) as fs:
         writer = Writer(tmp_path)
         files = new_files(writer, 1)
         paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
@@ -482,8 +478,6 @@ def test_a_small_pass_whose_append_fails_syncs_its_file_then_fsyncs_it(
         power_cut(fs, writer, files)
         replay(tmp_path)
         assert puts_in(paths[0]) == [(1, b"a0"), (2, b"b0"), (3, b"c0")]
-    finally:
-        fileio.use(previous)
 
 
 def test_the_log_grows_by_zeros_and_reads_back_across_the_step(tmp_path: Path) -> None:
@@ -518,9 +512,7 @@ def test_the_log_grows_ahead_on_its_own_thread(tmp_path: Path) -> None:
     """Past its first step the log's zeros are written (and fsynced) on a thread of its
     own, ahead of the records, never by a pass; up to the size a settle leaves it at.
     Every pass comes back after a cut, one logged across each step's boundary too."""
-    fs = ZerosWatched(tmp_path)
-    previous = fileio.use(fs)
-    try:
+    with installed(ZerosWatched(tmp_path)) as fs:
         log = IntentLog(tmp_path)
         name = jf.segment_name("q", 5).encode()
         piece = b"y" * (256 * 1024 - RECORD_OVERHEAD - len(name))
@@ -539,8 +531,6 @@ def test_the_log_grows_ahead_on_its_own_thread(tmp_path: Path) -> None:
         log.wait_flushed()
         assert (tmp_path / INTENT_FILE).stat().st_size == size
         log.release()
-    finally:
-        fileio.use(previous)
 
 
 def test_a_failed_step_ahead_is_trimmed_and_the_pass_grows_the_log(
@@ -548,9 +538,7 @@ def test_a_failed_step_ahead_is_trimmed_and_the_pass_grows_the_log(
     """The thread's step of zeros fails (a full disk): logged, trimmed off, nothing else
     changes; the pass that then needs the room grows the file itself. A second failure
     there is the pass's (ENOSPC: its files synced instead, the log used again after)."""
-    fs = ZerosWatched(tmp_path)
-    previous = fileio.use(fs)
-    try:
+    with installed(ZerosWatched(tmp_path)) as fs:
         writer = Writer(tmp_path)
         files = new_files(writer)
         paths = paths_of(tmp_path, a_pass(writer, files, 1, b"a"))
@@ -581,8 +569,6 @@ def test_a_failed_step_ahead_is_trimmed_and_the_pass_grows_the_log(
         power_cut(fs, writer, files)
         replay(tmp_path)
         assert [[i for i, _ in puts_in(p)] for p in paths] == [[1, 2, 3]] * len(paths)
-    finally:
-        fileio.use(previous)
 
 
 class SyncAllFails(PowerLossFS):
@@ -597,9 +583,7 @@ def test_the_file_system_is_synced_on_a_thread_every_flush_bytes(
     stands for are then written back ahead of its settle); the log still stands for
     them. A failed sync there is logged and changes nothing: the log goes on, and what it
     holds comes back after a cut."""
-    fs = (SyncAllFails if sync_fails else PowerLossFS)(tmp_path)
-    previous = fileio.use(fs)
-    try:
+    with installed((SyncAllFails if sync_fails else PowerLossFS)(tmp_path)) as fs:
         writer = Writer(tmp_path)
         file = writer.segment_file("q", FsyncPolicy(), 0)
         data = b"x" * (1024 - 64)
@@ -630,8 +614,6 @@ def test_the_file_system_is_synced_on_a_thread_every_flush_bytes(
         power_cut(fs, writer, [file])
         assert replay(tmp_path)[0] > 0
         assert [i for i, _ in puts_in(path)] == list(range(1, last + 1))
-    finally:
-        fileio.use(previous)
 
 
 def file_path(tmp_path: Path, result: WriteResult) -> Path:
@@ -641,9 +623,7 @@ def file_path(tmp_path: Path, result: WriteResult) -> Path:
 def test_a_settle_that_fails_removes_no_segment(tmp_path: Path) -> None:
     """No syncfs, no settle: retiring refuses (the segment stays, what the log names
     still replays into it), and the log takes no more passes."""
-    fs = SyncAllFails(tmp_path)
-    previous = fileio.use(fs)
-    try:
+    with installed(SyncAllFails(tmp_path)) as fs:
         dd, files, paths, retired = a_retirable_segment(tmp_path)
         with pytest.raises(OSError):
             dd.retire_segments(retired)
@@ -654,8 +634,6 @@ def test_a_settle_that_fails_removes_no_segment(tmp_path: Path) -> None:
         power_cut(fs, dd.writer, files[1:])
         replay(tmp_path)
         assert [puts_in(p) for p in paths] == [[(1, b"a%d" % i)] for i in range(N_FILES)]
-    finally:
-        fileio.use(previous)
 
 
 def test_a_failed_log_is_removed_by_its_next_settle(tmp_path: Path) -> None:
@@ -663,9 +641,7 @@ def test_a_failed_log_is_removed_by_its_next_settle(tmp_path: Path) -> None:
     the next settle syncs the file system and removes the log's file, rather than
     writing it a head again, which might fail for good and keep every segment from
     being retired. What was appended is in its segment files after a power cut."""
-    fs = LogWritesFail(tmp_path)
-    previous = fileio.use(fs)
-    try:
+    with installed(LogWritesFail(tmp_path)) as fs:
         dd, files, paths, retired = a_retirable_segment(tmp_path)
         fs.fail_fdatasync = errno.EIO
         with pytest.raises(OSError):
@@ -680,14 +656,10 @@ def test_a_failed_log_is_removed_by_its_next_settle(tmp_path: Path) -> None:
         assert [puts_in(p) for p in paths[1:]] == [[(1, b"a%d" % i), (2, b"b%d" % (i - 1))]
                                                   for i in range(1, N_FILES)]
         dd.writer.intents.close()  # nothing left to do
-    finally:
-        fileio.use(previous)
 
 
 def test_a_stop_that_cannot_settle_the_log_says_so_and_keeps_it(tmp_path: Path) -> None:
-    fs = SyncAllFails(tmp_path)
-    previous = fileio.use(fs)
-    try:
+    with installed(SyncAllFails(tmp_path)):
         async def run() -> None:
             async with open_data_dir(tmp_path, DataDirConfig()) as dd:
                 journals = [dd.queue(f"q{i}") for i in range(N_FILES)]
@@ -700,5 +672,3 @@ def test_a_stop_that_cannot_settle_the_log_says_so_and_keeps_it(tmp_path: Path) 
             trio.run(run)
         assert (tmp_path / INTENT_FILE).exists()  # for the next start to write back
         assert replay(tmp_path)[0] == N_FILES
-    finally:
-        fileio.use(previous)
