@@ -1,6 +1,7 @@
 """What both clients share (queued.client.common), pure: every error code of the RPC port
 becomes its own exception, carrying the code, the message and the server; a get's reply
-becomes items equal to ones built by `Item(...)`, and a malformed one is refused."""
+becomes items equal to ones built by `Item(...)`, and a malformed one is refused; items
+to confirm or abort are grouped by where their reads are open."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from queued.client import (
     Item,
     RpcCallError,
 )
-from queued.client.common import ERRORS, call_error, to_items
+from queued.client.common import ERRORS, call_error, settle_groups, to_items
 from queued.wire.rpc_protocol import (
     ErrorCode,
 )
@@ -60,3 +61,20 @@ def test_get_reply_items_are_items(pair: list[object], expected: Item) -> None:
 def test_malformed_get_reply_is_refused(reply: object) -> None:
     with pytest.raises(BadResponse):
         to_items(reply, "q", "h:1", 0)
+
+
+def test_settle_groups_by_server_queue_and_connection_in_order() -> None:
+    def items(ids: range, queue: str, server: str, connection: int) -> list[Item]:
+        return [Item(i, b"", queue, server, connection) for i in ids]
+    a = items(range(0, 3), "q", "h:1", 1)
+    b = items(range(3, 5), "r", "h:1", 1)  # another queue, same connection
+    c = items(range(5, 7), "q", "h:2", 1)  # another server
+    d = items(range(7, 9), "q", "h:1", 2)  # another connection
+    mixed = a[:2] + b + c[:1] + a[2:] + d + c[1:]
+    assert list(settle_groups(iter(mixed)).items()) == [
+        (("h:1", "q", 1), [0, 1, 2]), (("h:1", "r", 1), [3, 4]), (("h:2", "q", 1), [5, 6]),
+        (("h:1", "q", 2), [7, 8])]
+    assert settle_groups(a[1]) == {("h:1", "q", 1): [1]}
+    assert settle_groups([]) == {}
+    plain = Item(9, b"", "", "", 0)  # (a plain get's: queue, server and connection empty)
+    assert settle_groups([plain]) == {("", "", 0): [9]}

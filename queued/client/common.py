@@ -482,7 +482,15 @@ def check_get(max_items: int, timeout_ms: int, auto_abort_ms: int) -> None:
 
 
 def settle_groups(items: Item | Iterable[Item]) -> dict[tuple[str, str, int], list[int]]:
+    """The ids of `items` by (server, queue, connection), each group in the items' order.
+    (A run of items of one group, a get's batch, looks its group up once.)"""
     groups: dict[tuple[str, str, int], list[int]] = {}
+    server = queue = ""
+    connection = -1
+    ids: list[int] = []
     for it in [items] if isinstance(items, Item) else items:
-        groups.setdefault((it.server, it.queue, it.connection), []).append(it.id)
+        if it.connection != connection or it.queue != queue or it.server != server:
+            server, queue, connection = it.server, it.queue, it.connection
+            ids = groups.setdefault((server, queue, connection), [])
+        ids.append(it.id)
     return groups
