@@ -70,8 +70,7 @@ MiB = 1 << 20
 MB = 1_000_000
 NS = 1_000_000_000
 SIZE_NAMES = {64: "64 B", 1 * KiB: "1 KiB"}
-TARGET = 500_000  # items/s: put, 64 B, batch 100, fsync always
-SAME_ORDER = 10  # "the same order" for get+confirm: within 10x of TARGET
+TARGET = 500_000  # items/s: put, and get+confirm, each, 64 B, batch 100, fsync always
 AUTO_ABORT_MS = 30_000
 READ_TIMEOUT = 30.0  # s, the workers' clients
 REPORT_GRACE = 60.0  # s a worker may take past its phase's --seconds to report
@@ -596,11 +595,11 @@ class Bench:
 
     def headline(self) -> list[dict[str, str]]:
         out = []
+        # (get+confirm's goal was once "the same order" as puts, 50,000 items/s; the
+        # one-pass request path asks for 500,000 of each)
         for op, need, target in (
             ("put", TARGET, f">= {TARGET:,} items/s"),
-            ("get+confirm", TARGET // SAME_ORDER,
-             f"same order as {TARGET:,} (>= {TARGET // SAME_ORDER:,} items/s, within "
-             f"{SAME_ORDER}x)"),
+            ("get+confirm", TARGET, f">= {TARGET:,} items/s"),
         ):
             for conns in sorted({max(self.a.conns), 1}, reverse=True):
                 figure = f"{op}, 64 B, batch 100, fsync always, {conns} conn(s)"
