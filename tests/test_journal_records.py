@@ -4,6 +4,7 @@ flags and compaction records), each decoded back, and what the encoders refuse."
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -363,3 +364,18 @@ def test_encode_put_rejects_bad_ids() -> None:
         with pytest.raises(ValueError):
             jf.encode_put(Put(bad, b"", 0))
     assert jf.encode_put(Put(2**63 - 1, b"", 0))[9:17] == h("ffffffffffffff7f")
+
+
+@pytest.mark.parametrize("put", [
+    jf.Put(5, b"d", 10, 20, 1, 3),
+    jf.DelayedPut(5, b"d", 10, 20, 1, 3, 99, b"hdr"),
+    jf.HeadedPut(5, b"d", 10, 20, 1, 3, b"hdr"),
+], ids=["Put", "DelayedPut", "HeadedPut"])
+def test_with_error_count_copies_every_field_in_its_class(put: jf.Put) -> None:
+    copy = put.with_error_count(4)
+    assert type(copy) is type(put) and copy is not put
+    assert copy.error_count == 4 and put.error_count == 1
+    fields = [f.name for f in dataclasses.fields(put)]
+    assert [getattr(copy, n) for n in fields if n != "error_count"] == [
+        getattr(put, n) for n in fields if n != "error_count"]
+    assert copy.headers == put.headers

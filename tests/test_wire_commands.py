@@ -6,6 +6,7 @@ test_wire_rpc_commands.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import typing
 
@@ -68,3 +69,24 @@ def test_failure_of_an_os_error_says_its_strerror_and_a_bug_is_none() -> None:
     assert c.failure_of(OSError(errno.ENOSPC, "No space left on device")) == c.Failure(
         c.ErrorKind.SERVER_ERROR, "No space left on device")
     assert c.failure_of(KeyError("bug")) is None
+
+
+def test_a_get_copy_has_every_field_and_is_its_own() -> None:
+    """Get.copy (what a pass changes, as a parser's cached Get is shared) names every
+    field: one set to a value other than its default in each is copied."""
+    changed: dict[str, object] = {}
+    for f in dataclasses.fields(c.Get):
+        if f.name == "queue":
+            changed[f.name] = "q"
+        elif f.type in ("bool", bool):
+            changed[f.name] = not f.default
+        elif f.name == "reader":
+            changed[f.name] = "r"
+        else:
+            changed[f.name] = 7 if f.default != 7 else 8
+    get = c.Get(**changed)  # type: ignore[arg-type]
+    copy = get.copy()
+    assert copy is not get and type(copy) is c.Get
+    assert {f.name: getattr(copy, f.name) for f in dataclasses.fields(c.Get)} == changed
+    copy.close = not copy.close
+    assert get.close is changed["close"]

@@ -138,7 +138,7 @@ class AdminOps(GetPath):
             errors = dict(r.errors)
             more = await trio.to_thread.run_sync(
                 read_live, qs.journal, start, r.tail, n - len(out), skip, now)
-            out += [dataclasses.replace(it, error_count=errors[it.id])
+            out += [it.with_error_count(errors[it.id])
                     if it.id in errors else it for it in more]
         return out
 

@@ -225,6 +225,12 @@ class Put:
         self.error_count = error_count
         self.flags = flags
 
+    def with_error_count(self, error_count: int) -> Put:
+        """A copy with `error_count` (of its own class: a DelayedPut or HeadedPut
+        stays one); `dataclasses.replace` would run the standard library's Python."""
+        return Put(self.id, self.data, self.add_time_ms, self.expire_time_ms, error_count,
+                   self.flags)
+
     @property
     def headers(self) -> bytes:
         """The item's headers block (queued.journal.headers); b"": none. Not a slot:
@@ -258,6 +264,10 @@ class DelayedPut(Put):
         self.due_ms = due_ms
         self.headers = headers
 
+    def with_error_count(self, error_count: int) -> Put:
+        return DelayedPut(self.id, self.data, self.add_time_ms, self.expire_time_ms,
+                          error_count, self.flags, self.due_ms, self.headers)
+
 
 @dataclass(slots=True, init=False)
 class HeadedPut(Put):
@@ -280,6 +290,10 @@ class HeadedPut(Put):
         self.error_count = error_count
         self.flags = flags
         self.headers = headers
+
+    def with_error_count(self, error_count: int) -> Put:
+        return HeadedPut(self.id, self.data, self.add_time_ms, self.expire_time_ms,
+                         error_count, self.flags, self.headers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,6 @@ owns them. `delay_low` keeps the lowest id delayed or due for the checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -182,7 +181,7 @@ class DelayedItems:
                 lost += 1
                 continue
             if self.errors and it.id in self.errors:
-                it = dataclasses.replace(it, error_count=self.errors[it.id])
+                it = it.with_error_count(self.errors[it.id])
             due[k] = it
             self.mem_bytes += self.held_size(it)
         if lost:

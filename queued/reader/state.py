@@ -33,7 +33,6 @@ those in the reader's file); items read back from the journal get theirs from it
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import islice, repeat
@@ -207,7 +206,7 @@ class Reader(DelayedItems):
         are `mem`, the rest wait on disk from id `behind`."""
         for it in mem:
             if self.errors and it.id in self.errors:
-                it = dataclasses.replace(it, error_count=self.errors[it.id])
+                it = it.with_error_count(self.errors[it.id])
             held = self._mem()
             held.append(it)
             self.mem_bytes += self.held_size(it)
@@ -335,7 +334,7 @@ class Reader(DelayedItems):
             if it.id in self.done or (type(it) is DelayedPut or it.id in self.delays):
                 continue
             if errors and it.id in errors:
-                it = dataclasses.replace(it, error_count=errors[it.id])
+                it = it.with_error_count(errors[it.id])
             held = self._mem()
             held.append(it)
             self.mem_bytes += self.held_size(it)
@@ -598,7 +597,7 @@ class Reader(DelayedItems):
             return None
         self.counters.canceled_transactions += 1
         if count_error:
-            it = dataclasses.replace(it, error_count=it.error_count + 1)
+            it = it.with_error_count(it.error_count + 1)
             if self.errors is NO_ENTRIES:
                 self.errors = {}
             self.errors[item_id] = it.error_count

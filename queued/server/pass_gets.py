@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import replace
 
 import trio
 
@@ -95,7 +94,8 @@ class PassGets(TaskPath):
             else:
                 if cmd.close:
                     b.confirm(reads, cmd.queue, reader, owe=self.reply_after)
-                    cmd = replace(cmd, close=False)
+                    cmd = cmd.copy()
+                    cmd.close = False
                     requests[i] = Request(cmd, r.context, r.name, r.count)
                 if cmd.exclusive and reads.open_ids(cmd.queue, reader):
                     log.warning("%s: get %s with a read already open on it", self.name,
@@ -161,11 +161,15 @@ class PassGets(TaskPath):
         if not k:
             self.deferred = r
             return False
-        head = Request(replace(cmd, max_items=k), r.context, r.name, k)
+        taken = cmd.copy()
+        taken.max_items = k
+        head = Request(taken, r.context, r.name, k)
         self.stats.count(head.name, k)
         self.reply(head, Items(items))
         left = cmd.max_items - k
-        requests[i] = Request(replace(cmd, max_items=left), r.context, r.name, left)
+        rest = cmd.copy()
+        rest.max_items = left
+        requests[i] = Request(rest, r.context, r.name, left)
         if later:
             self.deferred = requests[i]  # type: ignore[assignment]
         return False
