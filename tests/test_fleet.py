@@ -560,6 +560,10 @@ def test_blocking_client_stalls_while_dns_is_down(tmp_path: Path) -> None:
                 slow = [t for t in took if t > 0.5]
                 print(f"\n{len(took)} puts in 4 s, {len(slow)} took > 0.5 s "
                       f"({sum(slow):.1f} s stalled on DNS)")
-                assert not slow
+                # A call waits for a look-up LOOKUP_PATIENCE (0.25 s) at most; a client
+                # that waited out each one would stall at every refresh (each second) for
+                # the whole connect_timeout (1 s). One put of 0.5-1 s on a loaded machine
+                # (0.79 s once, the suite on both cores) is not that.
+                assert len(slow) <= 1 and sum(slow) < 1.0, slow
 
     trio.run(main)
