@@ -571,6 +571,49 @@ def test_a_failed_step_ahead_is_trimmed_and_the_pass_grows_the_log(
         assert [[i for i, _ in puts_in(p)] for p in paths] == [[1, 2, 3]] * len(paths)
 
 
+class TrimFails(ZerosWatched):
+    """ZerosWatched whose ftruncate of the log fails (once set)."""
+
+    fail_trim = False
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        if self.fail_trim and self._is_log(fd):
+            self.fail_trim = False
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        super().ftruncate(fd, length)
+
+
+def test_a_failed_step_ahead_that_cannot_be_trimmed_is_written_over(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The thread's step fails and so does its trim: both logged, the log still used;
+    the pass that needs the room writes its own step over the part-written one (from
+    where the file's durable zeros end), and every record reads back."""
+    with installed(TrimFails(tmp_path)) as fs:
+        log = IntentLog(tmp_path)
+        name = jf.segment_name("q", 1).encode()
+        piece = b"z" * 65536
+        log.append([(name, 0, [piece])])  # (made: its first step is the pass's own)
+        appended = 1
+        fs.fail_grow, fs.fail_trim = errno.ENOSPC, True
+        with caplog.at_level(logging.WARNING, "queued.journal"):
+            while log._grower is None:
+                log.append([(name, appended * len(piece), [piece])])
+                appended += 1
+            log.wait_flushed()
+        assert "growing it ahead failed" in caplog.text
+        assert "trimming a step that failed" in caplog.text and log.failed is None
+        assert (tmp_path / INTENT_FILE).stat().st_size > GROW_BYTES  # (left untrimmed)
+        while log.size + len(piece) + RECORD_OVERHEAD <= 2 * GROW_BYTES:
+            log.append([(name, appended * len(piece), [piece])])
+            appended += 1
+        log.wait_flushed()
+        assert log.failed is None
+        data = (tmp_path / INTENT_FILE).read_bytes()
+        assert [o for _, o, _ in read_intents(data)] == [
+            i * len(piece) for i in range(appended)]
+        log.release()
+
+
 class SyncAllFails(PowerLossFS):
     def sync_all(self, directory: fileio.StrPath) -> None:
         raise OSError(errno.EIO, os.strerror(errno.EIO))

@@ -69,7 +69,8 @@ FLUSH_BYTES: Final = 4 * 1024 * 1024
 GROW_BYTES: Final = 4 * 1024 * 1024
 #: Once fewer zeros than this are left ahead of the records, the next step is written and
 #: fsynced on a thread of its own (`IntentLog._grow_ahead`) while passes go on: on the
-#: pass's thread each step held a pass 5-25 ms here, 16 times after each start.
+#: pass's thread each step held a pass 2-3 ms here (an idle disk; 5-25 ms under load),
+#: 16 times after each start.
 GROW_AHEAD: Final = GROW_BYTES // 2
 ZERO_CHUNK: Final = 1024 * 1024
 #: A pass with more bytes than this syncs its files instead (`fileio.sync_files`): a
