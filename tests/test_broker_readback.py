@@ -5,8 +5,10 @@ item whose data is on disk."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import pytest
 import trio
 from broker_util import (
     FakeClock,
@@ -115,3 +117,35 @@ async def test_a_read_back_goes_into_memory_a_slice_at_a_time(tmp_path: Path) ->
         assert got == payloads
         # Memory filled in steps the other task saw, not from nothing to all at once.
         assert any(LOAD_SLICE // 2 < m < n - LOAD_SLICE for m in seen), sorted(set(seen))[:20]
+
+
+async def test_a_flush_between_the_slices_of_a_read_back(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A flush (or a delete) that empties a reader while its read-back is between two
+    slices: the slices left are dropped, and the broker goes on. (Compiled, the check of
+    where read-behind stood after the flush read it as the int it was before the slices
+    began, and the refill task's TypeError took the whole server down.)"""
+    n = 4 * LOAD_SLICE + 100
+    cfg = with_default(make_config(tmp_path), max_memory_size=64 * 1024 * 1024)
+    payloads = [b"%06d" % i for i in range(n)]
+    async with open_broker(cfg) as broker:
+        await broker.put("q", payloads)
+    async with open_broker(cfg) as broker:  # after a restart every item starts on disk
+        flushed = 0
+
+        async def flush_between_slices() -> None:
+            nonlocal flushed
+            with trio.fail_after(10):
+                while not 0 < stats(broker)["mem_items"] < n - LOAD_SLICE:
+                    await trio.sleep(0)
+            flushed = broker.flush("q")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flush_between_slices)
+            await broker.get("q")  # (starts the read-back; what it gets races the flush)
+        assert flushed >= n - 1  # (all but what the get took, if it took one)
+        await trio.sleep(0.1)  # (the read-back's task sees the flush at its next slice)
+        assert stats(broker)["items"] == 0 and await broker.get("q") is None
+        await broker.put("q", [b"after"])
+        assert datas([await broker.get("q")]) == [b"after"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -757,9 +757,13 @@ class QueueState:
             for a in range(0, n, LOAD_SLICE):
                 b = a + LOAD_SLICE
                 upto = items[b].id if b < n else next_id
-                r.load(start, items[a:b], upto)
+                # (whether read-behind still stands where this slice ends comes from
+                # `load`: read here, `r.behind` would be the int it was checked to be
+                # before the awaits, to mypy, and so to a compiled build, whatever a
+                # flush or a discard between the slices made it)
+                more = r.load(start, items[a:b], upto)
                 self.serve(h)
-                if b >= n or r.behind != upto or h.closed:
+                if b >= n or not more or h.closed:
                     break  # (done; or a flush moved read-behind meanwhile: the rest is moot)
                 start = upto
                 await trio.lowlevel.checkpoint()

@@ -180,6 +180,9 @@ class Upkeep:
                     break
         except JournalError:
             pass  # logged; the next get tries again (and reports it to its client)
+        except Exception:  # a bug here must not take the server down with it
+            log.exception("queue %s reader %r: reading items back failed", qs.name,
+                          h.reader.name)
         finally:
             h.refilling = False
             self._refills -= 1

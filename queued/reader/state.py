@@ -319,14 +319,16 @@ class Reader(DelayedItems):
     def refill_budget(self) -> int:
         return max(self.limits.max_memory_size - self.mem_bytes, 1)
 
-    def load(self, from_id: int, items: Iterable[Item], next_id: int) -> None:
+    def load(self, from_id: int, items: Iterable[Item], next_id: int) -> bool:
         """Items read back from the journal for ids [from_id, next_id).
 
         Ignored unless `from_id` is still where read-behind stands (a flush may have
         moved it while the read was in flight). Ids in `done` were consumed already.
+        True when read-behind then stands at `next_id` (a read of the next ids goes on),
+        False when the tail is reached or the items were ignored.
         """
         if self.behind != from_id:
-            return
+            return False
         errors = self.errors
         for it in items:
             if it.id >= next_id or it.id > self.tail:
@@ -341,6 +343,7 @@ class Reader(DelayedItems):
             if len(held) >= self.pack_at:
                 self._pack()
         self.behind = next_id if next_id <= self.tail else None
+        return self.behind is not None
 
     # -- taking -------------------------------------------------------------------------
 
