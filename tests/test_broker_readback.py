@@ -21,6 +21,7 @@ from broker_util import (
 
 from queued.broker.readback import LOAD_SLICE
 from queued.broker.upkeep import open_broker
+from queued.config import ServerConfig
 from queued.reader.open_reads import OpenReads
 
 
@@ -92,15 +93,23 @@ async def test_a_get_reads_back_a_due_item_whose_data_is_on_disk(tmp_path: Path)
         assert datas([await broker.get("r", client=c, open=True)]) == [b"later"]
 
 
+async def slices_on_disk(tmp_path: Path) -> tuple[ServerConfig, list[bytes]]:
+    """A config whose queue "q" holds four slices of items and some (memory room for
+    all), and those items, put and the broker closed: at the next start every one is on
+    disk."""
+    cfg = with_default(make_config(tmp_path), max_memory_size=64 * 1024 * 1024)
+    payloads = [b"%06d" % i for i in range(4 * LOAD_SLICE + 100)]
+    async with open_broker(cfg) as broker:
+        await broker.put("q", payloads)
+    return cfg, payloads
+
+
 async def test_a_read_back_goes_into_memory_a_slice_at_a_time(tmp_path: Path) -> None:
     """Items read back go into memory LOAD_SLICE at a time, with the event loop's other
     work between the slices (one read of 50,000 items held the loop ~38 ms at once, a
     stall for every connection); every item still comes once, in order."""
-    n = 4 * LOAD_SLICE + 100
-    cfg = with_default(make_config(tmp_path), max_memory_size=64 * 1024 * 1024)
-    payloads = [b"%06d" % i for i in range(n)]
-    async with open_broker(cfg) as broker:
-        await broker.put("q", payloads)
+    cfg, payloads = await slices_on_disk(tmp_path)
+    n = len(payloads)
     async with open_broker(cfg) as broker:  # after a restart every item starts on disk
         seen: list[int] = []
         got: list[bytes] = []
@@ -125,11 +134,8 @@ async def test_a_flush_between_the_slices_of_a_read_back(
     slices: the slices left are dropped, and the broker goes on. (Compiled, the check of
     where read-behind stood after the flush read it as the int it was before the slices
     began, and the refill task's TypeError took the whole server down.)"""
-    n = 4 * LOAD_SLICE + 100
-    cfg = with_default(make_config(tmp_path), max_memory_size=64 * 1024 * 1024)
-    payloads = [b"%06d" % i for i in range(n)]
-    async with open_broker(cfg) as broker:
-        await broker.put("q", payloads)
+    cfg, payloads = await slices_on_disk(tmp_path)
+    n = len(payloads)
     async with open_broker(cfg) as broker:  # after a restart every item starts on disk
         flushed = 0
 
