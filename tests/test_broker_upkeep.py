@@ -1,7 +1,7 @@
 """The broker's background work (queued.broker.upkeep): checkpoints and expiry sweeps on
-their timers, rounds counted, a failing round that does not take the broker down, and a
-delete racing a background refill. Real brokers over real data directories; trio time is
-a MockClock the tests jump (broker_util)."""
+their timers, rounds counted, a failing round that does not take the broker down, a
+delete racing a background refill, and a refill that fails. Real brokers over real data
+directories; trio time is a MockClock the tests jump (broker_util)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,35 @@ async def test_delete_during_background_refill_keeps_the_broker_alive(
         await settle(lambda: not h.refilling)
         await broker.put("other", [b"x"])
         assert await get_all(broker, "other") == [b"x"]
+
+
+async def test_a_refill_that_fails_unexpectedly_is_logged_and_the_broker_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trio_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A bug in a background read-back (anything but a journal error) is logged with its
+    queue and reader; it does not end the broker's upkeep (the server with it), and the
+    next get starts the read-back again."""
+    real = queued.broker.queues.read_range
+
+    def broken_read_range(*args: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(queued.broker.queues, "read_range", broken_read_range)
+    cfg = with_default(make_config(tmp_path), max_memory_size=150)
+    payloads = [b"%03d" % i + b"." * 97 for i in range(20)]
+    async with open_broker(cfg) as broker:
+        await broker.put("q", payloads)
+        h = broker.queues["q"].readers[""]
+        first = await broker.get("q")  # (memory is empty now: a refill starts)
+        assert first is not None and first.data == payloads[0]
+        await settle(lambda: "reading items back failed" in caplog.text)
+        await settle(lambda: not h.refilling)
+        assert "queue q reader ''" in caplog.text and "RuntimeError: boom" in caplog.text
+        await broker.put("other", [b"x"])
+        assert await get_all(broker, "other") == [b"x"]
+        monkeypatch.setattr(queued.broker.queues, "read_range", real)
+        assert await get_all(broker, "q") == payloads[1:]
 
 
 async def test_background_checkpoint_and_sweep(
