@@ -757,10 +757,9 @@ class QueueState:
             for a in range(0, n, LOAD_SLICE):
                 b = a + LOAD_SLICE
                 upto = items[b].id if b < n else next_id
-                # (whether read-behind still stands where this slice ends comes from
-                # `load`: read here, `r.behind` would be the int it was checked to be
-                # before the awaits, to mypy, and so to a compiled build, whatever a
-                # flush or a discard between the slices made it)
+                # (`load` says whether to go on: `r.behind`, read here, is still the int
+                # mypy narrowed it to before the awaits, and compiled code trusts that,
+                # though a flush between the slices may have made it None)
                 more = r.load(start, items[a:b], upto)
                 self.serve(h)
                 if b >= n or not more or h.closed:
